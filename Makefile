@@ -1,0 +1,37 @@
+# The two commands of the README:
+#   make demo   set up, then run the built-in demo model (or MODEL=dir)
+#   make test   set up with the test extras, then run the test suite
+#
+# TORCH picks the PyTorch wheel installed before the package. The default pin
+# resolves to the CPU build on CPU machines set up like ours; a CUDA user passes
+# e.g. TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# or installs torch into .venv first (an installed torch is kept).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+MODEL ?=
+
+.PHONY: setup setup-test demo test bench clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.base
+setup-test: $(VENV)/.test
+
+demo: setup
+	$(VENV)/bin/expertcache demo $(MODEL)
+
+test: setup-test
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)
