@@ -1,0 +1,107 @@
+"""Paged KV cache: fixed-size blocks, per-sequence block tables, prefix reuse by hash chain.
+
+Invariants:
+- a block is either free (ref_count 0, in `free`) or referenced by >= 1 sequence;
+- a *full* block may carry a hash of (previous block's hash, its tokens); equal hash and
+  tokens means equal KV content, so a new sequence whose prompt starts with the same
+  full blocks reuses them instead of recomputing (SGLang/vLLM prefix caching);
+- a freed block keeps its hash until it is handed out again, so a later request can still
+  hit it (LRU order of reuse: the free list is a deque, freed blocks go to the back).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class Block:
+    __slots__ = ("id", "ref_count", "hash", "tokens")
+
+    def __init__(self, i: int):
+        self.id, self.ref_count, self.hash, self.tokens = i, 0, None, None
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("KV cache needs at least one block")
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                        for _ in range(num_layers)]
+        self.block_size, self.num_blocks, self.prefix_caching = block_size, num_blocks, prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: deque[int] = deque(range(num_blocks))
+        self.by_hash: dict[int, int] = {}
+        self.prefix_queries = self.prefix_hits = 0  # in tokens
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def _take(self) -> int:
+        b = self.blocks[self.free.popleft()]
+        if b.hash is not None and self.by_hash.get(b.hash) == b.id:
+            del self.by_hash[b.hash]
+        b.hash, b.tokens, b.ref_count = None, None, 1
+        return b.id
+
+    def _chain(self, prev: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((prev, tokens))
+
+    def match_prefix(self, tokens: list[int]) -> list[int]:
+        """Blocks already holding the longest run of full blocks of `tokens` (not yet referenced)."""
+        if not self.prefix_caching:
+            return []
+        out, prev, bs = [], None, self.block_size
+        for i in range(len(tokens) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = self._chain(prev, chunk)
+            bid = self.by_hash.get(h)
+            if bid is None or self.blocks[bid].tokens != chunk:
+                break
+            out.append(bid)
+            prev = h
+        return out
+
+    def acquire(self, block_ids: list[int]) -> None:
+        for bid in block_ids:
+            b = self.blocks[bid]
+            if b.ref_count == 0:
+                self.free.remove(bid)
+            b.ref_count += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise MemoryError(f"KV cache: need {n} blocks, {len(self.free)} free")
+        return [self._take() for _ in range(n)]
+
+    def release(self, block_ids: list[int]) -> None:
+        for bid in reversed(block_ids):
+            b = self.blocks[bid]
+            b.ref_count -= 1
+            assert b.ref_count >= 0, f"block {bid} released twice"
+            if b.ref_count == 0:
+                self.free.append(bid)
+
+    def seal(self, block_ids: list[int], tokens: list[int]) -> None:
+        """Register hashes for the full blocks of a sequence (tokens whose KV is computed)."""
+        if not self.prefix_caching:
+            return
+        prev, bs = None, self.block_size
+        for i in range(min(len(tokens) // bs, len(block_ids))):
+            b = self.blocks[block_ids[i]]
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            if b.hash is None:
+                b.hash, b.tokens = self._chain(prev, chunk), chunk
+                self.by_hash.setdefault(b.hash, b.id)
+            prev = b.hash

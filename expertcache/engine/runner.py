@@ -1,0 +1,48 @@
+"""Turns a scheduled batch into tensors, runs the model, returns last-token logits."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.attention import AttnBatch
+from ..models.transformer import MoETransformer
+from .kv_cache import KVCache
+from .sequence import Sequence
+
+
+def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch.device):
+    """-> (input_ids [T], AttnBatch, rows of the last new token of each sequence [B])."""
+    ids, pos, slots, seq_of, row_of = [], [], [], [], []
+    max_q = max(n for _, n in work)
+    max_blocks = max(len(s.block_ids) for s, _ in work)
+    tables = torch.zeros(len(work), max_blocks, dtype=torch.int64)
+    qpos = torch.zeros(len(work), max_q, dtype=torch.int64)
+    last = []
+    for b, (seq, n) in enumerate(work):
+        start = seq.num_computed
+        p = list(range(start, start + n))
+        ids += seq.tokens[start:start + n]
+        pos += p
+        slots += [seq.block_ids[i // block_size] * block_size + i % block_size for i in p]
+        seq_of += [b] * n
+        row_of += range(n)
+        tables[b, : len(seq.block_ids)] = torch.tensor(seq.block_ids)
+        qpos[b, :n] = torch.tensor(p)
+        last.append(len(ids) - 1)
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    batch = AttnBatch(t(pos), t(slots), tables.to(device), t(seq_of), t(row_of), max_q, qpos.to(device))
+    return t(ids), batch, t(last)
+
+
+class ModelRunner:
+    def __init__(self, model: MoETransformer, kv: KVCache):
+        self.model, self.kv = model, kv
+
+    def run(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
+        """Compute KV for the scheduled tokens; -> logits [B, V] (last new token of each sequence),
+        or [T, V] for every new token when all_logits."""
+        ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
+        return self.model.forward(ids, batch, self.kv.tensors, None if all_logits else last)

@@ -1,0 +1,100 @@
+"""Continuous batching with chunked prefill and preemption by recomputation.
+
+Each step picks work under a token budget (max_num_batched_tokens):
+1. running sequences first, oldest first: each takes its uncomputed tokens (1 for a
+   decode, a chunk for a prefill in progress); if the KV cache cannot hold them, the
+   newest running sequence is preempted (blocks freed, recomputed later);
+2. then waiting sequences join while the budget, max_num_seqs and free blocks allow;
+   a joining sequence first reuses cached prefix blocks.
+A long prompt is split into chunks, so running decodes are never stalled by it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .kv_cache import KVCache
+from .sequence import Sequence
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv, self.max_num_seqs, self.budget = kv, max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, seq: Sequence, upto: int) -> int:
+        return max(0, -(-upto // self.kv.block_size) - len(seq.block_ids))
+
+    def _grow(self, seq: Sequence, upto: int) -> bool:
+        need = self._blocks_needed(seq, upto)
+        if need > self.kv.num_free:
+            return False
+        seq.block_ids += self.kv.allocate(need)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        self.kv.release(seq.block_ids)
+        seq.block_ids = []
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """-> [(sequence, number of tokens to compute this step)]."""
+        batch, budget = [], self.budget
+        for seq in list(self.running):
+            if seq not in self.running or budget == 0:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                cached = self.kv.match_prefix(seq.tokens[: len(seq.tokens) - 1])
+                self.kv.acquire(cached)
+                seq.block_ids = cached
+                seq.num_computed = len(cached) * self.kv.block_size
+                self.kv.prefix_queries += len(seq.tokens)
+                self.kv.prefix_hits += seq.num_computed
+                if seq.num_cached == 0:
+                    seq.num_cached = seq.num_computed
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                if not self.running and not batch:
+                    # nothing else holds blocks: the request can never fit
+                    self.waiting.popleft()
+                    self.free(seq)
+                    seq.finish_reason = "error: prompt does not fit in the KV cache"
+                    batch.append((seq, 0))
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free(seq)

@@ -1,0 +1,78 @@
+"""Tokenizer and chat template of a checkpoint (tokenizer.json + tokenizer_config.json).
+
+Chat templates are rendered in Jinja's immutable sandbox: a template cannot reach
+Python internals or mutate its inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from ..errors import CheckpointError
+
+
+def _raise(msg):
+    raise TemplateError(msg)
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise CheckpointError(f"{model_dir}: missing tokenizer.json (needed to turn text into tokens)")
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
+            raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+        cfg_path = model_dir / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        jinja_file = model_dir / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        self.chat_template = template
+        self._template = None
+        self.eos_token = self._token_str("eos_token")
+        self.bos_token = self._token_str("bos_token")
+        self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    def _token_str(self, key: str) -> str | None:
+        v = self.config.get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.chat_template:
+            raise CheckpointError("the checkpoint's tokenizer_config.json has no chat_template")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)

@@ -1,0 +1,53 @@
+"""The expert FFN over slot buffers: out[t] = sum_k w[t,k] * down(silu(gate(x)) * up(x)) for expert ids[t,k].
+
+Shape legend:
+    T tokens, H hidden, I moe intermediate, K top_k, S slots, A active (distinct) experts
+    x [T, H]   slots [T, K] (slot index per routed pair, into the pool tensors)   weights [T, K]
+    gate_up pool [S, 2I, H]   down pool [S, H, I]
+
+Tokens are grouped by slot with one argsort; the loop runs over the A active
+slots only (A <= min(T*K, S)), each a dense matmul over the tokens routed to it.
+Pool tensors may be stored in a lower precision than x: each active slot is
+converted once (the CPU has no fast bf16 matmul; see README "numerics").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def group_by_slot(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """-> (active slot ids [A], pair order [T*K] sorted by slot, counts per active slot)."""
+    flat = slots.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    active, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    return active, order, counts.tolist()
+
+
+def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert on x [n, H] with weights gate_up [2I, H], down [H, I] -> [n, H] in x's dtype."""
+    if gate_up.dtype != x.dtype:
+        gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, down)
+
+
+def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor, out: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped expert FFN from pool tensors. `mask` [T, K] (bool) limits to some pairs (the rest add 0)."""
+    T, K = slots.shape
+    out = torch.zeros_like(x) if out is None else out
+    if mask is not None:
+        slots = torch.where(mask, slots, -1)
+    active, order, counts = group_by_slot(slots)
+    token_of = order // K
+    w = weights.reshape(-1)[order].to(x.dtype)
+    start = 0
+    for s, n in zip(active.tolist(), counts):
+        if s >= 0:
+            tok = token_of[start:start + n]
+            y = expert_ffn(x[tok], gate_up[s], down[s])
+            out.index_add_(0, tok, y * w[start:start + n, None])
+        start += n
+    return out

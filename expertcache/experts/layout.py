@@ -1,0 +1,112 @@
+"""Where each routed expert lives in the checkpoint, and the parts one expert is made of.
+
+Shapes (I = moe intermediate size, H = hidden size):
+    gate_up  [2I, H]   rows 0..I-1 = gate_proj (Mixtral w1), rows I..2I-1 = up_proj (w3)
+    down     [H, I]    down_proj (Mixtral w2)
+
+Both checkpoint layouts reduce to at most three contiguous byte ranges per expert:
+  hub:   layers.{l}.mlp.experts.{j}.gate_proj.weight / up_proj / down_proj (one tensor each)
+  fused: layers.{l}.mlp.experts.gate_up_proj [E, 2I, H] and .down_proj [E, H, I] (slice j)
+`ExpertSource.ranges(layer, expert)` returns, per part, the (file, offset, nbytes) list in
+slot order; the tiers read exactly those bytes and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from ..loader.safetensors_index import TensorIndex
+from ..models.model_config import ModelConfig
+from ..models.registry import WeightNames
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+Range = tuple[Path, int, int]  # file, absolute offset, nbytes
+
+
+class ExpertSource:
+    """Byte ranges of every routed expert of a checkpoint (from the headers alone)."""
+
+    def __init__(self, index: TensorIndex, cfg: ModelConfig, names: WeightNames):
+        self.index, self.cfg = index, cfg
+        H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.layers = cfg.moe_layer_ids
+        self._ranges: dict[tuple[int, int], dict[str, list[Range]]] = {}
+        dtype = None
+        for layer in self.layers:
+            prefix = self._moe_prefix(layer, names)
+            fused = f"{prefix}.experts.gate_up_proj"
+            if fused in index:
+                gu = index.info(fused, (E, 2 * I, H))
+                dn = index.info(f"{prefix}.experts.down_proj", (E, H, I))
+                for j in range(E):
+                    self._ranges[layer, j] = {
+                        "gate_up": [(gu.file, gu.offset + j * gu.nbytes // E, gu.nbytes // E)],
+                        "down": [(dn.file, dn.offset + j * dn.nbytes // E, dn.nbytes // E)],
+                    }
+                dtypes = {gu.dtype, dn.dtype}
+            else:
+                g, u, d = names.expert_projs
+                dtypes = set()
+                for j in range(E):
+                    base = f"{prefix}.experts.{j}"
+                    gi = index.info(f"{base}.{g}.weight", (I, H))
+                    ui = index.info(f"{base}.{u}.weight", (I, H))
+                    di = index.info(f"{base}.{d}.weight", (H, I))
+                    self._ranges[layer, j] = {
+                        "gate_up": [(gi.file, gi.offset, gi.nbytes), (ui.file, ui.offset, ui.nbytes)],
+                        "down": [(di.file, di.offset, di.nbytes)],
+                    }
+                    dtypes |= {gi.dtype, ui.dtype, di.dtype}
+            if len(dtypes) != 1 or (dtype is not None and dtypes != {dtype}):
+                raise CheckpointError(f"layer {layer}: routed experts mix dtypes {sorted(map(str, dtypes))}")
+            dtype = dtypes.pop()
+        self.dtype = dtype or torch.float32
+        self.parts = (Part("gate_up", (2 * I, H), self.dtype), Part("down", (H, I), self.dtype))
+        self.expert_nbytes = sum(p.nbytes for p in self.parts)
+
+    def _moe_prefix(self, layer: int, names: WeightNames) -> str:
+        for p in names.moe_prefixes:
+            prefix = f"model.layers.{layer}.{p}"
+            if f"{prefix}.{names.router}.weight" in self.index:
+                return prefix
+        raise CheckpointError(
+            f"{self.index.model_dir}: missing tensor model.layers.{layer}.{names.moe_prefixes[0]}.{names.router}.weight "
+            "(router of a sparse layer)"
+        )
+
+    def ranges(self, layer: int, expert: int) -> dict[str, list[Range]]:
+        return self._ranges[layer, expert]
+
+    def read(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """Read one expert with buffered preads (stored dtype, CPU). The disk tier has the fast path."""
+        out = {}
+        for part in self.parts:
+            buf = bytearray(part.nbytes)
+            pos = 0
+            for path, off, n in self.ranges(layer, expert)[part.name]:
+                with open(path, "rb", buffering=0) as f:
+                    f.seek(off)
+                    f.readinto(memoryview(buf)[pos:pos + n])
+                pos += n
+            out[part.name] = torch.frombuffer(buf, dtype=torch.uint8).view(part.dtype).view(part.shape)
+        return out
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.expert_nbytes * len(self.layers) * self.cfg.num_experts

@@ -1,0 +1,64 @@
+"""The seam between the model and the expert tiers.
+
+An ExpertProvider computes the routed-expert part of one MoE layer:
+
+    forward(layer, x [T, H], ids [T, K] int64, weights [T, K]) -> [T, H]
+
+Contract:
+- The result equals sum_k weights[t,k] * FFN_{ids[t,k]}(x[t]) up to float
+  rounding, whatever the provider caches, prefetches or computes where.
+- `prefetch(layer, ids)` is a hint (predicted experts of a coming layer); it
+  never blocks and never changes results.
+- `begin_step()` / `end_step()` bracket one forward pass of the whole model
+  (experts used inside it stay pinned until end_step).
+- `stats()` returns the counters described in experts/stats.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compute import moe_ffn
+from .layout import ExpertSource
+
+
+class ExpertProvider:
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class ResidentExperts(ExpertProvider):
+    """Every expert loaded once into stacked per-layer tensors [E, ...] (slot = expert id)."""
+
+    def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None):
+        self.pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        E = source.cfg.num_experts
+        for layer in source.layers:
+            gu = torch.empty((E, *source.parts[0].shape), dtype=dtype, device=device)
+            dn = torch.empty((E, *source.parts[1].shape), dtype=dtype, device=device)
+            for j in range(E):
+                w = source.read(layer, j)
+                gu[j].copy_(w["gate_up"])
+                dn[j].copy_(w["down"])
+                if progress:
+                    progress(source.expert_nbytes)
+            self.pools[layer] = (gu, dn)
+
+    def forward(self, layer, x, ids, weights):
+        gu, dn = self.pools[layer]
+        return moe_ffn(x, ids, weights, gu, dn)

@@ -1,0 +1,75 @@
+"""Attention over a paged KV cache for a flattened batch of sequences.
+
+Shape legend:
+    T new tokens (all sequences, flattened)   B sequences   Q max new tokens of one sequence
+    L = max blocks per sequence * block_size (padded context)   h heads, g kv heads, D head_dim
+    k_cache / v_cache [num_blocks, block_size, g, D] (one pair per layer)
+
+New keys/values are written at `slot_mapping` (flat index block * block_size + offset)
+before the gather, so a sequence sees its own new tokens. Masking: key position kp is
+visible to a query at position qp iff kp <= qp and kp > qp - window (sliding window).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..models.model_config import ModelConfig
+from .basic import Rotary, rms_norm
+
+
+class AttnBatch(NamedTuple):
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (padding = 0)
+    seq_of_token: torch.Tensor  # [T] int64, sequence index b
+    row_of_token: torch.Tensor  # [T] int64, index j of the token within its sequence's new tokens
+    max_q: int
+    query_pos: torch.Tensor  # [B, Q] positions of each sequence's new tokens (padding 0)
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor], rotary: Rotary):
+        self.cfg, self.w, self.rotary = cfg, w, rotary
+        self.h, self.g, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = cfg.sliding_window[layer]
+        self.scale = self.d ** -0.5
+
+    def __call__(self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        cfg, w, T = self.cfg, self.w, x.shape[0]
+        q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+        k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
+        v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
+        if cfg.qk_norm == "full":
+            q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q, k, v = q.view(T, self.h, self.d), k.view(T, self.g, self.d), v.view(T, self.g, self.d)
+        if cfg.qk_norm == "head":
+            q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
+        q, k = self.rotary(q, k, batch.positions)
+
+        bs = k_cache.shape[1]
+        k_cache.view(-1, self.g, self.d)[batch.slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(-1, self.g, self.d)[batch.slot_mapping] = v.to(v_cache.dtype)
+        B, nb = batch.block_tables.shape
+        keys = k_cache[batch.block_tables].view(B, nb * bs, self.g, self.d).transpose(1, 2).to(q.dtype)
+        vals = v_cache[batch.block_tables].view(B, nb * bs, self.g, self.d).transpose(1, 2).to(q.dtype)
+
+        qp = q.new_zeros(B, batch.max_q, self.h, self.d)
+        qp[batch.seq_of_token, batch.row_of_token] = q
+        kpos = torch.arange(nb * bs, device=x.device)
+        qpos = batch.query_pos[:, :, None]  # [B, Q, 1]
+        mask = kpos[None, None, :] <= qpos
+        if self.window:
+            mask &= kpos[None, None, :] > qpos - self.window
+        o = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, vals, attn_mask=mask[:, None], scale=self.scale, enable_gqa=self.g != self.h
+        )  # [B, h, Q, D]
+        o = o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token].reshape(T, self.h * self.d)
+        return F.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))

@@ -1,0 +1,174 @@
+"""LLM: the Python API. Loads a checkpoint, builds the expert tiers, generates.
+
+    llm = LLM("path/to/Qwen3-30B-A3B", device="cpu")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .engine.kv_cache import KVCache
+from .engine.llm_engine import LLMEngine
+from .engine.params import RequestOutput, SamplingParams
+from .engine.runner import ModelRunner
+from .engine.sequence import Sequence
+from .engine.tokenizer import Tokenizer
+from .errors import CheckpointError, ConfigError
+from .experts.layout import ExpertSource
+from .experts.provider import ResidentExperts
+from .loader.safetensors_index import TensorIndex
+from .models.registry import read_config
+from .models.transformer import MoETransformer
+from .units import fmt_bytes, parse_bytes
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # These CPUs have no bf16 matrix instructions: compute in float32 there.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
+                 progress: bool = False, verbose: bool = False, **cache_options):
+        if model is None:
+            from .demo import demo_model_dir
+
+            model = demo_model_dir(progress=progress)
+        self.model_dir = Path(model)
+        if not self.model_dir.is_dir():
+            raise CheckpointError(f"model directory {self.model_dir} does not exist")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
+        self.family, self.cfg, self.hf_config = read_config(self.model_dir)
+        self.index = TensorIndex(self.model_dir)
+        self.source = ExpertSource(self.index, self.cfg, self.family.names)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir)
+        except CheckpointError as e:
+            if "missing tokenizer.json" not in str(e):
+                raise
+            self.tokenizer = None  # token-id prompts still work; text raises
+        self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
+        self.plan_lines: list[str] = []
+
+        dense_bytes = self.index.nbytes() - self.source.total_nbytes
+        bar = tqdm(total=self.index.nbytes(), unit="B", unit_scale=True, desc="loading weights",
+                   disable=not progress, leave=False)
+        self.experts = self._make_experts(cache_options, bar.update)
+        self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update)
+        bar.close()
+
+        kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.num_kv_heads,
+                                           self.cfg.head_dim, self.dtype)
+        min_blocks = math.ceil(self.max_model_len / block_size)
+        budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
+        if budget is None:
+            num_blocks = min(min_blocks * max_num_seqs, max(min_blocks, (1 << 30) // kv_bytes))
+        else:
+            num_blocks = budget // kv_bytes
+            if num_blocks < min_blocks:
+                raise ConfigError(
+                    f"kv_cache_memory={fmt_bytes(budget)} holds {num_blocks * block_size} tokens, fewer than "
+                    f"max_model_len={self.max_model_len}; raise it or lower max_model_len"
+                )
+        self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
+                          self.dtype, self.device, prefix_caching)
+        self.plan_lines.append(
+            f"dense weights {fmt_bytes(dense_bytes)}; KV cache {num_blocks} blocks x {block_size} tokens = "
+            f"{fmt_bytes(num_blocks * kv_bytes)} ({num_blocks * block_size} tokens)"
+        )
+        self.engine = LLMEngine(ModelRunner(self.model, self.kv), self.tokenizer, self._eos_ids(),
+                                self.max_model_len, max_num_seqs, max_num_batched_tokens)
+        if verbose:
+            for line in self.plan_lines:
+                print(line)
+
+    def _make_experts(self, options: dict, progress):
+        if options:
+            from .experts.manager import build_expert_cache
+
+            cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=progress, **options)
+            self.plan_lines += plan
+            return cache
+        self.plan_lines.append(
+            f"experts: {len(self.source.layers)} layers x {self.cfg.num_experts} x "
+            f"{fmt_bytes(self.source.expert_nbytes)} = {fmt_bytes(self.source.total_nbytes)}, all resident"
+        )
+        return ResidentExperts(self.source, self.device, self.dtype, progress)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # -- text <-> ids -------------------------------------------------------------------------------
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise CheckpointError(f"{self.model_dir}: missing tokenizer.json (needed to turn text into tokens)")
+        return self.tokenizer
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self._require_tokenizer().encode(prompt)
+        return [int(t) for t in prompt]
+
+    # -- public API ---------------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run a batch of prompts (text or token ids) together; one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
+        bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generating")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finish_reason:
+                    bar.update(1)
+        bar.close()
+        return [self._output(s) for s in seqs]
+
+    def chat(self, messages, params: SamplingParams | None = None, **template_kwargs) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self._require_tokenizer()
+        return self.generate([tok.encode_chat(c, **template_kwargs) for c in convs], params)
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Full-sequence logits [len(token_ids), vocab] in float32 (evaluation, perplexity)."""
+        seq = Sequence(list(token_ids), SamplingParams(max_tokens=1))
+        if not token_ids or len(token_ids) > self.max_model_len:
+            raise ValueError(f"token_ids must have 1..{self.max_model_len} tokens, got {len(token_ids)}")
+        sched = self.engine.scheduler
+        rows = []
+        try:
+            while seq.num_computed < len(seq.tokens):
+                n = min(seq.num_uncomputed, sched.budget)
+                if not sched._grow(seq, seq.num_computed + n):
+                    raise MemoryError("KV cache is busy; call logits() when no generation is running")
+                rows.append(self.engine.runner.run([(seq, n)], all_logits=True))
+                seq.num_computed += n
+        finally:
+            sched.free(seq)
+        return torch.cat(rows).cpu()
+
+    def expert_stats(self) -> dict:
+        return self.experts.stats()
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.tokens[: seq.prompt_len], seq.generated, seq.text,
+                             seq.finish_reason, seq.num_cached)
+
+    def close(self) -> None:
+        self.experts.close()

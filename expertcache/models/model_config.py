@@ -1,0 +1,130 @@
+"""ModelConfig: the math-relevant fields of a Hugging Face MoE config.json, normalised.
+
+Families (models/<family>.py) fill it from their own field names; everything
+after loading reads only this object. A field the engine does not implement
+raises ConfigError naming it, so no checkpoint silently becomes another model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: str | None  # None | "head" (per head_dim, Qwen3) | "full" (whole projection, OLMoE)
+    clip_qkv: float | None
+    sliding_window: tuple[int | None, ...]  # per layer, None = full attention
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    moe_intermediate_size: int
+    intermediate_size: int  # dense MLP layers
+    moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or dense MLP
+    shared_expert_intermediate_size: int  # 0 = no shared expert
+    shared_expert_gate: bool
+    rope: dict = field(default_factory=dict)  # normalised rope parameters (rope_type, rope_theta, ...)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i, m in enumerate(self.moe_layers) if m]
+
+
+def require(hf: dict, key: str, *aliases: str):
+    """hf[key] (or the first alias present); ConfigError naming the field when absent."""
+    for k in (key, *aliases):
+        if hf.get(k) is not None:
+            return hf[k]
+    raise ConfigError(f"config.json: missing required field {key!r}")
+
+
+def check_value(hf: dict, key: str, allowed, default=None):
+    value = hf.get(key, default)
+    if value not in allowed:
+        raise ConfigError(f"config.json: {key}={value!r} is not supported (supported: {sorted(map(str, allowed))})")
+    return value
+
+
+def rope_parameters(hf: dict) -> dict:
+    """Merge the v5 `rope_parameters` and the legacy `rope_theta`/`rope_scaling` fields."""
+    rope = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    for k, v in legacy.items():
+        rope.setdefault(k, v)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if rope["rope_type"] not in ROPE_TYPES:
+        raise ConfigError(f"config.json: rope type {rope['rope_type']!r} is not supported (supported: {ROPE_TYPES})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("config.json: partial_rotary_factor != 1 is not supported")
+    return rope
+
+
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the cos/sin scale for cfg.rope."""
+    r, dim = cfg.rope, cfg.head_dim
+    base = float(r["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    kind = r["rope_type"]
+    if kind == "default":
+        return inv, 1.0
+    factor = float(r["factor"])
+    if kind == "linear":
+        return inv / factor, 1.0
+    if kind == "llama3":
+        old = r["original_max_position_embeddings"]
+        low_wl, high_wl = old / r["low_freq_factor"], old / r["high_freq_factor"]
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > low_wl, inv / factor, inv)
+        smooth = (old / wl - r["low_freq_factor"]) / (r["high_freq_factor"] - r["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        mid = (wl >= high_wl) & (wl <= low_wl)
+        return torch.where(mid, smoothed, scaled), 1.0
+    # yarn
+    orig = r.get("original_max_position_embeddings") or cfg.max_position_embeddings
+
+    def mscale(s, m=1.0):
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    attn = r.get("attention_factor")
+    if attn is None:
+        m, m_all = r.get("mscale"), r.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+    beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
+
+    def corr_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if r.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrap = 1 - ramp
+    return (inv / factor) * (1 - extrap) + inv * extrap, float(attn)

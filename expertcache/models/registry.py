@@ -1,0 +1,72 @@
+"""Maps config.json "architectures" to a model family.
+
+A family knows two things: how to read its config.json into a ModelConfig and
+how its tensors are named. The forward pass (models/transformer.py) is shared.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ConfigError
+from .model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    moe_prefixes: tuple[str, ...]  # module holding router + experts, tried in order ("mlp", "block_sparse_moe")
+    router: str  # under the moe prefix
+    expert_projs: tuple[str, str, str]  # (gate, up, down) names inside experts.{j}
+    shared_expert: str = "shared_expert"
+    shared_expert_gate: str = "shared_expert_gate"
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    parse: Callable[[dict], ModelConfig]
+    names: WeightNames
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    for arch in family.architectures:
+        FAMILIES[arch] = family
+    return family
+
+
+def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:
+    """Parse model_dir/config.json (+ generation_config.json) into (family, ModelConfig, raw dict)."""
+    from . import mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401  (register the families)
+
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    archs = hf.get("architectures") or []
+    family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+    if family is None:
+        raise ConfigError(
+            f"{path}: unsupported architecture {archs or hf.get('model_type')!r}; "
+            f"supported: {sorted(FAMILIES)}"
+        )
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        try:
+            g = json.loads(gen.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{gen}: invalid JSON ({e})") from None
+        if g.get("eos_token_id") is not None:
+            hf = {**hf, "eos_token_id": g["eos_token_id"]}
+    return family, family.parse(hf), hf

@@ -1,0 +1,130 @@
+"""The decoder shared by every family: embed -> [attention, MLP or MoE] x L -> norm -> lm_head.
+
+Dense weights (embeddings, attention, norms, routers, shared experts, dense MLPs,
+lm_head) are loaded to the compute device at construction. Routed experts are
+not: each MoE layer calls the ExpertProvider, which owns where they live.
+
+Before layer l's experts run, the router of the next MoE layer is applied to the
+current residual stream (normed with that layer's post-attention norm): the
+prediction is handed to `experts.prefetch` so transfers overlap this layer's work.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..experts.provider import ExpertProvider
+from ..layers.attention import Attention, AttnBatch
+from ..layers.basic import Rotary, rms_norm, swiglu
+from ..layers.moe import route
+from ..loader.safetensors_index import TensorIndex
+from .model_config import ModelConfig
+from .registry import Family
+
+
+class MoETransformer:
+    def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
+                 device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None):
+        self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
+        self.prefetch = True
+        self.record_routing = False
+        self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        H, V, names = cfg.hidden_size, cfg.vocab_size, family.names
+
+        def load(name, shape):
+            t = index.load(name, shape).to(device=device, dtype=dtype)
+            if progress:
+                progress(t.numel() * index.info(name).dtype.itemsize)
+            return t
+
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.embed = load("model.embed_tokens.weight", (V, H))
+        self.rotary = Rotary(cfg, device)
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}"
+            a = {
+                "q_proj.weight": load(f"{p}.self_attn.q_proj.weight", (q_dim, H)),
+                "k_proj.weight": load(f"{p}.self_attn.k_proj.weight", (kv_dim, H)),
+                "v_proj.weight": load(f"{p}.self_attn.v_proj.weight", (kv_dim, H)),
+                "o_proj.weight": load(f"{p}.self_attn.o_proj.weight", (H, q_dim)),
+            }
+            if cfg.qkv_bias:
+                for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                    a[f"{n}_proj.bias"] = load(f"{p}.self_attn.{n}_proj.bias", (d,))
+            if cfg.o_bias:
+                a["o_proj.bias"] = load(f"{p}.self_attn.o_proj.bias", (H,))
+            if cfg.qk_norm:
+                qn, kn = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (q_dim, kv_dim)
+                a["q_norm.weight"] = load(f"{p}.self_attn.q_norm.weight", (qn,))
+                a["k_norm.weight"] = load(f"{p}.self_attn.k_norm.weight", (kn,))
+            layer = {
+                "attn": Attention(cfg, i, a, self.rotary),
+                "input_ln": load(f"{p}.input_layernorm.weight", (H,)),
+                "post_ln": load(f"{p}.post_attention_layernorm.weight", (H,)),
+            }
+            if cfg.moe_layers[i]:
+                prefix = next((f"{p}.{m}" for m in names.moe_prefixes if f"{p}.{m}.{names.router}.weight" in index),
+                              f"{p}.{names.moe_prefixes[0]}")
+                layer["router"] = load(f"{prefix}.{names.router}.weight", (cfg.num_experts, H))
+                if cfg.shared_expert_intermediate_size:
+                    S, se = cfg.shared_expert_intermediate_size, f"{prefix}.{names.shared_expert}"
+                    layer["shared"] = (load(f"{se}.gate_proj.weight", (S, H)), load(f"{se}.up_proj.weight", (S, H)),
+                                       load(f"{se}.down_proj.weight", (H, S)))
+                    if cfg.shared_expert_gate:
+                        layer["shared_gate"] = load(f"{prefix}.{names.shared_expert_gate}.weight", (1, H))
+            else:
+                I = cfg.intermediate_size
+                layer["mlp"] = (load(f"{p}.mlp.gate_proj.weight", (I, H)), load(f"{p}.mlp.up_proj.weight", (I, H)),
+                                load(f"{p}.mlp.down_proj.weight", (H, I)))
+            self.layers.append(layer)
+        self.norm = load("model.norm.weight", (H,))
+        if cfg.tie_word_embeddings and "lm_head.weight" not in index:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = load("lm_head.weight", (V, H))
+        moe = cfg.moe_layer_ids
+        self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [len(logits_rows) or T, V] in float32."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)
+        self.routing = {}
+        self.experts.begin_step()
+        try:
+            for i, layer in enumerate(self.layers):
+                x = rms_norm(h, layer["input_ln"], cfg.rms_norm_eps)
+                h = h + layer["attn"](x, batch, *kv[i])
+                x = rms_norm(h, layer["post_ln"], cfg.rms_norm_eps)
+                h = h + (self._moe(i, layer, h, x) if "router" in layer else swiglu(x, *layer["mlp"]))
+        finally:
+            self.experts.end_step()
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return F.linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+
+    def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        ids, w = route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob)
+        ahead = None
+        nxt = self.next_moe.get(i)
+        if nxt is not None and (self.prefetch or self.record_routing):
+            nl = self.layers[nxt]
+            ahead, _ = route(rms_norm(h, nl["post_ln"], cfg.rms_norm_eps), nl["router"], cfg.top_k, False)
+            if self.prefetch:
+                self.experts.prefetch(nxt, ahead)
+        if self.record_routing:
+            self.routing[i] = (ids, w, ahead)
+        out = self.experts.forward(i, x, ids, w)
+        if "shared" in layer:
+            s = swiglu(x, *layer["shared"])
+            if "shared_gate" in layer:
+                s = torch.sigmoid(F.linear(x, layer["shared_gate"])) * s
+            out = out + s
+        return out
