@@ -1,0 +1,149 @@
+"""The `expertcache` command: generate, demo, serve, plan, trace, quantize.
+
+Subcommands living in other packages register through `add_*_subcommand(subparsers)`
+functions imported lazily, so `expertcache --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads a model."""
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face model directory (config.json + safetensors); default: the built-in demo model")
+    p.add_argument("--device", default="cpu", help="compute device: cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: min(model, 4096))")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default: 16)")
+    p.add_argument("--kv-cache-memory", default="auto", help="KV cache budget, e.g. 512MiB (default: auto)")
+    g = p.add_argument_group("expert cache")
+    g.add_argument("--device-memory", default=None,
+                   help="budget for experts in the fastest tier (device slots), e.g. 512MiB, or 'auto'; "
+                        "omit all cache flags to keep every expert resident")
+    g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, or 'auto'")
+    g.add_argument("--cache-policy", default=None, help="eviction policy: lru, lfru, static, ... (default: lru)")
+    g.add_argument("--no-prefetch", action="store_true", help="turn off next-layer router lookahead prefetch")
+    g.add_argument("--cpu-compute", choices=["auto", "always", "never"], default=None,
+                   help="compute missing experts on the CPU from host RAM: auto (cost model), always, never")
+    g.add_argument("--load-expert-stats", default=None, metavar="FILE", help="warm start from saved expert statistics")
+    g.add_argument("--save-expert-stats", default=None, metavar="FILE", help="save expert use statistics at exit")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True)
+    cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
+             "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
+    if args.no_prefetch:
+        cache["prefetch"] = False
+    kw.update({k: v for k, v in cache.items() if v is not None})
+    return kw
+
+
+def _sampling(args):
+    from .engine.params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=args.stop)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    for line in llm.plan_lines:
+        print(line, file=sys.stderr)
+    if getattr(args, "record_routing", None):
+        from .trace.recorder import RoutingRecorder
+
+        llm.engine.recorder = RoutingRecorder(llm)
+    tok = llm._require_tokenizer()
+    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    eng = llm.engine
+    eng.add_request(ids, _sampling(args))
+    t0 = time.perf_counter()
+    first = None
+    while eng.has_unfinished():
+        for out in eng.step():
+            if first is None:
+                first = time.perf_counter()
+            print(out.text_delta, end="", flush=True)
+    print()
+    c = eng.counters
+    pre = c.prompt_tokens / c.prefill_seconds if c.prefill_seconds else 0.0
+    dec = (c.generated_tokens - 1) / c.decode_seconds if c.decode_seconds else 0.0
+    line = (f"prompt tokens {len(ids)}, generated tokens {c.generated_tokens}, prefill {pre:.1f} tok/s, "
+            f"decode {dec:.1f} tok/s")
+    stats = llm.expert_stats()
+    if stats:
+        from .experts.stats import summary_line
+
+        line += "; " + summary_line(stats)
+    print(line, file=sys.stderr)
+    if getattr(args, "record_routing", None):
+        llm.engine.recorder.save(args.record_routing)
+        print(f"routing trace written to {args.record_routing}", file=sys.stderr)
+    if args.save_expert_stats:
+        llm.experts.save_stats(args.save_expert_stats)
+    llm.close()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import demo_model_dir
+
+    args.model = str(demo_model_dir(rebuild=args.rebuild))
+    if args.device_memory is None and args.host_memory is None:
+        args.device_memory = "25%"  # a budget smaller than the experts, so the cache has work
+    return cmd_generate(args)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, prompt_default: str | None) -> None:
+    p.add_argument("--prompt", default=prompt_default, required=prompt_default is None, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--record-routing", default=None, metavar="FILE", help="write the routing trace (.npz)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="expertcache", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming tokens")
+    add_engine_args(g)
+    add_sampling_args(g, None)
+    g.set_defaults(func=cmd_generate)
+    d = sub.add_parser("demo", help="build the demo model once and generate under a small expert budget")
+    add_engine_args(d)
+    add_sampling_args(d, "The expert cache keeps")
+    d.add_argument("--rebuild", action="store_true", help="rebuild the demo checkpoint")
+    d.set_defaults(func=cmd_demo)
+    for module, fn in (("server.cli", "add_serve_subcommand"), ("trace.cli", "add_trace_subcommands"),
+                       ("plan", "add_plan_subcommand"), ("quant.cli", "add_quantize_subcommand")):
+        try:
+            mod = __import__(f"expertcache.{module}", fromlist=[fn])
+        except ImportError:
+            continue
+        getattr(mod, fn)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, MemoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
