@@ -94,9 +94,11 @@ class LLM:
 
     def _make_experts(self, options: dict, progress):
         if options:
-            from .experts.manager import build_expert_cache
+            from .experts.build import build_expert_cache
 
-            cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=progress, **options)
+            dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
+            cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=progress,
+                                             dense_bytes=dense, **options)
             self.plan_lines += plan
             return cache
         self.plan_lines.append(

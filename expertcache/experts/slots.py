@@ -81,6 +81,14 @@ class SlotTable:
         self.policy.insert(e, t)
         return s, evicted
 
+    def drop(self, e: int) -> None:
+        """Forget e (its slot becomes free), e.g. when the bytes for it cannot be staged."""
+        s = self.slot_of[e]
+        if s >= 0 and e not in self.pinned:
+            self.slot_of[e], self.owner[s] = -1, -1
+            self.free.append(s)
+            self.policy.remove(e)
+
     def unpin_all(self) -> None:
         self.pinned.clear()
 

@@ -1,0 +1,51 @@
+"""Choose and build the expert provider from the user's budgets; returns the memory plan lines."""
+
+from __future__ import annotations
+
+import torch
+
+from ..units import fmt_bytes
+from .budget import available_ram, auto_device_bytes, plan_tier
+from .layout import ExpertSource
+from .manager import TieredExperts
+from .provider import ResidentExperts
+from .stats import load_stats
+
+
+def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.dtype, *,
+                       device_memory=None, host_memory=None, cache_policy: str | None = None,
+                       prefetch: bool = True, cpu_compute: str | None = None, load_stats: str | None = None,
+                       dense_bytes: int = 0, progress=None, **options):
+    cfg = source.cfg
+    L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
+    dev_bytes = sum(p.nbytes // p.dtype.itemsize for p in source.parts) * dtype.itemsize  # compute format
+    host_bytes = source.expert_nbytes  # stored format
+    lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(host_bytes)} = {fmt_bytes(source.total_nbytes)} "
+             f"on disk ({source.dtype}); compute format {fmt_bytes(dev_bytes)}/expert ({dtype})"]
+    auto_dev, why = auto_device_bytes(device, dense_bytes)
+    staging = K * dev_bytes if device.type == "cuda" else 0
+    dplan = plan_tier(device_memory if device_memory is not None else "auto", "device_memory", dev_bytes, L, E, K,
+                      auto_dev, reserve=staging)
+    if device_memory in (None, "auto"):
+        lines.append(why)
+    if dplan.slots >= E and not load_stats:
+        lines.append(dplan.describe("device", L, E) + ": every expert resident, loaded once")
+        return ResidentExperts(source, device, dtype, progress), lines
+    lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
+    ram = available_ram() // 2
+    hplan = plan_tier(host_memory if host_memory is not None else "auto", "host_memory", host_bytes, L, E, K, ram)
+    host_slots = None if hplan.slots >= E else hplan.slots
+    if host_memory in (None, "auto"):
+        lines.append(f"auto host budget = half of available RAM = {fmt_bytes(ram)}")
+    lines.append(hplan.describe("host", L, E) + (": every expert in RAM" if host_slots is None else
+                                                  "; the rest streamed from disk"))
+    lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
+    stats = load_stats and _load(load_stats, source)
+    cache = TieredExperts(source, device, dtype, dplan.slots, host_slots, policy=cache_policy or "lru",
+                          prefetch=prefetch, cpu_compute=cpu_compute or "auto", stats=stats or None,
+                          progress=progress, **options)
+    return cache, lines
+
+
+def _load(path: str, source: ExpertSource):
+    return load_stats(path, source.layers, source.cfg.num_experts)

@@ -1,0 +1,338 @@
+"""TieredExperts: the expert cache the model sees (an ExpertProvider).
+
+    disk (safetensors, DiskReader) -> host slots (stored dtype, pinned on CUDA) -> device slots (compute dtype)
+
+Per MoE layer and forward step:
+1. the distinct experts U the batch routed to are looked up in the device SlotTable
+   and pinned (a pinned expert is never evicted before the layer's step ends);
+2. each miss is either fetched into a device slot (host copy first, from disk if the
+   host tier lacks it) or computed on the CPU from its host copy, by the cost model
+   (`cpu_compute`: auto | always | never); when no slot can be had (every slot pinned,
+   or admission refused during prefill) the expert goes through a staging slot in waves,
+   loaded once for this step and not cached;
+3. the grouped FFN runs over the device slots; the rest add their partial sums.
+Prefill (more than `prefill_admit_tokens` tokens) only fills free slots: it never
+evicts the decode working set wholesale.
+
+Prefetch: `prefetch(layer, ids)` assigns device (and host) slots to predicted experts on
+the calling thread (all table state is touched by that thread only) and queues the byte
+movement on one mover thread: disk -> host -> device, FIFO. Every slot with bytes in flight
+has a handle in `busy`; a slot is waited for before it is read, overwritten or computed
+with. On CUDA the copy runs on a side stream and the compute stream waits on its event.
+
+Slot tables and lookup tensors agree at all times (`check()`); with `verify=True` every
+slot fill is compared with the checkpoint's bytes (tests).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .compute import expert_ffn, moe_ffn
+from .disk import DiskReader
+from .layout import ExpertSource
+from .policy import make_policy
+from .provider import ExpertProvider
+from .slots import SlotTable
+from .stats import LayerCounters, collect, save_stats
+
+
+@dataclass
+class CostModel:
+    """Per missing expert: compute on the CPU when that beats moving its bytes to the device."""
+
+    link_gbps: float = 25.0  # host -> device (PCIe 4 x16 ~25 GB/s effective)
+    cpu_mem_gbps: float = 20.0
+    cpu_gflops: float = 100.0
+
+    def cpu_faster(self, nbytes: int, tokens: int, flops_per_token: int) -> bool:
+        t_move = nbytes / (self.link_gbps * 1e9)
+        t_cpu = nbytes / (self.cpu_mem_gbps * 1e9) + tokens * flops_per_token / (self.cpu_gflops * 1e9)
+        return t_cpu < t_move
+
+
+class TieredExperts(ExpertProvider):
+    def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, device_slots: int,
+                 host_slots: int | None, policy: str = "lru", prefetch: bool = True, cpu_compute: str = "auto",
+                 stats: torch.Tensor | None = None, prefill_admit_tokens: int = 64, o_direct: bool = True,
+                 cost: CostModel | None = None, verify: bool = False, progress=None):
+        cfg = source.cfg
+        self.source, self.device, self.dtype = source, device, dtype
+        self.E, self.K = cfg.num_experts, cfg.top_k
+        self.layers = source.layers
+        self.li = {layer: i for i, layer in enumerate(self.layers)}
+        self.policy_name, self.prefetch_on, self.cpu_compute = policy, prefetch, cpu_compute
+        if cpu_compute not in ("auto", "always", "never"):
+            raise ValueError(f"cpu_compute must be auto, always or never, got {cpu_compute!r}")
+        self.prefill_admit_tokens, self.verify = prefill_admit_tokens, verify
+        self.cost = cost or CostModel()
+        self.flops_per_token = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        self.cuda = device.type == "cuda"
+        L = len(self.layers)
+        self.reader = DiskReader(o_direct=o_direct)
+        self.mover = ThreadPoolExecutor(1, thread_name_prefix="expert-mover")
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.busy: dict[tuple[str, int, int], Future] = {}
+        self.t = 0
+        self.counters = {layer: LayerCounters() for layer in self.layers}
+        self.use_counts = torch.zeros(L, self.E, dtype=torch.int64)
+        self.prefetched: list[set[int]] = [set() for _ in range(L)]
+
+        # device tier: compute dtype, slot tables per layer, lookup expert -> slot
+        self.device_slots = device_slots
+        self.dev = {p.name: torch.empty((L, device_slots, *p.shape), dtype=dtype, device=device) for p in source.parts}
+        self.dev_tables = [SlotTable(self.E, device_slots, make_policy(policy, self.E, device_slots, layer, stats))
+                           for layer in self.layers]
+        self.lut = torch.full((L, self.E), -1, dtype=torch.int64)  # CPU mirror, uploaded once per layer step
+        self.stage = ({p.name: torch.empty((self.K, *p.shape), dtype=dtype, device=device) for p in source.parts}
+                      if self.cuda else None)
+        # host tier: stored dtype; all experts when host_slots is None
+        self.host_all = host_slots is None
+        hs = self.E if self.host_all else host_slots
+        self.host_slots = hs
+        self.host = {p.name: torch.empty((L, hs, *p.shape), dtype=p.dtype, pin_memory=self.cuda) for p in source.parts}
+        self.host_tables = None if self.host_all else [
+            SlotTable(self.E, hs, make_policy("lru", self.E, hs, layer)) for layer in self.layers]
+        if self.host_all:
+            for i, layer in enumerate(self.layers):
+                for e in range(self.E):
+                    self._read(layer, e, {n: t[i, e] for n, t in self.host.items()})
+                    if progress:
+                        progress(source.expert_nbytes)
+        if stats is not None:
+            self._warm(stats)
+
+    # -- byte movement -------------------------------------------------------------------------------
+    def _read(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> None:
+        ranges = self.source.ranges(layer, e)
+        for name, t in dst.items():
+            self.reader.read_into(ranges[name], t)
+        self.counters[layer].disk_bytes += self.source.expert_nbytes
+
+    def _copy(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]):
+        """host views -> device views; on CUDA async on the copy stream, returns its event."""
+        if not self.cuda:
+            for n in dst:
+                dst[n].copy_(src[n])
+            return None
+        with torch.cuda.stream(self.copy_stream):
+            for n in dst:
+                dst[n].copy_(src[n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        return ev
+
+    def _wait(self, key, host_write: bool = False) -> None:
+        fut = self.busy.pop(key, None)
+        if fut is None:
+            return
+        ev = fut.result()
+        if ev is not None:
+            if host_write:
+                ev.synchronize()  # the H2D copy reading this host slot must finish first
+            else:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _host_views(self, i: int, s: int) -> dict[str, torch.Tensor]:
+        return {n: t[i, s] for n, t in self.host.items()}
+
+    def _dev_views(self, i: int, s: int) -> dict[str, torch.Tensor]:
+        return {n: t[i, s] for n, t in self.dev.items()}
+
+    def _host_slot(self, layer: int, e: int, pin: bool) -> tuple[int, bool]:
+        """Host slot of e (assigning one if needed) -> (slot, needs_read); slot -1 = no slot free."""
+        i = self.li[layer]
+        if self.host_all:
+            return e, False
+        table = self.host_tables[i]
+        a = table.access(e, self.t, pin=pin) if pin else table.insert(e, self.t)
+        c = self.counters[layer]
+        if pin:
+            c.host_hits += a.hit
+            c.host_misses += not a.hit
+        if a.slot >= 0 and not a.hit:
+            self._wait(("host", i, a.slot), host_write=True)
+        return a.slot, a.slot >= 0 and not a.hit
+
+    def _host_expert(self, layer: int, e: int) -> dict[str, torch.Tensor]:
+        """Host copy of e, read from disk now if needed (demand path, calling thread)."""
+        i = self.li[layer]
+        s, need = self._host_slot(layer, e, pin=True)
+        if s < 0:  # every host slot pinned by this step: read into a transient buffer
+            views = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.source.parts}
+            self._read(layer, e, views)
+            return views
+        self._wait(("host", i, s))
+        views = self._host_views(i, s)
+        if need:
+            self._read(layer, e, views)
+        return views
+
+    def _fill(self, layer: int, e: int, s: int) -> None:
+        """Demand fill of device slot s with expert e."""
+        i = self.li[layer]
+        src = self._host_expert(layer, e)
+        dst = self._dev_views(i, s)
+        ev = self._copy(src, dst)
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        self.counters[layer].bytes_moved += self.source.expert_nbytes
+        if self.verify:
+            self._verify(layer, e, dst)
+
+    def _verify(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> None:
+        ref = self.source.read(layer, e)
+        for n, t in dst.items():
+            if not torch.equal(t.cpu(), ref[n].to(t.dtype)):
+                raise AssertionError(f"slot bytes of layer {layer} expert {e} part {n} differ from the checkpoint")
+
+    # -- provider interface --------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.t += 1
+
+    def forward(self, layer, x, ids, weights):
+        i, c = self.li[layer], self.counters[layer]
+        T = x.shape[0]
+        self.use_counts[i] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.E)
+        table, lut = self.dev_tables[i], self.lut[i]
+        admit = T <= self.prefill_admit_tokens
+        per_expert = torch.bincount(ids.reshape(-1), minlength=self.E).tolist()
+        off_slot: list[tuple[int, bool]] = []  # (expert, on_cpu) computed outside the device slots
+        for e in torch.unique(ids).tolist():
+            if e in table:
+                s = table.access(e, self.t).slot
+                c.hits += 1
+                if e in self.prefetched[i]:
+                    c.prefetch_useful += 1
+                    self.prefetched[i].discard(e)
+                self._wait(("dev", i, s))
+                continue
+            cpu = self.cpu_compute == "always" or (self.cpu_compute == "auto" and self.cuda and self.cost.cpu_faster(
+                self.source.expert_nbytes, per_expert[e], self.flops_per_token))
+            if cpu or not (admit or table.free):
+                c.misses += 1
+                table.misses += 1
+                c.cpu_computed += cpu
+                off_slot.append((e, cpu))
+                continue
+            a = table.access(e, self.t)
+            c.misses += 1
+            if a.slot < 0:
+                off_slot.append((e, False))
+                continue
+            if a.evicted >= 0:
+                lut[a.evicted] = -1
+                self.prefetched[i].discard(a.evicted)
+            self._wait(("dev", i, a.slot))
+            self._fill(layer, e, a.slot)
+            lut[e] = a.slot
+        slots = lut.to(x.device)[ids]
+        out = moe_ffn(x, slots, weights, self.dev["gate_up"][i], self.dev["down"][i], mask=slots >= 0)
+        for e, on_cpu in off_slot:
+            self._off_slot(layer, e, on_cpu, x, ids, weights, out)
+        table.unpin_all()
+        if self.host_tables:
+            self.host_tables[i].unpin_all()
+        return out
+
+    def _off_slot(self, layer, e, on_cpu, x, ids, weights, out) -> None:
+        """Compute expert e without caching it: on the CPU from its host copy, or (a wave) through a
+        staging slot loaded once for this step. On a CPU device both read the host copy directly."""
+        c = self.counters[layer]
+        tok, k = (ids == e).nonzero(as_tuple=True)
+        src = self._host_expert(layer, e)
+        if not on_cpu:
+            c.waves += 1
+        if self.cuda and not on_cpu:
+            stage = {n: t[0] for n, t in self.stage.items()}
+            torch.cuda.current_stream(self.device).wait_event(self._copy(src, stage))
+            c.bytes_moved += self.source.expert_nbytes
+            y = expert_ffn(x[tok], stage["gate_up"], stage["down"])
+        else:
+            xc = x[tok].to("cpu", torch.float32)
+            y = expert_ffn(xc, src["gate_up"], src["down"]).to(x.device, x.dtype)
+        out.index_add_(0, tok, y * weights[tok, k, None])
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> None:
+        if not self.prefetch_on:
+            return
+        i, c = self.li[layer], self.counters[layer]
+        table, lut = self.dev_tables[i], self.lut[i]
+        jobs = []
+        for e in torch.unique(ids).tolist():
+            if e in table:
+                continue
+            a = table.insert(e, self.t)
+            if a.slot < 0:
+                continue
+            if a.evicted >= 0:
+                lut[a.evicted] = -1
+                self.prefetched[i].discard(a.evicted)
+            self._wait(("dev", i, a.slot))
+            hs, need = self._host_slot(layer, e, pin=False)
+            if hs < 0:  # every host slot pinned: give the device slot back
+                table.drop(e)
+                continue
+            self._wait(("host", i, hs))
+            lut[e] = a.slot
+            self.prefetched[i].add(e)
+            c.prefetch_issued += 1
+            c.bytes_moved += self.source.expert_nbytes
+            jobs.append((e, hs, need, a.slot))
+        for e, hs, need, s in jobs:
+            fut = self.mover.submit(self._prefetch_job, layer, e, self._host_views(i, hs), need, self._dev_views(i, s))
+            self.busy["dev", i, s] = fut
+            if not self.host_all:
+                self.busy["host", i, hs] = fut
+
+    def _prefetch_job(self, layer, e, host_views, need_read, dev_views):
+        if need_read:
+            self._read(layer, e, host_views)
+        ev = self._copy(host_views, dev_views)
+        if self.verify:
+            if ev is not None:
+                ev.synchronize()
+            self._verify(layer, e, dev_views)
+        return ev
+
+    # -- warm start, stats, checks ------------------------------------------------------------------------
+    def _warm(self, counts: torch.Tensor) -> None:
+        for i, layer in enumerate(self.layers):
+            for e in torch.argsort(counts[i], descending=True)[: self.device_slots].tolist():
+                a = self.dev_tables[i].insert(e, 0)
+                if a.slot >= 0:
+                    self._fill(layer, e, a.slot)
+                    self.lut[i, e] = a.slot
+
+    def end_step(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return collect(self.counters, self.use_counts, self.device_slots, None if self.host_all else self.host_slots)
+
+    def save_stats(self, path) -> None:
+        save_stats(path, self.use_counts, self.layers, str(self.source.index.model_dir))
+
+    def check(self, contents: bool = False) -> None:
+        """Invariants: tables consistent, lookup = table, (contents) slot bytes = checkpoint bytes."""
+        for fut in list(self.busy.values()):
+            fut.result()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for i, (table, layer) in enumerate(zip(self.dev_tables, self.layers)):
+            table.check()
+            assert not table.pinned, "pins must not outlive a layer's step"
+            lut = self.lut[i].tolist()
+            for e in range(self.E):
+                assert lut[e] == table.slot_of[e], f"layer {layer}: lookup says expert {e} in slot {lut[e]}, table {table.slot_of[e]}"
+                if contents and lut[e] >= 0:
+                    self._verify(layer, e, self._dev_views(i, lut[e]))
+        for table in self.host_tables or []:
+            table.check()
+
+    def close(self) -> None:
+        self.mover.shutdown(wait=True)
+        self.reader.close()
