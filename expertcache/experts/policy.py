@@ -11,15 +11,30 @@ Contract (every policy):
 - `victim(candidates)` returns one element of `candidates` (a non-empty list of
   resident, unpinned experts). It must not mutate state; `remove` follows.
 - `admit(e, t)` may refuse to cache a missed expert (it is then used once from
-  the slower tier). The default admits everything.
+  the slower tier). The default admits everything. SlotTable calls `admit`
+  before every placement (miss or prefetch insert), so `admit` is where a
+  policy learns the current time before a `victim` call.
+
+Construction: `make_policy(name, num_experts, capacity, layer, stats, oracle, **params)`;
+every policy accepts and ignores keywords it does not use. `oracle` is a
+`NextUse` (future knowledge), needed only by "min" and available only in trace
+replay, which builds it from the trace's access sequence.
+
+Registry: lru, lfru, lfu, static, min, and "lfru-admit" (the best online policy
+on real traces; see `LFRUAdmit`). Every victim choice is O(capacity).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Iterable
+
+import numpy as np
 
 POLICIES: dict[str, Callable[..., "Policy"]] = {}
+ONLINE = ("lru", "lfru", "lfu", "static", "lfru-admit")  # usable by the engine (no future knowledge)
 
 
 def register(name: str):
@@ -31,18 +46,22 @@ def register(name: str):
     return deco
 
 
-def make_policy(name: str, num_experts: int, capacity: int, layer: int = 0, stats=None) -> "Policy":
+def make_policy(name: str, num_experts: int, capacity: int, layer: int = 0, stats=None,
+                oracle: "NextUse | None" = None, **params) -> "Policy":
     """Build policy `name` for one layer. `stats` is an optional [layers, experts]
-    use-count matrix (saved expert statistics) for policies that start warm."""
+    use-count matrix (saved expert statistics) for policies that start warm;
+    `oracle` gives next-use times (replay only, for "min"); `params` tune a policy
+    (e.g. decay=0.9 for lfru)."""
     if name not in POLICIES:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name](num_experts=num_experts, capacity=capacity, layer=layer, stats=stats)
+    return POLICIES[name](num_experts=num_experts, capacity=capacity, layer=layer, stats=stats,
+                          oracle=oracle, **params)
 
 
 class Policy:
     name = "base"
 
-    def __init__(self, num_experts: int, capacity: int, layer: int = 0, stats=None):
+    def __init__(self, num_experts: int, capacity: int, layer: int = 0, stats=None, **_ignored):
         self.num_experts, self.capacity, self.layer = num_experts, capacity, layer
 
     def touch(self, e: int, t: int) -> None: ...
@@ -80,3 +99,203 @@ class LRU(Policy):
     def victim(self, candidates):
         allowed = set(candidates)
         return next(e for e in self.order if e in allowed)
+
+
+class _Scored(Policy):
+    """Shared bookkeeping for score-ranked policies.
+
+    Per expert (kept across evictions, so a returning expert keeps its history):
+    `last_use[e]` (time of the last touch, -inf before), `resident` (set), and
+    `fresh` (expert -> insert time, while not yet used since insert: one inserted
+    at the current time is evicted only if every candidate is, so a prefetch does
+    not evict the previous prefetch of the same step).
+    Subclasses define `key(e)`: the candidate with the smallest key is evicted.
+    """
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.now = 0
+        self.last_use = np.full(self.num_experts, -np.inf)
+        self.resident: set[int] = set()
+        self.fresh: dict[int, int] = {}
+
+    def touch(self, e, t):
+        self.now = max(self.now, t)
+        self.fresh.pop(e, None)
+        self.last_use[e] = t
+
+    def insert(self, e, t):
+        self.now = max(self.now, t)
+        self.resident.add(e)
+        self.fresh[e] = t  # a demand miss touches right after, which clears it
+
+    def remove(self, e):
+        self.resident.discard(e)
+        self.fresh.pop(e, None)
+
+    def admit(self, e, t):
+        self.now = max(self.now, t)
+        return True
+
+    def key(self, e: int) -> tuple:
+        raise NotImplementedError
+
+    def victim(self, candidates):
+        return min(candidates, key=lambda e: (self.fresh.get(e) == self.now, *self.key(e)))
+
+
+@register("lfru")
+class LFRU(_Scored):
+    """Frequency-aware LRU: a decayed use score per expert.
+
+    On a use at time t: score = score * decay**(t - t_last) + 1. The victim is
+    the candidate with the lowest score decayed to now, ties by least recent use.
+    decay in (0, 1]; decay=1 is LFU with full history, decay->0 is LRU.
+    """
+
+    def __init__(self, decay: float = 0.9, **kw):
+        super().__init__(**kw)
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay: must lie in (0, 1], got {decay}")
+        self.decay = decay
+        self.score = np.zeros(self.num_experts)
+        self.t_score = np.zeros(self.num_experts)
+
+    def touch(self, e, t):
+        super().touch(e, t)
+        self.score[e] = self.score[e] * self.decay ** (t - self.t_score[e]) + 1.0
+        self.t_score[e] = t
+
+    def key(self, e):
+        return (self.score[e] * self.decay ** (self.now - self.t_score[e]), self.last_use[e])
+
+
+@register("lfu")
+class LFU(LFRU):
+    """Least frequently used over the whole history (lfru with decay=1), ties by recency."""
+
+    def __init__(self, **kw):
+        kw["decay"] = 1.0
+        super().__init__(**kw)
+
+
+@register("static")
+class Static(_Scored):
+    """The hottest experts from saved statistics stay; others use only free slots.
+
+    With `stats` ([layers, experts] use counts, row `layer` used): the top-`capacity`
+    experts by count form the hot set. A missed expert outside the hot set is
+    admitted only while a slot is free; a hot expert is always admitted and evicts
+    the candidate with the lowest saved count (ties: least recent). So after
+    warm-up the cache holds exactly the hot set.
+
+    Without stats (documented choice: LFU after warm-up, no error): the counts are
+    collected online during the first `warmup` steps (admitting everything and
+    evicting the least used), then frozen and used as above.
+    """
+
+    def __init__(self, stats=None, warmup: int = 128, **kw):
+        super().__init__(**kw)
+        self.warmup = warmup
+        self.frozen = stats is not None
+        if stats is not None:
+            stats = np.asarray(stats, dtype=np.float64)
+            if stats.ndim != 2 or stats.shape[1] != self.num_experts or self.layer >= stats.shape[0]:
+                raise ValueError(f"stats: expected a [layers, {self.num_experts}] matrix covering layer "
+                                 f"{self.layer}, got shape {stats.shape}")
+            self.count = stats[self.layer].copy()
+        else:
+            self.count = np.zeros(self.num_experts)
+        self.t0: int | None = None
+        self._update_hot()
+
+    def _update_hot(self):
+        order = np.argsort(-self.count, kind="stable")
+        self.hot = set(order[: self.capacity].tolist())
+
+    def touch(self, e, t):
+        super().touch(e, t)
+        if self.t0 is None:
+            self.t0 = t
+        if not self.frozen:
+            if t - self.t0 >= self.warmup:
+                self.frozen = True
+                self._update_hot()
+            else:
+                self.count[e] += 1
+
+    def admit(self, e, t):
+        super().admit(e, t)
+        return (not self.frozen) or e in self.hot or len(self.resident) < self.capacity
+
+    def key(self, e):
+        return (self.count[e], self.last_use[e])
+
+
+@register("lfru-admit")
+class LFRUAdmit(LFRU):
+    """Best online policy found on real traces: lfru (decay 0.95) plus a
+    TinyLFU-like admission filter.
+
+    Eviction: as lfru (lowest decayed use score, ties least recent).
+    Admission: while a slot is free, admit. When every slot is taken, a missed
+    (or prefetched) expert e is admitted only if f(e) + 1 >= min over residents r
+    of f(r), all scores decayed to now (f(e) + 1 is e's score after this use).
+    A refused expert is served once from the slower tier and evicts nothing, so a
+    one-off expert cannot push out a steadily used one. O(capacity) per miss.
+
+    Tuned on tinymoe-py16 traces (bench/trace_tinymoe.py): decay 0.95 was the best
+    of 0.7..0.99 on the tuning trace and held on a second held-out trace. Because
+    it may bypass, its hit rate can exceed demand-caching MIN.
+    """
+
+    def __init__(self, decay: float = 0.95, **kw):
+        super().__init__(decay=decay, **kw)
+
+    def admit(self, e, t):
+        super().admit(e, t)
+        if len(self.resident) < self.capacity:
+            return True
+        mine = self.score[e] * self.decay ** (t - self.t_score[e]) + 1.0
+        return mine >= min(self.key(r)[0] for r in self.resident)
+
+
+class NextUse:
+    """Next-use oracle for MIN: `uses[e]` is the sorted list of times expert e is used.
+
+    `next_use(e, t)` is the first use time >= t (math.inf if none); O(log uses).
+    Replay builds it per layer from the trace's access schedule."""
+
+    def __init__(self, num_experts: int, schedule: Iterable[tuple[int, Iterable[int]]]):
+        self.uses: list[list[int]] = [[] for _ in range(num_experts)]
+        for t, experts in schedule:
+            for e in experts:
+                self.uses[e].append(t)
+
+    def next_use(self, e: int, t: int) -> float:
+        u = self.uses[e]
+        i = bisect.bisect_left(u, t)
+        return u[i] if i < len(u) else math.inf
+
+
+@register("min")
+class MIN(_Scored):
+    """Belady's MIN with demand caching: evict the candidate whose next use is
+    farthest in the future (never used again = farthest; ties: lower expert id).
+
+    Needs `oracle` (a NextUse); only trace replay can supply one. At a miss at step
+    t the experts already used at t are pinned, so an unpinned candidate's next use
+    is its first use at time >= t.
+    """
+
+    def __init__(self, oracle: NextUse | None = None, **kw):
+        super().__init__(**kw)
+        if oracle is None:
+            raise ValueError("min: needs a next-use oracle (future knowledge); it exists only in trace replay")
+        self.oracle = oracle
+
+    def key(self, e):
+        return (-self.oracle.next_use(e, self.now), e)
+
+    def victim(self, candidates):
+        return min(candidates, key=self.key)
