@@ -1,0 +1,304 @@
+"""AsyncEngine: the one engine thread, and the asyncio side HTTP handlers talk to.
+
+Invariants:
+- Only the engine thread calls into `llm.engine`, `llm.kv` and `llm.experts` (step, add_request,
+  abort, expert_stats, counters). Handlers never touch them: they put commands into `_inbox`
+  (a thread-safe queue.Queue) and read results from per-request asyncio queues that the engine
+  thread fills with `loop.call_soon_threadsafe`.
+- Requests join and leave between steps: the thread drains its inbox (adds, aborts) before
+  every step, so a new request waits at most one step to be admitted.
+- Every admitted request ends with exactly one item whose `finish_reason` is set (or an error
+  item), unless the client aborted it first; an aborted request gets no more items.
+- `snapshot()` returns the last state the engine thread published (a fresh dict after every
+  step and once a second while idle); readers must not mutate it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..engine.params import SamplingParams
+from .errors import ApiError
+from .metrics import ServerMetrics
+from .stats_log import ThroughputLog
+
+log = logging.getLogger("expertcache.server")
+
+IDLE_POLL_S = 0.5
+EXPERT_STATS_EVERY_S = 1.0
+
+
+@dataclass
+class Final:
+    """What a finished request reports besides its text: usage and llama.cpp-style timings."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    timings: dict
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    final: Final | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestHandle:
+    """The handler's side of one request; `queue` yields Delta items in order."""
+
+    request_id: str
+    prompt_len: int
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    admitted: asyncio.Future | None = None
+    finished: bool = False
+
+    async def deltas(self):
+        while not self.finished:
+            item: Delta = await self.queue.get()
+            if item.finish_reason is not None or item.error is not None:
+                self.finished = True
+            yield item
+
+
+@dataclass
+class _Track:
+    """Engine-thread bookkeeping of one request."""
+
+    handle: RequestHandle
+    arrival: float
+    experts_at_start: tuple[int, int] | None
+    first: float | None = None
+    last: float | None = None
+    n_tokens: int = 0
+
+
+def _expert_totals(stats: dict) -> tuple[int, int] | None:
+    try:
+        return int(stats["hits"]), int(stats["misses"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class AsyncEngine:
+    def __init__(self, llm, metrics: ServerMetrics, log_interval: float = 10.0):
+        self.llm = llm
+        self.metrics = metrics
+        self._inbox: queue.Queue = queue.Queue()
+        self._tracks: dict[str, _Track] = {}
+        self._stop = threading.Event()
+        self._snapshot: dict = {}
+        self._expert_stats: dict = {}
+        self._expert_stats_at = 0.0
+        self._step_totals: tuple[int, tuple[int, int] | None] | None = None
+        self._log = ThroughputLog(log_interval)
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # -- handler side (event loop thread) -------------------------------------------------------
+    def start(self) -> None:
+        self._refresh_expert_stats(force=True)
+        self._publish()
+        self._thread.start()
+
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request and wait until the engine accepted it; ApiError (400) if it refused."""
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle(request_id, len(prompt_ids), loop, admitted=loop.create_future())
+        self._inbox.put(("add", handle, prompt_ids, params, time.perf_counter()))
+        try:
+            await handle.admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Safe from any thread; a finished or unknown id is ignored."""
+        self._inbox.put(("abort", request_id))
+
+    def snapshot(self) -> dict:
+        return self._snapshot
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.llm.engine
+        while not self._stop.is_set():
+            idle = not eng.has_unfinished()
+            self._drain(block=idle)
+            if eng.has_unfinished():
+                self._step()
+            elif idle:
+                self._refresh_expert_stats()
+                self._publish()
+            self._log.maybe_log(self._snapshot)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._command(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _command(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, handle, prompt_ids, params, arrival = cmd
+            try:
+                self.llm.engine.add_request(prompt_ids, params, handle.request_id)
+            except ValueError as e:
+                self._resolve(handle, ApiError(str(e)))
+                return
+            self._tracks[handle.request_id] = _Track(handle, arrival, self._totals_now())
+            self.metrics.on_admit(len(prompt_ids))
+            self._resolve(handle, None)
+        elif cmd[0] == "abort":
+            if self._tracks.pop(cmd[1], None) is not None:
+                self.llm.engine.abort(cmd[1])
+                self.metrics.on_finish("abort", None)
+
+    def _step(self) -> None:
+        try:
+            outs = self.llm.engine.step()
+        except Exception as e:  # an engine bug must not take the server down: fail what is in flight
+            log.exception("engine step failed; failing %d requests", len(self._tracks))
+            for rid, tr in list(self._tracks.items()):
+                self.llm.engine.abort(rid)
+                self._push(tr.handle, Delta("", [], error=f"engine error: {type(e).__name__}: {e}"))
+                self.metrics.on_finish("error", None)
+            self._tracks.clear()
+            self._publish()
+            return
+        now = time.perf_counter()
+        self._step_totals = None
+        for out in outs:
+            tr = self._tracks.get(out.request_id)
+            if tr is None:
+                continue
+            if out.new_token_ids:
+                n = len(out.new_token_ids)
+                self.metrics.on_tokens(n, ttft=now - tr.arrival if tr.first is None else None,
+                                       itl=None if tr.first is None else now - tr.last)
+                tr.first = tr.first if tr.first is not None else now
+                tr.last = now
+                tr.n_tokens += n
+            reason = out.finish_reason
+            if reason is None:
+                if out.text_delta or out.new_token_ids:
+                    self._push(tr.handle, Delta(out.text_delta, list(out.new_token_ids)))
+                continue
+            del self._tracks[out.request_id]
+            if reason.startswith("error"):
+                self._push(tr.handle, Delta("", [], error=reason.removeprefix("error: ")))
+                self.metrics.on_finish("error", None)
+                continue
+            self.metrics.on_finish(reason, now - tr.arrival)
+            self._push(tr.handle, Delta(out.text_delta, list(out.new_token_ids), reason, self._final(tr, out.seq)))
+        self._refresh_expert_stats()
+        self._publish()
+
+    def _final(self, tr: _Track, seq) -> Final:
+        completion = len(seq.generated)
+        first = tr.first if tr.first is not None else time.perf_counter()
+        last = tr.last if tr.last is not None else first
+        gen_s = last - first
+        prompt_ms = (first - tr.arrival) * 1000
+        prompt_n = seq.prompt_len - seq.num_cached
+        timings = {
+            "cache_n": seq.num_cached,
+            "prompt_n": prompt_n,
+            "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_second": round(prompt_n / prompt_ms * 1000, 3) if prompt_ms > 0 else 0.0,
+            "predicted_n": completion,
+            "predicted_ms": round(gen_s * 1000, 3),
+            # tokens after the first over the time since the first (1 / time per output token)
+            "predicted_per_second": round((completion - 1) / gen_s, 3) if completion > 1 and gen_s > 0 else 0.0,
+        }
+        end = self._totals_now()
+        if tr.experts_at_start is not None and end is not None:
+            uses = (end[0] - tr.experts_at_start[0]) + (end[1] - tr.experts_at_start[1])
+            # engine-wide over the request's lifetime: shared with the requests batched alongside it
+            timings["expert_hit_rate"] = round((end[0] - tr.experts_at_start[0]) / uses, 4) if uses else None
+        return Final(seq.prompt_len, completion, seq.num_cached, timings)
+
+    def _totals_now(self) -> tuple[int, int] | None:
+        """Engine-wide expert (hits, misses) as of the last step; computed at most once per step."""
+        steps = self.llm.engine.counters.steps
+        if self._step_totals is None or self._step_totals[0] != steps:
+            try:
+                totals = _expert_totals(self.llm.expert_stats() or {})
+            except Exception:  # noqa: BLE001 - statistics must never fail a request
+                totals = None
+            self._step_totals = (steps, totals)
+        return self._step_totals[1]
+
+    def _refresh_expert_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._expert_stats_at < EXPERT_STATS_EVERY_S:
+            return
+        self._expert_stats_at = now
+        try:
+            self._expert_stats = self.llm.expert_stats() or {}
+        except Exception:  # noqa: BLE001
+            log.exception("expert_stats() failed")
+            self._expert_stats = {}
+
+    def _publish(self) -> None:
+        eng, kv = self.llm.engine, self.llm.kv
+        sched = eng.scheduler
+        snap = {
+            "time": time.time(),
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "num_preemptions": sched.num_preemptions,
+            "kv_cache_usage": kv.usage(),
+            "kv_cache_blocks": kv.num_blocks,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "engine_counters": asdict(eng.counters),
+            "expert_stats": self._expert_stats,
+        }
+        self._snapshot = snap
+        self.metrics.set_queue(snap["running"], snap["waiting"])
+
+    # -- delivery -------------------------------------------------------------------------------
+    @staticmethod
+    def _resolve(handle: RequestHandle, error: Exception | None) -> None:
+        def settle():
+            if handle.admitted.done():  # the handler gave up (client went away)
+                return
+            if error is None:
+                handle.admitted.set_result(None)
+            else:
+                handle.admitted.set_exception(error)
+
+        try:
+            handle.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # event loop closed: server shutting down
+            pass
+
+    @staticmethod
+    def _push(handle: RequestHandle, item: Delta) -> None:
+        try:
+            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)
+        except RuntimeError:
+            pass

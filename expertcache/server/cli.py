@@ -1,0 +1,101 @@
+"""`expertcache serve [MODEL_DIR] ...`: the OpenAI-compatible HTTP server.
+
+Registered into the main CLI by `add_serve_subcommand(subparsers)`; `python -m expertcache.server`
+runs the same command. The HTTP server binds first and answers /health (503 while loading);
+the model loads in a background thread. Binds loopback unless --host says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from ..cli import add_engine_args
+
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    s.add_argument("--api-key", default=os.environ.get("EXPERTCACHE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $EXPERTCACHE_API_KEY)")
+    s.add_argument("--served-model-name", default=None,
+                   help="name clients pass as 'model' (default: the model argument, or 'expertcache-demo')")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step, prefill chunks included (default: 2048)")
+    s.add_argument("--no-prefix-caching", action="store_true", help="turn off KV prefix reuse across requests")
+    s.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between status lines while busy; 0 = off (default: 10)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def _server_config(args: argparse.Namespace):
+    from ..cli import engine_kwargs
+    from .app import ServerConfig
+
+    kw = engine_kwargs(args)
+    kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.no_prefix_caching:
+        kw["prefix_caching"] = False
+    if args.model is None:
+        name, aliases = "expertcache-demo", set()
+    else:
+        path = Path(args.model)
+        name = args.model
+        aliases = {str(path), str(path.resolve()), path.resolve().name}
+    if args.served_model_name:
+        aliases.add(name)
+        name = args.served_model_name
+    return ServerConfig(model_name=name, llm_kwargs=kw, api_key=args.api_key or None,
+                        log_interval=args.log_interval, aliases=aliases - {name},
+                        save_expert_stats=args.save_expert_stats)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    log = logging.getLogger("expertcache.server")
+    if args.model is not None and not Path(args.model).is_dir():
+        print(f"error: model directory {args.model} does not exist", file=sys.stderr)
+        return 2
+    if args.host not in LOOPBACK and not args.api_key:
+        log.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
+    cfg = _server_config(args)
+    server: uvicorn.Server | None = None
+
+    def stop(error: str) -> None:
+        log.error("shutting down: the model failed to load (%s)", error)
+        if server is not None:
+            server.should_exit = True
+
+    cfg.on_load_error = stop
+    app = create_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=not args.no_access_log, timeout_graceful_shutdown=5))
+    log.info("serving %r on http://%s:%d (model loads in the background; see /health)", cfg.model_name,
+             args.host, args.port)
+    server.run()
+    return 1 if app.state.server.loader.state == "error" else 0
+
+
+def add_serve_subcommand(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics)")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m expertcache.server", description=__doc__.splitlines()[0])
+    add_serve_args(parser)
+    return cmd_serve(parser.parse_args(argv))
