@@ -272,6 +272,33 @@ def load_reference(path, dtype: torch.dtype = torch.float32):
     return model
 
 
+@torch.no_grad()
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits [len(ids), vocab] for one sequence."""
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def reference_greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy decoding (`generate(do_sample=False)`) of exactly n tokens, EOS disabled."""
+    from transformers import GenerationConfig
+
+    # generate() fills unset fields of the passed config from model.generation_config (which holds
+    # the checkpoint's eos ids), so EOS must be cleared there too.
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        gen = GenerationConfig(max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=None,
+                               pad_token_id=ENDOFTEXT_ID)
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen)
+    finally:
+        model.generation_config.eos_token_id = saved
+    tokens = out[0, len(ids):].tolist()
+    assert len(tokens) == n, f"transformers stopped after {len(tokens)} of {n} tokens"
+    return tokens
+
+
 # ---------------------------------------------------------------------------
 # checkpoint surgery
 

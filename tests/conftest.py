@@ -1,0 +1,96 @@
+"""Shared fixtures.
+
+Checkpoints are built by tests/checkpoints.py (tiny random transformers models) and cached
+per session: `checkpoint(family, **overrides)` returns the same directory for the same
+arguments. transformers is only the test oracle; the engine never imports it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+import checkpoints  # noqa: E402
+
+QWEN3_TOKENIZER_DIR = Path("/work/shared/tokenizers/qwen3")
+
+# The test models are tiny: extra intra-op threads only add OpenMP synchronisation, which on a
+# shared 2-core machine made a 24-token generation ~50x slower (index_add_ spin-waits).
+torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------
+# markers
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+# ---------------------------------------------------------------------------
+# checkpoints
+
+
+def _key(family, overrides):
+    return (family, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """Factory: checkpoint(family, **make_checkpoint_kwargs) -> Path, built once per session."""
+    cache: dict = {}
+
+    def build(family: str, **kwargs) -> Path:
+        key = _key(family, kwargs)
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"ckpt-{family}")
+            cache[key] = checkpoints.make_checkpoint(root, family, name="model", **kwargs)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(checkpoint) -> Path:
+    """The default tiny Qwen3-MoE checkpoint (fp32, vocab 320, ChatML template)."""
+    return checkpoint("qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer + chat template; skips when the shared folder is absent."""
+    if not (QWEN3_TOKENIZER_DIR / "tokenizer.json").exists():
+        pytest.skip(f"{QWEN3_TOKENIZER_DIR} is absent")
+    return QWEN3_TOKENIZER_DIR
+
+
+# ---------------------------------------------------------------------------
+# engine
+
+
+@pytest.fixture(scope="session")
+def expertcache_api():
+    """The engine's public API module (imported lazily so checkpoint-only tests still run)."""
+    import expertcache
+
+    return expertcache
+
+
+@pytest.fixture(scope="session")
+def qwen3_llm(expertcache_api, qwen3_checkpoint):
+    """An LLM on the default tiny Qwen3-MoE checkpoint, shared by the whole session."""
+    return expertcache_api.LLM(str(qwen3_checkpoint), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def qwen3_reference(qwen3_checkpoint):
+    """transformers' model for the default tiny Qwen3-MoE checkpoint (fp32, eager attention)."""
+    return checkpoints.load_reference(qwen3_checkpoint)
