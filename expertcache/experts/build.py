@@ -9,7 +9,7 @@ from .budget import available_ram, auto_device_bytes, plan_tier
 from .layout import ExpertSource
 from .manager import TieredExperts
 from .provider import ResidentExperts
-from .stats import load_stats
+from .stats import load_stats as load_stats_file
 
 
 def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.dtype, *,
@@ -40,12 +40,8 @@ def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.
     lines.append(hplan.describe("host", L, E) + (": every expert in RAM" if host_slots is None else
                                                   "; the rest streamed from disk"))
     lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
-    stats = load_stats and _load(load_stats, source)
+    stats = load_stats_file(load_stats, source.layers, E) if load_stats else None
     cache = TieredExperts(source, device, dtype, dplan.slots, host_slots, policy=cache_policy or "lru",
-                          prefetch=prefetch, cpu_compute=cpu_compute or "auto", stats=stats or None,
+                          prefetch=prefetch, cpu_compute=cpu_compute or "auto", stats=stats,
                           progress=progress, **options)
     return cache, lines
-
-
-def _load(path: str, source: ExpertSource):
-    return load_stats(path, source.layers, source.cfg.num_experts)

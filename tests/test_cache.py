@@ -1,0 +1,177 @@
+"""The tiered expert cache never changes the math, and keeps its invariants under stress.
+
+Reference: the same checkpoint with every expert resident (itself checked against
+transformers in test_families.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from expertcache import LLM, SamplingParams
+from expertcache.errors import BudgetError
+from expertcache.experts.policy import POLICIES
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint):
+    # 16 experts, top-2, bf16 storage: slots convert to the fp32 compute format
+    return checkpoint("qwen3_moe", dtype=torch.bfloat16, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    llm = LLM(str(ckpt))
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11], [100, 101, 102], [9] * 20]
+    return {"prompts": prompts, "logits": llm.logits(list(range(3, 60))),
+            "tokens": [o.token_ids for o in llm.generate(prompts, GREEDY)]}
+
+
+def run(ckpt, reference, **kw):
+    llm = LLM(str(ckpt), verify=True, **kw)
+    try:
+        logits = llm.logits(list(range(3, 60)))
+        toks = [o.token_ids for o in llm.generate(reference["prompts"], GREEDY)]
+        llm.experts.check(contents=True)
+        return logits, toks, llm.expert_stats()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("policy", sorted(p for p in POLICIES if p != "min"))
+@pytest.mark.parametrize("budget", ["2", "4", "8"])  # experts per layer in the fastest tier (top_k .. half)
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_any_budget_policy_prefetch_gives_resident_output(ckpt, reference, policy, budget, prefetch):
+    per_layer = 3 * 64 * 32 * 4  # gate_up [64, 64] + down [64, 32] of one expert in fp32
+    logits, toks, stats = run(ckpt, reference, device_memory=int(budget) * per_layer * 3,
+                              cache_policy=policy, prefetch=prefetch)
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
+    assert toks == reference["tokens"]
+    assert stats["hits"] + stats["misses"] > 0
+    if not prefetch:
+        assert stats["prefetch"]["issued"] == 0
+
+
+@pytest.mark.parametrize("cpu_compute", ["always", "never", "auto"])
+def test_cpu_compute_and_streamed_host_tier_give_resident_output(ckpt, reference, cpu_compute):
+    logits, toks, stats = run(ckpt, reference, device_memory="13%", host_memory="13%", cpu_compute=cpu_compute)
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
+    assert toks == reference["tokens"]
+    assert stats["per_tier"]["disk"]["bytes_read"] > 0
+    if cpu_compute == "always":
+        assert stats["cpu_computed_share"] == 1.0
+
+
+def test_waves_when_batch_needs_more_experts_than_slots(ckpt, reference):
+    # 2 slots per layer, a 57-token prefill routes to nearly all 16 experts: most go through waves
+    logits, toks, stats = run(ckpt, reference, device_memory="13%", prefill_admit_tokens=10_000)
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
+    assert toks == reference["tokens"]
+    assert sum(layer["waves"] for layer in stats["per_layer"]) > 0
+
+
+def test_prefill_does_not_evict_decode_working_set(ckpt):
+    llm = LLM(str(ckpt), device_memory="25%", prefetch=False)  # 4 slots per layer
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))
+    before = [sorted(t.resident()) for t in llm.experts.dev_tables]
+    assert all(len(r) == 4 for r in before)  # decode filled every slot
+    llm.logits([random.Random(0).randrange(300) for _ in range(200)])  # long prefill
+    after = [sorted(t.resident()) for t in llm.experts.dev_tables]
+    assert after == before
+    llm.close()
+
+
+def test_budget_below_top_k_is_a_clear_error(ckpt):
+    with pytest.raises(BudgetError, match=r"device_memory=.*top_k=2"):
+        LLM(str(ckpt), device_memory="1KiB")
+    with pytest.raises(BudgetError, match=r"host_memory=.*top_k=2"):
+        LLM(str(ckpt), device_memory="13%", host_memory="40KiB")
+
+
+def test_budget_for_everything_loads_everything_once(ckpt, reference):
+    llm = LLM(str(ckpt), device_memory="100%")
+    assert "every expert resident" in " ".join(llm.plan_lines)
+    assert [o.token_ids for o in llm.generate(reference["prompts"], GREEDY)] == reference["tokens"]
+
+
+def test_stress_invariants_every_step(ckpt):
+    """Random batches, budgets and policies; invariants and slot bytes checked after every step."""
+    rng = random.Random(1)
+    for trial in range(4):
+        llm = LLM(str(ckpt), verify=True, device_memory=f"{rng.choice([13, 19, 25, 50])}%",
+                  host_memory=rng.choice([None, "13%", "25%"]), cache_policy=rng.choice(sorted(set(POLICIES) - {"min"})),
+                  prefetch=rng.random() < 0.7, cpu_compute=rng.choice(["auto", "always", "never"]))
+        eng = llm.engine
+        for i in range(rng.randint(2, 5)):
+            prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
+            eng.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 8), temperature=1.0, seed=i))
+        while eng.has_unfinished():
+            eng.step()
+            llm.experts.check(contents=True)
+        llm.close()
+
+
+def test_pinned_expert_is_never_the_victim():
+    """A policy that always names the newest expert (the just-loaded one) must not get it evicted."""
+    from expertcache.experts.policy import Policy
+    from expertcache.experts.slots import SlotTable
+
+    class Newest(Policy):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.order = []
+
+        def insert(self, e, t):
+            self.order.append(e)
+
+        def remove(self, e):
+            self.order.remove(e)
+
+        def victim(self, candidates):
+            return max(candidates, key=self.order.index)
+
+    table = SlotTable(8, 2, Newest(num_experts=8, capacity=2))
+    a = table.access(0, 1)
+    b = table.access(1, 1)
+    c = table.access(2, 1)  # both slots pinned: no slot, nothing evicted
+    assert (a.slot, b.slot, c.slot) == (0, 1, -1) and c.evicted == -1
+    table.unpin_all()
+    d = table.access(3, 2)
+    assert d.evicted == 1  # the newest unpinned one, after the step ended
+    table.check()
+
+
+def test_expert_stats_layout(ckpt):
+    llm = LLM(str(ckpt), device_memory="25%")
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0))
+    s = llm.expert_stats()
+    assert {"hits", "misses", "bytes_moved", "per_tier", "per_layer", "use_counts"} <= set(s)
+    assert set(s["per_tier"]) == {"device", "host", "disk"}
+    counts = torch.tensor(s["use_counts"])
+    assert counts.shape == (3, 16)
+    # every forward routes top_k=2 experts per token per layer: 4 prompt + 3 decode tokens
+    assert counts.sum(dim=1).tolist() == [2 * 7] * 3
+    assert s["hits"] + s["misses"] == sum(p["hits"] + p["misses"] for p in s["per_layer"])
+    llm.close()
+
+
+def test_saved_stats_warm_start(ckpt, tmp_path):
+    llm = LLM(str(ckpt), device_memory="25%")
+    llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=6, temperature=0))
+    path = tmp_path / "stats.json"
+    llm.experts.save_stats(path)
+    counts = torch.tensor(llm.expert_stats()["use_counts"])
+    llm.close()
+    warm = LLM(str(ckpt), device_memory="25%", load_stats=str(path), cache_policy="static")
+    for i, table in enumerate(warm.experts.dev_tables):
+        hottest = set(torch.argsort(counts[i], descending=True, stable=True)[:4].tolist())
+        assert len(set(table.resident()) & hottest) >= 3  # ties at the cut may pick another
+    warm.close()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"layers": [0], "use_counts": [[1, 2]]}')
+    with pytest.raises(ValueError, match="stats are for layers"):
+        LLM(str(ckpt), device_memory="25%", load_stats=str(bad))
