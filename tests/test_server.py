@@ -1,0 +1,317 @@
+"""`expertcache serve` end to end: the real server in a subprocess on a free loopback port,
+driven by the official openai client (and httpx for raw HTTP).
+
+One server (tiny random Qwen3-MoE checkpoint, --api-key) serves the whole module; its fixture
+kills it in a finalizer. Every loop is bounded; all traffic goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key-123"
+START_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, health: list):
+        self.proc, self.url, self.log_path, self.health = proc, url, log_path, health
+
+    def http(self, auth: bool = True) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {KEY}"} if auth else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, timeout=30, max_retries=0)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        with self.http() as c:
+            text = c.get("/metrics").text
+        for line in text.splitlines():
+            if line.startswith(name + (labels and "{" + labels + "}")) and not line.startswith("#"):
+                head, _, value = line.rpartition(" ")
+                if head == name + (labels and "{" + labels + "}"):
+                    return float(value)
+        return 0.0
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_checkpoint, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "expertcache.server", str(qwen3_checkpoint), "--port", str(port),
+             "--api-key", KEY, "--served-model-name", "tiny", "--log-interval", "1", "--no-access-log"],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    health: list[tuple[int, dict]] = []
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+            try:
+                r = httpx.get(url + "/health", timeout=2)
+                health.append((r.status_code, r.json()))
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"server not healthy within {START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+        yield Server(proc, url, log_path, health)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def chat(client, content: str, **kw):
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kw)
+
+
+# -- lifecycle -------------------------------------------------------------------------------------
+
+
+def test_health_goes_from_loading_to_ok(server):
+    codes = [c for c, _ in server.health]
+    assert codes[-1] == 200 and server.health[-1][1] == {"status": "ok"}
+    for code, body in server.health[:-1]:  # everything before ready is a 503 'loading' with a progress
+        assert code == 503 and body["status"] == "loading" and 0.0 <= body["progress"] <= 1.0
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_health_503_while_loading_in_process(qwen3_checkpoint, monkeypatch):
+    """The loading window is too short to hit reliably with a tiny model: hold it open here."""
+    from fastapi.testclient import TestClient
+
+    from expertcache.server import loader
+    from expertcache.server.app import ServerConfig, create_app
+
+    gate = threading.Event()
+    real_run = loader.ModelLoader._run
+
+    def held_run(self):
+        self.total_bytes, self.read_bytes = 100, 42
+        gate.wait(20)
+        real_run(self)
+
+    monkeypatch.setattr(loader.ModelLoader, "_run", held_run)
+    app = create_app(ServerConfig("tiny", {"model": str(qwen3_checkpoint)}))
+    with TestClient(app) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading", "progress": 0.42}
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        gate.set()
+        for _ in range(200):
+            if c.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert c.get("/health").json() == {"status": "ok"}
+
+
+# -- generation ------------------------------------------------------------------------------------
+
+
+def test_chat_stream_matches_non_stream(server):
+    client = server.client()
+    full = chat(client, "Hello there")
+    assert full.choices[0].finish_reason in ("length", "stop")
+    u = full.usage
+    assert u.completion_tokens >= 1 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    timings = full.model_extra["timings"]
+    assert timings["predicted_n"] == u.completion_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == u.prompt_tokens
+
+    chunks = list(chat(client, "Hello there", stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == u.completion_tokens
+
+
+def test_raw_stream_ends_with_done(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    with server.http() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_completions_text_ids_and_stream(server):
+    client = server.client()
+    a = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0)
+    assert a.object == "text_completion"
+    assert a.usage.completion_tokens == 8 or a.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0, stream=True))
+    assert streamed == a.choices[0].text
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens >= 1
+
+
+def test_stop_string_and_seed(server):
+    client = server.client()
+    full = client.completions.create(model="tiny", prompt="Hello world", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[6:8]
+    cut = client.completions.create(model="tiny", prompt="Hello world", max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.find(stop)]
+    s1, s2 = (chat(client, "seeded", temperature=1.0, top_p=0.9, seed=7, max_tokens=6,
+                   extra_body={"top_k": 50}).choices[0].message.content for _ in range(2))
+    assert s1 == s2
+
+
+def test_concurrent_greedy_equals_sequential(server):
+    client = server.client()
+    prompts = ["Hello world", "What is the capital of France?", "Numbers: 0 1 2", "The end of the story"]
+    sequential = [chat(client, p, max_tokens=10).choices[0].message.content for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        concurrent = list(pool.map(lambda p: chat(client, p, max_tokens=10).choices[0].message.content, prompts))
+    assert concurrent == sequential
+
+
+def test_shared_system_prompt_hits_prefix_cache(server):
+    client = server.client()
+    system = "You are a helpful assistant. " * 6 + "The quick brown fox jumps over the lazy dog. " * 2
+    hits0, computed0 = server.metric("expertcache:prefix_cache_hits_total"), server.metric(
+        "expertcache:prompt_tokens_computed_total")
+    usages = []
+    for q in ("Hello there", "What is 42?"):
+        r = client.chat.completions.create(model="tiny", max_tokens=2, temperature=0,
+                                           messages=[{"role": "system", "content": system},
+                                                     {"role": "user", "content": q}])
+        usages.append(r.usage)
+    cached = usages[1].prompt_tokens_details.cached_tokens
+    assert cached >= 64, usages  # the shared system prompt, in whole 16-token blocks
+    hits = server.metric("expertcache:prefix_cache_hits_total") - hits0
+    computed = server.metric("expertcache:prompt_tokens_computed_total") - computed0
+    assert hits >= cached
+    assert computed <= usages[0].prompt_tokens + usages[1].prompt_tokens - cached
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [
+    ("malformed json", "/v1/chat/completions", b'{"messages": [', None),
+    ("not an object", "/v1/chat/completions", [1, 2], None),
+    ("wrong type", "/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, "temperature"),
+    ("string max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, "model"),
+    ("max_tokens 0", "/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    ("max_tokens < 0", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("max_completion_tokens 0", "/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("beyond context", "/v1/chat/completions", {"messages": MSG, "max_tokens": 100000}, "max_tokens"),
+    ("prompt beyond context", "/v1/completions", {"prompt": list(range(1, 300)), "max_tokens": 1}, "prompt"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, "messages"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
+     "messages[0].role"),
+    ("missing messages", "/v1/chat/completions", {"model": "tiny"}, "messages"),
+    ("n=2", "/v1/chat/completions", {"messages": MSG, "n": 2}, "n"),
+    ("top_p 0", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, "top_p"),
+    ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, "prompt"),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 10**9]}, "prompt"),
+    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_400(server, name, path, body, param):
+    with server.http() as c:
+        r = c.post(path, content=body) if isinstance(body, bytes) else c.post(path, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"] and set(err) == {
+            "message", "type", "param", "code"}
+        assert err["param"] == param
+        assert c.get("/health").status_code == 200
+
+
+def test_api_key_required(server):
+    with server.http(auth=False) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = c.post("/v1/chat/completions", json={"messages": MSG}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/health").status_code == 200
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert chat(server.client(), "still alive").choices[0].message.content is not None
+
+
+def test_client_disconnect_aborts_request(server):
+    aborted0 = server.metric("expertcache:request_success_total", 'finished_reason="abort"')
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with server.http() as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break  # leave mid-stream: the connection closes with the context
+        for _ in range(100):
+            eng = c.get("/stats").json()["engine"]
+            if eng["running"] == 0 and eng["waiting"] == 0:
+                break
+            time.sleep(0.1)
+    assert eng["running"] == 0 and eng["kv_cache_usage"] == 0.0
+    assert eng["engine_counters"]["generated_tokens"] > 0
+    assert server.metric("expertcache:request_success_total", 'finished_reason="abort"') == aborted0 + 1
+
+
+# -- observability ---------------------------------------------------------------------------------
+
+
+def test_metrics_and_stats(server):
+    chat(server.client(), "count me", max_tokens=3)
+    with server.http() as c:
+        text = c.get("/metrics").text
+        stats = c.get("/stats").json()
+    for name in ("num_requests_running", "num_requests_waiting", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "expert_cache_hits_total", "expert_cache_misses_total",
+                 "expert_cache_bytes_total", "expert_cpu_computed_share"):
+        assert f"expertcache:{name}" in text, name
+    assert server.metric("expertcache:generation_tokens_total") >= 3
+    assert stats["status"] == "ok" and isinstance(stats["expert_stats"], dict)
+    assert stats["engine"]["engine_counters"]["generated_tokens"] >= 3
+    assert "Avg generation throughput" in server.log_tail()
+
+
+def test_server_log_has_no_tracebacks(server):
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, log[-3000:]
+    assert "aborted: client disconnected" in log
