@@ -11,7 +11,9 @@ Contract (every policy):
 - `victim(candidates)` returns one element of `candidates` (a non-empty list of
   resident, unpinned experts). It must not mutate state; `remove` follows.
 - `admit(e, t)` may refuse to cache a missed expert (it is then used once from
-  the slower tier). The default admits everything. SlotTable calls `admit`
+  the slower tier). The default admits everything. `prefetch=True` (optional
+  keyword, defaults False) marks a prefetch insert; every policy here accepts it,
+  SlotTable does not pass it yet. SlotTable calls `admit`
   before every placement (miss or prefetch insert), so `admit` is where a
   policy learns the current time before a `victim` call.
 
@@ -70,7 +72,7 @@ class Policy:
 
     def remove(self, e: int) -> None: ...
 
-    def admit(self, e: int, t: int) -> bool:
+    def admit(self, e: int, t: int, prefetch: bool = False) -> bool:
         return True
 
     def victim(self, candidates: list[int]) -> int:
@@ -133,7 +135,7 @@ class _Scored(Policy):
         self.resident.discard(e)
         self.fresh.pop(e, None)
 
-    def admit(self, e, t):
+    def admit(self, e, t, prefetch: bool = False):
         self.now = max(self.now, t)
         return True
 
@@ -213,19 +215,22 @@ class Static(_Scored):
         order = np.argsort(-self.count, kind="stable")
         self.hot = set(order[: self.capacity].tolist())
 
-    def touch(self, e, t):
-        super().touch(e, t)
+    def _clock(self, t):
         if self.t0 is None:
             self.t0 = t
-        if not self.frozen:
-            if t - self.t0 >= self.warmup:
-                self.frozen = True
-                self._update_hot()
-            else:
-                self.count[e] += 1
+        if not self.frozen and t - self.t0 >= self.warmup:
+            self.frozen = True
+            self._update_hot()
 
-    def admit(self, e, t):
+    def touch(self, e, t):
+        super().touch(e, t)
+        self._clock(t)
+        if not self.frozen:
+            self.count[e] += 1
+
+    def admit(self, e, t, prefetch: bool = False):
         super().admit(e, t)
+        self._clock(t)
         return (not self.frozen) or e in self.hot or len(self.resident) < self.capacity
 
     def key(self, e):
@@ -243,6 +248,9 @@ class LFRUAdmit(LFRU):
     of f(r), all scores decayed to now (f(e) + 1 is e's score after this use).
     A refused expert is served once from the slower tier and evicts nothing, so a
     one-off expert cannot push out a steadily used one. O(capacity) per miss.
+    `admit(e, t, prefetch=True)` always admits (a prefetch is predictor-informed);
+    SlotTable.insert does not pass that flag today, so prefetches are filtered
+    like misses until it does.
 
     Tuned on tinymoe-py16 traces (bench/trace_tinymoe.py): decay 0.95 was the best
     of 0.7..0.99 on the tuning trace and held on a second held-out trace. Because
@@ -252,9 +260,9 @@ class LFRUAdmit(LFRU):
     def __init__(self, decay: float = 0.95, **kw):
         super().__init__(decay=decay, **kw)
 
-    def admit(self, e, t):
+    def admit(self, e, t, prefetch: bool = False):
         super().admit(e, t)
-        if len(self.resident) < self.capacity:
+        if prefetch or len(self.resident) < self.capacity:
             return True
         mine = self.score[e] * self.decay ** (t - self.t_score[e]) + 1.0
         return mine >= min(self.key(r)[0] for r in self.resident)

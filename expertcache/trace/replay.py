@@ -65,6 +65,7 @@ class ReplayResult:
     expert_bytes: int
     steps: int
     rows: int
+    pairs: int = 0  # (row, layer, expert) routings = rows * layers * top_k; pairs / uses = rows per use
     prefetch_issued: int = 0
     prefetch_useful: int = 0
     min_hit_rate: float | None = None
@@ -114,6 +115,7 @@ def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool = Fal
                        hit_rate=hits / max(hits + misses, 1),
                        bytes_moved=(misses + issued) * trace.expert_bytes, expert_bytes=trace.expert_bytes,
                        steps=len(sched[0]) if sched else 0, rows=len(trace),
+                       pairs=int(trace.experts.size),
                        prefetch_issued=issued, prefetch_useful=useful, per_layer=per_layer)
     if with_min:
         if policy == "min" and not prefetch:

@@ -1,0 +1,226 @@
+"""`expertcache trace ...` subcommands. The main CLI calls
+`add_trace_subcommands(subparsers)` and then `args.func(args)` (returns an exit code).
+
+    trace replay TRACE (--capacity K[,K..] | --budget BYTES) --policy P|all
+                 [--prefetch] [--sweep] [--stats TRACE] [--json] [--png FILE]
+    trace stats TRACE [--png FILE] [--json]
+    trace synth OUT --layers --experts --top-k --tokens [--seqs] --zipf --reuse [--shift-every] [--seed]
+    trace import JSONL OUT.npz --num-experts E [--model NAME] [--expert-bytes BYTES]
+    trace export TRACE OUT.jsonl
+    trace simulate TRACE --capacity K --profile NAME|FILE.toml[:NAME] [--policy P]
+                   [--model-config config.json] [--prefetch] [--no-cpu-compute] [--from-disk] [--json]
+
+--budget is the device budget for all MoE layers together:
+capacity = budget // (expert_bytes * layers). --sweep replays capacities 1..num_experts.
+--json (replay) prints a list with one object per (policy, capacity):
+{policy, capacity, hit_rate, min_hit_rate, bytes_moved, per_layer, prefetch_issued, prefetch_useful}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..experts.policy import ONLINE, POLICIES
+from .format import RoutingTrace
+from .units import format_bytes, parse_bytes
+
+
+def _capacities(args, trace: RoutingTrace) -> list[int]:
+    if args.sweep:
+        return list(range(1, trace.num_experts + 1))
+    if args.budget is not None:
+        if not trace.expert_bytes:
+            raise ValueError("--budget: the trace has no expert_bytes; use --capacity")
+        cap = parse_bytes(args.budget) // (trace.expert_bytes * trace.num_layers)
+        if cap < 1:
+            raise ValueError(f"--budget: {args.budget} holds no expert per layer "
+                             f"({format_bytes(trace.expert_bytes)} each, {trace.num_layers} layers)")
+        return [int(cap)]
+    if args.capacity is None:
+        raise ValueError("replay: give --capacity, --budget or --sweep")
+    try:
+        return [int(x) for x in str(args.capacity).split(",")]
+    except ValueError:
+        raise ValueError(f"--capacity: expected integers separated by commas, got {args.capacity!r}") from None
+
+
+def _cmd_replay(args) -> int:
+    from .replay import sweep
+    from .stats import use_counts
+
+    trace = RoutingTrace.load(args.trace)
+    policies = list(ONLINE) if args.policy == "all" else args.policy.split(",")
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"--policy: unknown {p!r}; choose from {sorted(POLICIES)} or all")
+    stats = use_counts(RoutingTrace.load(args.stats)) if args.stats else None
+    results = sweep(trace, policies, _capacities(args, trace), prefetch=args.prefetch, stats=stats)
+    if args.json:
+        keys = ("policy", "capacity", "hit_rate", "min_hit_rate", "bytes_moved", "per_layer",
+                "prefetch_issued", "prefetch_useful")
+        print(json.dumps([{k: getattr(r, k) for k in keys} for r in results], indent=1))
+    else:
+        print(f"{'policy':<12}{'slots':>6}{'hit':>8}{'MIN':>8}{'of MIN':>8}{'moved':>12}")
+        for r in results:
+            print(f"{r.policy:<12}{r.capacity:>6}{r.hit_rate:>8.3f}{r.min_hit_rate:>8.3f}"
+                  f"{r.hit_rate / max(r.min_hit_rate, 1e-12):>8.3f}{format_bytes(r.bytes_moved):>12}")
+    if args.png:
+        from .stats import plot_sweep
+
+        plot_sweep(results, args.png)
+    return 0
+
+
+def _cmd_stats(args) -> int:
+    from .stats import plot_heatmap, summary
+
+    trace = RoutingTrace.load(args.trace)
+    s = summary(trace)
+    if args.json:
+        print(json.dumps(s, default=str))
+    else:
+        for k, v in s.items():
+            print(f"{k}: {v}")
+    if args.png:
+        plot_heatmap(trace, args.png)
+    return 0
+
+
+def _cmd_synth(args) -> int:
+    from .synthetic import synth_trace
+
+    zipf = [float(z) for z in args.zipf.split(",")]
+    t = synth_trace(layers=args.layers, experts=args.experts, top_k=args.top_k, tokens=args.tokens,
+                    seqs=args.seqs, zipf=zipf if len(zipf) > 1 else zipf[0], reuse=args.reuse,
+                    shift_every=args.shift_every, seed=args.seed, expert_bytes=parse_bytes(args.expert_bytes))
+    t.save(args.out)
+    print(f"wrote {args.out}: {len(t)} rows x {t.num_layers} layers x top-{t.top_k}")
+    return 0
+
+
+def _cmd_import(args) -> int:
+    t = RoutingTrace.from_jsonl(args.jsonl, num_experts=args.num_experts, model=args.model,
+                                expert_bytes=parse_bytes(args.expert_bytes), num_layers=args.layers)
+    t.save(args.out)
+    print(f"wrote {args.out}: {len(t)} rows x {t.num_layers} layers")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    RoutingTrace.load(args.trace).to_jsonl(args.out)
+    return 0
+
+
+def _cmd_simulate(args) -> int:
+    from .profiles import get_profile
+    from .replay import replay
+    from .simulate import ModelShape, simulate
+
+    trace = RoutingTrace.load(args.trace)
+    prof = get_profile(args.profile)
+    if args.model_config:
+        shape = ModelShape.from_config(args.model_config)
+    else:
+        if not trace.expert_bytes:
+            raise ValueError("simulate: the trace has no expert_bytes; pass --model-config")
+        shape = ModelShape(expert_params=trace.expert_bytes // 2, dense_params=0)
+        print("note: no --model-config, dense compute ignored", file=sys.stderr)
+    res = replay(trace, args.policy, args.capacity, prefetch=args.prefetch, with_min=False)
+    pred = simulate(res, shape, prof, cpu_compute=not args.no_cpu_compute, from_disk=args.from_disk)
+    if args.json:
+        print(json.dumps({"profile": prof.name, "hit_rate": res.hit_rate, **pred.to_dict()}))
+    else:
+        print(f"{prof.name}: {pred.tok_s:.1f} tok/s (hit rate {res.hit_rate:.3f})")
+        for k, v in pred.to_dict().items():
+            print(f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}")
+    return 0
+
+
+def _wrap(fn):
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
+    tp = subparsers.add_parser("trace", help="record, inspect, replay and simulate routing traces")
+    sub = tp.add_subparsers(dest="trace_cmd", required=True)
+
+    p = sub.add_parser("replay", help="hit rates of cache policies on a trace (vs. MIN)")
+    p.add_argument("trace")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--capacity", help="slots per layer, e.g. 4 or 3,4,6")
+    g.add_argument("--budget", help="device bytes for all layers, e.g. 512MiB")
+    g.add_argument("--sweep", action="store_true", help="capacities 1..num_experts")
+    p.add_argument("--policy", default="lru", help=f"one of {sorted(POLICIES)}, comma list, or all")
+    p.add_argument("--prefetch", action="store_true", help="insert lookahead experts before each layer")
+    p.add_argument("--stats", help="trace whose use counts feed the static policy")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--png", help="plot hit rate vs capacity")
+    p.set_defaults(func=_wrap(_cmd_replay))
+
+    p = sub.add_parser("stats", help="use heatmap, reuse distance, token-to-token reuse")
+    p.add_argument("trace")
+    p.add_argument("--png", help="write the layer x expert heatmap")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_wrap(_cmd_stats))
+
+    p = sub.add_parser("synth", help="write a synthetic trace")
+    p.add_argument("out")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--seqs", type=int, default=1)
+    p.add_argument("--zipf", default="1.0", help="skew, one value or one per layer (comma list)")
+    p.add_argument("--reuse", type=float, default=0.3, help="P(token keeps each previous expert)")
+    p.add_argument("--shift-every", type=int, default=0, help="re-draw the hot set every M tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--expert-bytes", default="1MiB")
+    p.set_defaults(func=_wrap(_cmd_synth))
+
+    p = sub.add_parser("import", help="JSONL -> .npz")
+    p.add_argument("jsonl")
+    p.add_argument("out")
+    p.add_argument("--num-experts", type=int, required=True)
+    p.add_argument("--layers", type=int, help="expected MoE layer count (checked)")
+    p.add_argument("--model", default="")
+    p.add_argument("--expert-bytes", default="0")
+    p.set_defaults(func=_wrap(_cmd_import))
+
+    p = sub.add_parser("export", help=".npz -> JSONL")
+    p.add_argument("trace")
+    p.add_argument("out")
+    p.set_defaults(func=_wrap(_cmd_export))
+
+    p = sub.add_parser("simulate", help="predicted decode tok/s on a hardware profile")
+    p.add_argument("trace")
+    p.add_argument("--capacity", type=int, required=True)
+    p.add_argument("--profile", required=True, help="built-in name or FILE.toml[:NAME]")
+    p.add_argument("--policy", default="lfru-admit")
+    p.add_argument("--model-config", help="config.json of the model (for dense compute)")
+    p.add_argument("--prefetch", action="store_true")
+    p.add_argument("--no-cpu-compute", action="store_true")
+    p.add_argument("--from-disk", action="store_true", help="experts not held in host RAM")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_wrap(_cmd_simulate))
+    return tp
+
+
+def main(argv=None) -> int:
+    """Standalone entry: `python -m expertcache.trace.cli trace replay ...`."""
+    ap = argparse.ArgumentParser(prog="expertcache")
+    add_trace_subcommands(ap.add_subparsers(dest="cmd", required=True))
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

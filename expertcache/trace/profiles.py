@@ -1,0 +1,91 @@
+"""Hardware profiles for the cost model (expertcache.trace.simulate).
+
+A Profile is bandwidths in GB/s (10**9 bytes/s) and throughputs in GFLOP/s or
+TFLOP/s. `gpu_tflops == 0` means no accelerator: everything runs on the CPU.
+Built-in numbers are rough sustained figures, not peaks.
+
+User profiles come from TOML (tomllib): either tables `[profiles.NAME]` with the
+fields below, or the fields at top level (the profile is then named after the
+file stem). Select one with `get_profile("rigs.toml:NAME")`, `get_profile("rig.toml")`
+(a single profile) or a built-in name.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    link_gbs: float  # host -> device copy bandwidth
+    disk_gbs: float  # disk -> host read bandwidth
+    cpu_mem_gbs: float
+    cpu_gflops: float
+    gpu_mem_gbs: float = 0.0
+    gpu_tflops: float = 0.0
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu_tflops > 0
+
+
+BUILTIN: dict[str, Profile] = {p.name: p for p in (
+    Profile("cpu-only", link_gbs=0, disk_gbs=3, cpu_mem_gbs=50, cpu_gflops=800),
+    Profile("laptop-pcie3", link_gbs=12, disk_gbs=2, cpu_mem_gbs=40, cpu_gflops=400, gpu_mem_gbs=190, gpu_tflops=9),
+    Profile("rtx3060-pcie4", link_gbs=25, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=360,
+            gpu_tflops=25),
+    Profile("rtx4090-pcie4", link_gbs=25, disk_gbs=6, cpu_mem_gbs=70, cpu_gflops=1500, gpu_mem_gbs=1000,
+            gpu_tflops=160),
+    Profile("a100-pcie4", link_gbs=25, disk_gbs=6, cpu_mem_gbs=150, cpu_gflops=2000, gpu_mem_gbs=1900,
+            gpu_tflops=300),
+    Profile("h100-pcie5", link_gbs=50, disk_gbs=10, cpu_mem_gbs=250, cpu_gflops=3000, gpu_mem_gbs=2000,
+            gpu_tflops=750),
+)}
+
+_FIELDS = {f.name for f in fields(Profile)} - {"name"}
+_REQUIRED = {"link_gbs", "disk_gbs", "cpu_mem_gbs", "cpu_gflops"}
+
+
+def _from_table(name: str, table: dict, where: str) -> Profile:
+    unknown = set(table) - _FIELDS
+    if unknown:
+        raise ValueError(f"{where}: unknown profile field {sorted(unknown)[0]!r}; known: {sorted(_FIELDS)}")
+    missing = _REQUIRED - set(table)
+    if missing:
+        raise ValueError(f"{where}: profile {name!r} lacks field {sorted(missing)[0]!r}")
+    for k, v in table.items():
+        if not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"{where}: field {k!r} must be a number >= 0, got {v!r}")
+    return Profile(name=name, **{k: float(v) for k, v in table.items()})
+
+
+def load_profiles(path: str | Path) -> dict[str, Profile]:
+    path = Path(path)
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    if "profiles" in data:
+        if not isinstance(data["profiles"], dict):
+            raise ValueError(f"{path}: 'profiles' must be a table of tables")
+        return {n: _from_table(n, t, f"{path} [profiles.{n}]") for n, t in data["profiles"].items()}
+    return {path.stem: _from_table(path.stem, data, str(path))}
+
+
+def get_profile(spec: str) -> Profile:
+    """A built-in name, "file.toml" (one profile) or "file.toml:NAME"."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    file, _, name = spec.partition(".toml")
+    if not _:
+        raise ValueError(f"profile: unknown {spec!r}; built-ins: {sorted(BUILTIN)} or a .toml file")
+    profs = load_profiles(file + ".toml")
+    name = name.lstrip(":")
+    if not name:
+        if len(profs) != 1:
+            raise ValueError(f"profile: {file}.toml holds {sorted(profs)}; pick one with FILE.toml:NAME")
+        return next(iter(profs.values()))
+    if name not in profs:
+        raise ValueError(f"profile: {name!r} not in {file}.toml ({sorted(profs)})")
+    return profs[name]

@@ -1,0 +1,120 @@
+"""Cost model: predicted decode tokens/s from replay counters and a hardware Profile.
+
+Notation: eb = bytes of one expert, Pe = parameters of one expert, Pd = dense
+parameters read per token (attention, router, norms, lm head) with bytes Bd,
+u = rows per use = pairs / uses (1 for one-token decode steps), S = steps,
+bandwidths in bytes/s and throughputs in FLOP/s (a matmul costs 2 FLOP/param/row).
+
+    dense      = S * max(Bd / gpu_mem, 2 Pd u_step / gpu_flops)   (u_step = rows / S)
+    gpu_exp    = max(eb / gpu_mem, 2 Pe u / gpu_flops)           one use of a resident expert
+    cpu_exp    = max(eb / cpu_mem, 2 Pe u / cpu_flops)           one use computed on the CPU
+    xfer       = eb / link   (+ eb / disk when from_disk: experts live on disk, not in RAM)
+    hit        -> gpu_exp
+    miss       -> min(xfer + gpu_exp, cpu_exp)  if cpu_compute, else xfer + gpu_exp
+                  (the cheaper side is chosen per missing expert; with from_disk
+                  the CPU path also pays eb / disk)
+    prefetch   -> issued * xfer on the link, overlapped with dense + hit compute:
+                  prefetch_stall = max(0, issued * xfer - (dense + hits * gpu_exp))
+    total      = dense + hits * gpu_exp + sum(miss costs) + prefetch_stall
+    tok/s      = rows / total
+
+Without a GPU (profile.gpu_tflops == 0) dense and every use run on the CPU
+(cpu_exp), misses cost only the disk read when from_disk. It is a first-order
+model: no kernel launch overhead, no overlap of demand transfers with compute.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .profiles import Profile
+from .replay import ReplayResult, replay
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    expert_params: int
+    dense_params: int  # per token, all layers plus lm head
+    bytes_per_param: float = 2.0
+
+    @property
+    def expert_bytes(self) -> int:
+        return int(self.expert_params * self.bytes_per_param)
+
+    @classmethod
+    def from_config(cls, cfg: dict | str | Path, bytes_per_param: float = 2.0) -> "ModelShape":
+        """From a Hugging Face MoE config (dict or path to config.json / its folder)."""
+        if not isinstance(cfg, dict):
+            p = Path(cfg)
+            cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        try:
+            h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+            inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+            nh = cfg["num_attention_heads"]
+            nkv = cfg.get("num_key_value_heads", nh)
+            hd = cfg.get("head_dim") or h // nh
+            ne = cfg.get("num_experts") or cfg.get("num_local_experts")
+            vocab = cfg["vocab_size"]
+        except KeyError as err:
+            raise ValueError(f"config: missing field {err.args[0]!r}") from None
+        attn = h * nh * hd * 2 + h * nkv * hd * 2
+        dense = layers * (attn + h * (ne or 0)) + h * vocab
+        return cls(expert_params=3 * h * inter, dense_params=dense, bytes_per_param=bytes_per_param)
+
+
+@dataclass
+class Prediction:
+    tok_s: float
+    total_s: float
+    dense_s: float
+    expert_compute_s: float  # hits plus transferred misses, on the GPU
+    transfer_stall_s: float  # demand transfers of misses computed on the GPU
+    cpu_miss_s: float  # misses computed on the CPU because that was cheaper
+    prefetch_stall_s: float
+    misses_on_cpu: int
+    misses_transferred: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def simulate(result: ReplayResult | object, shape: ModelShape, profile: Profile, cpu_compute: bool = True,
+             from_disk: bool = False, policy: str | None = None, capacity: int | None = None,
+             prefetch: bool = False) -> Prediction:
+    """`result` is a ReplayResult, or a RoutingTrace replayed here with policy/capacity."""
+    if not isinstance(result, ReplayResult):
+        if policy is None or capacity is None:
+            raise ValueError("simulate: a trace needs policy= and capacity=")
+        result = replay(result, policy, capacity, prefetch=prefetch, with_min=False)
+    gb, tf = 1e9, 1e12
+    uses = result.hits + result.misses
+    if uses == 0 or result.rows == 0:
+        raise ValueError("simulate: the replay has no uses")
+    eb = result.expert_bytes or shape.expert_bytes
+    u = result.pairs / uses if result.pairs else 1.0
+    u_step = result.rows / max(result.steps, 1)
+    bd = shape.dense_params * shape.bytes_per_param
+    disk = eb / (profile.disk_gbs * gb) if from_disk and profile.disk_gbs > 0 else 0.0
+    cpu_exp = max(eb / (profile.cpu_mem_gbs * gb), 2 * shape.expert_params * u / (profile.cpu_gflops * 1e9))
+    if not profile.has_gpu:
+        dense = result.steps * max(bd / (profile.cpu_mem_gbs * gb),
+                                   2 * shape.dense_params * u_step / (profile.cpu_gflops * 1e9))
+        exp = uses * cpu_exp
+        total = dense + exp + result.misses * disk
+        return Prediction(result.rows / total, total, dense, 0.0, result.misses * disk, exp, 0.0, result.misses, 0)
+    dense = result.steps * max(bd / (profile.gpu_mem_gbs * gb),
+                               2 * shape.dense_params * u_step / (profile.gpu_tflops * tf))
+    gpu_exp = max(eb / (profile.gpu_mem_gbs * gb), 2 * shape.expert_params * u / (profile.gpu_tflops * tf))
+    xfer = (eb / (profile.link_gbs * gb) if profile.link_gbs > 0 else float("inf")) + disk
+    on_cpu = cpu_compute and cpu_exp + disk < xfer + gpu_exp
+    m = result.misses
+    hit_s = result.hits * gpu_exp
+    if on_cpu:
+        exp_s, stall, cpu_s, n_cpu, n_x = hit_s, 0.0, m * (cpu_exp + disk), m, 0
+    else:
+        exp_s, stall, cpu_s, n_cpu, n_x = hit_s + m * gpu_exp, m * xfer, 0.0, 0, m
+    pf = max(0.0, result.prefetch_issued * xfer - (dense + hit_s)) if result.prefetch_issued else 0.0
+    total = dense + exp_s + stall + cpu_s + pf
+    return Prediction(result.rows / total, total, dense, exp_s, stall, cpu_s, pf, n_cpu, n_x)

@@ -1,0 +1,75 @@
+"""Seeded synthetic routing traces with tunable skew, locality and topic shifts.
+
+Generative model, per sequence and layer:
+- Popularity: expert at rank r (1-based) has weight r**(-zipf[l]); a random
+  permutation per layer maps ranks to expert ids (zipf=0 is uniform).
+- Topic shifts: every `shift_every` tokens (0 = never) the permutations are
+  re-drawn, so the hot set moves.
+- Locality: for token i > 0 of a sequence, each of the previous token's k
+  experts is kept independently with probability `reuse`; the remaining slots
+  are filled by sampling without replacement from the popularity weights,
+  excluding experts already chosen. So the expected fraction of the previous
+  token's experts reused is >= `reuse` (chance reuse adds a little).
+- Rows: sequences back to back, one row per step (decode), step = row index.
+  Weights: a normalised Dirichlet-like draw sorted descending (kept experts first).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .format import RoutingTrace
+
+
+def _draw(rng, p: np.ndarray, k: int, keep: list[int]) -> list[int]:
+    """`keep` plus k-len(keep) experts drawn by weight p without replacement, excluding keep."""
+    need = k - len(keep)
+    if need <= 0:
+        return keep[:k]
+    q = p.copy()
+    q[keep] = 0.0
+    q /= q.sum()
+    return keep + rng.choice(len(p), size=need, replace=False, p=q).tolist()
+
+
+def synth_trace(layers: int = 4, experts: int = 16, top_k: int = 2, tokens: int = 256, seqs: int = 1,
+                zipf: float | list[float] = 1.0, reuse: float = 0.0, shift_every: int = 0, seed: int = 0,
+                expert_bytes: int = 1 << 20) -> RoutingTrace:
+    """Build a trace of `seqs` sequences x `tokens` tokens (see module doc)."""
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k: must lie in [1, experts={experts}], got {top_k}")
+    if not 0.0 <= reuse <= 1.0:
+        raise ValueError(f"reuse: must lie in [0, 1], got {reuse}")
+    zipfs = np.broadcast_to(np.asarray(zipf, dtype=float), (layers,))
+    if len(np.atleast_1d(zipf)) not in (1, layers):
+        raise ValueError(f"zipf: one value or one per layer ({layers}), got {len(np.atleast_1d(zipf))}")
+    rng = np.random.default_rng(seed)
+    base = [np.arange(1, experts + 1, dtype=float) ** (-z) for z in zipfs]
+
+    def popularity():
+        out = []
+        for b in base:
+            p = np.empty(experts)
+            p[rng.permutation(experts)] = b
+            out.append(p / p.sum())
+        return out
+
+    n = seqs * tokens
+    ex = np.empty((n, layers, top_k), np.int32)
+    w = np.empty((n, layers, top_k), np.float32)
+    row = 0
+    pop = popularity()
+    for _ in range(seqs):
+        for i in range(tokens):
+            if shift_every and row and row % shift_every == 0:
+                pop = popularity()
+            for li in range(layers):
+                keep = [] if i == 0 else [int(e) for e in ex[row - 1, li] if rng.random() < reuse]
+                ex[row, li] = _draw(rng, pop[li], top_k, keep)
+                g = np.sort(rng.gamma(1.0, size=top_k))[::-1]
+                w[row, li] = g / g.sum()
+            row += 1
+    return RoutingTrace(experts=ex, num_experts=experts, weights=w,
+                        seq=np.repeat(np.arange(seqs), tokens), token=np.tile(np.arange(tokens), seqs),
+                        phase=np.ones(n, np.int8), step=np.arange(n), model="synthetic",
+                        expert_bytes=expert_bytes)
