@@ -24,6 +24,7 @@ from .experts.provider import ResidentExperts
 from .loader.safetensors_index import TensorIndex
 from .models.registry import read_config
 from .models.transformer import MoETransformer
+from .quant.checkpoint import method_from_config
 from .units import fmt_bytes, parse_bytes
 
 
@@ -50,7 +51,8 @@ class LLM:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
         self.family, self.cfg, self.hf_config = read_config(self.model_dir)
         self.index = TensorIndex(self.model_dir)
-        self.source = ExpertSource(self.index, self.cfg, self.family.names)
+        self.quant = method_from_config(self.hf_config)
+        self.source = ExpertSource(self.index, self.cfg, self.family.names, self.quant)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir)
         except CheckpointError as e:
@@ -64,7 +66,8 @@ class LLM:
         bar = tqdm(total=self.index.nbytes(), unit="B", unit_scale=True, desc="loading weights",
                    disable=not progress, leave=False)
         self.experts = self._make_experts(cache_options, bar.update)
-        self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update)
+        self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update,
+                                    self.quant)
         bar.close()
 
         kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.num_kv_heads,

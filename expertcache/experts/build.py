@@ -18,12 +18,12 @@ def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.
                        dense_bytes: int = 0, progress=None, **options):
     cfg = source.cfg
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
-    dev_bytes = sum(p.nbytes // p.dtype.itemsize for p in source.parts) * dtype.itemsize  # compute format
+    dev_bytes = sum(p.nbytes for p in source.compute_parts(dtype))  # the fastest tier's format
     host_bytes = source.expert_nbytes  # stored format
     lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(host_bytes)} = {fmt_bytes(source.total_nbytes)} "
              f"on disk ({source.dtype}); compute format {fmt_bytes(dev_bytes)}/expert ({dtype})"]
     auto_dev, why = auto_device_bytes(device, dense_bytes)
-    staging = K * dev_bytes if device.type == "cuda" else 0
+    staging = dev_bytes if device.type == "cuda" else 0  # one slot for experts streamed in waves
     dplan = plan_tier(device_memory if device_memory is not None else "auto", "device_memory", dev_bytes, L, E, K,
                       auto_dev, reserve=staging)
     if device_memory in (None, "auto"):

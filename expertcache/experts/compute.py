@@ -8,7 +8,9 @@ Shape legend:
 Tokens are grouped by slot with one argsort; the loop runs over the A active
 slots only (A <= min(T*K, S)), each a dense matmul over the tokens routed to it.
 Pool tensors may be stored in a lower precision than x: each active slot is
-converted once (the CPU has no fast bf16 matmul; see README "numerics").
+converted once (the CPU has no fast bf16 matmul; see README "numerics"). Quantized
+pools (parts "gate.weight", "gate.weight_scale", ...) go through the QuantMethod,
+which dequantizes into float32 and multiplies.
 """
 
 from __future__ import annotations
@@ -25,17 +27,22 @@ def group_by_slot(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list
     return active, order, counts.tolist()
 
 
-def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert on x [n, H] with weights gate_up [2I, H], down [H, I] -> [n, H] in x's dtype."""
+def expert_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], method=None) -> torch.Tensor:
+    """One expert on x [n, H] with its parts `w` (gate_up [2I, H] + down [H, I], or quantized parts)."""
+    if method is not None:
+        xf = x.float()
+        h = F.silu(method.linear(xf, w, "gate")) * method.linear(xf, w, "up")
+        return method.linear(h, w, "down").to(x.dtype)
+    gate_up, down = w["gate_up"], w["down"]
     if gate_up.dtype != x.dtype:
         gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
     g, u = F.linear(x, gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(g) * u, down)
 
 
-def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor, out: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped expert FFN from pool tensors. `mask` [T, K] (bool) limits to some pairs (the rest add 0)."""
+def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
+            method=None, out: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped expert FFN from pool tensors {part: [S, ...]}. `mask` [T, K] (bool) limits to some pairs."""
     T, K = slots.shape
     out = torch.zeros_like(x) if out is None else out
     if mask is not None:
@@ -47,7 +54,7 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up
     for s, n in zip(active.tolist(), counts):
         if s >= 0:
             tok = token_of[start:start + n]
-            y = expert_ffn(x[tok], gate_up[s], down[s])
+            y = expert_ffn(x[tok], {name: t[s] for name, t in pool.items()}, method)
             out.index_add_(0, tok, y * w[start:start + n, None])
         start += n
     return out

@@ -4,6 +4,10 @@ Shapes (I = moe intermediate size, H = hidden size):
     gate_up  [2I, H]   rows 0..I-1 = gate_proj (Mixtral w1), rows I..2I-1 = up_proj (w3)
     down     [H, I]    down_proj (Mixtral w2)
 
+Quantized experts (a QuantMethod from expertcache.quant) are kept as stored: one part per
+stored tensor, named "<gate|up|down>.<suffix>" (e.g. "gate.weight", "gate.weight_scale"),
+and every tier holds those bytes; compute dequantizes (see compute.expert_ffn).
+
 Both checkpoint layouts reduce to at most three contiguous byte ranges per expert:
   hub:   layers.{l}.mlp.experts.{j}.gate_proj.weight / up_proj / down_proj (one tensor each)
   fused: layers.{l}.mlp.experts.gate_up_proj [E, 2I, H] and .down_proj [E, H, I] (slice j)
@@ -42,12 +46,15 @@ Range = tuple[Path, int, int]  # file, absolute offset, nbytes
 class ExpertSource:
     """Byte ranges of every routed expert of a checkpoint (from the headers alone)."""
 
-    def __init__(self, index: TensorIndex, cfg: ModelConfig, names: WeightNames):
-        self.index, self.cfg = index, cfg
+    def __init__(self, index: TensorIndex, cfg: ModelConfig, names: WeightNames, method=None):
+        self.index, self.cfg, self.method = index, cfg, method
         H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.layers = cfg.moe_layer_ids
         self._ranges: dict[tuple[int, int], dict[str, list[Range]]] = {}
         dtype = None
+        if method is not None:
+            self._quantized(names)
+            return
         for layer in self.layers:
             prefix = self._moe_prefix(layer, names)
             fused = f"{prefix}.experts.gate_up_proj"
@@ -79,6 +86,43 @@ class ExpertSource:
         self.dtype = dtype or torch.float32
         self.parts = (Part("gate_up", (2 * I, H), self.dtype), Part("down", (H, I), self.dtype))
         self.expert_nbytes = sum(p.nbytes for p in self.parts)
+
+    def _quantized(self, names: WeightNames) -> None:
+        """Parts = the method's stored tensors for gate, up and down, read as the checkpoint has them."""
+        cfg, m = self.cfg, self.method
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        parts: dict[str, Part] = {}
+        for layer in self.layers:
+            prefix = self._moe_prefix(layer, names)
+            for j in range(cfg.num_experts):
+                ranges = {}
+                for canon, proj in zip(("gate", "up", "down"), names.expert_projs):
+                    for key, spec in m.layout(canon, shapes[canon]).items():
+                        suffix = key.split(".", 1)[1]
+                        name = f"{prefix}.experts.{j}.{proj}.{suffix}"
+                        if name not in self.index and suffix in m.aliases:
+                            name = f"{prefix}.experts.{j}.{proj}.{m.aliases[suffix]}"
+                        t = self.index.info(name)
+                        same_size = t.dtype.itemsize == spec.dtype.itemsize or t.dtype.is_floating_point
+                        if math.prod(t.shape) != math.prod(spec.shape) or not same_size:
+                            raise CheckpointError(
+                                f"{t.file.name}: tensor {name} is {t.dtype} {list(t.shape)}, but {m.name} experts "
+                                f"need {spec.dtype} {list(spec.shape)}")
+                        part = Part(key, spec.shape, t.dtype)
+                        if parts.setdefault(key, part) != part:
+                            raise CheckpointError(f"tensor {name}: {t.dtype} differs from other experts' {parts[key].dtype}")
+                        ranges[key] = [(t.file, t.offset, t.nbytes)]
+                self._ranges[layer, j] = ranges
+        self.parts = tuple(parts.values())
+        self.dtype = self.parts[0].dtype
+        self.expert_nbytes = sum(p.nbytes for p in self.parts)
+
+    def compute_parts(self, dtype: torch.dtype) -> tuple[Part, ...]:
+        """Parts as the fastest tier holds them: plain weights in the compute dtype, quantized as stored."""
+        if self.method is not None:
+            return self.parts
+        return tuple(Part(p.name, p.shape, dtype) for p in self.parts)
 
     def _moe_prefix(self, layer: int, names: WeightNames) -> str:
         for p in names.moe_prefixes:

@@ -83,11 +83,13 @@ class TieredExperts(ExpertProvider):
 
         # device tier: compute dtype, slot tables per layer, lookup expert -> slot
         self.device_slots = device_slots
-        self.dev = {p.name: torch.empty((L, device_slots, *p.shape), dtype=dtype, device=device) for p in source.parts}
+        self.method = source.method
+        dev_parts = source.compute_parts(dtype)
+        self.dev = {p.name: torch.empty((L, device_slots, *p.shape), dtype=p.dtype, device=device) for p in dev_parts}
         self.dev_tables = [SlotTable(self.E, device_slots, make_policy(policy, self.E, device_slots, layer, stats))
                            for layer in self.layers]
         self.lut = torch.full((L, self.E), -1, dtype=torch.int64)  # CPU mirror, uploaded once per layer step
-        self.stage = ({p.name: torch.empty((self.K, *p.shape), dtype=dtype, device=device) for p in source.parts}
+        self.stage = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
                       if self.cuda else None)
         # host tier: stored dtype; all experts when host_slots is None
         self.host_all = host_slots is None
@@ -230,7 +232,7 @@ class TieredExperts(ExpertProvider):
             self._fill(layer, e, a.slot)
             lut[e] = a.slot
         slots = lut.to(x.device)[ids]
-        out = moe_ffn(x, slots, weights, self.dev["gate_up"][i], self.dev["down"][i], mask=slots >= 0)
+        out = moe_ffn(x, slots, weights, {n: t[i] for n, t in self.dev.items()}, self.method, mask=slots >= 0)
         for e, on_cpu in off_slot:
             self._off_slot(layer, e, on_cpu, x, ids, weights, out)
         table.unpin_all()
@@ -247,13 +249,11 @@ class TieredExperts(ExpertProvider):
         if not on_cpu:
             c.waves += 1
         if self.cuda and not on_cpu:
-            stage = {n: t[0] for n, t in self.stage.items()}
-            torch.cuda.current_stream(self.device).wait_event(self._copy(src, stage))
+            torch.cuda.current_stream(self.device).wait_event(self._copy(src, self.stage))
             c.bytes_moved += self.source.expert_nbytes
-            y = expert_ffn(x[tok], stage["gate_up"], stage["down"])
+            y = expert_ffn(x[tok], self.stage, self.method)
         else:
-            xc = x[tok].to("cpu", torch.float32)
-            y = expert_ffn(xc, src["gate_up"], src["down"]).to(x.device, x.dtype)
+            y = expert_ffn(x[tok].to("cpu", torch.float32), src, self.method).to(x.device, x.dtype)
         out.index_add_(0, tok, y * weights[tok, k, None])
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:

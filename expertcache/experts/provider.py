@@ -43,22 +43,22 @@ class ExpertProvider:
 
 
 class ResidentExperts(ExpertProvider):
-    """Every expert loaded once into stacked per-layer tensors [E, ...] (slot = expert id)."""
+    """Every expert loaded once into stacked per-layer pools {part: [E, ...]} (slot = expert id)."""
 
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None):
-        self.pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.method = source.method
         E = source.cfg.num_experts
+        parts = source.compute_parts(dtype)
+        self.pools: dict[int, dict[str, torch.Tensor]] = {}
         for layer in source.layers:
-            gu = torch.empty((E, *source.parts[0].shape), dtype=dtype, device=device)
-            dn = torch.empty((E, *source.parts[1].shape), dtype=dtype, device=device)
+            pool = {p.name: torch.empty((E, *p.shape), dtype=p.dtype, device=device) for p in parts}
             for j in range(E):
                 w = source.read(layer, j)
-                gu[j].copy_(w["gate_up"])
-                dn[j].copy_(w["down"])
+                for name, t in pool.items():
+                    t[j].copy_(w[name])
                 if progress:
                     progress(source.expert_nbytes)
-            self.pools[layer] = (gu, dn)
+            self.pools[layer] = pool
 
     def forward(self, layer, x, ids, weights):
-        gu, dn = self.pools[layer]
-        return moe_ffn(x, ids, weights, gu, dn)
+        return moe_ffn(x, ids, weights, self.pools[layer], self.method)

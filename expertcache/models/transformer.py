@@ -21,13 +21,15 @@ from ..layers.attention import Attention, AttnBatch
 from ..layers.basic import Rotary, rms_norm, swiglu
 from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
+from ..quant.checkpoint import load_dense
 from .model_config import ModelConfig
 from .registry import Family
 
 
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
-                 device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None):
+                 device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
+                 quant=None):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.prefetch = True
         self.record_routing = False
@@ -35,7 +37,7 @@ class MoETransformer:
         H, V, names = cfg.hidden_size, cfg.vocab_size, family.names
 
         def load(name, shape):
-            t = index.load(name, shape).to(device=device, dtype=dtype)
+            t = load_dense(index, name, shape, quant).to(device=device, dtype=dtype)
             if progress:
                 progress(t.numel() * index.info(name).dtype.itemsize)
             return t

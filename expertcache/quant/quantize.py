@@ -1,0 +1,108 @@
+"""`expertcache quantize`: rewrite a checkpoint with its routed experts quantized.
+
+Output layout (loaded back by quant/checkpoint.py, quant_method "expertcache"):
+  config.json        + quantization_config {"quant_method": "expertcache", "experts": FORMAT,
+                       "group_size"/"block_size" when the format takes one}
+  model-0000i-of-0000n.safetensors + model.safetensors.index.json
+      dense tensors unchanged (name, dtype, bytes)
+      routed experts per expert j and projection P (hub names: gate_proj/up_proj/down_proj or
+      Mixtral w1/w3/w2), whatever the input layout (hub or fused):
+          model.layers.{l}.<moe>.experts.{j}.P.<stored suffix>   (see quant/method.py legend)
+  every other file of the model directory (tokenizer, generation config) copied.
+Experts are read one at a time, so memory stays at about one shard.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..experts.layout import ExpertSource
+from ..loader.safetensors_index import TensorIndex, read_header
+from ..models.registry import read_config
+from .method import make_quant_method
+
+SHARD_BYTES = 2 << 30
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, group_size: int | None = None,
+                        block_size: int | None = None, progress: bool = False) -> Path:
+    src, dst = Path(src), Path(dst)
+    family, cfg, hf = read_config(src)
+    if hf.get("quantization_config"):
+        raise ValueError(f"{src} is already quantized ({hf['quantization_config'].get('quant_method')})")
+    params = {k: v for k, v in (("group_size", group_size), ("block_size", block_size)) if v is not None}
+    method = make_quant_method(fmt, **params)
+    index = TensorIndex(src)
+    source = ExpertSource(index, cfg, family.names)
+    dst.mkdir(parents=True, exist_ok=True)
+    expert_tensors = {n for layer in source.layers for n in _expert_names(index, layer, family.names, cfg.num_experts)}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+
+    def put(name: str, t: torch.Tensor):
+        nonlocal size
+        if size + t.nbytes > SHARD_BYTES and shards[-1]:
+            _flush(shards, dst)
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += t.nbytes
+
+    for name in sorted(set(index.tensors) - expert_tensors):
+        put(name, index.load(name))
+    g, u, d = family.names.expert_projs
+    I = cfg.moe_intermediate_size
+    for layer in source.layers:
+        prefix = source._moe_prefix(layer, family.names)
+        for j in range(cfg.num_experts):
+            w = source.read(layer, j)
+            weights = {f"{g}.weight": w["gate_up"][:I].float(), f"{u}.weight": w["gate_up"][I:].float(),
+                       f"{d}.weight": w["down"].float()}
+            for key, t in method.pack(weights).items():
+                put(f"{prefix}.experts.{j}.{key}", t)
+        if progress:
+            print(f"quantized layer {layer}", flush=True)
+    _flush(shards, dst)
+    _write_index(dst, len(shards))
+    hf = dict(hf)
+    hf["quantization_config"] = {"quant_method": "expertcache", "experts": fmt, **params}
+    (dst / "config.json").write_text(json.dumps(hf, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
+def _expert_names(index: TensorIndex, layer: int, names, num_experts: int) -> list[str]:
+    out = []
+    for p in names.moe_prefixes:
+        base = f"model.layers.{layer}.{p}.experts"
+        out += [n for n in (f"{base}.gate_up_proj", f"{base}.down_proj") if n in index]
+        out += [f"{base}.{j}.{proj}.weight" for j in range(num_experts) for proj in names.expert_projs
+                if f"{base}.{j}.{proj}.weight" in index]
+    return out
+
+
+def _flush(shards: list[dict], dst: Path) -> None:
+    i = len(shards)
+    save_file(shards[-1], str(dst / f"model-{i:05d}.partial.safetensors"), metadata={"format": "pt"})
+
+
+def _write_index(dst: Path, n: int) -> None:
+    weight_map, total = {}, 0
+    for i in range(1, n + 1):
+        tmp = dst / f"model-{i:05d}.partial.safetensors"
+        final = dst / f"model-{i:05d}-of-{n:05d}.safetensors"
+        tmp.rename(final)
+        header, _ = read_header(final)
+        for name, h in header.items():
+            if name != "__metadata__":
+                weight_map[name] = final.name
+                total += h["data_offsets"][1] - h["data_offsets"][0]
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
