@@ -39,6 +39,14 @@ def _hub_style_config(path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def _drop_yarn_original(path: Path) -> None:
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["rope_scaling"]["original_max_position_embeddings"]
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str
@@ -71,6 +79,9 @@ CASES = [
     # checkpoint formats: hub-style config.json, bf16 tensors (fp32 compute), sharded files
     Case("qwen3-hub-config", "qwen3_moe", edit=_hub_style_config),
     Case("qwen3-hub-config-yarn", "qwen3_moe", dict(rope_parameters=dict(YARN)), edit=_hub_style_config),
+    # yarn without original_max_position_embeddings: transformers falls back to max_position_embeddings
+    Case("qwen3-hub-config-yarn-no-original", "qwen3_moe", dict(rope_parameters=dict(YARN)),
+         edit=lambda p: (_hub_style_config(p), _drop_yarn_original(p))),
     Case("qwen3-bf16-checkpoint", "qwen3_moe", build=dict(dtype=torch.bfloat16)),
     Case("qwen3-sharded", "qwen3_moe", build=dict(max_shard_size="100KB")),
     # --- Qwen2-MoE: shared expert with sigmoid gate, q/k/v bias, norm_topk_prob=False
@@ -79,6 +90,9 @@ CASES = [
     Case("qwen2-no-qkv-bias", "qwen2_moe", dict(qkv_bias=False)),
     Case("qwen2-mlp-only-layers", "qwen2_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
     Case("qwen2-decoder-sparse-step", "qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2)),
+    # transformers' layer_types: sliding on even layers below max_window_layers (here layer 0 only)
+    Case("qwen2-sliding-window", "qwen2_moe",
+         dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=2)),
     # --- Mixtral: block_sparse_moe w1/w2/w3, top-2 with renormalised weights
     Case("mixtral-base", "mixtral"),
     Case("mixtral-sliding-window", "mixtral", dict(sliding_window=4)),
@@ -97,6 +111,17 @@ class Loaded:
     reference: object  # transformers model
     llm: object
     prompt: list[int]
+    _greedy: dict = dataclasses.field(default_factory=dict)
+
+    def reference_greedy(self, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in self._greedy:
+            self._greedy[key] = C.reference_greedy(self.reference, prompt, n)
+        return self._greedy[key]
+
+    def batch_prompts(self) -> list[list[int]]:
+        """Three prompts of lengths 16, 5 and 27 for the batching tests."""
+        return [self.prompt, self.prompt[:5], self.prompt[5:] + self.prompt]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
@@ -138,23 +163,51 @@ def test_logits_match_transformers(loaded):
     )
 
 
-def test_greedy_matches_transformers(loaded, expertcache_api):
-    expected = reference_greedy(loaded.reference, loaded.prompt, NEW_TOKENS)
-    params = expertcache_api.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    out = loaded.llm.generate([loaded.prompt], params)[0]
-    got = list(out.token_ids)
+def check_greedy(loaded, prompt, got, what=""):
+    expected = loaded.reference_greedy(prompt)
+    got = list(got)
     if got != expected:
         i = _first_mismatch(got, expected)
-        ctx = loaded.prompt + expected[:i]
+        ctx = prompt + expected[:i]
         top = reference_logits(loaded.reference, ctx)[-1].topk(2)
         margin = float(top.values[0] - top.values[1])
         pytest.fail(
-            f"{loaded.case.id}: greedy tokens differ from transformers at step {i}: "
-            f"engine {got[i:i + 4]} vs transformers {expected[i:i + 4]} "
+            f"{loaded.case.id}{what}: greedy tokens for a {len(prompt)}-token prompt differ from transformers "
+            f"at step {i}: engine {got[i:i + 4]} vs transformers {expected[i:i + 4]} "
             f"(transformers' top-2 margin there {margin:.2e})\nengine       {got}\ntransformers {expected}"
         )
+
+
+def greedy_params(api):
+    return api.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def test_greedy_matches_transformers(loaded, expertcache_api):
+    out = loaded.llm.generate([loaded.prompt], greedy_params(expertcache_api))[0]
+    check_greedy(loaded, loaded.prompt, out.token_ids)
     assert out.finish_reason == "length"
     assert list(out.prompt_token_ids) == loaded.prompt
+
+
+def test_batched_greedy_matches_transformers(loaded, expertcache_api):
+    """Prompts of different lengths decoded together (continuous batching)."""
+    prompts = loaded.batch_prompts()
+    outs = loaded.llm.generate(prompts, greedy_params(expertcache_api))
+    for prompt, out in zip(prompts, outs):
+        check_greedy(loaded, prompt, out.token_ids, " (batched)")
+
+
+def test_chunked_prefill_matches_transformers(loaded, expertcache_api):
+    """A 5-token step budget splits every prefill into chunks and interleaves them with decodes;
+    max_num_seqs=2 queues the third prompt; no prefix cache."""
+    llm = expertcache_api.LLM(str(loaded.path), device="cpu", max_num_batched_tokens=5, max_num_seqs=2,
+                              prefix_caching=False)
+    torch.testing.assert_close(llm.logits(loaded.prompt), reference_logits(loaded.reference, loaded.prompt),
+                               atol=ATOL, rtol=RTOL, msg=lambda m: f"{loaded.case.id} (chunked logits): {m}")
+    prompts = loaded.batch_prompts()
+    outs = llm.generate(prompts, greedy_params(expertcache_api))
+    for prompt, out in zip(prompts, outs):
+        check_greedy(loaded, prompt, out.token_ids, " (chunked prefill, batched)")
 
 
 def test_fused_expert_layout_same_logits(loaded, expertcache_api, tmp_path):
