@@ -139,14 +139,18 @@ class AsyncEngine:
     def _run(self) -> None:
         eng = self.llm.engine
         while not self._stop.is_set():
-            idle = not eng.has_unfinished()
-            self._drain(block=idle)
-            if eng.has_unfinished():
-                self._step()
-            elif idle:
-                self._refresh_expert_stats()
-                self._publish()
-            self._log.maybe_log(self._snapshot)
+            try:
+                idle = not eng.has_unfinished()
+                self._drain(block=idle)
+                if eng.has_unfinished():
+                    self._step()
+                elif idle:
+                    self._refresh_expert_stats()
+                    self._publish()
+                self._log.maybe_log(self._snapshot)
+            except Exception:  # noqa: BLE001 - the thread must outlive any one bad request or step
+                log.exception("engine loop error")
+                time.sleep(0.1)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -167,6 +171,11 @@ class AsyncEngine:
                 self.llm.engine.add_request(prompt_ids, params, handle.request_id)
             except ValueError as e:
                 self._resolve(handle, ApiError(str(e)))
+                return
+            except Exception as e:  # noqa: BLE001
+                log.exception("add_request failed")
+                self._resolve(handle, ApiError(f"engine error: {type(e).__name__}: {e}", status=500,
+                                               type="server_error"))
                 return
             self._tracks[handle.request_id] = _Track(handle, arrival, self._totals_now())
             self.metrics.on_admit(len(prompt_ids))

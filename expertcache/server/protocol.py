@@ -136,6 +136,8 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_
     top_k = 0 if req.top_k is None else req.top_k
     if top_k < -1:
         raise ApiError(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise ApiError(f"'seed' must fit in 64 bits, got {req.seed}", "seed")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(s == "" for s in stop):
         raise ApiError("'stop' strings must not be empty", "stop")
