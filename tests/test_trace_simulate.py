@@ -63,8 +63,8 @@ def test_formulas_by_hand():
 
 
 def test_more_hits_is_faster_and_prefetch_overlaps():
-    slow, fast = simulate(result(100, 100), SHAPE, PROF, cpu_compute=False), simulate(result(180, 20), SHAPE, PROF,
-                                                                                      cpu_compute=False)
+    slow = simulate(result(100, 100), SHAPE, PROF, cpu_compute=False)
+    fast = simulate(result(180, 20), SHAPE, PROF, cpu_compute=False)
     assert fast.tok_s > slow.tok_s
     p = simulate(result(150, 50, issued=2), SHAPE, PROF)  # 2 ms of prefetch vs >= 2 ms of compute
     assert p.prefetch_stall_s == 0.0
