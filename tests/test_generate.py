@@ -176,3 +176,19 @@ def test_logits_consistent_with_greedy(llm, api):
         assert tuple(logits.shape) == (len(prompt), C.tokenizer_vocab_size())
         first = llm.generate([prompt], greedy(api, 1))[0].token_ids[0]
         assert int(torch.argmax(logits[-1])) == first
+
+
+def test_prefix_cache_same_tokens(llm, api, qwen3_checkpoint):
+    """Prompts sharing a long prefix (cached KV blocks reused) give the tokens of an engine
+    without prefix caching, alone and batched."""
+    common = [(7 * i) % 300 + 3 for i in range(40)]
+    prompts = [common + [100, 101], common + [200], common[:33] + [7, 8, 9], common + [100, 101]]
+    fresh = api.LLM(str(qwen3_checkpoint), device="cpu", prefix_caching=False)
+    params = greedy(api, 12)
+    expected = [list(fresh.generate([p], params)[0].token_ids) for p in prompts]
+    for p, e in zip(prompts, expected):
+        assert list(llm.generate([p], params)[0].token_ids) == e
+    assert [list(o.token_ids) for o in llm.generate(prompts, params)] == expected
+    again = llm.generate([prompts[0]], params)[0]
+    if hasattr(again, "num_cached_tokens"):
+        assert again.num_cached_tokens >= 32, "a repeated 42-token prompt reused no cached block"
