@@ -315,3 +315,32 @@ def test_server_log_has_no_tracebacks(server):
     log = server.log_path.read_text(errors="replace")
     assert "Traceback" not in log, log[-3000:]
     assert "aborted: client disconnected" in log
+
+
+def test_expert_metrics_follow_the_stats_layout():
+    """Per-tier expert counters come from expert_stats() (layout of expertcache/experts/stats.py)."""
+    from expertcache.server.metrics import ServerMetrics
+    from expertcache.server.stats_log import ThroughputLog
+
+    stats = {"hits": 30, "misses": 10, "hit_rate": 0.75, "bytes_moved": 5000, "cpu_computed_share": 0.25,
+             "per_tier": {"device": {"slots_per_layer": 4, "hits": 30, "misses": 10, "bytes_in": 4000},
+                          "host": {"slots_per_layer": 8, "hits": 9, "misses": 1},
+                          "disk": {"bytes_read": 1000}},
+             "per_layer": [], "use_counts": [[1, 2], [3, 4]]}
+    snap = {"running": 2, "waiting": 1, "kv_cache_usage": 0.5, "prefix_cache_queries": 100,
+            "prefix_cache_hits": 40, "num_preemptions": 0, "expert_stats": stats,
+            "engine_counters": {"prompt_tokens": 60, "generated_tokens": 7}}
+    m = ServerMetrics()
+    m.attach(lambda: snap, lambda: 1.0)
+    text = m.render().decode()
+    for line in ('expertcache:expert_cache_hits_total{tier="device"} 30.0',
+                 'expertcache:expert_cache_misses_total{tier="host"} 1.0',
+                 'expertcache:expert_cache_bytes_total{tier="device"} 4000.0',
+                 'expertcache:expert_cache_bytes_total{tier="disk"} 1000.0',
+                 "expertcache:expert_cpu_computed_share 0.25", "expertcache:kv_cache_usage_perc 0.5",
+                 "expertcache:prefix_cache_hits_total 40.0"):
+        assert line in text, line
+    log = ThroughputLog(interval_s=1e-9)
+    time.sleep(0.01)
+    line = log.maybe_log(snap)
+    assert "Running: 2 reqs" in line and "Prefix cache hit rate: 40.0%" in line and "Expert hit rate: 75.0%" in line
