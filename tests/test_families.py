@@ -242,3 +242,19 @@ def test_variant_changes_the_math(loaded, checkpoint):
         torch.testing.assert_close(variant, base, atol=tol, rtol=0)
     elif variant.shape == base.shape:
         assert (variant - base).abs().max() > 1e-2, f"{loaded.case.id}: variant does not change the logits"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", ["qwen3-base", "qwen3-sliding-window", "qwen2-base", "mixtral-base",
+                                     "olmoe-clip-qkv"])
+def test_cuda_fp32_matches_transformers(case_id, checkpoint, expertcache_api):
+    """On CUDA in fp32 the engine matches transformers' CPU fp32 logits and greedy tokens."""
+    case = next(c for c in CASES if c.id == case_id)
+    path = checkpoint(case.family, **case.build, **case.overrides)
+    reference = C.load_reference(path)
+    llm = expertcache_api.LLM(str(path), device="cuda", dtype="float32")
+    got = llm.logits(PROMPT)
+    assert got.device.type == "cpu" and got.dtype == torch.float32
+    torch.testing.assert_close(got, reference_logits(reference, PROMPT), atol=2e-3, rtol=2e-3)
+    out = llm.generate([PROMPT], greedy_params(expertcache_api))[0]
+    assert list(out.token_ids) == C.reference_greedy(reference, PROMPT, NEW_TOKENS)

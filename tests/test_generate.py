@@ -192,3 +192,14 @@ def test_prefix_cache_same_tokens(llm, api, qwen3_checkpoint):
     again = llm.generate([prompts[0]], params)[0]
     if hasattr(again, "num_cached_tokens"):
         assert again.num_cached_tokens >= 32, "a repeated 42-token prompt reused no cached block"
+
+
+def test_max_model_len(api, qwen3_checkpoint):
+    llm = api.LLM(str(qwen3_checkpoint), device="cpu", max_model_len=32)
+    prompt = PROMPTS[3][:16]
+    out = llm.generate([prompt], greedy(api, 16))[0]
+    assert len(out.token_ids) == 16
+    with pytest.raises(ValueError):
+        llm.generate([PROMPTS[3]], greedy(api, 4))  # 33-token prompt > max_model_len
+    with pytest.raises(ValueError):
+        llm.logits(PROMPTS[3])
