@@ -1,0 +1,620 @@
+"""The built-in demo model: a small, deterministic Qwen3-MoE checkpoint built on first use.
+
+`expertcache demo` needs a model without downloading one, so this module writes a
+randomly initialised (untrained) checkpoint in genuine Hugging Face format and caches it.
+
+Layout of the checkpoint directory (`demo_model_dir()`):
+
+    config.json                         Qwen3MoeForCausalLM config, written as a plain dict
+    generation_config.json              eos_token_id = [<|endoftext|>, <|im_end|>]
+    tokenizer.json                      byte-level BPE trained here on CORPUS
+    tokenizer_config.json               eos/pad tokens and a ChatML chat_template
+    model-0000k-of-0000n.safetensors    bf16 weights under hub names, split by layer ranges
+    model.safetensors.index.json        {"metadata": {"total_size"}, "weight_map"}
+    expertcache_demo.json               manifest: build parameters + size/sha256 of every file
+
+Invariants:
+- Same seed and sizes => byte-identical files. Every tensor has its own generator seeded
+  from (seed, tensor name), so values do not depend on generation order or sharding.
+- The cache directory is created by renaming a finished temp directory, so a reader
+  never sees a half-written model; the manifest is written last, inside the temp dir.
+- On reuse, sizes of all files are checked, plus the sha256 of the small files and of
+  every safetensors header (cheap). `check_demo_model(path, deep=True)` hashes everything.
+- Routed experts are the bulk of the bytes (>= 80% at default sizes), like real MoEs.
+- transformers is not imported here (tests use it as the oracle).
+
+Routing is made deliberately non-uniform: each router is low rank and every token
+embedding shares a common direction, so a few experts per layer are hot and
+consecutive tokens tend to reuse experts, which is what an expert cache feeds on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+DEMO_NAME = f"demo-qwen3moe-v{FORMAT_VERSION}"
+MANIFEST = "expertcache_demo.json"
+
+DEFAULT_SIZES: dict[str, Any] = {
+    "num_layers": 8,
+    "num_experts": 32,
+    "top_k": 4,
+    "hidden": 256,
+    "moe_intermediate": 256,
+    "intermediate": 512,  # dense MLP width; unused because every layer is sparse
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    # BPE training target; config vocab_size = max(tokenizer size, vocab). CORPUS supports
+    # ~2080 tokens, so a larger vocab adds embedding/lm_head rows no token maps to.
+    "vocab": 2048,
+    "max_position": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "num_shards": 3,
+    "router_rank": 4,
+}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_INIT_STD = 0.02  # q/k/v, expert gate/up, lm_head
+_OUT_STD = 0.01  # o_proj and expert down_proj: smaller, so layers nudge the residual stream
+_EMB_STD = 0.07  # embeddings: large enough that the current token still steers deep routers
+# Routing shape, measured with transformers on ~500 tokens of CORPUS: per layer the 4 busiest
+# experts take 30-60% of picks (12.5% if uniform), a token reuses 20-45% of the previous
+# token's experts (12.5% if uniform), and all but 0-3 of the 32 experts get used.
+_EMB_COMMON = 0.3  # weight of the direction shared by all embeddings, relative to _EMB_STD
+_ROUTER_POP = 0.05  # spread of per-expert popularity along that direction
+_ROUTER_NOISE = 0.3  # full-rank part of the router, relative to the low-rank part
+
+# Training text for the tokenizer: plain English and a little Python. Written for this file.
+CORPUS = r'''
+A mixture of experts replaces one wide feed-forward block with many narrow ones. For every
+token a small router scores all experts and only the best few are run. The model therefore
+holds far more parameters than it uses for any single token, and most of those parameters
+sit idle most of the time. That is why the experts can live in slower memory: the host RAM,
+a fast disk, or another machine. The trick is to keep the experts that will be needed next
+close to the processor, and to fetch the others before they are asked for.
+
+Caching works because routing is not random. Some experts are popular in every layer, and a
+token often reuses the experts chosen for the token before it. A cache that remembers the
+recent and the frequent experts can serve most requests without a transfer. When it misses,
+the engine waits for the copy, so the order of loads and the size of each transfer matter.
+
+The weather turned cold on Tuesday. By the evening the river was grey and the wind came down
+from the hills, carrying the smell of rain. Maria closed the shutters, lit the stove and put
+a pot of soup on to simmer: onions, carrots, two potatoes, a handful of lentils and a bay
+leaf. While it cooked she read the letter again. Her brother wrote that the harvest had been
+good, that the new bridge was finally open, and that he would visit in the spring if the
+roads allowed it. She smiled, folded the paper and set it beside the clock.
+
+Questions people ask: How much memory does the model need? Which experts are used the most?
+Why is the first token slow? Can I run it on a laptop? What happens when the cache is full?
+The answers depend on the number of layers, the number of experts per layer, the width of
+each expert and the bandwidth between the tiers. Measure first, then tune the budget.
+
+Numbers and dates also appear in text: 1, 2, 3, 10, 42, 100, 256, 1024, 4096, 3.14, 0.5,
+2024-05-17, 12:30, $19.99, 75%, version 1.2.3, page 7 of 12, room 404, row 8, column 16.
+
+def load_config(path):
+    """Read a JSON config file and return it as a dictionary."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class ExpertCache:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.slots = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, layer: int, expert: int):
+        key = (layer, expert)
+        if key in self.slots:
+            self.hits += 1
+            return self.slots[key]
+        self.misses += 1
+        return None
+
+    def put(self, layer: int, expert: int, weights) -> None:
+        if len(self.slots) >= self.capacity:
+            oldest = next(iter(self.slots))
+            del self.slots[oldest]
+        self.slots[(layer, expert)] = weights
+
+
+def top_k(scores, k):
+    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+    return order[:k]
+
+
+for step in range(10):
+    tokens = model.generate(prompt, max_new_tokens=32, temperature=0.7)
+    print(f"step {step}: {tokenizer.decode(tokens)}")
+    if tokens[-1] == eos_token_id:
+        break
+
+import numpy as np
+x = np.zeros((4, 8), dtype=np.float32)
+y = x @ x.T + 1.0
+assert y.shape == (4, 4), "shape mismatch"
+
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. A
+journey of a thousand miles begins with a single step. Knowledge is power, but only when
+it is shared. The early bird catches the worm, yet the second mouse gets the cheese.
+
+Once upon a time there was a small robot who lived in a library. Every night, when the
+readers had gone home, it walked between the shelves and put the books back in order. It
+liked history best, because history was full of people who had made mistakes and tried
+again. One night it found a book with no title. The pages were blank except for the last
+one, which said: "Write what you learn." So the robot began to write, slowly at first and
+then faster, until the book was full and the sun was rising over the city.
+
+Instructions: preheat the oven to 200 degrees. Mix the flour, salt and sugar in a large
+bowl. Add the butter and rub it in with your fingers until the mixture looks like fine
+breadcrumbs. Stir in the milk, knead gently, roll out and cut into rounds. Bake for twelve
+to fifteen minutes until golden. Serve warm with jam and cream.
+
+User: Can you explain what a hash function is?
+Assistant: A hash function maps data of any size to a fixed-size value. Good hash functions
+spread inputs evenly, so that similar inputs give very different outputs. They are used in
+hash tables, checksums, and to verify that a downloaded file has not been damaged.
+
+User: Write a function that reverses a string.
+Assistant: Here is a short version in Python:
+
+def reverse(text: str) -> str:
+    return text[::-1]
+
+User: Thank you! What is the capital of France?
+Assistant: The capital of France is Paris.
+
+Error messages should say what went wrong, where, and what to do next. For example:
+"config.json: num_experts_per_tok=9 must be between 1 and 8" is better than "invalid value".
+Logs should be short. Tests should be fast. Code should be read more often than it is written.
+
+In the morning the market filled with voices: fishmongers calling prices, children chasing
+pigeons, an old man tuning a violin on the steps of the church. Tomatoes, peppers, figs,
+cheese, bread still warm from the bakery. Everyone seemed to know everyone else, and news
+travelled from stall to stall faster than any newspaper could print it.
+
+$ pip install expertcache
+$ expertcache demo --max-new-tokens 64 --budget 512MiB
+$ ls -lh ~/.cache/expertcache/ && du -sh models/*
+$ git log --oneline | head -n 5; grep -rn "TODO" src/ tests/
+
+{"name": "expert-cache", "layers": 48, "experts": 128, "top_k": 8, "dtype": "bfloat16"}
+
+SELECT layer, expert, COUNT(*) AS uses FROM routing_trace
+WHERE step BETWEEN 100 AND 200 GROUP BY layer, expert ORDER BY uses DESC LIMIT 10;
+
+Science notes. Photosynthesis converts sunlight, water and carbon dioxide into glucose and
+oxygen. Mitochondria release energy from food. Gravity bends the paths of planets around
+stars; tides follow the moon. Sound travels through air as a pressure wave, while light
+needs no medium at all. Volcanoes, glaciers, earthquakes and erosion shape mountains and
+valleys over millions of years. Vaccines train the immune system to recognise viruses.
+
+History notes. Ancient libraries in Alexandria, Baghdad and Timbuktu collected manuscripts
+on astronomy, medicine, geometry and law. The printing press made books cheaper, which
+spread literacy, pamphlets, newspapers and arguments. Railways shrank continents; telegraph
+wires carried messages across oceans within minutes; later, radios, televisions, satellites
+and finally smartphones connected billions of households.
+
+Kitchen vocabulary: garlic, ginger, basil, oregano, cinnamon, pepper, vinegar, olive oil,
+yoghurt, noodles, dumplings, pancakes, omelette, risotto, curry, salad, sandwich, biscuits,
+chocolate, strawberries, blueberries, lemons, walnuts, almonds, honey, porridge, cabbage.
+
+Sports and games: football, basketball, tennis, cricket, swimming, cycling, marathon, chess,
+referee, tournament, championship, goalkeeper, penalty, stadium, scoreboard, victory, defeat.
+
+Feelings and actions: happy, anxious, curious, grateful, tired, surprised, proud, jealous;
+running, jumping, whispering, laughing, remembering, forgetting, building, breaking, fixing,
+travelling, explaining, listening, wondering, hoping, deciding, borrowing, returning.
+
+async def fetch_expert(layer_id: int, expert_id: int, stream=None) -> torch.Tensor:
+    buffer = pinned_pool.acquire(expert_bytes)
+    await loop.run_in_executor(None, reader.readinto, buffer, offsets[layer_id][expert_id])
+    with torch.cuda.stream(stream):
+        tensor = buffer.to(device, non_blocking=True)
+    return tensor
+
+try:
+    result = engine.step(batch)
+except MemoryError as exc:
+    logger.warning("out of memory at step %d: %s", step, exc)
+    raise
+finally:
+    profiler.stop()
+
+while queue and not stopped:
+    request = queue.popleft()
+    yield from handle(request)
+
+lambda pair: (pair[1], -pair[0]); dict(zip(keys, values)); [x * 2 for x in items if x > 0]
+'''
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def cache_root() -> pathlib.Path:
+    """$EXPERTCACHE_CACHE_DIR, else $XDG_CACHE_HOME/expertcache, else ~/.cache/expertcache."""
+    if os.environ.get("EXPERTCACHE_CACHE_DIR"):
+        return pathlib.Path(os.environ["EXPERTCACHE_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+    return base / "expertcache"
+
+
+def demo_model_dir(rebuild: bool = False, progress: bool = True) -> pathlib.Path:
+    """Return the path of the demo checkpoint, building it if missing or damaged."""
+    root = cache_root()
+    final = root / DEMO_NAME
+    root.mkdir(parents=True, exist_ok=True)
+    with _Lock(root / f"{DEMO_NAME}.lock"):
+        for stale in root.glob(f".{DEMO_NAME}.*"):  # left by a killed build (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        if not rebuild:
+            problem = check_demo_model(final, expected_params=_params(0, {}))
+            if problem is None:
+                return final
+            if final.exists():
+                log.warning("demo model at %s is damaged (%s); rebuilding it", final, problem)
+                if progress:
+                    print(f"expertcache: demo model damaged ({problem}); rebuilding", file=sys.stderr)
+        if progress:
+            print(f"expertcache: creating the demo model in {final} (once)", file=sys.stderr, flush=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.tmp-", dir=root))
+        try:
+            build_demo_model(tmp, seed=0, progress=progress)
+            if final.exists():  # move the old copy aside first: rename cannot replace a non-empty dir
+                trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.old-", dir=root))
+                os.replace(final, trash / "old")
+                shutil.rmtree(trash, ignore_errors=True)
+            tmp.chmod(0o755)  # mkdtemp makes it 0700
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+class _Lock:
+    """An advisory file lock (POSIX), so two processes do not build the demo at once."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def __enter__(self) -> "_Lock":
+        try:
+            import fcntl
+        except ImportError:  # Windows: no lock; the atomic rename still protects readers
+            return self
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+def _sha256_file(path: pathlib.Path, limit: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        remaining = limit
+        while remaining is None or remaining > 0:
+            chunk = f.read(1 << 20 if remaining is None else min(1 << 20, remaining))
+            if not chunk:
+                break
+            h.update(chunk)
+            if remaining is not None:
+                remaining -= len(chunk)
+    return h.hexdigest()
+
+
+def _safetensors_header_len(path: pathlib.Path) -> int:
+    """Bytes of the 8-byte length prefix plus the JSON header."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+    if len(prefix) != 8:
+        raise ValueError(f"{path.name}: shorter than a safetensors header")
+    return 8 + int.from_bytes(prefix, "little")
+
+
+def _file_entry(path: pathlib.Path) -> dict[str, Any]:
+    entry: dict[str, Any] = {"size": path.stat().st_size, "sha256": _sha256_file(path)}
+    if path.suffix == ".safetensors":
+        n = _safetensors_header_len(path)
+        entry["header_bytes"] = n
+        entry["header_sha256"] = _sha256_file(path, n)
+    return entry
+
+
+def check_demo_model(
+    path: str | os.PathLike, *, deep: bool = False, expected_params: dict | None = None
+) -> str | None:
+    """Return None if the checkpoint at `path` matches its manifest, else the first problem.
+
+    The default check reads sizes, small files and safetensors headers only; deep=True
+    hashes every byte. expected_params, if given, must equal the manifest's build parameters.
+    """
+    path = pathlib.Path(path)
+    mpath = path / MANIFEST
+    if not path.is_dir():
+        return f"{path} does not exist"
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is missing or unreadable ({e.__class__.__name__}: {e})"
+    if manifest.get("version") != FORMAT_VERSION:
+        return f"{MANIFEST}: format version {manifest.get('version')!r}, expected {FORMAT_VERSION}"
+    if expected_params is not None and manifest.get("params") != expected_params:
+        return f"{MANIFEST}: built with other parameters than this version of expertcache"
+    for name, want in sorted(files.items()):
+        f = path / name
+        try:
+            size = f.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != want["size"]:
+            return f"{name} has {size} bytes, manifest says {want['size']}"
+    for name, want in sorted(files.items()):
+        f = path / name
+        if deep or "header_sha256" not in want:
+            if _sha256_file(f) != want["sha256"]:
+                return f"{name}: sha256 differs from the manifest"
+        elif _sha256_file(f, want["header_bytes"]) != want["header_sha256"]:
+            return f"{name}: safetensors header differs from the manifest"
+    return None
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _params(seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(overrides) - set(DEFAULT_SIZES))
+    if unknown:
+        raise TypeError(f"build_demo_model: unknown size override(s) {unknown}; "
+                        f"known: {sorted(DEFAULT_SIZES)}")
+    p = {**DEFAULT_SIZES, **overrides, "seed": seed}
+    for key in ("num_layers", "num_experts", "top_k", "hidden", "moe_intermediate", "num_heads",
+                "num_kv_heads", "head_dim", "vocab", "num_shards", "router_rank"):
+        if int(p[key]) < 1:
+            raise ValueError(f"build_demo_model: {key}={p[key]} must be >= 1")
+    if p["top_k"] > p["num_experts"]:
+        raise ValueError(f"build_demo_model: top_k={p['top_k']} exceeds num_experts={p['num_experts']}")
+    if p["num_heads"] % p["num_kv_heads"]:
+        raise ValueError(f"build_demo_model: num_heads={p['num_heads']} is not a multiple of "
+                         f"num_kv_heads={p['num_kv_heads']}")
+    if p["head_dim"] % 2:
+        raise ValueError(f"build_demo_model: head_dim={p['head_dim']} must be even (rotary embedding)")
+    return p
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"expertcache-demo/{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def _randn(seed: int, name: str, *shape: int, std: float = _INIT_STD) -> torch.Tensor:
+    return torch.randn(shape, generator=_generator(seed, name)) * std
+
+
+def _uniform(seed: int, name: str, *shape: int, std: float = _INIT_STD,
+             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Uniform with the given std (like nn.Linear's default init); ~3x faster than randn."""
+    a = std * 3**0.5
+    return torch.empty(shape, dtype=dtype).uniform_(-a, a, generator=_generator(seed, name))
+
+
+def train_tokenizer(vocab_size: int):
+    """A deterministic byte-level BPE (tokenizers.Tokenizer) trained on CORPUS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.strip().split("\n\n"), trainer=trainer)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, f"special token {t} got id {tok.token_to_id(t)}, expected {i}"
+    return tok
+
+
+def _config(p: dict[str, Any], vocab_size: int, eos_ids: list[int]) -> dict[str, Any]:
+    # Keys and values as transformers 5 writes Qwen3MoeConfig, plus the hub-era keys
+    # (`num_experts`, `rope_theta`) that older readers and our own loader expect.
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "decoder_sparse_step": 1,
+        "dtype": "bfloat16",
+        "eos_token_id": eos_ids[0],
+        "head_dim": p["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": p["hidden"],
+        "initializer_range": _INIT_STD,
+        "intermediate_size": p["intermediate"],
+        "max_position_embeddings": p["max_position"],
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": p["moe_intermediate"],
+        "norm_topk_prob": True,
+        "num_attention_heads": p["num_heads"],
+        "num_experts": p["num_experts"],
+        "num_experts_per_tok": p["top_k"],
+        "num_hidden_layers": p["num_layers"],
+        "num_key_value_heads": p["num_kv_heads"],
+        "num_local_experts": p["num_experts"],
+        "output_router_logits": False,
+        "pad_token_id": 0,
+        "rms_norm_eps": p["rms_norm_eps"],
+        "rope_parameters": {"rope_theta": float(p["rope_theta"]), "rope_type": "default"},
+        "rope_theta": float(p["rope_theta"]),
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": vocab_size,
+    }
+
+
+def _layer_tensors(p: dict[str, Any], i: int, common: torch.Tensor) -> dict[str, torch.Tensor]:
+    s, H, E, I, D = p["seed"], p["hidden"], p["num_experts"], p["moe_intermediate"], p["head_dim"]
+    pre = f"model.layers.{i}."
+    t: dict[str, torch.Tensor] = {
+        pre + "input_layernorm.weight": torch.ones(H),
+        pre + "post_attention_layernorm.weight": torch.ones(H),
+        pre + "self_attn.q_norm.weight": torch.ones(D),
+        pre + "self_attn.k_norm.weight": torch.ones(D),
+    }
+    for proj, rows, cols in (("q", p["num_heads"] * D, H), ("k", p["num_kv_heads"] * D, H),
+                             ("v", p["num_kv_heads"] * D, H), ("o", H, p["num_heads"] * D)):
+        name = pre + f"self_attn.{proj}_proj.weight"
+        t[name] = _uniform(s, name, rows, cols, std=_OUT_STD if proj == "o" else _INIT_STD)
+    # Router: low rank (a few directions of the hidden state decide the choice, so nearby
+    # states pick the same experts) plus a per-expert popularity along the direction shared
+    # by all embeddings (so some experts are hot). Logits have std ~1 on unit-RMS inputs.
+    name = pre + "mlp.gate.weight"
+    r = p["router_rank"]
+    low = _randn(s, name + "/a", E, r, std=1.0) @ _randn(s, name + "/b", r, H, std=1.0) / (r * H) ** 0.5
+    popularity = _randn(s, name + "/pop", E, 1, std=_ROUTER_POP)
+    noise = _randn(s, name + "/noise", E, H, std=_ROUTER_NOISE / H**0.5)
+    t[name] = low + popularity * common / H**0.5 + noise
+    for j in range(E):
+        for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            name = pre + f"mlp.experts.{j}.{proj}_proj.weight"
+            t[name] = _uniform(s, name, *shape, std=_OUT_STD if proj == "down" else _INIT_STD)
+    return {k: v.to(torch.bfloat16).contiguous() for k, v in t.items()}
+
+
+def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, progress: bool = False,
+                     **size_overrides: Any) -> pathlib.Path:
+    """Write the checkpoint into out_dir (used by demo_model_dir, and by tests/benchmarks for bigger models).
+
+    size_overrides are keys of DEFAULT_SIZES, e.g. num_layers=16, num_experts=64, hidden=512,
+    moe_intermediate=512, num_heads=8, num_kv_heads=4, num_shards=4 gives 1.6 GB of experts
+    (about 30 s on 2 cores). out_dir may exist but must not already hold a checkpoint.
+    """
+    t0 = time.perf_counter()
+    p = _params(seed, size_overrides)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "config.json").exists() or (out / MANIFEST).exists():
+        raise FileExistsError(f"build_demo_model: {out} already holds a checkpoint; pass an empty directory")
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"expertcache: {msg}", file=sys.stderr, flush=True)
+
+    say(f"building a demo checkpoint ({p['num_layers']} layers x {p['num_experts']} experts) ...")
+    tok = train_tokenizer(int(p["vocab"]))
+    vocab_size = max(tok.get_vocab_size(), int(p["vocab"]))
+    eos_ids = [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")]
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(tok, p))
+    _write_json(out / "config.json", _config(p, vocab_size, eos_ids))
+    _write_json(out / "generation_config.json", {
+        "bos_token_id": None, "eos_token_id": eos_ids, "pad_token_id": 0, "do_sample": True,
+        "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+    })
+
+    H, L, n = p["hidden"], p["num_layers"], p["num_shards"]
+    n = min(n, L)
+    common = torch.randn(H, generator=_generator(seed, "common-direction"))  # unit RMS
+    shard_of_layer = [i * n // L for i in range(L)]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k in range(n):
+        fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        if k == 0:
+            # Token embeddings share one direction on top of their own noise.
+            emb = _uniform(seed, "model.embed_tokens.weight", vocab_size, H, std=_EMB_STD,
+                           dtype=torch.float32)
+            emb += _EMB_COMMON * _EMB_STD * common
+            tensors["model.embed_tokens.weight"] = emb.to(torch.bfloat16)
+        for i in range(L):
+            if shard_of_layer[i] == k:
+                tensors.update(_layer_tensors(p, i, common))
+        if k == n - 1:
+            tensors["model.norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+            tensors["lm_head.weight"] = _uniform(seed, "lm_head.weight", vocab_size, H)
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+        weight_map.update({name: fname for name in tensors})
+        say(f"  wrote {fname} ({(out / fname).stat().st_size / 2**20:.1f} MiB)")
+        del tensors
+    if n > 1:
+        _write_json(out / "model.safetensors.index.json",
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+
+    files = {f.name: _file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != MANIFEST}
+    _write_json(out / MANIFEST, {"format": "expertcache-demo", "version": FORMAT_VERSION, "params": p,
+                                 "files": files})
+    say(f"demo model ready in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _tokenizer_config(tok, p: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "added_tokens_decoder": {
+            str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                      "single_word": False, "special": True}
+            for t in SPECIAL_TOKENS
+        },
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|endoftext|>",
+        "errors": "replace",
+        "model_max_length": p["max_position"],
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+
+
+def _write_json(path: pathlib.Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
