@@ -173,5 +173,6 @@ def test_template_is_sandboxed(hostile_dir, expertcache_api, name):
     with pytest.raises(Exception) as info:
         rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         pytest.fail(f"hostile template rendered: {rendered!r}")
-    assert "unsafe" in str(info.value) or "immutable" in str(info.value) or type(info.value).__name__ == "SecurityError"
+    msg = str(info.value)
+    assert "unsafe" in msg or "immutable" in msg or type(info.value).__name__ == "SecurityError", msg
     assert messages == [{"role": "user", "content": "hi"}]

@@ -185,7 +185,8 @@ def test_unsupported_architecture(expertcache_api, errors, broken, arch):
 @pytest.mark.parametrize("changes,needles", [
     ({"hidden_act": "gelu"}, ("hidden_act", "gelu")),
     ({"rope_parameters": {"rope_type": "longrope_x", "rope_theta": 10000.0, "factor": 2.0}}, ("longrope_x",)),
-    ({"rope_parameters": C.DELETE, "rope_theta": 10000.0, "rope_scaling": {"type": "su", "factor": 2.0}}, ("su",)),
+    ({"rope_parameters": C.DELETE, "rope_theta": 10000.0, "rope_scaling": {"type": "su_x", "factor": 2.0}},
+     ("su_x",)),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
      ("partial_rotary_factor",)),
 ])

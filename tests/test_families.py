@@ -19,7 +19,8 @@ ATOL = 1e-4
 RTOL = 1e-4
 PROMPT_LEN = 16
 NEW_TOKENS = 24
-PROMPT = torch.randint(3, C.tokenizer_vocab_size(), (PROMPT_LEN,), generator=torch.Generator().manual_seed(1234)).tolist()
+PROMPT = torch.randint(3, C.tokenizer_vocab_size(), (PROMPT_LEN,),
+                       generator=torch.Generator().manual_seed(1234)).tolist()
 
 
 def _hub_style_config(path: Path) -> None:
@@ -66,7 +67,8 @@ CASES = [
     Case("qwen3-head-dim-32", "qwen3_moe", dict(head_dim=32)),  # head_dim != hidden / heads (16)
     Case("qwen3-mqa", "qwen3_moe", dict(num_key_value_heads=1, head_dim=8)),
     Case("qwen3-mha", "qwen3_moe", dict(num_key_value_heads=4)),
-    Case("qwen3-rope-theta", "qwen3_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 100.0})),
+    Case("qwen3-rope-theta", "qwen3_moe",
+         dict(rope_parameters={"rope_type": "default", "rope_theta": 100.0})),
     Case("qwen3-rope-linear", "qwen3_moe",
          dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
     Case("qwen3-rope-yarn", "qwen3_moe", dict(rope_parameters=dict(YARN))),
@@ -172,7 +174,8 @@ def check_greedy(loaded, prompt, got, what=""):
         top = reference_logits(loaded.reference, ctx)[-1].topk(2)
         margin = float(top.values[0] - top.values[1])
         pytest.fail(
-            f"{loaded.case.id}{what}: greedy tokens for a {len(prompt)}-token prompt differ from transformers "
+            f"{loaded.case.id}{what}: greedy tokens for a {len(prompt)}-token prompt differ from "
+            "transformers "
             f"at step {i}: engine {got[i:i + 4]} vs transformers {expected[i:i + 4]} "
             f"(transformers' top-2 margin there {margin:.2e})\nengine       {got}\ntransformers {expected}"
         )
