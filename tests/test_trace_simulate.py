@@ -5,7 +5,7 @@ import pytest
 from expertcache.trace.profiles import BUILTIN, Profile, get_profile
 from expertcache.trace.replay import ReplayResult
 from expertcache.trace.simulate import ModelShape, simulate
-from expertcache.trace.units import parse_bytes
+from expertcache.units import parse_bytes
 
 
 def test_parse_bytes():

@@ -254,7 +254,7 @@ class TieredExperts(ExpertProvider):
             y = expert_ffn(x[tok], self.stage, self.method)
         else:
             y = expert_ffn(x[tok].to("cpu", torch.float32), src, self.method).to(x.device, x.dtype)
-        out.index_add_(0, tok, y * weights[tok, k, None])
+        out.index_put_((tok,), y * weights[tok, k, None], accumulate=True)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         if not self.prefetch_on:

@@ -59,11 +59,11 @@ class SlotTable:
         s = self.slot_of[e]
         if s >= 0:
             return Access(s, True, -1)
-        s, evicted = self._place(e, t)
+        s, evicted = self._place(e, t, prefetch=True)
         return Access(s, False, evicted)
 
-    def _place(self, e: int, t: int) -> tuple[int, int]:
-        if not self.policy.admit(e, t):
+    def _place(self, e: int, t: int, prefetch: bool = False) -> tuple[int, int]:
+        if not self.policy.admit(e, t, prefetch=prefetch):
             return -1, -1
         evicted = -1
         if self.free:

@@ -33,6 +33,9 @@ class MoETransformer:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.prefetch = True
         self.record_routing = False
+        # route_override(layer, ids, weights) -> (ids, weights): replaces the router's choice
+        # (benchmarks drive routing from a synthetic trace); None = the model's own router
+        self.route_override = None
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         H, V, names = cfg.hidden_size, cfg.vocab_size, family.names
 
@@ -114,6 +117,8 @@ class MoETransformer:
     def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         ids, w = route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob)
+        if self.route_override is not None:
+            ids, w = self.route_override(i, ids, w)
         ahead = None
         nxt = self.next_moe.get(i)
         if nxt is not None and (self.prefetch or self.record_routing):

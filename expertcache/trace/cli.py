@@ -24,7 +24,7 @@ import sys
 
 from ..experts.policy import ONLINE, POLICIES
 from .format import RoutingTrace
-from .units import format_bytes, parse_bytes
+from ..units import fmt_bytes as format_bytes, parse_bytes
 
 
 def _capacities(args, trace: RoutingTrace) -> list[int]:

@@ -1,0 +1,31 @@
+"""Shared bits of the benchmark scripts: the hardware line and engine timing."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def hardware_line() -> str:
+    cpu = platform.processor() or "unknown cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (f"hardware: cpu={cpu!r} cores={os.cpu_count()} torch_threads={torch.get_num_threads()} "
+            f"gpu={gpu!r} torch={torch.__version__}")
+
+
+def timed_generate(llm, prompts, params) -> dict:
+    """Run one batch through the engine; prefill/decode tok/s from the engine's own counters."""
+    c = llm.engine.counters
+    before = (c.prompt_tokens, c.generated_tokens, c.prefill_seconds, c.decode_seconds)
+    outs = llm.generate(prompts, params)
+    pt, gt, ps, ds = (a - b for a, b in zip((c.prompt_tokens, c.generated_tokens, c.prefill_seconds,
+                                             c.decode_seconds), before))
+    decoded = gt - len(prompts)  # the first token of each sequence comes out of prefill
+    return {"prefill_tok_s": pt / ps if ps else 0.0, "decode_tok_s": decoded / ds if ds else 0.0, "outputs": outs}
