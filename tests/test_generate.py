@@ -137,6 +137,15 @@ def test_stop_string_truncates(llm, api):
     assert list(out.token_ids) == list(full.token_ids)[: len(out.token_ids)]
 
 
+def test_stop_string_only_in_prompt_does_not_stop(llm, api):
+    prompt = "Hello world! The quick brown fox"
+    full = llm.generate(prompt, greedy(api, 12))[0]
+    assert "quick" not in full.text
+    out = llm.generate(prompt, greedy(api, 12, stop=["quick", "brown"]))[0]
+    assert out.finish_reason == "length"
+    assert list(out.token_ids) == list(full.token_ids)
+
+
 def test_stop_token_ids(llm, api):
     full = list(llm.generate([PROMPTS[2]], greedy(api, 16))[0].token_ids)
     k = next(i for i in range(2, 16) if full[i] not in full[:i])
