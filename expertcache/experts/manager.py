@@ -54,6 +54,11 @@ class CostModel:
         return t_cpu < t_move
 
 
+def distinct(ids: torch.Tensor) -> list[int]:
+    """Distinct expert ids in order of first appearance (the order replay uses, so counters agree)."""
+    return list(dict.fromkeys(ids.reshape(-1).tolist()))
+
+
 class TieredExperts(ExpertProvider):
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, device_slots: int,
                  host_slots: int | None, policy: str = "lru", prefetch: bool = True, cpu_compute: str = "auto",
@@ -203,7 +208,7 @@ class TieredExperts(ExpertProvider):
         admit = T <= self.prefill_admit_tokens
         per_expert = torch.bincount(ids.reshape(-1), minlength=self.E).tolist()
         off_slot: list[tuple[int, bool]] = []  # (expert, on_cpu) computed outside the device slots
-        for e in torch.unique(ids).tolist():
+        for e in distinct(ids):
             if e in table:
                 s = table.access(e, self.t).slot
                 c.hits += 1
@@ -236,6 +241,7 @@ class TieredExperts(ExpertProvider):
         for e, on_cpu in off_slot:
             self._off_slot(layer, e, on_cpu, x, ids, weights, out)
         table.unpin_all()
+        self.prefetched[i].clear()  # "useful" = prefetched for this step and used in it (as replay counts)
         if self.host_tables:
             self.host_tables[i].unpin_all()
         return out
@@ -262,7 +268,7 @@ class TieredExperts(ExpertProvider):
         i, c = self.li[layer], self.counters[layer]
         table, lut = self.dev_tables[i], self.lut[i]
         jobs = []
-        for e in torch.unique(ids).tolist():
+        for e in distinct(ids):
             if e in table:
                 continue
             a = table.insert(e, self.t)
