@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..loader.safetensors_index import TensorIndex
 from .method import QuantMethod, make_quant_method
 
@@ -49,16 +49,25 @@ def method_from_config(hf: dict) -> QuantMethod | None:
 
 
 def load_dense(index: TensorIndex, name: str, shape: tuple[int, ...], method: QuantMethod | None) -> torch.Tensor:
-    """A dense weight as float32 (or its stored float dtype); fp8 weights are dequantized with their scale."""
+    """A dense weight as float32 (or its stored float dtype); fp8 weights are dequantized with their scale.
+
+    The scale is looked up under the weight's own name (`<base>.weight_scale` or `<base>.weight_scale_inv`),
+    and errors name those tensors and their file.
+    """
     t = index.info(name, shape)
     if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return index.load(name, shape)
-    base = name[: -len(".weight")] if name.endswith(".weight") else name
-    stored = {"p.weight": index.load(name, shape)}
-    for suffix in ("weight_scale", "weight_scale_inv"):
-        if f"{base}.{suffix}" in index:
-            stored["p.weight_scale"] = index.load(f"{base}.{suffix}")
-            break
     if method is None or method.name not in ("fp8", "fp8-channel", "fp8-tensor"):
         raise ConfigError(f"tensor {name} is {t.dtype} but config.json has no fp8 quantization_config")
-    return method.dequantize(stored, "p")
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    stored = {f"{base}.weight": index.load(name, shape)}
+    for suffix in ("weight_scale", "weight_scale_inv"):
+        if f"{base}.{suffix}" in index:
+            # keep the checkpoint's name when the method knows it (block fp8: weight_scale_inv)
+            key = suffix if suffix == "weight_scale" or method.aliases.get("weight_scale") == suffix else "weight_scale"
+            stored[f"{base}.{key}"] = index.load(f"{base}.{suffix}")
+            break
+    try:
+        return method.dequantize(stored, base)
+    except ValueError as e:
+        raise CheckpointError(f"{t.file.name}: {e}") from None
