@@ -25,7 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="budget for experts in the fastest tier (device slots), e.g. 512MiB, or 'auto'; "
                         "omit all cache flags to keep every expert resident")
     g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, or 'auto'")
-    g.add_argument("--cache-policy", default=None, help="eviction policy: lru, lfru, static, ... (default: lru)")
+    g.add_argument("--cache-policy", default=None,
+                   help="eviction policy: lru, lfru, lfu, static, lfru-admit (default: lfru-admit)")
     g.add_argument("--no-prefetch", action="store_true", help="turn off next-layer router lookahead prefetch")
     g.add_argument("--cpu-compute", choices=["auto", "always", "never"], default=None,
                    help="compute missing experts on the CPU from host RAM: auto (cost model), always, never")
@@ -55,8 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
 
     llm = LLM(**engine_kwargs(args))
-    for line in llm.plan_lines:
-        print(line, file=sys.stderr)
+    print(llm.plan_lines[-1], file=sys.stderr)  # the KV cache line (the expert plan printed before loading)
     if getattr(args, "record_routing", None):
         from .trace.recorder import RoutingRecorder
 

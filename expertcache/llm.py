@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -65,7 +66,7 @@ class LLM:
         dense_bytes = self.index.nbytes() - self.source.total_nbytes
         bar = tqdm(total=self.index.nbytes(), unit="B", unit_scale=True, desc="loading weights",
                    disable=not progress, leave=False)
-        self.experts = self._make_experts(cache_options, bar.update)
+        self.experts = self._make_experts(cache_options, bar.update, progress)
         self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update,
                                     self.quant)
         bar.close()
@@ -95,20 +96,24 @@ class LLM:
             for line in self.plan_lines:
                 print(line)
 
-    def _make_experts(self, options: dict, progress):
+    def _make_experts(self, options: dict, on_bytes, show_plan: bool):
         if options:
             from .experts.build import build_expert_cache
 
             dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
-            cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=progress,
-                                             dense_bytes=dense, **options)
+            def show(lines):  # the memory plan, before the long load
+                if show_plan:
+                    tqdm.write("\n".join(lines), file=sys.stderr)
+
+            cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
+                                             dense_bytes=dense, on_plan=show, **options)
             self.plan_lines += plan
             return cache
         self.plan_lines.append(
             f"experts: {len(self.source.layers)} layers x {self.cfg.num_experts} x "
             f"{fmt_bytes(self.source.expert_nbytes)} = {fmt_bytes(self.source.total_nbytes)}, all resident"
         )
-        return ResidentExperts(self.source, self.device, self.dtype, progress)
+        return ResidentExperts(self.source, self.device, self.dtype, on_bytes)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.cfg.eos_token_ids)

@@ -9,13 +9,15 @@ from .budget import available_ram, auto_device_bytes, plan_tier
 from .layout import ExpertSource
 from .manager import TieredExperts
 from .provider import ResidentExperts
+from .policy import DEFAULT_POLICY
 from .stats import load_stats as load_stats_file
 
 
 def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.dtype, *,
                        device_memory=None, host_memory=None, cache_policy: str | None = None,
                        prefetch: bool = True, cpu_compute: str | None = None, load_stats: str | None = None,
-                       dense_bytes: int = 0, progress=None, **options):
+                       dense_bytes: int = 0, progress=None, on_plan=None, **options):
+    """-> (provider, plan lines). `on_plan(lines)` is called before any expert is loaded."""
     cfg = source.cfg
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
     dev_bytes = sum(p.nbytes for p in source.compute_parts(dtype))  # the fastest tier's format
@@ -30,6 +32,8 @@ def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.
         lines.append(why)
     if dplan.slots >= E and not load_stats:
         lines.append(dplan.describe("device", L, E) + ": every expert resident, loaded once")
+        if on_plan:
+            on_plan(lines)
         return ResidentExperts(source, device, dtype, progress), lines
     lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
     ram = available_ram() // 2
@@ -41,7 +45,9 @@ def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.
                                                   "; the rest streamed from disk"))
     lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
     stats = load_stats_file(load_stats, source.layers, E) if load_stats else None
-    cache = TieredExperts(source, device, dtype, dplan.slots, host_slots, policy=cache_policy or "lru",
+    if on_plan:
+        on_plan(lines)
+    cache = TieredExperts(source, device, dtype, dplan.slots, host_slots, policy=cache_policy or DEFAULT_POLICY,
                           prefetch=prefetch, cpu_compute=cpu_compute or "auto", stats=stats,
                           progress=progress, **options)
     return cache, lines

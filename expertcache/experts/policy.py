@@ -36,6 +36,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 POLICIES: dict[str, Callable[..., "Policy"]] = {}
+DEFAULT_POLICY = "lfru-admit"  # best hit rate against MIN on real traces (README, "cache policies")
 ONLINE = ("lru", "lfru", "lfu", "static", "lfru-admit")  # usable by the engine (no future knowledge)
 
 

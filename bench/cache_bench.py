@@ -1,0 +1,157 @@
+"""Expert cache modes side by side, same run: tok/s, hit rate per tier, GB/s moved.
+
+Configurations (one line each, per model and routing source):
+  resident   every expert in the fastest tier (the upper bound)
+  no-cache   top_k slots per layer in every tier, no prefetch: each expert read on demand
+  sync-lru   vLLM #37190 v1 behaviour: LRU slots, synchronous copy on miss, no prefetch, no CPU compute
+  static     hottest experts pinned from saved statistics (KTransformers / llama.cpp placement)
+  default    expertcache's default: lfru-admit, next-layer prefetch, CPU compute by cost model
+The fastest tier holds `--device-share` of the experts (default 30%). On a CPU-only
+machine it holds fp32 compute copies, the host tier bf16 bytes, the rest streams from
+disk with O_DIRECT (no page cache). Routing comes from the model's routers ("router") or
+from a synthetic trace with realistic skew and locality ("synthetic").
+
+    python bench/cache_bench.py [--models demo big] [--routing router synthetic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from common import hardware_line, timed_generate
+
+
+class TraceRouter:
+    """route_override that replays a synthetic trace: the next row per token, in step order."""
+
+    def __init__(self, trace, first_layer: int, moe_layers: list[int]):
+        self.ex, self.row, self.first = torch.from_numpy(trace.experts.astype(np.int64)), 0, first_layer
+        self.li = {layer: i for i, layer in enumerate(moe_layers)}
+        self.T = 0
+
+    def __call__(self, layer, ids, w):
+        if layer == self.first:
+            self.row += self.T
+            self.T = ids.shape[0]
+        rows = torch.arange(self.row, self.row + ids.shape[0]) % self.ex.shape[0]
+        return self.ex[rows, self.li[layer]].to(ids.device), w
+
+
+def configs(share: float, host: str | None):
+    cache = {"device_memory": f"{share:.0%}", "host_memory": host}
+    return {
+        "resident": {},
+        "no-cache": {"device_memory": "1B", "host_memory": "1B", "cache_policy": "lru", "prefetch": False,
+                     "cpu_compute": "never", "min_slots": True},
+        "sync-lru": {**cache, "cache_policy": "lru", "prefetch": False, "cpu_compute": "never"},
+        "static": {**cache, "cache_policy": "static", "prefetch": False, "load_stats": True},
+        "default": {**cache},
+    }
+
+
+def make_llm(model_dir, kw, stats_path):
+    from expertcache import LLM
+    from expertcache.errors import BudgetError
+
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if kw.pop("min_slots", False):  # smallest legal budget: top_k slots per layer in each tier
+        try:
+            LLM(model_dir, **kw)
+        except BudgetError as e:
+            need = e.args[0].split("give at least ")[1].split(" (")[0]
+            kw["device_memory"] = need.replace(" ", "")
+        try:
+            LLM(model_dir, **kw)
+        except BudgetError as e:
+            kw["host_memory"] = e.args[0].split("give at least ")[1].split(" (")[0].replace(" ", "")
+    if kw.pop("load_stats", False):
+        kw["load_stats"] = stats_path
+    return LLM(model_dir, **kw)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["demo", "big"])
+    ap.add_argument("--routing", nargs="+", default=["router", "synthetic"])
+    ap.add_argument("--device-share", type=float, default=0.30)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--only", nargs="*", default=None, help="subset of configurations")
+    args = ap.parse_args()
+    from expertcache import SamplingParams
+    from expertcache.demo import build_demo_model, demo_model_dir
+    from expertcache.trace.synthetic import synth_trace
+
+    torch.manual_seed(0)
+    print(hardware_line(), flush=True)
+    tmp = tempfile.mkdtemp(prefix="expertcache-bench-")
+    for model in args.models:
+        if model == "demo":
+            model_dir, host = str(demo_model_dir()), None
+        else:  # 1.5 GiB of bf16 experts; host RAM tier holds a quarter, the rest streams from disk
+            model_dir = str(build_demo_model(f"{tmp}/big", num_layers=16, num_experts=64, top_k=8, hidden=512,
+                                             moe_intermediate=512, num_heads=8, num_kv_heads=4, num_shards=4))
+            host = "25%"
+        stats_path = f"{tmp}/{model}-stats.json"
+        for routing in args.routing:
+            params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True)
+            rng = torch.Generator().manual_seed(1)
+            prompt = torch.randint(3, 2000, (args.prompt_len,), generator=rng).tolist()
+            warm_prompt = torch.randint(3, 2000, (args.prompt_len,), generator=rng).tolist()
+            results = {}
+            for name, kw in configs(args.device_share, host).items():
+                if args.only and name not in args.only:
+                    continue
+                if name == "static":  # statistics from a different prompt, saved by a warm-up run
+                    warm = make_llm(model_dir, configs(args.device_share, host)["sync-lru"], stats_path)
+                    _route(warm, routing, 2)
+                    warm.generate([warm_prompt], params)
+                    warm.experts.save_stats(stats_path)
+                    warm.close()
+                llm = make_llm(model_dir, kw, stats_path)
+                _route(llm, routing, 0)
+                llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+                _route(llm, routing, 0)
+                t0 = time.perf_counter()
+                r = timed_generate(llm, [prompt], params)
+                wall = time.perf_counter() - t0
+                s = llm.expert_stats() or {"hit_rate": 1.0, "bytes_moved": 0,
+                                           "per_tier": {"host": {"hits": 0, "misses": 0}}}
+                host_t = s["per_tier"]["host"]
+                hu = host_t["hits"] + host_t["misses"]
+                results[name] = r["decode_tok_s"]
+                print(f"model={model} routing={routing} config={name} decode_tok_s={r['decode_tok_s']:.2f} "
+                      f"prefill_tok_s={r['prefill_tok_s']:.1f} device_hit={s['hit_rate']:.3f} "
+                      f"host_hit={host_t['hits'] / hu if hu else 1.0:.3f} "
+                      f"moved_GB={s['bytes_moved'] / 1e9:.3f} GB_per_s={s['bytes_moved'] / 1e9 / wall:.3f}",
+                      flush=True)
+                llm.close()
+            if {"default", "sync-lru", "resident"} <= set(results):
+                print(f"model={model} routing={routing} default/sync-lru={results['default'] / results['sync-lru']:.2f}x "
+                      f"default/resident={results['default'] / results['resident']:.2f}x", flush=True)
+
+
+_TRACES = {}
+
+
+def _route(llm, routing: str, seed: int) -> None:
+    if routing != "synthetic":
+        llm.model.route_override = None
+        return
+    from expertcache.trace.synthetic import synth_trace
+
+    cfg = llm.cfg
+    key = (cfg.num_layers, cfg.num_experts, cfg.top_k, seed)
+    if key not in _TRACES:
+        _TRACES[key] = synth_trace(layers=len(cfg.moe_layer_ids), experts=cfg.num_experts, top_k=cfg.top_k,
+                                   tokens=4096, zipf=1.1, reuse=0.4, shift_every=256, seed=seed)
+    llm.model.route_override = TraceRouter(_TRACES[key], cfg.moe_layer_ids[0], cfg.moe_layer_ids)
+
+
+if __name__ == "__main__":
+    main()
