@@ -1,0 +1,182 @@
+"""`expertcache plan MODEL_DIR`: will this model run under these budgets, and how fast?
+
+Reads config.json and the safetensors headers only (never a weight byte) and prints, in
+about a second: sizes by kind, the engine's own memory plan per tier (plan_model), whether
+it fits, room for the KV cache and a predicted decode tok/s band (plan_speed).
+
+    expertcache plan MODEL_DIR --device-memory 8GiB [--host-memory 32GiB] [--device cuda|cpu]
+                     [--profile NAME|FILE.toml[:NAME]|this-cpu] [--trace TRACE.npz]
+                     [--policy lfru-admit] [--json]
+
+Exit codes: 0 fits, 1 a budget cannot hold top_k experts per layer (the engine's
+BudgetError text), 2 bad input (unsupported architecture, bad config, trace not of this model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from .errors import BudgetError
+from .units import fmt_bytes
+
+DEFAULT_PROFILE = {"cpu": "cpu-only", "cuda": "rtx4090-pcie4"}
+
+
+def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="memory plan and predicted decode speed, from headers only")
+    p.add_argument("model", nargs="?", default=None, help="model directory (default: the built-in demo model)")
+    p.add_argument("--device-memory", default="auto", help="expert budget of the fastest tier, e.g. 8GiB or 25%% "
+                                                           "(default: auto, as the engine computes it)")
+    p.add_argument("--host-memory", default="auto", help="expert budget in host RAM (default: auto)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu); cuda plans need no GPU here")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--profile", default=None,
+                   help="hardware profile: built-in name, FILE.toml[:NAME], or this-cpu (measured now, ~2 s); "
+                        f"default {DEFAULT_PROFILE['cpu']} for cpu, {DEFAULT_PROFILE['cuda']} for cuda")
+    p.add_argument("--trace", default=None, help="routing trace (.npz, e.g. from --record-routing) for the speed band")
+    p.add_argument("--policy", default="lfru-admit", help="cache policy for the high end of the band")
+    p.add_argument("--json", action="store_true", help="one JSON object with stable keys")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        report = build_report(args)  # a BudgetError is recorded in the report, not raised
+    except ValueError as e:  # ConfigError, CheckpointError, bad trace or profile
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1) if args.json else "\n".join(text_lines(report)))
+    if not report["plan"]["fits"]:
+        if args.json:
+            print(f"error: {report['plan']['error']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _profile(spec: str | None, device: str, model_dir):
+    """(Profile, how it was chosen). Device cpu drops a profile's GPU figures; cuda needs them."""
+    from .trace.profiles import get_profile
+
+    how = "given"
+    if spec is None:
+        spec, how = DEFAULT_PROFILE[device], f"default for --device {device}"
+    if spec == "this-cpu":
+        from .plan_hw import measure_cpu_profile
+
+        m = measure_cpu_profile(model_dir)
+        prof, how = m.profile, f"measured now with {m.threads} torch threads" + (f"; {m.notes}" if m.notes else "")
+    else:
+        prof = get_profile(spec)
+    if device == "cpu" and prof.has_gpu:
+        prof, how = replace(prof, gpu_mem_gbs=0.0, gpu_tflops=0.0), how + "; GPU figures ignored for --device cpu"
+    if device == "cuda" and not prof.has_gpu:
+        raise ValueError(f"--profile: {prof.name!r} has no GPU figures; pick a GPU profile for --device cuda")
+    return prof, how
+
+
+def build_report(args: argparse.Namespace) -> dict:
+    """Everything `plan` prints, as a JSON-ready dict (keys documented by tests/test_plan.py)."""
+    from .plan_model import model_sizes, plan_memory, read_model, resolve_device
+
+    model_dir = args.model
+    if model_dir is None:
+        from .demo import demo_model_dir
+
+        model_dir = demo_model_dir(progress=False)
+    dev, dtype = resolve_device(args.device, args.dtype)
+    info = read_model(model_dir)
+    cfg, sizes = info.cfg, model_sizes(info, dtype)
+    report = {
+        "model": {"dir": str(info.model_dir), "dir_bytes": info.dir_bytes,
+                  "architecture": (info.hf.get("architectures") or ["?"])[0], "layers": cfg.num_layers,
+                  "moe_layers": len(info.source.layers), "num_experts": cfg.num_experts, "top_k": cfg.top_k},
+        "device": dev.type, "dtype": str(dtype).removeprefix("torch."),
+        "bytes": {"dense_stored": sizes.dense_stored, "dense_compute": sizes.dense_compute,
+                  "experts_stored": sizes.experts_stored, "expert_stored": sizes.expert_stored,
+                  "expert_fast": sizes.expert_fast, "stored_format": sizes.stored_dtype,
+                  "fast_format": sizes.fast_format},
+        "plan": {"fits": False, "error": None, "resident": None, "device_slots": None, "host_slots": None,
+                 "device_budget": None, "host_budget": None, "device_used": None, "host_used": None,
+                 "staging": None, "lines": []},
+        "kv": {"bytes_per_token": sizes.kv_per_token, "device_free": None, "tokens_in_device_free": None},
+        "speed": None,
+    }
+    try:
+        mp = plan_memory(info, dev, dtype, args.device_memory, args.host_memory, sizes.dense_compute)
+    except BudgetError as e:
+        report["plan"]["error"] = str(e)
+        return report
+    free = max(0, mp.device.budget - mp.device_used)
+    report["plan"].update(fits=True, resident=mp.resident, device_slots=mp.device.slots,
+                          host_slots=None if mp.host is None else mp.host.slots, device_budget=mp.device.budget,
+                          host_budget=None if mp.host is None else mp.host.budget, device_used=mp.device_used,
+                          host_used=mp.host_used, staging=mp.staging, lines=mp.lines)
+    report["kv"].update(device_free=free, tokens_in_device_free=free // sizes.kv_per_token)
+    report["speed"] = _speed(args, info, sizes, mp, dev.type, model_dir)
+    return report
+
+
+def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
+    """The predicted decode tok/s band of plan `mp` (see plan_speed)."""
+    from .plan_speed import SYNTH_HIGH, SYNTH_LOW, speed_band
+    from .trace.format import RoutingTrace
+    from .trace.simulate import ModelShape
+
+    prof, how = _profile(args.profile, device, model_dir)
+    trace = RoutingTrace.load(args.trace) if args.trace else None
+    cfg = info.cfg
+    shape = ModelShape.from_config(info.hf, bytes_per_param=sizes.expert_fast / sizes.expert_params)
+    from_disk = mp.host is not None and mp.host.slots < cfg.num_experts
+    sb = speed_band(shape, prof, mp.device.slots, sizes.expert_fast, mp.resident, from_disk,
+                    list(info.source.layers), cfg.num_experts, cfg.top_k, args.policy, trace, args.trace or "")
+
+    def est(e):
+        return {"policy": e.policy, "prefetch": e.prefetch, "hit_rate": round(e.hit_rate, 4), "tok_s": round(e.tok_s, 2)}
+
+    return {"profile": prof.name, "profile_source": how, "source": sb.source,
+            "synthetic": None if trace is not None else {"low": SYNTH_LOW, "high": SYNTH_HIGH},
+            "from_disk": from_disk, "low": est(sb.low), "high": est(sb.high),
+            "band_tok_s": [round(x, 2) for x in sb.band]}
+
+
+def text_lines(r: dict) -> list[str]:
+    """The human-readable report."""
+    m, b, p, kv = r["model"], r["bytes"], r["plan"], r["kv"]
+    out = [f"model: {m['dir']} ({m['architecture']}, {fmt_bytes(m['dir_bytes'])} on disk)",
+           f"bytes: dense {fmt_bytes(b['dense_stored'])} stored, {fmt_bytes(b['dense_compute'])} as {r['dtype']}; "
+           f"routed experts {fmt_bytes(b['experts_stored'])} ({m['moe_layers']} MoE layers x {m['num_experts']} "
+           f"experts, top_k {m['top_k']})",
+           f"one expert: {fmt_bytes(b['expert_stored'])} stored ({b['stored_format']}), "
+           f"{fmt_bytes(b['expert_fast'])} in the fastest tier ({b['fast_format']})",
+           f"memory plan (--device {r['device']}, the engine's own arithmetic):"]
+    if not p["fits"]:
+        return out + [f"  does not fit: {p['error']}"]
+    out += [f"  {line}" for line in p["lines"]]
+    top = f"{p['device_slots']} of {m['num_experts']} experts per layer in the fastest tier (top_k {m['top_k']})"
+    rest = ("every expert resident" if p["resident"] else
+            "host RAM holds every expert" if p["host_slots"] >= m["num_experts"] else
+            f"host RAM holds {p['host_slots']}/layer, the rest is read from disk on a miss")
+    out.append(f"fits: yes, {top}; {rest}")
+    where = "GPU memory" if r["device"] == "cuda" else "RAM"
+    tier_total = b["dense_compute"] + p["device_used"]
+    out.append(f"{where} for weights: dense {fmt_bytes(b['dense_compute'])} + experts {fmt_bytes(p['device_used'])}"
+               f" = {fmt_bytes(tier_total)}" + ("" if r["device"] == "cuda" or p["resident"] else
+                                                f" (+ host tier {fmt_bytes(p['host_used'])})"))
+    out.append(f"KV cache: {fmt_bytes(kv['bytes_per_token'])}/token; the engine sizes it separately "
+               f"(--kv-cache-memory, auto = up to 1 GiB); the unused {fmt_bytes(kv['device_free'])} of the "
+               f"device budget would hold {kv['tokens_in_device_free']:,} tokens")
+    s = r["speed"]
+    lo, hi = s["band_tok_s"]
+    out.append(f"decode speed, 1 sequence: {lo:.1f} - {hi:.1f} tok/s on profile {s['profile']} ({s['profile_source']})")
+    out.append(f"  from {s['source']}")
+    for name in ("low", "high"):
+        e = s[name]
+        out.append(f"  {name}: {e['policy']}{' + prefetch' if e['prefetch'] else ''}, hit rate {e['hit_rate']:.2f}, "
+                   f"{e['tok_s']:.1f} tok/s")
+    if s["from_disk"]:
+        out.append("  misses are costed as disk reads (the host tier does not hold every expert)")
+    return out

@@ -1,0 +1,164 @@
+"""What `expertcache plan` knows about a model without loading it: sizes and the memory plan.
+
+Everything here comes from config.json and the safetensors headers (TensorIndex,
+ExpertSource): no weight byte is read. The tier plan calls the engine's own budget
+functions (budget.plan_tier, TierPlan.describe, auto_device_bytes) with the same
+arguments build_expert_cache passes, so the slot counts are the ones the engine
+allocates; tests/test_plan.py checks the printed lines against a real LLM's.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .engine.kv_cache import KVCache
+from .experts.budget import TierPlan, auto_device_bytes, available_ram, plan_tier
+from .experts.layout import ExpertSource
+from .llm import default_dtype
+from .loader.safetensors_index import TensorIndex
+from .models.registry import read_config
+from .quant.checkpoint import method_from_config
+from .units import fmt_bytes
+
+_SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: consumed at load, not kept
+
+
+@dataclass
+class ModelInfo:
+    """A model directory read from its headers: config, index and the routed experts' layout."""
+
+    model_dir: Path
+    hf: dict
+    source: ExpertSource
+    dir_bytes: int  # every regular file in the directory
+
+    @property
+    def cfg(self):
+        return self.source.cfg
+
+    @property
+    def index(self) -> TensorIndex:
+        return self.source.index
+
+
+def read_model(model_dir: str | Path) -> ModelInfo:
+    """config.json + safetensors headers -> ModelInfo (ConfigError / CheckpointError as the engine raises)."""
+    model_dir = Path(model_dir)
+    family, cfg, hf = read_config(model_dir)
+    index = TensorIndex(model_dir)
+    source = ExpertSource(index, cfg, family.names, method_from_config(hf))
+    size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
+    return ModelInfo(model_dir, hf, source, size)
+
+
+@dataclass
+class Sizes:
+    """Bytes by kind; "fast" = the fastest tier's format (compute dtype, or as stored when quantized)."""
+
+    dense_stored: int
+    dense_compute: int  # dense weights as the engine holds them (compute dtype, scales folded in)
+    experts_stored: int
+    expert_stored: int
+    expert_fast: int
+    expert_params: int
+    stored_dtype: str
+    fast_format: str
+    quantized: str | None
+    kv_per_token: int
+
+
+def model_sizes(info: ModelInfo, dtype: torch.dtype) -> Sizes:
+    src, cfg = info.source, info.cfg
+    dense_stored = info.index.nbytes() - src.total_nbytes
+    dense_compute = sum(math.prod(t.shape) * dtype.itemsize for n, t in info.index.tensors.items()
+                        if ".experts." not in n and not _SCALE.search(n) and t.dtype.is_floating_point)
+    fast = sum(p.nbytes for p in src.compute_parts(dtype))
+    method = src.method.name if src.method is not None else None
+    return Sizes(dense_stored=dense_stored, dense_compute=int(dense_compute), experts_stored=src.total_nbytes,
+                 expert_stored=src.expert_nbytes, expert_fast=fast,
+                 expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
+                 stored_dtype=method or str(src.dtype).removeprefix("torch."),
+                 fast_format=f"{method}, as stored" if method else str(dtype).removeprefix("torch."),
+                 quantized=method,
+                 kv_per_token=KVCache.bytes_per_block(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, dtype))
+
+
+@dataclass
+class MemoryPlan:
+    """The engine's tier plan for given budgets; `host` is None when every expert is on the device."""
+
+    device: TierPlan
+    host: TierPlan | None
+    staging: int  # one expert in compute format on CUDA (experts streamed in waves)
+    layers: int
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def resident(self) -> bool:
+        return self.host is None
+
+    @property
+    def device_used(self) -> int:
+        return self.device.slots * self.device.expert_bytes * self.layers + self.staging
+
+    @property
+    def host_used(self) -> int:
+        return 0 if self.host is None else self.host.slots * self.host.expert_bytes * self.layers
+
+
+def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
+                host_memory="auto", dense_bytes: int | None = None) -> MemoryPlan:
+    """The tiers build_expert_cache would allocate, and its plan lines; raises BudgetError like it.
+
+    Same calls, same order: plan_tier for the device (staging slot on CUDA), then, unless
+    every expert fits there, plan_tier for host RAM. 'auto' budgets on CUDA need a GPU here.
+    """
+    src, cfg = info.source, info.cfg
+    L, E, K = len(src.layers), cfg.num_experts, cfg.top_k
+    dev_bytes = sum(p.nbytes for p in src.compute_parts(dtype))
+    lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(src.expert_nbytes)} = {fmt_bytes(src.total_nbytes)} "
+             f"on disk ({src.dtype}); compute format {fmt_bytes(dev_bytes)}/expert ({dtype})"]
+    device_memory = "auto" if device_memory is None else device_memory
+    auto_dev = 0
+    if _is_auto(device_memory):
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device_memory: 'auto' on cuda needs a visible GPU here; give a size, e.g. 8GiB")
+        if dense_bytes is None:  # the engine's estimate (llm.LLM._make_experts)
+            dense_bytes = (info.index.nbytes() - src.total_nbytes) // src.dtype.itemsize * dtype.itemsize
+        auto_dev, why = auto_device_bytes(device, dense_bytes)
+        lines.append(why)
+    staging = dev_bytes if device.type == "cuda" else 0
+    dplan = plan_tier(device_memory, "device_memory", dev_bytes, L, E, K, auto_dev, reserve=staging)
+    if dplan.slots >= E:
+        lines.append(dplan.describe("device", L, E) + ": every expert resident, loaded once")
+        return MemoryPlan(dplan, None, 0, L, lines)
+    lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
+    ram = available_ram() // 2
+    host_memory = "auto" if host_memory is None else host_memory
+    hplan = plan_tier(host_memory, "host_memory", src.expert_nbytes, L, E, K, ram)
+    if _is_auto(host_memory):
+        lines.append(f"auto host budget = half of available RAM = {fmt_bytes(ram)}")
+    lines.append(hplan.describe("host", L, E) + (": every expert in RAM" if hplan.slots >= E else
+                                                  "; the rest streamed from disk"))
+    lines.append(f"disk: {fmt_bytes(src.total_nbytes)} in {src.index.model_dir}")
+    return MemoryPlan(dplan, hplan, staging, L, lines)
+
+
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def resolve_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """Device and compute dtype as LLM picks them (float32 on CPU, bfloat16 on CUDA by default)."""
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu or cuda, got {device!r}")
+    dt = getattr(torch, dtype) if dtype else default_dtype(dev)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"--dtype: unknown {dtype!r}")
+    return dev, dt
