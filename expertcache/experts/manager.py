@@ -125,6 +125,8 @@ class TieredExperts(ExpertProvider):
             for n in dst:
                 dst[n].copy_(src[n])
             return None
+        # the destination slot may still be read by kernels queued before its expert was evicted
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             for n in dst:
                 dst[n].copy_(src[n], non_blocking=True)
@@ -186,6 +188,8 @@ class TieredExperts(ExpertProvider):
         ev = self._copy(src, dst)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
+            if not self.host_all:
+                ev.synchronize()  # the host slot may be refilled by the next demand read
         self.counters[layer].bytes_moved += self.source.expert_nbytes
         if self.verify:
             self._verify(layer, e, dst)
@@ -255,7 +259,10 @@ class TieredExperts(ExpertProvider):
         if not on_cpu:
             c.waves += 1
         if self.cuda and not on_cpu:
-            torch.cuda.current_stream(self.device).wait_event(self._copy(src, self.stage))
+            ev = self._copy(src, self.stage)  # waits for kernels still reading the previous wave
+            torch.cuda.current_stream(self.device).wait_event(ev)
+            if not self.host_all:
+                ev.synchronize()
             c.bytes_moved += self.source.expert_nbytes
             y = expert_ffn(x[tok], self.stage, self.method)
         else:
