@@ -31,7 +31,7 @@ from expertcache.trace.format import RoutingTrace  # noqa: E402
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    ap.add_argument("--model", default="/work/shared/models/tinymoe-py16")
+    ap.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "shared/models/tinymoe-py16"))
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--offset", type=int, default=0, help="first held-out id to use")

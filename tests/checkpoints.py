@@ -28,6 +28,10 @@ import torch
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
+# ../shared beside the checkout (CI lays a copy there); tests that need it skip when absent
+SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
+TINYMOE_DIR = SHARED_DIR / "models" / "tinymoe-py16"
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # A ChatML template in the style real checkpoints carry: a default system message,

@@ -19,7 +19,7 @@ if str(TESTS_DIR) not in sys.path:
 
 import checkpoints  # noqa: E402
 
-QWEN3_TOKENIZER_DIR = Path("/work/shared/tokenizers/qwen3")
+QWEN3_TOKENIZER_DIR = checkpoints.SHARED_DIR / "tokenizers" / "qwen3"
 
 # The test models are tiny: extra intra-op threads only add OpenMP synchronisation, which on a
 # shared 2-core machine made a 24-token generation ~50x slower (index_add_ spin-waits).

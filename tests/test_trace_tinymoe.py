@@ -5,12 +5,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkpoints import TINYMOE_DIR
 
 from expertcache.trace.format import RoutingTrace
 from expertcache.trace.replay import sweep
 from expertcache.trace.stats import reuse_fraction
 
-MODEL = Path("/work/shared/models/tinymoe-py16")
+MODEL = TINYMOE_DIR
 ROOT = Path(__file__).resolve().parents[1]
 
 
