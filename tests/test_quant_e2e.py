@@ -216,6 +216,7 @@ def test_generation_is_not_degenerate(resident, base):
     toks = {fmt: resident(fmt)[2] for fmt in ("fp8", "mxfp4")}
     dense = LLM(str(base))
     ref = greedy(dense)
+    dense.close()
     assert all(len(set(t)) > 3 for t in ref)
     # fp8 keeps 3+ significant bits: its first generated token agrees with bf16 on every prompt
     assert [t[0] for t in toks["fp8"]] == [t[0] for t in ref]
@@ -230,16 +231,17 @@ def test_budget_counts_stored_bytes(quantized, base):
     for fmt in ["bf16", *FORMATS]:
         path = base if fmt == "bf16" else quantized(fmt)
         nbytes = bf16_bytes if fmt == "bf16" else expected_expert_bytes(fmt, FORMATS[fmt])
-        # host tier keeps the stored format for every model (the CPU device tier computes bf16 in fp32)
-        llm = LLM(str(path), device_memory=f"{2 * nbytes * L * K}", host_memory=f"{budget}")
+        # dtype=bfloat16: the device tier then holds bf16 experts as bf16 (on CPU the default compute
+        # dtype is float32, which would hold the bf16 model's experts in 4 bytes/weight)
+        llm = LLM(str(path), dtype="bfloat16", device_memory=f"{budget}", host_memory=f"{budget}")
         try:
             assert llm.source.expert_nbytes == nbytes
-            slots[fmt] = llm.experts.host_slots
+            slots[fmt] = llm.experts.device_slots
             assert slots[fmt] == min(E, budget // (L * nbytes)), (fmt, llm.plan_lines)
-            host_line = next(x for x in llm.plan_lines if x.startswith("host:"))
-            assert re.match(rf"host: {slots[fmt]} slots/layer x {L} layers", host_line), host_line
-            if fmt != "bf16":  # quantized experts sit in the device tier as stored too
-                assert llm.experts.device_slots == 2 * K, llm.plan_lines
+            assert llm.experts.host_slots == slots[fmt]
+            for tier in ("device", "host"):
+                line = next(x for x in llm.plan_lines if x.startswith(f"{tier}:"))
+                assert re.match(rf"{tier}: {slots[fmt]} slots/layer x {L} layers", line), line
         finally:
             llm.close()
     assert slots["bf16"] == 4
