@@ -110,7 +110,9 @@ def summarize(results: list[Result], wall: float) -> dict:
             "ttft_p50_ms": round(pct(ttft, 50), 1), "ttft_p99_ms": round(pct(ttft, 99), 1),
             "tpot_p50_ms": round(pct(tpot, 50), 1), "tpot_p99_ms": round(pct(tpot, 99), 1),
             "in_tok": sum(r.in_tokens for r in ok), "cached_tok": sum(r.cached for r in ok), "out_tok": out,
-            "errors": len(results) - len(ok)}
+            "errors": len(results) - len(ok),
+            # shared machines: the load seen while this configuration ran explains outliers
+            "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
 
 
 def hardware_line() -> str:
