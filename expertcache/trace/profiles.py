@@ -26,6 +26,7 @@ class Profile:
     cpu_gflops: float
     gpu_mem_gbs: float = 0.0
     gpu_tflops: float = 0.0
+    step_overhead_ms: float = 0.0  # fixed cost per forward step (dispatch, launches); calibrated, 0 = ignored
 
     @property
     def has_gpu(self) -> bool:

@@ -15,12 +15,14 @@ bandwidths in bytes/s and throughputs in FLOP/s (a matmul costs 2 FLOP/param/row
                   the CPU path also pays eb / disk)
     prefetch   -> issued * xfer on the link, overlapped with dense + hit compute:
                   prefetch_stall = max(0, issued * xfer - (dense + hits * gpu_exp))
-    total      = dense + hits * gpu_exp + sum(miss costs) + prefetch_stall
+    total      = dense + hits * gpu_exp + sum(miss costs) + prefetch_stall + S * step_overhead
     tok/s      = rows / total
 
 Without a GPU (profile.gpu_tflops == 0) dense and every use run on the CPU
 (cpu_exp), misses cost only the disk read when from_disk. It is a first-order
-model: no kernel launch overhead, no overlap of demand transfers with compute.
+model: no overlap of demand transfers with compute; kernel launch and Python dispatch
+costs only through profile.step_overhead_ms (0 unless calibrated, e.g. by
+bench/simulate_validate.py).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Prediction:
     prefetch_stall_s: float
     misses_on_cpu: int
     misses_transferred: int
+    overhead_s: float = 0.0  # steps * profile.step_overhead_ms
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,14 +99,16 @@ def simulate(result: ReplayResult | object, shape: ModelShape, profile: Profile,
     u = result.pairs / uses if result.pairs else 1.0
     u_step = result.rows / max(result.steps, 1)
     bd = shape.dense_params * shape.bytes_per_param
+    over = result.steps * profile.step_overhead_ms / 1e3
     disk = eb / (profile.disk_gbs * gb) if from_disk and profile.disk_gbs > 0 else 0.0
     cpu_exp = max(eb / (profile.cpu_mem_gbs * gb), 2 * shape.expert_params * u / (profile.cpu_gflops * 1e9))
     if not profile.has_gpu:
         dense = result.steps * max(bd / (profile.cpu_mem_gbs * gb),
                                    2 * shape.dense_params * u_step / (profile.cpu_gflops * 1e9))
         exp = uses * cpu_exp
-        total = dense + exp + result.misses * disk
-        return Prediction(result.rows / total, total, dense, 0.0, result.misses * disk, exp, 0.0, result.misses, 0)
+        total = dense + exp + result.misses * disk + over
+        return Prediction(result.rows / total, total, dense, 0.0, result.misses * disk, exp, 0.0, result.misses, 0,
+                          over)
     dense = result.steps * max(bd / (profile.gpu_mem_gbs * gb),
                                2 * shape.dense_params * u_step / (profile.gpu_tflops * tf))
     gpu_exp = max(eb / (profile.gpu_mem_gbs * gb), 2 * shape.expert_params * u / (profile.gpu_tflops * tf))
@@ -116,5 +121,5 @@ def simulate(result: ReplayResult | object, shape: ModelShape, profile: Profile,
     else:
         exp_s, stall, cpu_s, n_cpu, n_x = hit_s + m * gpu_exp, m * xfer, 0.0, 0, m
     pf = max(0.0, result.prefetch_issued * xfer - (dense + hit_s)) if result.prefetch_issued else 0.0
-    total = dense + exp_s + stall + cpu_s + pf
-    return Prediction(result.rows / total, total, dense, exp_s, stall, cpu_s, pf, n_cpu, n_x)
+    total = dense + exp_s + stall + cpu_s + pf + over
+    return Prediction(result.rows / total, total, dense, exp_s, stall, cpu_s, pf, n_cpu, n_x, over)
