@@ -344,3 +344,28 @@ def test_expert_metrics_follow_the_stats_layout():
     time.sleep(0.01)
     line = log.maybe_log(snap)
     assert "Running: 2 reqs" in line and "Prefix cache hit rate: 40.0%" in line and "Expert hit rate: 75.0%" in line
+
+
+def test_tiered_expert_cache_reports_stats_in_process(qwen3_checkpoint):
+    """With an expert budget the loader, timings and metrics see the tiered cache's statistics."""
+    pytest.importorskip("expertcache.experts.manager")
+    from fastapi.testclient import TestClient
+
+    from expertcache.server.app import ServerConfig, create_app
+
+    app = create_app(ServerConfig("tiny", {"model": str(qwen3_checkpoint), "device_memory": "50%", "progress": True}))
+    with TestClient(app) as c:
+        for _ in range(400):
+            health = c.get("/health")
+            if health.status_code == 200 or health.json().get("status") == "error":
+                break
+            time.sleep(0.05)
+        assert health.json() == {"status": "ok"}, health.json()
+        r = c.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert 0.0 <= r.json()["timings"]["expert_hit_rate"] <= 1.0
+        stats = c.get("/stats").json()["expert_stats"]
+        assert stats["hits"] + stats["misses"] > 0 and len(stats["use_counts"]) >= 1
+        text = c.get("/metrics").text
+        assert 'expertcache:expert_cache_misses_total{tier="device"}' in text
+        assert "expertcache:model_load_progress 1.0" in text

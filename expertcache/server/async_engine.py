@@ -10,7 +10,8 @@ Invariants:
 - Every admitted request ends with exactly one item whose `finish_reason` is set (or an error
   item), unless the client aborted it first; an aborted request gets no more items.
 - `snapshot()` returns the last state the engine thread published (a fresh dict after every
-  step and once a second while idle); readers must not mutate it.
+  step, published before that step's tokens are delivered; expert statistics refreshed at most
+  once a second while busy and whenever the engine goes idle); readers must not mutate it.
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ class AsyncEngine:
             return
         now = time.perf_counter()
         self._step_totals = None
+        deliveries: list[tuple[RequestHandle, Delta]] = []
         for out in outs:
             tr = self._tracks.get(out.request_id)
             if tr is None:
@@ -213,17 +215,21 @@ class AsyncEngine:
             reason = out.finish_reason
             if reason is None:
                 if out.text_delta or out.new_token_ids:
-                    self._push(tr.handle, Delta(out.text_delta, list(out.new_token_ids)))
+                    deliveries.append((tr.handle, Delta(out.text_delta, list(out.new_token_ids))))
                 continue
             del self._tracks[out.request_id]
             if reason.startswith("error"):
-                self._push(tr.handle, Delta("", [], error=reason.removeprefix("error: ")))
+                deliveries.append((tr.handle, Delta("", [], error=reason.removeprefix("error: "))))
                 self.metrics.on_finish("error", None)
                 continue
             self.metrics.on_finish(reason, now - tr.arrival)
-            self._push(tr.handle, Delta(out.text_delta, list(out.new_token_ids), reason, self._final(tr, out.seq)))
-        self._refresh_expert_stats()
+            deliveries.append((tr.handle, Delta(out.text_delta, list(out.new_token_ids), reason,
+                                                self._final(tr, out.seq))))
+        # publish first: a client that got its answer then reads /stats or /metrics sees this step
+        self._refresh_expert_stats(force=not self.llm.engine.has_unfinished())
         self._publish()
+        for handle, delta in deliveries:
+            self._push(handle, delta)
 
     def _final(self, tr: _Track, seq) -> Final:
         completion = len(seq.generated)

@@ -1,8 +1,8 @@
 """Loads the model in a background thread while the HTTP server already answers /health.
 
 Progress is the share of checkpoint bytes the loader has read. LLM reports them to a tqdm
-bar it creates in expertcache.llm; while loading, that module's `tqdm` name is pointed at
-`_ByteCounter`, which keeps the count instead of drawing a bar. Nothing else in this
+bar it creates in expertcache.llm; while loading, that module's `tqdm` name is pointed at a
+tqdm subclass that keeps the count instead of drawing a bar. Nothing else in this
 process uses expertcache.llm.tqdm during loading (the engine thread starts afterwards).
 A dedicated `LLM(progress=callback)` hook would make the patch unnecessary.
 
@@ -16,22 +16,32 @@ import threading
 import time
 from unittest import mock
 
+from tqdm import tqdm
+
 log = logging.getLogger("expertcache.server")
 
 
-class _ByteCounter:
-    """Duck-typed stand-in for the tqdm bar LLM.__init__ creates (update / close)."""
+def _counting_bar(loader: "ModelLoader") -> type:
+    """A tqdm subclass that never draws (a server log is no terminal) and adds the bytes it is
+    told about to `loader`; everything else (write, set_postfix, context manager) stays tqdm's."""
 
-    def __init__(self, loader: "ModelLoader", total: int | None = None, **_ignored):
-        self.loader = loader
-        loader.total_bytes = int(total or 0)
+    class CountingBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+            if kwargs.get("unit") == "B":  # the weight-loading bar, not e.g. a generate() bar
+                loader.total_bytes = int(kwargs.get("total") or 0)
+                self._counts = True
+            else:
+                self._counts = False
 
-    def update(self, n: int = 1) -> None:
-        self.loader.read_bytes += int(n)
-        self.loader.maybe_log()
+        def update(self, n=1):
+            if self._counts:
+                loader.read_bytes += int(n)
+                loader.maybe_log()
+            return super().update(n)
 
-    def close(self) -> None:
-        pass
+    return CountingBar
 
 
 class ModelLoader:
@@ -66,7 +76,7 @@ class ModelLoader:
         from .. import llm as llm_module
 
         try:
-            with mock.patch.object(llm_module, "tqdm", lambda *a, **kw: _ByteCounter(self, **kw)):
+            with mock.patch.object(llm_module, "tqdm", _counting_bar(self)):
                 llm = llm_module.LLM(**self.llm_kwargs)
         except BaseException as e:  # noqa: BLE001 - any failure is reported through /health
             self.error = f"{type(e).__name__}: {e}"
