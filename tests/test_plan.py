@@ -220,3 +220,26 @@ def test_trace_of_another_model_is_rejected(ckpt, tmp_path, capsys):
     wrong_layers.save(path)
     assert main(["plan", str(ckpt), "--device-memory", "25%", "--trace", str(path)]) == 2
     assert "5 layers, model has 3" in capsys.readouterr().err
+
+
+def test_quantized_experts_stay_quantized_in_the_fastest_tier(ckpt, tmp_path, capsys, monkeypatch):
+    from expertcache.quant.quantize import quantize_checkpoint
+
+    import expertcache.experts.budget as budget
+    import expertcache.experts.build as build
+    import expertcache.plan_model as plan_model
+
+    for mod in (budget, build, plan_model):
+        monkeypatch.setattr(mod, "available_ram", lambda: 8 << 30)
+    q = tmp_path / "int8"
+    quantize_checkpoint(ckpt, q, "int8")
+    rc, r = plan_json(capsys, q, "--device-memory", "25%")
+    assert rc == 0
+    b = r["bytes"]
+    assert b["expert_fast"] == b["expert_stored"] and "as stored" in b["fast_format"]
+    llm = LLM(str(q), device_memory="25%")
+    try:
+        assert r["plan"]["device_slots"] == llm.experts.device_slots
+        assert r["plan"]["lines"] == llm.plan_lines[:-1]
+    finally:
+        llm.close()
