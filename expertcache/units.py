@@ -19,7 +19,7 @@ def parse_bytes(value: str | int | float | None, name: str = "size") -> int | No
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{name}: cannot parse {value!r} as a byte size (examples: 512MiB, 16GiB, auto)")
+        raise ValueError(f"{name}: invalid byte size {value!r} (examples: 512MiB, 16GiB, 1.5GB, auto)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..loader.safetensors_index import TensorIndex
 from ..models.model_config import ModelConfig
 from ..models.registry import WeightNames
@@ -41,6 +41,20 @@ class Part:
 
 
 Range = tuple[Path, int, int]  # file, absolute offset, nbytes
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fits(shape: tuple[int, ...], dtype: torch.dtype, spec) -> bool:
+    """A checkpoint tensor can stand for a stored part: same shape (a scalar may be [] or [1]);
+    scales any float dtype; fp8 values as float8 or raw uint8; other codes exactly their dtype."""
+    if tuple(shape) != tuple(spec.shape) and not (math.prod(shape) == 1 == math.prod(spec.shape)):
+        return False
+    if spec.dtype in FLOAT8:
+        return dtype in (spec.dtype, torch.uint8)
+    if spec.dtype.is_floating_point:
+        return dtype.is_floating_point and dtype not in FLOAT8
+    return dtype == spec.dtype
 
 
 class ExpertSource:
@@ -66,7 +80,7 @@ class ExpertSource:
                         "gate_up": [(gu.file, gu.offset + j * gu.nbytes // E, gu.nbytes // E)],
                         "down": [(dn.file, dn.offset + j * dn.nbytes // E, dn.nbytes // E)],
                     }
-                dtypes = {gu.dtype, dn.dtype}
+                dtypes, example = {gu.dtype, dn.dtype}, gu.name
             else:
                 g, u, d = names.expert_projs
                 dtypes = set()
@@ -80,6 +94,11 @@ class ExpertSource:
                         "down": [(di.file, di.offset, di.nbytes)],
                     }
                     dtypes |= {gi.dtype, ui.dtype, di.dtype}
+                example = gi.name
+            if dtypes & set(FLOAT8):
+                raise ConfigError(f"{example} (and the other routed experts) stored as "
+                                  f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))} but config.json "
+                                  "has no quantization_config saying how to scale them")
             if len(dtypes) != 1 or (dtype is not None and dtypes != {dtype}):
                 raise CheckpointError(f"layer {layer}: routed experts mix dtypes {sorted(map(str, dtypes))}")
             dtype = dtypes.pop()
@@ -104,8 +123,7 @@ class ExpertSource:
                         if name not in self.index and suffix in m.aliases:
                             name = f"{prefix}.experts.{j}.{proj}.{m.aliases[suffix]}"
                         t = self.index.info(name)
-                        same_size = t.dtype.itemsize == spec.dtype.itemsize or t.dtype.is_floating_point
-                        if math.prod(t.shape) != math.prod(spec.shape) or not same_size:
+                        if not _fits(t.shape, t.dtype, spec):
                             raise CheckpointError(
                                 f"{t.file.name}: tensor {name} is {t.dtype} {list(t.shape)}, but {m.name} experts "
                                 f"need {spec.dtype} {list(spec.shape)}")

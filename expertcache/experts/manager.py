@@ -70,6 +70,7 @@ class TieredExperts(ExpertProvider):
         self.layers = source.layers
         self.li = {layer: i for i, layer in enumerate(self.layers)}
         self.policy_name, self.prefetch_on, self.cpu_compute = policy, prefetch, cpu_compute
+        self.wants_prefetch = prefetch
         if cpu_compute not in ("auto", "always", "never"):
             raise ValueError(f"cpu_compute must be auto, always or never, got {cpu_compute!r}")
         self.prefill_admit_tokens, self.verify = prefill_admit_tokens, verify

@@ -23,6 +23,8 @@ from .layout import ExpertSource
 
 
 class ExpertProvider:
+    wants_prefetch = False  # True: the model computes next-layer lookahead and calls prefetch()
+
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

@@ -31,7 +31,6 @@ class MoETransformer:
                  device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
                  quant=None):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
-        self.prefetch = True
         self.record_routing = False
         # route_override(layer, ids, weights) -> (ids, weights): replaces the router's choice
         # (benchmarks drive routing from a synthetic trace); None = the model's own router
@@ -121,10 +120,10 @@ class MoETransformer:
             ids, w = self.route_override(i, ids, w)
         ahead = None
         nxt = self.next_moe.get(i)
-        if nxt is not None and (self.prefetch or self.record_routing):
+        if nxt is not None and (self.experts.wants_prefetch or self.record_routing):
             nl = self.layers[nxt]
             ahead, _ = route(rms_norm(h, nl["post_ln"], cfg.rms_norm_eps), nl["router"], cfg.top_k, False)
-            if self.prefetch:
+            if self.experts.wants_prefetch:
                 self.experts.prefetch(nxt, ahead)
         if self.record_routing:
             self.routing[i] = (ids, w, ahead)
