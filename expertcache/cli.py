@@ -1,7 +1,7 @@
 """The `expertcache` command: generate, demo, serve, plan, trace, quantize.
 
-Subcommands living in other packages register through `add_*_subcommand(subparsers)`
-functions imported lazily, so `expertcache --help` stays fast.
+Subcommands living in other packages register through their `add_*_subcommand(subparsers)`;
+the heavy work (torch, the model) is imported only when a command runs.
 """
 
 from __future__ import annotations
@@ -126,13 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(d, "The expert cache keeps")
     d.add_argument("--rebuild", action="store_true", help="rebuild the demo checkpoint")
     d.set_defaults(func=cmd_demo)
-    for module, fn in (("server.cli", "add_serve_subcommand"), ("trace.cli", "add_trace_subcommands"),
-                       ("plan", "add_plan_subcommand"), ("quant.cli", "add_quantize_subcommand")):
-        try:
-            mod = __import__(f"expertcache.{module}", fromlist=[fn])
-        except ImportError:
-            continue
-        getattr(mod, fn)(sub)
+    from .plan import add_plan_subcommand
+    from .quant.cli import add_quantize_subcommand
+    from .server.cli import add_serve_subcommand
+    from .trace.cli import add_trace_subcommands
+
+    for add in (add_serve_subcommand, add_trace_subcommands, add_plan_subcommand, add_quantize_subcommand):
+        add(sub)
     return parser
 
 
