@@ -96,7 +96,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import demo_model_dir
 
-    args.model = str(demo_model_dir(rebuild=args.rebuild))
+    if args.model is None:
+        args.model = str(demo_model_dir(rebuild=args.rebuild))
     if args.device_memory is None and args.host_memory is None:
         args.device_memory = "25%"  # a budget smaller than the experts, so the cache has work
     return cmd_generate(args)
@@ -121,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     add_sampling_args(g, None)
     g.set_defaults(func=cmd_generate)
-    d = sub.add_parser("demo", help="build the demo model once and generate under a small expert budget")
+    d = sub.add_parser("demo", help="generate under an expert budget smaller than the experts (25%% in the "
+                                    "fastest tier) and show the cache; default model: the built-in demo")
     add_engine_args(d)
     add_sampling_args(d, "The expert cache keeps")
     d.add_argument("--rebuild", action="store_true", help="rebuild the demo checkpoint")
