@@ -27,7 +27,6 @@ import random
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
