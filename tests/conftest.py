@@ -94,3 +94,9 @@ def qwen3_llm(expertcache_api, qwen3_checkpoint):
 def qwen3_reference(qwen3_checkpoint):
     """transformers' model for the default tiny Qwen3-MoE checkpoint (fp32, eager attention)."""
     return checkpoints.load_reference(qwen3_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def cache_checkpoint(checkpoint) -> Path:
+    """Qwen3-MoE with 16 experts, top-2, 3 layers, bf16 storage: enough experts for the cache to work."""
+    return checkpoint("qwen3_moe", dtype=torch.bfloat16, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3)

@@ -18,9 +18,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpt(checkpoint):
-    # 16 experts, top-2, bf16 storage: slots convert to the fp32 compute format
-    return checkpoint("qwen3_moe", dtype=torch.bfloat16, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3)
+def ckpt(cache_checkpoint):
+    return cache_checkpoint
 
 
 @pytest.fixture(scope="module")

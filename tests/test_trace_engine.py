@@ -12,8 +12,8 @@ from expertcache.trace.replay import replay
 
 
 @pytest.fixture(scope="module")
-def ckpt(checkpoint):
-    return checkpoint("qwen3_moe", dtype=torch.bfloat16, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3)
+def ckpt(cache_checkpoint):
+    return cache_checkpoint
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfru", "lfru-admit"])
