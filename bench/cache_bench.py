@@ -46,8 +46,7 @@ def configs(share: float, host: str | None):
     cache = {"device_memory": f"{share:.0%}", "host_memory": host}
     return {
         "resident": {},
-        "no-cache": {"device_memory": "1B", "host_memory": "1B", "cache_policy": "lru", "prefetch": False,
-                     "cpu_compute": "never", "min_slots": True},
+        "no-cache": {"cache_policy": "lru", "prefetch": False, "cpu_compute": "never", "min_slots": True},
         "sync-lru": {**cache, "cache_policy": "lru", "prefetch": False, "cpu_compute": "never"},
         "static": {**cache, "cache_policy": "static", "prefetch": False, "load_stats": True},
         "default": {**cache},
@@ -56,19 +55,17 @@ def configs(share: float, host: str | None):
 
 def make_llm(model_dir, kw, stats_path):
     from expertcache import LLM
-    from expertcache.errors import BudgetError
+    from expertcache.experts.layout import ExpertSource
+    from expertcache.loader.safetensors_index import TensorIndex
+    from expertcache.models.registry import read_config
 
     kw = {k: v for k, v in kw.items() if v is not None}
     if kw.pop("min_slots", False):  # smallest legal budget: top_k slots per layer in each tier
-        try:
-            LLM(model_dir, **kw)
-        except BudgetError as e:
-            need = e.args[0].split("give at least ")[1].split(" (")[0]
-            kw["device_memory"] = need.replace(" ", "")
-        try:
-            LLM(model_dir, **kw)
-        except BudgetError as e:
-            kw["host_memory"] = e.args[0].split("give at least ")[1].split(" (")[0].replace(" ", "")
+        family, cfg, _ = read_config(model_dir)
+        source = ExpertSource(TensorIndex(model_dir), cfg, family.names)
+        per_slot = cfg.top_k * len(source.layers)
+        kw["device_memory"] = per_slot * sum(p.nbytes for p in source.compute_parts(torch.float32))
+        kw["host_memory"] = per_slot * source.expert_nbytes
     if kw.pop("load_stats", False):
         kw["load_stats"] = stats_path
     return LLM(model_dir, **kw)
