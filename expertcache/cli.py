@@ -20,6 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: min(model, 4096))")
     p.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default: 16)")
     p.add_argument("--kv-cache-memory", default="auto", help="KV cache budget, e.g. 512MiB (default: auto)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice, one per core; on a busy shared "
+                        "machine 1 avoids OpenMP contention)")
     g = p.add_argument_group("expert cache")
     g.add_argument("--device-memory", default=None,
                    help="budget for experts in the fastest tier (device slots), e.g. 512MiB, or 'auto'; "
@@ -35,6 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
