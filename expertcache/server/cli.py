@@ -30,8 +30,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one engine step, prefill chunks included (default: 2048)")
     s.add_argument("--no-prefix-caching", action="store_true", help="turn off KV prefix reuse across requests")
-    s.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the engine (default: torch's choice); 1 is steadier on a busy machine")
     s.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between status lines while busy; 0 = off (default: 10)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
