@@ -56,6 +56,8 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                 f"context length of {self.max_model_len} tokens"
             )
+        if params.stop and self.tokenizer is None:
+            raise CheckpointError("stop strings need the checkpoint's tokenizer.json")
         seq = Sequence(prompt_ids, params, request_id)
         if seq.request_id in self.seqs:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
@@ -93,9 +95,10 @@ class LLMEngine:
         else:
             self.counters.prefill_seconds += dt
         for b, (seq, n) in enumerate(work):
-            if seq.phase == "prefill":
-                self.counters.prompt_tokens += min(n, seq.prompt_len - seq.num_computed)
+            # prompt tokens computed for the first time (a preempted sequence recomputes its own)
+            self.counters.prompt_tokens += max(0, min(seq.num_computed + n, seq.prompt_len) - seq.high_water)
             seq.num_computed += n
+            seq.high_water = max(seq.high_water, min(seq.num_computed, seq.prompt_len))
             self.kv.seal(seq.block_ids, seq.tokens[: seq.num_computed])
             if seq.num_computed < len(seq.tokens):
                 continue  # prefill chunk without a token to sample yet
@@ -126,8 +129,6 @@ class LLMEngine:
             else:  # hold back what could still become a stop string
                 upto = max(len(seq.text), len(text) - max((len(s) - 1 for s in p.stop), default=0))
             delta, seq.text = text[len(seq.text):upto], text[:upto]
-        elif p.stop:
-            raise CheckpointError("stop strings need the checkpoint's tokenizer.json")
         if reason is not None:
             self._finish(seq, reason)
         return StepOutput(seq.request_id, [tok], delta, reason, seq)

@@ -29,6 +29,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -73,10 +73,12 @@ class Scheduler:
                 self.kv.acquire(cached)
                 seq.block_ids = cached
                 seq.num_computed = len(cached) * self.kv.block_size
-                self.kv.prefix_queries += len(seq.tokens)
-                self.kv.prefix_hits += seq.num_computed
-                if seq.num_cached == 0:
+                if not seq.admitted:  # a preempted sequence coming back is not a new query
+                    seq.admitted = True
+                    self.kv.prefix_queries += len(seq.tokens)
+                    self.kv.prefix_hits += seq.num_computed
                     seq.num_cached = seq.num_computed
+                    seq.high_water = min(seq.num_computed, seq.prompt_len)
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed + n):
                 if not self.running and not batch:

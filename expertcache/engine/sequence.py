@@ -23,6 +23,8 @@ class Sequence:
         self.block_ids: list[int] = []
         self.num_computed = 0
         self.num_cached = 0  # prompt tokens served by the prefix cache (first admission)
+        self.high_water = 0  # prompt tokens ever computed or served from cache (counters)
+        self.admitted = False
         self.finish_reason: str | None = None
         self.text = ""
         self.generator = None
