@@ -321,10 +321,9 @@ def test_mxfp4_blocks_with_wrong_shape(mx_base, tmp_path):
         LLM(str(shipped))
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: ExpertSource._quantized compares element counts only, so a "
-                   "stored part with the right numel but another shape is reinterpreted silently")
 @pytest.mark.parametrize("which", ["mxfp4-blocks", "fp8-scale-transposed"])
 def test_expert_part_with_same_numel_but_wrong_shape(mx_base, fp8_shipped, tmp_path, which):
+    """Regression (fixed in c524aeb): parts were compared by element count only and reinterpreted."""
     if which == "mxfp4-blocks":
         path = ship_mxfp4(mx_base, tmp_path / "q")
         name = f"{EXPERT}.weight_blocks"
@@ -343,10 +342,8 @@ def test_scale_of_wrong_dtype(fp8_shipped, tmp_path):
         LLM(str(path))
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: ExpertSource._quantized accepts any same-itemsize dtype for a "
-                   "float scale (int32 for float32); the error only comes at the first forward and names 'gate.weight_scale' "
-                   "without layer or expert")
 def test_every_expert_scale_of_wrong_dtype_fails_at_load(fp8_shipped, tmp_path):
+    """Regression (fixed in c524aeb): an int32 scale passed load and failed at the first forward."""
     def all_int(t):
         for k in list(t):
             if ".experts." in k and k.endswith("weight_scale_inv"):
@@ -358,9 +355,8 @@ def test_every_expert_scale_of_wrong_dtype_fails_at_load(fp8_shipped, tmp_path):
         LLM(str(path))
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: routed experts stored as float8_e4m3fn with no quantization_config "
-                   "load as plain weights (their scales ignored) and generate garbage instead of a ConfigError")
 def test_fp8_experts_without_quantization_config(fp8_shipped, tmp_path):
+    """Regression (fixed in c524aeb): fp8 experts without a config ran as plain weights, scales ignored."""
     from expertcache.quant.fp8_block import dequantize_fp8_block
 
     def dense_bf16(t):  # only the experts stay fp8
