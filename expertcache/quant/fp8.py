@@ -34,13 +34,22 @@ def decode_e4m3fn(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
         x = x.view(FP8_DTYPE)
     elif x.dtype != FP8_DTYPE:
         raise ValueError(f"decode_e4m3fn expects float8_e4m3fn or uint8 codes, got {x.dtype}")
-    if out is None:
-        return x.to(torch.float32)
-    if out.shape != x.shape or out.dtype != torch.float32:
+    if out is not None and (out.shape != x.shape or out.dtype != torch.float32):
         raise ValueError(
             f"out buffer must be float32 {list(x.shape)}, got {out.dtype} {list(out.shape)}"
         )
-    return out.copy_(x)
+    if x.device.type != "cpu":
+        return x.to(torch.float32) if out is None else out.copy_(x)
+    # On the CPU torch's fp8 -> fp32 cast is slow (~1.5 ms for 512x512); a 256-entry table
+    # gives the same bits ~3x faster.
+    idx = x.view(torch.uint8).reshape(-1).int()
+    if out is None:
+        return torch.index_select(_E4M3_TABLE, 0, idx).view(x.shape)
+    torch.index_select(_E4M3_TABLE, 0, idx, out=out.view(-1))
+    return out
+
+
+_E4M3_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).to(torch.float32)
 
 
 def encode_e4m3fn(x: torch.Tensor) -> torch.Tensor:

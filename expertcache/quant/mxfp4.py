@@ -70,6 +70,10 @@ def dequantize_mxfp4(
             f"out buffer must be contiguous float32 {[out_f, groups * MX_BLOCK]}, got {out.dtype} {list(out.shape)}"
         )
     view = out.view(out_f, groups, MX_BLOCK)
-    view.copy_(decode_e2m1(unpack_nibbles(blocks)))
-    view.mul_(decode_e8m0(scales).unsqueeze(-1))
+    # one table lookup per byte decodes both nibbles (low first): [.., 16] bytes -> [.., 16, 2] values
+    pairs = torch.index_select(_PAIR_TABLE.to(blocks.device), 0, blocks.reshape(-1).int())
+    torch.mul(pairs.view(out_f, groups, MX_BLOCK), decode_e8m0(scales).unsqueeze(-1), out=view)
     return out
+
+
+_PAIR_TABLE = decode_e2m1(unpack_nibbles(torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None]))  # [256, 2]
