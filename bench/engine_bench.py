@@ -18,23 +18,25 @@ import torch
 from common import hardware_line, timed_generate
 
 
-def run_transformers(model_dir, prompt, batch, gen):
+def run_transformers(model_dir, prompts, gen):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    ids = torch.tensor([prompt] * batch)
+    ids = torch.tensor(prompts)
+    batch = len(prompts)
     kw = dict(do_sample=False, max_new_tokens=gen, min_new_tokens=gen, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(ids[:, :8], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        model.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]),
+                       **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
         t0 = time.perf_counter()
         model(ids)
         prefill = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model.generate(ids, **kw)
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
         total = time.perf_counter() - t0
     decode = max(total - prefill, 1e-9)
-    return {"prefill_tok_s": batch * len(prompt) / prefill, "decode_tok_s": batch * (gen - 1) / decode}
+    return {"prefill_tok_s": ids.numel() / prefill, "decode_tok_s": batch * (gen - 1) / decode}
 
 
 def main():
@@ -51,17 +53,18 @@ def main():
     model_dir = args.model or str(demo_model_dir())
     torch.manual_seed(0)
     print(hardware_line())
-    llm = LLM(model_dir)
-    prompt = torch.randint(3, llm.cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = LLM(model_dir, prefix_caching=False)  # transformers has no prefix cache: compare like with like
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, llm.cfg.vocab_size, (max(args.batch), args.prompt_len), generator=gen).tolist()
     params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True)
-    llm.generate([prompt[:8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     for b in args.batch:
-        ours = timed_generate(llm, [prompt] * b, params)
+        ours = timed_generate(llm, prompts[:b], params)
         line = (f"engine=expertcache batch={b} prompt_len={args.prompt_len} gen={args.gen} "
                 f"prefill_tok_s={ours['prefill_tok_s']:.1f} decode_tok_s={ours['decode_tok_s']:.1f}")
         print(line, flush=True)
         if not args.no_transformers:
-            ref = run_transformers(model_dir, prompt, b, args.gen)
+            ref = run_transformers(model_dir, prompts[:b], args.gen)
             print(f"engine=transformers batch={b} prompt_len={args.prompt_len} gen={args.gen} "
                   f"prefill_tok_s={ref['prefill_tok_s']:.1f} decode_tok_s={ref['decode_tok_s']:.1f}", flush=True)
             print(f"ratio batch={b} prefill={ours['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x "

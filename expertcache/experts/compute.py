@@ -40,6 +40,9 @@ def expert_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], method=None) -> torc
     return F.linear(F.silu(g) * u, down)
 
 
+GROUPED_MM_MAX_PAIRS = 256  # measured: one grouped GEMM beats the per-slot loop below this (decode)
+
+
 def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
             method=None, out: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped expert FFN from pool tensors {part: [S, ...]}. `mask` [T, K] (bool) limits to some pairs."""
@@ -47,6 +50,8 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     out = torch.zeros_like(x) if out is None else out
     if mask is not None:
         slots = torch.where(mask, slots, -1)
+    if method is None and T * K <= GROUPED_MM_MAX_PAIRS and hasattr(F, "grouped_mm"):
+        return _grouped(x, slots, weights, pool["gate_up"], pool["down"], out)
     active, order, counts = group_by_slot(slots)
     token_of = order // K
     w = weights.reshape(-1)[order].to(x.dtype)
@@ -58,4 +63,20 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
             # index_put_ rather than index_add_: the latter takes milliseconds with 2 CPU threads here
             out.index_put_((tok,), y * w[start:start + n, None], accumulate=True)
         start += n
+    return out
+
+
+def _grouped(x, slots, weights, gate_up, down, out):
+    """Same result with two grouped GEMMs (torch's grouped_mm): no Python loop over experts."""
+    K = slots.shape[1]
+    flat = slots.reshape(-1)
+    pairs = torch.nonzero(flat >= 0).squeeze(1)
+    order = pairs[torch.argsort(flat[pairs], stable=True)]
+    offs = torch.cumsum(torch.bincount(flat[order], minlength=gate_up.shape[0]), 0).to(torch.int32)
+    tok = order // K
+    w13 = gate_up if gate_up.dtype == x.dtype else gate_up.to(x.dtype)
+    w2 = down if down.dtype == x.dtype else down.to(x.dtype)
+    g, u = F.grouped_mm(x[tok], w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = F.grouped_mm(F.silu(g) * u, w2.transpose(1, 2), offs=offs)
+    out.index_put_((tok,), y * weights.reshape(-1)[order, None].to(x.dtype), accumulate=True)
     return out
