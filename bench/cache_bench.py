@@ -5,11 +5,13 @@ Configurations (one line each, per model and routing source):
   no-cache   top_k slots per layer in every tier, no prefetch: each expert read on demand
   sync-lru   vLLM #37190 v1 behaviour: LRU slots, synchronous copy on miss, no prefetch, no CPU compute
   static     hottest experts pinned from saved statistics (KTransformers / llama.cpp placement)
-  default    expertcache's default: lfru-admit, next-layer prefetch, CPU compute by cost model
+  default    expertcache's default: lfru-admit, CPU compute by cost model, prefetch auto (CUDA only)
+  default+prefetch   the same with next-layer prefetch forced on
 The fastest tier holds `--device-share` of the experts (default 30%). On a CPU-only
 machine it holds fp32 compute copies, the host tier bf16 bytes, the rest streams from
 disk with O_DIRECT (no page cache). Routing comes from the model's routers ("router") or
-from a synthetic trace with realistic skew and locality ("synthetic").
+from a synthetic trace with realistic skew and locality ("synthetic"; prefetch predictions
+come from the real routers, so they are meaningless there).
 
     python bench/cache_bench.py [--models demo big] [--routing router synthetic]
 """
@@ -50,6 +52,7 @@ def configs(share: float, host: str | None):
         "sync-lru": {**cache, "cache_policy": "lru", "prefetch": False, "cpu_compute": "never"},
         "static": {**cache, "cache_policy": "static", "prefetch": False, "load_stats": True},
         "default": {**cache},
+        "default+prefetch": {**cache, "prefetch": True},
     }
 
 
@@ -77,7 +80,7 @@ def main():
     ap.add_argument("--routing", nargs="+", default=["router", "synthetic"])
     ap.add_argument("--device-share", type=float, default=0.30)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--only", nargs="*", default=None, help="subset of configurations")
     args = ap.parse_args()
     from expertcache import SamplingParams

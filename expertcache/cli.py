@@ -30,7 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, or 'auto'")
     g.add_argument("--cache-policy", default=None,
                    help="eviction policy: lru, lfru, lfu, static, lfru-admit (default: lfru-admit)")
-    g.add_argument("--no-prefetch", action="store_true", help="turn off next-layer router lookahead prefetch")
+    g.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
+                   help="prefetch the next layer's predicted experts (default: on with CUDA, off on a CPU-only machine)")
+    g.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="turn prefetch off")
     g.add_argument("--cpu-compute", choices=["auto", "always", "never"], default=None,
                    help="compute missing experts on the CPU from host RAM: auto (cost model), always, never")
     g.add_argument("--load-expert-stats", default=None, metavar="FILE", help="warm start from saved expert statistics")
@@ -46,8 +48,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
              "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
-    if args.no_prefetch:
-        cache["prefetch"] = False
+    if args.prefetch is not None:
+        cache["prefetch"] = args.prefetch
     kw.update({k: v for k, v in cache.items() if v is not None})
     return kw
 

@@ -15,7 +15,7 @@ from .stats import load_stats as load_stats_file
 
 def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.dtype, *,
                        device_memory=None, host_memory=None, cache_policy: str | None = None,
-                       prefetch: bool = True, cpu_compute: str | None = None, load_stats: str | None = None,
+                       prefetch: bool | None = None, cpu_compute: str | None = None, load_stats: str | None = None,
                        dense_bytes: int = 0, progress=None, on_plan=None, **options):
     """-> (provider, plan lines). `on_plan(lines)` is called before any expert is loaded."""
     cfg = source.cfg
@@ -45,6 +45,12 @@ def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.
                                                   "; the rest streamed from disk"))
     lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
     stats = load_stats_file(load_stats, source.layers, E) if load_stats else None
+    if prefetch is None:
+        # Prefetch hides a transfer behind compute. On a CPU-only machine the "transfer" into the
+        # fastest tier is a conversion that needs the same cores and memory bandwidth as compute,
+        # and measured slower than demand loads (README, cache benchmark): auto = CUDA only.
+        prefetch = device.type == "cuda"
+    lines.append(f"prefetch: {'on' if prefetch else 'off'}; policy: {cache_policy or DEFAULT_POLICY}")
     if on_plan:
         on_plan(lines)
     cache = TieredExperts(source, device, dtype, dplan.slots, host_slots, policy=cache_policy or DEFAULT_POLICY,

@@ -271,8 +271,8 @@ class TieredExperts(ExpertProvider):
         out.index_put_((tok,), y * weights[tok, k, None], accumulate=True)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
-        if not self.prefetch_on:
-            return
+        if not self.prefetch_on or ids.shape[0] > self.prefill_admit_tokens:
+            return  # a prefill is not admitted into the slots, so nothing is fetched ahead for it
         i, c = self.li[layer], self.counters[layer]
         table, lut = self.dev_tables[i], self.lut[i]
         jobs = []
