@@ -23,6 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice, one per core; on a busy shared "
                         "machine 1 avoids OpenMP contention)")
+    p.add_argument("--low-memory", action="store_true",
+                   help="CPU: keep dense weights and the fastest expert tier in the checkpoint's dtype, converted "
+                        "per use (about half the RAM, some speed); allows --host-memory 0 (misses read from disk "
+                        "straight into expert slots)")
     g = p.add_argument_group("expert cache")
     g.add_argument("--device-memory", default=None,
                    help="budget for experts in the fastest tier (device slots), e.g. 512MiB, or 'auto'; "
@@ -45,7 +49,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
         torch.set_num_threads(args.threads)
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True)
+              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True,
+              low_memory=args.low_memory)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
              "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
     if args.prefetch is not None:

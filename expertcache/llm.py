@@ -38,7 +38,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
-                 progress: bool = False, verbose: bool = False, **cache_options):
+                 progress: bool = False, verbose: bool = False, low_memory: bool = False, **cache_options):
         if model is None:
             from .demo import demo_model_dir
 
@@ -66,9 +66,11 @@ class LLM:
         dense_bytes = self.index.nbytes() - self.source.total_nbytes
         bar = tqdm(total=self.index.nbytes(), unit="B", unit_scale=True, desc="loading weights",
                    disable=not progress, leave=False)
+        if low_memory:
+            cache_options["low_memory"] = True
         self.experts = self._make_experts(cache_options, bar.update, progress)
         self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update,
-                                    self.quant)
+                                    self.quant, low_memory=low_memory)
         bar.close()
 
         kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.num_kv_heads,

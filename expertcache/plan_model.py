@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from .engine.kv_cache import KVCache
-from .experts.budget import TierPlan, auto_device_bytes, available_ram, plan_tier
+from .experts.budget import MemoryPlan
+from .experts.budget import plan_memory as budget_plan
 from .experts.layout import ExpertSource
 from .llm import default_dtype
 from .loader.safetensors_index import TensorIndex
@@ -88,69 +89,13 @@ def model_sizes(info: ModelInfo, dtype: torch.dtype) -> Sizes:
                  kv_per_token=KVCache.bytes_per_block(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, dtype))
 
 
-@dataclass
-class MemoryPlan:
-    """The engine's tier plan for given budgets; `host` is None when every expert is on the device."""
-
-    device: TierPlan
-    host: TierPlan | None
-    staging: int  # one expert in compute format on CUDA (experts streamed in waves)
-    layers: int
-    lines: list[str] = field(default_factory=list)
-
-    @property
-    def resident(self) -> bool:
-        return self.host is None
-
-    @property
-    def device_used(self) -> int:
-        return self.device.slots * self.device.expert_bytes * self.layers + self.staging
-
-    @property
-    def host_used(self) -> int:
-        return 0 if self.host is None else self.host.slots * self.host.expert_bytes * self.layers
-
-
 def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
                 host_memory="auto", dense_bytes: int | None = None) -> MemoryPlan:
-    """The tiers build_expert_cache would allocate, and its plan lines; raises BudgetError like it.
-
-    Same calls, same order: plan_tier for the device (staging slot on CUDA), then, unless
-    every expert fits there, plan_tier for host RAM. 'auto' budgets on CUDA need a GPU here.
-    """
-    src, cfg = info.source, info.cfg
-    L, E, K = len(src.layers), cfg.num_experts, cfg.top_k
-    dev_bytes = sum(p.nbytes for p in src.compute_parts(dtype))
-    lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(src.expert_nbytes)} = {fmt_bytes(src.total_nbytes)} "
-             f"on disk ({src.dtype}); compute format {fmt_bytes(dev_bytes)}/expert ({dtype})"]
-    device_memory = "auto" if device_memory is None else device_memory
-    auto_dev = 0
-    if _is_auto(device_memory):
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device_memory: 'auto' on cuda needs a visible GPU here; give a size, e.g. 8GiB")
-        if dense_bytes is None:  # the engine's estimate (llm.LLM._make_experts)
-            dense_bytes = (info.index.nbytes() - src.total_nbytes) // src.dtype.itemsize * dtype.itemsize
-        auto_dev, why = auto_device_bytes(device, dense_bytes)
-        lines.append(why)
-    staging = dev_bytes if device.type == "cuda" else 0
-    dplan = plan_tier(device_memory, "device_memory", dev_bytes, L, E, K, auto_dev, reserve=staging)
-    if dplan.slots >= E:
-        lines.append(dplan.describe("device", L, E) + ": every expert resident, loaded once")
-        return MemoryPlan(dplan, None, 0, L, lines)
-    lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
-    ram = available_ram() // 2
-    host_memory = "auto" if host_memory is None else host_memory
-    hplan = plan_tier(host_memory, "host_memory", src.expert_nbytes, L, E, K, ram)
-    if _is_auto(host_memory):
-        lines.append(f"auto host budget = half of available RAM = {fmt_bytes(ram)}")
-    lines.append(hplan.describe("host", L, E) + (": every expert in RAM" if hplan.slots >= E else
-                                                  "; the rest streamed from disk"))
-    lines.append(f"disk: {fmt_bytes(src.total_nbytes)} in {src.index.model_dir}")
-    return MemoryPlan(dplan, hplan, staging, L, lines)
-
-
-def _is_auto(value) -> bool:
-    return isinstance(value, str) and value.strip().lower() == "auto"
+    """The tiers build_expert_cache would allocate, and its plan lines (the engine's own function)."""
+    src = info.source
+    if dense_bytes is None:  # the engine's estimate (llm.LLM._make_experts)
+        dense_bytes = (info.index.nbytes() - src.total_nbytes) // src.dtype.itemsize * dtype.itemsize
+    return budget_plan(src, device, dtype, device_memory, host_memory, dense_bytes)
 
 
 def resolve_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dtype]:

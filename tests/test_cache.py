@@ -174,3 +174,18 @@ def test_saved_stats_warm_start(ckpt, tmp_path):
     bad.write_text('{"layers": [0], "use_counts": [[1, 2]]}')
     with pytest.raises(ValueError, match="stats are for layers"):
         LLM(str(ckpt), device_memory="25%", load_stats=str(bad))
+
+
+@pytest.mark.parametrize("host", ["0", None])
+def test_low_memory_mode_gives_resident_output(ckpt, reference, host):
+    """Stored-dtype dense weights and expert slots, converted per use; no host tier with host_memory=0."""
+    budget = 6 * 3 * (3 * 64 * 32 * 2)  # 6 bf16 experts x 3 layers (3 experts if they were fp32)
+    logits, toks, stats = run(ckpt, reference, device_memory=budget, host_memory=host, low_memory=True)
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
+    assert toks == reference["tokens"]
+    llm = LLM(str(ckpt), device_memory=budget, host_memory=host, low_memory=True)
+    assert llm.model.lm_head.dtype == torch.bfloat16 and llm.experts.dev["gate_up"].dtype == torch.bfloat16
+    assert llm.experts.device_slots == 6
+    if host == "0":
+        assert stats["per_tier"]["host"]["hits"] == 0 and stats["per_tier"]["disk"]["bytes_read"] > 0
+    llm.close()

@@ -9,7 +9,7 @@ layer is an error at startup, never a failure mid-generation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,3 +77,73 @@ def auto_device_bytes(device: torch.device, dense_bytes: int) -> tuple[int, str]
                    f"- activations/KV margin {fmt_bytes(margin)} = {fmt_bytes(b)}")
     b = available_ram() // 2
     return b, f"auto device budget (CPU) = half of available RAM = {fmt_bytes(b)}"
+
+
+@dataclass
+class MemoryPlan:
+    """The tiers the engine allocates for given budgets; `host` is None when every expert is on the device."""
+
+    device: TierPlan
+    host: TierPlan | None
+    staging: int  # one expert in the fastest tier's format on CUDA (experts streamed in waves)
+    layers: int
+    dev_parts: tuple = ()  # the fastest tier's parts (compute format, or stored in low-memory mode)
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def resident(self) -> bool:
+        return self.host is None
+
+
+    @property
+    def device_used(self) -> int:
+        return self.device.slots * self.device.expert_bytes * self.layers + self.staging
+
+    @property
+    def host_used(self) -> int:
+        return 0 if self.host is None else self.host.slots * self.host.expert_bytes * self.layers
+
+
+def _is_auto(value) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() == "auto")
+
+
+def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=None, host_memory=None,
+                dense_bytes: int = 0, low_memory: bool = False) -> MemoryPlan:
+    """Budgets -> tiers, with the lines the engine prints. Reads headers only (`plan` uses it too).
+
+    Low memory on a CPU device: the fastest tier keeps the stored format (converted per use) and
+    host_memory may be 0 (no second copy in RAM: misses are read from disk into device slots).
+    """
+    cfg = source.cfg
+    L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
+    dev_parts = source.parts if low_memory and device.type == "cpu" else source.compute_parts(dtype)
+    dev_bytes = sum(p.nbytes for p in dev_parts)
+    lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(source.expert_nbytes)} = "
+             f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "
+             f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})"]
+    auto_dev = 0
+    if _is_auto(device_memory):
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device_memory: 'auto' on cuda needs a visible GPU; give a size, e.g. 8GiB")
+        auto_dev, why = auto_device_bytes(device, dense_bytes)
+        lines.append(why)
+    staging = dev_bytes if device.type == "cuda" else 0
+    dplan = plan_tier("auto" if device_memory is None else device_memory, "device_memory", dev_bytes, L, E, K,
+                      auto_dev, reserve=staging)
+    if dplan.slots >= E:
+        lines.append(dplan.describe("device", L, E) + ": every expert resident, loaded once")
+        return MemoryPlan(dplan, None, 0, L, dev_parts, lines)
+    lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
+    ram = available_ram() // 2
+    if low_memory and device.type == "cpu" and not _is_auto(host_memory) and parse_bytes(host_memory) == 0:
+        hplan = TierPlan(0, source.expert_nbytes, 0)
+    else:
+        hplan = plan_tier("auto" if host_memory is None else host_memory, "host_memory", source.expert_nbytes,
+                          L, E, K, ram)
+    if _is_auto(host_memory):
+        lines.append(f"auto host budget = half of available RAM = {fmt_bytes(ram)}")
+    lines.append(hplan.describe("host", L, E) + (": every expert in RAM" if hplan.slots >= E else
+                                                  "; the rest streamed from disk"))
+    lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
+    return MemoryPlan(dplan, hplan, staging, L, dev_parts, lines)

@@ -50,7 +50,8 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     out = torch.zeros_like(x) if out is None else out
     if mask is not None:
         slots = torch.where(mask, slots, -1)
-    if method is None and T * K <= GROUPED_MM_MAX_PAIRS and hasattr(F, "grouped_mm"):
+    if (method is None and T * K <= GROUPED_MM_MAX_PAIRS and hasattr(F, "grouped_mm")
+            and pool["gate_up"].dtype == x.dtype):  # a stored-dtype pool is converted per active slot below
         return _grouped(x, slots, weights, pool["gate_up"], pool["down"], out)
     active, order, counts = group_by_slot(slots)
     token_of = order // K
@@ -74,9 +75,7 @@ def _grouped(x, slots, weights, gate_up, down, out):
     order = pairs[torch.argsort(flat[pairs], stable=True)]
     offs = torch.cumsum(torch.bincount(flat[order], minlength=gate_up.shape[0]), 0).to(torch.int32)
     tok = order // K
-    w13 = gate_up if gate_up.dtype == x.dtype else gate_up.to(x.dtype)
-    w2 = down if down.dtype == x.dtype else down.to(x.dtype)
-    g, u = F.grouped_mm(x[tok], w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = F.grouped_mm(F.silu(g) * u, w2.transpose(1, 2), offs=offs)
+    g, u = F.grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = F.grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
     out.index_put_((tok,), y * weights.reshape(-1)[order, None].to(x.dtype), accumulate=True)
     return out

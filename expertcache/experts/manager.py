@@ -63,7 +63,7 @@ class TieredExperts(ExpertProvider):
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, device_slots: int,
                  host_slots: int | None, policy: str = "lru", prefetch: bool = True, cpu_compute: str = "auto",
                  stats: torch.Tensor | None = None, prefill_admit_tokens: int = 64, o_direct: bool = True,
-                 cost: CostModel | None = None, verify: bool = False, progress=None):
+                 cost: CostModel | None = None, verify: bool = False, progress=None, dev_parts=None):
         cfg = source.cfg
         self.source, self.device, self.dtype = source, device, dtype
         self.E, self.K = cfg.num_experts, cfg.top_k
@@ -90,7 +90,7 @@ class TieredExperts(ExpertProvider):
         # device tier: compute dtype, slot tables per layer, lookup expert -> slot
         self.device_slots = device_slots
         self.method = source.method
-        dev_parts = source.compute_parts(dtype)
+        dev_parts = dev_parts or source.compute_parts(dtype)
         self.dev = {p.name: torch.empty((L, device_slots, *p.shape), dtype=p.dtype, device=device) for p in dev_parts}
         self.dev_tables = [SlotTable(self.E, device_slots, make_policy(policy, self.E, device_slots, layer, stats))
                            for layer in self.layers]

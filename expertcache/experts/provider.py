@@ -47,10 +47,10 @@ class ExpertProvider:
 class ResidentExperts(ExpertProvider):
     """Every expert loaded once into stacked per-layer pools {part: [E, ...]} (slot = expert id)."""
 
-    def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None):
+    def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None, parts=None):
         self.method = source.method
         E = source.cfg.num_experts
-        parts = source.compute_parts(dtype)
+        parts = parts or source.compute_parts(dtype)
         self.pools: dict[int, dict[str, torch.Tensor]] = {}
         for layer in source.layers:
             pool = {p.name: torch.empty((E, *p.shape), dtype=p.dtype, device=device) for p in parts}

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.model_config import ModelConfig
-from .basic import Rotary, rms_norm
+from .basic import Rotary, linear, rms_norm
 
 
 class AttnBatch(NamedTuple):
@@ -40,9 +40,9 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, w, T = self.cfg, self.w, x.shape[0]
-        q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
-        k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
-        v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
+        q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+        k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
+        v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
         if cfg.qk_norm == "full":
             q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
@@ -72,4 +72,4 @@ class Attention:
             qp.transpose(1, 2), keys, vals, attn_mask=mask[:, None], scale=self.scale, enable_gqa=self.g != self.h
         )  # [B, h, Q, D]
         o = o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token].reshape(T, self.h * self.d)
-        return F.linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
+        return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))

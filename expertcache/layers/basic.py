@@ -1,4 +1,4 @@
-"""Small layers: RMSNorm, rotary embedding, the dense SwiGLU MLP."""
+"""Small layers: linear (with per-use conversion), RMSNorm, rotary embedding, the dense SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -6,6 +6,22 @@ import torch
 import torch.nn.functional as F
 
 from ..models.model_config import ModelConfig, rope_inv_freq
+
+
+CONVERT_ROWS = 4096  # rows of a stored-dtype weight converted at a time (bounded scratch memory)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + b. A weight kept in a narrower stored dtype (low-memory mode) is converted to x's
+    dtype a block of rows at a time: the result equals converting it whole, without the copy."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w, b)
+    if w.shape[0] <= CONVERT_ROWS:
+        return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+    out = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
+    for i in range(0, w.shape[0], CONVERT_ROWS):
+        out[..., i:i + CONVERT_ROWS] = F.linear(x, w[i:i + CONVERT_ROWS].to(x.dtype))
+    return out if b is None else out + b.to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,4 +51,4 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .basic import linear
+
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool):
-    probs = F.softmax(F.linear(x, router_w).float(), dim=-1)
+    probs = F.softmax(linear(x, router_w).float(), dim=-1)
     w, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         w = w / w.sum(dim=-1, keepdim=True)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
-from ..layers.basic import Rotary, rms_norm, swiglu
+from ..layers.basic import Rotary, linear, rms_norm, swiglu
 from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import load_dense
@@ -29,7 +29,7 @@ from .registry import Family
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
                  device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
-                 quant=None):
+                 quant=None, low_memory: bool = False):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.record_routing = False
         # route_override(layer, ids, weights) -> (ids, weights): replaces the router's choice
@@ -39,7 +39,10 @@ class MoETransformer:
         H, V, names = cfg.hidden_size, cfg.vocab_size, family.names
 
         def load(name, shape):
-            t = load_dense(index, name, shape, quant).to(device=device, dtype=dtype)
+            t = load_dense(index, name, shape, quant)
+            # low memory: a 2-D weight keeps its (narrower) stored float dtype and is converted per use
+            narrow = low_memory and t.dim() == 2 and t.dtype.itemsize < dtype.itemsize and t.is_floating_point()
+            t = t.to(device=device, dtype=t.dtype if narrow else dtype)
             if progress:
                 progress(t.numel() * index.info(name).dtype.itemsize)
             return t
@@ -118,7 +121,7 @@ class MoETransformer:
             self.experts.end_step()
         if logits_rows is not None:
             h = h[logits_rows]
-        return F.linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head).float()
 
     def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -138,6 +141,6 @@ class MoETransformer:
         if "shared" in layer:
             s = swiglu(x, *layer["shared"])
             if "shared_gate" in layer:
-                s = torch.sigmoid(F.linear(x, layer["shared_gate"])) * s
+                s = torch.sigmoid(linear(x, layer["shared_gate"])) * s
             out = out + s
         return out
