@@ -56,7 +56,7 @@ def configs(share: float, host: str | None):
     }
 
 
-def make_llm(model_dir, kw, stats_path):
+def make_llm(model_dir, kw, stats_path, device="cpu"):
     from expertcache import LLM
     from expertcache.experts.layout import ExpertSource
     from expertcache.loader.safetensors_index import TensorIndex
@@ -67,11 +67,13 @@ def make_llm(model_dir, kw, stats_path):
         family, cfg, _ = read_config(model_dir)
         source = ExpertSource(TensorIndex(model_dir), cfg, family.names)
         per_slot = cfg.top_k * len(source.layers)
-        kw["device_memory"] = per_slot * sum(p.nbytes for p in source.compute_parts(torch.float32))
+        fast = torch.float32 if device == "cpu" else torch.bfloat16
+        staging = 1 if device != "cpu" else 0  # CUDA reserves one staging slot for waves
+        kw["device_memory"] = (per_slot + staging) * sum(p.nbytes for p in source.compute_parts(fast))
         kw["host_memory"] = per_slot * source.expert_nbytes
     if kw.pop("load_stats", False):
         kw["load_stats"] = stats_path
-    return LLM(model_dir, **kw)
+    return LLM(model_dir, device=device, **kw)
 
 
 def main():
@@ -82,6 +84,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--only", nargs="*", default=None, help="subset of configurations")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the fastest tier's device)")
     args = ap.parse_args()
     from expertcache import SamplingParams
     from expertcache.demo import build_demo_model, demo_model_dir
@@ -108,12 +111,12 @@ def main():
                 if args.only and name not in args.only:
                     continue
                 if name == "static":  # statistics from a different prompt, saved by a warm-up run
-                    warm = make_llm(model_dir, configs(args.device_share, host)["sync-lru"], stats_path)
+                    warm = make_llm(model_dir, configs(args.device_share, host)["sync-lru"], stats_path, args.device)
                     _route(warm, routing, 2)
                     warm.generate([warm_prompt], params)
                     warm.experts.save_stats(stats_path)
                     warm.close()
-                llm = make_llm(model_dir, kw, stats_path)
+                llm = make_llm(model_dir, kw, stats_path, args.device)
                 _route(llm, routing, 0)
                 llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
                 _route(llm, routing, 0)
