@@ -84,7 +84,7 @@ class LLMEngine:
             return outs
         t0 = time.perf_counter()
         self.runner.model.record_routing = self.recorder is not None
-        logits = self.runner.run(work)
+        logits = self.runner.run(work).cpu()  # sampling (and per-request CPU generators) on the host
         dt = time.perf_counter() - t0
         if self.recorder is not None:
             self.recorder.record(self.counters.steps, work, self.runner.model.routing)
