@@ -112,6 +112,8 @@ class TieredExperts(ExpertProvider):
                         progress(source.expert_nbytes)
         if stats is not None:
             self._warm(stats)
+        # counters describe serving: the startup load and warm start are not "bytes moved"
+        self.counters = {layer: LayerCounters() for layer in self.layers}
 
     # -- byte movement -------------------------------------------------------------------------------
     def _read(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> None:
