@@ -137,7 +137,8 @@ def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
     def est(e):
         return {"policy": e.policy, "prefetch": e.prefetch, "hit_rate": round(e.hit_rate, 4), "tok_s": round(e.tok_s, 2)}
 
-    return {"profile": prof.name, "profile_source": how, "step_overhead_ms": prof.step_overhead_ms, "source": sb.source,
+    return {"profile": prof.name, "profile_source": how, "step_overhead_ms": prof.step_overhead_ms,
+            "layer_overhead_ms": prof.layer_overhead_ms, "source": sb.source,
             "synthetic": None if trace is not None else {"low": SYNTH_LOW, "high": SYNTH_HIGH},
             "from_disk": from_disk, "low": est(sb.low), "high": est(sb.high),
             "band_tok_s": [round(x, 2) for x in sb.band]}
@@ -179,7 +180,10 @@ def text_lines(r: dict) -> list[str]:
                    f"{e['tok_s']:.1f} tok/s")
     if s["from_disk"]:
         out.append("  misses are costed as disk reads (the host tier does not hold every expert)")
-    if not s["step_overhead_ms"]:
+    if not (s["step_overhead_ms"] or s["layer_overhead_ms"]):
         out.append("  no fixed per-step cost in this profile (step_overhead_ms = 0): optimistic where dispatch "
                    "overhead dominates, i.e. small models on CPU (bench/simulate_validate.py measures it)")
+    else:
+        out.append(f"  includes a dispatch cost of {s['layer_overhead_ms']} ms per MoE layer per step "
+                   f"(+ {s['step_overhead_ms']} ms per step); first-order model, see README")
     return out

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .experts.disk import DiskReader
-from .trace.profiles import Profile
+from .trace.profiles import BUILTIN, Profile
 
 
 @dataclass
@@ -98,5 +98,6 @@ def measure_cpu_profile(model_dir: str | Path | None = None, name: str = "this-c
     notes = "" if files else "disk not measured (no model dir): 3 GB/s assumed"
     if files and not direct:
         notes = "O_DIRECT refused: disk figure includes the page cache"
-    prof = Profile(name, link_gbs=0.0, disk_gbs=round(disk, 3), cpu_mem_gbs=round(mem, 3), cpu_gflops=round(flops, 2))
+    prof = Profile(name, link_gbs=0.0, disk_gbs=round(disk, 3), cpu_mem_gbs=round(mem, 3), cpu_gflops=round(flops, 2),
+                   layer_overhead_ms=BUILTIN["cpu-only"].layer_overhead_ms)  # dispatch cost: not measured here
     return Measured(prof, torch.get_num_threads(), direct, notes)

@@ -27,6 +27,7 @@ class Profile:
     gpu_mem_gbs: float = 0.0
     gpu_tflops: float = 0.0
     step_overhead_ms: float = 0.0  # fixed cost per forward step (dispatch, launches); calibrated, 0 = ignored
+    layer_overhead_ms: float = 0.0  # fixed cost per MoE layer per step (op dispatch); see BUILTIN
 
     @property
     def has_gpu(self) -> bool:
@@ -34,16 +35,20 @@ class Profile:
 
 
 BUILTIN: dict[str, Profile] = {p.name: p for p in (
-    Profile("cpu-only", link_gbs=0, disk_gbs=3, cpu_mem_gbs=50, cpu_gflops=800),
-    Profile("laptop-pcie3", link_gbs=12, disk_gbs=2, cpu_mem_gbs=40, cpu_gflops=400, gpu_mem_gbs=190, gpu_tflops=9),
+    # layer_overhead_ms: CPU 1.2 = measured on this project's 2-core machine (resident demo model decodes
+    # 13.2 ms/step, of which the byte/FLOP terms explain ~3 ms over 8 layers); GPU 0.1 = assumed
+    # (~15 kernel launches of ~7 us per layer), not measured.
+    Profile("cpu-only", link_gbs=0, disk_gbs=3, cpu_mem_gbs=50, cpu_gflops=800, layer_overhead_ms=1.2),
+    Profile("laptop-pcie3", link_gbs=12, disk_gbs=2, cpu_mem_gbs=40, cpu_gflops=400, gpu_mem_gbs=190, gpu_tflops=9,
+            layer_overhead_ms=0.1),
     Profile("rtx3060-pcie4", link_gbs=25, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=360,
-            gpu_tflops=25),
+            gpu_tflops=25, layer_overhead_ms=0.1),
     Profile("rtx4090-pcie4", link_gbs=25, disk_gbs=6, cpu_mem_gbs=70, cpu_gflops=1500, gpu_mem_gbs=1000,
-            gpu_tflops=160),
+            gpu_tflops=160, layer_overhead_ms=0.1),
     Profile("a100-pcie4", link_gbs=25, disk_gbs=6, cpu_mem_gbs=150, cpu_gflops=2000, gpu_mem_gbs=1900,
-            gpu_tflops=300),
+            gpu_tflops=300, layer_overhead_ms=0.1),
     Profile("h100-pcie5", link_gbs=50, disk_gbs=10, cpu_mem_gbs=250, cpu_gflops=3000, gpu_mem_gbs=2000,
-            gpu_tflops=750),
+            gpu_tflops=750, layer_overhead_ms=0.1),
 )}
 
 _FIELDS = {f.name for f in fields(Profile)} - {"name"}

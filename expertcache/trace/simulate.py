@@ -15,7 +15,8 @@ bandwidths in bytes/s and throughputs in FLOP/s (a matmul costs 2 FLOP/param/row
                   the CPU path also pays eb / disk)
     prefetch   -> issued * xfer on the link, overlapped with dense + hit compute:
                   prefetch_stall = max(0, issued * xfer - (dense + hits * gpu_exp))
-    total      = dense + hits * gpu_exp + sum(miss costs) + prefetch_stall + S * step_overhead
+    total      = dense + hits * gpu_exp + sum(miss costs) + prefetch_stall
+                 + S * (step_overhead + moe_layers * layer_overhead)
     tok/s      = rows / total
 
 Without a GPU (profile.gpu_tflops == 0) dense and every use run on the CPU
@@ -99,7 +100,7 @@ def simulate(result: ReplayResult | object, shape: ModelShape, profile: Profile,
     u = result.pairs / uses if result.pairs else 1.0
     u_step = result.rows / max(result.steps, 1)
     bd = shape.dense_params * shape.bytes_per_param
-    over = result.steps * profile.step_overhead_ms / 1e3
+    over = result.steps * (profile.step_overhead_ms + len(result.per_layer) * profile.layer_overhead_ms) / 1e3
     disk = eb / (profile.disk_gbs * gb) if from_disk and profile.disk_gbs > 0 else 0.0
     cpu_exp = max(eb / (profile.cpu_mem_gbs * gb), 2 * shape.expert_params * u / (profile.cpu_gflops * 1e9))
     if not profile.has_gpu:
