@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: keep dense weights and the fastest expert tier in the checkpoint's dtype, converted "
                         "per use (about half the RAM, some speed); allows --host-memory 0 (misses read from disk "
                         "straight into expert slots)")
+    p.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="write the routing trace (.npz, see `expertcache trace`) when the command ends")
     g = p.add_argument_group("expert cache")
     g.add_argument("--device-memory", default=None,
                    help="budget for experts in the fastest tier (device slots), e.g. 512MiB, or 'auto'; "
@@ -50,7 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True,
-              low_memory=args.low_memory)
+              low_memory=args.low_memory, record_routing=args.record_routing)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
              "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
     if args.prefetch is not None:
@@ -71,10 +73,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**engine_kwargs(args))
     print(llm.plan_lines[-1], file=sys.stderr)  # the KV cache line (the expert plan printed before loading)
-    if getattr(args, "record_routing", None):
-        from .trace.recorder import RoutingRecorder
-
-        llm.engine.recorder = RoutingRecorder(llm)
     tok = llm._require_tokenizer()
     ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     eng = llm.engine
@@ -98,12 +96,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         line += "; " + summary_line(stats)
     print(line, file=sys.stderr)
-    if getattr(args, "record_routing", None):
-        llm.engine.recorder.save(args.record_routing)
-        print(f"routing trace written to {args.record_routing}", file=sys.stderr)
     if args.save_expert_stats:
         llm.experts.save_stats(args.save_expert_stats)
     llm.close()
+    if args.record_routing:
+        print(f"routing trace written to {args.record_routing}", file=sys.stderr)
     return 0
 
 
@@ -126,7 +123,6 @@ def add_sampling_args(p: argparse.ArgumentParser, prompt_default: str | None) ->
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--record-routing", default=None, metavar="FILE", help="write the routing trace (.npz)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,7 +38,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
-                 progress: bool = False, verbose: bool = False, low_memory: bool = False, **cache_options):
+                 progress: bool = False, verbose: bool = False, low_memory: bool = False,
+                 record_routing: str | None = None, **cache_options):
         if model is None:
             from .demo import demo_model_dir
 
@@ -94,6 +95,11 @@ class LLM:
         )
         self.engine = LLMEngine(ModelRunner(self.model, self.kv), self.tokenizer, self._eos_ids(),
                                 self.max_model_len, max_num_seqs, max_num_batched_tokens)
+        self.record_routing = record_routing  # trace file written by close()
+        if record_routing:
+            from .trace.recorder import RoutingRecorder
+
+            self.engine.recorder = RoutingRecorder(self)
         if verbose:
             for line in self.plan_lines:
                 print(line)
@@ -183,4 +189,7 @@ class LLM:
                              seq.finish_reason, seq.num_cached)
 
     def close(self) -> None:
+        """Stop the expert tiers' threads; write the routing trace when record_routing was given."""
+        if self.record_routing and self.engine.recorder is not None and self.engine.recorder.rows["experts"]:
+            self.engine.recorder.save(self.record_routing)
         self.experts.close()

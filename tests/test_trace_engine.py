@@ -51,3 +51,14 @@ def test_recorded_rows_match_use_counts(ckpt, tmp_path):
         assert torch.equal(torch.bincount(torch.from_numpy(trace.experts[:, li].ravel()).long(), minlength=16), counts[li])
     assert trace.token.tolist() == list(range(7))  # 3 prompt tokens + 4 decoded inputs
     llm.close()
+
+
+def test_record_routing_option_writes_trace_on_close(ckpt, tmp_path):
+    path = tmp_path / "run.npz"
+    llm = LLM(str(ckpt), record_routing=str(path))  # the same option `generate` and `serve` pass
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0))
+    llm.close()
+    trace = RoutingTrace.load(path)
+    trace.validate(num_layers=3)
+    assert len(set(trace.seq.tolist())) == 2
+    assert len(trace) == 3 + 2 + 2 * 2  # prompts, then 2 decode inputs each
