@@ -64,16 +64,6 @@ class LLM:
         self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
         self.plan_lines: list[str] = []
 
-        dense_bytes = self.index.nbytes() - self.source.total_nbytes
-        bar = tqdm(total=self.index.nbytes(), unit="B", unit_scale=True, desc="loading weights",
-                   disable=not progress, leave=False)
-        if low_memory:
-            cache_options["low_memory"] = True
-        self.experts = self._make_experts(cache_options, bar.update, progress)
-        self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update,
-                                    self.quant, low_memory=low_memory)
-        bar.close()
-
         kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.num_kv_heads,
                                            self.cfg.head_dim, self.dtype)
         min_blocks = math.ceil(self.max_model_len / block_size)
@@ -87,6 +77,17 @@ class LLM:
                     f"kv_cache_memory={fmt_bytes(budget)} holds {num_blocks * block_size} tokens, fewer than "
                     f"max_model_len={self.max_model_len}; raise it or lower max_model_len"
                 )
+        dense_bytes = self.index.nbytes() - self.source.total_nbytes
+        bar = tqdm(total=self.index.nbytes(), unit="B", unit_scale=True, desc="loading weights",
+                   disable=not progress, leave=False)
+        if low_memory:
+            cache_options["low_memory"] = True
+        # the KV cache is sized first so that an 'auto' device budget leaves room for it
+        self.experts = self._make_experts(cache_options, bar.update, progress, num_blocks * kv_bytes)
+        self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update,
+                                    self.quant, low_memory=low_memory)
+        bar.close()
+
         self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
                           self.dtype, self.device, prefix_caching)
         self.plan_lines.append(
@@ -104,7 +105,7 @@ class LLM:
             for line in self.plan_lines:
                 print(line)
 
-    def _make_experts(self, options: dict, on_bytes, show_plan: bool):
+    def _make_experts(self, options: dict, on_bytes, show_plan: bool, kv_total: int):
         if options:
             from .experts.build import build_expert_cache
 
@@ -114,7 +115,7 @@ class LLM:
                     tqdm.write("\n".join(lines), file=sys.stderr)
 
             cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
-                                             dense_bytes=dense, on_plan=show, **options)
+                                             dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
             self.plan_lines += plan
             return cache
         self.plan_lines.append(

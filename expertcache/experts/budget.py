@@ -68,13 +68,13 @@ def plan_tier(value, name: str, expert_bytes: int, num_layers: int, num_experts:
     return TierPlan(slots, expert_bytes, budget)
 
 
-def auto_device_bytes(device: torch.device, dense_bytes: int) -> tuple[int, str]:
+def auto_device_bytes(device: torch.device, dense_bytes: int, kv_bytes: int = 0) -> tuple[int, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         margin = 1 << 30
-        b = max(0, free - dense_bytes - margin)
+        b = max(0, free - dense_bytes - kv_bytes - margin)
         return b, (f"auto device budget = free VRAM {fmt_bytes(free)} - dense weights {fmt_bytes(dense_bytes)} "
-                   f"- activations/KV margin {fmt_bytes(margin)} = {fmt_bytes(b)}")
+                   f"- KV cache {fmt_bytes(kv_bytes)} - activations margin {fmt_bytes(margin)} = {fmt_bytes(b)}")
     b = available_ram() // 2
     return b, f"auto device budget (CPU) = half of available RAM = {fmt_bytes(b)}"
 
@@ -109,7 +109,7 @@ def _is_auto(value) -> bool:
 
 
 def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=None, host_memory=None,
-                dense_bytes: int = 0, low_memory: bool = False) -> MemoryPlan:
+                dense_bytes: int = 0, low_memory: bool = False, kv_bytes: int = 0) -> MemoryPlan:
     """Budgets -> tiers, with the lines the engine prints. Reads headers only (`plan` uses it too).
 
     Low memory on a CPU device: the fastest tier keeps the stored format (converted per use) and
@@ -126,7 +126,7 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
     if _is_auto(device_memory):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device_memory: 'auto' on cuda needs a visible GPU; give a size, e.g. 8GiB")
-        auto_dev, why = auto_device_bytes(device, dense_bytes)
+        auto_dev, why = auto_device_bytes(device, dense_bytes, kv_bytes)
         lines.append(why)
     staging = dev_bytes if device.type == "cuda" else 0
     dplan = plan_tier("auto" if device_memory is None else device_memory, "device_memory", dev_bytes, L, E, K,

@@ -15,9 +15,10 @@ from .stats import load_stats as load_stats_file
 def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.dtype, *,
                        device_memory=None, host_memory=None, cache_policy: str | None = None,
                        prefetch: bool | None = None, cpu_compute: str | None = None, load_stats: str | None = None,
-                       dense_bytes: int = 0, progress=None, on_plan=None, low_memory: bool = False, **options):
+                       dense_bytes: int = 0, kv_bytes: int = 0, progress=None, on_plan=None, low_memory: bool = False,
+                       **options):
     """-> (provider, plan lines). `on_plan(lines)` is called before any expert is loaded."""
-    plan = plan_memory(source, device, dtype, device_memory, host_memory, dense_bytes, low_memory)
+    plan = plan_memory(source, device, dtype, device_memory, host_memory, dense_bytes, low_memory, kv_bytes)
     lines = list(plan.lines)
     if plan.resident:  # every expert fits in the fastest tier: load once, no per-step bookkeeping
         if on_plan:
