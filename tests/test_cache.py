@@ -18,20 +18,15 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpt(cache_checkpoint):
-    return cache_checkpoint
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    llm = LLM(str(ckpt))
+def reference(cache_checkpoint):
+    llm = LLM(str(cache_checkpoint))
     prompts = [[5, 17, 42, 99, 7, 3, 250, 11], [100, 101, 102], [9] * 20]
     return {"prompts": prompts, "logits": llm.logits(list(range(3, 60))),
             "tokens": [o.token_ids for o in llm.generate(prompts, GREEDY)]}
 
 
-def run(ckpt, reference, **kw):
-    llm = LLM(str(ckpt), verify=True, **kw)
+def run(cache_checkpoint, reference, **kw):
+    llm = LLM(str(cache_checkpoint), verify=True, **kw)
     try:
         logits = llm.logits(list(range(3, 60)))
         toks = [o.token_ids for o in llm.generate(reference["prompts"], GREEDY)]
@@ -44,9 +39,9 @@ def run(ckpt, reference, **kw):
 @pytest.mark.parametrize("policy", sorted(p for p in POLICIES if p != "min"))
 @pytest.mark.parametrize("budget", ["2", "4", "8"])  # experts per layer in the fastest tier (top_k .. half)
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_any_budget_policy_prefetch_gives_resident_output(ckpt, reference, policy, budget, prefetch):
+def test_any_budget_policy_prefetch_gives_resident_output(cache_checkpoint, reference, policy, budget, prefetch):
     per_layer = 3 * 64 * 32 * 4  # gate_up [64, 64] + down [64, 32] of one expert in fp32
-    logits, toks, stats = run(ckpt, reference, device_memory=int(budget) * per_layer * 3,
+    logits, toks, stats = run(cache_checkpoint, reference, device_memory=int(budget) * per_layer * 3,
                               cache_policy=policy, prefetch=prefetch)
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
     assert toks == reference["tokens"]
@@ -56,8 +51,8 @@ def test_any_budget_policy_prefetch_gives_resident_output(ckpt, reference, polic
 
 
 @pytest.mark.parametrize("cpu_compute", ["always", "never", "auto"])
-def test_cpu_compute_and_streamed_host_tier_give_resident_output(ckpt, reference, cpu_compute):
-    logits, toks, stats = run(ckpt, reference, device_memory="13%", host_memory="13%", cpu_compute=cpu_compute)
+def test_cpu_compute_and_streamed_host_tier_give_resident_output(cache_checkpoint, reference, cpu_compute):
+    logits, toks, stats = run(cache_checkpoint, reference, device_memory="13%", host_memory="13%", cpu_compute=cpu_compute)
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
     assert toks == reference["tokens"]
     assert stats["per_tier"]["disk"]["bytes_read"] > 0
@@ -65,16 +60,16 @@ def test_cpu_compute_and_streamed_host_tier_give_resident_output(ckpt, reference
         assert stats["cpu_computed_share"] == 1.0
 
 
-def test_waves_when_batch_needs_more_experts_than_slots(ckpt, reference):
+def test_waves_when_batch_needs_more_experts_than_slots(cache_checkpoint, reference):
     # 2 slots per layer, a 57-token prefill routes to nearly all 16 experts: most go through waves
-    logits, toks, stats = run(ckpt, reference, device_memory="13%", prefill_admit_tokens=10_000)
+    logits, toks, stats = run(cache_checkpoint, reference, device_memory="13%", prefill_admit_tokens=10_000)
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
     assert toks == reference["tokens"]
     assert sum(layer["waves"] for layer in stats["per_layer"]) > 0
 
 
-def test_prefill_does_not_evict_decode_working_set(ckpt):
-    llm = LLM(str(ckpt), device_memory="25%", prefetch=False)  # 4 slots per layer
+def test_prefill_does_not_evict_decode_working_set(cache_checkpoint):
+    llm = LLM(str(cache_checkpoint), device_memory="25%", prefetch=False)  # 4 slots per layer
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))
     before = [sorted(t.resident()) for t in llm.experts.dev_tables]
     assert all(len(r) == 4 for r in before)  # decode filled every slot
@@ -84,24 +79,24 @@ def test_prefill_does_not_evict_decode_working_set(ckpt):
     llm.close()
 
 
-def test_budget_below_top_k_is_a_clear_error(ckpt):
+def test_budget_below_top_k_is_a_clear_error(cache_checkpoint):
     with pytest.raises(BudgetError, match=r"device_memory=.*top_k=2"):
-        LLM(str(ckpt), device_memory="1KiB")
+        LLM(str(cache_checkpoint), device_memory="1KiB")
     with pytest.raises(BudgetError, match=r"host_memory=.*top_k=2"):
-        LLM(str(ckpt), device_memory="13%", host_memory="40KiB")
+        LLM(str(cache_checkpoint), device_memory="13%", host_memory="40KiB")
 
 
-def test_budget_for_everything_loads_everything_once(ckpt, reference):
-    llm = LLM(str(ckpt), device_memory="100%")
+def test_budget_for_everything_loads_everything_once(cache_checkpoint, reference):
+    llm = LLM(str(cache_checkpoint), device_memory="100%")
     assert "every expert resident" in " ".join(llm.plan_lines)
     assert [o.token_ids for o in llm.generate(reference["prompts"], GREEDY)] == reference["tokens"]
 
 
-def test_stress_invariants_every_step(ckpt):
+def test_stress_invariants_every_step(cache_checkpoint):
     """Random batches, budgets and policies; invariants and slot bytes checked after every step."""
     rng = random.Random(1)
     for trial in range(4):
-        llm = LLM(str(ckpt), verify=True, device_memory=f"{rng.choice([13, 19, 25, 50])}%",
+        llm = LLM(str(cache_checkpoint), verify=True, device_memory=f"{rng.choice([13, 19, 25, 50])}%",
                   host_memory=rng.choice([None, "13%", "25%"]), cache_policy=rng.choice(sorted(set(POLICIES) - {"min"})),
                   prefetch=rng.random() < 0.7, cpu_compute=rng.choice(["auto", "always", "never"]))
         eng = llm.engine
@@ -144,8 +139,8 @@ def test_pinned_expert_is_never_the_victim():
     table.check()
 
 
-def test_expert_stats_layout(ckpt):
-    llm = LLM(str(ckpt), device_memory="25%")
+def test_expert_stats_layout(cache_checkpoint):
+    llm = LLM(str(cache_checkpoint), device_memory="25%")
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0))
     s = llm.expert_stats()
     assert {"hits", "misses", "bytes_moved", "per_tier", "per_layer", "use_counts"} <= set(s)
@@ -158,14 +153,14 @@ def test_expert_stats_layout(ckpt):
     llm.close()
 
 
-def test_saved_stats_warm_start(ckpt, tmp_path):
-    llm = LLM(str(ckpt), device_memory="25%")
+def test_saved_stats_warm_start(cache_checkpoint, tmp_path):
+    llm = LLM(str(cache_checkpoint), device_memory="25%")
     llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=6, temperature=0))
     path = tmp_path / "stats.json"
     llm.experts.save_stats(path)
     counts = torch.tensor(llm.expert_stats()["use_counts"])
     llm.close()
-    warm = LLM(str(ckpt), device_memory="25%", load_stats=str(path), cache_policy="static")
+    warm = LLM(str(cache_checkpoint), device_memory="25%", load_stats=str(path), cache_policy="static")
     for i, table in enumerate(warm.experts.dev_tables):
         hottest = set(torch.argsort(counts[i], descending=True, stable=True)[:4].tolist())
         assert len(set(table.resident()) & hottest) >= 3  # ties at the cut may pick another
@@ -173,17 +168,17 @@ def test_saved_stats_warm_start(ckpt, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"layers": [0], "use_counts": [[1, 2]]}')
     with pytest.raises(ValueError, match="stats are for layers"):
-        LLM(str(ckpt), device_memory="25%", load_stats=str(bad))
+        LLM(str(cache_checkpoint), device_memory="25%", load_stats=str(bad))
 
 
 @pytest.mark.parametrize("host", ["0", None])
-def test_low_memory_mode_gives_resident_output(ckpt, reference, host):
+def test_low_memory_mode_gives_resident_output(cache_checkpoint, reference, host):
     """Stored-dtype dense weights and expert slots, converted per use; no host tier with host_memory=0."""
     budget = 6 * 3 * (3 * 64 * 32 * 2)  # 6 bf16 experts x 3 layers (3 experts if they were fp32)
-    logits, toks, stats = run(ckpt, reference, device_memory=budget, host_memory=host, low_memory=True)
+    logits, toks, stats = run(cache_checkpoint, reference, device_memory=budget, host_memory=host, low_memory=True)
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
     assert toks == reference["tokens"]
-    llm = LLM(str(ckpt), device_memory=budget, host_memory=host, low_memory=True)
+    llm = LLM(str(cache_checkpoint), device_memory=budget, host_memory=host, low_memory=True)
     assert llm.model.lm_head.dtype == torch.bfloat16 and llm.experts.dev["gate_up"].dtype == torch.bfloat16
     assert llm.experts.device_slots == 6
     if host == "0":

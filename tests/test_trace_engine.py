@@ -11,15 +11,10 @@ from expertcache.trace.recorder import RoutingRecorder
 from expertcache.trace.replay import replay
 
 
-@pytest.fixture(scope="module")
-def ckpt(cache_checkpoint):
-    return cache_checkpoint
-
-
 @pytest.mark.parametrize("policy", ["lru", "lfru", "lfru-admit"])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_replay_equals_engine_counters(ckpt, tmp_path, policy, prefetch):
-    llm = LLM(str(ckpt), device_memory="25%", cache_policy=policy, prefetch=prefetch, cpu_compute="never",
+def test_replay_equals_engine_counters(cache_checkpoint, tmp_path, policy, prefetch):
+    llm = LLM(str(cache_checkpoint), device_memory="25%", cache_policy=policy, prefetch=prefetch, cpu_compute="never",
               prefill_admit_tokens=10**6)
     slots = llm.experts.device_slots
     llm.engine.recorder = RoutingRecorder(llm)
@@ -41,8 +36,8 @@ def test_replay_equals_engine_counters(ckpt, tmp_path, policy, prefetch):
         assert (res.prefetch_issued, res.prefetch_useful) == (stats["prefetch"]["issued"], stats["prefetch"]["useful"])
 
 
-def test_recorded_rows_match_use_counts(ckpt, tmp_path):
-    llm = LLM(str(ckpt), device_memory="25%")
+def test_recorded_rows_match_use_counts(cache_checkpoint, tmp_path):
+    llm = LLM(str(cache_checkpoint), device_memory="25%")
     llm.engine.recorder = RoutingRecorder(llm)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0))
     trace = llm.engine.recorder.trace()
@@ -53,9 +48,9 @@ def test_recorded_rows_match_use_counts(ckpt, tmp_path):
     llm.close()
 
 
-def test_record_routing_option_writes_trace_on_close(ckpt, tmp_path):
+def test_record_routing_option_writes_trace_on_close(cache_checkpoint, tmp_path):
     path = tmp_path / "run.npz"
-    llm = LLM(str(ckpt), record_routing=str(path))  # the same option `generate` and `serve` pass
+    llm = LLM(str(cache_checkpoint), record_routing=str(path))  # the same option `generate` and `serve` pass
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0))
     llm.close()
     trace = RoutingTrace.load(path)
