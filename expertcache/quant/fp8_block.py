@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import E4M3_MAX, FP8_DTYPE, encode_e4m3fn
+from .fp8 import E4M3_MAX, decode_e4m3fn, encode_e4m3fn
 from .groups import apply_groups_, num_groups
 
 BlockSize = tuple[int, int]
@@ -63,7 +63,7 @@ def dequantize_fp8_block(
     out_f, in_f = weight.shape
     if out is None:
         out = torch.empty(out_f, in_f, dtype=torch.float32, device=weight.device)
-    out.copy_(weight.view(FP8_DTYPE) if weight.dtype == torch.uint8 else weight)
+    decode_e4m3fn(weight, out)  # table lookup on CPU: several times faster than torch's fp8 cast
     # Row blocks -> per-row scales [out, nbi] (small), then column groups in place.
     row_scale = scale.to(torch.float32).repeat_interleave(block[0], dim=0)[:out_f]
     return apply_groups_(out, row_scale, block[1])

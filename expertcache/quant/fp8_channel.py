@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import E4M3_MAX, FP8_DTYPE, encode_e4m3fn
+from .fp8 import E4M3_MAX, decode_e4m3fn, encode_e4m3fn
 
 STRATEGIES = ("tensor", "channel")
 
@@ -44,5 +44,5 @@ def dequantize_fp8_channel(
     """(weight e4m3fn [out, in], scale [] / [1] / [out, 1]) -> float32 [out, in], into `out` if given."""
     if out is None:
         out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-    out.copy_(weight.view(FP8_DTYPE) if weight.dtype == torch.uint8 else weight)
+    decode_e4m3fn(weight, out)  # table lookup on CPU: several times faster than torch's fp8 cast
     return out.mul_(scale.to(torch.float32))
