@@ -38,7 +38,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
-                 progress: bool = False, verbose: bool = False, low_memory: bool = False,
+                 progress=False, verbose: bool = False, low_memory: bool = False,
                  record_routing: str | None = None, **cache_options):
         if model is None:
             from .demo import demo_model_dir
@@ -79,11 +79,20 @@ class LLM:
                 )
         dense_bytes = self.index.nbytes() - self.source.total_nbytes
         bar = tqdm(total=self.index.nbytes(), unit="B", unit_scale=True, desc="loading weights",
-                   disable=not progress, leave=False)
+                   disable=not progress or callable(progress), leave=False)
+        show_plan = bool(progress) and not callable(progress)
+        if callable(progress):  # progress(bytes_read, bytes_total), e.g. the server's /health
+            total, callback, read = self.index.nbytes(), progress, [0]
+
+            def report(n: int) -> None:
+                read[0] += n
+                callback(read[0], total)
+
+            bar.update = report
         if low_memory:
             cache_options["low_memory"] = True
         # the KV cache is sized first so that an 'auto' device budget leaves room for it
-        self.experts = self._make_experts(cache_options, bar.update, progress, num_blocks * kv_bytes)
+        self.experts = self._make_experts(cache_options, bar.update, show_plan, num_blocks * kv_bytes)
         self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update,
                                     self.quant, low_memory=low_memory)
         bar.close()

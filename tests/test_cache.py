@@ -184,3 +184,14 @@ def test_low_memory_mode_gives_resident_output(cache_checkpoint, reference, host
     if host == "0":
         assert stats["per_tier"]["host"]["hits"] == 0 and stats["per_tier"]["disk"]["bytes_read"] > 0
     llm.close()
+
+
+@pytest.mark.parametrize("kw", [{}, {"device_memory": "25%"}, {"device_memory": "25%", "host_memory": "25%"}])
+def test_progress_callback_counts_every_checkpoint_byte(cache_checkpoint, kw):
+    seen = []
+    llm = LLM(str(cache_checkpoint), progress=lambda read, total: seen.append((read, total)), **kw)
+    reads = [r for r, _ in seen]
+    assert reads == sorted(reads) and seen[-1][0] <= seen[-1][1]
+    if "host_memory" not in kw:  # everything is read at load (a streamed host tier reads on demand)
+        assert seen[-1][0] == seen[-1][1] == llm.index.nbytes()
+    llm.close()

@@ -1,10 +1,7 @@
 """Loads the model in a background thread while the HTTP server already answers /health.
 
-Progress is the share of checkpoint bytes the loader has read. LLM reports them to a tqdm
-bar it creates in expertcache.llm; while loading, that module's `tqdm` name is pointed at a
-tqdm subclass that keeps the count instead of drawing a bar. Nothing else in this
-process uses expertcache.llm.tqdm during loading (the engine thread starts afterwards).
-A dedicated `LLM(progress=callback)` hook would make the patch unnecessary.
+Progress is the share of checkpoint bytes the loader has read, reported by
+`LLM(progress=callback)` as (bytes_read, bytes_total).
 
 State moves one way: "loading" -> "ok" | "error". `llm` is set before `state` turns "ok".
 """
@@ -14,34 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from unittest import mock
-
-from tqdm import tqdm
-
 log = logging.getLogger("expertcache.server")
-
-
-def _counting_bar(loader: "ModelLoader") -> type:
-    """A tqdm subclass that never draws (a server log is no terminal) and adds the bytes it is
-    told about to `loader`; everything else (write, set_postfix, context manager) stays tqdm's."""
-
-    class CountingBar(tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-            if kwargs.get("unit") == "B":  # the weight-loading bar, not e.g. a generate() bar
-                loader.total_bytes = int(kwargs.get("total") or 0)
-                self._counts = True
-            else:
-                self._counts = False
-
-        def update(self, n=1):
-            if self._counts:
-                loader.read_bytes += int(n)
-                loader.maybe_log()
-            return super().update(n)
-
-    return CountingBar
 
 
 class ModelLoader:
@@ -66,6 +36,10 @@ class ModelLoader:
     def start(self) -> None:
         self.thread.start()
 
+    def _on_bytes(self, read: int, total: int) -> None:
+        self.read_bytes, self.total_bytes = read, total
+        self.maybe_log()
+
     def maybe_log(self) -> None:
         decile = int(self.progress * 10)
         if decile != self._last_logged:
@@ -76,8 +50,7 @@ class ModelLoader:
         from .. import llm as llm_module
 
         try:
-            with mock.patch.object(llm_module, "tqdm", _counting_bar(self)):
-                llm = llm_module.LLM(**self.llm_kwargs)
+            llm = llm_module.LLM(**{**self.llm_kwargs, "progress": self._on_bytes})
         except BaseException as e:  # noqa: BLE001 - any failure is reported through /health
             self.error = f"{type(e).__name__}: {e}"
             self.state = "error"
