@@ -88,7 +88,6 @@ def main():
     args = ap.parse_args()
     from expertcache import SamplingParams
     from expertcache.demo import build_demo_model, demo_model_dir
-    from expertcache.trace.synthetic import synth_trace
 
     torch.manual_seed(0)
     print(hardware_line(), flush=True)

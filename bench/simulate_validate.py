@@ -65,7 +65,7 @@ def run_config(model_dir: str, name: str, options: dict, prompt: list[int], gen:
         fast = sum(p.nbytes for p in llm.source.compute_parts(llm.dtype))
         shape = ModelShape.from_config(llm.hf_config, bytes_per_param=fast / (3 * llm.cfg.hidden_size
                                                                                * llm.cfg.moe_intermediate_size))
-        sim = dict(trace=trace, policy=DEFAULT_POLICY, capacity=slots, prefetch=tiered and llm.experts.prefetch_on,
+        sim = dict(trace=trace, policy=DEFAULT_POLICY, capacity=slots, prefetch=tiered and llm.experts.wants_prefetch,
                    shape=shape, expert_bytes=fast, resident=not tiered, from_disk=host < E)
     finally:
         llm.close()

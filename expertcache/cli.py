@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -77,12 +76,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     eng = llm.engine
     eng.add_request(ids, _sampling(args))
-    t0 = time.perf_counter()
-    first = None
     while eng.has_unfinished():
         for out in eng.step():
-            if first is None:
-                first = time.perf_counter()
             print(out.text_delta, end="", flush=True)
     print()
     c = eng.counters

@@ -115,14 +115,14 @@ class LLM:
                 print(line)
 
     def _make_experts(self, options: dict, on_bytes, show_plan: bool, kv_total: int):
+        def show(lines):  # the memory plan, before the long load
+            if show_plan:
+                tqdm.write("\n".join(lines), file=sys.stderr)
+
         if options:
             from .experts.build import build_expert_cache
 
             dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
-            def show(lines):  # the memory plan, before the long load
-                if show_plan:
-                    tqdm.write("\n".join(lines), file=sys.stderr)
-
             cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
                                              dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
             self.plan_lines += plan
@@ -131,6 +131,7 @@ class LLM:
             f"experts: {len(self.source.layers)} layers x {self.cfg.num_experts} x "
             f"{fmt_bytes(self.source.expert_nbytes)} = {fmt_bytes(self.source.total_nbytes)}, all resident"
         )
+        show(self.plan_lines)
         return ResidentExperts(self.source, self.device, self.dtype, on_bytes)
 
     def _eos_ids(self) -> tuple[int, ...]:

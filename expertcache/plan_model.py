@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +24,6 @@ from .llm import default_dtype
 from .loader.safetensors_index import TensorIndex
 from .models.registry import read_config
 from .quant.checkpoint import method_from_config
-from .units import fmt_bytes
 
 _SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: consumed at load, not kept
 

@@ -11,7 +11,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 import checkpoints as C
 

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointError
-from .kv_cache import KVCache
 from .params import SamplingParams
 from .runner import ModelRunner
 from .sampler import sample

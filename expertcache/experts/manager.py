@@ -69,8 +69,7 @@ class TieredExperts(ExpertProvider):
         self.E, self.K = cfg.num_experts, cfg.top_k
         self.layers = source.layers
         self.li = {layer: i for i, layer in enumerate(self.layers)}
-        self.policy_name, self.prefetch_on, self.cpu_compute = policy, prefetch, cpu_compute
-        self.wants_prefetch = prefetch
+        self.cpu_compute, self.wants_prefetch = cpu_compute, prefetch
         if cpu_compute not in ("auto", "always", "never"):
             raise ValueError(f"cpu_compute must be auto, always or never, got {cpu_compute!r}")
         self.prefill_admit_tokens, self.verify = prefill_admit_tokens, verify
@@ -273,7 +272,7 @@ class TieredExperts(ExpertProvider):
         out.index_put_((tok,), y * weights[tok, k, None], accumulate=True)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
-        if not self.prefetch_on or ids.shape[0] > self.prefill_admit_tokens:
+        if not self.wants_prefetch or ids.shape[0] > self.prefill_admit_tokens:
             return  # a prefill is not admitted into the slots, so nothing is fetched ahead for it
         i, c = self.li[layer], self.counters[layer]
         table, lut = self.dev_tables[i], self.lut[i]
@@ -322,9 +321,6 @@ class TieredExperts(ExpertProvider):
                 if a.slot >= 0:
                     self._fill(layer, e, a.slot)
                     self.lut[i, e] = a.slot
-
-    def end_step(self) -> None:
-        pass
 
     def stats(self) -> dict:
         return collect(self.counters, self.use_counts, self.device_slots, None if self.host_all else self.host_slots)

@@ -9,8 +9,8 @@ Contract:
   rounding, whatever the provider caches, prefetches or computes where.
 - `prefetch(layer, ids)` is a hint (predicted experts of a coming layer); it
   never blocks and never changes results.
-- `begin_step()` / `end_step()` bracket one forward pass of the whole model
-  (experts used inside it stay pinned until end_step).
+- `begin_step()` / `end_step()` bracket one forward pass of the whole model; an expert a
+  layer uses stays pinned (never evicted) until that layer's forward returns.
 - `stats()` returns the counters described in experts/stats.py.
 """
 
