@@ -3,23 +3,30 @@
 Configurations (one line each, per model and routing source):
   resident   every expert in the fastest tier (the upper bound)
   no-cache   top_k slots per layer in every tier, no prefetch: each expert read on demand
-  sync-lru   vLLM #37190 v1 behaviour: LRU slots, synchronous copy on miss, no prefetch, no CPU compute
+  sync-lru   vLLM #37190 v1 behaviour: LRU slots, one synchronous read + copy per miss, no prefetch,
+             no CPU compute
   static     hottest experts pinned from saved statistics (KTransformers / llama.cpp placement)
-  default    expertcache's default: lfru-admit, CPU compute by cost model, prefetch auto (CUDA only)
-  default+prefetch   the same with next-layer prefetch forced on
+  default    expertcache's default: lfru-admit, a step's disk reads in parallel while its hits
+             compute, CPU compute by cost model, prefetch auto (CUDA: into device slots;
+             CPU-only: disk reads ahead into host RAM)
+  default+prefetch   the same with next-layer prefetch into the fastest tier forced on
 The fastest tier holds `--device-share` of the experts (default 30%). On a CPU-only
 machine it holds fp32 compute copies, the host tier bf16 bytes, the rest streams from
 disk with O_DIRECT (no page cache). Routing comes from the model's routers ("router") or
 from a synthetic trace with realistic skew and locality ("synthetic"; prefetch predictions
-come from the real routers, so they are meaningless there).
+come from the real routers, so they are meaningless there). Models: "demo" (random
+weights, all experts in RAM), "big" (random weights, experts 4x the host tier, the rest on
+disk), "tinymoe" (../shared/models/tinymoe-py16, trained: its own routers give real skew,
+locality and lookahead; prompt from its held-out text; experts 4x the host tier).
 
-    python bench/cache_bench.py [--models demo big] [--routing router synthetic]
+    python bench/cache_bench.py [--models demo big tinymoe] [--routing router synthetic]
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 import time
 
 import numpy as np
@@ -49,10 +56,10 @@ def configs(share: float, host: str | None):
     return {
         "resident": {},
         "no-cache": {"cache_policy": "lru", "prefetch": False, "cpu_compute": "never", "min_slots": True},
-        "sync-lru": {**cache, "cache_policy": "lru", "prefetch": False, "cpu_compute": "never"},
+        "sync-lru": {**cache, "cache_policy": "lru", "prefetch": False, "cpu_compute": "never", "overlap_io": False},
         "static": {**cache, "cache_policy": "static", "prefetch": False, "load_stats": True},
         "default": {**cache},
-        "default+prefetch": {**cache, "prefetch": True},
+        "default+prefetch": {**cache, "prefetch": "device"},
     }
 
 
@@ -93,8 +100,12 @@ def main():
     print(hardware_line(), flush=True)
     tmp = tempfile.mkdtemp(prefix="expertcache-bench-")
     for model in args.models:
+        prompt_ids = None
         if model == "demo":
             model_dir, host = str(demo_model_dir()), None
+        elif model == "tinymoe":
+            model_dir, host = str(Path(__file__).resolve().parents[2] / "shared/models/tinymoe-py16"), "25%"
+            prompt_ids = torch.load(Path(model_dir) / "heldout_ids.pt").flatten().tolist()
         else:  # 1.5 GiB of bf16 experts; host RAM tier holds a quarter, the rest streams from disk
             model_dir = str(build_demo_model(f"{tmp}/big", num_layers=16, num_experts=64, top_k=8, hidden=512,
                                              moe_intermediate=512, num_heads=8, num_kv_heads=4, num_shards=4))
@@ -105,6 +116,8 @@ def main():
             rng = torch.Generator().manual_seed(1)
             prompt = torch.randint(3, 2000, (args.prompt_len,), generator=rng).tolist()
             warm_prompt = torch.randint(3, 2000, (args.prompt_len,), generator=rng).tolist()
+            if prompt_ids:  # real text: held-out ids, the warm-up statistics from a different stretch
+                prompt, warm_prompt = prompt_ids[:args.prompt_len], prompt_ids[5000:5000 + args.prompt_len]
             results = {}
             for name, kw in configs(args.device_share, host).items():
                 if args.only and name not in args.only:
@@ -130,6 +143,7 @@ def main():
                 print(f"model={model} routing={routing} config={name} decode_tok_s={r['decode_tok_s']:.2f} "
                       f"prefill_tok_s={r['prefill_tok_s']:.1f} device_hit={s['hit_rate']:.3f} "
                       f"host_hit={host_t['hits'] / hu if hu else 1.0:.3f} "
+                      f"host_prefetch={host_t.get('prefetch_useful', 0)}/{host_t.get('prefetch_issued', 0)} "
                       f"moved_GB={s['bytes_moved'] / 1e9:.3f} GB_per_s={s['bytes_moved'] / 1e9 / wall:.3f}",
                       flush=True)
                 llm.close()

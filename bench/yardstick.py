@@ -7,8 +7,11 @@ experts 3.0 GiB). Each configuration runs in its own process so its peak RSS is 
 resident      every expert in RAM (fp32 compute copies), batch 1
 stream-13     13% of experts (top_k per layer) in fp32 slots and in the host tier, the rest read from disk (O_DIRECT)
 lowmem-13     --low-memory: bf16 dense weights and expert slots (13%, converted per use), no host tier:
-              misses read from disk straight into slots. With --cgroup-mib 1536 each configuration
-              runs in a memory cgroup of that size, page cache dropped first (as the brief's figures)
+              a step's misses read from disk straight into slots in parallel while its hits compute,
+              the next layer's predicted experts read ahead (the defaults). With --cgroup-mib 1536
+              each configuration runs in a memory cgroup of that size, page cache dropped first
+              (as the brief's figures)
+lowmem-13-sync  the same with one synchronous read per miss and no prefetch (the ablation)
 transformers  transformers fp32 on the same checkpoint (the reference engine)
 One line per configuration: decode/prefill tok/s, peak RSS, GB read from disk.
 """
@@ -53,7 +56,9 @@ def run_one(model_dir: str, config: str, prompt_len: int, gen: int) -> dict:
     from expertcache import LLM, SamplingParams
 
     kw = {"resident": {}, "stream-13": {"device_memory": "13%", "host_memory": "13%"},  # 8 of 64 per layer: top_k
-          "lowmem-13": {"device_memory": "13%", "host_memory": 0, "low_memory": True}}[config]
+          "lowmem-13": {"device_memory": "13%", "host_memory": 0, "low_memory": True},
+          "lowmem-13-sync": {"device_memory": "13%", "host_memory": 0, "low_memory": True, "prefetch": False,
+                             "overlap_io": False}}[config]
     llm = LLM(model_dir, max_model_len=256, kv_cache_memory="16MiB", **kw)
     llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))
     r = timed_generate(llm, [prompt], SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))

@@ -35,9 +35,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, or 'auto'")
     g.add_argument("--cache-policy", default=None,
                    help="eviction policy: lru, lfru, lfu, static, lfru-admit (default: lfru-admit)")
-    g.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
-                   help="prefetch the next layer's predicted experts (default: on with CUDA, off on a CPU-only machine)")
-    g.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="turn prefetch off")
+    g.add_argument("--prefetch", nargs="?", const="device", default=None, choices=["auto", "device", "host", "off"],
+                   help="read the next layer's predicted experts ahead: device = into device slots (default with "
+                        "CUDA; bare --prefetch), host = disk reads into host RAM only (default on a CPU-only "
+                        "machine with a partial host tier), auto, off")
+    g.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off", help="turn prefetch off")
     g.add_argument("--cpu-compute", choices=["auto", "always", "never"], default=None,
                    help="compute missing experts on the CPU from host RAM: auto (cost model), always, never")
     g.add_argument("--load-expert-stats", default=None, metavar="FILE", help="warm start from saved expert statistics")

@@ -51,13 +51,22 @@ def test_any_budget_policy_prefetch_gives_resident_output(cache_checkpoint, refe
 
 
 @pytest.mark.parametrize("cpu_compute", ["always", "never", "auto"])
-def test_cpu_compute_and_streamed_host_tier_give_resident_output(cache_checkpoint, reference, cpu_compute):
-    logits, toks, stats = run(cache_checkpoint, reference, device_memory="13%", host_memory="13%", cpu_compute=cpu_compute)
+@pytest.mark.parametrize("prefetch", ["auto", "host", "device", "off"])
+@pytest.mark.parametrize("overlap_io", [True, False])
+def test_cpu_compute_and_streamed_host_tier_give_resident_output(cache_checkpoint, reference, cpu_compute, prefetch,
+                                                                  overlap_io):
+    logits, toks, stats = run(cache_checkpoint, reference, device_memory="13%", host_memory="19%",
+                              cpu_compute=cpu_compute, prefetch=prefetch, overlap_io=overlap_io)
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
     assert toks == reference["tokens"]
     assert stats["per_tier"]["disk"]["bytes_read"] > 0
     if cpu_compute == "always":
         assert stats["cpu_computed_share"] == 1.0
+    host = stats["per_tier"]["host"]
+    if prefetch in ("auto", "host"):  # CPU-only auto = disk reads ahead into host RAM
+        assert 0 < host["prefetch_useful"] <= host["prefetch_issued"] and stats["prefetch"]["issued"] == 0
+    else:
+        assert host["prefetch_issued"] == 0 and (stats["prefetch"]["issued"] > 0) == (prefetch == "device")
 
 
 def test_waves_when_batch_needs_more_experts_than_slots(cache_checkpoint, reference):
@@ -98,7 +107,8 @@ def test_stress_invariants_every_step(cache_checkpoint):
     for trial in range(4):
         llm = LLM(str(cache_checkpoint), verify=True, device_memory=f"{rng.choice([13, 19, 25, 50])}%",
                   host_memory=rng.choice([None, "13%", "25%"]), cache_policy=rng.choice(sorted(set(POLICIES) - {"min"})),
-                  prefetch=rng.random() < 0.7, cpu_compute=rng.choice(["auto", "always", "never"]))
+                  prefetch=rng.choice(["device", "host", "off"]), overlap_io=rng.random() < 0.7,
+                  cpu_compute=rng.choice(["auto", "always", "never"]))
         eng = llm.engine
         for i in range(rng.randint(2, 5)):
             prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
@@ -172,17 +182,26 @@ def test_saved_stats_warm_start(cache_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("host", ["0", None])
-def test_low_memory_mode_gives_resident_output(cache_checkpoint, reference, host):
-    """Stored-dtype dense weights and expert slots, converted per use; no host tier with host_memory=0."""
+@pytest.mark.parametrize("prefetch", ["auto", "off"])
+@pytest.mark.parametrize("overlap_io", [True, False])
+def test_low_memory_mode_gives_resident_output(cache_checkpoint, reference, host, prefetch, overlap_io):
+    """Stored-dtype dense weights and expert slots, converted per use; with host_memory=0 no host tier:
+    misses (and, auto, the next layer's predicted experts) are read from disk straight into the slots."""
     budget = 6 * 3 * (3 * 64 * 32 * 2)  # 6 bf16 experts x 3 layers (3 experts if they were fp32)
-    logits, toks, stats = run(cache_checkpoint, reference, device_memory=budget, host_memory=host, low_memory=True)
+    logits, toks, stats = run(cache_checkpoint, reference, device_memory=budget, host_memory=host, low_memory=True,
+                              prefetch=prefetch, overlap_io=overlap_io)
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=1e-4)
     assert toks == reference["tokens"]
-    llm = LLM(str(cache_checkpoint), device_memory=budget, host_memory=host, low_memory=True)
+    llm = LLM(str(cache_checkpoint), device_memory=budget, host_memory=host, low_memory=True, prefetch=prefetch)
     assert llm.model.lm_head.dtype == torch.bfloat16 and llm.experts.dev["gate_up"].dtype == torch.bfloat16
     assert llm.experts.device_slots == 6
     if host == "0":
+        assert llm.experts.direct and llm.experts.prefetch_mode == {"auto": "device", "off": "off"}[prefetch]
         assert stats["per_tier"]["host"]["hits"] == 0 and stats["per_tier"]["disk"]["bytes_read"] > 0
+        # each read lands in a device slot (demand fill or prefetch) or serves one wave, nothing else
+        waves = sum(layer["waves"] for layer in stats["per_layer"])
+        assert stats["per_tier"]["disk"]["bytes_read"] == stats["per_tier"]["device"]["bytes_in"] + waves * 3 * 64 * 32 * 2
+        assert (stats["prefetch"]["useful"] > 0) == (prefetch == "auto")
     llm.close()
 
 

@@ -66,3 +66,21 @@ def test_sweep_shapes_and_min_monotone():
     full = [r for r in res if r.capacity == 8]
     cold = sum(len(np.unique(t.experts[:, li])) for li in range(2))
     assert all(r.misses == cold for r in full)  # every slot available: only cold misses
+
+
+def test_prefetch_gate_stops_wrong_predictions_and_keeps_right_ones():
+    t = synth_trace(layers=3, experts=32, top_k=2, tokens=400, zipf=1.0, reuse=0.5, seed=3)
+    rng = np.random.default_rng(0)
+    good = t.experts.copy()  # perfect lookahead for layers >= 1
+    good[:, 0] = -1
+    bad = rng.integers(0, 32, size=good.shape).astype(np.int32)  # guesses: precision ~ 2/32
+    bad[:, 0] = -1
+    for la, stays_on in ((good, True), (bad, False)):
+        t.lookahead = la
+        gated = replay(t, "lru", 4, prefetch=True, with_min=False)
+        ungated = replay(t, "lru", 4, prefetch=True, with_min=False, prefetch_min_precision=0.0)
+        if stays_on:
+            assert gated.prefetch_issued == ungated.prefetch_issued and gated.hits == ungated.hits
+        else:  # closed after a few steps; one probe in 16 keeps measuring
+            assert gated.prefetch_issued < ungated.prefetch_issued / 8
+            assert gated.hit_rate > ungated.hit_rate  # wrong prefetches evicted reusable experts

@@ -6,15 +6,19 @@ import torch
 
 from .budget import plan_memory
 from .layout import ExpertSource
-from .manager import TieredExperts
+from .manager import TieredExperts, is_direct, resolve_prefetch
 from .policy import DEFAULT_POLICY
 from .provider import ResidentExperts
 from .stats import load_stats as load_stats_file
 
 
+PREFETCH_SAYS = {"device": "next layer's predicted experts into the fastest tier",
+                 "host": "next layer's predicted experts read ahead from disk into host RAM", "off": "off"}
+
+
 def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.dtype, *,
                        device_memory=None, host_memory=None, cache_policy: str | None = None,
-                       prefetch: bool | None = None, cpu_compute: str | None = None, load_stats: str | None = None,
+                       prefetch: bool | str | None = None, cpu_compute: str | None = None, load_stats: str | None = None,
                        dense_bytes: int = 0, kv_bytes: int = 0, progress=None, on_plan=None, low_memory: bool = False,
                        **options):
     """-> (provider, plan lines). `on_plan(lines)` is called before any expert is loaded."""
@@ -26,17 +30,14 @@ def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.
         return ResidentExperts(source, device, dtype, progress, parts=plan.dev_parts), lines
     E = source.cfg.num_experts
     stats = load_stats_file(load_stats, source.layers, E) if load_stats else None
-    if prefetch is None:
-        # Prefetch hides a transfer behind compute. On a CPU-only machine the "transfer" into the
-        # fastest tier is a conversion that needs the same cores and memory bandwidth as compute,
-        # and measured slower than demand loads (README, cache benchmark): auto = CUDA only.
-        prefetch = device.type == "cuda"
+    host_slots = None if plan.host.slots >= E else plan.host.slots
+    mode = resolve_prefetch(prefetch, device, is_direct(device, plan.dev_parts, source.parts),
+                            host_slots is not None and host_slots > 0)
     policy = cache_policy or DEFAULT_POLICY
-    lines.append(f"prefetch: {'on' if prefetch else 'off'}; policy: {policy}")
+    lines.append(f"prefetch: {PREFETCH_SAYS[mode]}; policy: {policy}")
     if on_plan:
         on_plan(lines)
-    host_slots = None if plan.host.slots >= E else plan.host.slots
     cache = TieredExperts(source, device, dtype, plan.device.slots, host_slots, dev_parts=plan.dev_parts,
-                          policy=policy, prefetch=prefetch, cpu_compute=cpu_compute or "auto", stats=stats,
+                          policy=policy, prefetch=mode, cpu_compute=cpu_compute or "auto", stats=stats,
                           progress=progress, **options)
     return cache, lines

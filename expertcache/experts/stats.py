@@ -8,7 +8,8 @@ expert_stats() layout:
     hits, misses            uses found / not found in the fastest tier
     bytes_moved             bytes copied into the fastest tier + bytes read from disk
     per_tier                {"device": {...}, "host": {...}, "disk": {...}}
-    per_layer               [{layer, hits, misses, bytes_moved, prefetch_issued, prefetch_useful, cpu_computed}]
+    per_layer               [{layer, hits, misses, bytes_moved, prefetch_issued, prefetch_useful,
+                              host_prefetch_issued, host_prefetch_useful, cpu_computed, ...}]
     cpu_computed_share      share of misses computed on the CPU from host RAM
     use_counts              [[...]] layers x experts
 """
@@ -32,6 +33,8 @@ class LayerCounters:
     disk_bytes: int = 0
     prefetch_issued: int = 0
     prefetch_useful: int = 0  # prefetched experts later used while still resident
+    host_prefetch_issued: int = 0  # disk -> host reads ahead (prefetch "host")
+    host_prefetch_useful: int = 0
     cpu_computed: int = 0
     waves: int = 0  # uses computed through the staging slots (no slot could be kept)
 
@@ -52,7 +55,8 @@ def collect(layers: dict[int, LayerCounters], use_counts: torch.Tensor, device_s
         "per_tier": {
             "device": {"slots_per_layer": device_slots, "hits": tot.hits, "misses": tot.misses,
                        "bytes_in": tot.bytes_moved},
-            "host": {"slots_per_layer": host_slots, "hits": tot.host_hits, "misses": tot.host_misses},
+            "host": {"slots_per_layer": host_slots, "hits": tot.host_hits, "misses": tot.host_misses,
+                     "prefetch_issued": tot.host_prefetch_issued, "prefetch_useful": tot.host_prefetch_useful},
             "disk": {"bytes_read": tot.disk_bytes},
         },
         "per_layer": [{"layer": layer, **asdict(c)} for layer, c in sorted(layers.items())],

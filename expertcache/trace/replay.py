@@ -6,7 +6,9 @@ Semantics (identical to the engine's cache calls):
   Policy time t = the step value.
 - Per step, per layer l: if `prefetch`, first `table.insert(e, t)` for the
   distinct lookahead experts of layer l over the step's rows (predicted from
-  layer l-1's hidden state, so issued before layer l runs; -1 entries skipped);
+  layer l-1's hidden state, so issued before layer l runs; -1 entries skipped),
+  most predicted first and at most `capacity` of them (experts.manager.most_predicted),
+  on the steps the engine's PrefetchGate allows (`min_precision=0` turns the gate off);
   then `table.access(e, t)` (pinning) for the distinct routed experts of the
   step's rows in order of first appearance; then `table.unpin_all()`.
 - A "use" is one (step, layer, distinct expert) access; hit_rate = hits / uses.
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..experts.manager import PrefetchGate, most_predicted
 from ..experts.policy import NextUse, make_policy
 from ..experts.slots import SlotTable
 from .format import RoutingTrace
@@ -48,7 +51,7 @@ def schedule(trace: RoutingTrace) -> Schedule:
         t = int(step[a])
         for li in range(trace.num_layers):
             ex = _distinct(trace.experts[a:b, li].ravel())
-            la = _distinct(trace.lookahead[a:b, li].ravel()) if trace.lookahead is not None else []
+            la = most_predicted(trace.lookahead[a:b, li].ravel().tolist()) if trace.lookahead is not None else []
             out[li].append((t, ex, la, int(b - a)))
     return out
 
@@ -75,29 +78,34 @@ class ReplayResult:
         return asdict(self)
 
 
-def _run_layer(sched, num_experts, capacity, policy, layer, prefetch, stats, params):
+def _run_layer(sched, num_experts, capacity, policy, layer, prefetch, stats, params, min_precision):
     oracle = NextUse(num_experts, ((t, ex) for t, ex, _, _ in sched)) if policy == "min" else None
     table = SlotTable(num_experts, capacity,
                       make_policy(policy, num_experts, capacity, layer=layer, stats=stats, oracle=oracle, **params))
+    gate = PrefetchGate(1, min_precision)
     issued = useful = 0
     for t, ex, la, _ in sched:
         fetched = set()
-        if prefetch:
-            for e in la:
+        if prefetch and la and gate.allow(0):
+            for e in la[:capacity]:
                 r = table.insert(e, t)
                 if not r.hit and r.slot >= 0:
                     fetched.add(e)
             issued += len(fetched)
+        used = 0
         for e in ex:
             r = table.access(e, t)
             if r.hit and e in fetched:
-                useful += 1
+                used += 1
+        useful += used
+        gate.update(0, len(fetched), used)
         table.unpin_all()
     return table.hits, table.misses, issued, useful
 
 
 def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool = False, stats=None,
-           with_min: bool = True, sched: Schedule | None = None, **params) -> ReplayResult:
+           with_min: bool = True, sched: Schedule | None = None, prefetch_min_precision: float = 0.5,
+           **params) -> ReplayResult:
     """Replay `trace` with `policy` and `capacity` slots per layer (see module doc)."""
     if capacity < 1:
         raise ValueError(f"capacity: must be >= 1, got {capacity}")
@@ -106,7 +114,8 @@ def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool = Fal
     sched = sched if sched is not None else schedule(trace)
     per_layer, tot = [], np.zeros(4, dtype=np.int64)
     for li, ls in enumerate(sched):
-        h, m, iss, use = _run_layer(ls, trace.num_experts, capacity, policy, li, prefetch, stats, params)
+        h, m, iss, use = _run_layer(ls, trace.num_experts, capacity, policy, li, prefetch, stats, params,
+                                    prefetch_min_precision)
         tot += (h, m, iss, use)
         per_layer.append({"layer": trace.layer_ids[li], "hits": h, "misses": m,
                           "hit_rate": h / max(h + m, 1), "prefetch_issued": iss, "prefetch_useful": use})
