@@ -78,7 +78,7 @@ def test_prefetch_gate_stops_wrong_predictions_and_keeps_right_ones():
     for la, stays_on in ((good, True), (bad, False)):
         t.lookahead = la
         gated = replay(t, "lru", 4, prefetch=True, with_min=False)
-        ungated = replay(t, "lru", 4, prefetch=True, with_min=False, prefetch_min_precision=0.0)
+        ungated = replay(t, "lru", 4, prefetch=True, with_min=False, prefetch_gate=None)
         if stays_on:
             assert gated.prefetch_issued == ungated.prefetch_issued and gated.hits == ungated.hits
         else:  # closed after a few steps; one probe in 16 keeps measuring

@@ -75,22 +75,24 @@ def most_predicted(ids: list[int]) -> list[int]:
 
 
 class PrefetchGate:
-    """Per layer: stop prefetching where the predictions miss.
+    """Per layer: stop prefetching where it does more harm than good.
 
-    A prefetched expert that goes unused cost a read and evicted a resident the layer might have
-    reused; measured on a random-weight 16-layer model (precision 0.45) prefetch lowered the hit
-    rate 0.646 -> 0.582 and doubled disk reads, on the trained tinymoe-py16 (0.62) it raised it
-    0.40 -> 0.55. precision = EWMA (alpha 0.1, from 1.0) of used / issued over the steps that
-    prefetched; below `min_precision` a layer prefetches only every `probe_every`-th time, so
-    it notices when the predictions improve. Replay (trace.replay) runs the same gate."""
+    Per step that prefetched: `used` prefetches took a read off the critical path; `harm` demand
+    misses hit experts a prefetch had evicted; the unused ones (`issued - used`) spent a read each
+    for nothing, which costs as much as a demand read when the link or disk is the bottleneck.
+    score = EWMA (alpha 0.25, from 0.5) of (used - harm - unused) / issued; below `threshold`
+    a layer prefetches only every `probe_every`-th time, so it notices when predictions improve.
+    Measured before the gate: on a random-weight 16-layer model (precision 0.45) prefetch lowered
+    the hit rate 0.646 -> 0.582 and doubled disk reads; on the trained tinymoe-py16 (precision
+    0.7) it raised it 0.40 -> 0.57. Replay (trace.replay) runs the same gate."""
 
-    def __init__(self, layers: int, min_precision: float = 0.5, alpha: float = 0.1, probe_every: int = 16):
-        self.min_precision, self.alpha, self.probe_every = min_precision, alpha, probe_every
-        self.precision = [1.0] * layers
+    def __init__(self, layers: int, threshold: float | None = 0.0, alpha: float = 0.25, probe_every: int = 16):
+        self.threshold, self.alpha, self.probe_every = threshold, alpha, probe_every
+        self.score = [0.5] * layers
         self.skipped = [0] * layers
 
     def allow(self, i: int) -> bool:
-        if self.precision[i] >= self.min_precision:
+        if self.threshold is None or self.score[i] >= self.threshold:
             return True
         self.skipped[i] += 1
         if self.skipped[i] < self.probe_every:
@@ -98,9 +100,9 @@ class PrefetchGate:
         self.skipped[i] = 0
         return True
 
-    def update(self, i: int, issued: int, used: int) -> None:
+    def update(self, i: int, issued: int, used: int, harm: int) -> None:
         if issued:
-            self.precision[i] += self.alpha * (used / issued - self.precision[i])
+            self.score[i] += self.alpha * ((used - harm - (issued - used)) / issued - self.score[i])
 
 
 PREFETCH_MODES = ("auto", "device", "host", "off")
@@ -141,7 +143,7 @@ class TieredExperts(ExpertProvider):
                  host_slots: int | None, policy: str = "lru", prefetch: bool | str | None = True, cpu_compute: str = "auto",
                  stats: torch.Tensor | None = None, prefill_admit_tokens: int = 64, o_direct: bool = True,
                  cost: CostModel | None = None, verify: bool = False, progress=None, dev_parts=None,
-                 overlap_io: bool = True, prefetch_min_precision: float = 0.5):
+                 overlap_io: bool = True, prefetch_gate: float | None = 0.0):
         cfg = source.cfg
         self.source, self.device, self.dtype = source, device, dtype
         self.E, self.K = cfg.num_experts, cfg.top_k
@@ -170,8 +172,9 @@ class TieredExperts(ExpertProvider):
         self.use_counts = torch.zeros(L, self.E, dtype=torch.int64)
         self.prefetched: list[set[int]] = [set() for _ in range(L)]
         self.host_prefetched: list[set[int]] = [set() for _ in range(L)]
-        self.gate = PrefetchGate(L, prefetch_min_precision)
-        self.step_issued, self.step_used = [0] * L, [0] * L  # prefetches for the layer's next step
+        self.gate = PrefetchGate(L, prefetch_gate)  # None: never gate
+        self.step_issued, self.step_used, self.step_harm = [0] * L, [0] * L, [0] * L  # for the layer's next step
+        self.pf_evicted: list[set[int]] = [set() for _ in range(L)]  # experts those prefetches evicted
 
         # device tier: compute dtype, slot tables per layer, lookup expert -> slot
         self.device_slots = device_slots
@@ -244,6 +247,8 @@ class TieredExperts(ExpertProvider):
         i = self.li[layer]
         if self.host_all:
             return e, False
+        if pin and e in self.pf_evicted[i] and self.prefetch_mode == "host":
+            self.step_harm[i] += e not in self.host_tables[i]
         table = self.host_tables[i]
         a = table.access(e, self.t, pin=pin) if pin else table.insert(e, self.t)
         c = self.counters[layer]
@@ -256,6 +261,8 @@ class TieredExperts(ExpertProvider):
         if a.slot >= 0 and not a.hit:
             self._wait(("host", i, a.slot), host_write=True)
             self.host_prefetched[i].discard(a.evicted)
+            if not pin and a.evicted >= 0 and self.prefetch_mode == "host":
+                self.pf_evicted[i].add(a.evicted)
         return a.slot, a.slot >= 0 and not a.hit
 
     def _host_expert(self, layer: int, e: int, sync: bool = True):
@@ -350,6 +357,8 @@ class TieredExperts(ExpertProvider):
                     self.prefetched[i].discard(e)
                 self._wait(("dev", i, s))
                 continue
+            if self.prefetch_mode == "device" and e in self.pf_evicted[i]:
+                self.step_harm[i] += 1
             cpu = self.cpu_compute == "always" or (self.cpu_compute == "auto" and self.cuda and self.cost.cpu_faster(
                 self.source.expert_nbytes, per_expert[e], self.flops_per_token))
             if cpu or not (admit or table.free):
@@ -400,8 +409,9 @@ class TieredExperts(ExpertProvider):
         if self.host_tables:
             self.host_tables[i].unpin_all()
             self.host_prefetched[i].clear()
-        self.gate.update(i, self.step_issued[i], self.step_used[i])
-        self.step_issued[i] = self.step_used[i] = 0
+        self.gate.update(i, self.step_issued[i], self.step_used[i], self.step_harm[i])
+        self.step_issued[i] = self.step_used[i] = self.step_harm[i] = 0
+        self.pf_evicted[i].clear()
         return out
 
     def _off_slot(self, layer, e, on_cpu, x, ids, weights, out, src) -> None:
@@ -448,6 +458,7 @@ class TieredExperts(ExpertProvider):
             if a.evicted >= 0:
                 lut[a.evicted] = -1
                 self.prefetched[i].discard(a.evicted)
+                self.pf_evicted[i].add(a.evicted)
             self._wait(("dev", i, a.slot))
             hs, need = self._host_slot(layer, e, pin=False)
             if hs < 0 and not self.direct:  # every host slot pinned: give the device slot back

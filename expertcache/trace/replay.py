@@ -8,7 +8,7 @@ Semantics (identical to the engine's cache calls):
   distinct lookahead experts of layer l over the step's rows (predicted from
   layer l-1's hidden state, so issued before layer l runs; -1 entries skipped),
   most predicted first and at most `capacity` of them (experts.manager.most_predicted),
-  on the steps the engine's PrefetchGate allows (`min_precision=0` turns the gate off);
+  on the steps the engine's PrefetchGate allows (`prefetch_gate=None` turns the gate off);
   then `table.access(e, t)` (pinning) for the distinct routed experts of the
   step's rows in order of first appearance; then `table.unpin_all()`.
 - A "use" is one (step, layer, distinct expert) access; hit_rate = hits / uses.
@@ -78,33 +78,35 @@ class ReplayResult:
         return asdict(self)
 
 
-def _run_layer(sched, num_experts, capacity, policy, layer, prefetch, stats, params, min_precision):
+def _run_layer(sched, num_experts, capacity, policy, layer, prefetch, stats, params, gate_threshold):
     oracle = NextUse(num_experts, ((t, ex) for t, ex, _, _ in sched)) if policy == "min" else None
     table = SlotTable(num_experts, capacity,
                       make_policy(policy, num_experts, capacity, layer=layer, stats=stats, oracle=oracle, **params))
-    gate = PrefetchGate(1, min_precision)
+    gate = PrefetchGate(1, gate_threshold)
     issued = useful = 0
     for t, ex, la, _ in sched:
-        fetched = set()
+        fetched, evicted = set(), set()
         if prefetch and la and gate.allow(0):
             for e in la[:capacity]:
                 r = table.insert(e, t)
                 if not r.hit and r.slot >= 0:
                     fetched.add(e)
+                    evicted.add(r.evicted)
             issued += len(fetched)
-        used = 0
+        used = harm = 0
         for e in ex:
+            harm += e in evicted and e not in table
             r = table.access(e, t)
             if r.hit and e in fetched:
                 used += 1
         useful += used
-        gate.update(0, len(fetched), used)
+        gate.update(0, len(fetched), used, harm)
         table.unpin_all()
     return table.hits, table.misses, issued, useful
 
 
 def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool = False, stats=None,
-           with_min: bool = True, sched: Schedule | None = None, prefetch_min_precision: float = 0.5,
+           with_min: bool = True, sched: Schedule | None = None, prefetch_gate: float | None = 0.0,
            **params) -> ReplayResult:
     """Replay `trace` with `policy` and `capacity` slots per layer (see module doc)."""
     if capacity < 1:
@@ -115,7 +117,7 @@ def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool = Fal
     per_layer, tot = [], np.zeros(4, dtype=np.int64)
     for li, ls in enumerate(sched):
         h, m, iss, use = _run_layer(ls, trace.num_experts, capacity, policy, li, prefetch, stats, params,
-                                    prefetch_min_precision)
+                                    prefetch_gate)
         tot += (h, m, iss, use)
         per_layer.append({"layer": trace.layer_ids[li], "hits": h, "misses": m,
                           "hit_rate": h / max(h + m, 1), "prefetch_issued": iss, "prefetch_useful": use})
