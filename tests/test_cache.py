@@ -214,3 +214,20 @@ def test_progress_callback_counts_every_checkpoint_byte(cache_checkpoint, kw):
     if "host_memory" not in kw:  # everything is read at load (a streamed host tier reads on demand)
         assert seen[-1][0] == seen[-1][1] == llm.index.nbytes()
     llm.close()
+
+
+@pytest.mark.parametrize("argv, want", [([], None), (["--prefetch"], "device"), (["--prefetch", "host"], "host"),
+                                        (["--no-prefetch"], "off"), (["--prefetch", "auto"], "auto")])
+def test_cli_prefetch_flag(argv, want):
+    import argparse
+
+    from expertcache.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(argv)).get("prefetch") == want
+
+
+def test_prefetch_mode_is_a_clear_error(cache_checkpoint):
+    with pytest.raises(ValueError, match="prefetch must be one of"):
+        LLM(str(cache_checkpoint), device_memory="25%", prefetch="sometimes")
