@@ -108,6 +108,7 @@ def test_stress_invariants_every_step(cache_checkpoint):
         llm = LLM(str(cache_checkpoint), verify=True, device_memory=f"{rng.choice([13, 19, 25, 50])}%",
                   host_memory=rng.choice([None, "13%", "25%"]), cache_policy=rng.choice(sorted(set(POLICIES) - {"min"})),
                   prefetch=rng.choice(["device", "host", "off"]), overlap_io=rng.random() < 0.7,
+                  exclusive=None if rng.random() < 0.7 else False,
                   cpu_compute=rng.choice(["auto", "always", "never"]))
         eng = llm.engine
         for i in range(rng.randint(2, 5)):
@@ -214,6 +215,38 @@ def test_progress_callback_counts_every_checkpoint_byte(cache_checkpoint, kw):
     if "host_memory" not in kw:  # everything is read at load (a streamed host tier reads on demand)
         assert seen[-1][0] == seen[-1][1] == llm.index.nbytes()
     llm.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru-admit"])
+def test_exclusive_tiers_hold_disjoint_experts_and_exact_bytes(cache_checkpoint, reference, policy):
+    """Device evictions are demoted into host slots (fp32 -> bf16, exact), promotions free theirs."""
+    llm = LLM(str(cache_checkpoint), verify=True, device_memory="13%", host_memory="25%", cache_policy=policy,
+              prefetch="off")
+    assert llm.experts.exclusive
+    eng = llm.engine
+    seqs = [eng.add_request(prompt, GREEDY) for prompt in reference["prompts"]]
+    while eng.has_unfinished():
+        eng.step()
+        llm.experts.check(contents=True)  # host slot bytes == checkpoint bytes, demoted ones included
+        for dev, host in zip(llm.experts.dev_tables, llm.experts.host_tables):
+            assert not set(dev.resident()) & set(host.resident())
+    assert [seq.generated for seq in seqs] == reference["tokens"]
+    s = llm.expert_stats()
+    assert s["per_tier"]["host"]["demoted"] > 0 and s["per_tier"]["host"]["hits"] > 0
+    llm.close()
+
+
+def test_exclusive_tiers_raise_the_ram_hit_rate(cache_checkpoint):
+    """Same run with and without demotion: exclusive tiers hold more distinct experts in RAM."""
+    rates = {}
+    for exclusive in (False, True):
+        llm = LLM(str(cache_checkpoint), device_memory="13%", host_memory="13%", cache_policy="lru",
+                  prefetch="off", exclusive=exclusive)
+        llm.generate([[5, 17, 42, 99]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        s = llm.expert_stats()
+        rates[exclusive] = s["per_tier"]["disk"]["bytes_read"]
+        llm.close()
+    assert rates[True] < rates[False]
 
 
 @pytest.mark.parametrize("argv, want", [([], None), (["--prefetch"], "device"), (["--prefetch", "host"], "host"),

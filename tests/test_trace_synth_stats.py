@@ -1,6 +1,7 @@
 """Synthetic knobs move the measured statistics; stats against hand counts and an LRU identity."""
 
 import numpy as np
+import pytest
 
 from expertcache.trace.format import RoutingTrace
 from expertcache.trace.replay import replay
@@ -59,3 +60,16 @@ def test_seeded_and_sequences():
     np.testing.assert_array_equal(a.experts, b.experts)
     assert a.seq.tolist() == [0] * 20 + [1] * 20 + [2] * 20
     assert all(len(set(r)) == a.top_k for r in a.experts.reshape(-1, a.top_k).tolist())
+
+
+def test_synthetic_lookahead_has_the_asked_recall_and_leaves_routing_alone():
+    plain = synth_trace(layers=4, experts=32, top_k=4, tokens=600, zipf=1.1, reuse=0.4, seed=5)
+    t = synth_trace(layers=4, experts=32, top_k=4, tokens=600, zipf=1.1, reuse=0.4, seed=5, lookahead_recall=0.8)
+    assert np.array_equal(t.experts, plain.experts) and plain.lookahead is None
+    assert (t.lookahead[:, 0] == -1).all()
+    la, ex = t.lookahead[:, 1:], t.experts[:, 1:]
+    assert all(len(set(r)) == 4 for r in la.reshape(-1, 4).tolist())  # distinct predictions
+    hits = sum(len(set(a) & set(b)) for a, b in zip(la.reshape(-1, 4).tolist(), ex.reshape(-1, 4).tolist()))
+    assert hits / ex.size == pytest.approx(0.8, abs=0.02)
+    with pytest.raises(ValueError, match="lookahead_recall"):
+        synth_trace(lookahead_recall=1.5)

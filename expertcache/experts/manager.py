@@ -115,6 +115,16 @@ def is_direct(device: torch.device, dev_parts, source_parts) -> bool:
     return device.type == "cpu" and key == [(p.name, p.dtype, tuple(p.shape)) for p in source_parts]
 
 
+def demotable(cuda: bool, dev_parts, source_parts) -> bool:
+    """Device slot bytes can go back to the stored format exactly: the same dtype, or bf16/fp16
+    widened to fp32. CPU only for now (a CUDA demotion would be a device -> host copy on the copy
+    stream; not built)."""
+    src = {p.name: p for p in source_parts}
+    exact = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+    return not cuda and all(p.name in src and tuple(p.shape) == tuple(src[p.name].shape) and (
+        p.dtype == src[p.name].dtype or (src[p.name].dtype, p.dtype) in exact) for p in dev_parts)
+
+
 def resolve_prefetch(prefetch, device: torch.device, direct: bool, host_partial: bool) -> str:
     """prefetch (bool, None or a mode) -> "device" | "host" | "off".
 
@@ -143,7 +153,7 @@ class TieredExperts(ExpertProvider):
                  host_slots: int | None, policy: str = "lru", prefetch: bool | str | None = True, cpu_compute: str = "auto",
                  stats: torch.Tensor | None = None, prefill_admit_tokens: int = 64, o_direct: bool = True,
                  cost: CostModel | None = None, verify: bool = False, progress=None, dev_parts=None,
-                 overlap_io: bool = True, prefetch_gate: float | None = 0.0):
+                 overlap_io: bool = True, prefetch_gate: float | None = 0.0, exclusive: bool | None = None):
         cfg = source.cfg
         self.source, self.device, self.dtype = source, device, dtype
         self.E, self.K = cfg.num_experts, cfg.top_k
@@ -172,6 +182,13 @@ class TieredExperts(ExpertProvider):
         self.use_counts = torch.zeros(L, self.E, dtype=torch.int64)
         self.prefetched: list[set[int]] = [set() for _ in range(L)]
         self.host_prefetched: list[set[int]] = [set() for _ in range(L)]
+        # exclusive tiers: an expert leaving the device tier keeps its bytes in a host slot (demotion)
+        # and one promoted from a host slot frees it, so RAM + device hold disjoint experts
+        can = demotable(self.cuda, dev_parts, source.parts) and partial
+        if exclusive and not can:
+            raise ValueError("exclusive=True needs a CPU device, a partial host tier and device slots that "
+                             "widen the stored format exactly (bf16/fp16 -> fp32, or the same dtype)")
+        self.exclusive = can if exclusive is None else exclusive
         self.gate = PrefetchGate(L, prefetch_gate)  # None: never gate
         self.step_issued, self.step_used, self.step_harm = [0] * L, [0] * L, [0] * L  # for the layer's next step
         self.pf_evicted: list[set[int]] = [set() for _ in range(L)]  # experts those prefetches evicted
@@ -242,8 +259,9 @@ class TieredExperts(ExpertProvider):
     def _dev_views(self, i: int, s: int) -> dict[str, torch.Tensor]:
         return {n: t[i, s] for n, t in self.dev.items()}
 
-    def _host_slot(self, layer: int, e: int, pin: bool) -> tuple[int, bool]:
-        """Host slot of e (assigning one if needed) -> (slot, needs_read); slot -1 = no slot free."""
+    def _host_slot(self, layer: int, e: int, pin: bool, ahead: bool = False) -> tuple[int, bool]:
+        """Host slot of e (assigning one if needed) -> (slot, needs_read); slot -1 = no slot free.
+        `ahead`: a host read-ahead (its evictions are what the prefetch gate charges)."""
         i = self.li[layer]
         if self.host_all:
             return e, False
@@ -261,7 +279,7 @@ class TieredExperts(ExpertProvider):
         if a.slot >= 0 and not a.hit:
             self._wait(("host", i, a.slot), host_write=True)
             self.host_prefetched[i].discard(a.evicted)
-            if not pin and a.evicted >= 0 and self.prefetch_mode == "host":
+            if ahead and a.evicted >= 0:
                 self.pf_evicted[i].add(a.evicted)
         return a.slot, a.slot >= 0 and not a.hit
 
@@ -291,6 +309,16 @@ class TieredExperts(ExpertProvider):
             self._read(layer, e, views)
             return None
         return self.reader.pool.submit(self._read, layer, e, views)
+
+    def _demote(self, layer: int, e: int, s: int) -> None:
+        """Exclusive tiers: e leaves device slot s; keep its bytes in a host slot (narrowed back to
+        the stored format, exactly) so that a later miss on it does not go to disk."""
+        i = self.li[layer]
+        hs, need = self._host_slot(layer, e, pin=False)
+        if need:
+            for n, t in self._host_views(i, hs).items():
+                t.copy_(self.dev[n][i, s])
+            self.counters[layer].demoted += 1
 
     def _landed(self, layer: int, e: int, s: int, fut: Future | None) -> None:
         """A device slot read straight from disk (`direct`) is complete and counted."""
@@ -346,6 +374,7 @@ class TieredExperts(ExpertProvider):
         admit = T <= self.prefill_admit_tokens
         per_expert = torch.bincount(ids.reshape(-1), minlength=self.E).tolist()
         fills: list[tuple[int, int]] = []  # (expert, device slot) filled this step
+        leaving: list[tuple[int, int]] = []  # (expert, device slot) evicted by those fills
         off_slot: list[tuple[int, bool]] = []  # (expert, on_cpu) computed outside the device slots
         for e in distinct(ids):
             if e in table:
@@ -375,11 +404,14 @@ class TieredExperts(ExpertProvider):
             if a.evicted >= 0:
                 lut[a.evicted] = -1
                 self.prefetched[i].discard(a.evicted)
+                leaving.append((a.evicted, a.slot))
             self._wait(("dev", i, a.slot))
             fills.append((e, a.slot))
         # host copies of the misses: their disk reads go out together, then the next layer's prefetch
         sync = not self.overlap_io
         host = {e: self._host_expert(layer, e, sync) for e in dict.fromkeys([e for e, _ in fills + off_slot])}
+        for e, s in leaving if self.exclusive else []:  # after the misses pinned their host slots
+            self._demote(layer, e, s)
         for e, s in fills:
             if host[e][0] is None and self.direct:  # no host slot: read from disk straight into the slot
                 host[e] = (DIRECT, self._submit_read(layer, e, self._dev_views(i, s), sync))
@@ -409,6 +441,8 @@ class TieredExperts(ExpertProvider):
         if self.host_tables:
             self.host_tables[i].unpin_all()
             self.host_prefetched[i].clear()
+            for e, _ in fills if self.exclusive else []:  # promoted: the host copy is a duplicate now
+                self.host_tables[i].drop(e)
         self.gate.update(i, self.step_issued[i], self.step_used[i], self.step_harm[i])
         self.step_issued[i] = self.step_used[i] = self.step_harm[i] = 0
         self.pf_evicted[i].clear()
@@ -455,11 +489,13 @@ class TieredExperts(ExpertProvider):
             a = table.insert(e, self.t)
             if a.slot < 0:
                 continue
+            self._wait(("dev", i, a.slot))
             if a.evicted >= 0:
                 lut[a.evicted] = -1
                 self.prefetched[i].discard(a.evicted)
                 self.pf_evicted[i].add(a.evicted)
-            self._wait(("dev", i, a.slot))
+                if self.exclusive:
+                    self._demote(layer, a.evicted, a.slot)
             hs, need = self._host_slot(layer, e, pin=False)
             if hs < 0 and not self.direct:  # every host slot pinned: give the device slot back
                 table.drop(e)
@@ -486,7 +522,7 @@ class TieredExperts(ExpertProvider):
         for e in most_predicted(ids.reshape(-1).tolist())[: self.host_slots]:
             if e in self.dev_tables[i]:
                 continue
-            hs, need = self._host_slot(layer, e, pin=False)
+            hs, need = self._host_slot(layer, e, pin=False, ahead=True)
             if not need:
                 continue
             self.host_prefetched[i].add(e)

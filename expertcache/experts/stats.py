@@ -36,6 +36,7 @@ class LayerCounters:
     host_prefetch_issued: int = 0  # disk -> host reads ahead (prefetch "host")
     host_prefetch_useful: int = 0
     cpu_computed: int = 0
+    demoted: int = 0  # experts evicted from the device tier whose bytes went to a host slot (exclusive)
     waves: int = 0  # uses computed through the staging slots (no slot could be kept)
 
 
@@ -56,7 +57,8 @@ def collect(layers: dict[int, LayerCounters], use_counts: torch.Tensor, device_s
             "device": {"slots_per_layer": device_slots, "hits": tot.hits, "misses": tot.misses,
                        "bytes_in": tot.bytes_moved},
             "host": {"slots_per_layer": host_slots, "hits": tot.host_hits, "misses": tot.host_misses,
-                     "prefetch_issued": tot.host_prefetch_issued, "prefetch_useful": tot.host_prefetch_useful},
+                     "prefetch_issued": tot.host_prefetch_issued, "prefetch_useful": tot.host_prefetch_useful,
+                     "demoted": tot.demoted},
             "disk": {"bytes_read": tot.disk_bytes},
         },
         "per_layer": [{"layer": layer, **asdict(c)} for layer, c in sorted(layers.items())],

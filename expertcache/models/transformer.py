@@ -33,7 +33,8 @@ class MoETransformer:
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.record_routing = False
         # route_override(layer, ids, weights) -> (ids, weights): replaces the router's choice
-        # (benchmarks drive routing from a synthetic trace); None = the model's own router
+        # (benchmarks drive routing from a synthetic trace); None = the model's own router. If it
+        # has .lookahead(layer, ids) -> ids, that replaces the next-layer prediction too.
         self.route_override = None
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         H, V, names = cfg.hidden_size, cfg.vocab_size, family.names
@@ -133,6 +134,8 @@ class MoETransformer:
         if nxt is not None and (self.experts.wants_prefetch or self.record_routing):
             nl = self.layers[nxt]
             ahead, _ = route(rms_norm(h, nl["post_ln"], cfg.rms_norm_eps), nl["router"], cfg.top_k, False)
+            if hasattr(self.route_override, "lookahead"):
+                ahead = self.route_override.lookahead(nxt, ahead)
             if self.experts.wants_prefetch:
                 self.experts.prefetch(nxt, ahead)
         if self.record_routing:
