@@ -182,7 +182,7 @@ def test_saved_stats_warm_start(cache_checkpoint, tmp_path):
         LLM(str(cache_checkpoint), device_memory="25%", load_stats=str(bad))
 
 
-@pytest.mark.parametrize("host", ["0", None])
+@pytest.mark.parametrize("host", ["0", None, "25%"])
 @pytest.mark.parametrize("prefetch", ["auto", "off"])
 @pytest.mark.parametrize("overlap_io", [True, False])
 def test_low_memory_mode_gives_resident_output(cache_checkpoint, reference, host, prefetch, overlap_io):
