@@ -149,6 +149,16 @@ def distinct(ids: torch.Tensor) -> list[int]:
 
 
 class TieredExperts(ExpertProvider):
+    """Options (all reachable as LLM(...) keywords):
+    policy          device-tier eviction policy (experts.policy registry)
+    prefetch        auto | device | host | off, or a bool (resolve_prefetch)
+    cpu_compute     auto (cost model, CUDA) | always | never
+    overlap_io      a step's disk reads in parallel with its hits (False: one synchronous read per miss)
+    prefetch_gate   PrefetchGate threshold; None never gates
+    exclusive       RAM tiers hold disjoint experts (None: where `demotable`)
+    prefill_admit_tokens, o_direct, verify (slot bytes checked against the checkpoint at every fill)
+    """
+
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, device_slots: int,
                  host_slots: int | None, policy: str = "lru", prefetch: bool | str | None = True, cpu_compute: str = "auto",
                  stats: torch.Tensor | None = None, prefill_admit_tokens: int = 64, o_direct: bool = True,
