@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "omit all cache flags to keep every expert resident")
     g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, or 'auto'")
     g.add_argument("--cache-policy", default=None,
-                   help="eviction policy: lru, lfru, lfu, static, lfru-admit (default: lfru-admit)")
+                   help="eviction policy: lru, lfru, lfu, static, lfru-admit, adaptive (default: adaptive)")
     g.add_argument("--prefetch", nargs="?", const="device", default=None, choices=["auto", "device", "host", "off"],
                    help="read the next layer's predicted experts ahead: device = into device slots (default with "
                         "CUDA; bare --prefetch), host = disk reads into host RAM only (default on a CPU-only "

@@ -6,7 +6,7 @@ it fits, room for the KV cache and a predicted decode tok/s band (plan_speed).
 
     expertcache plan MODEL_DIR --device-memory 8GiB [--host-memory 32GiB] [--device cuda|cpu]
                      [--profile NAME|FILE.toml[:NAME]|this-cpu] [--trace TRACE.npz]
-                     [--policy lfru-admit] [--json]
+                     [--policy adaptive] [--json]
 
 Exit codes: 0 fits, 1 a budget cannot hold top_k experts per layer (the engine's
 BudgetError text), 2 bad input (unsupported architecture, bad config, trace not of this model).
@@ -37,7 +37,7 @@ def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
                    help="hardware profile: built-in name, FILE.toml[:NAME], or this-cpu (measured now, ~2 s); "
                         f"default {DEFAULT_PROFILE['cpu']} for cpu, {DEFAULT_PROFILE['cuda']} for cuda")
     p.add_argument("--trace", default=None, help="routing trace (.npz, e.g. from --record-routing) for the speed band")
-    p.add_argument("--policy", default="lfru-admit", help="cache policy for the high end of the band")
+    p.add_argument("--policy", default="adaptive", help="cache policy for the high end of the band")
     p.add_argument("--json", action="store_true", help="one JSON object with stable keys")
     p.set_defaults(func=cmd_plan)
     return p

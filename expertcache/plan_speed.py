@@ -99,7 +99,7 @@ def estimate(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool, sh
 
 
 def speed_band(shape: ModelShape, profile: Profile, capacity: int, expert_bytes: int, resident: bool,
-               from_disk: bool, layer_ids: list[int], num_experts: int, top_k: int, policy: str = "lfru-admit",
+               from_disk: bool, layer_ids: list[int], num_experts: int, top_k: int, policy: str = "adaptive",
                trace: RoutingTrace | None = None, trace_name: str = "") -> SpeedBand:
     """Predicted decode tok/s band for `capacity` device slots per layer (see module doc)."""
     args = dict(shape=shape, profile=profile, expert_bytes=expert_bytes, resident=resident, from_disk=from_disk)

@@ -126,3 +126,17 @@ def test_min_bounds_online_policies(seed):
         for p in ONLINE:
             if p not in ("static", "lfru-admit"):  # those two may bypass, demand-MIN does not bound them
                 assert replay(trace, p, cap, with_min=False).hit_rate <= mn + 1e-12
+
+
+def test_adaptive_follows_the_better_candidate_on_each_workload():
+    """Admission wins on a hot set plus one-off experts; plain lfru wins on a top-8 trace with topic
+    shifts; "adaptive" must match the winner on both (its ghost tables pick it online)."""
+    from expertcache.trace.synthetic import synth_trace
+
+    scan = RoutingTrace(experts=np.array([[[t % 3, 3 + t % 61]] for t in range(600)]), num_experts=64)
+    shifts = synth_trace(layers=2, experts=64, top_k=8, tokens=2000, zipf=1.1, reuse=0.4, shift_every=256, seed=1)
+    for trace, cap, winner in ((scan, 3, "lfru-admit"), (shifts, 9, "lfru")):
+        rate = {n: replay(trace, n, cap, with_min=False).hit_rate for n in ("lfru", "lfru-admit", "adaptive")}
+        loser = ({"lfru", "lfru-admit"} - {winner}).pop()
+        assert rate[winner] > rate[loser] + 0.05  # the workloads really differ
+        assert rate["adaptive"] >= rate[winner] - 0.01

@@ -22,8 +22,10 @@ every policy accepts and ignores keywords it does not use. `oracle` is a
 `NextUse` (future knowledge), needed only by "min" and available only in trace
 replay, which builds it from the trace's access sequence.
 
-Registry: lru, lfru, lfu, static, min, and "lfru-admit" (the best online policy
-on real traces; see `LFRUAdmit`). Every victim choice is O(capacity).
+Registry: lru, lfru, lfu, static, min, "lfru-admit" (the best single policy on the
+trained top-2 traces; see `LFRUAdmit`) and "adaptive" (the default: per layer, follows
+whichever of lfru-admit and lfru its ghost tables show hitting more). Every victim choice
+is O(capacity).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 POLICIES: dict[str, Callable[..., "Policy"]] = {}
-DEFAULT_POLICY = "lfru-admit"  # best hit rate against MIN on real traces (README, "cache policies")
-ONLINE = ("lru", "lfru", "lfu", "static", "lfru-admit")  # usable by the engine (no future knowledge)
+DEFAULT_POLICY = "adaptive"  # the best of lfru-admit and lfru per layer, online (README, "cache policies")
+ONLINE = ("lru", "lfru", "lfu", "static", "lfru-admit", "adaptive")  # usable by the engine (no future knowledge)
 
 
 def register(name: str):
@@ -249,9 +251,8 @@ class LFRUAdmit(LFRU):
     of f(r), all scores decayed to now (f(e) + 1 is e's score after this use).
     A refused expert is served once from the slower tier and evicts nothing, so a
     one-off expert cannot push out a steadily used one. O(capacity) per miss.
-    `admit(e, t, prefetch=True)` always admits (a prefetch is predictor-informed);
-    SlotTable.insert does not pass that flag today, so prefetches are filtered
-    like misses until it does.
+    `admit(e, t, prefetch=True)` always admits (a prefetch is predictor-informed).
+    A refused use still raises e's score, so an expert asked for again and again gets in.
 
     Tuned on tinymoe-py16 traces (bench/trace_tinymoe.py): decay 0.95 was the best
     of 0.7..0.99 on the tuning trace and held on a second held-out trace. Because
@@ -266,7 +267,70 @@ class LFRUAdmit(LFRU):
         if prefetch or len(self.resident) < self.capacity:
             return True
         mine = self.score[e] * self.decay ** (t - self.t_score[e]) + 1.0
-        return mine >= min(self.key(r)[0] for r in self.resident)
+        if mine >= min(self.key(r)[0] for r in self.resident):
+            return True
+        self.score[e], self.t_score[e] = mine, t  # a refused use still counts (as TinyLFU's sketch)
+        return False
+
+
+@register("adaptive")
+class Adaptive(Policy):
+    """Follows whichever candidate policy would have hit most on this layer's recent uses.
+
+    Each candidate ranks the real slots (it sees every touch, insert and remove) and also drives
+    a ghost SlotTable of the same capacity fed with the same uses (a use: a touch, or a refused
+    miss); ghost hits decay by `decay` per step. admit and victim go to the leader. Why: the
+    admission filter of lfru-admit is the best on the trained top-2 traces and the worst on a
+    top-8 trace with topic shifts, where plain lfru leads (README, "cache policies").
+    """
+
+    def __init__(self, candidates=("lfru-admit", "lfru"), decay: float = 0.98, **kw):
+        super().__init__(**kw)
+        from .slots import SlotTable
+
+        args = dict(num_experts=self.num_experts, capacity=self.capacity, layer=self.layer, stats=kw.get("stats"))
+        self.rankers = [make_policy(n, **args) for n in candidates]
+        self.ghosts = [SlotTable(self.num_experts, self.capacity, make_policy(n, **args)) for n in candidates]
+        self.score = [0.0] * len(candidates)
+        self.decay, self.t, self.leader, self.pending = decay, None, 0, None
+
+    def _use(self, e, t):
+        if t != self.t:
+            if self.t is not None:
+                self.score = [x * self.decay ** (t - self.t) for x in self.score]
+                self.leader = max(range(len(self.score)), key=lambda k: (self.score[k], -k))
+            self.t = t
+            for g in self.ghosts:
+                g.unpin_all()
+        for k, g in enumerate(self.ghosts):
+            self.score[k] += g.access(e, t).hit
+
+    def touch(self, e, t):
+        if self.pending != (e, t):  # a miss was counted by admit already
+            self._use(e, t)
+        self.pending = None
+        for r in self.rankers:
+            r.touch(e, t)
+
+    def insert(self, e, t):
+        for r in self.rankers:
+            r.insert(e, t)
+
+    def remove(self, e):
+        for r in self.rankers:
+            r.remove(e)
+
+    def admit(self, e, t, prefetch: bool = False):
+        if not prefetch:
+            self._use(e, t)
+            self.pending = (e, t)
+        for k, r in enumerate(self.rankers):
+            if k != self.leader and isinstance(r, _Scored):
+                _Scored.admit(r, e, t)  # keeps its clock; only the leader decides
+        return self.rankers[self.leader].admit(e, t, prefetch=prefetch)
+
+    def victim(self, candidates):
+        return self.rankers[self.leader].victim(candidates)
 
 
 class NextUse:

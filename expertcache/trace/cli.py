@@ -204,7 +204,7 @@ def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("trace")
     p.add_argument("--capacity", type=int, required=True)
     p.add_argument("--profile", required=True, help="built-in name or FILE.toml[:NAME]")
-    p.add_argument("--policy", default="lfru-admit")
+    p.add_argument("--policy", default="adaptive")
     p.add_argument("--model-config", help="config.json of the model (for dense compute)")
     p.add_argument("--prefetch", action="store_true")
     p.add_argument("--no-cpu-compute", action="store_true")
