@@ -8,7 +8,8 @@ Semantics (identical to the engine's cache calls):
   distinct lookahead experts of layer l over the step's rows (predicted from
   layer l-1's hidden state, so issued before layer l runs; -1 entries skipped),
   most predicted first and at most `capacity` of them (experts.manager.most_predicted),
-  on the steps the engine's PrefetchGate allows (`prefetch_gate=None` turns the gate off);
+  on the steps the engine's PrefetchGate allows (`prefetch_gate=None` turns the gate off;
+  `prefetch_waste` as the engine's: 1.0 on CPU, 0.25 with CUDA);
   then `table.access(e, t)` (pinning) for the distinct routed experts of the
   step's rows in order of first appearance; then `table.unpin_all()`.
 - A "use" is one (step, layer, distinct expert) access; hit_rate = hits / uses.
@@ -78,11 +79,11 @@ class ReplayResult:
         return asdict(self)
 
 
-def _run_layer(sched, num_experts, capacity, policy, layer, prefetch, stats, params, gate_threshold):
+def _run_layer(sched, num_experts, capacity, policy, layer, prefetch, stats, params, gate_threshold, waste):
     oracle = NextUse(num_experts, ((t, ex) for t, ex, _, _ in sched)) if policy == "min" else None
     table = SlotTable(num_experts, capacity,
                       make_policy(policy, num_experts, capacity, layer=layer, stats=stats, oracle=oracle, **params))
-    gate = PrefetchGate(1, gate_threshold)
+    gate = PrefetchGate(1, gate_threshold, waste=waste)
     issued = useful = 0
     for t, ex, la, _ in sched:
         fetched, evicted = set(), set()
@@ -107,7 +108,7 @@ def _run_layer(sched, num_experts, capacity, policy, layer, prefetch, stats, par
 
 def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool = False, stats=None,
            with_min: bool = True, sched: Schedule | None = None, prefetch_gate: float | None = 0.0,
-           **params) -> ReplayResult:
+           prefetch_waste: float = 1.0, **params) -> ReplayResult:
     """Replay `trace` with `policy` and `capacity` slots per layer (see module doc)."""
     if capacity < 1:
         raise ValueError(f"capacity: must be >= 1, got {capacity}")
@@ -117,7 +118,7 @@ def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool = Fal
     per_layer, tot = [], np.zeros(4, dtype=np.int64)
     for li, ls in enumerate(sched):
         h, m, iss, use = _run_layer(ls, trace.num_experts, capacity, policy, li, prefetch, stats, params,
-                                    prefetch_gate)
+                                    prefetch_gate, prefetch_waste)
         tot += (h, m, iss, use)
         per_layer.append({"layer": trace.layer_ids[li], "hits": h, "misses": m,
                           "hit_rate": h / max(h + m, 1), "prefetch_issued": iss, "prefetch_useful": use})
