@@ -6,11 +6,11 @@ import torch
 
 from .budget import plan_memory
 from .layout import ExpertSource
-from .manager import TieredExperts, is_direct, resolve_prefetch
+from .manager import TieredExperts, is_direct
 from .policy import DEFAULT_POLICY
+from .prefetch import resolve_prefetch
 from .provider import ResidentExperts
 from .stats import load_stats as load_stats_file
-
 
 PREFETCH_SAYS = {"device": "next layer's predicted experts into the fastest tier",
                  "host": "next layer's predicted experts read ahead from disk into host RAM", "off": "off"}

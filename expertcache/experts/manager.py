@@ -36,7 +36,6 @@ slot fill is compared with the checkpoint's bytes (tests).
 
 from __future__ import annotations
 
-from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ from .compute import expert_ffn, moe_ffn
 from .disk import DiskReader
 from .layout import ExpertSource
 from .policy import make_policy
+from .prefetch import PrefetchGate, most_predicted, resolve_prefetch
 from .provider import ExpertProvider
 from .slots import SlotTable
 from .stats import LayerCounters, collect, save_stats
@@ -66,51 +66,6 @@ class CostModel:
 
 
 DIRECT = "direct"  # marks a demand read that goes straight into a device slot
-def most_predicted(ids: list[int]) -> list[int]:
-    """Distinct predicted experts, most predicted first (ties: first appearance); -1 skipped.
-    Prefetch takes at most a tier's capacity of them: a batch predicting more experts than the
-    tier holds would otherwise read experts only to evict them in the same step."""
-    counts = Counter(e for e in ids if e >= 0)
-    return sorted(counts, key=lambda e: -counts[e])
-
-
-class PrefetchGate:
-    """Per layer: stop prefetching where it does more harm than good.
-
-    Per step that prefetched: `used` prefetches took a read off the critical path; `harm` demand
-    misses hit experts a prefetch had evicted; the unused ones (`issued - used`) spent bandwidth for
-    nothing. Prefetch never lowers the bytes moved, it only hides latency, so an unused read is
-    priced by `waste`: 1.0 where the disk (or the CPU doing the conversions) is the bottleneck, 0.25
-    for CUDA copies, which overlap compute on an otherwise idle link (an estimate, not measured).
-    score = EWMA (alpha 0.25, from 0.5) of (used - harm - waste * unused) / issued; below `threshold`
-    a layer prefetches only every `probe_every`-th time, so it notices when predictions improve.
-    Measured before the gate: on a random-weight 16-layer model (precision 0.45) prefetch lowered
-    the hit rate 0.646 -> 0.582 and doubled disk reads; on the trained tinymoe-py16 (precision
-    0.7) it raised it 0.40 -> 0.57. Replay (trace.replay) runs the same gate."""
-
-    def __init__(self, layers: int, threshold: float | None = 0.0, alpha: float = 0.25, probe_every: int = 16,
-                 waste: float = 1.0):
-        self.threshold, self.alpha, self.probe_every, self.waste = threshold, alpha, probe_every, waste
-        self.score = [0.5] * layers
-        self.skipped = [0] * layers
-
-    def allow(self, i: int) -> bool:
-        if self.threshold is None or self.score[i] >= self.threshold:
-            return True
-        self.skipped[i] += 1
-        if self.skipped[i] < self.probe_every:
-            return False
-        self.skipped[i] = 0
-        return True
-
-    def update(self, i: int, issued: int, used: int, harm: int) -> None:
-        if issued:
-            self.score[i] += self.alpha * ((used - harm - self.waste * (issued - used)) / issued - self.score[i])
-
-
-PREFETCH_MODES = ("auto", "device", "host", "off")
-
-
 def is_direct(device: torch.device, dev_parts, source_parts) -> bool:
     """The device slots are host RAM in the stored format (CPU, low memory): a miss with no host
     slot can be read from disk straight into its device slot, with no conversion or copy."""
@@ -126,24 +81,6 @@ def demotable(cuda: bool, dev_parts, source_parts) -> bool:
     exact = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
     return not cuda and all(p.name in src and tuple(p.shape) == tuple(src[p.name].shape) and (
         p.dtype == src[p.name].dtype or (src[p.name].dtype, p.dtype) in exact) for p in dev_parts)
-
-
-def resolve_prefetch(prefetch, device: torch.device, direct: bool, host_partial: bool) -> str:
-    """prefetch (bool, None or a mode) -> "device" | "host" | "off".
-
-    auto: prefetch hides a transfer behind compute. With CUDA that is the host -> device copy.
-    On a CPU-only machine the "transfer" into fp32 device slots is a conversion that needs the
-    same cores and memory bandwidth as compute and measured slower than demand loads (README,
-    cache benchmark); a disk read needs no cores, so auto reads ahead from disk only: into host
-    slots, or straight into the device slots when they keep the stored format (`direct`)."""
-    mode = {True: "device", False: "off", None: "auto"}.get(prefetch, prefetch)
-    if mode not in PREFETCH_MODES:
-        raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)} or a bool, got {prefetch!r}")
-    if mode == "auto":
-        mode = "device" if device.type == "cuda" or (direct and not host_partial) else "host"
-    if mode == "host" and not host_partial:
-        mode = "off"  # every expert is in host RAM already (or there is no host tier): nothing to read ahead
-    return mode
 
 
 def distinct(ids: torch.Tensor) -> list[int]:

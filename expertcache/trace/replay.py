@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..experts.manager import PrefetchGate, most_predicted
 from ..experts.policy import NextUse, make_policy
+from ..experts.prefetch import PrefetchGate, most_predicted
 from ..experts.slots import SlotTable
 from .format import RoutingTrace
 
