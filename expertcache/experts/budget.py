@@ -136,9 +136,8 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
         return MemoryPlan(dplan, None, 0, L, dev_parts, lines)
     lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
     ram = available_ram() // 2
-    no_host = host_memory is not None and not _is_auto(host_memory) and "%" not in str(host_memory) and \
-        parse_bytes(host_memory) == 0
-    if low_memory and device.type == "cpu" and no_host:
+    if low_memory and device.type == "cpu" and not _is_auto(host_memory) and \
+            resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0:
         hplan = TierPlan(0, source.expert_nbytes, 0)
     else:
         hplan = plan_tier("auto" if host_memory is None else host_memory, "host_memory", source.expert_nbytes,

@@ -66,6 +66,8 @@ class CostModel:
 
 
 DIRECT = "direct"  # marks a demand read that goes straight into a device slot
+
+
 def is_direct(device: torch.device, dev_parts, source_parts) -> bool:
     """The device slots are host RAM in the stored format (CPU, low memory): a miss with no host
     slot can be read from disk straight into its device slot, with no conversion or copy."""

@@ -27,9 +27,10 @@ class PrefetchGate:
     for CUDA copies, which overlap compute on an otherwise idle link (an estimate, not measured).
     score = EWMA (alpha 0.25, from 0.5) of (used - harm - waste * unused) / issued; below `threshold`
     a layer prefetches only every `probe_every`-th time, so it notices when predictions improve.
-    Measured before the gate: on a random-weight 16-layer model (precision 0.45) prefetch lowered
-    the hit rate 0.646 -> 0.582 and doubled disk reads; on the trained tinymoe-py16 (precision
-    0.7) it raised it 0.40 -> 0.57. Replay (trace.replay) runs the same gate."""
+    Measured (bench/prefetch_gate.py, README): ungated, read-ahead on a random-weight model whose
+    router predicts poorly lowered the hit rate 0.629 -> 0.550 and doubled disk reads; gated it
+    stays at 0.626, while on the trained tinymoe-py16 it still raises 0.538 -> 0.598. Replay
+    (trace.replay) runs the same gate."""
 
     def __init__(self, layers: int, threshold: float | None = 0.0, alpha: float = 0.25, probe_every: int = 16,
                  waste: float = 1.0):

@@ -2,7 +2,8 @@
 `add_trace_subcommands(subparsers)` and then `args.func(args)` (returns an exit code).
 
     trace replay TRACE (--capacity K[,K..] | --budget BYTES) --policy P|all
-                 [--prefetch] [--sweep] [--stats TRACE] [--json] [--png FILE]
+                 [--prefetch [--prefetch-waste W] [--no-prefetch-gate]] [--sweep] [--stats TRACE]
+                 [--json] [--png FILE]
     trace stats TRACE [--png FILE] [--json]
     trace synth OUT --layers --experts --top-k --tokens [--seqs] --zipf --reuse [--shift-every] [--seed]
     trace import JSONL OUT.npz --num-experts E [--model NAME] [--expert-bytes BYTES]
@@ -56,7 +57,8 @@ def _cmd_replay(args) -> int:
         if p not in POLICIES:
             raise ValueError(f"--policy: unknown {p!r}; choose from {sorted(POLICIES)} or all")
     stats = use_counts(RoutingTrace.load(args.stats)) if args.stats else None
-    results = sweep(trace, policies, _capacities(args, trace), prefetch=args.prefetch, stats=stats)
+    results = sweep(trace, policies, _capacities(args, trace), prefetch=args.prefetch, stats=stats,
+                    prefetch_gate=None if args.no_prefetch_gate else 0.0, prefetch_waste=args.prefetch_waste)
     if args.json:
         keys = ("policy", "capacity", "hit_rate", "min_hit_rate", "bytes_moved", "per_layer",
                 "prefetch_issued", "prefetch_useful")
@@ -161,6 +163,9 @@ def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--sweep", action="store_true", help="capacities 1..num_experts")
     p.add_argument("--policy", default="lru", help=f"one of {sorted(POLICIES)}, comma list, or all")
     p.add_argument("--prefetch", action="store_true", help="insert lookahead experts before each layer")
+    p.add_argument("--prefetch-waste", type=float, default=1.0,
+                   help="the prefetch gate's price of an unused read: 1.0 as the engine on CPU, 0.25 as with CUDA")
+    p.add_argument("--no-prefetch-gate", action="store_true", help="prefetch on every step (no gate)")
     p.add_argument("--stats", help="trace whose use counts feed the static policy")
     p.add_argument("--json", action="store_true")
     p.add_argument("--png", help="plot hit rate vs capacity")
