@@ -1,9 +1,17 @@
-"""LLMEngine: requests in, tokens out, one scheduler step at a time (used by LLM and the server)."""
+"""LLMEngine: requests in, tokens out, one scheduler step at a time (used by LLM and the server).
+
+Failure isolation: a sequence whose logits are not finite, or whose sampling, detokenising or
+stop-string check raises, is finished with reason "error: <why>" on its own (its KV blocks freed
+and their prefix hashes dropped); the other sequences of the step go on.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from ..errors import CheckpointError
 from .params import SamplingParams
@@ -12,6 +20,8 @@ from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("expertcache")
 
 
 @dataclass
@@ -43,6 +53,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.counters = EngineCounters()
         self.recorder = recorder
+        # (layer, expert) -> parts found non-finite at first read (ExpertSource.nonfinite, live)
+        self.nonfinite_experts: dict[tuple[int, int], list[str]] = {}
+        self.expert_name = None  # (layer, expert) -> the checkpoint's tensor names, for messages
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         if not prompt_ids:
@@ -93,6 +106,7 @@ class LLMEngine:
             self.counters.decode_seconds += dt
         else:
             self.counters.prefill_seconds += dt
+        finite = torch.isfinite(logits).all(-1).tolist()  # [B], one pass over the final logits
         for b, (seq, n) in enumerate(work):
             # prompt tokens computed for the first time (a preempted sequence recomputes its own)
             self.counters.prompt_tokens += max(0, min(seq.num_computed + n, seq.prompt_len) - seq.high_water)
@@ -101,11 +115,38 @@ class LLMEngine:
             self.kv.seal(seq.block_ids, seq.tokens[: seq.num_computed])
             if seq.num_computed < len(seq.tokens):
                 continue  # prefill chunk without a token to sample yet
-            tok = sample(logits[b], seq.params, seq.generator)
-            seq.tokens.append(tok)
-            self.counters.generated_tokens += 1
-            outs.append(self._emit(seq, tok))
+            if not finite[b]:
+                outs.append(self._fail(seq, self._nonfinite_message(b)))
+                continue
+            try:
+                tok = sample(logits[b], seq.params, seq.generator)
+                seq.tokens.append(tok)
+                self.counters.generated_tokens += 1
+                outs.append(self._emit(seq, tok))
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                log.exception("request %s failed in its step", seq.request_id)
+                outs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
         return outs
+
+    def _nonfinite_message(self, b: int) -> str:
+        """Why row b's logits are NaN/inf: the first layer whose output was not finite, and the
+        experts of that layer found non-finite at their first read."""
+        msg = "the model produced non-finite logits (NaN or inf) for this request"
+        after = self.runner.model.finite_after
+        bad = [] if after is None else (~after[:, b]).nonzero().flatten().tolist()
+        layer = bad[0] if bad else None
+        if layer is not None:
+            msg += f"; its hidden state first became non-finite in layer {layer}"
+        experts = [k for k in self.nonfinite_experts if layer is None or k[0] == layer]
+        if experts:
+            names = [self.expert_name(*k) if self.expert_name else f"layer {k[0]} expert {k[1]}" for k in experts[:3]]
+            return msg + f"; likely cause: non-finite expert weights ({', '.join(names)})"
+        return msg + ("; likely cause: non-finite weights (the checkpoint's tensors are scanned at load unless "
+                      "--no-check-finite) or an overflow of the compute dtype")
+
+    def _fail(self, seq: Sequence, why: str) -> StepOutput:
+        self.kv.forget(seq.block_ids)
+        return self._finish(seq, f"error: {why}")
 
     def _emit(self, seq: Sequence, tok: int) -> StepOutput:
         p = seq.params
