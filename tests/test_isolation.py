@@ -55,17 +55,18 @@ def test_nonfinite_logits_fail_only_their_request(expertcache_api, llm, monkeypa
     api = expertcache_api
     ref = alone(llm, api)
     runner = llm.engine.runner
-    real = runner.run
+    real = runner.run_rows
     victim = {}
 
-    def run(work, all_logits=False):
-        logits = real(work, all_logits).clone()
+    def run_rows(work, full):
+        logits, spans = real(work, full)
+        logits = logits.clone()
         for b, (seq, _) in enumerate(work):
             if seq.request_id == victim.get("id") and len(seq.generated) == 2:
-                logits[b, 7] = float("nan")  # after two good tokens
-        return logits
+                logits[spans[b].stop - 1, 7] = float("nan")  # after two good tokens
+        return logits, spans
 
-    monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(runner, "run_rows", run_rows)
     seqs = [llm.engine.add_request(p, greedy(api)) for p in PROMPTS]
     victim["id"] = seqs[1].request_id
     while llm.engine.has_unfinished():
@@ -73,6 +74,30 @@ def test_nonfinite_logits_fail_only_their_request(expertcache_api, llm, monkeypa
     assert seqs[1].finish_reason.startswith("error: ") and "non-finite logits" in seqs[1].finish_reason
     assert seqs[1].generated == ref[1][:2]
     for i in (0, 2, 3):
+        assert seqs[i].finish_reason == "length" and seqs[i].generated == ref[i]
+
+
+def test_sampler_error_fails_only_its_request(expertcache_api, llm, monkeypatch):
+    """The batched sampler raising for one sequence: each is retried alone, only that one fails."""
+    import expertcache.engine.llm_engine as engine_module
+
+    api = expertcache_api
+    ref = alone(llm, api)
+    real = engine_module.sample_batch
+    victim = {}
+
+    def sample_batch(rows, seqs, eos):
+        if any(s.request_id == victim.get("id") for s in seqs):
+            raise RuntimeError("sampler exploded")
+        return real(rows, seqs, eos)
+
+    monkeypatch.setattr(engine_module, "sample_batch", sample_batch)
+    seqs = [llm.engine.add_request(p, greedy(api)) for p in PROMPTS]
+    victim["id"] = seqs[3].request_id
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert seqs[3].finish_reason == "error: sampling failed: RuntimeError: sampler exploded"
+    for i in (0, 1, 2):
         assert seqs[i].finish_reason == "length" and seqs[i].generated == ref[i]
 
 
@@ -102,14 +127,15 @@ def test_failed_sequence_kv_is_not_reused_by_the_prefix_cache(expertcache_api, l
     api = expertcache_api
     prompt = list(range(10, 10 + 3 * llm.kv.block_size))  # three full blocks
     runner = llm.engine.runner
-    real = runner.run
+    real = runner.run_rows
 
-    def run(work, all_logits=False):
-        logits = real(work, all_logits).clone()
+    def run_rows(work, full):
+        logits, spans = real(work, full)
+        logits = logits.clone()
         logits[:, 0] = float("inf")
-        return logits
+        return logits, spans
 
-    monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(runner, "run_rows", run_rows)
     out = llm.generate([prompt], greedy(api, 2))[0]
     assert out.finish_reason.startswith("error")
     assert llm.kv.match_prefix(prompt) == []
