@@ -28,6 +28,7 @@ slot fill is compared with the checkpoint's bytes (tests).
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ from .prefetch import resolve_prefetch
 from .provider import ExpertProvider
 from .slots import SlotTable
 from .stats import LayerCounters, collect, save_stats
+
+log = logging.getLogger("expertcache")
 
 
 @dataclass
@@ -148,6 +151,7 @@ class TieredExperts(ExpertProvider):
                  overlap_io: bool = True, prefetch_gate: float | None = 0.0, exclusive: bool | None = None):
         cfg = source.cfg
         self.source, self.device, self.dtype = source, device, dtype
+        self.serving = False  # set once the startup load is done
         self.E, self.K = cfg.num_experts, cfg.top_k
         self.layers = source.layers
         self.li = {layer: i for i, layer in enumerate(self.layers)}
@@ -199,10 +203,13 @@ class TieredExperts(ExpertProvider):
             for i, layer in enumerate(self.layers):
                 for e in range(self.E):
                     self._read(layer, e, self.host.views(i, e))
+                    if (layer, e) in source.nonfinite:  # read at load: an error, like a dense weight
+                        raise source.nonfinite_error(layer, e)
                     if progress:
                         progress(source.expert_nbytes)
         if stats is not None:
             self._warm(stats)
+        self.serving = True
 
     @property
     def dev_tables(self) -> list[SlotTable]:
@@ -220,6 +227,8 @@ class TieredExperts(ExpertProvider):
     def _read(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> None:
         """Expert e's bytes from disk into dst (any thread)."""
         self.reader.read_parts(self.source.ranges(layer, e), dst)
+        if self.source.check_read(layer, e, dst) and self.serving:  # serving (not loading):
+            log.warning("%s", self.source.nonfinite_error(layer, e))  # requests routed to e fail on their logits
 
     def _submit_read(self, layer: int, e: int, views: dict[str, torch.Tensor], sync: bool) -> InFlight | None:
         """Disk -> views: on the I/O pool (-> its handle), or now on this thread when `sync`."""
