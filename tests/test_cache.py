@@ -259,8 +259,3 @@ def test_cli_prefetch_flag(argv, want):
     p = argparse.ArgumentParser()
     add_engine_args(p)
     assert engine_kwargs(p.parse_args(argv)).get("prefetch") == want
-
-
-def test_prefetch_mode_is_a_clear_error(cache_checkpoint):
-    with pytest.raises(ValueError, match="prefetch must be one of"):
-        LLM(str(cache_checkpoint), device_memory="25%", prefetch="sometimes")

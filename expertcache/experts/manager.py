@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .compute import expert_ffn, moe_ffn
+from .config import CacheConfig
 from .disk import DiskReader
 from .layout import ExpertSource
 from .planner import Demotion, HostSource, PlannerConfig, StepPlanner
@@ -134,21 +135,16 @@ class SlotPool:
 
 
 class TieredExperts(ExpertProvider):
-    """Options (all reachable as LLM(...) keywords):
-    policy          device-tier eviction policy (experts.policy registry)
-    prefetch        auto | device | host | off, or a bool (resolve_prefetch)
-    cpu_compute     auto (cost model, CUDA) | always | never
-    overlap_io      a step's disk reads in parallel with its hits (False: one synchronous read per miss)
-    prefetch_gate   PrefetchGate threshold; None never gates
-    exclusive       RAM tiers hold disjoint experts (None: where `demotable`)
-    prefill_admit_tokens, o_direct, verify (slot bytes checked against the checkpoint at every fill)
-    """
+    """The tiered cache for the slot counts of a memory plan and a validated CacheConfig
+    (policy, prefetch mode, cpu_compute, prefill admission; ablation switches in cfg.ablation)."""
 
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, device_slots: int,
-                 host_slots: int | None, policy: str = "lru", prefetch: bool | str | None = True, cpu_compute: str = "auto",
-                 stats: torch.Tensor | None = None, prefill_admit_tokens: int = 64, o_direct: bool = True,
-                 cost: CostModel | None = None, verify: bool = False, progress=None, dev_parts=None,
-                 overlap_io: bool = True, prefetch_gate: float | None = 0.0, exclusive: bool | None = None):
+                 host_slots: int | None, options: CacheConfig | None = None, stats: torch.Tensor | None = None,
+                 progress=None, dev_parts=None, cost: CostModel | None = None):
+        options = options or CacheConfig(device_memory="auto")
+        abl = options.ablation
+        policy, prefetch, cpu_compute = options.policy_name, options.prefetch, options.cpu_compute
+        prefill_admit_tokens, exclusive, verify = options.prefill_admit_tokens, abl.exclusive, abl.verify
         cfg = source.cfg
         self.source, self.device, self.dtype = source, device, dtype
         self.serving = False  # set once the startup load is done
@@ -160,9 +156,7 @@ class TieredExperts(ExpertProvider):
         partial = host_slots is not None and host_slots > 0
         self.prefetch_mode = resolve_prefetch(prefetch, device, self.direct, partial)
         self.wants_prefetch = self.prefetch_mode != "off"
-        if cpu_compute not in ("auto", "always", "never"):
-            raise ValueError(f"cpu_compute must be auto, always or never, got {cpu_compute!r}")
-        self.overlap_io, self.verify = overlap_io, verify
+        self.overlap_io, self.verify = abl.overlap_io, verify
         self.ahead: tuple[int, torch.Tensor] | None = None  # prefetch waiting for the demand reads
         self.cuda = device.type == "cuda"
         self.cost = cost or CostModel()
@@ -183,10 +177,10 @@ class TieredExperts(ExpertProvider):
             num_experts=self.E, device_slots=device_slots, host_slots=host_slots, expert_bytes=nbytes, policy=policy,
             cpu_compute={"auto": "cost" if self.cuda else "never"}.get(cpu_compute, cpu_compute),
             prefetch=self.prefetch_mode, prefill_admit_tokens=prefill_admit_tokens, exclusive=self.exclusive,
-            direct=self.direct, staged_waves=self.cuda, gate_threshold=prefetch_gate,
+            direct=self.direct, staged_waves=self.cuda, gate_threshold=abl.prefetch_gate,
             gate_waste=0.25 if self.cuda else 1.0), L, stats,
             cpu_faster=lambda tokens: self.cost.cpu_faster(nbytes, tokens, flops_per_token))
-        self.reader = DiskReader(o_direct=o_direct)
+        self.reader = DiskReader(o_direct=abl.o_direct)
         self.mover = ThreadPoolExecutor(1, thread_name_prefix="expert-mover")
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.t = 0
