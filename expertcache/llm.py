@@ -122,9 +122,10 @@ class LLM:
         if options:
             from .experts.build import build_expert_cache
 
-            dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
+            from .experts.budget import dense_compute_bytes
+
             cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
-                                             dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
+                                             dense_bytes=dense_compute_bytes(self.index, self.dtype), kv_bytes=kv_total, on_plan=show, **options)
             self.plan_lines += plan
             return cache
         self.plan_lines.append(
