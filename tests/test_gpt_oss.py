@@ -273,3 +273,10 @@ def test_stops_at_generation_config_eos(gpt_oss_dir, tmp_path):
     out = llm.generate([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))[0]
     assert out.finish_reason == "stop" and list(out.token_ids) == free[:n + 1]
     llm.close()
+
+
+def test_quantize_command_refuses_gpt_oss(gpt_oss_dir, tmp_path):
+    from expertcache.quant.quantize import quantize_checkpoint
+
+    with pytest.raises(ValueError, match="gpt_oss experts .* cannot be rewritten"):
+        quantize_checkpoint(gpt_oss_dir(CASES[0]), tmp_path / "q", "int8")

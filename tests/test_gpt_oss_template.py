@@ -125,3 +125,15 @@ def test_chat_through_the_engine_uses_the_template(tmp_path):
     out = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), reasoning_effort="low")[0]
     assert list(out.prompt_token_ids) == list(expected) and expected[0] == G.START
     llm.close()
+
+
+def test_tojson_options_and_dict_as_transformers(tmp_path):
+    """The `tojson` options and the `dict` global transformers gives templates."""
+    from transformers import AutoTokenizer
+
+    G.write_tokenizer(tmp_path, chat_template=(
+        "{{ messages[0] | tojson(indent=2, sort_keys=true) }}|{{ messages[0] | tojson(separators=(',', ':')) }}|"
+        "{{ dict(b=1, a=messages[0].role) | tojson }}|{{ messages | tojson(ensure_ascii=true) }}"))
+    messages = [{"role": "user", "content": "Grüße 🙂", "z": [1, 2]}]
+    expected = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(messages, tokenize=False)
+    assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
