@@ -109,6 +109,16 @@ class KVCache:
             if b.ref_count == 0:
                 self.free.append(bid)
 
+    def forget(self, block_ids: list[int]) -> None:
+        """Drop the prefix hashes of blocks only this sequence holds (their content is not to be
+        reused, e.g. a failed sequence's non-finite KV); shared blocks keep theirs."""
+        for bid in block_ids:
+            b = self.blocks[bid]
+            if b.ref_count == 1 and b.hash is not None:
+                if self.by_hash.get(b.hash) == bid:
+                    del self.by_hash[b.hash]
+                b.hash, b.tokens = None, None
+
     def seal(self, block_ids: list[int], tokens: list[int]) -> None:
         """Register hashes for the full blocks of a sequence (tokens whose KV is computed)."""
         if not self.prefix_caching:
