@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: keep dense weights and the fastest expert tier in the checkpoint's dtype, converted "
                         "per use (about half the RAM, some speed); allows --host-memory 0 (misses read from disk "
                         "straight into expert slots)")
+    p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                   help="skip the NaN/inf scan of dense weights at load and of each expert at its first read")
     p.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routing trace (.npz, see `expertcache trace`) when the command ends")
     g = p.add_argument_group("expert cache")
@@ -81,7 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True,
-              low_memory=args.low_memory, record_routing=args.record_routing)
+              low_memory=args.low_memory, record_routing=args.record_routing, check_finite=args.check_finite)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
              "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
     if args.prefetch is not None:

@@ -23,6 +23,7 @@ from .errors import CheckpointError, ConfigError
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
 from .loader.safetensors_index import TensorIndex
+from .models.checks import check_layer_count
 from .models.registry import read_config
 from .models.transformer import MoETransformer
 from .quant.checkpoint import method_from_config
@@ -39,12 +40,14 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
                  progress=False, verbose: bool = False, low_memory: bool = False,
-                 record_routing: str | None = None, expert_parallel=None, **cache_options):
+                 record_routing: str | None = None, expert_parallel=None, check_finite: bool = True,
+                 **cache_options):
         # the arguments every expert-parallel rank builds its own LLM from (callables stay here)
         worker_kwargs = dict(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              kv_cache_memory=kv_cache_memory, block_size=block_size,
-                             prefix_caching=prefix_caching, low_memory=low_memory, **cache_options)
+                             prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
+                             **cache_options)
         if model is None:
             from .demo import demo_model_dir
 
@@ -58,8 +61,10 @@ class LLM:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
         self.family, self.cfg, self.hf_config = read_config(self.model_dir)
         self.index = TensorIndex(self.model_dir)
+        check_layer_count(self.index, self.cfg.num_layers)
         self.quant = method_from_config(self.hf_config)
         self.source = ExpertSource(self.index, self.cfg, self.family.names, self.quant)
+        self.source.check_finite = check_finite  # experts: at their first read into any tier
         self.parallel = self.group = None
         if expert_parallel is not None:
             from .parallel import checkpoint_fingerprint, start
@@ -105,10 +110,17 @@ class LLM:
         if low_memory:
             cache_options["low_memory"] = True
         # the KV cache is sized first so that an 'auto' device budget leaves room for it
-        self.experts = self._make_experts(cache_options, bar.update, show_plan, num_blocks * kv_bytes)
-        self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update,
-                                    self.quant, low_memory=low_memory)
-        bar.close()
+        self.experts = None
+        try:
+            self.experts = self._make_experts(cache_options, bar.update, show_plan, num_blocks * kv_bytes)
+            self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype,
+                                        bar.update, self.quant, low_memory=low_memory, check_finite=check_finite)
+        except BaseException:
+            if self.experts is not None:
+                self.experts.close()  # its I/O threads
+            raise
+        finally:
+            bar.close()  # before an error is printed: no half progress bar on its line
 
         self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
                           self.dtype, self.device, prefix_caching)
@@ -124,6 +136,7 @@ class LLM:
             runner = ModelRunner(self.model, self.kv)
         self.engine = LLMEngine(runner, self.tokenizer, self._eos_ids(),
                                 self.max_model_len, max_num_seqs, max_num_batched_tokens)
+        self.engine.nonfinite_experts, self.engine.expert_name = self.source.nonfinite, self.source.expert_name
         self.record_routing = record_routing  # trace file written by close()
         if record_routing:
             from .trace.recorder import RoutingRecorder
