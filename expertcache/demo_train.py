@@ -38,8 +38,8 @@ from safetensors.torch import save_file
 from . import demo
 
 SIZES: dict[str, Any] = {
-    "num_layers": 6, "num_experts": 32, "top_k": 4, "hidden": 192, "moe_intermediate": 128,
-    "intermediate": 512, "num_heads": 4, "num_kv_heads": 2, "head_dim": 48, "vocab": 4096,
+    "num_layers": 6, "num_experts": 32, "top_k": 4, "hidden": 128, "moe_intermediate": 96,
+    "intermediate": 512, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "vocab": 2048,
     "max_position": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
 }
 HOLDOUT_EVERY = 16
@@ -280,8 +280,9 @@ def train(root: pathlib.Path, out: pathlib.Path, *, minutes: float | None, steps
         starts = [rng.randrange(len(data) - seq - 1) for _ in range(batch)]
         x = torch.stack([data[s: s + seq] for s in starts])
         y = torch.stack([data[s + 1: s + seq + 1] for s in starts])
-        logits, aux = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, vocab_size), y.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 master weights, bf16 matmuls
+            logits, aux = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab_size), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         (loss + aux_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

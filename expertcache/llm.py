@@ -39,14 +39,14 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
                  progress=False, verbose: bool = False, low_memory: bool = False,
-                 record_routing: str | None = None, **cache_options):
+                 record_routing: str | None = None, revision: str | None = None, **cache_options):
         if model is None:
             from .demo import demo_model_dir
 
             model = demo_model_dir(progress=progress)
-        self.model_dir = Path(model)
-        if not self.model_dir.is_dir():
-            raise CheckpointError(f"model directory {self.model_dir} does not exist")
+        from .hub import resolve_model
+
+        self.model_dir = resolve_model(model, revision, download=True, progress=bool(progress))
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
