@@ -9,7 +9,7 @@ which are rejected.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -37,8 +37,8 @@ class _Sampling(_Strict):
     top_k: int | None = None  # vLLM / llama.cpp extension
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None  # null = 1, as OpenAI
+    stream: bool | None = None  # null = false
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension (fixed-length benchmarks)
     logprobs: bool | int | None = None
@@ -49,6 +49,7 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's and vLLM's default for /v1/completions
     prompt: str | list[int] | list[str] | list[list[int]]
 
     def single_prompt(self) -> str | list[int]:
@@ -94,6 +95,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = None  # chat: up to the context length
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -108,7 +110,7 @@ class ChatCompletionRequest(_Sampling):
 
 def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_param: str) -> SamplingParams:
     """Validate the sampling fields against the prompt length; -> SamplingParams or ApiError (400)."""
-    if req.n != 1:
+    if req.n not in (None, 1):
         raise ApiError(f"'n' must be 1 on this server, got {req.n}", "n")
     if req.logprobs not in (None, False, 0):
         raise ApiError("'logprobs' is not supported by this server", "logprobs")
@@ -121,7 +123,7 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_
         raise ApiError(f"the prompt has {prompt_len} tokens, which leaves no room to generate in the maximum "
                        f"context length of {max_model_len} tokens", prompt_param, code="context_length_exceeded")
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room if req.DEFAULT_MAX_TOKENS is None else min(req.DEFAULT_MAX_TOKENS, room)
     elif max_tokens < 1:
         raise ApiError(f"'{param}' must be at least 1, got {max_tokens}", param)
     elif max_tokens > room:
