@@ -96,15 +96,23 @@ def ep_checkpoint(checkpoint):
 def single(ep_checkpoint):
     llm = LLM(str(ep_checkpoint))
     out = {"logits": [llm.logits(p) for p in PROMPTS],
-           "tokens": [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]}
+           "tokens": [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], "samples": _samples(llm)}
     llm.close()
     return out
+
+
+SAMPLED = SamplingParams(max_tokens=40, temperature=1.0, seed=7, n=3)  # forks share blocks, copy on write
+
+
+def _samples(llm):
+    return [o.token_ids for o in llm.generate([PROMPTS[2]], SAMPLED)]
 
 
 def _check_equal(llm, single):
     for p, ref in zip(PROMPTS, single["logits"]):
         torch.testing.assert_close(llm.logits(p), ref, atol=1e-5, rtol=1e-5)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single["tokens"]
+    assert _samples(llm) == single["samples"]
 
 
 @pytest.mark.parametrize("world", [2, 3])  # 3 does not divide the 16 experts
