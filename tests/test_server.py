@@ -8,85 +8,25 @@ kills it in a finalizer. Every loop is bounded; all traffic goes to 127.0.0.1.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 
+from serving import start_server  # noqa: E402
+
 KEY = "test-key-123"
-START_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, health: list):
-        self.proc, self.url, self.log_path, self.health = proc, url, log_path, health
-
-    def http(self, auth: bool = True) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {KEY}"} if auth else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
-
-    def client(self) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, timeout=30, max_retries=0)
-
-    def metric(self, name: str, labels: str = "") -> float:
-        with self.http() as c:
-            text = c.get("/metrics").text
-        for line in text.splitlines():
-            if line.startswith(name + (labels and "{" + labels + "}")) and not line.startswith("#"):
-                head, _, value = line.rpartition(" ")
-                if head == name + (labels and "{" + labels + "}"):
-                    return float(value)
-        return 0.0
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_checkpoint, tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "expertcache.server", str(qwen3_checkpoint), "--port", str(port),
-             "--api-key", KEY, "--served-model-name", "tiny", "--log-interval", "1", "--no-access-log"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    health: list[tuple[int, dict]] = []
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-            try:
-                r = httpx.get(url + "/health", timeout=2)
-                health.append((r.status_code, r.json()))
-                if r.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        else:
-            pytest.fail(f"server not healthy within {START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
-        yield Server(proc, url, log_path, health)
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+    with start_server(qwen3_checkpoint, log_path, "--api-key", KEY, "--served-model-name", "tiny",
+                      "--log-interval", "1", key=KEY) as srv:
+        yield srv
 
 
 def chat(client, content: str, **kw):
@@ -240,12 +180,32 @@ BAD = [
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
      "messages[0].role"),
     ("missing messages", "/v1/chat/completions", {"model": "tiny"}, "messages"),
-    ("n=2", "/v1/chat/completions", {"messages": MSG, "n": 2}, "n"),
+    ("n=0", "/v1/chat/completions", {"messages": MSG, "n": 0}, "n"),
     ("top_p 0", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, "top_p"),
     ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, "prompt"),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 10**9]}, "prompt"),
-    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("empty prompt list", "/v1/completions", {"prompt": []}, "prompt"),
+    ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+    ("functions", "/v1/chat/completions", {"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
+    ("logprobs 6", "/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs"),
+    ("top_logprobs 21", "/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ("presence_penalty 3", "/v1/chat/completions", {"messages": MSG, "presence_penalty": 3}, "presence_penalty"),
+    ("frequency_penalty -2.5", "/v1/completions", {"prompt": "hi", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ("logit_bias key", "/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("logit_bias value", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, "logit_bias"),
+    ("best_of < n", "/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
+    ("best_of streamed", "/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, "best_of"),
+    ("tools without tool format", "/v1/chat/completions",
+     {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("tool_choice without tools", "/v1/chat/completions", {"messages": MSG, "tool_choice": "required"},
+     "tool_choice"),
+    ("bad json_schema", "/v1/chat/completions",
+     {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ("two constraints", "/v1/chat/completions",
+     {"messages": MSG, "response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
 ]
 
 

@@ -39,6 +39,7 @@ class KVCache:
         self.free: deque[int] = deque(range(num_blocks))
         self.by_hash: dict[int, int] = {}
         self.prefix_queries = self.prefix_hits = 0  # in tokens
+        self.copied: list[tuple[int, int]] | None = None  # (src, dst) block copies, when someone mirrors them
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -95,11 +96,16 @@ class KVCache:
         """A private copy of shared block `bid` (its KV in every layer); the caller's reference
         moves from `bid` to the copy. Needs one free block."""
         new = self.allocate(1)[0]
-        for k, v in self.tensors:
-            k[new].copy_(k[bid])
-            v[new].copy_(v[bid])
+        self.copy_block(bid, new)
+        if self.copied is not None:
+            self.copied.append((bid, new))
         self.release([bid])
         return new
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for k, v in self.tensors:
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
 
     def release(self, block_ids: list[int]) -> None:
         for bid in reversed(block_ids):

@@ -185,7 +185,7 @@ class TieredExperts(ExpertProvider):
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.t = 0
         self.use_counts = torch.zeros(L, self.E, dtype=torch.int64)
-        self.method = source.method
+        self.method, self.ffn = source.method, source.ffn
         # device tier: compute dtype; lookup expert -> slot (CPU mirror, uploaded once per layer step)
         self.dev = SlotPool(dev_parts, L, device_slots, device)
         self.lut = torch.full((L, self.E), -1, dtype=torch.int64)
@@ -341,7 +341,7 @@ class TieredExperts(ExpertProvider):
         out = None
         if any(p is not None for _, p in got.values()) or any(p is not None for p in direct.values()):
             slots = lut.to(x.device)[ids]  # compute the hits while the reads are in flight
-            out = moe_ffn(x, slots, weights, pool, self.method, mask=slots >= 0)
+            out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, mask=slots >= 0)
         for f in plan.fills:
             if f.src is None:
                 if direct[f.expert] is not None:
@@ -353,11 +353,11 @@ class TieredExperts(ExpertProvider):
             lut[f.expert] = f.slot
         slots = lut.to(x.device)[ids]
         if out is None:
-            out = moe_ffn(x, slots, weights, pool, self.method, mask=slots >= 0)
+            out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, mask=slots >= 0)
         elif plan.fills:
             new = torch.zeros(self.E, dtype=torch.bool)
             new[[f.expert for f in plan.fills]] = True
-            moe_ffn(x, slots, weights, pool, self.method, out=out, mask=new.to(x.device)[ids])
+            moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, out=out, mask=new.to(x.device)[ids])
         for o in plan.off_slot:
             self._off_slot(o.expert, o.on_cpu, x, ids, weights, out, self._host_now(layer, o.expert, got[o.expert]))
         self.planner.end_step(i, plan)
@@ -372,9 +372,9 @@ class TieredExperts(ExpertProvider):
             torch.cuda.current_stream(self.device).wait_event(ev)
             if not self.host_all:
                 ev.synchronize()
-            y = expert_ffn(x[tok], self.stage, self.method)
+            y = expert_ffn(x[tok], self.stage, self.method, self.ffn)
         else:
-            y = expert_ffn(x[tok].to("cpu", torch.float32), src, self.method).to(x.device, x.dtype)
+            y = expert_ffn(x[tok].to("cpu", torch.float32), src, self.method, self.ffn).to(x.device, x.dtype)
         out.index_put_((tok,), y * weights[tok, k, None], accumulate=True)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:

@@ -1,7 +1,9 @@
 """`ParallelRunner`: rank 0's batches mirrored on every rank of the expert-parallel group.
 
-Rank 0 builds each step's batch as the single-process runner does, then broadcasts
-("forward", input_ids, AttnBatch, control) before running it; ranks 1..N-1 sit in
+Rank 0 builds each step's batch as the single-process runner does; its `forward` (the runner's
+one call into the model) broadcasts
+("forward", input_ids, AttnBatch, control) before running it (control: a new placement, the
+KV block copies rank 0's scheduler made since the last step, whether to gather stats); ranks 1..N-1 sit in
 `serve_worker()`, run the same forward on their own copy of the KV cache (same block ids:
 rank 0's scheduler owns the block tables) and skip lm_head. Every STATS_EVERY steps, and
 when rank 0 is asked for stats, the ranks send their cache counters to rank 0 in-step.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.runner import ModelRunner, build_batch
+from ..engine.runner import ModelRunner
 from .experts import ExpertParallelExperts
 from .group import EPGroup
 
@@ -22,16 +24,21 @@ class ParallelRunner(ModelRunner):
     def __init__(self, model, kv, group: EPGroup, experts: ExpertParallelExperts):
         super().__init__(model, kv)
         self.group, self.experts, self.steps = group, experts, 0
+        if group.rank == 0:
+            kv.copied = []  # copy-on-write block copies (n > 1 samples) are replayed on every rank
 
-    def run(self, work, all_logits: bool = False) -> torch.Tensor:
-        ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
+    def forward(self, ids, batch, rows) -> torch.Tensor:
         ctl = self.experts.control()
         self.steps += 1
         ctl["gather"] = self.steps % STATS_EVERY == 1
+        ctl["copies"], self.kv.copied = self.kv.copied, []
         self.group.broadcast(("forward", ids.cpu(), _to(batch, "cpu"), ctl))
-        return self._forward(ids, batch, None if all_logits else last, ctl)
+        return self._mirror(ids, batch, rows, ctl)
 
-    def _forward(self, ids, batch, rows, ctl):
+    def _mirror(self, ids, batch, rows, ctl):
+        if self.group.rank:
+            for src, dst in ctl["copies"]:
+                self.kv.copy_block(src, dst)
         self.experts.apply(ctl)
         out = self.model.forward(ids, batch, self.kv.tensors, rows)
         if ctl.get("gather"):
@@ -47,7 +54,7 @@ class ParallelRunner(ModelRunner):
             if msg[0] == "stop":
                 return
             _, ids, batch, ctl = msg
-            self._forward(ids.to(dev), _to(batch, dev), no_rows, ctl)
+            self._mirror(ids.to(dev), _to(batch, dev), no_rows, ctl)
 
     def stop_workers(self) -> None:
         self.group.broadcast(("stop",))
