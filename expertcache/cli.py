@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="hub id only: branch, tag or commit (default: main)")
     p.add_argument("--device", default="cpu", help="compute device: cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt + output in tokens (default: min(model, 4096))")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: min(model, 4096))")
     p.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default: 16)")
     p.add_argument("--kv-cache-memory", default="auto", help="KV cache budget, e.g. 512MiB (default: auto)")
     p.add_argument("--threads", type=positive_int, default=None,

@@ -101,6 +101,6 @@ def test_cli_cache_policy_choices_are_the_online_policies(capsys):
     assert "invalid choice: 'foo'" in capsys.readouterr().err
     action = next(a for a in p._actions if a.dest == "cache_policy")
     assert tuple(action.choices) == ONLINE
-    for bad in (["--threads", "0"], ["--max-model-len", "-3"]):
+    for bad in (["--threads", "0"], ["--threads", "two"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
