@@ -154,11 +154,12 @@ class LLM:
         if self.group is not None:
             return self._make_parallel_experts(options, on_bytes, show, kv_total)
         if options:
+            from .experts.budget import dense_compute_bytes
             from .experts.build import build_expert_cache
 
-            dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
             cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
-                                             dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
+                                             dense_bytes=dense_compute_bytes(self.index, self.dtype),
+                                             kv_bytes=kv_total, on_plan=show, **options)
             self.plan_lines += plan
             return cache
         self.plan_lines.append(
@@ -186,11 +187,12 @@ class LLM:
             f"expert parallel: rank {group.rank} of {group.world_size} holds {n} of {len(layers) * E} experts "
             f"({cfg.num_redundant_experts} redundant per layer; EPLB {'on' if cfg.eplb else 'off'})")
         if options:
+            from .experts.budget import dense_compute_bytes
             from .experts.build import build_expert_cache
 
-            dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
             local, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
-                                             dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
+                                             dense_bytes=dense_compute_bytes(self.index, self.dtype),
+                                             kv_bytes=kv_total, on_plan=show, **options)
             self.plan_lines += plan
         else:
             show(self.plan_lines)
