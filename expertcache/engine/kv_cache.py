@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -24,12 +25,15 @@ class Block:
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    """token_shapes: per layer and token, the shape of each tensor the attention stores (ModelConfig.
+    kv_token_shapes: ((g, D), (g, D)) for keys and values, ((R + P,),) for an MLA latent). Layer l's
+    tensors are `tensors[l]`, each [num_blocks, block_size, *shape]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, token_shapes: tuple[tuple[int, ...], ...],
                  dtype: torch.dtype, device: torch.device, prefix_caching: bool = True):
         if num_blocks < 1:
             raise ValueError("KV cache needs at least one block")
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.tensors = [tuple(torch.zeros((num_blocks, block_size, *s), dtype=dtype, device=device) for s in token_shapes)
                         for _ in range(num_layers)]
         self.block_size, self.num_blocks, self.prefix_caching = block_size, num_blocks, prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -38,8 +42,8 @@ class KVCache:
         self.prefix_queries = self.prefix_hits = 0  # in tokens
 
     @staticmethod
-    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_block(num_layers, block_size, token_shapes: tuple[tuple[int, ...], ...], dtype) -> int:
+        return num_layers * block_size * sum(math.prod(s) for s in token_shapes) * dtype.itemsize
 
     @property
     def num_free(self) -> int:
