@@ -155,19 +155,23 @@ class LLM:
     # -- public API ---------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run a batch of prompts (text or token ids) together; one output per prompt, in order."""
+        """Run a batch of prompts (text or token ids) together; one output per prompt and sample, in
+        order (prompt-major: a prompt with n samples gives n outputs, index 0..n-1)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
-        bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generating")
+        firsts = [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
+        samples: dict[str, list[Sequence]] = {s.request_id: [s] for s in firsts}
+        bar = tqdm(total=sum(s.params.n for s in firsts), disable=not use_tqdm, desc="generating")
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.seq.index and out.seq not in samples[out.request_id]:
+                    samples[out.request_id].append(out.seq)
                 if out.finish_reason:
                     bar.update(1)
         bar.close()
-        return [self._output(s) for s in seqs]
+        return [self._output(s) for f in firsts for s in sorted(samples[f.request_id], key=lambda q: q.index)]
 
     def chat(self, messages, params: SamplingParams | None = None, **template_kwargs) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
@@ -193,12 +197,23 @@ class LLM:
             sched.free(seq)
         return torch.cat(rows).cpu()
 
+    @property
+    def grammars(self):
+        """engine.structured.Grammars for this model's tokenizer, built on first use (needs llguidance)."""
+        if getattr(self, "_grammars", None) is None:
+            from .engine.structured import Grammars
+
+            tok = self._require_tokenizer()
+            self._grammars = Grammars(tok.tok.to_str(), self.cfg.vocab_size, tok.vocab_size, list(self._eos_ids()))
+        return self._grammars
+
     def expert_stats(self) -> dict:
         return self.experts.stats()
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.tokens[: seq.prompt_len], seq.generated, seq.text,
-                             seq.finish_reason, seq.num_cached)
+                             seq.finish_reason, seq.num_cached, seq.index, seq.cumulative_logprob, seq.logprobs,
+                             seq.prompt_logprobs)
 
     def close(self) -> None:
         """Stop the expert tiers' threads; write the routing trace when record_routing was given."""

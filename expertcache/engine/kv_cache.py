@@ -6,7 +6,10 @@ Invariants:
   tokens means equal KV content, so a new sequence whose prompt starts with the same
   full blocks reuses them instead of recomputing (SGLang/vLLM prefix caching);
 - a freed block keeps its hash until it is handed out again, so a later request can still
-  hit it (LRU order of reuse: the free list is a deque, freed blocks go to the back).
+  hit it (LRU order of reuse: the free list is a deque, freed blocks go to the back);
+- a block referenced by more than one sequence (a prefix hit, or the samples of an n > 1
+  request) is never written: a sequence about to write into one first takes a private copy
+  (`copy_on_write`), so siblings share their prompt's blocks up to the first divergent one.
 """
 
 from __future__ import annotations
@@ -88,6 +91,19 @@ class KVCache:
         if n > len(self.free):
             raise MemoryError(f"KV cache: need {n} blocks, {len(self.free)} free")
         return [self._take() for _ in range(n)]
+
+    def is_shared(self, bid: int) -> bool:
+        return self.blocks[bid].ref_count > 1
+
+    def copy_on_write(self, bid: int) -> int:
+        """A private copy of shared block `bid` (its KV in every layer); the caller's reference
+        moves from `bid` to the copy. Needs one free block."""
+        new = self.allocate(1)[0]
+        for k, v in self.tensors:
+            k[new].copy_(k[bid])
+            v[new].copy_(v[bid])
+        self.release([bid])
+        return new
 
     def release(self, block_ids: list[int]) -> None:
         for bid in reversed(block_ids):

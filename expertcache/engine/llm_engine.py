@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import CheckpointError
 from .params import SamplingParams
 from .runner import ModelRunner
-from .sampler import sample
+from .sampler import prompt_logprobs, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .tokenizer import Tokenizer
@@ -21,6 +23,8 @@ class StepOutput:
     text_delta: str
     finish_reason: str | None
     seq: Sequence
+    index: int = 0  # sample number within the request (n > 1)
+    logprobs: list | None = None  # TokenLogprob of each new token, when the request asked for them
 
 
 @dataclass
@@ -40,7 +44,7 @@ class LLMEngine:
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.counters = EngineCounters()
         self.recorder = recorder
 
@@ -57,18 +61,27 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise CheckpointError("stop strings need the checkpoint's tokenizer.json")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs} (samples run together)")
+        vocab_bad = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if vocab_bad:
+            raise ValueError(f"logit_bias token id {vocab_bad[0]} is outside the vocabulary [0, {vocab})")
         seq = Sequence(prompt_ids, params, request_id)
         if seq.request_id in self.seqs:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
-        self.seqs[seq.request_id] = seq
+        self.seqs[seq.request_id] = [seq]
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None and seq.finish_reason is None:
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+        for seq in self.seqs.pop(request_id, []):
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def samples(self, request_id: str) -> list[Sequence]:
+        """The unfinished samples of a request (empty once all finished)."""
+        return list(self.seqs.get(request_id, []))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -83,7 +96,9 @@ class LLMEngine:
             return outs
         t0 = time.perf_counter()
         self.runner.model.record_routing = self.recorder is not None
-        logits = self.runner.run(work).cpu()  # sampling (and per-request CPU generators) on the host
+        full = [seq.prompt_logprobs is not None and seq.num_computed < seq.prompt_len for seq, _ in work]
+        logits, spans = self.runner.run_rows(work, full)
+        logits = logits.cpu()  # sampling (and per-request CPU generators) on the host
         dt = time.perf_counter() - t0
         if self.recorder is not None:
             self.recorder.record(self.counters.steps, work, self.runner.model.routing)
@@ -93,7 +108,10 @@ class LLMEngine:
             self.counters.decode_seconds += dt
         else:
             self.counters.prefill_seconds += dt
+        ready: list[tuple[Sequence, int]] = []  # (sequence, row of its next-token logits)
         for b, (seq, n) in enumerate(work):
+            if full[b]:
+                self._record_prompt_logprobs(seq, n, logits[spans[b].start:spans[b].stop])
             # prompt tokens computed for the first time (a preempted sequence recomputes its own)
             self.counters.prompt_tokens += max(0, min(seq.num_computed + n, seq.prompt_len) - seq.high_water)
             seq.num_computed += n
@@ -101,22 +119,57 @@ class LLMEngine:
             self.kv.seal(seq.block_ids, seq.tokens[: seq.num_computed])
             if seq.num_computed < len(seq.tokens):
                 continue  # prefill chunk without a token to sample yet
-            tok = sample(logits[b], seq.params, seq.generator)
+            ready += [(s, spans[b].stop - 1) for s in [seq] + self._fork(seq)]
+        if not ready:
+            return outs
+        seqs = [s for s, _ in ready]
+        toks, entries = sample_batch(logits[torch.tensor([r for _, r in ready])], seqs, self.eos)
+        for seq, tok, entry in zip(seqs, toks, entries):
             seq.tokens.append(tok)
+            seq.cumulative_logprob += entry[1]
+            if seq.logprobs is not None:
+                seq.logprobs.append(entry)
+            grammar_done = False
+            if seq.matcher is not None:
+                if not seq.matcher.accept(tok):  # only a grammar with no way forward gets here
+                    outs.append(self._finish(seq, f"error: the grammar allows no token here ({seq.matcher.error()})"))
+                    continue
+                grammar_done = seq.matcher.stopped
             self.counters.generated_tokens += 1
-            outs.append(self._emit(seq, tok))
+            outs.append(self._emit(seq, tok, grammar_done))
         return outs
 
-    def _emit(self, seq: Sequence, tok: int) -> StepOutput:
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Sample 0 of an n > 1 request has its prompt computed: start its siblings on the same blocks."""
+        children = []
+        for i in range(1, seq.pending_forks + 1):
+            child = seq.fork(i)
+            self.kv.acquire(seq.block_ids)
+            child.block_ids = list(seq.block_ids)
+            self.scheduler.running.append(child)
+            self.seqs[seq.request_id].append(child)
+            children.append(child)
+        seq.pending_forks = 0
+        return children
+
+    def _record_prompt_logprobs(self, seq: Sequence, n: int, rows: torch.Tensor) -> None:
+        """rows [n, V]: logits at positions num_computed .. num_computed+n-1, each predicting the next token."""
+        start = seq.num_computed
+        targets = seq.tokens[start + 1: min(start + n + 1, seq.prompt_len)]
+        for i, entry in enumerate(prompt_logprobs(rows, targets, seq.params.prompt_logprobs)):
+            seq.prompt_logprobs[start + 1 + i] = entry
+
+    def _emit(self, seq: Sequence, tok: int, grammar_done: bool = False) -> StepOutput:
         p = seq.params
         reason = None
-        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        stop_token = (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids
+        if stop_token or grammar_done:  # a complete grammar allows nothing more
             reason = "stop"
         elif len(seq.generated) >= p.max_tokens:
             reason = "length"
         delta = ""
         if self.tokenizer is not None:
-            ids = seq.generated[:-1] if reason == "stop" else seq.generated
+            ids = seq.generated[:-1] if stop_token else seq.generated
             text = self.tokenizer.decode(ids)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
@@ -130,10 +183,15 @@ class LLMEngine:
             delta, seq.text = text[len(seq.text):upto], text[:upto]
         if reason is not None:
             self._finish(seq, reason)
-        return StepOutput(seq.request_id, [tok], delta, reason, seq)
+        lps = [seq.logprobs[-1]] if seq.logprobs is not None else None
+        return StepOutput(seq.request_id, [tok], delta, reason, seq, seq.index, lps)
 
     def _finish(self, seq: Sequence, reason: str) -> StepOutput:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        self.seqs.pop(seq.request_id, None)
-        return StepOutput(seq.request_id, [], "", reason, seq)
+        group = self.seqs.get(seq.request_id, [])
+        if seq in group:
+            group.remove(seq)
+        if not group:
+            self.seqs.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, [], "", reason, seq, seq.index)

@@ -46,3 +46,19 @@ class ModelRunner:
         or [T, V] for every new token when all_logits."""
         ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
         return self.model.forward(ids, batch, self.kv.tensors, None if all_logits else last)
+
+    def run_rows(self, work: list[tuple[Sequence, int]], full: list[bool]) -> tuple[torch.Tensor, list[range]]:
+        """Like run, with every new token's logits for the sequences b where full[b] (prompt logprobs)
+        and only the last one for the others; -> logits [R, V] and each sequence's rows (its last row
+        is the next-token distribution)."""
+        ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
+        if not any(full):
+            return self.model.forward(ids, batch, self.kv.tensors, last), [range(b, b + 1) for b in range(len(work))]
+        rows, spans = [], []
+        for b, (_, n) in enumerate(work):
+            end = int(last[b]) + 1
+            start = end - n if full[b] else end - 1
+            spans.append(range(len(rows), len(rows) + end - start))
+            rows += range(start, end)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.model.device)
+        return self.model.forward(ids, batch, self.kv.tensors, index), spans
