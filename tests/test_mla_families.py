@@ -144,6 +144,19 @@ def test_kv_bytes_per_token_are_the_latent(checkpoint, capsys):
     assert json.loads(capsys.readouterr().out)["kv"]["bytes_per_token"] == per_token
 
 
+def test_n_samples_fork_the_latent_cache(checkpoint):
+    """n samples share the prompt's latent blocks and copy the partial one on write: each equals its
+    single run with the same seed."""
+    _, llm = _mla_llm(checkpoint, prefix_caching=False)
+    prompt = [(i * 11 + 3) % 300 + 3 for i in range(40)]
+    outs = llm.generate([prompt], SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=6, ignore_eos=True))
+    for o in outs:
+        alone = llm.generate([prompt], SamplingParams(seed=7 + o.index, temperature=1.0, max_tokens=6,
+                                                      ignore_eos=True))[0]
+        assert o.token_ids == alone.token_ids
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
 def test_long_prompt_fits_the_latent_budget(checkpoint):
     """A 240-token prompt in a KV budget of 256 latent tokens (a fifth of what expanded heads need)."""
     path = checkpoint("deepseek_v3", **CACHE_CASES["deepseek_v3"])
@@ -429,3 +442,17 @@ def test_deepseek_v3_chat_template_matches_transformers(deepseek_chat, conv, add
     got = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     assert got == expected
     assert "<｜User｜>" in got and got.startswith("<|endoftext|>")
+
+
+def test_help_lists_every_registered_architecture(capsys):
+    from expertcache.cli import SUPPORTED
+
+    from expertcache.models import deepseek, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401
+
+    listed = {line.split()[0] for line in SUPPORTED.splitlines()[1:]}
+    assert listed == set(FAMILIES)
+    for repo in HUB:
+        assert repo in SUPPORTED
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "DeepseekV3ForCausalLM" in capsys.readouterr().out

@@ -99,9 +99,9 @@ class KVCache:
         """A private copy of shared block `bid` (its KV in every layer); the caller's reference
         moves from `bid` to the copy. Needs one free block."""
         new = self.allocate(1)[0]
-        for k, v in self.tensors:
-            k[new].copy_(k[bid])
-            v[new].copy_(v[bid])
+        for layer in self.tensors:
+            for t in layer:
+                t[new].copy_(t[bid])
         self.release([bid])
         return new
 
