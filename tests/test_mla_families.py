@@ -77,6 +77,19 @@ def test_tight_budget_device_host_disk_equals_resident(family_ckpt, policy):
         llm.close()
 
 
+def test_low_memory_streaming_equals_resident(family_ckpt):
+    """bf16 dense weights (MLA projections included) converted per use, bf16 expert slots, no host tier."""
+    _, path = family_ckpt
+    logits, tokens = resident(path)
+    llm = LLM(str(path), verify=True, device_memory="25%", host_memory="0", low_memory=True)
+    try:
+        assert llm.model.lm_head.dtype == torch.bfloat16
+        torch.testing.assert_close(llm.logits(SEQ), logits, atol=1e-4, rtol=1e-4)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
+    finally:
+        llm.close()
+
+
 def test_prefix_reuse_equals_fresh(family_ckpt):
     """Prompts sharing cached KV blocks (the MLA latent cache included) give a fresh engine's tokens."""
     _, path = family_ckpt
