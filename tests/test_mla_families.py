@@ -316,20 +316,6 @@ HUB = {
         quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                              "weight_block_size": [128, 128]},
         attention_bias=False, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16"),
-    "moonshotai/Kimi-K2-Instruct": dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", vocab_size=163840, hidden_size=7168,
-        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=0,
-        num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384, ep_size=1,
-        routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
-        qk_nope_head_dim=128, topk_method="noaux_tc", n_group=1, topk_group=1, num_experts_per_tok=8,
-        moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid",
-        hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_theta=50000.0, rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
-                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                          "type": "yarn"},
-        quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                             "weight_block_size": [128, 128]},
-        attention_bias=False, bos_token_id=163584, eos_token_id=163585, torch_dtype="bfloat16"),
     "zai-org/GLM-4.5-Air": dict(
         architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=151552, hidden_size=4096,
         intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46, num_nextn_predict_layers=1,
@@ -349,6 +335,14 @@ HUB = {
         rms_norm_eps=1e-5, rope_theta=1000000, rope_interleave=True, tie_word_embeddings=False,
         eos_token_id=[154820, 154827, 154829], pad_token_id=154820, torch_dtype="bfloat16"),
 }
+# Kimi-K2: DeepSeek-V3's architecture and tensor layout with other sizes
+HUB["moonshotai/Kimi-K2-Instruct"] = {
+    **HUB["deepseek-ai/DeepSeek-V3"], "model_type": "kimi_k2", "vocab_size": 163840, "num_nextn_predict_layers": 0,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384, "routed_scaling_factor": 2.827,
+    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "max_position_embeddings": 131072,
+    "rope_theta": 50000.0, "bos_token_id": 163584, "eos_token_id": 163585,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"}}
 # (moe layers, routed experts, top-k, router kind, KV values per layer and token: latent or 2 x g x D)
 HUB_EXPECT = {
     "deepseek-ai/DeepSeek-V2-Lite": (26, 64, 6, "softmax", 576),
