@@ -13,7 +13,10 @@ import sys
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model."""
     p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face model directory (config.json + safetensors); default: the built-in demo model")
+                   help="model directory (config.json + safetensors), hub id such as Qwen/Qwen3-30B-A3B (found in "
+                        "the Hugging Face cache, else downloaded if huggingface_hub is installed), or a hub-cache "
+                        "folder models--ORG--NAME; default: the built-in demo model")
+    p.add_argument("--revision", default=None, help="hub id only: branch, tag or commit (default: main)")
     p.add_argument("--device", default="cpu", help="compute device: cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: min(model, 4096))")
@@ -26,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: keep dense weights and the fastest expert tier in the checkpoint's dtype, converted "
                         "per use (about half the RAM, some speed); allows --host-memory 0 (misses read from disk "
                         "straight into expert slots)")
+    p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                   help="skip the NaN/inf scan of dense weights at load and of each expert at its first read")
     p.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routing trace (.npz, see `expertcache trace`) when the command ends")
     g = p.add_argument_group("expert cache")
@@ -44,6 +49,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute missing experts on the CPU from host RAM: auto (cost model), always, never")
     g.add_argument("--load-expert-stats", default=None, metavar="FILE", help="warm start from saved expert statistics")
     g.add_argument("--save-expert-stats", default=None, metavar="FILE", help="save expert use statistics at exit")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("expert parallel (torch.distributed: gloo on CPU, NCCL on CUDA)")
+    e.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                   help="spread every MoE layer's experts over N ranks (spawned processes here, or the ranks "
+                        "torchrun started); attention and dense weights are replicated; cache budgets are per rank")
+    e.add_argument("--num-redundant-experts", type=int, default=0, metavar="R",
+                   help="extra physical experts per layer: replicas of the hottest experts (default: 0)")
+    e.add_argument("--enable-eplb", action="store_true",
+                   help="rebalance the placement from the measured expert load (replicas + balanced packing)")
+    e.add_argument("--eplb-window-size", type=int, default=1000, help="steps of load the balancer uses (default: 1000)")
+    e.add_argument("--eplb-step-interval", type=int, default=3000, help="steps between rebalances (default: 3000)")
+    e.add_argument("--ep-timeout", type=float, default=120.0,
+                   help="seconds a rank may stay silent before the group stops with an error (default: 120)")
+
+
+def parallel_config(args: argparse.Namespace):
+    """-> ParallelConfig or None; the EP flags without --expert-parallel are an error."""
+    from .parallel.config import ParallelConfig
+
+    if args.expert_parallel is None:
+        if args.enable_eplb or args.num_redundant_experts:
+            raise ValueError("--enable-eplb and --num-redundant-experts need --expert-parallel N")
+        return None
+    return ParallelConfig(args.expert_parallel, args.num_redundant_experts, args.enable_eplb, args.eplb_window_size,
+                          args.eplb_step_interval, args.ep_timeout, exit_on_failure=True)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -53,46 +86,86 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True,
-              low_memory=args.low_memory, record_routing=args.record_routing)
+              low_memory=args.low_memory, record_routing=args.record_routing, check_finite=args.check_finite)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
              "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
     if args.prefetch is not None:
         cache["prefetch"] = args.prefetch
     kw.update({k: v for k, v in cache.items() if v is not None})
+    ep = parallel_config(args)
+    if ep is not None:
+        kw["expert_parallel"] = ep
     return kw
 
 
-def _sampling(args):
-    from .engine.params import SamplingParams
+def resolve_model_arg(args: argparse.Namespace, download: bool = True) -> None:
+    """Replace args.model (directory, hub id or hub-cache folder) by its checkpoint directory, before any
+    weight is read; what the user typed stays in args.model_spec."""
+    args.model_spec = args.model
+    if args.model is not None:
+        from .hub import resolve_model
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=args.stop)
+        args.model = str(resolve_model(args.model, getattr(args, "revision", None), download=download))
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from .llm import LLM
+def model_dir_arg(args: argparse.Namespace) -> str:
+    """args.model resolved to a checkpoint directory (the demo model when none was given)."""
+    resolve_model_arg(args)
+    if args.model is None:
+        from .demo import demo_model_dir
 
-    llm = LLM(**engine_kwargs(args))
-    print(llm.plan_lines[-1], file=sys.stderr)  # the KV cache line (the expert plan printed before loading)
-    tok = llm._require_tokenizer()
-    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+        args.model = str(demo_model_dir())
+    return args.model
+
+
+def stream_request(llm, ids: list[int], sp, out=sys.stdout) -> str:
+    """Generate for one prompt, printing text as it comes; returns the stats line of this request."""
     eng = llm.engine
-    eng.add_request(ids, _sampling(args))
-    while eng.has_unfinished():
-        for out in eng.step():
-            print(out.text_delta, end="", flush=True)
-    print()
     c = eng.counters
-    pre = c.prompt_tokens / c.prefill_seconds if c.prefill_seconds else 0.0
-    dec = (c.generated_tokens - 1) / c.decode_seconds if c.decode_seconds else 0.0
-    line = (f"prompt tokens {len(ids)}, generated tokens {c.generated_tokens}, prefill {pre:.1f} tok/s, "
-            f"decode {dec:.1f} tok/s")
+    before = (c.prompt_tokens, c.prefill_seconds, c.generated_tokens, c.decode_seconds)
+    eng.add_request(ids, sp)
+    while eng.has_unfinished():
+        for o in eng.step():
+            print(o.text_delta, end="", flush=True, file=out)
+    print(file=out)
+    ptok, psec, gtok, dsec = (a - b for a, b in zip((c.prompt_tokens, c.prefill_seconds, c.generated_tokens,
+                                                     c.decode_seconds), before))
+    pre = ptok / psec if psec else 0.0
+    dec = (gtok - 1) / dsec if dsec else 0.0
+    line = f"prompt tokens {len(ids)}, generated tokens {gtok}, prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s"
     stats = llm.expert_stats()
-    if stats:
+    if "per_tier" in stats:
         from .experts.stats import summary_line
 
         line += "; " + summary_line(stats)
-    print(line, file=sys.stderr)
+    if "expert_parallel" in stats:
+        from .parallel.experts import summary_line as ep_summary
+
+        line += "; " + ep_summary(stats["expert_parallel"])
+    return line
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .cli_checks import check_prompt_fits, sampling_params
+    from .parallel.worker import run_torchrun_worker, torchrun_rank
+
+    sp = sampling_params(args)
+    model_dir = model_dir_arg(args)
+    if torchrun_rank():  # ranks 1..N-1 under torchrun mirror rank 0
+        return run_torchrun_worker(engine_kwargs(args))
+    if args.prompt is None:
+        from .chat_cli import run_chat
+
+        return run_chat(args, sp, template=args.chat)
+    from .engine.tokenizer import Tokenizer
+    from .llm import LLM
+
+    tok = Tokenizer(model_dir)
+    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    check_prompt_fits(args, model_dir, ids)  # all before a weight byte is read
+    llm = LLM(**engine_kwargs(args))
+    print(llm.plan_lines[-1], file=sys.stderr)  # the KV cache line (the expert plan printed before loading)
+    print(stream_request(llm, ids, sp), file=sys.stderr)
     if args.save_expert_stats:
         llm.experts.save_stats(args.save_expert_stats)
     llm.close()
@@ -112,7 +185,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_sampling_args(p: argparse.ArgumentParser, prompt_default: str | None) -> None:
-    p.add_argument("--prompt", default=prompt_default, required=prompt_default is None, help="prompt text")
+    p.add_argument("--prompt", default=prompt_default,
+                   help="prompt text" + (f" (default: {prompt_default!r})" if prompt_default else
+                                         "; without it: a chat in the terminal, or the prompt read from a pipe"))
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -132,12 +207,30 @@ SUPPORTED = """supported checkpoints (config.json architectures, e.g. hub repos)
   DeepseekV2ForCausalLM    deepseek-ai/DeepSeek-V2-Lite
   DeepseekV3ForCausalLM    deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct (block fp8 as shipped)
   Glm4MoeForCausalLM       zai-org/GLM-4.5-Air, zai-org/GLM-4.5
-  Glm4MoeLiteForCausalLM   zai-org/GLM-4.7-Flash"""
+  Glm4MoeLiteForCausalLM   zai-org/GLM-4.7-Flash
+  GptOssForCausalLM        openai/gpt-oss-20b, openai/gpt-oss-120b (MXFP4 experts as shipped)"""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `expertcache generate: error: argument --top-p: ... (see --help)`, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("expertcache")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="expertcache", description=__doc__.splitlines()[0], epilog=SUPPORTED,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="expertcache", description=__doc__.splitlines()[0], epilog=SUPPORTED,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"expertcache {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streaming tokens")
     add_engine_args(g)
@@ -150,12 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(d, "The expert cache keeps")
     d.add_argument("--rebuild", action="store_true", help="rebuild the demo checkpoint")
     d.set_defaults(func=cmd_demo)
+    from .chat_cli import add_chat_subcommand
     from .plan import add_plan_subcommand
     from .quant.cli import add_quantize_subcommand
     from .server.cli import add_serve_subcommand
     from .trace.cli import add_trace_subcommands
 
-    for add in (add_serve_subcommand, add_trace_subcommands, add_plan_subcommand, add_quantize_subcommand):
+    for add in (add_chat_subcommand, add_serve_subcommand, add_trace_subcommands, add_plan_subcommand, add_quantize_subcommand):
         add(sub)
     return parser
 

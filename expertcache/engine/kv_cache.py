@@ -43,6 +43,7 @@ class KVCache:
         self.free: deque[int] = deque(range(num_blocks))
         self.by_hash: dict[int, int] = {}
         self.prefix_queries = self.prefix_hits = 0  # in tokens
+        self.copied: list[tuple[int, int]] | None = None  # (src, dst) block copies, when someone mirrors them
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, token_shapes: tuple[tuple[int, ...], ...], dtype) -> int:
@@ -99,11 +100,16 @@ class KVCache:
         """A private copy of shared block `bid` (its KV in every layer); the caller's reference
         moves from `bid` to the copy. Needs one free block."""
         new = self.allocate(1)[0]
-        for layer in self.tensors:
-            for t in layer:
-                t[new].copy_(t[bid])
+        self.copy_block(bid, new)
+        if self.copied is not None:
+            self.copied.append((bid, new))
         self.release([bid])
         return new
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for layer in self.tensors:
+            for t in layer:
+                t[dst].copy_(t[src])
 
     def release(self, block_ids: list[int]) -> None:
         for bid in reversed(block_ids):
@@ -112,6 +118,16 @@ class KVCache:
             assert b.ref_count >= 0, f"block {bid} released twice"
             if b.ref_count == 0:
                 self.free.append(bid)
+
+    def forget(self, block_ids: list[int]) -> None:
+        """Drop the prefix hashes of blocks only this sequence holds (their content is not to be
+        reused, e.g. a failed sequence's non-finite KV); shared blocks keep theirs."""
+        for bid in block_ids:
+            b = self.blocks[bid]
+            if b.ref_count == 1 and b.hash is not None:
+                if self.by_hash.get(b.hash) == bid:
+                    del self.by_hash[b.hash]
+                b.hash, b.tokens = None, None
 
     def seal(self, block_ids: list[int], tokens: list[int]) -> None:
         """Register hashes for the full blocks of a sequence (tokens whose KV is computed)."""

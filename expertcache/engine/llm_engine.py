@@ -1,7 +1,13 @@
-"""LLMEngine: requests in, tokens out, one scheduler step at a time (used by LLM and the server)."""
+"""LLMEngine: requests in, tokens out, one scheduler step at a time (used by LLM and the server).
+
+Failure isolation: a sequence whose logits are not finite, or whose sampling, detokenising or
+stop-string check raises, is finished with reason "error: <why>" on its own (its KV blocks freed
+and their prefix hashes dropped); the other sequences of the step go on.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +20,8 @@ from .sampler import prompt_logprobs, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("expertcache")
 
 
 @dataclass
@@ -47,6 +55,9 @@ class LLMEngine:
         self.seqs: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.counters = EngineCounters()
         self.recorder = recorder
+        # (layer, expert) -> parts found non-finite at first read (ExpertSource.nonfinite, live)
+        self.nonfinite_experts: dict[tuple[int, int], list[str]] = {}
+        self.expert_name = None  # (layer, expert) -> the checkpoint's tensor names, for messages
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         if not prompt_ids:
@@ -108,6 +119,7 @@ class LLMEngine:
             self.counters.decode_seconds += dt
         else:
             self.counters.prefill_seconds += dt
+        finite = torch.isfinite(logits).all(-1).tolist()  # [R], one pass over the final logits
         ready: list[tuple[Sequence, int]] = []  # (sequence, row of its next-token logits)
         for b, (seq, n) in enumerate(work):
             if full[b]:
@@ -119,25 +131,66 @@ class LLMEngine:
             self.kv.seal(seq.block_ids, seq.tokens[: seq.num_computed])
             if seq.num_computed < len(seq.tokens):
                 continue  # prefill chunk without a token to sample yet
-            ready += [(s, spans[b].stop - 1) for s in [seq] + self._fork(seq)]
+            row = spans[b].stop - 1
+            if not finite[row]:
+                outs.append(self._fail(seq, self._nonfinite_message(row)))
+                continue
+            ready += [(s, row) for s in [seq] + self._fork(seq)]
         if not ready:
             return outs
         seqs = [s for s, _ in ready]
-        toks, entries = sample_batch(logits[torch.tensor([r for _, r in ready])], seqs, self.eos)
-        for seq, tok, entry in zip(seqs, toks, entries):
-            seq.tokens.append(tok)
-            seq.cumulative_logprob += entry[1]
-            if seq.logprobs is not None:
-                seq.logprobs.append(entry)
-            grammar_done = False
-            if seq.matcher is not None:
-                if not seq.matcher.accept(tok):  # only a grammar with no way forward gets here
-                    outs.append(self._finish(seq, f"error: the grammar allows no token here ({seq.matcher.error()})"))
-                    continue
-                grammar_done = seq.matcher.stopped
-            self.counters.generated_tokens += 1
-            outs.append(self._emit(seq, tok, grammar_done))
+        rows = logits[torch.tensor([r for _, r in ready])]
+        try:
+            sampled = list(zip(seqs, *sample_batch(rows, seqs, self.eos)))
+        except Exception:  # noqa: BLE001 - find the sequence at fault: each alone, failures finish alone
+            sampled = []
+            for b, seq in enumerate(seqs):
+                try:
+                    toks, entries = sample_batch(rows[b:b + 1], [seq], self.eos)
+                    sampled.append((seq, toks[0], entries[0]))
+                except Exception as e:  # noqa: BLE001
+                    log.exception("request %s: sampling failed", seq.request_id)
+                    outs.append(self._fail(seq, f"sampling failed: {type(e).__name__}: {e}"))
+        for seq, tok, entry in sampled:
+            try:
+                outs.append(self._accept(seq, tok, entry))
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                log.exception("request %s failed in its step", seq.request_id)
+                outs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
         return outs
+
+    def _accept(self, seq: Sequence, tok: int, entry) -> StepOutput:
+        seq.tokens.append(tok)
+        seq.cumulative_logprob += entry[1]
+        if seq.logprobs is not None:
+            seq.logprobs.append(entry)
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.accept(tok):  # only a grammar with no way forward gets here
+                return self._finish(seq, f"error: the grammar allows no token here ({seq.matcher.error()})")
+            grammar_done = seq.matcher.stopped
+        self.counters.generated_tokens += 1
+        return self._emit(seq, tok, grammar_done)
+
+    def _nonfinite_message(self, b: int) -> str:
+        """Why logits row b is NaN/inf: the first layer whose output was not finite, and the
+        experts of that layer found non-finite at their first read."""
+        msg = "the model produced non-finite logits (NaN or inf) for this request"
+        after = self.runner.model.finite_after
+        bad = [] if after is None else (~after[:, b]).nonzero().flatten().tolist()
+        layer = bad[0] if bad else None
+        if layer is not None:
+            msg += f"; its hidden state first became non-finite in layer {layer}"
+        experts = [k for k in self.nonfinite_experts if layer is None or k[0] == layer]
+        if experts:
+            names = [self.expert_name(*k) if self.expert_name else f"layer {k[0]} expert {k[1]}" for k in experts[:3]]
+            return msg + f"; likely cause: non-finite expert weights ({', '.join(names)})"
+        return msg + ("; likely cause: non-finite weights (the checkpoint's tensors are scanned at load unless "
+                      "--no-check-finite) or an overflow of the compute dtype")
+
+    def _fail(self, seq: Sequence, why: str) -> StepOutput:
+        self.kv.forget(seq.block_ids)
+        return self._finish(seq, f"error: {why}")
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """Sample 0 of an n > 1 request has its prompt computed: start its siblings on the same blocks."""

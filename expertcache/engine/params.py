@@ -23,7 +23,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below sampler.GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     seed: int | None = None
@@ -47,8 +47,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -92,7 +92,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: <why>" (this request only)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     index: int = 0  # sample number within the request (n > 1)
     cumulative_logprob: float = 0.0  # sum of the generated tokens' logprobs (model log-softmax)

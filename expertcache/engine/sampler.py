@@ -10,11 +10,16 @@ from .params import SamplingParams, TokenLogprob
 from .structured import apply_grammar
 
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by 1e-40 overflows to inf.
+GREEDY_BELOW = 1e-5
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits [V] float32 -> token id."""
-    if params.temperature == 0 or params.top_k == 1:
+    """logits [V] float32, all finite -> token id. Safe for any finite logits: they are shifted so
+    the largest is 0 before the division, so nothing overflows to +inf and softmax has a 1."""
+    if params.temperature < GREEDY_BELOW or params.top_k == 1:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

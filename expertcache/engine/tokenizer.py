@@ -6,6 +6,7 @@ Python internals or mutate its inputs.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -17,8 +18,27 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..errors import CheckpointError
 
 
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable character -> the byte it encodes."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = dict(zip(keep, keep)), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_UNICODE_TO_BYTE = _byte_level_map()
+
+
 def _raise(msg):
     raise TemplateError(msg)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' `tojson` (not Jinja's, which escapes HTML): the same options, the same output."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class Tokenizer:
@@ -65,6 +85,23 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: byte-level BPE pieces mapped back to raw bytes (a piece
+        may be part of a UTF-8 character), otherwise the UTF-8 of its decoded text."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._special_ids and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.tok.decode([token_id], skip_special_tokens=False).encode()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
             raise CheckpointError("the checkpoint's tokenizer_config.json has no chat_template")
@@ -72,8 +109,8 @@ class Tokenizer:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.filters["tojson"] = _tojson
+            env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             try:

@@ -48,7 +48,7 @@ class ResidentExperts(ExpertProvider):
     """Every expert loaded once into stacked per-layer pools {part: [E, ...]} (slot = expert id)."""
 
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None, parts=None):
-        self.method = source.method
+        self.method, self.ffn = source.method, source.ffn
         E = source.cfg.num_experts
         parts = parts or source.compute_parts(dtype)
         self.pools: dict[int, dict[str, torch.Tensor]] = {}
@@ -56,6 +56,8 @@ class ResidentExperts(ExpertProvider):
             pool = {p.name: torch.empty((E, *p.shape), dtype=p.dtype, device=device) for p in parts}
             for j in range(E):
                 w = source.read(layer, j)
+                if source.check_read(layer, j, w):
+                    raise source.nonfinite_error(layer, j)
                 for name, t in pool.items():
                     t[j].copy_(w[name])
                 if progress:
@@ -63,4 +65,4 @@ class ResidentExperts(ExpertProvider):
             self.pools[layer] = pool
 
     def forward(self, layer, x, ids, weights):
-        return moe_ffn(x, ids, weights, self.pools[layer], self.method)
+        return moe_ffn(x, ids, weights, self.pools[layer], self.method, ffn=self.ffn)

@@ -6,10 +6,11 @@ E experts in G groups of E/G (n_group); a group-limited router keeps the topk_gr
 and picks the top-k experts among them.
 
     softmax               softmax over experts, top-k (Qwen, Mixtral, OLMoE; DeepSeek-V2 `greedy`)
+    topk_softmax          top-k of the logits, softmax over those k (GPT-OSS)
     group_limited_greedy  softmax, groups ranked by their best expert (DeepSeek-V2)
     noaux_tc              sigmoid scores; the choice uses scores + e_score_correction_bias, groups
                           ranked by the sum of their two best; weights are the plain scores (DeepSeek-V3, GLM-4.5)
-Every router then renormalises the chosen weights when norm_topk_prob and multiplies them by
+The router linear may have a bias (GPT-OSS). Every router then renormalises the chosen weights when norm_topk_prob and multiplies them by
 routed_scaling_factor (RouterSpec.scaling).
 """
 
@@ -49,6 +50,12 @@ def _softmax(logits, correction, top_k, spec):
     return ids, w
 
 
+@register("topk_softmax")
+def _topk_softmax(logits, correction, top_k, spec):
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    return ids, F.softmax(top, dim=-1)
+
+
 @register("group_limited_greedy")
 def _group_limited(logits, correction, top_k, spec):
     probs = F.softmax(logits, dim=-1)
@@ -69,10 +76,13 @@ def _noaux_tc(logits, correction, top_k, spec):
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          spec: RouterSpec | None = None, correction: torch.Tensor | None = None):
+          spec: RouterSpec | None = None, correction: torch.Tensor | None = None, bias: torch.Tensor | None = None):
     """The experts and weights of each token (spec None = softmax, no scaling)."""
     spec = spec or RouterSpec()
-    logits = linear(x.float(), router_w.float()) if spec.float32_logits else linear(x, router_w).float()
+    if spec.float32_logits:
+        logits = linear(x.float(), router_w.float(), None if bias is None else bias.float())
+    else:
+        logits = linear(x, router_w, bias).float()
     ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec)
     if norm_topk_prob:
         w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if spec.kind == "noaux_tc" else 0.0))

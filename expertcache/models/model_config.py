@@ -31,7 +31,7 @@ class MLA:
 class RouterSpec:
     """How a MoE layer picks its experts: `kind` names a router in layers/moe.ROUTERS."""
 
-    kind: str = "softmax"  # softmax | group_limited_greedy | noaux_tc
+    kind: str = "softmax"  # softmax | topk_softmax | group_limited_greedy | noaux_tc
     n_group: int = 1
     topk_group: int = 1
     scaling: float = 1.0  # routed_scaling_factor: multiplies the chosen experts' weights
@@ -66,6 +66,12 @@ class ModelConfig:
     rope: dict = field(default_factory=dict)  # normalised rope parameters (rope_type, rope_theta, ...)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    attn_sinks: bool = False  # a learned logit per head in the softmax denominator (self_attn.sinks)
+    router_bias: bool = False
+    expert_bias: bool = False  # routed experts carry gate_up / down biases
+    expert_act: str = "silu"  # experts.compute.ACTIVATIONS: "silu" | "clamped_swiglu"
+    swiglu_alpha: float = 1.0  # clamped_swiglu only
+    swiglu_limit: float = float("inf")
     rotary_dim: int | None = None  # dims rotated per head (partial rotary); None = all of head_dim
     rope_interleave: bool = False  # rotary dims stored as interleaved pairs (permuted to half-split at load)
     mla: MLA | None = None  # multi-head latent attention instead of q/k/v projections
@@ -95,6 +101,28 @@ def require(hf: dict, key: str, *aliases: str):
         if hf.get(k) is not None:
             return hf[k]
     raise ConfigError(f"config.json: missing required field {key!r}")
+
+
+def as_int(value, key: str, minimum: int = 1) -> int:
+    """A config number the math needs as an integer (an integral float such as 2048.0 passes);
+    ConfigError naming the file, field and value otherwise."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"config.json: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def require_int(hf: dict, key: str, *aliases: str, minimum: int = 1) -> int:
+    """hf[key] (or the first alias present) as an integer >= minimum; ConfigError naming the field."""
+    name = next((k for k in (key, *aliases) if hf.get(k) is not None), key)
+    return as_int(require(hf, key, *aliases), name, minimum)
+
+
+def get_int(hf: dict, key: str, default: int, minimum: int = 0) -> int:
+    """hf[key] as an integer >= minimum, or default when absent or null."""
+    value = hf.get(key)
+    return default if value is None else as_int(value, key, minimum)
 
 
 def check_value(hf: dict, key: str, allowed, default=None):

@@ -23,6 +23,7 @@ from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import load_dense
+from .checks import check_dense
 from .model_config import ModelConfig
 from .registry import Family
 
@@ -30,8 +31,11 @@ from .registry import Family
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
                  device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
-                 quant=None, low_memory: bool = False):
+                 quant=None, low_memory: bool = False, check_finite: bool = True):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
+        # per forward with logits_rows: [num_layers, B] bool, row b's hidden state finite after layer l
+        # (read only when a sequence's logits are not finite, to name the layer where it started)
+        self.finite_after: torch.Tensor | None = None
         self.record_routing = False
         # route_override(layer, ids, weights) -> (ids, weights): replaces the router's choice
         # (benchmarks drive routing from a synthetic trace); None = the model's own router. If it
@@ -42,6 +46,7 @@ class MoETransformer:
 
         def load(name, shape, as_dtype=None):
             t = load_dense(index, name, shape, quant)
+            check_dense(index, name, t, check_finite)
             # low memory: a 2-D weight keeps its (narrower) stored float dtype and is converted per use
             narrow = low_memory and t.dim() == 2 and t.dtype.itemsize < dtype.itemsize and t.is_floating_point()
             t = t.to(device=device, dtype=as_dtype or (t.dtype if narrow else dtype))
@@ -54,7 +59,12 @@ class MoETransformer:
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in index
         emb = index.info("model.embed_tokens.weight", (V, H))
         keep = not tied and emb.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
-        self.embed = index.load(emb.name, (V, H)).to(device) if keep else load(emb.name, (V, H))
+        if keep:
+            self.embed = index.load(emb.name, (V, H))
+            check_dense(index, emb.name, self.embed, check_finite)
+            self.embed = self.embed.to(device)
+        else:
+            self.embed = load(emb.name, (V, H))
         if keep and progress:
             progress(emb.nbytes)
         self.rotary = Rotary(cfg, device)
@@ -72,6 +82,8 @@ class MoETransformer:
                               f"{p}.{names.moe_prefixes[0]}")
                 r32 = torch.float32 if cfg.router.float32_logits else None  # the reference keeps these in fp32
                 layer["router"] = load(f"{prefix}.{names.router}.weight", (cfg.num_experts, H), r32)
+                if cfg.router_bias:
+                    layer["router_bias"] = load(f"{prefix}.{names.router}.bias", (cfg.num_experts,), r32)
                 if cfg.router.kind == "noaux_tc":
                     layer["correction"] = load(f"{prefix}.{names.router}.e_score_correction_bias", (cfg.num_experts,),
                                                torch.float32)
@@ -113,6 +125,8 @@ class MoETransformer:
             qn, kn = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (q_dim, kv_dim)
             a["q_norm.weight"] = load(f"{p}.self_attn.q_norm.weight", (qn,))
             a["k_norm.weight"] = load(f"{p}.self_attn.k_norm.weight", (kn,))
+        if cfg.attn_sinks:
+            a["sinks"] = load(f"{p}.self_attn.sinks", (cfg.num_heads,))
         return a
 
     @torch.inference_mode()
@@ -123,30 +137,36 @@ class MoETransformer:
         h = F.embedding(input_ids, self.embed).to(self.dtype)
         self.routing = {}
         self.experts.begin_step()
+        finite = []
         try:
             for i, layer in enumerate(self.layers):
                 x = rms_norm(h, layer["input_ln"], cfg.rms_norm_eps)
                 h = h + layer["attn"](x, batch, *kv[i])
                 x = rms_norm(h, layer["post_ln"], cfg.rms_norm_eps)
                 h = h + (self._moe(i, layer, h, x) if "router" in layer else swiglu(x, *layer["mlp"]))
+                if logits_rows is not None:  # B x H per layer, no sync: cheap next to the layer
+                    finite.append(torch.isfinite(h[logits_rows]).all(-1))
         finally:
             self.experts.end_step()
+        self.finite_after = torch.stack(finite) if finite else None
         if logits_rows is not None:
             h = h[logits_rows]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head).float()
 
-    def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, layer: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        spec, corr = cfg.router, layer.get("correction")
-        ids, w = route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob, spec, corr)
+        return route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob, cfg.router, layer.get("correction"),
+                     layer.get("router_bias"))
+
+    def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self._route(layer, x)
         if self.route_override is not None:
             ids, w = self.route_override(i, ids, w)
         ahead = None
         nxt = self.next_moe.get(i)
         if nxt is not None and (self.experts.wants_prefetch or self.record_routing):
             nl = self.layers[nxt]
-            ahead, _ = route(rms_norm(h, nl["post_ln"], cfg.rms_norm_eps), nl["router"], cfg.top_k, False, spec,
-                             nl.get("correction"))
+            ahead, _ = self._route(nl, rms_norm(h, nl["post_ln"], self.cfg.rms_norm_eps))
             if hasattr(self.route_override, "lookahead"):
                 ahead = self.route_override.lookahead(nxt, ahead)
             if self.experts.wants_prefetch:

@@ -69,7 +69,7 @@ def _server_config(args: argparse.Namespace):
         name, aliases = "expertcache-demo", set()
     else:
         path = Path(args.model)
-        name = args.model
+        name = getattr(args, "model_spec", None) or args.model
         aliases = {str(path), str(path.resolve()), path.resolve().name}
     if args.served_model_name:
         aliases.add(name)
@@ -87,9 +87,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("expertcache.server")
-    if args.model is not None and not Path(args.model).is_dir():
-        print(f"error: model directory {args.model} does not exist", file=sys.stderr)
-        return 2
+    from ..cli import resolve_model_arg
+
+    resolve_model_arg(args)
     args.api_key = api_key(args)
     if args.host not in LOOPBACK and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
@@ -97,6 +97,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from ..parallel.worker import run_torchrun_worker, torchrun_rank
+
+    if torchrun_rank():  # ranks 1..N-1 under torchrun: no HTTP server, mirror rank 0
+        from ..cli import engine_kwargs
+
+        return run_torchrun_worker(engine_kwargs(args))
     cfg = _server_config(args)
     server: uvicorn.Server | None = None
 
