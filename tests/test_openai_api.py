@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -114,6 +117,12 @@ def test_lm_eval_loglikelihood_request(url, ref):
                 greedy = int(torch.argmax(lp[i - 1])) == ids[i]
                 assert (lps["token_logprobs"][i] == max(top.values())) == greedy
             assert c["text"].startswith(ref.tokenizer.decode(ids))
+
+
+def test_echo_without_logprobs(url, ref):
+    out = post(url, "/v1/completions", {"prompt": "hello world", "echo": True, "max_tokens": 3, "temperature": 0})
+    c = out["choices"][0]
+    assert c["text"].startswith("hello world") and c["logprobs"] is None
 
 
 def test_completion_logprobs_streamed_equal_whole(url):
@@ -273,24 +282,7 @@ def test_langchain_bind_tools_and_structured_output(url):
     assert isinstance(got, Verdict) and 0 <= got.score <= 9
 
 
-MC_TASK = """task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
-MC_DOCS = [
-    {"question": "The sky is", "choices": ["blue", "green", "loud"], "answer": 0},
-    {"question": "Two plus two is", "choices": ["four", "five"], "answer": 0},
-    {"question": "Fire is", "choices": ["cold", "hot"], "answer": 1},
-]
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.mark.slow  # importing lm-eval (datasets, evaluate, ...) takes most of its time
@@ -302,9 +294,8 @@ def test_lm_eval_multiple_choice_end_to_end(url, ref, tool_checkpoint, tmp_path)
     from lm_eval.tasks import TaskManager
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    data = tmp_path / "mc.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
-    (tmp_path / "tiny_mc.yaml").write_text(MC_TASK.format(data=data))
+    subprocess.run([sys.executable, str(BENCH / "lm_eval_task.py"), str(tmp_path)], check=True, capture_output=True)
+    docs = [json.loads(line) for line in (tmp_path / "mc.jsonl").read_text().splitlines()]
     results = lm_eval.simple_evaluate(
         model="local-completions",
         model_args=f"model=tiny,base_url={url}/v1/completions,tokenizer={tool_checkpoint},num_concurrent=1,"
@@ -314,7 +305,7 @@ def test_lm_eval_multiple_choice_end_to_end(url, ref, tool_checkpoint, tmp_path)
     tok = transformers.AutoTokenizer.from_pretrained(str(tool_checkpoint))
     right = 0
     samples = results["samples"]["tiny_mc"]
-    assert len(samples) == len(MC_DOCS)
+    assert len(samples) == len(docs)
     for s in samples:
         doc = s["doc"]
         lls = []
@@ -328,4 +319,4 @@ def test_lm_eval_multiple_choice_end_to_end(url, ref, tool_checkpoint, tmp_path)
             assert got == pytest.approx(want, abs=1e-3)
             lls.append(want)
         right += int(max(range(len(lls)), key=lls.__getitem__) == doc["answer"])
-    assert acc == pytest.approx(right / len(MC_DOCS))
+    assert acc == pytest.approx(right / len(docs))

@@ -199,3 +199,11 @@ def test_regex_and_choice_grammars(qwen3_llm):
     assert out.text in ("yes", "no", "maybe")
     with pytest.raises(ValueError):
         qwen3_llm.grammars.lark("start: (")
+
+
+def test_json_object_output_parses(qwen3_llm):
+    pytest.importorskip("llguidance")
+    g = qwen3_llm.grammars.json_object()
+    for o in qwen3_llm.generate([_prompt(5, seed=s) for s in range(3)],
+                                SamplingParams(max_tokens=100, temperature=1.0, seed=2, structured=g)):
+        assert o.finish_reason == "stop" and isinstance(json.loads(o.text), dict)
