@@ -24,8 +24,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(model_dir: Path, log_path: Path, *args: str):
-    """-> base URL (http://127.0.0.1:PORT) of a healthy server; killed on exit."""
+def serve(model_dir: Path, log_path: Path, *args: str, health: list | None = None):
+    """-> base URL (http://127.0.0.1:PORT) of a healthy server; killed on exit. `health` collects
+    every (status code, body) of /health seen while waiting."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as log:
@@ -37,7 +38,10 @@ def serve(model_dir: Path, log_path: Path, *args: str):
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                r = httpx.get(url + "/health", timeout=2)
+                if health is not None:
+                    health.append((r.status_code, r.json()))
+                if r.status_code == 200:
                     break
             except httpx.TransportError:
                 pass
