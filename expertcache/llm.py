@@ -24,6 +24,7 @@ from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
 from .loader.safetensors_index import TensorIndex
 from .models.checks import check_layer_count
+from .models.mtp import drop_mtp_layers
 from .models.registry import read_config
 from .models.transformer import MoETransformer
 from .quant.checkpoint import method_from_config
@@ -41,26 +42,27 @@ class LLM:
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
                  progress=False, verbose: bool = False, low_memory: bool = False,
                  record_routing: str | None = None, expert_parallel=None, check_finite: bool = True,
-                 **cache_options):
+                 revision: str | None = None, **cache_options):
         # the arguments every expert-parallel rank builds its own LLM from (callables stay here)
         worker_kwargs = dict(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              kv_cache_memory=kv_cache_memory, block_size=block_size,
                              prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
-                             **cache_options)
+                             revision=revision, **cache_options)
         if model is None:
             from .demo import demo_model_dir
 
             model = demo_model_dir(progress=progress)
-        self.model_dir = Path(model)
-        if not self.model_dir.is_dir():
-            raise CheckpointError(f"model directory {self.model_dir} does not exist")
+        from .hub import resolve_model
+
+        self.model_dir = resolve_model(model, revision, download=True, progress=bool(progress))
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
         self.family, self.cfg, self.hf_config = read_config(self.model_dir)
         self.index = TensorIndex(self.model_dir)
+        self.mtp_layers = drop_mtp_layers(self.index, self.cfg, self.hf_config)
         check_layer_count(self.index, self.cfg.num_layers)
         self.quant = method_from_config(self.hf_config)
         self.source = ExpertSource(self.index, self.cfg, self.family.names, self.quant)
@@ -82,8 +84,7 @@ class LLM:
         self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
         self.plan_lines: list[str] = []
 
-        kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.num_kv_heads,
-                                           self.cfg.head_dim, self.dtype)
+        kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.kv_token_shapes, self.dtype)
         min_blocks = math.ceil(self.max_model_len / block_size)
         budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
         if budget is None:
@@ -122,8 +123,8 @@ class LLM:
         finally:
             bar.close()  # before an error is printed: no half progress bar on its line
 
-        self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
-                          self.dtype, self.device, prefix_caching)
+        self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.kv_token_shapes, self.dtype,
+                          self.device, prefix_caching)
         self.plan_lines.append(
             f"dense weights {fmt_bytes(dense_bytes)}; KV cache {num_blocks} blocks x {block_size} tokens = "
             f"{fmt_bytes(num_blocks * kv_bytes)} ({num_blocks * block_size} tokens)"
@@ -154,11 +155,12 @@ class LLM:
         if self.group is not None:
             return self._make_parallel_experts(options, on_bytes, show, kv_total)
         if options:
+            from .experts.budget import dense_compute_bytes
             from .experts.build import build_expert_cache
 
-            dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
             cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
-                                             dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
+                                             dense_bytes=dense_compute_bytes(self.index, self.dtype),
+                                             kv_bytes=kv_total, on_plan=show, **options)
             self.plan_lines += plan
             return cache
         self.plan_lines.append(
@@ -186,11 +188,12 @@ class LLM:
             f"expert parallel: rank {group.rank} of {group.world_size} holds {n} of {len(layers) * E} experts "
             f"({cfg.num_redundant_experts} redundant per layer; EPLB {'on' if cfg.eplb else 'off'})")
         if options:
+            from .experts.budget import dense_compute_bytes
             from .experts.build import build_expert_cache
 
-            dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
             local, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
-                                             dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
+                                             dense_bytes=dense_compute_bytes(self.index, self.dtype),
+                                             kv_bytes=kv_total, on_plan=show, **options)
             self.plan_lines += plan
         else:
             show(self.plan_lines)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from expertcache import LLM, SamplingParams
-from live_server import serve
+from serving import start_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
@@ -42,8 +42,9 @@ def tool_checkpoint(checkpoint, qwen3_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def url(tool_checkpoint, tmp_path_factory):
-    with serve(tool_checkpoint, tmp_path_factory.mktemp("api") / "server.log", "--served-model-name", "tiny") as u:
-        yield u
+    with start_server(tool_checkpoint, tmp_path_factory.mktemp("api") / "server.log", "--served-model-name",
+                      "tiny") as srv:
+        yield srv.url
 
 
 @pytest.fixture(scope="module")

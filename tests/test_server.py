@@ -11,50 +11,22 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from live_server import serve
+from serving import start_server  # noqa: E402
 
 KEY = "test-key-123"
-
-
-class Server:
-    def __init__(self, url: str, log_path: Path, health: list):
-        self.url, self.log_path, self.health = url, log_path, health
-
-    def http(self, auth: bool = True) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {KEY}"} if auth else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
-
-    def client(self) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, timeout=30, max_retries=0)
-
-    def metric(self, name: str, labels: str = "") -> float:
-        with self.http() as c:
-            text = c.get("/metrics").text
-        for line in text.splitlines():
-            if line.startswith(name + (labels and "{" + labels + "}")) and not line.startswith("#"):
-                head, _, value = line.rpartition(" ")
-                if head == name + (labels and "{" + labels + "}"):
-                    return float(value)
-        return 0.0
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_checkpoint, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    health: list[tuple[int, dict]] = []
-    with serve(qwen3_checkpoint, log_path, "--api-key", KEY, "--served-model-name", "tiny", "--log-interval", "1",
-               health=health) as url:
-        yield Server(url, log_path, health)
+    with start_server(qwen3_checkpoint, log_path, "--api-key", KEY, "--served-model-name", "tiny",
+                      "--log-interval", "1", key=KEY) as srv:
+        yield srv
 
 
 def chat(client, content: str, **kw):
