@@ -24,6 +24,7 @@ from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
 from .loader.safetensors_index import TensorIndex
 from .models.checks import check_layer_count
+from .models.mtp import drop_mtp_layers
 from .models.registry import read_config
 from .models.transformer import MoETransformer
 from .quant.checkpoint import method_from_config
@@ -61,6 +62,7 @@ class LLM:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
         self.family, self.cfg, self.hf_config = read_config(self.model_dir)
         self.index = TensorIndex(self.model_dir)
+        self.mtp_layers = drop_mtp_layers(self.index, self.cfg, self.hf_config)
         check_layer_count(self.index, self.cfg.num_layers)
         self.quant = method_from_config(self.hf_config)
         self.source = ExpertSource(self.index, self.cfg, self.family.names, self.quant)
@@ -82,8 +84,7 @@ class LLM:
         self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
         self.plan_lines: list[str] = []
 
-        kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.num_kv_heads,
-                                           self.cfg.head_dim, self.dtype)
+        kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.kv_token_shapes, self.dtype)
         min_blocks = math.ceil(self.max_model_len / block_size)
         budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
         if budget is None:
@@ -122,8 +123,8 @@ class LLM:
         finally:
             bar.close()  # before an error is printed: no half progress bar on its line
 
-        self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
-                          self.dtype, self.device, prefix_caching)
+        self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.kv_token_shapes, self.dtype,
+                          self.device, prefix_caching)
         self.plan_lines.append(
             f"dense weights {fmt_bytes(dense_bytes)}; KV cache {num_blocks} blocks x {block_size} tokens = "
             f"{fmt_bytes(num_blocks * kv_bytes)} ({num_blocks * block_size} tokens)"
