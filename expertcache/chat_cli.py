@@ -43,7 +43,7 @@ def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
             raise ValueError("stdin: no prompt (pipe a prompt in, or run on a terminal for a chat)")
     llm = LLM(**engine_kwargs(args))
     print(llm.plan_lines[-1], file=sys.stderr)
-    tok = llm._require_tokenizer()
+    tok = llm.require_tokenizer()
     budget = llm.max_model_len - sp.max_tokens
     if piped:
         msgs = ([{"role": "system", "content": args.system}] if getattr(args, "system", None) else []) + \

@@ -218,14 +218,14 @@ class LLM:
         return tuple(sorted(ids))
 
     # -- text <-> ids -------------------------------------------------------------------------------
-    def _require_tokenizer(self) -> Tokenizer:
+    def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise CheckpointError(f"{self.model_dir}: missing tokenizer.json (needed to turn text into tokens)")
         return self.tokenizer
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self._require_tokenizer().encode(prompt)
+            return self.require_tokenizer().encode(prompt)
         return [int(t) for t in prompt]
 
     # -- public API ---------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ class LLM:
     def chat(self, messages, params: SamplingParams | None = None, **template_kwargs) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self._require_tokenizer()
+        tok = self.require_tokenizer()
         return self.generate([tok.encode_chat(c, **template_kwargs) for c in convs], params)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -265,7 +265,7 @@ class LLM:
         try:
             while seq.num_computed < len(seq.tokens):
                 n = min(seq.num_uncomputed, sched.budget)
-                if not sched._grow(seq, seq.num_computed + n):
+                if not sched.grow(seq, seq.num_computed + n):
                     raise MemoryError("KV cache is busy; call logits() when no generation is running")
                 rows.append(self.engine.runner.run([(seq, n)], all_logits=True))
                 seq.num_computed += n
@@ -279,7 +279,7 @@ class LLM:
         if getattr(self, "_grammars", None) is None:
             from .engine.structured import Grammars
 
-            tok = self._require_tokenizer()
+            tok = self.require_tokenizer()
             self._grammars = Grammars(tok.tok.to_str(), self.cfg.vocab_size, tok.vocab_size, list(self._eos_ids()))
         return self._grammars
 

@@ -37,7 +37,7 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, upto: int) -> int:
         return max(0, -(-upto // self.kv.block_size) - len(seq.block_ids))
 
-    def _grow(self, seq: Sequence, upto: int) -> bool:
+    def grow(self, seq: Sequence, upto: int) -> bool:
         """Blocks for tokens[:upto], the ones about to be written private (copy-on-write)."""
         need = self._blocks_needed(seq, upto)
         bs = self.kv.block_size
@@ -68,7 +68,7 @@ class Scheduler:
             if seq not in self.running or budget == 0:
                 continue
             n = min(seq.num_uncomputed, budget)
-            while not self._grow(seq, seq.num_computed + n):
+            while not self.grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -91,7 +91,7 @@ class Scheduler:
                     seq.num_cached = seq.num_computed
                     seq.high_water = min(seq.num_computed, seq.prompt_len)
             n = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            if not self.grow(seq, seq.num_computed + n):
                 if not self.running and not batch:
                     # nothing else holds blocks: the request can never fit
                     self.waiting.popleft()

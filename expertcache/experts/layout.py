@@ -88,7 +88,7 @@ class ExpertSource:
         tr = names.fused_transposed  # such a family has only the fused layout
         gu_shape, dn_shape = ((H, 2 * I), (I, H)) if tr else ((2 * I, H), (H, I))
         for layer in self.layers:
-            prefix = self._moe_prefix(layer, names)
+            prefix = self.moe_prefix(layer, names)
             fused = f"{prefix}.experts.gate_up_proj"
             if fused in index or tr:
                 gu = index.info(fused, (E, *gu_shape))
@@ -162,7 +162,7 @@ class ExpertSource:
         parts: dict[str, Part] = {}
         fused_any = False
         for layer in self.layers:
-            prefix = self._moe_prefix(layer, names)
+            prefix = self.moe_prefix(layer, names)
             primary = m.primary.removeprefix("weight")
             fused = names.gate_up_interleaved or f"{prefix}.experts.gate_up_proj{primary}" in self.index
             fused_any |= fused
@@ -215,7 +215,7 @@ class ExpertSource:
             return self.parts
         return tuple(Part(p.name, p.shape, dtype) for p in self.parts)
 
-    def _moe_prefix(self, layer: int, names: WeightNames) -> str:
+    def moe_prefix(self, layer: int, names: WeightNames) -> str:
         for p in names.moe_prefixes:
             prefix = f"model.layers.{layer}.{p}"
             if f"{prefix}.{names.router}.weight" in self.index:

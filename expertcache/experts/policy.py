@@ -24,8 +24,9 @@ replay, which builds it from the trace's access sequence.
 
 Registry: lru, lfru, lfu, static, min, "lfru-admit" (the best single policy on the
 trained top-2 traces; see `LFRUAdmit`) and "adaptive" (the default: per layer, follows
-whichever of lfru-admit, lfru and lfu its ghost tables show hitting more; bench/policy_bench.py). Every victim choice
-is O(capacity).
+whichever of lfru-admit, lfru and lfu its ghost tables show hitting more; bench/policy_bench.py).
+Victims come from `choose`: O(pinned) for lru, vectorised over the slots (numpy) for the scored
+policies, so no Python loop runs over 64-512 slots per miss.
 """
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ class Policy:
     def victim(self, candidates: list[int]) -> int:
         raise NotImplementedError
 
+    def choose(self, owner: list[int], pinned: set[int]) -> int:
+        """The victim among the residents `owner` (slot order, -1 = free) that are not pinned, or -1.
+        The default builds the candidate list and asks `victim`; the registry's policies override it
+        without a Python scan over the slots (O(pinned) for lru, vectorised for the scored ones)."""
+        candidates = [x for x in owner if x >= 0 and x not in pinned]
+        return self.victim(candidates) if candidates else -1
+
 
 @register("lru")
 class LRU(Policy):
@@ -105,6 +113,9 @@ class LRU(Policy):
         allowed = set(candidates)
         return next(e for e in self.order if e in allowed)
 
+    def choose(self, owner, pinned):
+        return next((e for e in self.order if e not in pinned), -1)  # oldest first: O(pinned + 1)
+
 
 class _Scored(Policy):
     """Shared bookkeeping for score-ranked policies.
@@ -123,20 +134,24 @@ class _Scored(Policy):
         self.last_use = np.full(self.num_experts, -np.inf)
         self.resident: set[int] = set()
         self.fresh: dict[int, int] = {}
+        self.fresh_t = np.full(self.num_experts, -1, dtype=np.int64)  # insert time while fresh, else -1
 
     def touch(self, e, t):
         self.now = max(self.now, t)
         self.fresh.pop(e, None)
+        self.fresh_t[e] = -1
         self.last_use[e] = t
 
     def insert(self, e, t):
         self.now = max(self.now, t)
         self.resident.add(e)
         self.fresh[e] = t  # a demand miss touches right after, which clears it
+        self.fresh_t[e] = t
 
     def remove(self, e):
         self.resident.discard(e)
         self.fresh.pop(e, None)
+        self.fresh_t[e] = -1
 
     def admit(self, e, t, prefetch: bool = False):
         self.now = max(self.now, t)
@@ -147,6 +162,25 @@ class _Scored(Policy):
 
     def victim(self, candidates):
         return min(candidates, key=lambda e: (self.fresh.get(e) == self.now, *self.key(e)))
+
+    def keys(self, c: np.ndarray) -> tuple[np.ndarray, ...]:
+        """`key` for an array of experts at once (None: not vectorised; `choose` falls back)."""
+        return None
+
+    def choose(self, owner, pinned):
+        own = np.asarray(owner, dtype=np.int64)
+        mask = own >= 0
+        if pinned:
+            mask &= ~np.isin(own, np.fromiter(pinned, np.int64, len(pinned)))
+        c = own[mask]  # slot order, as `victim`'s candidates
+        if not len(c):
+            return -1
+        keys = self.keys(c)
+        if keys is None:
+            return self.victim(c.tolist())
+        fresh = self.fresh_t[c] == self.now
+        order = np.lexsort(tuple(reversed((fresh, *keys))))  # stable: ties keep slot order, as min()
+        return int(c[order[0]])
 
 
 @register("lfru")
@@ -173,6 +207,9 @@ class LFRU(_Scored):
 
     def key(self, e):
         return (self.score[e] * self.decay ** (self.now - self.t_score[e]), self.last_use[e])
+
+    def keys(self, c):
+        return (self.score[c] * self.decay ** (self.now - self.t_score[c]), self.last_use[c])
 
 
 @register("lfu")
@@ -239,6 +276,9 @@ class Static(_Scored):
     def key(self, e):
         return (self.count[e], self.last_use[e])
 
+    def keys(self, c):
+        return (self.count[c], self.last_use[c])
+
 
 @register("lfru-admit")
 class LFRUAdmit(LFRU):
@@ -250,7 +290,7 @@ class LFRUAdmit(LFRU):
     (or prefetched) expert e is admitted only if f(e) + 1 >= min over residents r
     of f(r), all scores decayed to now (f(e) + 1 is e's score after this use).
     A refused expert is served once from the slower tier and evicts nothing, so a
-    one-off expert cannot push out a steadily used one. O(capacity) per miss.
+    one-off expert cannot push out a steadily used one (vectorised over the residents).
     `admit(e, t, prefetch=True)` always admits (a prefetch is predictor-informed).
     A refused use still raises e's score, so an expert asked for again and again gets in.
 
@@ -267,7 +307,8 @@ class LFRUAdmit(LFRU):
         if prefetch or len(self.resident) < self.capacity:
             return True
         mine = self.score[e] * self.decay ** (t - self.t_score[e]) + 1.0
-        if mine >= min(self.key(r)[0] for r in self.resident):
+        res = np.fromiter(self.resident, np.int64, len(self.resident))
+        if mine >= self.keys(res)[0].min():
             return True
         self.score[e], self.t_score[e] = mine, t  # a refused use still counts (as TinyLFU's sketch)
         return False
@@ -332,6 +373,9 @@ class Adaptive(Policy):
 
     def victim(self, candidates):
         return self.rankers[self.leader].victim(candidates)
+
+    def choose(self, owner, pinned):
+        return self.rankers[self.leader].choose(owner, pinned)
 
 
 class NextUse:

@@ -73,11 +73,11 @@ class SlotTable:
         if self.free:
             s = self.free.pop()
         else:
-            candidates = [x for x in self.owner if x not in self.pinned]
-            if not candidates:
+            evicted = self.policy.choose(self.owner, self.pinned)
+            if evicted < 0:  # every slot pinned
                 return -1, -1
-            evicted = self.policy.victim(candidates)
-            assert evicted in candidates, f"policy {self.policy.name} chose a pinned or absent victim"
+            assert self.slot_of[evicted] >= 0 and evicted not in self.pinned, \
+                f"policy {self.policy.name} chose a pinned or absent victim"
             s = self.slot_of[evicted]
             self.slot_of[evicted] = -1
             self.policy.remove(evicted)

@@ -62,7 +62,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, group_size: 
     g, u, d = family.names.expert_projs
     I = cfg.moe_intermediate_size
     for layer in source.layers:
-        prefix = source._moe_prefix(layer, family.names)
+        prefix = source.moe_prefix(layer, family.names)
         for j in range(cfg.num_experts):
             w = source.read(layer, j)
             weights = {f"{g}.weight": w["gate_up"][:I].float(), f"{u}.weight": w["gate_up"][I:].float(),
