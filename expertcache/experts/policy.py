@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 POLICIES: dict[str, Callable[..., "Policy"]] = {}
-DEFAULT_POLICY = "adaptive"  # the best of lfru-admit and lfru per layer, online (README, "cache policies")
+DEFAULT_POLICY = "adaptive"  # the best of lfru-admit, lfru and lfu per layer, online (README, "Policies against the optimum")
 ONLINE = ("lru", "lfru", "lfu", "static", "lfru-admit", "adaptive")  # usable by the engine (no future knowledge)
 
 
@@ -323,7 +323,7 @@ class Adaptive(Policy):
     miss); ghost hits decay by `decay` per step. admit and victim go to the leader. Why: the
     admission filter of lfru-admit is the best on the trained top-2 traces and the worst on a
     top-8 trace with topic shifts, where plain lfru leads; on stationary Zipf skews full-history
-    lfu leads (README, "cache policies"; bench/policy_bench.py over traces none was tuned on).
+    lfu leads (README, "Policies against the optimum": bench/policy_bench.py, untuned traces).
     """
 
     def __init__(self, candidates=("lfru-admit", "lfru", "lfu"), decay: float = 0.98, **kw):
