@@ -29,8 +29,8 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..loader.safetensors_index import TensorIndex
 from ..models.checks import SKIP_HINT, nonfinite_parts
-from ..models.model_config import ModelConfig
-from ..models.registry import WeightNames
+from ..spec.model_config import ModelConfig
+from ..spec.weights import WeightNames
 from .compute import ExpertFFN
 
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..models.model_config import ModelConfig
+from ..spec.model_config import ModelConfig
 from .basic import Rotary, linear, rms_norm
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..models.model_config import ModelConfig, rope_inv_freq
+from ..spec.model_config import ModelConfig, rope_inv_freq
 
 
 CONVERT_ROWS = 4096  # rows of a stored-dtype weight converted at a time (bounded scratch memory)

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..models.model_config import ModelConfig
+from ..spec.model_config import ModelConfig
 from .attention import AttnBatch, pad_queries, visible
 from .basic import Rotary, deinterleave_rows, linear, rms_norm
 

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..models.model_config import RouterSpec
+from ..spec.model_config import RouterSpec
 from .basic import linear
 
 # kind -> fn(logits fp32 [T, E], correction [E] | None, top_k, spec) -> (ids [T, K], weights fp32 [T, K])

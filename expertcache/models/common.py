@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .model_config import ModelConfig, as_int, check_value, get_int, require_int, rope_parameters
+from ..spec.model_config import ModelConfig, as_int, check_value, get_int, require_int, rope_parameters
 
 
 def base_fields(hf: dict, family: str, partial_rotary: bool = False) -> dict:

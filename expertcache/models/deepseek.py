@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from .common import base_fields, finish
-from .model_config import MLA, RouterSpec, check_value, require, yarn_mscale
+from ..spec.model_config import MLA, RouterSpec, check_value, require, yarn_mscale
 from .registry import Family, WeightNames, register
 
 NAMES = WeightNames(("mlp",), "gate", ("gate_proj", "up_proj", "down_proj"), shared_expert="shared_experts")

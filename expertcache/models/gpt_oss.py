@@ -16,7 +16,7 @@ do not use) are not read.
 from __future__ import annotations
 
 from .common import base_fields, finish, raise_cfg
-from .model_config import RouterSpec, require
+from ..spec.model_config import RouterSpec, require
 from .registry import Family, WeightNames, register
 
 LAYER_TYPES = ("sliding_attention", "full_attention")

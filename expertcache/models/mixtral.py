@@ -2,7 +2,7 @@
 
 from .common import base_fields, finish
 from .registry import Family, WeightNames, register
-from .model_config import require_int
+from ..spec.model_config import require_int
 
 
 def parse(hf: dict):

@@ -13,7 +13,7 @@ import sys
 
 from ..loader.safetensors_index import TensorIndex
 from ..units import fmt_bytes
-from .model_config import ModelConfig
+from ..spec.model_config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

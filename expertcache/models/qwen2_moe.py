@@ -2,7 +2,7 @@
 
 from .common import base_fields, finish, sparse_layers
 from .registry import Family, WeightNames, register
-from .model_config import get_int, require_int
+from ..spec.model_config import get_int, require_int
 
 
 def parse(hf: dict):

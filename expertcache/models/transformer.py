@@ -24,7 +24,7 @@ from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import load_dense
 from .checks import check_dense
-from .model_config import ModelConfig
+from ..spec.model_config import ModelConfig
 from .registry import Family
 
 
