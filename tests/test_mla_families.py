@@ -271,14 +271,24 @@ def test_mtp_layers_are_ignored_with_a_note(checkpoint, tmp_path, capsys):
 
 
 def test_deepseek_v3_block_fp8_as_shipped(checkpoint, tmp_path):
-    """Every *_proj Linear (MLA q_a/q_b/kv_b/o, experts, shared experts, dense MLP) float8 with
-    `weight_scale_inv` blocks of 32 (ragged at the 20-row kv_a_proj edge) == the dequantized checkpoint,
+    """Every Linear but the routers (MLA q_a/q_b/kv_a_with_mqa/kv_b/o, experts, shared experts, dense MLP)
+    float8 with `weight_scale_inv` blocks of 32 (ragged at the 20-row kv_a_proj edge) == the dequantized checkpoint,
     resident and tiered, and transformers on the dequantized weights."""
     from test_quant_checkpoints import check_against_dense, ship_fp8_block
 
+    from expertcache.quant.fp8_block import quantize_fp8_block
+
     src = checkpoint("deepseek_v3", **CACHE_CASES["deepseek_v3"])
     shipped = ship_fp8_block(src, tmp_path / "fp8")
+
+    def mqa_fp8(t):  # DeepSeek ships kv_a_proj_with_mqa [R + P, H] in fp8 too
+        for name in [n for n in t if n.endswith("kv_a_proj_with_mqa.weight")]:
+            t[name], t[name.replace(".weight", ".weight_scale_inv")] = quantize_fp8_block(t[name].float(), (32, 32))
+        return t
+
+    C.rewrite_tensors(shipped, mqa_fp8)
     t = C.read_tensors(shipped)
+    assert t["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (1, 2)  # [20, 64]
     assert t["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
     assert t["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"].shape == (3, 1)  # [80, 16]
     assert t["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
