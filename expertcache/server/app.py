@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI-compatible routes, /health, /metrics, /stats.
+"""The FastAPI application: OpenAI-compatible routes, /health, /metrics, /stats, and the browser UI at /.
 
 Invariants:
 - Handlers run on the event loop thread and never touch the engine: they validate and tokenize
@@ -18,12 +18,14 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
@@ -40,6 +42,7 @@ from .prompts import chat_ids, completion_ids
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, sampling_params
 from .tool_calls import format_for
 
+STATIC_DIR = Path(__file__).with_name("static")  # index.html, app.js, style.css of the browser UI
 log = logging.getLogger("expertcache.server")
 
 
@@ -238,6 +241,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return ApiError(f"internal error: {type(e).__name__}", status=500, type="server_error").response()
 
+    # the browser UI: static files of this package, talking to the endpoints below
+    app.mount("/ui", StaticFiles(directory=STATIC_DIR), name="ui")
+
+    @app.get("/", include_in_schema=False)
+    async def ui():
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
     @app.get("/health")
     async def health():
         if state.engine is not None:
@@ -263,29 +273,26 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                            status=404, code="model_not_found")
         return (await models(request))["data"][0]
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def generate(request: Request, chat: bool):
         async def run():
-            req = await _parse(request, CompletionRequest)
+            req = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
             state.check_model(req.model)
             llm = state.ready().llm
-            shape = Shape(f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False, include_usage=req.include_usage)
+            shape = Shape(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", cfg.model_name, chat=chat,
+                          include_usage=req.include_usage)
             # tokenizing (GIL released) and grammar compiling on a worker thread: the loop stays free
-            return await _respond(state, request, await run_in_threadpool(_completion_job, llm, req, shape))
+            job = await run_in_threadpool(_chat_job if chat else _completion_job, llm, req, shape)
+            return await _respond(state, request, job)
 
         return await _limited(state, state.check_auth(request), run)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        async def run():
-            req = await _parse(request, ChatCompletionRequest)
-            state.check_model(req.model)
-            llm = state.ready().llm
-            shape = Shape(f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
-                          include_usage=req.include_usage)
-            return await _respond(state, request, await run_in_threadpool(_chat_job, llm, req, shape))
-
-        return await _limited(state, state.check_auth(request), run)
+        return await generate(request, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
