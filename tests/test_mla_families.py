@@ -383,12 +383,16 @@ def _hub_spelling(path: Path) -> None:
     cfg = json.loads((path / "config.json").read_text())
     rope = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:  # GLM-4.5 spells it at the top level
+        cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     kind = rope.pop("rope_type")
     cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
     cfg.pop("dtype", None)
     cfg.update(torch_dtype="float32", ep_size=1, aux_loss_alpha=0.001, seq_aux=True, moe_layer_freq=1)
-    if cfg["architectures"] == ["DeepseekV3ForCausalLM"]:
+    if cfg["architectures"] != ["DeepseekV2ForCausalLM"]:
         cfg.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    if cfg["architectures"] == ["Glm4MoeLiteForCausalLM"]:
+        cfg.update(first_k_dense_replace=1)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -400,7 +404,10 @@ def _hub_spelling(path: Path) -> None:
                                           "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                           "beta_fast": 32, "beta_slow": 1}, n_group=4, topk_group=2,
                          n_routed_experts=16)),
-], ids=["deepseek-v2-lite-spelling", "deepseek-v3-spelling"])
+    ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+                      attention_bias=True, n_routed_experts=16)),
+    ("glm4_moe_lite", dict(n_routed_experts=16, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])),
+], ids=["deepseek-v2-lite-spelling", "deepseek-v3-spelling", "glm-4.5-air-spelling", "glm-4.7-flash-spelling"])
 def test_hub_spelled_config_matches_transformers(checkpoint, tmp_path, family, overrides):
     path = C.copy_checkpoint(checkpoint(family, **overrides), tmp_path / "model")
     _hub_spelling(path)
