@@ -18,6 +18,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.params import RequestOutput, SamplingParams
 from .engine.runner import ModelRunner
 from .engine.sequence import Sequence
+from .engine.state_cache import StateCache
 from .engine.tokenizer import Tokenizer
 from .errors import CheckpointError, ConfigError
 from .experts.layout import ExpertSource
@@ -64,8 +65,16 @@ class LLM:
         self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
         self.plan_lines: list[str] = []
 
-        kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.num_kv_heads,
-                                           self.cfg.head_dim, self.dtype)
+        kv_layers = len(self.cfg.attention_layer_ids)  # hybrid models: linear-attention layers keep no KV
+        kv_bytes = max(1, KVCache.bytes_per_block(kv_layers, block_size, self.cfg.num_kv_heads,
+                                                  self.cfg.head_dim, self.dtype))
+        # linear-attention state: one slot per running sequence, plus one for logits()
+        state_slots = max_num_seqs + 1 if self.cfg.linear_attn is not None else 0
+        state_bytes = state_slots * StateCache.bytes_per_sequence(self.cfg, self.dtype)
+        if self.cfg.linear_attn is not None and prefix_caching:
+            print("note: prefix caching is off for hybrid linear-attention models (a cached prefix's KV "
+                  "blocks cannot restore the linear-attention state)", file=sys.stderr)
+            prefix_caching = False
         min_blocks = math.ceil(self.max_model_len / block_size)
         budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
         if budget is None:
@@ -92,18 +101,24 @@ class LLM:
         if low_memory:
             cache_options["low_memory"] = True
         # the KV cache is sized first so that an 'auto' device budget leaves room for it
-        self.experts = self._make_experts(cache_options, bar.update, show_plan, num_blocks * kv_bytes)
+        self.experts = self._make_experts(cache_options, bar.update, show_plan, num_blocks * kv_bytes + state_bytes)
         self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update,
                                     self.quant, low_memory=low_memory)
         bar.close()
 
-        self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
+        self.kv = KVCache(kv_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
                           self.dtype, self.device, prefix_caching)
+        self.states = StateCache(self.cfg, state_slots, self.dtype, self.device) if state_slots else None
         self.plan_lines.append(
             f"dense weights {fmt_bytes(dense_bytes)}; KV cache {num_blocks} blocks x {block_size} tokens = "
             f"{fmt_bytes(num_blocks * kv_bytes)} ({num_blocks * block_size} tokens)"
         )
-        self.engine = LLMEngine(ModelRunner(self.model, self.kv), self.tokenizer, self._eos_ids(),
+        if self.states is not None:
+            self.plan_lines.append(
+                f"linear-attention state: {state_slots} sequences x "
+                f"{fmt_bytes(StateCache.bytes_per_sequence(self.cfg, self.dtype))} = {fmt_bytes(state_bytes)} "
+                f"(fixed per sequence, any context length)")
+        self.engine = LLMEngine(ModelRunner(self.model, self.kv, self.states), self.tokenizer, self._eos_ids(),
                                 self.max_model_len, max_num_seqs, max_num_batched_tokens)
         self.record_routing = record_routing  # trace file written by close()
         if record_routing:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet + gated attention
 
 # ../shared beside the checkout (CI lays a copy there); tests that need it skip when absent
 SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
@@ -163,15 +164,37 @@ def default_config(family: str) -> dict:
             norm_topk_prob=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
+    elif family in HYBRID_FAMILIES:
+        # 4 layers: 3 Gated DeltaNet + 1 full attention (the default full_attention_interval 4);
+        # GQA in both mixers (4 q / 2 kv heads; 2 k / 4 v linear heads); partial rotary 0.25
+        d.update(
+            num_hidden_layers=4,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        )
+        if family == "qwen3_next":
+            d.update(norm_topk_prob=True, intermediate_size=96)
     else:
         raise ValueError(f"unknown family {family!r}")
     return d
 
 
 def hf_config(family: str, **overrides):
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig, Qwen3NextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
     cls = {
+        "qwen3_next": Qwen3NextConfig,
+        "qwen3_5_moe": Qwen3_5MoeTextConfig,
         "qwen3_moe": Qwen3MoeConfig,
         "qwen2_moe": Qwen2MoeConfig,
         "mixtral": MixtralConfig,

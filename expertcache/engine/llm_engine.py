@@ -39,7 +39,7 @@ class LLMEngine:
         self.runner, self.tokenizer, self.kv = runner, tokenizer, runner.kv
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, runner.states)
         self.seqs: dict[str, Sequence] = {}
         self.counters = EngineCounters()
         self.recorder = recorder

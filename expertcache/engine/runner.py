@@ -8,6 +8,7 @@ from ..layers.attention import AttnBatch
 from ..models.transformer import MoETransformer
 from .kv_cache import KVCache
 from .sequence import Sequence
+from .state_cache import StateCache
 
 
 def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch.device):
@@ -38,11 +39,14 @@ def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch
 
 
 class ModelRunner:
-    def __init__(self, model: MoETransformer, kv: KVCache):
-        self.model, self.kv = model, kv
+    def __init__(self, model: MoETransformer, kv: KVCache, states: StateCache | None = None):
+        self.model, self.kv, self.states = model, kv, states
 
     def run(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
         """Compute KV for the scheduled tokens; -> logits [B, V] (last new token of each sequence),
         or [T, V] for every new token when all_logits."""
         ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
-        return self.model.forward(ids, batch, self.kv.tensors, None if all_logits else last)
+        states = None
+        if self.states is not None:
+            states = self.states.batch([s.state_slot for s, _ in work], [n for _, n in work], self.model.device)
+        return self.model.forward(ids, batch, self.kv.tensors, None if all_logits else last, states)

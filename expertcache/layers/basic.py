@@ -31,17 +31,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin for arbitrary positions: q/k [T, heads, D] rotated in the half-split convention."""
+    """cos/sin for arbitrary positions: q/k [T, heads, D] rotated in the half-split convention
+    (the leading rotary_dim of D when partial_rotary_factor < 1)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         inv, self.scale = rope_inv_freq(cfg)
         self.inv_freq = inv.to(device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        freqs = positions[:, None].float() * self.inv_freq  # [T, D/2]
+        freqs = positions[:, None].float() * self.inv_freq  # [T, R/2]; R = rotary dims (partial rotary: R < D)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]
         sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
+        r = emb.shape[-1]
+        if r < q.shape[-1]:  # rotate the leading R dims, pass the rest through
+            return (torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), dim=-1),
+                    torch.cat((k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]), dim=-1))
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .model_config import ModelConfig, check_value, require, rope_parameters
 
 
-def base_fields(hf: dict, family: str) -> dict:
+def base_fields(hf: dict, family: str, partial_rotary: bool = False) -> dict:
     """Fields whose names are common to all supported families."""
     check_value(hf, "hidden_act", {"silu"}, "silu")
     hidden = int(require(hf, "hidden_size"))
@@ -27,7 +27,7 @@ def base_fields(hf: dict, family: str) -> dict:
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         top_k=int(hf["num_experts_per_tok"]),
-        rope=rope_parameters(hf),
+        rope=rope_parameters(hf, partial_rotary),
         eos_token_ids=eos,
         bos_token_id=hf.get("bos_token_id"),
     )

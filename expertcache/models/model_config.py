@@ -43,10 +43,37 @@ class ModelConfig:
     rope: dict = field(default_factory=dict)  # normalised rope parameters (rope_type, rope_theta, ...)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: o = attn * sigmoid(gate) (Qwen3-Next)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): 1.0 for zero-centred norms (Qwen3-Next)
+    linear_attn: LinearAttnConfig | None = None  # hybrid models: the Gated DeltaNet layers
 
     @property
     def moe_layer_ids(self) -> list[int]:
         return [i for i, m in enumerate(self.moe_layers) if m]
+
+    def is_linear(self, layer: int) -> bool:
+        return self.linear_attn is not None and self.linear_attn.layers[layer]
+
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        """Layers with softmax attention (the ones that own KV cache blocks)."""
+        return [i for i in range(self.num_layers) if not self.is_linear(i)]
+
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5-MoE linear_attention layers)."""
+
+    layers: tuple[bool, ...]  # per layer: linear attention (True) or softmax attention
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads: each q/k head serves num_v_heads // num_k_heads v heads
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # causal depthwise conv width; the conv state keeps conv_kernel - 1 inputs
+
+    @property
+    def conv_dim(self) -> int:  # channels of the convolved q|k|v projection
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 def require(hf: dict, key: str, *aliases: str):
@@ -64,8 +91,9 @@ def check_value(hf: dict, key: str, allowed, default=None):
     return value
 
 
-def rope_parameters(hf: dict) -> dict:
-    """Merge the v5 `rope_parameters` and the legacy `rope_theta`/`rope_scaling` fields."""
+def rope_parameters(hf: dict, partial_rotary: bool = False) -> dict:
+    """Merge the v5 `rope_parameters` and the legacy `rope_theta`/`rope_scaling` fields.
+    partial_rotary: the family rotates only the leading partial_rotary_factor of each head."""
     rope = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
     for k, v in legacy.items():
@@ -76,17 +104,27 @@ def rope_parameters(hf: dict) -> dict:
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     if rope["rope_type"] not in ROPE_TYPES:
         raise ConfigError(f"config.json: rope type {rope['rope_type']!r} is not supported (supported: {ROPE_TYPES})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError("config.json: partial_rotary_factor != 1 is not supported")
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if not partial_rotary and factor != 1.0:
+        raise ConfigError("config.json: partial_rotary_factor != 1 is not supported for this architecture")
+    if not 0 < float(factor) <= 1:
+        raise ConfigError(f"config.json: partial_rotary_factor={factor!r} must be in (0, 1]")
+    rope["partial_rotary_factor"] = float(factor)
     return rope
 
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Leading dims of each head that rotary rotates (partial_rotary_factor; the rest pass through)."""
+    return int(cfg.head_dim * cfg.rope.get("partial_rotary_factor", 1.0))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the cos/sin scale for cfg.rope."""
-    r, dim = cfg.rope, cfg.head_dim
+    """Inverse frequencies [rotary_dim/2] and the cos/sin scale for cfg.rope."""
+    r = cfg.rope
+    dim = rotary_dim(cfg)
     base = float(r["rope_theta"])
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     kind = r["rope_type"]

@@ -43,7 +43,7 @@ def register(family: Family) -> Family:
 
 def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:
     """Parse model_dir/config.json (+ generation_config.json) into (family, ModelConfig, raw dict)."""
-    from . import mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401  (register the families)
+    from . import mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next  # noqa: F401  (register the families)
 
     path = Path(model_dir) / "config.json"
     if not path.exists():

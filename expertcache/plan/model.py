@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..engine.kv_cache import KVCache
+from ..engine.state_cache import StateCache
 from ..experts.budget import MemoryPlan
 from ..experts.budget import plan_memory as budget_plan
 from ..experts.layout import ExpertSource
@@ -69,7 +70,8 @@ class Sizes:
     stored_dtype: str
     fast_format: str
     quantized: str | None
-    kv_per_token: int
+    kv_per_token: int  # KV of the softmax-attention layers only
+    state_per_sequence: int  # linear-attention conv + recurrent state (hybrid models), any context length
 
 
 def model_sizes(info: ModelInfo, dtype: torch.dtype) -> Sizes:
@@ -85,7 +87,9 @@ def model_sizes(info: ModelInfo, dtype: torch.dtype) -> Sizes:
                  stored_dtype=method or str(src.dtype).removeprefix("torch."),
                  fast_format=f"{method}, as stored" if method else str(dtype).removeprefix("torch."),
                  quantized=method,
-                 kv_per_token=KVCache.bytes_per_block(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, dtype))
+                 kv_per_token=KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.num_kv_heads,
+                                                      cfg.head_dim, dtype),
+                 state_per_sequence=StateCache.bytes_per_sequence(cfg, dtype))
 
 
 def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
