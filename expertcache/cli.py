@@ -145,13 +145,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def error_line(e: BaseException) -> str:
+    """One line for any error: the project's own errors by their message, others with their type."""
+    from .errors import ExpertCacheError
+
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if isinstance(e, (ExpertCacheError, ValueError)) else f"{type(e).__name__}: {msg}"
+
+
+def run_command(func, args, debug: bool = False) -> int:
+    """Run one subcommand: any error becomes one line on stderr and exit code 2 (a traceback with
+    --debug); Ctrl-C is 130."""
     try:
-        return args.func(args) or 0
-    except (ValueError, MemoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        return func(args) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the command line shows one line, never a traceback
+        if debug:
+            raise
+        print(f"error: {error_line(e)} (--debug shows the traceback)", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, not only before the subcommand
+    argv = [a for a in argv if a != "--debug"]
+    parser = build_parser()
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    args = parser.parse_args(argv)
+    return run_command(args.func, args, debug)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import CheckpointError
@@ -32,13 +32,19 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         cfg_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        try:
+            self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{cfg_path}: expected a JSON object")
+        self.template_file = cfg_path
         template = self.config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         jinja_file = model_dir / "chat_template.jinja"
         if template is None and jinja_file.exists():
-            template = jinja_file.read_text()
+            template, self.template_file = jinja_file.read_text(), jinja_file
         self.chat_template = template
         self._template = None
         self.eos_token = self._token_str("eos_token")
@@ -70,9 +76,15 @@ class Tokenizer:
                 x, indent=indent, ensure_ascii=ensure_ascii)
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except TemplateError as e:
+                raise CheckpointError(f"{self.template_file}: the chat template does not parse ({e})") from None
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except SecurityError as e:
+            raise CheckpointError(f"{self.template_file}: the chat template was refused by the sandbox ({e})") from None
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
