@@ -219,13 +219,16 @@ def randomize_(model, seed: int = 0) -> None:
     lm_head spreads the logits (greedy decoding has clear winners).
     """
     g = torch.Generator().manual_seed(seed)
+    # Qwen3-Next / Qwen3.5 RMSNorms scale by (1 + weight), except the DeltaNet's gated norm
+    zero_centred = model.config.model_type in ("qwen3_next", "qwen3_5_moe_text")
 
     def randn(p):
         return torch.randn(p.shape, generator=g, dtype=torch.float32)
 
     for name, p in model.named_parameters():
         if name.endswith("norm.weight") or re.search(r"norm\.weight$", name):
-            p.copy_(1.0 + 0.1 * randn(p))
+            centre = 0.0 if zero_centred and not name.endswith("linear_attn.norm.weight") else 1.0
+            p.copy_(centre + 0.1 * randn(p))
         elif name.endswith(".bias"):
             p.copy_(0.1 * randn(p))
         elif name.endswith("shared_expert_gate.weight"):

@@ -45,10 +45,10 @@ def recurrent_step(q, k, v, g, beta, state):
     """One token per sequence. q, k [B, Hv, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; state [B, Hv, Dk, Dv]
     (all fp32, q/k normalised and q scaled) -> (o [B, Hv, Dv], new state)."""
     state = state * g.exp()[..., None, None]
-    predicted = (state * k[..., None]).sum(-2)  # S^T k  [B, Hv, Dv]
+    predicted = (k[..., None, :] @ state)[..., 0, :]  # S^T k  [B, Hv, Dv]
     delta = (v - predicted) * beta[..., None]
     state = state + k[..., None] * delta[..., None, :]
-    return (state * q[..., None]).sum(-2), state
+    return (q[..., None, :] @ state)[..., 0, :], state
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -87,7 +87,8 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 
 def load_weights(load, index, prefix: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The layer's weights in the unpacked layout (Qwen3.5 names), from either checkpoint layout.
+    """The layer's weights, from either checkpoint layout, with one input projection `in_proj`
+    whose rows are [q (Hk Dk) | k (Hk Dk) | v (Hv Dv) | z (Hv Dv) | b (Hv) | a (Hv)].
     load(name, shape) -> tensor on the compute device. Qwen3-Next's `in_proj_qkvz` holds, per key
     head, [q (Dk), k (Dk), v (r Dv), z (r Dv)] rows (r = Hv / Hk) and `in_proj_ba` [b (r), a (r)]:
     their rows are regrouped once here (exact)."""
@@ -113,6 +114,8 @@ def load_weights(load, index, prefix: str, cfg: ModelConfig) -> dict[str, torch.
         w["z"] = load(f"{prefix}.in_proj_z.weight", (value_dim, H))
         w["b"] = load(f"{prefix}.in_proj_b.weight", (Hv, H))
         w["a"] = load(f"{prefix}.in_proj_a.weight", (Hv, H))
+    # one input projection: rows [q | k | v | z | b | a]
+    w["in_proj"] = torch.cat([w.pop("qkv"), w.pop("z"), w.pop("b"), w.pop("a")])
     return w
 
 
@@ -123,6 +126,7 @@ class GatedDeltaNet:
         self.hk, self.hv, self.dk, self.dv, self.kw = (la.num_k_heads, la.num_v_heads, la.k_head_dim,
                                                        la.v_head_dim, la.conv_kernel)
         self.neg_A = -w["A_log"].float().exp()  # [Hv]
+        self.conv_w = w["conv"][:, 0].t().contiguous()  # [K, C]
 
     def __call__(self, x: torch.Tensor, seq_of_token: torch.Tensor, row_of_token: torch.Tensor, max_q: int,
                  states: StateBatch) -> torch.Tensor:
@@ -130,15 +134,16 @@ class GatedDeltaNet:
         w, T = self.w, x.shape[0]
         conv_pool, rec_pool = states.layers[self.layer]
         slots = states.slots
-        qkv = self._conv(linear(x, w["qkv"]), seq_of_token, row_of_token, max_q, slots, states.lengths, conv_pool)
         kd, vd = self.hk * self.dk, self.hv * self.dv
+        qkv, z, b, a = linear(x, w["in_proj"]).split([2 * kd + vd, vd, self.hv, self.hv], dim=-1)
+        qkv = self._conv(qkv, seq_of_token, row_of_token, max_q, slots, states.lengths, conv_pool)
         q, k, v = qkv.split([kd, kd, vd], dim=-1)
         r = self.hv // self.hk
         q = l2norm(q.reshape(T, self.hk, self.dk).float()).repeat_interleave(r, dim=1) * self.dk ** -0.5
         k = l2norm(k.reshape(T, self.hk, self.dk).float()).repeat_interleave(r, dim=1)
         v = v.reshape(T, self.hv, self.dv).float()
-        beta = torch.sigmoid(linear(x, w["b"])).float()
-        g = self.neg_A * F.softplus(linear(x, w["a"]).float() + w["dt_bias"])
+        beta = torch.sigmoid(b).float()
+        g = self.neg_A * F.softplus(a.float() + w["dt_bias"])
 
         o = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)
         single = states.lengths == 1
@@ -166,7 +171,7 @@ class GatedDeltaNet:
         o = o.to(x.dtype)
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
-        z = linear(x, w["z"]).view(T, self.hv, self.dv)
+        z = z.reshape(T, self.hv, self.dv)
         o = (w["norm"] * of.to(x.dtype)) * F.silu(z.float())
         return linear(o.to(x.dtype).reshape(T, -1), w["out_proj"])
 
@@ -179,5 +184,8 @@ class GatedDeltaNet:
         buf[seq_of_token, K - 1 + row_of_token] = qkv
         keep = lengths[:, None] + torch.arange(K - 1, device=qkv.device)  # [B, K-1]: the last K-1 inputs
         conv_pool[slots] = buf.gather(1, keep[..., None].expand(-1, -1, C)).to(conv_pool.dtype)
-        out = F.conv1d(buf.transpose(1, 2).to(self.w["conv"].dtype), self.w["conv"], groups=C)  # [B, C, Q]
-        return F.silu(out).transpose(1, 2)[seq_of_token, row_of_token].to(qkv.dtype)
+        buf = buf.to(self.conv_w.dtype)
+        out = buf[:, :max_q] * self.conv_w[0]  # depthwise: out[t, c] = sum_j w[c, j] x[t - K + 1 + j, c]
+        for j in range(1, K):
+            out += buf[:, j:j + max_q] * self.conv_w[j]
+        return F.silu(out[seq_of_token, row_of_token]).to(qkv.dtype)
