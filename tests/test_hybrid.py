@@ -201,3 +201,11 @@ def test_plan_counts_state_and_attention_kv(model, capsys):
     assert kv["state_bytes_per_sequence"] == StateCache.bytes_per_sequence(c, torch.float32) > 0
     assert main(["plan", str(model.path)]) == 0
     assert "linear-attention state:" in capsys.readouterr().out
+
+
+def test_n_samples_copy_the_prompt_state(model):
+    """n > 1: the siblings forked after the prompt get a copy of its state (greedy: all equal)."""
+    outs = model.llm.generate([PROMPT], SamplingParams(n=3, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert [list(o.token_ids) for o in outs] == [model.expected(PROMPT)] * 3
+    assert model.llm.states.num_free == model.llm.states.num_slots

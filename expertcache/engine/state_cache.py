@@ -6,7 +6,8 @@ The pool holds `num_slots` of them for every linear-attention layer, allocated u
 
 Invariants:
 - a slot is free (in `free`) or owned by exactly one sequence (`Sequence.state_slot`);
-- a slot handed out by `allocate` is zeroed: it is the state before the first token;
+- a slot handed out by `allocate` is zeroed: it is the state before the first token (`fork`
+  hands out a copy of another slot instead: n > 1 samples of one prompt);
 - the state of a slot reflects exactly the tokens tokens[:num_computed] of its sequence, so a
   sequence that loses its slot (preemption frees it) restarts from token 0 (recomputation), and
   prefix reuse of KV blocks alone cannot resume it (the engine turns prefix caching off).
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..layers.gated_deltanet import StateBatch
+
+__all__ = ["StateBatch", "StateCache"]
 from ..models.model_config import ModelConfig
 
 
@@ -58,6 +61,14 @@ class StateCache:
             conv[slot].zero_()
             rec[slot].zero_()
         return slot
+
+    def fork(self, slot: int) -> int:
+        """A new slot holding a copy of `slot`'s states (a sibling sample of the same prompt)."""
+        new = self.allocate()
+        for conv, rec in self.layers.values():
+            conv[new] = conv[slot]
+            rec[new] = rec[slot]
+        return new
 
     def release(self, slot: int) -> None:
         assert slot not in self.free, f"state slot {slot} released twice"

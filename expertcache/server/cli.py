@@ -97,6 +97,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from ..parallel.worker import run_torchrun_worker, torchrun_rank
+
+    if torchrun_rank():  # ranks 1..N-1 under torchrun: no HTTP server, mirror rank 0
+        from ..cli import engine_kwargs
+
+        return run_torchrun_worker(engine_kwargs(args))
     cfg = _server_config(args)
     server: uvicorn.Server | None = None
 
