@@ -6,6 +6,7 @@ Python internals or mutate its inputs.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +16,20 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import CheckpointError
+
+
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable character -> the byte it encodes."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = dict(zip(keep, keep)), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_UNICODE_TO_BYTE = _byte_level_map()
 
 
 def _raise(msg):
@@ -64,6 +79,23 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: byte-level BPE pieces mapped back to raw bytes (a piece
+        may be part of a UTF-8 character), otherwise the UTF-8 of its decoded text."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._special_ids and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.tok.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
