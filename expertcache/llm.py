@@ -23,9 +23,8 @@ from .engine.tokenizer import Tokenizer
 from .errors import CheckpointError, ConfigError
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
-from .loader.safetensors_index import TensorIndex
 from .models.checks import check_layer_count
-from .models.registry import read_config
+from .models.registry import open_index, read_config
 from .models.transformer import MoETransformer
 from .quant.checkpoint import method_from_config
 from .units import fmt_bytes, parse_bytes
@@ -61,7 +60,7 @@ class LLM:
             raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
         self.family, self.cfg, self.hf_config = read_config(self.model_dir)
-        self.index = TensorIndex(self.model_dir)
+        self.index = open_index(self.model_dir, self.family)
         check_layer_count(self.index, self.cfg.num_layers)
         self.quant = method_from_config(self.hf_config)
         self.source = ExpertSource(self.index, self.cfg, self.family.names, self.quant)

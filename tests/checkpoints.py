@@ -220,7 +220,7 @@ def randomize_(model, seed: int = 0) -> None:
     """
     g = torch.Generator().manual_seed(seed)
     # Qwen3-Next / Qwen3.5 RMSNorms scale by (1 + weight), except the DeltaNet's gated norm
-    zero_centred = model.config.model_type in ("qwen3_next", "qwen3_5_moe_text")
+    zero_centred = model.config.model_type in ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 
     def randn(p):
         return torch.randn(p.shape, generator=g, dtype=torch.float32)

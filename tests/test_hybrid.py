@@ -209,3 +209,30 @@ def test_n_samples_copy_the_prompt_state(model):
     assert [o.index for o in outs] == [0, 1, 2]
     assert [list(o.token_ids) for o in outs] == [model.expected(PROMPT)] * 3
     assert model.llm.states.num_free == model.llm.states.num_slots
+
+
+def test_qwen35_multimodal_checkpoint_reads_the_text_model(tmp_path):
+    """The hub layout of Qwen3.5-MoE: Qwen3_5MoeForConditionalGeneration (text_config, tensors under
+    model.language_model.*, a vision tower) plus an mtp.* head; the text model's logits are transformers'."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = C.hf_config("qwen3_5_moe").to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=4, num_position_embeddings=16)
+    torch.manual_seed(0)
+    ref = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision)).eval()
+    C.randomize_(ref, 3)
+    path = tmp_path / "qwen35-vl"
+    ref.save_pretrained(path)
+    C.write_generation_config(path)
+    C.rewrite_tensors(path, lambda t: {**t, "mtp.fc.weight": torch.zeros(4, 4)})
+    names = C.tensor_files(path)
+    assert any(k.startswith("model.language_model.layers.") for k in names) and any(k.startswith("model.visual.") for k in names)
+    llm = LLM(str(path), device="cpu")
+    with torch.no_grad():
+        expected = ref(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(llm.logits(PROMPT), expected, atol=ATOL, rtol=RTOL)
+    assert "model.visual.pos_embed.weight" not in llm.index and "mtp.fc.weight" not in llm.index
+    from expertcache.cli import main
+
+    assert main(["plan", str(path)]) == 0  # headers only, the same names

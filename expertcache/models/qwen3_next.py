@@ -3,13 +3,15 @@
 Both decoders mix Gated DeltaNet layers (`layer_types` "linear_attention", layers/gated_deltanet.py)
 with gated softmax attention ("full_attention": q_proj also yields a per-head output gate, per-head
 q/k RMSNorm, partial rotary). Their RMSNorms are zero-centred (scale 1 + weight), except the
-gated norm inside the DeltaNet. MoE layers have a sigmoid-gated shared expert.
+gated norm inside the DeltaNet. MoE layers have a sigmoid-gated shared expert. The
+multi-token-prediction head (`mtp.*`) is not used.
 
 Qwen3-Next packs the DeltaNet projections per key head (`in_proj_qkvz`, `in_proj_ba`); Qwen3.5
 stores them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`); gated_deltanet.load_weights
-reads either. Qwen3.5-MoE always renormalises the top-k weights and has no dense layers. A
-`Qwen3_5MoeForConditionalGeneration` config.json keeps the text model under `text_config`; only
-the text-only `Qwen3_5MoeForCausalLM` tensor layout (`model.layers.*`) is read.
+reads either. Qwen3.5-MoE always renormalises the top-k weights and has no dense layers. The hub's
+`Qwen3_5MoeForConditionalGeneration` checkpoints (text + vision) keep the text model's fields under
+`text_config` and its tensors under `model.language_model.*`: the text model is read, the vision
+tower (`model.visual.*`) is not (prompts are text only).
 """
 
 from .common import base_fields, finish, raise_cfg, sparse_layers
@@ -72,11 +74,22 @@ def parse_next(hf: dict):
 
 def parse_qwen35(hf: dict):
     if isinstance(hf.get("text_config"), dict):  # ConditionalGeneration config: the text model's fields
-        hf = {**hf["text_config"], "eos_token_id": hf.get("eos_token_id", hf["text_config"].get("eos_token_id"))}
+        text = hf["text_config"]
+        hf = {**text, **{k: hf[k] for k in ("eos_token_id", "tie_word_embeddings") if hf.get(k) is not None}}
     f = _parse(hf, "qwen3_5_moe", lambda hf, n, e: (True,) * n)
     return finish({**f, "norm_topk_prob": True, "intermediate_size": 0})
 
 
+def text_tensors(name: str) -> str | None:
+    """Checkpoint name -> decoder name: `model.language_model.*` -> `model.*`; vision and MTP left out."""
+    if name.startswith(("mtp.", "model.visual.")):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name
+
+
 NAMES = WeightNames(("mlp",), "gate", ("gate_proj", "up_proj", "down_proj"))
-NEXT = register(Family("qwen3_next", ("Qwen3NextForCausalLM",), parse_next, NAMES))
-QWEN35 = register(Family("qwen3_5_moe", ("Qwen3_5MoeForCausalLM",), parse_qwen35, NAMES))
+NEXT = register(Family("qwen3_next", ("Qwen3NextForCausalLM",), parse_next, NAMES, text_tensors))
+QWEN35 = register(Family("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+                         parse_qwen35, NAMES, text_tensors))

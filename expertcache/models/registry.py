@@ -30,6 +30,9 @@ class Family:
     architectures: tuple[str, ...]
     parse: Callable[[dict], ModelConfig]
     names: WeightNames
+    # checkpoint tensor name -> the name the decoder reads (None: not used, e.g. a vision tower);
+    # None = names as stored
+    tensor_names: Callable[[str], str | None] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -39,6 +42,16 @@ def register(family: Family) -> Family:
     for arch in family.architectures:
         FAMILIES[arch] = family
     return family
+
+
+def open_index(model_dir: str | Path, family: Family):
+    """The checkpoint's tensor index under the names the decoder reads (family.tensor_names)."""
+    from ..loader.safetensors_index import TensorIndex
+
+    index = TensorIndex(model_dir)
+    if family.tensor_names is not None:
+        index.rename(family.tensor_names)
+    return index
 
 
 def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:

@@ -23,7 +23,7 @@ from ..experts.budget import plan_memory as budget_plan
 from ..experts.layout import ExpertSource
 from ..llm import default_dtype
 from ..loader.safetensors_index import TensorIndex
-from ..models.registry import read_config
+from ..models.registry import open_index, read_config
 from ..quant.checkpoint import method_from_config
 
 _SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: consumed at load, not kept
@@ -51,7 +51,7 @@ def read_model(model_dir: str | Path) -> ModelInfo:
     """config.json + safetensors headers -> ModelInfo (ConfigError / CheckpointError as the engine raises)."""
     model_dir = Path(model_dir)
     family, cfg, hf = read_config(model_dir)
-    index = TensorIndex(model_dir)
+    index = open_index(model_dir, family)
     source = ExpertSource(index, cfg, family.names, method_from_config(hf))
     size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
     return ModelInfo(model_dir, hf, source, size)
