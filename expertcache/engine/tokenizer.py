@@ -36,6 +36,11 @@ def _raise(msg):
     raise TemplateError(msg)
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' `tojson` (not Jinja's, which escapes HTML): the same options, the same output."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -104,8 +109,8 @@ class Tokenizer:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.filters["tojson"] = _tojson
+            env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             try:

@@ -9,12 +9,24 @@ layer is an error at startup, never a failure mid-generation.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import BudgetError
 from ..units import fmt_bytes, parse_bytes
+
+
+_SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: consumed at load, not kept
+
+
+def dense_compute_bytes(index, dtype: torch.dtype) -> int:
+    """The dense (non-expert) float weights as the engine holds them: every element in `dtype`,
+    quantization scales folded in. From the headers alone (`index` a TensorIndex)."""
+    return sum(math.prod(t.shape) * dtype.itemsize for n, t in index.tensors.items()
+               if ".experts." not in n and not _SCALE.search(n) and t.dtype.is_floating_point)
 
 
 def available_ram() -> int:

@@ -43,6 +43,13 @@ class ModelConfig:
     rope: dict = field(default_factory=dict)  # normalised rope parameters (rope_type, rope_theta, ...)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    attn_sinks: bool = False  # a learned logit per head in the softmax denominator (self_attn.sinks)
+    router_bias: bool = False
+    router_order: str = "softmax_topk"  # | "topk_softmax" (softmax over the top-k logits only)
+    expert_bias: bool = False  # routed experts carry gate_up / down biases
+    expert_act: str = "silu"  # experts.compute.ACTIVATIONS: "silu" | "clamped_swiglu"
+    swiglu_alpha: float = 1.0  # clamped_swiglu only
+    swiglu_limit: float = float("inf")
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: o = attn * sigmoid(gate) (Qwen3-Next)
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): 1.0 for zero-centred norms (Qwen3-Next)
     linear_attn: LinearAttnConfig | None = None  # hybrid models: the Gated DeltaNet layers

@@ -69,7 +69,7 @@ def _server_config(args: argparse.Namespace):
         name, aliases = "expertcache-demo", set()
     else:
         path = Path(args.model)
-        name = args.model
+        name = getattr(args, "model_spec", None) or args.model
         aliases = {str(path), str(path.resolve()), path.resolve().name}
     if args.served_model_name:
         aliases.add(name)
@@ -87,9 +87,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("expertcache.server")
-    if args.model is not None and not Path(args.model).is_dir():
-        print(f"error: model directory {args.model} does not exist", file=sys.stderr)
-        return 2
+    from ..cli import resolve_model_arg
+
+    resolve_model_arg(args)
     args.api_key = api_key(args)
     if args.host not in LOOPBACK and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
