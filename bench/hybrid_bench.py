@@ -8,7 +8,7 @@ ratios at 1/4 width. Configurations run in alternating rounds; each line is the 
     config=resident batch=1 prompt_len=256 gen=32 prefill_tok_s=... decode_tok_s=...
     state model=... layers=... linear=... state_bytes_per_seq=... kv_bytes_4k=... full_attn_kv_bytes_4k=... ...
 
-    python bench/hybrid_bench.py [--dir /tmp/expertcache-hybrid-bench] [--rounds 3] [--batch 1 8]
+    python bench/hybrid_bench.py [--dir /tmp/expertcache-hybrid-bench] [--rounds 3] [--batch 1 8] [--threads 1]
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 on an oversubscribed machine)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 

@@ -236,3 +236,21 @@ def test_qwen35_multimodal_checkpoint_reads_the_text_model(tmp_path):
     from expertcache.cli import main
 
     assert main(["plan", str(path)]) == 0  # headers only, the same names
+
+
+def test_quantized_experts_under_a_tight_budget(model, tmp_path):
+    """`expertcache quantize` on a hybrid checkpoint (int8 experts): tight tiers == the same model resident."""
+    from expertcache.quant.quantize import quantize_checkpoint
+
+    q = quantize_checkpoint(model.path, tmp_path / "int8", "int8", group_size=16)
+    resident = LLM(str(q), device="cpu")
+    tight = LLM(str(q), device="cpu", device_memory="25%", host_memory="25%", verify=True)
+    try:
+        torch.testing.assert_close(tight.logits(PROMPT), resident.logits(PROMPT), atol=1e-5, rtol=1e-5)
+        assert [o.token_ids for o in tight.generate(prompts(), GREEDY)] == \
+            [o.token_ids for o in resident.generate(prompts(), GREEDY)]
+        assert tight.experts.stats()["misses"] > 0
+        # int8 experts stay close to the fp32 model (logits of magnitude ~1-5)
+        assert (resident.logits(PROMPT) - model.llm.logits(PROMPT)).abs().mean() < 0.05
+    finally:
+        tight.close()
