@@ -48,8 +48,8 @@ def state_line(name: str, cfg, dtype=torch.bfloat16) -> str:
     from expertcache.engine.state_cache import StateCache
 
     state = StateCache.bytes_per_sequence(cfg, dtype)
-    per_tok = KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.num_kv_heads, cfg.head_dim, dtype)
-    full_tok = KVCache.bytes_per_block(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, dtype)
+    per_tok = KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.kv_token_shapes, dtype)
+    full_tok = KVCache.bytes_per_block(cfg.num_layers, 1, cfg.kv_token_shapes, dtype)
     parts = [f"state model={name} layers={cfg.num_layers} linear={sum(cfg.linear_attn.layers)} "
              f"dtype={str(dtype).removeprefix('torch.')} state_bytes_per_seq={state}"]
     for n, label in ((4096, "4k"), (32768, "32k")):

@@ -9,6 +9,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .experts.policy import ONLINE  # numpy only: the policy names for --cache-policy
+
+
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model."""
@@ -22,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: min(model, 4096))")
     p.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default: 16)")
     p.add_argument("--kv-cache-memory", default="auto", help="KV cache budget, e.g. 512MiB (default: auto)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice, one per core; on a busy shared "
                         "machine 1 avoids OpenMP contention)")
     p.add_argument("--low-memory", action="store_true",
@@ -38,8 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="budget for experts in the fastest tier (device slots), e.g. 512MiB, or 'auto'; "
                         "omit all cache flags to keep every expert resident")
     g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, or 'auto'")
-    g.add_argument("--cache-policy", default=None,
-                   help="eviction policy: lru, lfru, lfu, static, lfru-admit, adaptive (default: adaptive)")
+    g.add_argument("--cache-policy", default=None, choices=ONLINE,
+                   help="eviction policy of the expert cache (needs --device-memory or --host-memory; "
+                        "default: adaptive)")
     g.add_argument("--prefetch", nargs="?", const="device", default=None, choices=["auto", "device", "host", "off"],
                    help="read the next layer's predicted experts ahead: device = into device slots (default with "
                         "CUDA; bare --prefetch), host = disk reads into host RAM only (default on a CPU-only "
@@ -197,6 +212,20 @@ def add_sampling_args(p: argparse.ArgumentParser, prompt_default: str | None) ->
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+# The architectures models/registry.py knows, with hub checkpoints of each layout (a test
+# checks this list against the registry). Kept here so that --help does not import torch.
+SUPPORTED = """supported checkpoints (config.json architectures, e.g. hub repos):
+  Qwen3MoeForCausalLM      Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B
+  Qwen2MoeForCausalLM      Qwen/Qwen1.5-MoE-A2.7B, Qwen/Qwen2-57B-A14B
+  MixtralForCausalLM       mistralai/Mixtral-8x7B-Instruct-v0.1
+  OlmoeForCausalLM         allenai/OLMoE-1B-7B-0924
+  DeepseekV2ForCausalLM    deepseek-ai/DeepSeek-V2-Lite
+  DeepseekV3ForCausalLM    deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct (block fp8 as shipped)
+  Glm4MoeForCausalLM       zai-org/GLM-4.5-Air, zai-org/GLM-4.5
+  Glm4MoeLiteForCausalLM   zai-org/GLM-4.7-Flash
+  GptOssForCausalLM        openai/gpt-oss-20b, openai/gpt-oss-120b (MXFP4 experts as shipped)"""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `expertcache generate: error: argument --top-p: ... (see --help)`, exit 2."""
 
@@ -214,7 +243,8 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="expertcache", description=__doc__.splitlines()[0])
+    parser = Parser(prog="expertcache", description=__doc__.splitlines()[0], epilog=SUPPORTED,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"expertcache {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streaming tokens")
@@ -222,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g, None)
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="generate under an expert budget smaller than the experts (25%% in the "
-                                    "fastest tier) and show the cache; default model: the built-in demo")
+                                    "fastest tier) and show the cache; default model: the built-in demo",
+                       epilog=SUPPORTED, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(d)
     add_sampling_args(d, "The expert cache keeps")
     d.add_argument("--rebuild", action="store_true", help="rebuild the demo checkpoint")

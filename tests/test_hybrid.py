@@ -92,8 +92,7 @@ def test_preemption_restores_state(model):
     """A KV cache too small for all sequences preempts (blocks and state slot freed); the sequence is
     recomputed from token 0 with a fresh state and still gives the same tokens."""
     llm = model.llm
-    per_block = KVCache.bytes_per_block(len(llm.cfg.attention_layer_ids), 4, llm.cfg.num_kv_heads,
-                                        llm.cfg.head_dim, llm.dtype)
+    per_block = KVCache.bytes_per_block(len(llm.cfg.attention_layer_ids), 4, llm.cfg.kv_token_shapes, llm.dtype)
     many = [PROMPT[i:] + PROMPT[:i] for i in range(0, 20, 4)]
     tight = LLM(str(model.path), device="cpu", max_model_len=64, block_size=4, kv_cache_memory=per_block * 20)
     got = [list(o.token_ids) for o in tight.generate(many, GREEDY)]

@@ -6,7 +6,7 @@ from .model_config import ModelConfig, as_int, check_value, get_int, require_int
 
 
 def base_fields(hf: dict, family: str, partial_rotary: bool = False) -> dict:
-    """Fields whose names are common to all supported families."""
+    """Fields whose names are common to all supported families (partial_rotary: see rope_parameters)."""
     check_value(hf, "hidden_act", {"silu"}, "silu")
     hidden = require_int(hf, "hidden_size")
     heads = require_int(hf, "num_attention_heads")

@@ -48,8 +48,13 @@ def _parse(hf: dict, family: str, moe_layers) -> dict:
     e = int(require(hf, "num_experts"))
     n = f["num_layers"]
     bias = bool(hf.get("attention_bias", False))
+    rotary = int(f["head_dim"] * float(f["rope"].get("partial_rotary_factor", 1.0)))
+    if rotary % 2 or not 0 < rotary <= f["head_dim"]:
+        raise_cfg(f"partial_rotary_factor of head_dim={f['head_dim']} gives {rotary} rotary dims "
+                  "(must be even and positive)")
     return {
         **f,
+        "rotary_dim": rotary,
         "qkv_bias": bias,
         "o_bias": bias,
         "qk_norm": "head",

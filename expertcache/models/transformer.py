@@ -24,6 +24,7 @@ from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
 from ..layers.basic import Rotary, linear, rms_norm, swiglu
 from ..layers.gated_deltanet import GatedDeltaNet, StateBatch, load_weights as load_linear_attn
+from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import load_dense
@@ -48,12 +49,12 @@ class MoETransformer:
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         H, V, names = cfg.hidden_size, cfg.vocab_size, family.names
 
-        def load(name, shape):
+        def load(name, shape, as_dtype=None):
             t = load_dense(index, name, shape, quant)
             check_dense(index, name, t, check_finite)
             # low memory: a 2-D weight keeps its (narrower) stored float dtype and is converted per use
             narrow = low_memory and t.dim() == 2 and t.dtype.itemsize < dtype.itemsize and t.is_floating_point()
-            t = t.to(device=device, dtype=t.dtype if narrow else dtype)
+            t = t.to(device=device, dtype=as_dtype or (t.dtype if narrow else dtype))
             if progress:
                 progress(t.numel() * index.info(name).dtype.itemsize)
             return t
@@ -87,13 +88,18 @@ class MoETransformer:
             if cfg.is_linear(i):
                 layer["linear"] = GatedDeltaNet(cfg, i, load_linear_attn(load, index, f"{p}.linear_attn", cfg))
             else:
-                layer["attn"] = self._attention(cfg, i, p, load, norm)
+                layer["attn"] = (MLAttention(cfg, i, load_mla(cfg, p, load), self.rotary) if cfg.mla is not None
+                                 else Attention(cfg, i, self._mha_weights(p, load, norm), self.rotary))
             if cfg.moe_layers[i]:
                 prefix = next((f"{p}.{m}" for m in names.moe_prefixes if f"{p}.{m}.{names.router}.weight" in index),
                               f"{p}.{names.moe_prefixes[0]}")
-                layer["router"] = load(f"{prefix}.{names.router}.weight", (cfg.num_experts, H))
+                r32 = torch.float32 if cfg.router.float32_logits else None  # the reference keeps these in fp32
+                layer["router"] = load(f"{prefix}.{names.router}.weight", (cfg.num_experts, H), r32)
                 if cfg.router_bias:
-                    layer["router_bias"] = load(f"{prefix}.{names.router}.bias", (cfg.num_experts,))
+                    layer["router_bias"] = load(f"{prefix}.{names.router}.bias", (cfg.num_experts,), r32)
+                if cfg.router.kind == "noaux_tc":
+                    layer["correction"] = load(f"{prefix}.{names.router}.e_score_correction_bias", (cfg.num_experts,),
+                                               torch.float32)
                 if cfg.shared_expert_intermediate_size:
                     S, se = cfg.shared_expert_intermediate_size, f"{prefix}.{names.shared_expert}"
                     layer["shared"] = (load(f"{se}.gate_proj.weight", (S, H)), load(f"{se}.up_proj.weight", (S, H)),
@@ -113,8 +119,9 @@ class MoETransformer:
         moe = cfg.moe_layer_ids
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
 
-    def _attention(self, cfg: ModelConfig, i: int, p: str, load, norm) -> Attention:
-        H = cfg.hidden_size
+    def _mha_weights(self, p: str, load, norm) -> dict[str, torch.Tensor]:
+        """q/k/v/o projections (+ biases, q/k norms) of layer prefix p."""
+        cfg, H = self.cfg, self.cfg.hidden_size
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q_rows = 2 * q_dim if cfg.attn_output_gate else q_dim  # per head: [query, gate]
         a = {
@@ -134,7 +141,7 @@ class MoETransformer:
             a["k_norm.weight"] = norm(f"{p}.self_attn.k_norm.weight", (kn,))
         if cfg.attn_sinks:
             a["sinks"] = load(f"{p}.self_attn.sinks", (cfg.num_heads,))
-        return Attention(cfg, i, a, self.rotary)
+        return a
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -166,7 +173,8 @@ class MoETransformer:
 
     def _route(self, layer: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        return route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob, layer.get("router_bias"), cfg.router_order)
+        return route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob, cfg.router, layer.get("correction"),
+                     layer.get("router_bias"))
 
     def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ids, w = self._route(layer, x)
