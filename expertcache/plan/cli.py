@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 
+from ..cost.model import DEFAULT_PROFILE
 from ..errors import BudgetError
 from ..units import fmt_bytes
 
-DEFAULT_PROFILE = {"cpu": "cpu-only", "cuda": "rtx4090-pcie4"}
 
 
 def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -61,24 +60,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _profile(spec: str | None, device: str, model_dir):
-    """(Profile, how it was chosen). Device cpu drops a profile's GPU figures; cuda needs them."""
-    from ..trace.profiles import get_profile
+    """(Profile, how it was chosen): cost.measure.resolve_profile, the engine's own resolution."""
+    from ..cost.measure import resolve_profile
 
-    how = "given"
-    if spec is None:
-        spec, how = DEFAULT_PROFILE[device], f"default for --device {device}"
-    if spec == "this-cpu":
-        from .hw import measure_cpu_profile
-
-        m = measure_cpu_profile(model_dir)
-        prof, how = m.profile, f"measured now with {m.threads} torch threads" + (f"; {m.notes}" if m.notes else "")
-    else:
-        prof = get_profile(spec)
-    if device == "cpu" and prof.has_gpu:
-        prof, how = replace(prof, gpu_mem_gbs=0.0, gpu_tflops=0.0), how + "; GPU figures ignored for --device cpu"
-    if device == "cuda" and not prof.has_gpu:
-        raise ValueError(f"--profile: {prof.name!r} has no GPU figures; pick a GPU profile for --device cuda")
-    return prof, how
+    prof, how = resolve_profile(spec, device, model_dir)
+    return prof, how.replace("device ", "--device ")
 
 
 def build_report(args: argparse.Namespace) -> dict:
