@@ -52,7 +52,7 @@ class LLMEngine:
         self.runner, self.tokenizer, self.kv = runner, tokenizer, runner.kv
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, runner.states)
         self.seqs: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.counters = EngineCounters()
         self.recorder = recorder
@@ -222,6 +222,8 @@ class LLMEngine:
             child = seq.fork(i)
             self.kv.acquire(seq.block_ids)
             child.block_ids = list(seq.block_ids)
+            if self.scheduler.states is not None:  # hybrid models: its own copy of the prompt's state
+                child.state_slot = self.scheduler.states.fork(seq.state_slot)
             self.scheduler.running.append(child)
             self.seqs[seq.request_id].append(child)
             children.append(child)
