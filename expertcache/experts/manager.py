@@ -209,15 +209,21 @@ class TieredExperts(ExpertProvider):
     def _read(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> None:
         """Expert e's bytes from disk into dst (any thread)."""
         self.reader.read_parts(self.source.ranges(layer, e), dst)
-        if self.source.check_read(layer, e, dst) and self.serving:  # serving (not loading):
-            log.warning("%s", self.source.nonfinite_error(layer, e))  # requests routed to e fail on their logits
+        self._check(layer, e, dst)
+
+    def _check(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> None:
+        """Non-finite values at an expert's first read are recorded (requests routed to it fail on
+        their logits) and, when serving (not loading), logged."""
+        if self.source.check_read(layer, e, dst) and self.serving:
+            log.warning("%s", self.source.nonfinite_error(layer, e))
 
     def _submit_read(self, layer: int, e: int, views: dict[str, torch.Tensor], sync: bool) -> InFlight | None:
         """Disk -> views: on the I/O pool (-> its handle), or now on this thread when `sync`."""
         if sync:
             self._read(layer, e, views)
             return None
-        return InFlight(self.reader.submit_parts(self.source.ranges(layer, e), views))
+        return InFlight(self.reader.submit_parts(self.source.ranges(layer, e), views,
+                                                 then=lambda: self._check(layer, e, views)))
 
     def _copy(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]):
         """host views -> device views; on CUDA async on the copy stream, returns its event."""

@@ -106,9 +106,14 @@ class DiskReader:
         for name, t in dst.items():
             self.read_into(ranges[name], t)
 
-    def submit_parts(self, ranges: dict[str, list], dst: dict[str, torch.Tensor]) -> Future:
-        """read_parts on the I/O pool; the future completes when every part is in."""
-        return self.pool.submit(self.read_parts, ranges, dst)
+    def submit_parts(self, ranges: dict[str, list], dst: dict[str, torch.Tensor], then=None) -> Future:
+        """read_parts on the I/O pool, then `then()` (if given) on the same thread; the future
+        completes when every part is in and `then` returned."""
+        def job():
+            self.read_parts(ranges, dst)
+            if then is not None:
+                then()
+        return self.pool.submit(job)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
