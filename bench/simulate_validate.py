@@ -1,11 +1,11 @@
 """Validate the cost model (trace.simulate) against the engine's measured decode speed here.
 
-1. A `this-cpu` profile from micro-measurements (expertcache.plan_hw): memory bandwidth
+1. A `this-cpu` profile from micro-measurements (expertcache.plan.hw): memory bandwidth
    (large fp32 copy), fp32 GFLOP/s (matmul), disk GB/s (O_DIRECT reads of the checkpoint).
 2. The engine on the demo model under a few expert-cache configurations; routing recorded
    with RoutingRecorder while a measured request decodes (after a warm-up request).
 3. The recorded trace replayed at the configuration's capacity with the engine's policy and
-   prefetch, decode rows only (plan_speed.estimate), then simulated with the measured profile.
+   prefetch, decode rows only (plan/speed.py estimate), then simulated with the measured profile.
 
 The cost model has no fixed per-step cost (Python dispatch, small-op overhead), which
 dominates a model this small. So each configuration gets two predictions: `raw` (the
@@ -31,7 +31,7 @@ import torch
 
 from common import hardware_line, timed_generate
 
-from expertcache.plan_speed import estimate
+from expertcache.plan.speed import estimate
 
 CONFIGS = {  # name -> LLM cache options
     "resident": {},
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
     from expertcache.demo import demo_model_dir
-    from expertcache.plan_hw import measure_cpu_profile
+    from expertcache.plan.hw import measure_cpu_profile
 
     model_dir = str(demo_model_dir())
     t0 = time.perf_counter()

@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: keep dense weights and the fastest expert tier in the checkpoint's dtype, converted "
                         "per use (about half the RAM, some speed); allows --host-memory 0 (misses read from disk "
                         "straight into expert slots)")
+    p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                   help="skip the NaN/inf scan of dense weights at load and of each expert at its first read")
     p.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routing trace (.npz, see `expertcache trace`) when the command ends")
     g = p.add_argument_group("expert cache")
@@ -44,6 +46,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute missing experts on the CPU from host RAM: auto (cost model), always, never")
     g.add_argument("--load-expert-stats", default=None, metavar="FILE", help="warm start from saved expert statistics")
     g.add_argument("--save-expert-stats", default=None, metavar="FILE", help="save expert use statistics at exit")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("expert parallel (torch.distributed: gloo on CPU, NCCL on CUDA)")
+    e.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                   help="spread every MoE layer's experts over N ranks (spawned processes here, or the ranks "
+                        "torchrun started); attention and dense weights are replicated; cache budgets are per rank")
+    e.add_argument("--num-redundant-experts", type=int, default=0, metavar="R",
+                   help="extra physical experts per layer: replicas of the hottest experts (default: 0)")
+    e.add_argument("--enable-eplb", action="store_true",
+                   help="rebalance the placement from the measured expert load (replicas + balanced packing)")
+    e.add_argument("--eplb-window-size", type=int, default=1000, help="steps of load the balancer uses (default: 1000)")
+    e.add_argument("--eplb-step-interval", type=int, default=3000, help="steps between rebalances (default: 3000)")
+    e.add_argument("--ep-timeout", type=float, default=120.0,
+                   help="seconds a rank may stay silent before the group stops with an error (default: 120)")
+
+
+def parallel_config(args: argparse.Namespace):
+    """-> ParallelConfig or None; the EP flags without --expert-parallel are an error."""
+    from .parallel.config import ParallelConfig
+
+    if args.expert_parallel is None:
+        if args.enable_eplb or args.num_redundant_experts:
+            raise ValueError("--enable-eplb and --num-redundant-experts need --expert-parallel N")
+        return None
+    return ParallelConfig(args.expert_parallel, args.num_redundant_experts, args.enable_eplb, args.eplb_window_size,
+                          args.eplb_step_interval, args.ep_timeout, exit_on_failure=True)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -53,12 +83,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True,
-              low_memory=args.low_memory, record_routing=args.record_routing)
+              low_memory=args.low_memory, record_routing=args.record_routing, check_finite=args.check_finite)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
              "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
     if args.prefetch is not None:
         cache["prefetch"] = args.prefetch
     kw.update({k: v for k, v in cache.items() if v is not None})
+    ep = parallel_config(args)
+    if ep is not None:
+        kw["expert_parallel"] = ep
     return kw
 
 
@@ -71,7 +104,10 @@ def _sampling(args):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
+    from .parallel.worker import run_torchrun_worker, torchrun_rank
 
+    if torchrun_rank():  # ranks 1..N-1 under torchrun mirror rank 0
+        return run_torchrun_worker(engine_kwargs(args))
     llm = LLM(**engine_kwargs(args))
     print(llm.plan_lines[-1], file=sys.stderr)  # the KV cache line (the expert plan printed before loading)
     tok = llm._require_tokenizer()
@@ -88,10 +124,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     line = (f"prompt tokens {len(ids)}, generated tokens {c.generated_tokens}, prefill {pre:.1f} tok/s, "
             f"decode {dec:.1f} tok/s")
     stats = llm.expert_stats()
-    if stats:
+    if "per_tier" in stats:
         from .experts.stats import summary_line
 
         line += "; " + summary_line(stats)
+    if "expert_parallel" in stats:
+        from .parallel.experts import summary_line as ep_summary
+
+        line += "; " + ep_summary(stats["expert_parallel"])
     print(line, file=sys.stderr)
     if args.save_expert_stats:
         llm.experts.save_stats(args.save_expert_stats)
@@ -145,13 +185,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def error_line(e: BaseException) -> str:
+    """One line for any error: the project's own errors by their message, others with their type."""
+    from .errors import ExpertCacheError
+
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if isinstance(e, (ExpertCacheError, ValueError)) else f"{type(e).__name__}: {msg}"
+
+
+def run_command(func, args, debug: bool = False) -> int:
+    """Run one subcommand: any error becomes one line on stderr and exit code 2 (a traceback with
+    --debug); Ctrl-C is 130."""
     try:
-        return args.func(args) or 0
-    except (ValueError, MemoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        return func(args) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the command line shows one line, never a traceback
+        if debug:
+            raise
+        print(f"error: {error_line(e)} (--debug shows the traceback)", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, not only before the subcommand
+    argv = [a for a in argv if a != "--debug"]
+    parser = build_parser()
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    args = parser.parse_args(argv)
+    return run_command(args.func, args, debug)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from .errors import CheckpointError, ConfigError
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
 from .loader.safetensors_index import TensorIndex
+from .models.checks import check_layer_count
 from .models.registry import read_config
 from .models.transformer import MoETransformer
 from .quant.checkpoint import method_from_config
@@ -39,7 +40,14 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
                  progress=False, verbose: bool = False, low_memory: bool = False,
-                 record_routing: str | None = None, **cache_options):
+                 record_routing: str | None = None, expert_parallel=None, check_finite: bool = True,
+                 **cache_options):
+        # the arguments every expert-parallel rank builds its own LLM from (callables stay here)
+        worker_kwargs = dict(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
+                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             kv_cache_memory=kv_cache_memory, block_size=block_size,
+                             prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
+                             **cache_options)
         if model is None:
             from .demo import demo_model_dir
 
@@ -53,8 +61,18 @@ class LLM:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
         self.family, self.cfg, self.hf_config = read_config(self.model_dir)
         self.index = TensorIndex(self.model_dir)
+        check_layer_count(self.index, self.cfg.num_layers)
         self.quant = method_from_config(self.hf_config)
         self.source = ExpertSource(self.index, self.cfg, self.family.names, self.quant)
+        self.source.check_finite = check_finite  # experts: at their first read into any tier
+        self.parallel = self.group = None
+        if expert_parallel is not None:
+            from .parallel import checkpoint_fingerprint, start
+
+            worker_kwargs["model"] = str(self.model_dir)
+            self.parallel, self.group = start(expert_parallel, self.device, worker_kwargs)
+            self.group.check_same("checkpoint (config.json + safetensors headers)",
+                                  checkpoint_fingerprint(self.model_dir))
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir)
         except CheckpointError as e:
@@ -92,10 +110,17 @@ class LLM:
         if low_memory:
             cache_options["low_memory"] = True
         # the KV cache is sized first so that an 'auto' device budget leaves room for it
-        self.experts = self._make_experts(cache_options, bar.update, show_plan, num_blocks * kv_bytes)
-        self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype, bar.update,
-                                    self.quant, low_memory=low_memory)
-        bar.close()
+        self.experts = None
+        try:
+            self.experts = self._make_experts(cache_options, bar.update, show_plan, num_blocks * kv_bytes)
+            self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype,
+                                        bar.update, self.quant, low_memory=low_memory, check_finite=check_finite)
+        except BaseException:
+            if self.experts is not None:
+                self.experts.close()  # its I/O threads
+            raise
+        finally:
+            bar.close()  # before an error is printed: no half progress bar on its line
 
         self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
                           self.dtype, self.device, prefix_caching)
@@ -103,8 +128,15 @@ class LLM:
             f"dense weights {fmt_bytes(dense_bytes)}; KV cache {num_blocks} blocks x {block_size} tokens = "
             f"{fmt_bytes(num_blocks * kv_bytes)} ({num_blocks * block_size} tokens)"
         )
-        self.engine = LLMEngine(ModelRunner(self.model, self.kv), self.tokenizer, self._eos_ids(),
+        if self.group is not None:
+            from .parallel.runner import ParallelRunner
+
+            runner = ParallelRunner(self.model, self.kv, self.group, self.experts)
+        else:
+            runner = ModelRunner(self.model, self.kv)
+        self.engine = LLMEngine(runner, self.tokenizer, self._eos_ids(),
                                 self.max_model_len, max_num_seqs, max_num_batched_tokens)
+        self.engine.nonfinite_experts, self.engine.expert_name = self.source.nonfinite, self.source.expert_name
         self.record_routing = record_routing  # trace file written by close()
         if record_routing:
             from .trace.recorder import RoutingRecorder
@@ -119,6 +151,8 @@ class LLM:
             if show_plan:
                 tqdm.write("\n".join(lines), file=sys.stderr)
 
+        if self.group is not None:
+            return self._make_parallel_experts(options, on_bytes, show, kv_total)
         if options:
             from .experts.build import build_expert_cache
 
@@ -133,6 +167,39 @@ class LLM:
         )
         show(self.plan_lines)
         return ResidentExperts(self.source, self.device, self.dtype, on_bytes)
+
+    def _make_parallel_experts(self, options: dict, on_bytes, show, kv_total: int):
+        """This rank's share of the experts (its own tiers when budgets are given), behind the EP provider."""
+        from .parallel.experts import ExpertParallelExperts
+        from .parallel.local import LocalExperts
+        from .parallel.placement import balanced_placement, static_placement
+
+        cfg, group, layers, E = self.parallel, self.group, self.source.layers, self.cfg.num_experts
+        if cfg.num_redundant_experts:
+            placement = balanced_placement(torch.zeros(len(layers), E), layers, group.world_size,
+                                           cfg.num_redundant_experts)
+        else:
+            placement = static_placement(layers, E, group.world_size)
+        owned = placement.owned(group.rank)
+        n = sum(len(v) for v in owned.values())
+        self.plan_lines.append(
+            f"expert parallel: rank {group.rank} of {group.world_size} holds {n} of {len(layers) * E} experts "
+            f"({cfg.num_redundant_experts} redundant per layer; EPLB {'on' if cfg.eplb else 'off'})")
+        if options:
+            from .experts.build import build_expert_cache
+
+            dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
+            local, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
+                                             dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
+            self.plan_lines += plan
+        else:
+            show(self.plan_lines)
+            local = LocalExperts(self.source, self.device, self.dtype, owned, on_bytes)
+        return ExpertParallelExperts(group, local, placement, cfg, layers, E)
+
+    def serve_worker(self) -> None:
+        """Expert-parallel ranks 1..N-1: mirror rank 0's forwards until it stops."""
+        self.engine.runner.serve_worker()
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.cfg.eos_token_ids)
@@ -154,19 +221,23 @@ class LLM:
     # -- public API ---------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run a batch of prompts (text or token ids) together; one output per prompt, in order."""
+        """Run a batch of prompts (text or token ids) together; one output per prompt and sample, in
+        order (prompt-major: a prompt with n samples gives n outputs, index 0..n-1)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
-        bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generating")
+        firsts = [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
+        samples: dict[str, list[Sequence]] = {s.request_id: [s] for s in firsts}
+        bar = tqdm(total=sum(s.params.n for s in firsts), disable=not use_tqdm, desc="generating")
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.seq.index and out.seq not in samples[out.request_id]:
+                    samples[out.request_id].append(out.seq)
                 if out.finish_reason:
                     bar.update(1)
         bar.close()
-        return [self._output(s) for s in seqs]
+        return [self._output(s) for f in firsts for s in sorted(samples[f.request_id], key=lambda q: q.index)]
 
     def chat(self, messages, params: SamplingParams | None = None, **template_kwargs) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
@@ -192,15 +263,31 @@ class LLM:
             sched.free(seq)
         return torch.cat(rows).cpu()
 
+    @property
+    def grammars(self):
+        """engine.structured.Grammars for this model's tokenizer, built on first use (needs llguidance)."""
+        if getattr(self, "_grammars", None) is None:
+            from .engine.structured import Grammars
+
+            tok = self._require_tokenizer()
+            self._grammars = Grammars(tok.tok.to_str(), self.cfg.vocab_size, tok.vocab_size, list(self._eos_ids()))
+        return self._grammars
+
     def expert_stats(self) -> dict:
         return self.experts.stats()
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.tokens[: seq.prompt_len], seq.generated, seq.text,
-                             seq.finish_reason, seq.num_cached)
+                             seq.finish_reason, seq.num_cached, seq.index, seq.cumulative_logprob, seq.logprobs,
+                             seq.prompt_logprobs)
 
     def close(self) -> None:
         """Stop the expert tiers' threads; write the routing trace when record_routing was given."""
         if self.record_routing and self.engine.recorder is not None and self.engine.recorder.rows["experts"]:
             self.engine.recorder.save(self.record_routing)
         self.experts.close()
+        if self.group is not None:
+            if self.group.rank == 0 and not self.group.failed:
+                self.engine.runner.stop_workers()
+            self.group.close()
+            self.group = None

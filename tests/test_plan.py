@@ -14,7 +14,7 @@ import torch
 
 from expertcache import LLM, SamplingParams
 from expertcache.cli import main
-from expertcache.plan_speed import check_trace, decode_replay
+from expertcache.plan.speed import check_trace, decode_replay
 from expertcache.trace.synthetic import synth_trace
 
 

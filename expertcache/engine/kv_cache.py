@@ -6,7 +6,10 @@ Invariants:
   tokens means equal KV content, so a new sequence whose prompt starts with the same
   full blocks reuses them instead of recomputing (SGLang/vLLM prefix caching);
 - a freed block keeps its hash until it is handed out again, so a later request can still
-  hit it (LRU order of reuse: the free list is a deque, freed blocks go to the back).
+  hit it (LRU order of reuse: the free list is a deque, freed blocks go to the back);
+- a block referenced by more than one sequence (a prefix hit, or the samples of an n > 1
+  request) is never written: a sequence about to write into one first takes a private copy
+  (`copy_on_write`), so siblings share their prompt's blocks up to the first divergent one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class KVCache:
         self.free: deque[int] = deque(range(num_blocks))
         self.by_hash: dict[int, int] = {}
         self.prefix_queries = self.prefix_hits = 0  # in tokens
+        self.copied: list[tuple[int, int]] | None = None  # (src, dst) block copies, when someone mirrors them
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -85,6 +89,24 @@ class KVCache:
             raise MemoryError(f"KV cache: need {n} blocks, {len(self.free)} free")
         return [self._take() for _ in range(n)]
 
+    def is_shared(self, bid: int) -> bool:
+        return self.blocks[bid].ref_count > 1
+
+    def copy_on_write(self, bid: int) -> int:
+        """A private copy of shared block `bid` (its KV in every layer); the caller's reference
+        moves from `bid` to the copy. Needs one free block."""
+        new = self.allocate(1)[0]
+        self.copy_block(bid, new)
+        if self.copied is not None:
+            self.copied.append((bid, new))
+        self.release([bid])
+        return new
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for k, v in self.tensors:
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
     def release(self, block_ids: list[int]) -> None:
         for bid in reversed(block_ids):
             b = self.blocks[bid]
@@ -92,6 +114,16 @@ class KVCache:
             assert b.ref_count >= 0, f"block {bid} released twice"
             if b.ref_count == 0:
                 self.free.append(bid)
+
+    def forget(self, block_ids: list[int]) -> None:
+        """Drop the prefix hashes of blocks only this sequence holds (their content is not to be
+        reused, e.g. a failed sequence's non-finite KV); shared blocks keep theirs."""
+        for bid in block_ids:
+            b = self.blocks[bid]
+            if b.ref_count == 1 and b.hash is not None:
+                if self.by_hash.get(b.hash) == bid:
+                    del self.by_hash[b.hash]
+                b.hash, b.tokens = None, None
 
     def seal(self, block_ids: list[int], tokens: list[int]) -> None:
         """Register hashes for the full blocks of a sequence (tokens whose KV is computed)."""

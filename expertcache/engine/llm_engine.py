@@ -1,17 +1,27 @@
-"""LLMEngine: requests in, tokens out, one scheduler step at a time (used by LLM and the server)."""
+"""LLMEngine: requests in, tokens out, one scheduler step at a time (used by LLM and the server).
+
+Failure isolation: a sequence whose logits are not finite, or whose sampling, detokenising or
+stop-string check raises, is finished with reason "error: <why>" on its own (its KV blocks freed
+and their prefix hashes dropped); the other sequences of the step go on.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from ..errors import CheckpointError
 from .params import SamplingParams
 from .runner import ModelRunner
-from .sampler import sample
+from .sampler import prompt_logprobs, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("expertcache")
 
 
 @dataclass
@@ -21,6 +31,8 @@ class StepOutput:
     text_delta: str
     finish_reason: str | None
     seq: Sequence
+    index: int = 0  # sample number within the request (n > 1)
+    logprobs: list | None = None  # TokenLogprob of each new token, when the request asked for them
 
 
 @dataclass
@@ -40,9 +52,12 @@ class LLMEngine:
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.counters = EngineCounters()
         self.recorder = recorder
+        # (layer, expert) -> parts found non-finite at first read (ExpertSource.nonfinite, live)
+        self.nonfinite_experts: dict[tuple[int, int], list[str]] = {}
+        self.expert_name = None  # (layer, expert) -> the checkpoint's tensor names, for messages
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         if not prompt_ids:
@@ -57,18 +72,27 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise CheckpointError("stop strings need the checkpoint's tokenizer.json")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs} (samples run together)")
+        vocab_bad = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if vocab_bad:
+            raise ValueError(f"logit_bias token id {vocab_bad[0]} is outside the vocabulary [0, {vocab})")
         seq = Sequence(prompt_ids, params, request_id)
         if seq.request_id in self.seqs:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
-        self.seqs[seq.request_id] = seq
+        self.seqs[seq.request_id] = [seq]
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None and seq.finish_reason is None:
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+        for seq in self.seqs.pop(request_id, []):
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def samples(self, request_id: str) -> list[Sequence]:
+        """The unfinished samples of a request (empty once all finished)."""
+        return list(self.seqs.get(request_id, []))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -83,7 +107,9 @@ class LLMEngine:
             return outs
         t0 = time.perf_counter()
         self.runner.model.record_routing = self.recorder is not None
-        logits = self.runner.run(work).cpu()  # sampling (and per-request CPU generators) on the host
+        full = [seq.prompt_logprobs is not None and seq.num_computed < seq.prompt_len for seq, _ in work]
+        logits, spans = self.runner.run_rows(work, full)
+        logits = logits.cpu()  # sampling (and per-request CPU generators) on the host
         dt = time.perf_counter() - t0
         if self.recorder is not None:
             self.recorder.record(self.counters.steps, work, self.runner.model.routing)
@@ -93,7 +119,11 @@ class LLMEngine:
             self.counters.decode_seconds += dt
         else:
             self.counters.prefill_seconds += dt
+        finite = torch.isfinite(logits).all(-1).tolist()  # [R], one pass over the final logits
+        ready: list[tuple[Sequence, int]] = []  # (sequence, row of its next-token logits)
         for b, (seq, n) in enumerate(work):
+            if full[b]:
+                self._record_prompt_logprobs(seq, n, logits[spans[b].start:spans[b].stop])
             # prompt tokens computed for the first time (a preempted sequence recomputes its own)
             self.counters.prompt_tokens += max(0, min(seq.num_computed + n, seq.prompt_len) - seq.high_water)
             seq.num_computed += n
@@ -101,22 +131,98 @@ class LLMEngine:
             self.kv.seal(seq.block_ids, seq.tokens[: seq.num_computed])
             if seq.num_computed < len(seq.tokens):
                 continue  # prefill chunk without a token to sample yet
-            tok = sample(logits[b], seq.params, seq.generator)
-            seq.tokens.append(tok)
-            self.counters.generated_tokens += 1
-            outs.append(self._emit(seq, tok))
+            row = spans[b].stop - 1
+            if not finite[row]:
+                outs.append(self._fail(seq, self._nonfinite_message(row)))
+                continue
+            ready += [(s, row) for s in [seq] + self._fork(seq)]
+        if not ready:
+            return outs
+        seqs = [s for s, _ in ready]
+        rows = logits[torch.tensor([r for _, r in ready])]
+        try:
+            sampled = list(zip(seqs, *sample_batch(rows, seqs, self.eos)))
+        except Exception:  # noqa: BLE001 - find the sequence at fault: each alone, failures finish alone
+            sampled = []
+            for b, seq in enumerate(seqs):
+                try:
+                    toks, entries = sample_batch(rows[b:b + 1], [seq], self.eos)
+                    sampled.append((seq, toks[0], entries[0]))
+                except Exception as e:  # noqa: BLE001
+                    log.exception("request %s: sampling failed", seq.request_id)
+                    outs.append(self._fail(seq, f"sampling failed: {type(e).__name__}: {e}"))
+        for seq, tok, entry in sampled:
+            try:
+                outs.append(self._accept(seq, tok, entry))
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                log.exception("request %s failed in its step", seq.request_id)
+                outs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
         return outs
 
-    def _emit(self, seq: Sequence, tok: int) -> StepOutput:
+    def _accept(self, seq: Sequence, tok: int, entry) -> StepOutput:
+        seq.tokens.append(tok)
+        seq.cumulative_logprob += entry[1]
+        if seq.logprobs is not None:
+            seq.logprobs.append(entry)
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.accept(tok):  # only a grammar with no way forward gets here
+                return self._finish(seq, f"error: the grammar allows no token here ({seq.matcher.error()})")
+            grammar_done = seq.matcher.stopped
+        self.counters.generated_tokens += 1
+        return self._emit(seq, tok, grammar_done)
+
+    def _nonfinite_message(self, b: int) -> str:
+        """Why logits row b is NaN/inf: the first layer whose output was not finite, and the
+        experts of that layer found non-finite at their first read."""
+        msg = "the model produced non-finite logits (NaN or inf) for this request"
+        after = self.runner.model.finite_after
+        bad = [] if after is None else (~after[:, b]).nonzero().flatten().tolist()
+        layer = bad[0] if bad else None
+        if layer is not None:
+            msg += f"; its hidden state first became non-finite in layer {layer}"
+        experts = [k for k in self.nonfinite_experts if layer is None or k[0] == layer]
+        if experts:
+            names = [self.expert_name(*k) if self.expert_name else f"layer {k[0]} expert {k[1]}" for k in experts[:3]]
+            return msg + f"; likely cause: non-finite expert weights ({', '.join(names)})"
+        return msg + ("; likely cause: non-finite weights (the checkpoint's tensors are scanned at load unless "
+                      "--no-check-finite) or an overflow of the compute dtype")
+
+    def _fail(self, seq: Sequence, why: str) -> StepOutput:
+        self.kv.forget(seq.block_ids)
+        return self._finish(seq, f"error: {why}")
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Sample 0 of an n > 1 request has its prompt computed: start its siblings on the same blocks."""
+        children = []
+        for i in range(1, seq.pending_forks + 1):
+            child = seq.fork(i)
+            self.kv.acquire(seq.block_ids)
+            child.block_ids = list(seq.block_ids)
+            self.scheduler.running.append(child)
+            self.seqs[seq.request_id].append(child)
+            children.append(child)
+        seq.pending_forks = 0
+        return children
+
+    def _record_prompt_logprobs(self, seq: Sequence, n: int, rows: torch.Tensor) -> None:
+        """rows [n, V]: logits at positions num_computed .. num_computed+n-1, each predicting the next token."""
+        start = seq.num_computed
+        targets = seq.tokens[start + 1: min(start + n + 1, seq.prompt_len)]
+        for i, entry in enumerate(prompt_logprobs(rows, targets, seq.params.prompt_logprobs)):
+            seq.prompt_logprobs[start + 1 + i] = entry
+
+    def _emit(self, seq: Sequence, tok: int, grammar_done: bool = False) -> StepOutput:
         p = seq.params
         reason = None
-        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        stop_token = (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids
+        if stop_token or grammar_done:  # a complete grammar allows nothing more
             reason = "stop"
         elif len(seq.generated) >= p.max_tokens:
             reason = "length"
         delta = ""
         if self.tokenizer is not None:
-            ids = seq.generated[:-1] if reason == "stop" else seq.generated
+            ids = seq.generated[:-1] if stop_token else seq.generated
             text = self.tokenizer.decode(ids)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
@@ -130,10 +236,15 @@ class LLMEngine:
             delta, seq.text = text[len(seq.text):upto], text[:upto]
         if reason is not None:
             self._finish(seq, reason)
-        return StepOutput(seq.request_id, [tok], delta, reason, seq)
+        lps = [seq.logprobs[-1]] if seq.logprobs is not None else None
+        return StepOutput(seq.request_id, [tok], delta, reason, seq, seq.index, lps)
 
     def _finish(self, seq: Sequence, reason: str) -> StepOutput:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        self.seqs.pop(seq.request_id, None)
-        return StepOutput(seq.request_id, [], "", reason, seq)
+        group = self.seqs.get(seq.request_id, [])
+        if seq in group:
+            group.remove(seq)
+        if not group:
+            self.seqs.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, [], "", reason, seq, seq.index)

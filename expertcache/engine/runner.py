@@ -41,8 +41,28 @@ class ModelRunner:
     def __init__(self, model: MoETransformer, kv: KVCache):
         self.model, self.kv = model, kv
 
+    def forward(self, ids: torch.Tensor, batch: AttnBatch, rows: torch.Tensor | None) -> torch.Tensor:
+        """The one call into the model (expert-parallel rank 0 overrides it to mirror the batch)."""
+        return self.model.forward(ids, batch, self.kv.tensors, rows)
+
     def run(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
         """Compute KV for the scheduled tokens; -> logits [B, V] (last new token of each sequence),
         or [T, V] for every new token when all_logits."""
         ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
-        return self.model.forward(ids, batch, self.kv.tensors, None if all_logits else last)
+        return self.forward(ids, batch, None if all_logits else last)
+
+    def run_rows(self, work: list[tuple[Sequence, int]], full: list[bool]) -> tuple[torch.Tensor, list[range]]:
+        """Like run, with every new token's logits for the sequences b where full[b] (prompt logprobs)
+        and only the last one for the others; -> logits [R, V] and each sequence's rows (its last row
+        is the next-token distribution)."""
+        ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
+        if not any(full):
+            return self.forward(ids, batch, last), [range(b, b + 1) for b in range(len(work))]
+        rows, spans = [], []
+        for b, (_, n) in enumerate(work):
+            end = int(last[b]) + 1
+            start = end - n if full[b] else end - 1
+            spans.append(range(len(rows), len(rows) + end - start))
+            rows += range(start, end)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.model.device)
+        return self.forward(ids, batch, index), spans

@@ -7,6 +7,10 @@ Each step picks work under a token budget (max_num_batched_tokens):
 2. then waiting sequences join while the budget, max_num_seqs and free blocks allow;
    a joining sequence first reuses cached prefix blocks.
 A long prompt is split into chunks, so running decodes are never stalled by it.
+A request with n > 1 joins only when its n samples fit under max_num_seqs; its siblings are
+forked by the engine once the prompt is computed and then run like any other sequence.
+A sequence that asks for prompt logprobs skips the prefix cache (its prompt is recomputed, so
+every prompt token has logits).
 """
 
 from __future__ import annotations
@@ -34,9 +38,15 @@ class Scheduler:
         return max(0, -(-upto // self.kv.block_size) - len(seq.block_ids))
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
+        """Blocks for tokens[:upto], the ones about to be written private (copy-on-write)."""
         need = self._blocks_needed(seq, upto)
-        if need > self.kv.num_free:
+        bs = self.kv.block_size
+        shared = [i for i in range(seq.num_computed // bs, min(len(seq.block_ids), -(-upto // bs)))
+                  if self.kv.is_shared(seq.block_ids[i])]
+        if need + len(shared) > self.kv.num_free:
             return False
+        for i in shared:
+            seq.block_ids[i] = self.kv.copy_on_write(seq.block_ids[i])
         seq.block_ids += self.kv.allocate(need)
         return True
 
@@ -66,10 +76,11 @@ class Scheduler:
             if seq in self.running:
                 batch.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_ids:
-                cached = self.kv.match_prefix(seq.tokens[: len(seq.tokens) - 1])
+                cached = ([] if seq.params.prompt_logprobs is not None
+                          else self.kv.match_prefix(seq.tokens[: len(seq.tokens) - 1]))
                 self.kv.acquire(cached)
                 seq.block_ids = cached
                 seq.num_computed = len(cached) * self.kv.block_size

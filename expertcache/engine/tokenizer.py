@@ -6,15 +6,30 @@ Python internals or mutate its inputs.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import CheckpointError
+
+
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable character -> the byte it encodes."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = dict(zip(keep, keep)), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_UNICODE_TO_BYTE = _byte_level_map()
 
 
 def _raise(msg):
@@ -32,13 +47,19 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         cfg_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        try:
+            self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{cfg_path}: expected a JSON object")
+        self.template_file = cfg_path
         template = self.config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         jinja_file = model_dir / "chat_template.jinja"
         if template is None and jinja_file.exists():
-            template = jinja_file.read_text()
+            template, self.template_file = jinja_file.read_text(), jinja_file
         self.chat_template = template
         self._template = None
         self.eos_token = self._token_str("eos_token")
@@ -59,6 +80,23 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: byte-level BPE pieces mapped back to raw bytes (a piece
+        may be part of a UTF-8 character), otherwise the UTF-8 of its decoded text."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._special_ids and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.tok.decode([token_id], skip_special_tokens=False).encode()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
             raise CheckpointError("the checkpoint's tokenizer_config.json has no chat_template")
@@ -70,9 +108,15 @@ class Tokenizer:
                 x, indent=indent, ensure_ascii=ensure_ascii)
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except TemplateError as e:
+                raise CheckpointError(f"{self.template_file}: the chat template does not parse ({e})") from None
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except SecurityError as e:
+            raise CheckpointError(f"{self.template_file}: the chat template was refused by the sandbox ({e})") from None
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)

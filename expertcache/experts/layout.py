@@ -25,6 +25,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..loader.safetensors_index import TensorIndex
+from ..models.checks import SKIP_HINT, nonfinite_parts
 from ..models.model_config import ModelConfig
 from ..models.registry import WeightNames
 
@@ -65,6 +66,11 @@ class ExpertSource:
         H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.layers = cfg.moe_layer_ids
         self._ranges: dict[tuple[int, int], dict[str, list[Range]]] = {}
+        self._names: dict[tuple[int, int], str] = {}  # the checkpoint's name of each expert (errors)
+        # the per-expert finite check at an expert's first read into any tier (see check_read)
+        self.check_finite = True
+        self.nonfinite: dict[tuple[int, int], list[str]] = {}  # (layer, expert) -> tensors with NaN/inf
+        self._checked: set[tuple[int, int]] = set()
         dtype = None
         if method is not None:
             self._quantized(names)
@@ -80,6 +86,7 @@ class ExpertSource:
                         "gate_up": [(gu.file, gu.offset + j * gu.nbytes // E, gu.nbytes // E)],
                         "down": [(dn.file, dn.offset + j * dn.nbytes // E, dn.nbytes // E)],
                     }
+                    self._names[layer, j] = f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]"
                 dtypes, example = {gu.dtype, dn.dtype}, gu.name
             else:
                 g, u, d = names.expert_projs
@@ -94,7 +101,12 @@ class ExpertSource:
                         "down": [(di.file, di.offset, di.nbytes)],
                     }
                     dtypes |= {gi.dtype, ui.dtype, di.dtype}
+                    self._names[layer, j] = f"{base}.{{{g},{u},{d}}}.weight"
                 example = gi.name
+            if not all(d.is_floating_point for d in dtypes):
+                raise CheckpointError(f"{example} (and the other routed experts) stored as "
+                                      f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: expert "
+                                      "weights must be floating point unless config.json names a quantized layout")
             if dtypes & set(FLOAT8):
                 raise ConfigError(f"{example} (and the other routed experts) stored as "
                                   f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))} but config.json "
@@ -132,6 +144,7 @@ class ExpertSource:
                             raise CheckpointError(f"tensor {name}: {t.dtype} differs from other experts' {parts[key].dtype}")
                         ranges[key] = [(t.file, t.offset, t.nbytes)]
                 self._ranges[layer, j] = ranges
+                self._names[layer, j] = f"{prefix}.experts.{j}.{{{','.join(names.expert_projs)}}}"
         self.parts = tuple(parts.values())
         self.dtype = self.parts[0].dtype
         self.expert_nbytes = sum(p.nbytes for p in self.parts)
@@ -151,6 +164,26 @@ class ExpertSource:
             f"{self.index.model_dir}: missing tensor model.layers.{layer}.{names.moe_prefixes[0]}.{names.router}.weight "
             "(router of a sparse layer)"
         )
+
+    def expert_name(self, layer: int, expert: int) -> str:
+        return self._names[layer, expert]
+
+    def check_read(self, layer: int, expert: int, parts: dict[str, torch.Tensor]) -> list[str]:
+        """The finite check of an expert just read into a tier, once per expert (later reads of the
+        same bytes are skipped): -> its parts holding NaN/inf (also kept in `nonfinite`), [] if clean
+        or unchecked. Any thread."""
+        key = (layer, expert)
+        if not self.check_finite or key in self._checked:
+            return []
+        self._checked.add(key)
+        bad = nonfinite_parts(parts)
+        if bad:
+            self.nonfinite[key] = bad
+        return bad
+
+    def nonfinite_error(self, layer: int, expert: int) -> CheckpointError:
+        return CheckpointError(f"{self.expert_name(layer, expert)}: expert {expert} of layer {layer} holds non-finite "
+                               f"values (NaN or inf) in {', '.join(self.nonfinite[layer, expert])}; {SKIP_HINT}")
 
     def ranges(self, layer: int, expert: int) -> dict[str, list[Range]]:
         return self._ranges[layer, expert]

@@ -36,6 +36,7 @@ slot fill is compared with the checkpoint's bytes (tests).
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ from .prefetch import PrefetchGate, most_predicted, resolve_prefetch
 from .provider import ExpertProvider
 from .slots import SlotTable
 from .stats import LayerCounters, collect, save_stats
+
+log = logging.getLogger("expertcache")
 
 
 @dataclass
@@ -165,6 +168,8 @@ class TieredExperts(ExpertProvider):
             for i, layer in enumerate(self.layers):
                 for e in range(self.E):
                     self._read(layer, e, {n: t[i, e] for n, t in self.host.items()})
+                    if (layer, e) in source.nonfinite:  # read at load: an error, like a dense weight
+                        raise source.nonfinite_error(layer, e)
                     if progress:
                         progress(source.expert_nbytes)
         if stats is not None:
@@ -178,6 +183,8 @@ class TieredExperts(ExpertProvider):
         ranges = self.source.ranges(layer, e)
         for name, t in dst.items():
             self.reader.read_into(ranges[name], t)
+        if self.source.check_read(layer, e, dst) and hasattr(self, "counters"):  # serving (not loading):
+            log.warning("%s", self.source.nonfinite_error(layer, e))  # requests routed to e fail on their logits
 
     def _copy(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]):
         """host views -> device views; on CUDA async on the copy stream, returns its event."""

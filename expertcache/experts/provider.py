@@ -56,6 +56,8 @@ class ResidentExperts(ExpertProvider):
             pool = {p.name: torch.empty((E, *p.shape), dtype=p.dtype, device=device) for p in parts}
             for j in range(E):
                 w = source.read(layer, j)
+                if source.check_read(layer, j, w):
+                    raise source.nonfinite_error(layer, j)
                 for name, t in pool.items():
                     t[j].copy_(w[name])
                 if progress:

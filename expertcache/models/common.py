@@ -2,31 +2,29 @@
 
 from __future__ import annotations
 
-from .model_config import ModelConfig, check_value, require, rope_parameters
+from .model_config import ModelConfig, as_int, check_value, get_int, require_int, rope_parameters
 
 
 def base_fields(hf: dict, family: str) -> dict:
     """Fields whose names are common to all supported families."""
     check_value(hf, "hidden_act", {"silu"}, "silu")
-    hidden = int(require(hf, "hidden_size"))
-    heads = int(require(hf, "num_attention_heads"))
+    hidden = require_int(hf, "hidden_size")
+    heads = require_int(hf, "num_attention_heads")
     eos = hf.get("eos_token_id")
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    num_layers = int(require(hf, "num_hidden_layers"))
-    for key in ("vocab_size", "num_experts_per_tok"):
-        require(hf, key)
+    eos = () if eos is None else tuple(as_int(e, "eos_token_id", 0) for e in (eos if isinstance(eos, list) else [eos]))
+    num_layers = require_int(hf, "num_hidden_layers")
     return dict(
         family=family,
-        vocab_size=int(hf["vocab_size"]),
+        vocab_size=require_int(hf, "vocab_size"),
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
+        num_kv_heads=get_int(hf, "num_key_value_heads", heads, 1),
+        head_dim=get_int(hf, "head_dim", hidden // heads, 1),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        max_position_embeddings=get_int(hf, "max_position_embeddings", 32768, 1),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        top_k=int(hf["num_experts_per_tok"]),
+        top_k=require_int(hf, "num_experts_per_tok"),
         rope=rope_parameters(hf),
         eos_token_ids=eos,
         bos_token_id=hf.get("bos_token_id"),
@@ -36,7 +34,7 @@ def base_fields(hf: dict, family: str) -> dict:
 def sparse_layers(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
     """Qwen-style placement: mlp_only_layers and decoder_sparse_step pick the dense layers."""
     only = set(hf.get("mlp_only_layers") or [])
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    step = get_int(hf, "decoder_sparse_step", 1) or 1
     return tuple(i not in only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
 
 

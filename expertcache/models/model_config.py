@@ -57,6 +57,28 @@ def require(hf: dict, key: str, *aliases: str):
     raise ConfigError(f"config.json: missing required field {key!r}")
 
 
+def as_int(value, key: str, minimum: int = 1) -> int:
+    """A config number the math needs as an integer (an integral float such as 2048.0 passes);
+    ConfigError naming the file, field and value otherwise."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"config.json: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def require_int(hf: dict, key: str, *aliases: str, minimum: int = 1) -> int:
+    """hf[key] (or the first alias present) as an integer >= minimum; ConfigError naming the field."""
+    name = next((k for k in (key, *aliases) if hf.get(k) is not None), key)
+    return as_int(require(hf, key, *aliases), name, minimum)
+
+
+def get_int(hf: dict, key: str, default: int, minimum: int = 0) -> int:
+    """hf[key] as an integer >= minimum, or default when absent or null."""
+    value = hf.get(key)
+    return default if value is None else as_int(value, key, minimum)
+
+
 def check_value(hf: dict, key: str, allowed, default=None):
     value = hf.get(key, default)
     if value not in allowed:

@@ -2,7 +2,7 @@
 
 from .common import base_fields, finish
 from .registry import Family, WeightNames, register
-from .model_config import require
+from .model_config import require_int
 
 
 def parse(hf: dict):
@@ -15,10 +15,10 @@ def parse(hf: dict):
         "qk_norm": "full",
         "clip_qkv": hf.get("clip_qkv"),
         "sliding_window": (None,) * n,
-        "num_experts": int(require(hf, "num_experts", "num_local_experts")),
+        "num_experts": require_int(hf, "num_experts", "num_local_experts"),
         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "moe_intermediate_size": int(require(hf, "intermediate_size")),
-        "intermediate_size": int(hf["intermediate_size"]),
+        "moe_intermediate_size": require_int(hf, "intermediate_size"),
+        "intermediate_size": require_int(hf, "intermediate_size"),
         "moe_layers": (True,) * n,
         "shared_expert_intermediate_size": 0,
         "shared_expert_gate": False,

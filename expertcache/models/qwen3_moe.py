@@ -2,12 +2,12 @@
 
 from .common import base_fields, finish, sparse_layers
 from .registry import Family, WeightNames, register
-from .model_config import require
+from .model_config import get_int, require_int
 
 
 def parse(hf: dict):
     f = base_fields(hf, "qwen3_moe")
-    e = int(require(hf, "num_experts", "num_local_experts"))
+    e = require_int(hf, "num_experts", "num_local_experts")
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     return finish({
         **f,
@@ -18,8 +18,8 @@ def parse(hf: dict):
         "sliding_window": (window,) * f["num_layers"],
         "num_experts": e,
         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "moe_intermediate_size": int(require(hf, "moe_intermediate_size")),
-        "intermediate_size": int(hf.get("intermediate_size", 0)),
+        "moe_intermediate_size": require_int(hf, "moe_intermediate_size"),
+        "intermediate_size": get_int(hf, "intermediate_size", 0),
         "moe_layers": sparse_layers(hf, f["num_layers"], e),
         "shared_expert_intermediate_size": 0,
         "shared_expert_gate": False,

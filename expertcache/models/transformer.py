@@ -22,6 +22,7 @@ from ..layers.basic import Rotary, linear, rms_norm, swiglu
 from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import load_dense
+from .checks import check_dense
 from .model_config import ModelConfig
 from .registry import Family
 
@@ -29,8 +30,11 @@ from .registry import Family
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
                  device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
-                 quant=None, low_memory: bool = False):
+                 quant=None, low_memory: bool = False, check_finite: bool = True):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
+        # per forward with logits_rows: [num_layers, B] bool, row b's hidden state finite after layer l
+        # (read only when a sequence's logits are not finite, to name the layer where it started)
+        self.finite_after: torch.Tensor | None = None
         self.record_routing = False
         # route_override(layer, ids, weights) -> (ids, weights): replaces the router's choice
         # (benchmarks drive routing from a synthetic trace); None = the model's own router. If it
@@ -41,6 +45,7 @@ class MoETransformer:
 
         def load(name, shape):
             t = load_dense(index, name, shape, quant)
+            check_dense(index, name, t, check_finite)
             # low memory: a 2-D weight keeps its (narrower) stored float dtype and is converted per use
             narrow = low_memory and t.dim() == 2 and t.dtype.itemsize < dtype.itemsize and t.is_floating_point()
             t = t.to(device=device, dtype=t.dtype if narrow else dtype)
@@ -54,7 +59,12 @@ class MoETransformer:
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in index
         emb = index.info("model.embed_tokens.weight", (V, H))
         keep = not tied and emb.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
-        self.embed = index.load(emb.name, (V, H)).to(device) if keep else load(emb.name, (V, H))
+        if keep:
+            self.embed = index.load(emb.name, (V, H))
+            check_dense(index, emb.name, self.embed, check_finite)
+            self.embed = self.embed.to(device)
+        else:
+            self.embed = load(emb.name, (V, H))
         if keep and progress:
             progress(emb.nbytes)
         self.rotary = Rotary(cfg, device)
@@ -112,14 +122,18 @@ class MoETransformer:
         h = F.embedding(input_ids, self.embed).to(self.dtype)
         self.routing = {}
         self.experts.begin_step()
+        finite = []
         try:
             for i, layer in enumerate(self.layers):
                 x = rms_norm(h, layer["input_ln"], cfg.rms_norm_eps)
                 h = h + layer["attn"](x, batch, *kv[i])
                 x = rms_norm(h, layer["post_ln"], cfg.rms_norm_eps)
                 h = h + (self._moe(i, layer, h, x) if "router" in layer else swiglu(x, *layer["mlp"]))
+                if logits_rows is not None:  # B x H per layer, no sync: cheap next to the layer
+                    finite.append(torch.isfinite(h[logits_rows]).all(-1))
         finally:
             self.experts.end_step()
+        self.finite_after = torch.stack(finite) if finite else None
         if logits_rows is not None:
             h = h[logits_rows]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head).float()

@@ -11,7 +11,6 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -22,19 +21,21 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from .async_engine import AsyncEngine, Delta, Final, RequestHandle
+from .async_engine import AsyncEngine
+from .constraints import request_grammar
 from .errors import ApiError, from_validation_error
+from .generation import Job, Runner
 from .loader import ModelLoader
 from .metrics import ServerMetrics
-from .openai_format import DONE, Shape, error_event
+from .openai_format import Shape
 from .prompts import chat_ids, completion_ids
-from .protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, sampling_params
+from .tool_calls import format_for
 
 log = logging.getLogger("expertcache.server")
-DISCONNECT_POLL_S = 1.0
 
 
 @dataclass
@@ -116,73 +117,49 @@ async def _parse(request: Request, model_cls):
         raise from_validation_error(e) from None
 
 
-async def _collect(engine: AsyncEngine, handle: RequestHandle, request: Request) -> tuple[str, Delta] | None:
-    """All of a request's text and its last item; None (request aborted) if the client went away."""
-
-    async def gather():
-        parts = []
-        async for d in handle.deltas():
-            parts.append(d.text)
-            if d.finish_reason is not None or d.error is not None:
-                return "".join(parts), d
-        raise RuntimeError("request stream ended without a final item")
-
-    task = asyncio.ensure_future(gather())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                log.info("request %s aborted: client disconnected", handle.request_id)
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-            engine.abort(handle.request_id)
+def _completion_job(llm, req: CompletionRequest, shape: Shape) -> Job:
+    prompts = req.prompts()
+    if not prompts:
+        raise ApiError("'prompt' is an empty list", "prompt")
+    ids = [completion_ids(llm, p) for p in prompts]
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    params = sampling_params(req, len(ids[longest]), llm.max_model_len, "prompt", request_grammar(llm, req, None, None))
+    texts = []
+    if req.echo:
+        texts = [p if isinstance(p, str) else (llm.tokenizer.decode(i) if llm.tokenizer else "")
+                 for p, i in zip(prompts, ids)]
+    return Job(shape, ids, params, req.samples, bool(req.stream), bool(req.echo), texts)
 
 
-async def _stream(engine: AsyncEngine, handle: RequestHandle, shape: Shape):
-    try:
-        if shape.chat:
-            yield shape.chunk(None, role=True)
-        async for d in handle.deltas():
-            if d.error is not None:
-                yield error_event(d.error)
-                break
-            if d.finish_reason is None:
-                if d.text:
-                    yield shape.chunk(d.text)
-                continue
-            yield shape.chunk(d.text, d.finish_reason, d.final)
-            if shape.include_usage:
-                yield shape.usage_chunk(d.final)
-        yield DONE
-    finally:
-        if not handle.finished:  # client disconnected mid-stream
-            engine.abort(handle.request_id)
-            log.info("request %s aborted: client disconnected", handle.request_id)
+def _chat_job(llm, req: ChatCompletionRequest, shape: Shape) -> Job:
+    tok = llm.tokenizer
+    template = tok.chat_template if tok is not None else None
+    fmt = format_for(template)
+    tools = [t.function.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if tools and (fmt is None or "tools" not in template):
+        raise ApiError("this model's chat template has no tool-call format, so 'tools' cannot be honoured", "tools")
+    if req.tool_choice not in (None, "none", "auto") and not tools:
+        raise ApiError("'tool_choice' forces a tool call but 'tools' is empty", "tool_choice")
+    tools_on = bool(tools) and req.tool_choice != "none"
+    kwargs = {"tools": tools} if tools_on else {}
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    ids = chat_ids(llm, req.messages, req.add_generation_prompt, **kwargs)
+    grammar = request_grammar(llm, req, tools if tools_on else None, fmt)
+    params = sampling_params(req, len(ids), llm.max_model_len, "messages", grammar)
+    return Job(shape, [ids], params, req.samples, bool(req.stream), tool_format=fmt, tools_on=tools_on,
+               parallel_tool_calls=req.parallel_tool_calls is not False)
 
 
-async def _respond(state: ServerState, request: Request, req, ids: list[int], shape: Shape, prompt_param: str):
+async def _respond(state: ServerState, request: Request, job: Job):
     engine = state.ready()
-    llm = engine.llm
-    params = sampling_params(req, len(ids), llm.max_model_len, prompt_param)
-    if params.stop and llm.tokenizer is None:
+    if job.params.stop and engine.llm.tokenizer is None:
         raise ApiError("'stop' strings need the model's tokenizer.json", "stop")
-    handle = await engine.add(shape.request_id, ids, params)
-    if req.stream:
-        return StreamingResponse(_stream(engine, handle, shape), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    got = await _collect(engine, handle, request)
-    if got is None:
-        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
-    text, last = got
-    if last.error is not None:
-        raise ApiError(last.error, status=400 if "does not fit" in last.error else 500,
-                       type="invalid_request_error" if "does not fit" in last.error else "server_error")
-    final: Final = last.final
-    return JSONResponse(shape.full(text, last.finish_reason, final))
+    runner = Runner(engine, job)
+    await runner.start()
+    if job.stream:
+        return runner.stream()
+    return await runner.collect(request)
 
 
 def create_app(cfg: ServerConfig) -> FastAPI:
@@ -223,15 +200,22 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             card["max_model_len"] = state.engine.llm.max_model_len
         return {"object": "list", "data": [card]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str, request: Request):
+        state.check_auth(request)
+        if model_id != cfg.model_name and model_id not in cfg.aliases:
+            raise ApiError(f"model {model_id!r} does not exist; this server serves {cfg.model_name!r}", "model",
+                           status=404, code="model_not_found")
+        return (await models(request))["data"][0]
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         state.check_auth(request)
         req = await _parse(request, CompletionRequest)
         state.check_model(req.model)
         llm = state.ready().llm
-        ids = completion_ids(llm, req.single_prompt())
         shape = Shape(f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False, include_usage=req.include_usage)
-        return await _respond(state, request, req, ids, shape, "prompt")
+        return await _respond(state, request, _completion_job(llm, req, shape))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -239,9 +223,37 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest)
         state.check_model(req.model)
         llm = state.ready().llm
-        ids = chat_ids(llm, req.messages, req.add_generation_prompt)
         shape = Shape(f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True, include_usage=req.include_usage)
-        return await _respond(state, request, req, ids, shape, "messages")
+        return await _respond(state, request, _chat_job(llm, req, shape))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        state.check_auth(request)
+        req = await _parse(request, TokenizeRequest)
+        state.check_model(req.model)
+        llm = state.ready().llm
+        if req.prompt is not None:
+            if llm.tokenizer is None:
+                raise ApiError("this model has no tokenizer.json", "prompt")
+            ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        else:
+            ids = chat_ids(llm, req.messages, req.add_generation_prompt)
+        strs = [llm.tokenizer.tok.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        state.check_auth(request)
+        req = await _parse(request, DetokenizeRequest)
+        state.check_model(req.model)
+        llm = state.ready().llm
+        if llm.tokenizer is None:
+            raise ApiError("this model has no tokenizer.json", "tokens")
+        vocab = llm.cfg.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": llm.tokenizer.decode(req.tokens)}
 
     @app.get("/metrics")
     async def metrics():

@@ -7,8 +7,8 @@ Invariants:
   thread fills with `loop.call_soon_threadsafe`.
 - Requests join and leave between steps: the thread drains its inbox (adds, aborts) before
   every step, so a new request waits at most one step to be admitted.
-- Every admitted request ends with exactly one item whose `finish_reason` is set (or an error
-  item), unless the client aborted it first; an aborted request gets no more items.
+- Every admitted request ends with exactly one item per sample whose `finish_reason` is set (or
+  one error item), unless the client aborted it first; an aborted request gets no more items.
 - `snapshot()` returns the last state the engine thread published (a fresh dict after every
   step, published before that step's tokens are delivered; expert statistics refreshed at most
   once a second while busy and whenever the engine goes idle); readers must not mutate it.
@@ -42,6 +42,8 @@ class Final:
     completion_tokens: int
     cached_tokens: int
     timings: dict
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list | None = None  # TokenLogprob per prompt token (first None), when asked for
 
 
 @dataclass
@@ -51,6 +53,10 @@ class Delta:
     finish_reason: str | None = None
     final: Final | None = None
     error: str | None = None
+    index: int = 0  # sample number within the request
+    logprobs: list | None = None  # TokenLogprob per token in token_ids, when asked for
+    request_id: str = ""
+    prompt_logprobs: list | None = None  # on a sample's first item, when asked for (echo)
 
 
 @dataclass
@@ -60,15 +66,21 @@ class RequestHandle:
     request_id: str
     prompt_len: int
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # may be shared by several handles
     admitted: asyncio.Future | None = None
     finished: bool = False
+    samples: int = 1
 
     async def deltas(self):
+        """This request's items (its own queue only) until every sample finished or an error."""
+        left = self.samples
         while not self.finished:
             item: Delta = await self.queue.get()
-            if item.finish_reason is not None or item.error is not None:
+            if item.error is not None:
                 self.finished = True
+            elif item.finish_reason is not None:
+                left -= 1
+                self.finished = left == 0
             yield item
 
 
@@ -111,10 +123,14 @@ class AsyncEngine:
         self._publish()
         self._thread.start()
 
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request and wait until the engine accepted it; ApiError (400) if it refused."""
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  queue: asyncio.Queue | None = None) -> RequestHandle:
+        """Queue a request and wait until the engine accepted it; ApiError (400) if it refused.
+        Its items go to `queue` when given (one queue for the prompts of a batched request)."""
         loop = asyncio.get_running_loop()
-        handle = RequestHandle(request_id, len(prompt_ids), loop, admitted=loop.create_future())
+        handle = RequestHandle(request_id, len(prompt_ids), loop, admitted=loop.create_future(), samples=params.n)
+        if queue is not None:
+            handle.queue = queue
         self._inbox.put(("add", handle, prompt_ids, params, time.perf_counter()))
         try:
             await handle.admitted
@@ -193,7 +209,7 @@ class AsyncEngine:
             log.exception("engine step failed; failing %d requests", len(self._tracks))
             for rid, tr in list(self._tracks.items()):
                 self.llm.engine.abort(rid)
-                self._push(tr.handle, Delta("", [], error=f"engine error: {type(e).__name__}: {e}"))
+                self._push(tr.handle, Delta("", [], error=f"engine error: {type(e).__name__}: {e}", request_id=rid))
                 self.metrics.on_finish("error", None)
             self._tracks.clear()
             self._publish()
@@ -201,6 +217,7 @@ class AsyncEngine:
         now = time.perf_counter()
         self._step_totals = None
         deliveries: list[tuple[RequestHandle, Delta]] = []
+        ended: set[str] = set()
         for out in outs:
             tr = self._tracks.get(out.request_id)
             if tr is None:
@@ -213,18 +230,30 @@ class AsyncEngine:
                 tr.last = now
                 tr.n_tokens += n
             reason = out.finish_reason
+            rid = out.request_id
             if reason is None:
                 if out.text_delta or out.new_token_ids:
-                    deliveries.append((tr.handle, Delta(out.text_delta, list(out.new_token_ids))))
+                    first = len(out.seq.generated) == 1
+                    deliveries.append((tr.handle, Delta(out.text_delta, list(out.new_token_ids), index=out.index,
+                                                        logprobs=out.logprobs, request_id=rid,
+                                                        prompt_logprobs=out.seq.prompt_logprobs if first else None)))
                 continue
-            del self._tracks[out.request_id]
-            if reason.startswith("error"):
-                deliveries.append((tr.handle, Delta("", [], error=reason.removeprefix("error: "))))
+            if reason.startswith("error"):  # one failed sample fails the request
+                del self._tracks[rid]
+                ended.discard(rid)
+                self.llm.engine.abort(rid)
+                deliveries.append((tr.handle, Delta("", [], error=reason.removeprefix("error: "), request_id=rid)))
                 self.metrics.on_finish("error", None)
                 continue
+            ended.add(rid)
             self.metrics.on_finish(reason, now - tr.arrival)
             deliveries.append((tr.handle, Delta(out.text_delta, list(out.new_token_ids), reason,
-                                                self._final(tr, out.seq))))
+                                                self._final(tr, out.seq), index=out.index, logprobs=out.logprobs,
+                                                request_id=rid, prompt_logprobs=out.seq.prompt_logprobs
+                                                if len(out.seq.generated) <= 1 else None)))
+        for rid in ended:  # requests whose last sample finished (all are out of the engine by now)
+            if rid in self._tracks and not self.llm.engine.samples(rid):
+                del self._tracks[rid]
         # publish first: a client that got its answer then reads /stats or /metrics sees this step
         self._refresh_expert_stats(force=not self.llm.engine.has_unfinished())
         self._publish()
@@ -253,7 +282,8 @@ class AsyncEngine:
             uses = (end[0] - tr.experts_at_start[0]) + (end[1] - tr.experts_at_start[1])
             # engine-wide over the request's lifetime: shared with the requests batched alongside it
             timings["expert_hit_rate"] = round((end[0] - tr.experts_at_start[0]) / uses, 4) if uses else None
-        return Final(seq.prompt_len, completion, seq.num_cached, timings)
+        return Final(seq.prompt_len, completion, seq.num_cached, timings, seq.cumulative_logprob,
+                     seq.prompt_logprobs)
 
     def _totals_now(self) -> tuple[int, int] | None:
         """Engine-wide expert (hits, misses) as of the last step; computed at most once per step."""

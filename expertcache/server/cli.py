@@ -23,8 +23,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    s.add_argument("--api-key", default=os.environ.get("EXPERTCACHE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $EXPERTCACHE_API_KEY)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $EXPERTCACHE_API_KEY); "
+                        "visible in `ps`: prefer --api-key-file or the variable")
+    s.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from FILE (first line), so it does not show in the process list")
     s.add_argument("--served-model-name", default=None,
                    help="name clients pass as 'model' (default: the model argument, or 'expertcache-demo')")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -34,6 +37,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between status lines while busy; 0 = off (default: 10)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file's first line, else $EXPERTCACHE_API_KEY; ConfigError on a bad file."""
+    from ..errors import ConfigError
+
+    if args.api_key and args.api_key_file:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: the file is empty")
+        return key
+    return args.api_key or os.environ.get("EXPERTCACHE_API_KEY") or None
 
 
 def _server_config(args: argparse.Namespace):
@@ -53,7 +74,7 @@ def _server_config(args: argparse.Namespace):
     if args.served_model_name:
         aliases.add(name)
         name = args.served_model_name
-    return ServerConfig(model_name=name, llm_kwargs=kw, api_key=args.api_key or None,
+    return ServerConfig(model_name=name, llm_kwargs=kw, api_key=args.api_key,
                         log_interval=args.log_interval, aliases=aliases - {name},
                         save_expert_stats=args.save_expert_stats)
 
@@ -69,12 +90,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None and not Path(args.model).is_dir():
         print(f"error: model directory {args.model} does not exist", file=sys.stderr)
         return 2
+    args.api_key = api_key(args)
     if args.host not in LOOPBACK and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+    from ..parallel.worker import run_torchrun_worker, torchrun_rank
+
+    if torchrun_rank():  # ranks 1..N-1 under torchrun: no HTTP server, mirror rank 0
+        from ..cli import engine_kwargs
+
+        return run_torchrun_worker(engine_kwargs(args))
     cfg = _server_config(args)
     server: uvicorn.Server | None = None
 
@@ -90,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("serving %r on http://%s:%d (model loads in the background; see /health)", cfg.model_name,
              args.host, args.port)
     server.run()
-    return 1 if app.state.server.loader.state == "error" else 0
+    return 2 if app.state.server.loader.state == "error" else 0  # the error was logged as one line
 
 
 def add_serve_subcommand(subparsers) -> None:
@@ -100,6 +128,10 @@ def add_serve_subcommand(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..cli import run_command
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
     parser = argparse.ArgumentParser(prog="python -m expertcache.server", description=__doc__.splitlines()[0])
     add_serve_args(parser)
-    return cmd_serve(parser.parse_args(argv))
+    return run_command(cmd_serve, parser.parse_args([a for a in argv if a != "--debug"]), debug)

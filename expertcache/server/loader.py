@@ -48,11 +48,12 @@ class ModelLoader:
 
     def _run(self) -> None:
         from .. import llm as llm_module
+        from ..cli import error_line
 
         try:
             llm = llm_module.LLM(**{**self.llm_kwargs, "progress": self._on_bytes})
         except BaseException as e:  # noqa: BLE001 - any failure is reported through /health
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = error_line(e)
             self.state = "error"
             log.error("model failed to load: %s", self.error)
             if self.on_done:

@@ -86,6 +86,28 @@ class _SnapshotCollector:
         g = GaugeMetricFamily(P + "expert_cpu_computed_share", "Share of expert misses computed on the CPU")
         g.add_metric([], _num(stats.get("cpu_computed_share")))
         yield g
+        ep = stats.get("expert_parallel")
+        if isinstance(ep, dict):
+            yield from _parallel_metrics(ep)
+
+
+def _parallel_metrics(ep: dict):
+    """Expert-parallel gauges: per-rank routed pairs of the last step, balance, rearrangements."""
+    g = GaugeMetricFamily(P + "ep_pairs_per_rank", "Routed (token, expert) pairs per rank in the last step",
+                          labels=["rank"])
+    for r, n in enumerate(ep.get("pairs_per_rank_last_step") or []):
+        g.add_metric([str(r)], _num(n))
+    yield g
+    g = GaugeMetricFamily(P + "ep_balance", "Max / mean routed pairs per rank (1 = balanced)", labels=["window"])
+    g.add_metric(["last_step"], _num(ep.get("balance_last_step")))
+    g.add_metric(["mean"], _num(ep.get("balance_mean")))
+    yield g
+    c = CounterMetricFamily(P + "ep_rearrangements", "Expert placements switched to (EPLB)")
+    c.add_metric([], _num(ep.get("rearrangements")))
+    yield c
+    c = CounterMetricFamily(P + "ep_bytes_rearranged", "Expert bytes loaded by the ranks for new placements")
+    c.add_metric([], _num(ep.get("bytes_rearranged")))
+    yield c
 
 
 class ServerMetrics:

@@ -1,8 +1,8 @@
 """Response objects of the OpenAI API (completions and chat, whole and streamed), built from
-the engine's Delta/Final items. Pure functions: no I/O, no engine access.
+choice dicts and the engine's Final items. Pure functions: no I/O, no engine access.
 
 Streaming follows OpenAI: every chunk carries the same id/created/model; chat opens with a
-`{"role": "assistant"}` delta; the chunk with `finish_reason` also carries llama.cpp-style
+`{"role": "assistant"}` delta per choice; a chunk with `finish_reason` also carries llama.cpp-style
 `timings`; with `stream_options.include_usage` every chunk has `"usage": null` and one last
 chunk with `"choices": []` carries the usage; the stream ends with `data: [DONE]`.
 """
@@ -18,10 +18,12 @@ from .async_engine import Final
 DONE = "data: [DONE]\n\n"
 
 
-def usage(final: Final) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+def usage(prompt_finals: list[Final], finals: list[Final]) -> dict:
+    """prompt_finals: one Final per prompt (its prompt counted once); finals: one per returned choice."""
+    prompt = sum(f.prompt_tokens for f in prompt_finals)
+    completion = sum(f.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in prompt_finals)}}
 
 
 def sse(obj: dict) -> str:
@@ -38,43 +40,34 @@ class Shape:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _head(self, obj: str) -> dict:
+    def head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    # -- whole responses --
-    def full(self, text: str, finish_reason: str, final: Final) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-            out = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            out = self._head("text_completion")
-        out.update(choices=[choice], usage=usage(final), timings=final.timings)
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def full(self, choices: list[dict], usage_obj: dict, timings: dict | None) -> dict:
+        out = self.head("chat.completion" if self.chat else "text_completion")
+        out.update(choices=choices, usage=usage_obj)
+        if timings is not None:
+            out["timings"] = timings
         return out
 
-    # -- stream chunks --
-    def chunk(self, text: str | None, finish_reason: str | None = None, final: Final | None = None,
-              role: bool = False) -> str:
-        if self.chat:
-            delta: dict = {"role": "assistant", "content": ""} if role else {}
-            if text:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            out = self._head("chat.completion.chunk")
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            out = self._head("text_completion")
+    def chunk(self, choice: dict, timings: dict | None = None) -> str:
+        """One choice's delta (chat: {"index", "delta", "logprobs", "finish_reason"}; completions:
+        {"index", "text", "logprobs", "finish_reason"})."""
+        out = self.head(self.chunk_object)
         out["choices"] = [choice]
         if self.include_usage:
             out["usage"] = None
-        if final is not None:
-            out["timings"] = final.timings
+        if timings is not None:
+            out["timings"] = timings
         return sse(out)
 
-    def usage_chunk(self, final: Final) -> str:
-        out = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        out.update(choices=[], usage=usage(final))
+    def usage_chunk(self, usage_obj: dict) -> str:
+        out = self.head(self.chunk_object)
+        out.update(choices=[], usage=usage_obj)
         return sse(out)
 
 

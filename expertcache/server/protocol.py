@@ -3,13 +3,14 @@ mapping to SamplingParams.
 
 Strict: a JSON string is never coerced to a number or a number to a bool, so a wrong type
 is a 400 naming the parameter. Unknown fields are ignored (clients send many optional
-ones), except the few whose silent omission would change results (`logprobs`, `n` > 1),
-which are rejected.
+ones); the OpenAI parameters this server cannot honour are listed in UNSUPPORTED and are a
+400 naming them when set (README: the parameter table).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -27,6 +28,38 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# parameter -> why it is refused when set (None / false / the default are accepted)
+UNSUPPORTED = {
+    "suffix": "'suffix' (insertion) is not supported by this server",
+    "functions": "'functions' is not supported: send 'tools'",
+    "function_call": "'function_call' is not supported: send 'tool_choice'",
+    "audio": "'audio' output is not supported by this server",
+    "prediction": "'prediction' (predicted outputs) is not supported by this server",
+    "web_search_options": "'web_search_options' is not supported by this server",
+    "verbosity": "'verbosity' is not supported by this server",
+}
+MAX_LOGPROBS_COMPLETIONS = 5
+MAX_TOP_LOGPROBS_CHAT = 20
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type 'json_schema' needs 'json_schema.schema'")
+        return self
+
+
 class _Sampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -37,28 +70,52 @@ class _Sampling(_Strict):
     top_k: int | None = None  # vLLM / llama.cpp extension
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension (fixed-length benchmarks)
-    logprobs: bool | int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM / transformers extension
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None  # vLLM extension
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None  # vLLM guided decoding
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark
+    user: str | None = None  # accepted, not used
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any):
+        if isinstance(data, dict):
+            for name, why in UNSUPPORTED.items():
+                if data.get(name) not in (None, "", False, [], {}):
+                    raise ApiError(why, name)
+        return data
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def samples(self) -> int:
+        return 1 if self.n is None else self.n
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order (a list of strings or of token lists is a batch)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError(f"'prompt' holds {len(p)} prompts; this server takes one prompt per request",
-                               "prompt")
-            return p[0]
-        return p
+            return list(p)
+        return [p]
 
 
 class TextPart(_Strict):
@@ -66,10 +123,24 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
+    reasoning_content: str | None = None  # assistant turns (templates that keep reasoning)
 
     @field_validator("role")
     @classmethod
@@ -85,18 +156,64 @@ class ChatMessage(_Strict):
         return self
 
     def as_template_dict(self) -> dict:
+        """The message as chat templates read it (transformers' convention: a tool call's
+        arguments as a dict when they are a JSON object)."""
         text = self.content if isinstance(self.content, str) or self.content is None else "".join(
             p.text for p in self.content)
-        d = {"role": self.role, "content": text or ""}
+        d: dict = {"role": self.role, "content": text or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content
         return d
+
+
+def _json_or_text(s: str):
+    try:
+        v = json.loads(s)
+    except json.JSONDecodeError:
+        return s
+    return v if isinstance(v, dict) else s
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # passed to the chat template
+    modalities: list[Literal["text"]] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -106,12 +223,83 @@ class ChatCompletionRequest(_Sampling):
         return v
 
 
-def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_param: str) -> SamplingParams:
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _logprob_fields(req: _Sampling) -> tuple[int | None, int | None]:
+    """-> (logprobs, prompt_logprobs) for SamplingParams."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None:
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS_CHAT:
+                raise ApiError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS_CHAT}], got {req.top_logprobs}",
+                               "top_logprobs")
+            if not req.logprobs:
+                raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return ((req.top_logprobs or 0) if req.logprobs else None), None
+    lp = getattr(req, "logprobs", None)
+    if lp is not None and not 0 <= lp <= MAX_LOGPROBS_COMPLETIONS:
+        raise ApiError(f"'logprobs' must be in [0, {MAX_LOGPROBS_COMPLETIONS}], got {lp}", "logprobs")
+    return lp, (lp if lp is not None and getattr(req, "echo", False) else None)
+
+
+def engine_samples(req: _Sampling) -> int:
+    """How many samples the engine runs: n, or best_of (then the best n are returned)."""
+    n = req.samples
+    if not 1 <= n <= 128:
+        raise ApiError(f"'n' must be in [1, 128], got {n}", "n")
+    best_of = getattr(req, "best_of", None)
+    if best_of is None:
+        return n
+    if best_of < n:
+        raise ApiError(f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
+    if best_of > 1 and req.stream:
+        raise ApiError("'best_of' > 1 cannot be streamed", "best_of")
+    return best_of
+
+
+def _logit_bias(req: _Sampling) -> dict[int, float]:
+    out = {}
+    for k, v in (req.logit_bias or {}).items():
+        try:
+            tok = int(k)
+        except ValueError:
+            raise ApiError(f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias") from None
+        if not -100 <= v <= 100:
+            raise ApiError(f"'logit_bias' values must be in [-100, 100], got {v} for token {tok}", "logit_bias")
+        out[tok] = v
+    return out
+
+
+def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_param: str,
+                    structured=None) -> SamplingParams:
     """Validate the sampling fields against the prompt length; -> SamplingParams or ApiError (400)."""
-    if req.n != 1:
-        raise ApiError(f"'n' must be 1 on this server, got {req.n}", "n")
-    if req.logprobs not in (None, False, 0):
-        raise ApiError("'logprobs' is not supported by this server", "logprobs")
+    n = engine_samples(req)
+    logprobs, prompt_logprobs = _logprob_fields(req)
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not -2 <= v <= 2:
+            raise ApiError(f"'{name}' must be in [-2, 2], got {v}", name)
+    if req.repetition_penalty is not None and not req.repetition_penalty > 0:
+        raise ApiError(f"'repetition_penalty' must be > 0, got {req.repetition_penalty}", "repetition_penalty")
     max_tokens = getattr(req, "max_completion_tokens", None)
     param = "max_completion_tokens"
     if max_tokens is None:
@@ -141,8 +329,15 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(s == "" for s in stop):
         raise ApiError("'stop' strings must not be empty", "stop")
+    min_tokens = req.min_tokens or 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise ApiError(f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+                              seed=req.seed, stop=stop, ignore_eos=req.ignore_eos, n=n, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs, presence_penalty=req.presence_penalty or 0.0,
+                              frequency_penalty=req.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                              logit_bias=_logit_bias(req), min_tokens=min_tokens, structured=structured)
     except ValueError as e:  # the engine's own checks, should the ones above miss something
         raise ApiError(str(e)) from None

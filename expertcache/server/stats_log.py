@@ -42,5 +42,8 @@ class ThroughputLog:
                 f"KV cache usage: {snap['kv_cache_usage']:.1%}, "
                 f"Prefix cache hit rate: {_rate(snap['prefix_cache_hits'], snap['prefix_cache_queries'])}, "
                 f"Expert hit rate: {_rate(hits, hits + misses)}")
+        ep = ex.get("expert_parallel")
+        if ep:
+            line += f", EP balance (max/mean): {ep['balance_mean']:.2f}"
         log.info("%s", line)
         return line

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .experts.disk import DiskReader
-from .trace.profiles import BUILTIN, Profile
+from ..experts.disk import DiskReader
+from ..trace.profiles import BUILTIN, Profile
 
 
 @dataclass

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from .engine.kv_cache import KVCache
-from .experts.budget import MemoryPlan
-from .experts.budget import plan_memory as budget_plan
-from .experts.layout import ExpertSource
-from .llm import default_dtype
-from .loader.safetensors_index import TensorIndex
-from .models.registry import read_config
-from .quant.checkpoint import method_from_config
+from ..engine.kv_cache import KVCache
+from ..experts.budget import MemoryPlan
+from ..experts.budget import plan_memory as budget_plan
+from ..experts.layout import ExpertSource
+from ..llm import default_dtype
+from ..loader.safetensors_index import TensorIndex
+from ..models.registry import read_config
+from ..quant.checkpoint import method_from_config
 
 _SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: consumed at load, not kept
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .trace.format import RoutingTrace
-from .trace.profiles import Profile
-from .trace.replay import ReplayResult, replay
-from .trace.simulate import ModelShape, Prediction, simulate
-from .trace.synthetic import synth_trace
+from ..trace.format import RoutingTrace
+from ..trace.profiles import Profile
+from ..trace.replay import ReplayResult, replay
+from ..trace.simulate import ModelShape, Prediction, simulate
+from ..trace.synthetic import synth_trace
 
 SYNTH_TOKENS = 256
 SYNTH_LOW = {"zipf": 1.0, "reuse": 0.4}

@@ -1,8 +1,8 @@
 """`expertcache plan MODEL_DIR`: will this model run under these budgets, and how fast?
 
 Reads config.json and the safetensors headers only (never a weight byte) and prints, in
-about a second: sizes by kind, the engine's own memory plan per tier (plan_model), whether
-it fits, room for the KV cache and a predicted decode tok/s band (plan_speed).
+about a second: sizes by kind, the engine's own memory plan per tier (plan/model.py), whether
+it fits, room for the KV cache and a predicted decode tok/s band (plan/speed.py).
 
     expertcache plan MODEL_DIR --device-memory 8GiB [--host-memory 32GiB] [--device cuda|cpu]
                      [--profile NAME|FILE.toml[:NAME]|this-cpu] [--trace TRACE.npz]
@@ -19,8 +19,8 @@ import json
 import sys
 from dataclasses import replace
 
-from .errors import BudgetError
-from .units import fmt_bytes
+from ..errors import BudgetError
+from ..units import fmt_bytes
 
 DEFAULT_PROFILE = {"cpu": "cpu-only", "cuda": "rtx4090-pcie4"}
 
@@ -59,13 +59,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _profile(spec: str | None, device: str, model_dir):
     """(Profile, how it was chosen). Device cpu drops a profile's GPU figures; cuda needs them."""
-    from .trace.profiles import get_profile
+    from ..trace.profiles import get_profile
 
     how = "given"
     if spec is None:
         spec, how = DEFAULT_PROFILE[device], f"default for --device {device}"
     if spec == "this-cpu":
-        from .plan_hw import measure_cpu_profile
+        from .hw import measure_cpu_profile
 
         m = measure_cpu_profile(model_dir)
         prof, how = m.profile, f"measured now with {m.threads} torch threads" + (f"; {m.notes}" if m.notes else "")
@@ -80,11 +80,11 @@ def _profile(spec: str | None, device: str, model_dir):
 
 def build_report(args: argparse.Namespace) -> dict:
     """Everything `plan` prints, as a JSON-ready dict (keys documented by tests/test_plan.py)."""
-    from .plan_model import model_sizes, plan_memory, read_model, resolve_device
+    from .model import model_sizes, plan_memory, read_model, resolve_device
 
     model_dir = args.model
     if model_dir is None:
-        from .demo import demo_model_dir
+        from ..demo import demo_model_dir
 
         model_dir = demo_model_dir(progress=False)
     dev, dtype = resolve_device(args.device, args.dtype)
@@ -121,10 +121,10 @@ def build_report(args: argparse.Namespace) -> dict:
 
 
 def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
-    """The predicted decode tok/s band of plan `mp` (see plan_speed)."""
-    from .plan_speed import SYNTH_HIGH, SYNTH_LOW, speed_band
-    from .trace.format import RoutingTrace
-    from .trace.simulate import ModelShape
+    """The predicted decode tok/s band of plan `mp` (see plan/speed.py)."""
+    from .speed import SYNTH_HIGH, SYNTH_LOW, speed_band
+    from ..trace.format import RoutingTrace
+    from ..trace.simulate import ModelShape
 
     prof, how = _profile(args.profile, device, model_dir)
     trace = RoutingTrace.load(args.trace) if args.trace else None

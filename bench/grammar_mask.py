@@ -1,0 +1,182 @@
+"""Constrained decoding on the CPU: xgrammar vs llguidance, per-token mask cost and schema coverage.
+
+For each library, a JSON schema is compiled against a real tokenizer (Qwen3, 151k tokens), then B
+matchers walk the same valid document token by token; one step = fill the B token bitmasks, apply
+them to [B, V] logits, accept one token per matcher. Reported: median microseconds per step and per
+token at batch 1 and 16 (alternating rounds), compile time, and which of a set of schema features
+each library compiles.
+
+    python bench/grammar_mask.py [--tokenizer DIR] [--rounds 5]
+
+One line per (library, batch): `grammar_mask lib=... batch=... step_us=... per_token_us=... compile_ms=...`,
+then one `coverage lib=... ok=.../... failed=[...]` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from common import hardware_line
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "kind": {"enum": ["person", "robot", "other"]},
+    },
+    "required": ["name", "age", "tags", "address", "kind"],
+    "additionalProperties": False,
+}
+DOC = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engines"],
+                  "address": {"city": "London", "zip": "W1"}, "kind": "person"}, separators=(",", ":"))
+
+COVERAGE = {
+    "enum": {"enum": ["a", "b"]},
+    "const": {"const": 3},
+    "anyOf": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+    "oneOf": {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+    "allOf": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]},
+    "$ref/$defs": {"$defs": {"p": {"type": "integer"}}, "type": "object", "properties": {"x": {"$ref": "#/$defs/p"}}},
+    "recursive $ref": {"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+                       "$ref": "#/$defs/n"},
+    "pattern": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]+$"},
+    "format date-time": {"type": "string", "format": "date-time"},
+    "format email": {"type": "string", "format": "email"},
+    "min/maxLength": {"type": "string", "minLength": 2, "maxLength": 5},
+    "minimum/maximum": {"type": "integer", "minimum": -3, "maximum": 10},
+    "exclusiveMinimum number": {"type": "number", "exclusiveMinimum": 0},
+    "min/maxItems": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+    "prefixItems": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]},
+    "additionalProperties schema": {"type": "object", "additionalProperties": {"type": "integer"}},
+    "patternProperties": {"type": "object", "patternProperties": {"^x_": {"type": "integer"}}},
+    "type list (nullable)": {"type": ["string", "null"]},
+    "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    "multipleOf": {"type": "integer", "multipleOf": 5},
+}
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, tok_dir: Path, vocab: int):
+        import transformers
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self.vocab = vocab
+
+    def compile(self, schema: dict):
+        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+
+    def matchers(self, compiled, n: int):
+        return [self.xgr.GrammarMatcher(compiled) for _ in range(n)]
+
+    def bitmask(self, n: int):
+        return self.xgr.allocate_token_bitmask(n, self.vocab)
+
+    def step(self, ms, bitmask, logits, tok: int):
+        for i, m in enumerate(ms):
+            m.fill_next_token_bitmask(bitmask, i)
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask)
+        for m in ms:
+            assert m.accept_token(tok), "xgrammar rejected a valid token"
+
+
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, tok_dir: Path, vocab: int):
+        import llguidance
+        import llguidance.torch as lt
+
+        self.ll, self.lt = llguidance, lt
+        self.tok = llguidance.LLTokenizer((tok_dir / "tokenizer.json").read_text(), n_vocab=vocab)
+        self.vocab = vocab
+
+    def compile(self, schema: dict):
+        grammar = self.ll.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        err = self.ll.LLMatcher.validate_grammar(grammar, self.tok)
+        if err:
+            raise ValueError(err)
+        return grammar
+
+    def matchers(self, grammar, n: int):
+        return [self.ll.LLMatcher(self.tok, grammar) for _ in range(n)]
+
+    def bitmask(self, n: int):
+        return self.lt.allocate_token_bitmask(n, self.vocab)
+
+    def step(self, ms, bitmask, logits, tok: int):
+        for i, m in enumerate(ms):
+            self.lt.fill_next_token_bitmask(m, bitmask, i)
+        self.lt.apply_token_bitmask_inplace(logits, bitmask)
+        for m in ms:
+            assert m.consume_token(tok), f"llguidance rejected a valid token: {m.get_error()}"
+
+
+def walk(lib, compiled, tokens: list[int], batch: int) -> float:
+    """Seconds per step over one pass of the document at this batch size."""
+    ms = lib.matchers(compiled, batch)
+    bitmask = lib.bitmask(batch)
+    logits = torch.zeros(batch, lib.vocab)
+    t0 = time.perf_counter()
+    for tok in tokens:
+        lib.step(ms, bitmask, logits, tok)
+    return (time.perf_counter() - t0) / len(tokens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizer", default=str(Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "qwen3"))
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tok_dir = Path(args.tokenizer)
+    from tokenizers import Tokenizer
+
+    hf_tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    vocab = hf_tok.get_vocab_size(with_added_tokens=True)
+    tokens = hf_tok.encode(DOC, add_special_tokens=False).ids
+    print(hardware_line())
+    print(f"document: {len(tokens)} tokens, vocab {vocab}")
+    libs = [XGrammar(tok_dir, vocab), LLGuidance(tok_dir, vocab)]
+    compiled, compile_ms = {}, {}
+    for lib in libs:
+        t0 = time.perf_counter()
+        compiled[lib.name] = lib.compile(SCHEMA)
+        compile_ms[lib.name] = (time.perf_counter() - t0) * 1000
+        walk(lib, compiled[lib.name], tokens, 1)  # warm-up
+    times = {(lib.name, b): [] for lib in libs for b in (1, 16)}
+    for _ in range(args.rounds):  # alternating rounds: both libraries see the same machine load
+        for b in (1, 16):
+            for lib in libs:
+                times[(lib.name, b)].append(walk(lib, compiled[lib.name], tokens, b))
+    for (name, b), ts in times.items():
+        step = statistics.median(ts)
+        print(f"grammar_mask lib={name} batch={b} step_us={step * 1e6:.1f} per_token_us={step / b * 1e6:.1f} "
+              f"compile_ms={compile_ms[name]:.1f}")
+    for lib in libs:
+        failed = []
+        for feature, schema in COVERAGE.items():
+            try:
+                lib.compile(schema)
+            except Exception:  # noqa: BLE001 - a refusal is what we are counting
+                failed.append(feature)
+        print(f"coverage lib={lib.name} ok={len(COVERAGE) - len(failed)}/{len(COVERAGE)} failed={failed}")
+
+
+if __name__ == "__main__":
+    main()

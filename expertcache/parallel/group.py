@@ -1,0 +1,178 @@
+"""The expert-parallel process group: start or join it, collectives with failures named by rank.
+
+Rank 0 runs the scheduler (and the HTTP server); ranks 1..N-1 are workers that mirror every
+model forward. Two ways in:
+- `launch(world_size, worker_kwargs)` on one machine: picks a loopback port, spawns the workers
+  (fresh interpreters, `multiprocessing` spawn) and joins as rank 0;
+- `from_env()` under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by it), any number
+  of machines.
+Backend: NCCL when the device is CUDA, gloo otherwise. Every collective has the group's
+timeout; a failed or timed-out collective raises `ExpertParallelError` naming the rank that
+died (rank 0 watches the processes it spawned) or the timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ExpertCacheError
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class ExpertParallelError(ExpertCacheError, RuntimeError):
+    """A rank died, hung past the timeout, or disagrees with rank 0 about the checkpoint."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoint_fingerprint(model_dir: str | Path) -> str:
+    """sha256 of config.json and every safetensors header (names, dtypes, shapes, offsets)."""
+    d, h = Path(model_dir), hashlib.sha256()
+    h.update((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + fh.read(min(n, 1 << 26)))
+    return h.hexdigest()
+
+
+class EPGroup:
+    def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float,
+                 procs: list | None = None, exit_on_failure: bool = False):
+        self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
+        self.exit_on_failure = exit_on_failure
+        self.procs = procs or []  # rank 0 only: the spawned workers (ranks 1..N-1)
+        self.failed: str | None = None
+        if self.procs:
+            threading.Thread(target=self._watch, daemon=True, name="ep-watch").start()
+
+    # -- start / join ---------------------------------------------------------------------------
+    @staticmethod
+    def _init(rank: int, world_size: int, device: torch.device, init_method: str, timeout_s: float) -> None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+
+    @classmethod
+    def join(cls, rank: int, world_size: int, device: torch.device, init_method: str,
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> "EPGroup":
+        cls._init(rank, world_size, device, init_method, timeout_s)
+        return cls(rank, world_size, device, timeout_s)
+
+    @classmethod
+    def from_env(cls, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> "EPGroup":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return cls.join(rank, world, device, "env://", timeout_s)
+
+    @classmethod
+    def launch(cls, world_size: int, device: torch.device, worker_kwargs: dict,
+               timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_failure: bool = False) -> "EPGroup":
+        """Spawn ranks 1..N-1 on this machine (each builds LLM(**worker_kwargs)) and join as rank 0."""
+        from .worker import worker_main
+
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = multiprocessing.get_context("spawn")
+        procs = []
+        for r in range(1, world_size):
+            dev = torch.device("cuda", r % torch.cuda.device_count()) if device.type == "cuda" else device
+            p = ctx.Process(target=worker_main, args=(r, world_size, str(dev), init, timeout_s, worker_kwargs),
+                            name=f"expertcache-ep-rank{r}", daemon=True)
+            p.start()
+            procs.append(p)
+        try:
+            cls._init(0, world_size, device, init, timeout_s)
+        except Exception as e:
+            for p in procs:
+                p.kill()
+            raise ExpertParallelError(f"expert-parallel group of {world_size} did not form: {e}") from None
+        return cls(0, world_size, device, timeout_s, procs, exit_on_failure)
+
+    # -- failures --------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while self.failed is None:
+            for r, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None and self.failed is None:
+                    self._fail(f"expert-parallel rank {r} exited with code {p.exitcode}")
+                    return
+            time.sleep(0.2)
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        if self.exit_on_failure:
+            print(f"error: {why}; stopping", file=sys.stderr, flush=True)
+            for p in self.procs:
+                p.kill()
+            os._exit(2)
+
+    def _call(self, what: str, fn, *args):
+        if self.failed:
+            raise ExpertParallelError(f"{self.failed} (before {what})")
+        try:
+            return fn(*args)
+        except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on a lost peer or timeout
+            time.sleep(0.5)  # let the watcher see a dead process
+            who = self.failed or f"a rank did not answer within {self.timeout_s:.0f} s or lost its connection"
+            if not self.failed:
+                self._fail(f"{who} (during {what})")
+            raise ExpertParallelError(f"{who} (during {what}: {str(e).splitlines()[0][:200]})") from None
+
+    # -- collectives (called from the engine thread only) ------------------------------------------
+    def broadcast(self, obj=None):
+        """Rank 0's `obj` to every rank (pickled; tensors travel on the CPU)."""
+        box = [obj]
+        self._call("broadcast", dist.broadcast_object_list, box, 0)
+        return box[0]
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        self._call("all_reduce", dist.all_reduce, t)
+        return t
+
+    def all_true(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        self._call("all_reduce", dist.all_reduce, t, dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def gather(self, obj) -> list | None:
+        """Every rank's `obj` on rank 0 (None elsewhere)."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        self._call("gather", dist.gather_object, obj, out, 0)
+        return out
+
+    def check_same(self, what: str, value: str) -> None:
+        values = [None] * self.world_size
+        self._call("all_gather", dist.all_gather_object, values, value)
+        bad = [r for r, v in enumerate(values) if v != values[0]]
+        if bad:
+            raise ExpertParallelError(f"ranks {bad} see a different {what} than rank 0 "
+                                      "(every rank must load the same checkpoint)")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,115 @@
+"""Where each logical expert lives across expert-parallel ranks, and how a new placement is chosen.
+
+Shape legend:
+    L MoE layers, E logical experts per layer, N ranks, R = E + redundant physical experts per layer
+    load [L, E] tokens routed to each logical expert over the load window
+
+A `Placement` maps every logical expert of every layer to one or more ranks (its replicas; a
+rank holds at most one replica of an expert). Invariants, checked by `check()`:
+- every logical expert has >= 1 replica, on distinct ranks;
+- rank r holds at most `capacity(r)` experts of a layer (R split as evenly as possible: the
+  first R % N ranks hold one more).
+Tokens routed to a replicated expert are split between its replicas by token index
+(token t goes to replica t % replicas), so each replica serves about the same share.
+
+`static_placement` is the split without load information (expert e on rank e % N).
+`balanced_placement` is EPLB's recipe (DeepSeek's EPLB, as vLLM's `--enable-eplb` uses it):
+first give the extra replicas one at a time to the expert with the highest load per replica,
+then pack the physical experts (each carrying load / replicas) onto ranks heaviest first, each
+to the least-loaded rank that still has room and does not already hold that expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def capacities(num_physical: int, num_ranks: int) -> list[int]:
+    base, extra = divmod(num_physical, num_ranks)
+    return [base + (1 if r < extra else 0) for r in range(num_ranks)]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """replicas[layer][e] = ranks holding logical expert e of that MoE layer (in replica order)."""
+
+    num_ranks: int
+    replicas: dict[int, tuple[tuple[int, ...], ...]]
+    version: int = 0
+    num_redundant: int = 0  # physical experts per layer beyond one per logical expert
+
+    def owned(self, rank: int) -> dict[int, list[int]]:
+        """layer -> sorted logical experts that `rank` holds."""
+        return {layer: [e for e, rs in enumerate(reps) if rank in rs] for layer, reps in self.replicas.items()}
+
+    def rank_table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (ranks [E, max_replicas] int64 padded with -1, replica count [E] int64)."""
+        reps = self.replicas[layer]
+        width = max(len(r) for r in reps)
+        table = torch.full((len(reps), width), -1, dtype=torch.int64)
+        for e, rs in enumerate(reps):
+            table[e, : len(rs)] = torch.tensor(rs, dtype=torch.int64)
+        return table, torch.tensor([len(r) for r in reps], dtype=torch.int64)
+
+    def check(self) -> None:
+        for layer, reps in self.replicas.items():
+            held = [0] * self.num_ranks
+            for e, rs in enumerate(reps):
+                assert rs and len(set(rs)) == len(rs), f"layer {layer} expert {e}: replicas {rs}"
+                for r in rs:
+                    assert 0 <= r < self.num_ranks, f"layer {layer} expert {e}: rank {r}"
+                    held[r] += 1
+            cap = capacities(len(reps) + self.num_redundant, self.num_ranks)
+            assert all(h <= c for h, c in zip(held, cap)), f"layer {layer}: experts per rank {held} > {cap}"
+
+
+def static_placement(layers: list[int], num_experts: int, num_ranks: int) -> Placement:
+    reps = tuple((e % num_ranks,) for e in range(num_experts))
+    return Placement(num_ranks, {layer: reps for layer in layers})
+
+
+def assign_ranks(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """ids [T, K] logical experts -> rank [T, K] that computes each pair (replicas split by token index)."""
+    tok = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+    choice = tok % counts[ids]
+    return table[ids, choice]
+
+
+def balanced_layer(load: list[float], num_ranks: int, num_redundant: int) -> tuple[tuple[int, ...], ...]:
+    """One layer's replicas for loads [E]: replicate the hottest, then pack heaviest-first."""
+    E = len(load)
+    num_redundant = min(num_redundant, E * (num_ranks - 1))  # at most one replica per rank
+    count = [1] * E
+    for _ in range(num_redundant):
+        e = max((e for e in range(E) if count[e] < num_ranks), key=lambda e: (load[e] / count[e], -count[e], -e))
+        count[e] += 1
+    physical = sorted(((load[e] / count[e], e) for e in range(E) for _ in range(count[e])), key=lambda p: (-p[0], p[1]))
+    room = capacities(len(physical), num_ranks)
+    rank_load = [0.0] * num_ranks
+    holds: list[set[int]] = [set() for _ in range(num_ranks)]
+    reps: list[list[int]] = [[] for _ in range(E)]
+    for share, e in physical:
+        fits = [r for r in range(num_ranks) if room[r] > 0 and e not in holds[r]]
+        if not fits:  # only ranks that already hold e have room: this replica adds nothing, drop it
+            continue
+        r = min(fits, key=lambda r: (rank_load[r], r))
+        room[r] -= 1
+        rank_load[r] += share
+        holds[r].add(e)
+        reps[e].append(r)
+    return tuple(tuple(sorted(r)) for r in reps)
+
+
+def balanced_placement(load: torch.Tensor, layers: list[int], num_ranks: int, num_redundant: int,
+                       version: int = 0) -> Placement:
+    """load [L, E] (rows in the order of `layers`) -> a Placement with `num_redundant` extra replicas per layer."""
+    rows = load.double().tolist()
+    return Placement(num_ranks, {layer: balanced_layer(row, num_ranks, num_redundant)
+                                 for layer, row in zip(layers, rows)}, version, num_redundant)
+
+
+def rank_loads(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Routed pairs each rank computes for ids [T, K] -> [N]."""
+    return torch.bincount(assign_ranks(ids, table, counts).reshape(-1), minlength=num_ranks)

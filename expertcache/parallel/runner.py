@@ -1,0 +1,64 @@
+"""`ParallelRunner`: rank 0's batches mirrored on every rank of the expert-parallel group.
+
+Rank 0 builds each step's batch as the single-process runner does; its `forward` (the runner's
+one call into the model) broadcasts
+("forward", input_ids, AttnBatch, control) before running it (control: a new placement, the
+KV block copies rank 0's scheduler made since the last step, whether to gather stats); ranks 1..N-1 sit in
+`serve_worker()`, run the same forward on their own copy of the KV cache (same block ids:
+rank 0's scheduler owns the block tables) and skip lm_head. Every STATS_EVERY steps, and
+when rank 0 is asked for stats, the ranks send their cache counters to rank 0 in-step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.runner import ModelRunner
+from .experts import ExpertParallelExperts
+from .group import EPGroup
+
+STATS_EVERY = 16  # steps between per-rank counter gathers
+
+
+class ParallelRunner(ModelRunner):
+    def __init__(self, model, kv, group: EPGroup, experts: ExpertParallelExperts):
+        super().__init__(model, kv)
+        self.group, self.experts, self.steps = group, experts, 0
+        if group.rank == 0:
+            kv.copied = []  # copy-on-write block copies (n > 1 samples) are replayed on every rank
+
+    def forward(self, ids, batch, rows) -> torch.Tensor:
+        ctl = self.experts.control()
+        self.steps += 1
+        ctl["gather"] = self.steps % STATS_EVERY == 1
+        ctl["copies"], self.kv.copied = self.kv.copied, []
+        self.group.broadcast(("forward", ids.cpu(), _to(batch, "cpu"), ctl))
+        return self._mirror(ids, batch, rows, ctl)
+
+    def _mirror(self, ids, batch, rows, ctl):
+        if self.group.rank:
+            for src, dst in ctl["copies"]:
+                self.kv.copy_block(src, dst)
+        self.experts.apply(ctl)
+        out = self.model.forward(ids, batch, self.kv.tensors, rows)
+        if ctl.get("gather"):
+            self.experts.gather_stats()
+        return out
+
+    def serve_worker(self) -> None:
+        """Ranks 1..N-1: mirror rank 0's forwards until it says stop."""
+        dev = self.model.device
+        no_rows = torch.empty(0, dtype=torch.int64, device=dev)
+        while True:
+            msg = self.group.broadcast()
+            if msg[0] == "stop":
+                return
+            _, ids, batch, ctl = msg
+            self._mirror(ids.to(dev), _to(batch, dev), no_rows, ctl)
+
+    def stop_workers(self) -> None:
+        self.group.broadcast(("stop",))
+
+
+def _to(batch, device):
+    return type(batch)(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in batch))

@@ -1,0 +1,9 @@
+"""`expertcache plan`: will a model run under these budgets, and how fast, from headers alone.
+
+cli.py (the subcommand), model.py (sizes and the engine's memory plan), hw.py (the measured
+`this-cpu` profile), speed.py (predicted decode tok/s band).
+"""
+
+from .cli import add_plan_subcommand
+
+__all__ = ["add_plan_subcommand"]

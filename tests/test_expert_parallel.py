@@ -1,0 +1,246 @@
+"""Expert parallelism on CPU (gloo): placement and EPLB against brute force, and 2- and 3-rank
+engines against the single-process engine (logits, greedy tokens), with redundant experts,
+rearrangements in the middle of a generation, tiny per-rank budgets, a killed rank, and the server.
+
+Each multi-rank LLM spawns its workers (fresh interpreters): a few seconds per group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from expertcache import LLM, SamplingParams
+from expertcache.parallel import ExpertParallelError, ParallelConfig, balanced_placement, static_placement
+from expertcache.parallel.placement import assign_ranks, balanced_layer, capacities, rank_loads
+
+PROMPTS = [list(range(5, 25)), [7, 3, 9, 11, 40, 41, 42], list(range(60, 97))]
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+# -- placement (pure) ---------------------------------------------------------------------------------
+def brute_force_max_load(load: list[float], num_ranks: int) -> float:
+    """The best max rank load over every assignment of one replica per expert with equal counts per rank."""
+    cap = capacities(len(load), num_ranks)
+    best = float("inf")
+    for assign in itertools.product(range(num_ranks), repeat=len(load)):
+        if [assign.count(r) for r in range(num_ranks)] != cap:
+            continue
+        best = min(best, max(sum(w for w, a in zip(load, assign) if a == r) for r in range(num_ranks)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_packing_near_brute_force_optimum(seed):
+    g = torch.Generator().manual_seed(seed)
+    load = (torch.rand(8, generator=g) ** 3 * 100).tolist()
+    reps = balanced_layer(load, 2, 0)
+    ranks = [0.0, 0.0]
+    for e, rs in enumerate(reps):
+        assert len(rs) == 1
+        ranks[rs[0]] += load[e]
+    # greedy heaviest-first packing is within 4/3 of the optimum (Graham's LPT bound)
+    assert max(ranks) <= brute_force_max_load(load, 2) * 4 / 3 + 1e-9
+
+
+def test_redundant_experts_go_to_the_hottest_and_balance_improves():
+    load = torch.tensor([[400.0, 10, 10, 10, 10, 10, 10, 200, 5, 5, 5, 5]])
+    static = static_placement([0], 12, 3)
+    p = balanced_placement(load, [0], 3, 3, version=1)
+    p.check()
+    reps = p.replicas[0]
+    assert len(reps[0]) == 3 and len(reps[7]) == 2  # 400 split three ways, then 200 two ways
+    assert all(len(set(r)) == len(r) for r in reps)
+    # expected pairs per rank when each token's pairs follow assign_ranks
+    ids = torch.multinomial(load[0], 4000, replacement=True, generator=torch.Generator().manual_seed(0))
+    ids = ids.view(-1, 1)
+
+    def balance(pl):
+        t, c = pl.rank_table(0)
+        n = rank_loads(ids, t, c, 3).double()
+        return (n.max() / n.mean()).item()
+
+    assert balance(p) < 1.15 and balance(static) > 1.8  # capacity 5 per rank limits the packing
+
+
+def test_replicas_split_tokens_evenly():
+    p = balanced_placement(torch.tensor([[100.0, 1, 1, 1]]), [0], 2, 1)
+    t, c = p.rank_table(0)
+    ids = torch.zeros(10, 1, dtype=torch.int64)  # every token to expert 0, held by both ranks
+    assert assign_ranks(ids, t, c).reshape(-1).bincount(minlength=2).tolist() == [5, 5]
+
+
+def test_bad_parallel_options_are_refused():
+    with pytest.raises(ValueError, match="world_size"):
+        ParallelConfig(0)
+    with pytest.raises(ValueError, match="num_redundant_experts"):
+        ParallelConfig(1, num_redundant_experts=2)
+    with pytest.raises(ValueError, match="eplb_step_interval"):
+        ParallelConfig(2, eplb_step_interval=0)
+
+
+# -- engines ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ep_checkpoint(checkpoint):
+    return checkpoint("qwen3_moe", num_experts=16, num_experts_per_tok=2, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def single(ep_checkpoint):
+    llm = LLM(str(ep_checkpoint))
+    out = {"logits": [llm.logits(p) for p in PROMPTS],
+           "tokens": [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], "samples": _samples(llm)}
+    llm.close()
+    return out
+
+
+SAMPLED = SamplingParams(max_tokens=40, temperature=1.0, seed=7, n=3)  # forks share blocks, copy on write
+
+
+def _samples(llm):
+    return [o.token_ids for o in llm.generate([PROMPTS[2]], SAMPLED)]
+
+
+def _check_equal(llm, single):
+    for p, ref in zip(PROMPTS, single["logits"]):
+        torch.testing.assert_close(llm.logits(p), ref, atol=1e-5, rtol=1e-5)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == single["tokens"]
+    assert _samples(llm) == single["samples"]
+
+
+@pytest.mark.parametrize("world", [2, 3])  # 3 does not divide the 16 experts
+def test_ranks_equal_single_process(ep_checkpoint, single, world):
+    llm = LLM(str(ep_checkpoint), expert_parallel=world)
+    try:
+        _check_equal(llm, single)
+        ep = llm.expert_stats()["expert_parallel"]
+        assert ep["world_size"] == world and sum(ep["pairs_per_rank_last_step"]) > 0
+        assert {r["rank"] for r in ep["ranks"]} == set(range(world))
+    finally:
+        llm.close()
+
+
+def test_rearrangement_mid_generation_with_replicas(ep_checkpoint, single):
+    cfg = ParallelConfig(3, num_redundant_experts=4, eplb=True, eplb_window_size=8, eplb_step_interval=5)
+    llm = LLM(str(ep_checkpoint), expert_parallel=cfg)
+    try:
+        _check_equal(llm, single)  # several EPLB rebalances happen during these generations
+        ep = llm.expert_stats()["expert_parallel"]
+        assert ep["rearrangements"] >= 2 and ep["num_redundant_experts"] == 4
+        # and an arbitrary placement forced in the middle of a generation
+        E, layers = 16, llm.source.layers
+        worst = balanced_placement(torch.rand(len(layers), E), layers, 3, 4, version=99)
+        seq = llm.engine.add_request(PROMPTS[0], GREEDY)
+        steps = 0
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            steps += 1
+            if steps == 6:
+                llm.experts.request_placement(worst)
+        assert seq.generated == single["tokens"][0]
+        assert llm.experts.placement.version >= 99  # the forced placement was taken (EPLB continues from it)
+        assert llm.expert_stats()["expert_parallel"]["bytes_rearranged"] > 0
+    finally:
+        llm.close()
+
+
+def test_tiny_per_rank_budgets_equal_single_process(ep_checkpoint, single):
+    llm = LLM(str(ep_checkpoint), expert_parallel=2, device_memory="20%", host_memory="30%")
+    try:
+        _check_equal(llm, single)
+        s = llm.expert_stats()
+        assert s["misses"] > 0  # rank 0's own tiers missed and fetched
+        assert all(r["cache"]["misses"] > 0 for r in s["expert_parallel"]["ranks"])
+    finally:
+        llm.close()
+
+
+def test_killed_rank_is_named_within_the_timeout(ep_checkpoint):
+    llm = LLM(str(ep_checkpoint), expert_parallel=ParallelConfig(2, timeout_s=20))
+    try:
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0))
+        os.kill(llm.group.procs[0].pid, signal.SIGKILL)
+        t = time.monotonic()
+        with pytest.raises(ExpertParallelError, match="rank 1 exited with code -9"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0))
+        assert time.monotonic() - t < 20
+    finally:
+        llm.close()
+
+
+def test_cli_generate_with_two_ranks(ep_checkpoint, single):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
+                        "--max-tokens", "4", "--expert-parallel", "2", "--enable-eplb", "--eplb-step-interval", "2"],
+                       capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "expert parallel 2 ranks, balance max/mean" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
+                        "--enable-eplb"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "need --expert-parallel" in r.stderr
+
+
+def test_torchrun_two_ranks(ep_checkpoint, single):
+    """The same command under torchrun (its own rendezvous): rank 0 prints, rank 1 mirrors."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(_free_port()), "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
+                        "--max-tokens", "4", "--expert-parallel", "2"],
+                       capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "expert parallel 2 ranks" in r.stderr and "expert-parallel rank 1 ready" in r.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_with_two_ranks(ep_checkpoint):
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.server", str(ep_checkpoint), "--port", str(port),
+                             "--served-model-name", "tiny", "--expert-parallel", "2", "--no-access-log"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail("server with --expert-parallel 2 not healthy in time")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
+        ref = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt="hello", max_tokens=6, temperature=0, stream=True))
+        assert streamed == ref.choices[0].text and ref.usage.completion_tokens == 6
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.choices[0].finish_reason in ("length", "stop")
+        ep = httpx.get(url + "/stats").json()["expert_stats"]["expert_parallel"]
+        assert ep["world_size"] == 2 and sum(ep["pairs_per_rank_last_step"]) > 0
+        assert 'expertcache:ep_balance{window="mean"}' in httpx.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
