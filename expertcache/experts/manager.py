@@ -114,7 +114,7 @@ class TieredExperts(ExpertProvider):
         self.E, self.K = cfg.num_experts, cfg.top_k
         self.layers = source.layers
         self.li = {layer: i for i, layer in enumerate(self.layers)}
-        dev_parts = dev_parts or source.compute_parts(dtype)
+        dev_parts = dev_parts or source.compute_parts(dtype, device)
         self.direct = is_direct(device, dev_parts, source.parts)
         partial = host_slots is not None and host_slots > 0
         self.prefetch_mode = resolve_prefetch(prefetch, device, self.direct, partial)

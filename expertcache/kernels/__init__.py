@@ -19,7 +19,11 @@ import torch
 from .build import extension, why
 from .formats import Unsupported, plain_spec, quant_spec
 
-SMALL_T = 16  # tokens of one weight at or below which the register-converting GEMV path runs
+# Tokens of one weight above which the tiled path (convert a tile once, reuse it for every token)
+# replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code.
+# Measured (bench/kernel_bench.py): the GEMV path wins at every T for the cheap conversions
+# (bf16/fp16/int8/int4); the tiled path wins from ~32 tokens for mxfp4 and ~256 for fp8.
+SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6: 24}
 ROWS_PER_UNIT = 32  # rows of a weight per unit of work handed to a thread
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 
@@ -27,6 +31,20 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 def backend() -> str:
     """'cpp' when the C++ kernels are in use, else 'torch'."""
     return "torch" if extension() is None else "cpp"
+
+
+def reads_stored(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether weights on `device` computed in `dtype` stay in their stored format (bf16 dense weights,
+    expert slots): the C++ kernels read them as stored, so they are never widened to float32 copies."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and backend() == "cpp"
+
+
+def dense_dtype(stored: torch.dtype, ndim: int, device: torch.device | str, dtype: torch.dtype,
+                low_memory: bool = False) -> torch.dtype:
+    """The dtype a dense weight stored as `stored` is held in: a 2-D weight narrower than `dtype` keeps
+    its stored float dtype where the kernels read it (or in low-memory mode: converted per use)."""
+    narrow = ndim == 2 and stored in (torch.bfloat16, torch.float16) and stored.itemsize < dtype.itemsize
+    return stored if narrow and (low_memory or reads_stored(device, dtype)) else dtype
 
 
 def _usable(x: torch.Tensor) -> bool:
@@ -43,36 +61,38 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     except Unsupported:
         return None
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = extension().linear(x2, spec, 0, SMALL_T, ROWS_PER_UNIT)
+    y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def pool_specs(pool: dict[str, torch.Tensor], method, I: int, H: int) -> tuple:
-    """(gate, up, down) specs of a pool; raises Unsupported."""
+def pool_specs(pool: dict[str, torch.Tensor], method, H: int) -> tuple:
+    """(gate, up, down) specs of a pool for hidden size H; raises Unsupported."""
     if method is None:
         gu = pool["gate_up"]
+        I = gu.shape[1] // 2
         return plain_spec(gu[:, :I]), plain_spec(gu[:, I:]), plain_spec(pool["down"])
+    I = pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
     return (quant_spec(method, pool, "gate", I, H), quant_spec(method, pool, "up", I, H),
             quant_spec(method, pool, "down", H, I))
 
 
 def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
-        out: torch.Tensor, I: int, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+        out: torch.Tensor, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
         biases: tuple = (None, None, None)) -> bool:
     """out += the grouped expert FFN over pool slots (one call for the layer). False: not handled
     (a format or dtype the kernels do not read); `out` is then untouched."""
     if not _usable(x) or out.dtype != torch.float32 or not out.is_contiguous():
         return False
     try:
-        specs = pool_specs(pool, method, I, x.shape[1])
+        specs = pool_specs(pool, method, x.shape[1])
     except Unsupported:
         return False
     if any(t.device.type != "cpu" for t in pool.values()):
         return False
     bias = [None if b is None else b.float().contiguous() for b in biases]
     extension().moe(x.contiguous(), slots.contiguous(), weights.float().contiguous(), *specs,
-                    ACTIVATIONS[activation], alpha, limit, *bias, out, SMALL_T, ROWS_PER_UNIT)
+                    ACTIVATIONS[activation], alpha, limit, *bias, out, SMALL_T[specs[0][0]], ROWS_PER_UNIT)
     return True
 
 
-__all__ = ["backend", "dense_linear", "moe", "pool_specs", "why", "Unsupported"]
+__all__ = ["backend", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "why", "Unsupported"]

@@ -42,6 +42,12 @@ def _compile():
         from torch.utils import cpp_extension
     except ImportError as e:  # pragma: no cover - torch always ships it
         return None, f"torch.utils.cpp_extension unavailable ({e})"
+    try:  # the `ninja` package's binary (a dependency), found even when the venv is not activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
     out = cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..models.model_config import ModelConfig, rope_inv_freq
 
 
@@ -12,10 +13,14 @@ CONVERT_ROWS = 4096  # rows of a stored-dtype weight converted at a time (bounde
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + b. A weight kept in a narrower stored dtype (low-memory mode) is converted to x's
-    dtype a block of rows at a time: the result equals converting it whole, without the copy."""
+    """x @ w.T + b. A weight kept in a narrower stored dtype (bf16/fp16 dense weights on the CPU) is
+    read by the C++ kernels as stored, or else converted to x's dtype a block of rows at a time: the
+    result equals converting it whole, without the copy."""
     if w.dtype == x.dtype:
         return F.linear(x, w, b)
+    y = kernels.dense_linear(x, w)
+    if y is not None:
+        return y if b is None else y + b.to(y.dtype)
     if w.shape[0] <= CONVERT_ROWS:
         return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
     out = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
 from ..layers.basic import Rotary, linear, rms_norm, swiglu
@@ -46,9 +47,7 @@ class MoETransformer:
         def load(name, shape):
             t = load_dense(index, name, shape, quant)
             check_dense(index, name, t, check_finite)
-            # low memory: a 2-D weight keeps its (narrower) stored float dtype and is converted per use
-            narrow = low_memory and t.dim() == 2 and t.dtype.itemsize < dtype.itemsize and t.is_floating_point()
-            t = t.to(device=device, dtype=t.dtype if narrow else dtype)
+            t = t.to(device=device, dtype=kernels.dense_dtype(t.dtype, t.dim(), device, dtype, low_memory))
             if progress:
                 progress(t.numel() * index.info(name).dtype.itemsize)
             return t

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from ..engine.kv_cache import KVCache
 from ..experts.budget import MemoryPlan
 from ..experts.budget import plan_memory as budget_plan
@@ -72,18 +73,21 @@ class Sizes:
     kv_per_token: int
 
 
-def model_sizes(info: ModelInfo, dtype: torch.dtype) -> Sizes:
+def model_sizes(info: ModelInfo, dtype: torch.dtype, device: torch.device | None = None) -> Sizes:
     src, cfg = info.source, info.cfg
     dense_stored = info.index.nbytes() - src.total_nbytes
-    dense_compute = sum(math.prod(t.shape) * dtype.itemsize for n, t in info.index.tensors.items()
+    held = (lambda t: kernels.dense_dtype(t.dtype, len(t.shape), device, dtype)) if device is not None else (lambda t: dtype)
+    dense_compute = sum(math.prod(t.shape) * held(t).itemsize for n, t in info.index.tensors.items()
                         if ".experts." not in n and not _SCALE.search(n) and t.dtype.is_floating_point)
-    fast = sum(p.nbytes for p in src.compute_parts(dtype))
+    fast_parts = src.compute_parts(dtype, device)
+    fast = sum(p.nbytes for p in fast_parts)
     method = src.method.name if src.method is not None else None
     return Sizes(dense_stored=dense_stored, dense_compute=int(dense_compute), experts_stored=src.total_nbytes,
                  expert_stored=src.expert_nbytes, expert_fast=fast,
                  expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
                  stored_dtype=method or str(src.dtype).removeprefix("torch."),
-                 fast_format=f"{method}, as stored" if method else str(dtype).removeprefix("torch."),
+                 fast_format=f"{method}, as stored" if method else str(fast_parts[0].dtype).removeprefix("torch.")
+                 + (", as stored" if fast_parts[0].dtype != dtype else ""),
                  quantized=method,
                  kv_per_token=KVCache.bytes_per_block(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, dtype))
 
