@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("csrc") / "expert_kernels.cpp"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17"]
+# -fopenmp: ATen's parallel_for is OpenMP only when compiled with it (else it runs serially); the
+# extension then needs libgomp.so.1, which resolves to the one torch has already loaded (one thread pool)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp"]
 
 _state: dict = {}
 
@@ -51,7 +53,7 @@ def _compile():
     out = cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        mod = cpp_extension.load(name="expertcache_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        mod = cpp_extension.load(name="expertcache_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                  build_directory=str(out), verbose=False)
     except Exception as e:  # a failed build must not stop the engine: the torch path computes the same
         return None, f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
