@@ -1,5 +1,5 @@
 # The two commands of the README:
-#   make demo   set up, then run the built-in demo model (or MODEL=dir)
+#   make demo   set up, then run the built-in demo model (or MODEL=dir; ARGS="--max-tokens 128" passes flags)
 #   make test   set up with the test extras, then run the test suite
 #
 # TORCH picks the PyTorch wheel installed before the package. The default pin
@@ -11,6 +11,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 MODEL ?=
+ARGS ?=
 
 .PHONY: setup setup-test demo test bench clean
 
@@ -29,7 +30,7 @@ setup: $(VENV)/.base
 setup-test: $(VENV)/.test
 
 demo: setup
-	$(VENV)/bin/expertcache demo $(MODEL)
+	$(VENV)/bin/expertcache demo $(MODEL) $(ARGS)
 
 test: setup-test
 	$(PY) -m pytest -q

@@ -13,7 +13,10 @@ import sys
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model."""
     p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face model directory (config.json + safetensors); default: the built-in demo model")
+                   help="model directory (config.json + safetensors), hub id such as Qwen/Qwen3-30B-A3B (found in "
+                        "the Hugging Face cache, else downloaded if huggingface_hub is installed), or a hub-cache "
+                        "folder models--ORG--NAME; default: the built-in demo model")
+    p.add_argument("--revision", default=None, help="hub id only: branch, tag or commit (default: main)")
     p.add_argument("--device", default="cpu", help="compute device: cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: min(model, 4096))")
@@ -95,34 +98,41 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
-def _sampling(args):
-    from .engine.params import SamplingParams
+def resolve_model_arg(args: argparse.Namespace, download: bool = True) -> None:
+    """Replace args.model (directory, hub id or hub-cache folder) by its checkpoint directory, before any
+    weight is read; what the user typed stays in args.model_spec."""
+    args.model_spec = args.model
+    if args.model is not None:
+        from .hub import resolve_model
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=args.stop)
+        args.model = str(resolve_model(args.model, getattr(args, "revision", None), download=download))
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from .llm import LLM
-    from .parallel.worker import run_torchrun_worker, torchrun_rank
+def model_dir_arg(args: argparse.Namespace) -> str:
+    """args.model resolved to a checkpoint directory (the demo model when none was given)."""
+    resolve_model_arg(args)
+    if args.model is None:
+        from .demo import demo_model_dir
 
-    if torchrun_rank():  # ranks 1..N-1 under torchrun mirror rank 0
-        return run_torchrun_worker(engine_kwargs(args))
-    llm = LLM(**engine_kwargs(args))
-    print(llm.plan_lines[-1], file=sys.stderr)  # the KV cache line (the expert plan printed before loading)
-    tok = llm._require_tokenizer()
-    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+        args.model = str(demo_model_dir())
+    return args.model
+
+
+def stream_request(llm, ids: list[int], sp, out=sys.stdout) -> str:
+    """Generate for one prompt, printing text as it comes; returns the stats line of this request."""
     eng = llm.engine
-    eng.add_request(ids, _sampling(args))
-    while eng.has_unfinished():
-        for out in eng.step():
-            print(out.text_delta, end="", flush=True)
-    print()
     c = eng.counters
-    pre = c.prompt_tokens / c.prefill_seconds if c.prefill_seconds else 0.0
-    dec = (c.generated_tokens - 1) / c.decode_seconds if c.decode_seconds else 0.0
-    line = (f"prompt tokens {len(ids)}, generated tokens {c.generated_tokens}, prefill {pre:.1f} tok/s, "
-            f"decode {dec:.1f} tok/s")
+    before = (c.prompt_tokens, c.prefill_seconds, c.generated_tokens, c.decode_seconds)
+    eng.add_request(ids, sp)
+    while eng.has_unfinished():
+        for o in eng.step():
+            print(o.text_delta, end="", flush=True, file=out)
+    print(file=out)
+    ptok, psec, gtok, dsec = (a - b for a, b in zip((c.prompt_tokens, c.prefill_seconds, c.generated_tokens,
+                                                     c.decode_seconds), before))
+    pre = ptok / psec if psec else 0.0
+    dec = (gtok - 1) / dsec if dsec else 0.0
+    line = f"prompt tokens {len(ids)}, generated tokens {gtok}, prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s"
     stats = llm.expert_stats()
     if "per_tier" in stats:
         from .experts.stats import summary_line
@@ -132,7 +142,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from .parallel.experts import summary_line as ep_summary
 
         line += "; " + ep_summary(stats["expert_parallel"])
-    print(line, file=sys.stderr)
+    return line
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .cli_checks import check_prompt_fits, sampling_params
+    from .parallel.worker import run_torchrun_worker, torchrun_rank
+
+    sp = sampling_params(args)
+    model_dir = model_dir_arg(args)
+    if torchrun_rank():  # ranks 1..N-1 under torchrun mirror rank 0
+        return run_torchrun_worker(engine_kwargs(args))
+    if args.prompt is None:
+        from .chat_cli import run_chat
+
+        return run_chat(args, sp, template=args.chat)
+    from .engine.tokenizer import Tokenizer
+    from .llm import LLM
+
+    tok = Tokenizer(model_dir)
+    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    check_prompt_fits(args, model_dir, ids)  # all before a weight byte is read
+    llm = LLM(**engine_kwargs(args))
+    print(llm.plan_lines[-1], file=sys.stderr)  # the KV cache line (the expert plan printed before loading)
+    print(stream_request(llm, ids, sp), file=sys.stderr)
     if args.save_expert_stats:
         llm.experts.save_stats(args.save_expert_stats)
     llm.close()
@@ -152,7 +185,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_sampling_args(p: argparse.ArgumentParser, prompt_default: str | None) -> None:
-    p.add_argument("--prompt", default=prompt_default, required=prompt_default is None, help="prompt text")
+    p.add_argument("--prompt", default=prompt_default,
+                   help="prompt text" + (f" (default: {prompt_default!r})" if prompt_default else
+                                         "; without it: a chat in the terminal, or the prompt read from a pipe"))
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -162,8 +197,25 @@ def add_sampling_args(p: argparse.ArgumentParser, prompt_default: str | None) ->
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `expertcache generate: error: argument --top-p: ... (see --help)`, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("expertcache")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="expertcache", description=__doc__.splitlines()[0])
+    parser = Parser(prog="expertcache", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"expertcache {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streaming tokens")
     add_engine_args(g)
@@ -175,12 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(d, "The expert cache keeps")
     d.add_argument("--rebuild", action="store_true", help="rebuild the demo checkpoint")
     d.set_defaults(func=cmd_demo)
+    from .chat_cli import add_chat_subcommand
     from .plan import add_plan_subcommand
     from .quant.cli import add_quantize_subcommand
     from .server.cli import add_serve_subcommand
     from .trace.cli import add_trace_subcommands
 
-    for add in (add_serve_subcommand, add_trace_subcommands, add_plan_subcommand, add_quantize_subcommand):
+    for add in (add_chat_subcommand, add_serve_subcommand, add_trace_subcommands, add_plan_subcommand, add_quantize_subcommand):
         add(sub)
     return parser
 

@@ -436,8 +436,8 @@ def _uniform(seed: int, name: str, *shape: int, std: float = _INIT_STD,
     return torch.empty(shape, dtype=dtype).uniform_(-a, a, generator=_generator(seed, name))
 
 
-def train_tokenizer(vocab_size: int):
-    """A deterministic byte-level BPE (tokenizers.Tokenizer) trained on CORPUS."""
+def train_tokenizer(vocab_size: int, texts=None):
+    """A deterministic byte-level BPE (tokenizers.Tokenizer) trained on `texts` (default: CORPUS's paragraphs)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -451,7 +451,7 @@ def train_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS.strip().split("\n\n"), trainer=trainer)
+    tok.train_from_iterator(CORPUS.strip().split("\n\n") if texts is None else texts, trainer=trainer)
     for i, t in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, f"special token {t} got id {tok.token_to_id(t)}, expected {i}"
     return tok

@@ -41,20 +41,20 @@ class LLM:
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
                  progress=False, verbose: bool = False, low_memory: bool = False,
                  record_routing: str | None = None, expert_parallel=None, check_finite: bool = True,
-                 **cache_options):
+                 revision: str | None = None, **cache_options):
         # the arguments every expert-parallel rank builds its own LLM from (callables stay here)
         worker_kwargs = dict(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              kv_cache_memory=kv_cache_memory, block_size=block_size,
                              prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
-                             **cache_options)
+                             revision=revision, **cache_options)
         if model is None:
             from .demo import demo_model_dir
 
             model = demo_model_dir(progress=progress)
-        self.model_dir = Path(model)
-        if not self.model_dir.is_dir():
-            raise CheckpointError(f"model directory {self.model_dir} does not exist")
+        from .hub import resolve_model
+
+        self.model_dir = resolve_model(model, revision, download=True, progress=bool(progress))
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
@@ -154,11 +154,12 @@ class LLM:
         if self.group is not None:
             return self._make_parallel_experts(options, on_bytes, show, kv_total)
         if options:
+            from .experts.budget import dense_compute_bytes
             from .experts.build import build_expert_cache
 
-            dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
             cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
-                                             dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
+                                             dense_bytes=dense_compute_bytes(self.index, self.dtype, self.device),
+                                             kv_bytes=kv_total, on_plan=show, **options)
             self.plan_lines += plan
             return cache
         self.plan_lines.append(
@@ -186,11 +187,12 @@ class LLM:
             f"expert parallel: rank {group.rank} of {group.world_size} holds {n} of {len(layers) * E} experts "
             f"({cfg.num_redundant_experts} redundant per layer; EPLB {'on' if cfg.eplb else 'off'})")
         if options:
+            from .experts.budget import dense_compute_bytes
             from .experts.build import build_expert_cache
 
-            dense = (self.index.nbytes() - self.source.total_nbytes) // self.source.dtype.itemsize * self.dtype.itemsize
             local, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
-                                             dense_bytes=dense, kv_bytes=kv_total, on_plan=show, **options)
+                                             dense_bytes=dense_compute_bytes(self.index, self.dtype, self.device),
+                                             kv_bytes=kv_total, on_plan=show, **options)
             self.plan_lines += plan
         else:
             show(self.plan_lines)

@@ -61,8 +61,8 @@ user assistant system: you are a helpful assistant. What is the capital of Franc
 
 
 @lru_cache(maxsize=None)
-def tokenizer_json() -> str:
-    """A tiny byte-level BPE (specials first: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2)."""
+def tokenizer_json(special_tokens: tuple[str, ...] = tuple(SPECIAL_TOKENS)) -> str:
+    """A tiny byte-level BPE (specials first: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2 by default)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -71,7 +71,7 @@ def tokenizer_json() -> str:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=320,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
         min_frequency=1,

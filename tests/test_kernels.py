@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from expertcache import LLM, kernels
-from expertcache.experts.compute import moe_ffn
+from expertcache.experts.compute import ExpertFFN, moe_ffn
 from expertcache.kernels import build
 from expertcache.kernels.formats import plain_spec, quant_spec
 from expertcache.quant import make_quant_method
@@ -153,19 +153,45 @@ def test_grouped_moe_against_float64(fmt, params, path, monkeypatch):
         assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+def _fused_pool(fmt, params, S, H, I, interleaved):
+    """A fused gate_up pool (plain [S, 2I, H], or quantized parts "gate_up.*"), gate rows first or
+    interleaved (gate = even rows); -> (method, pool, gate, up, down) with float64 dequantized weights."""
+    method, pgu, gu = _packed(fmt, params, 2 * I, H, S, seed=4)
+    _, pd, down = _packed(fmt, params, H, I, S, seed=5)
+    gate, up = (gu[:, 0::2], gu[:, 1::2]) if interleaved else (gu[:, :I], gu[:, I:])
+    pool = {**{k.replace("p.", "gate_up.", 1): t for k, t in pgu.items()}, **{k.replace("p.", "down.", 1): t for k, t in pd.items()}}
+    if fmt in ("bf16", "fp16", "fp32"):
+        pool, method = {"gate_up": pool["gate_up.weight"], "down": pool["down.weight"]}, None
+    return method, pool, gate, up, down
+
+
 @needs_cpp
-def test_grouped_moe_clamped_swiglu_biases_and_accumulation():
-    S, H, I, K, T = 4, 40, 24, 2, 9
-    method, pool, gate, up, down = _moe_pool("int8", {"group_size": 16}, S, H, I)
+@pytest.mark.parametrize("fmt,params,layout", [("int8", {"group_size": 16}, "split"), ("bf16", {}, "interleaved"),
+                                               ("mxfp4", {}, "fused-interleaved"), ("int4", {"group_size": 8}, "fused")])
+def test_grouped_moe_clamped_swiglu_biases_layouts_and_accumulation(fmt, params, layout, monkeypatch):
+    S, H, I, K, T = 4, 64, 32, 2, 9
+    interleaved = "interleaved" in layout
+    if layout == "split":
+        method, pool, gate, up, down = _moe_pool(fmt, params, S, H, I)
+    else:
+        method, pool, gate, up, down = _fused_pool(fmt, params, S, H, I, interleaved)
+    ffn = ExpertFFN(act="clamped_swiglu", interleaved=interleaved, fused_quant=method is not None and layout != "split",
+                    alpha=1.702, limit=7.0)
     g = torch.Generator().manual_seed(5)
-    biases = (torch.randn(S, I, generator=g), torch.randn(S, I, generator=g), torch.randn(S, H, generator=g))
+    bg, bu, bd = torch.randn(S, I, generator=g), torch.randn(S, I, generator=g), torch.randn(S, H, generator=g)
+    gu_bias = torch.stack([bg, bu], -1).reshape(S, 2 * I) if interleaved else torch.cat([bg, bu], 1)
+    pool = {**pool, "gate_up_bias": gu_bias, "down_bias": bd}
     x = 3 * torch.randn(T, H, generator=g)  # large enough that the clamps at +-7 engage
     slots, weights = _routing(T, K, S)
     start = torch.randn(T, H, generator=g)
     out = start.clone()
-    assert kernels.moe(x, slots, weights, pool, method, out, activation="clamped_swiglu", biases=biases)
-    ref = start.double() + _moe_reference(x, slots, weights, gate, up, down, "clamped_swiglu", biases)
+    assert kernels.moe(x, slots, weights, pool, method, out, ffn)
+    ref = start.double() + _moe_reference(x, slots, weights, gate, up, down, "clamped_swiglu", (bg, bu, bd))
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    with monkeypatch.context() as mp:
+        _no_extension(mp, "disabled by the test")
+        torch_path = moe_ffn(x, slots, weights, pool, method, out=start.clone(), ffn=ffn)
+    assert (torch_path.double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # the torch code agrees
 
 
 @needs_cpp

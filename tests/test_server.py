@@ -8,85 +8,25 @@ kills it in a finalizer. Every loop is bounded; all traffic goes to 127.0.0.1.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 
+from serving import start_server  # noqa: E402
+
 KEY = "test-key-123"
-START_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, health: list):
-        self.proc, self.url, self.log_path, self.health = proc, url, log_path, health
-
-    def http(self, auth: bool = True) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {KEY}"} if auth else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
-
-    def client(self) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, timeout=30, max_retries=0)
-
-    def metric(self, name: str, labels: str = "") -> float:
-        with self.http() as c:
-            text = c.get("/metrics").text
-        for line in text.splitlines():
-            if line.startswith(name + (labels and "{" + labels + "}")) and not line.startswith("#"):
-                head, _, value = line.rpartition(" ")
-                if head == name + (labels and "{" + labels + "}"):
-                    return float(value)
-        return 0.0
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_checkpoint, tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "expertcache.server", str(qwen3_checkpoint), "--port", str(port),
-             "--api-key", KEY, "--served-model-name", "tiny", "--log-interval", "1", "--no-access-log"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    health: list[tuple[int, dict]] = []
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-            try:
-                r = httpx.get(url + "/health", timeout=2)
-                health.append((r.status_code, r.json()))
-                if r.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        else:
-            pytest.fail(f"server not healthy within {START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
-        yield Server(proc, url, log_path, health)
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+    with start_server(qwen3_checkpoint, log_path, "--api-key", KEY, "--served-model-name", "tiny",
+                      "--log-interval", "1", key=KEY) as srv:
+        yield srv
 
 
 def chat(client, content: str, **kw):

@@ -36,6 +36,11 @@ def _raise(msg):
     raise TemplateError(msg)
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' `tojson` (not Jinja's, which escapes HTML): the same options, the same output."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -75,7 +80,9 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch call releases the GIL while it works (encode holds it: a long text would
+        # stall every other Python thread, e.g. a server's event loop); same ids
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -104,8 +111,8 @@ class Tokenizer:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.filters["tojson"] = _tojson
+            env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             try:

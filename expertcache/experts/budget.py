@@ -9,12 +9,29 @@ layer is an error at startup, never a failure mid-generation.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import kernels
 from ..errors import BudgetError
 from ..units import fmt_bytes, parse_bytes
+
+
+_SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: consumed at load, not kept
+
+
+def dense_compute_bytes(index, dtype: torch.dtype, device: torch.device | str | None = None) -> int:
+    """The dense (non-expert) float weights as the engine holds them: in `dtype`, quantization scales
+    folded in; with `device`, bf16/fp16 matrices the CPU kernels read stay in their stored dtype
+    (kernels.dense_dtype). From the headers alone (`index` a TensorIndex)."""
+    def held(t) -> int:
+        return (dtype if device is None else kernels.dense_dtype(t.dtype, len(t.shape), device, dtype)).itemsize
+
+    return sum(math.prod(t.shape) * held(t) for n, t in index.tensors.items()
+               if ".experts." not in n and not _SCALE.search(n) and t.dtype.is_floating_point)
 
 
 def available_ram() -> int:

@@ -1,25 +1,81 @@
-"""The expert FFN over slot buffers: out[t] = sum_k w[t,k] * down(silu(gate(x)) * up(x)) for expert ids[t,k].
+"""The expert FFN over slot buffers: out[t] = sum_k w[t,k] * down(act(gate(x), up(x))) for expert ids[t,k].
 
 Shape legend:
     T tokens, H hidden, I moe intermediate, K top_k, S slots, A active (distinct) experts
     x [T, H]   slots [T, K] (slot index per routed pair, into the pool tensors)   weights [T, K]
-    gate_up pool [S, 2I, H]   down pool [S, H, I]
+    gate_up pool [S, 2I, H]   down pool [S, H, I]   ([S, H, 2I] and [S, I, H] when ExpertFFN.transposed)
 
 On the CPU with float32 activations the whole layer is one call into the C++ kernels
-(expertcache.kernels: every format read straight from its stored bytes). Otherwise (CUDA, the
-pure-torch fallback): tokens are grouped by slot with one argsort; the loop runs over the A active
+(expertcache.kernels: every format read straight from its stored bytes; layouts they do not read,
+and CUDA, take the torch code below). There, tokens are grouped by slot with one argsort; the loop runs over the A active
 slots only (A <= min(T*K, S)), each a dense matmul over the tokens routed to it.
 Pool tensors may be stored in a lower precision than x: each active slot is
-converted once. Quantized pools (parts "gate.weight", "gate.weight_scale", ...) go through the
-QuantMethod, which dequantizes into float32 and multiplies.
+converted once (the CPU has no fast bf16 matmul; see README "numerics"). Quantized
+pools (parts "gate.weight", "gate.weight_scale", ...) go through the QuantMethod,
+which dequantizes into float32 and multiplies.
+
+`ExpertFFN` says how a model's experts compute from those parts: the activation (by name, from
+ACTIVATIONS), the gate/up row order, the orientation of plain weights, and optional biases (parts
+"gate_up_bias" [2I] and "down_bias" [H], added after each projection). The default is the
+Llama-style SwiGLU: silu(gate) * up, gate rows first, weights [out, in], no biases.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
+
+
+def _silu(g: torch.Tensor, u: torch.Tensor, ffn: "ExpertFFN") -> torch.Tensor:
+    return F.silu(g) * u
+
+
+def _clamped_swiglu(g: torch.Tensor, u: torch.Tensor, ffn: "ExpertFFN") -> torch.Tensor:
+    """GPT-OSS: (up + 1) * g * sigmoid(alpha * g), g clamped above at limit, up to [-limit, limit]."""
+    g = g.clamp(max=ffn.limit)
+    u = u.clamp(min=-ffn.limit, max=ffn.limit)
+    return (u + 1) * (g * torch.sigmoid(g * ffn.alpha))
+
+
+ACTIVATIONS = {"silu": _silu, "clamped_swiglu": _clamped_swiglu}
+
+
+@dataclass(frozen=True)
+class ExpertFFN:
+    """act: ACTIVATIONS name. interleaved: gate_up rows alternate gate, up (gate = even rows) rather
+    than all gate rows then all up rows. transposed: plain parts stored [in, out] (gate_up [H, 2I],
+    down [I, H]). fused_quant: quantized parts are "gate_up.*" and "down.*" (not "gate.*", "up.*").
+    alpha, limit: clamped_swiglu's parameters."""
+
+    act: str = "silu"
+    interleaved: bool = False
+    transposed: bool = False
+    fused_quant: bool = False
+    alpha: float = 1.0
+    limit: float = float("inf")
+
+    def __post_init__(self):
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {self.act!r}; choose one of {sorted(ACTIVATIONS)}")
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2I] (after the gate_up projection and bias) -> [n, I]."""
+        if self.interleaved:
+            g, u = gate_up[..., ::2], gate_up[..., 1::2]
+        else:
+            g, u = gate_up.chunk(2, dim=-1)
+        return ACTIVATIONS[self.act](g, u, self)
+
+
+SWIGLU = ExpertFFN()
+
+
+def _add_bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y if b is None else y + b.to(y.dtype)
 
 
 def group_by_slot(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -30,39 +86,46 @@ def group_by_slot(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list
     return active, order, counts.tolist()
 
 
-def expert_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], method=None) -> torch.Tensor:
+def expert_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], method=None, ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
     """One expert on x [n, H] with its parts `w` (gate_up [2I, H] + down [H, I], or quantized parts)."""
     if kernels.backend() == "cpp" and x.dtype == torch.float32 and x.device.type == "cpu":
         out = torch.zeros_like(x)  # a pool of one slot, every token routed to it with weight 1
         slot0, ones = torch.zeros(x.shape[0], 1, dtype=torch.long), x.new_ones(x.shape[0], 1)
-        if kernels.moe(x, slot0, ones, {n: t.unsqueeze(0) for n, t in w.items()}, method, out):
+        if kernels.moe(x, slot0, ones, {n: t.unsqueeze(0) for n, t in w.items()}, method, out, ffn):
             return out
     if method is not None:
         xf = x.float()
-        h = F.silu(method.linear(xf, w, "gate")) * method.linear(xf, w, "up")
-        return method.linear(h, w, "down").to(x.dtype)
+        if ffn.fused_quant:
+            h = ffn.activate(_add_bias(method.linear(xf, w, "gate_up"), w.get("gate_up_bias")))
+        else:
+            h = ACTIVATIONS[ffn.act](method.linear(xf, w, "gate"), method.linear(xf, w, "up"), ffn)
+        return _add_bias(method.linear(h, w, "down"), w.get("down_bias")).to(x.dtype)
     gate_up, down = w["gate_up"], w["down"]
     if gate_up.dtype != x.dtype:
         gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
-    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(g) * u, down)
+    if ffn.transposed:
+        h = ffn.activate(_add_bias(x @ gate_up, w.get("gate_up_bias")))
+        return _add_bias(h @ down, w.get("down_bias"))
+    h = ffn.activate(_add_bias(F.linear(x, gate_up), w.get("gate_up_bias")))
+    return _add_bias(F.linear(h, down), w.get("down_bias"))
 
 
 GROUPED_MM_MAX_PAIRS = 256  # measured: one grouped GEMM beats the per-slot loop below this (decode)
 
 
 def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
-            method=None, out: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+            method=None, out: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+            ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
     """Grouped expert FFN from pool tensors {part: [S, ...]}. `mask` [T, K] (bool) limits to some pairs."""
     T, K = slots.shape
     out = torch.zeros_like(x) if out is None else out
     if mask is not None:
         slots = torch.where(mask, slots, -1)
-    if kernels.moe(x, slots, weights, pool, method, out):
+    if kernels.moe(x, slots, weights, pool, method, out, ffn):
         return out
     if (method is None and T * K <= GROUPED_MM_MAX_PAIRS and hasattr(F, "grouped_mm")
             and pool["gate_up"].dtype == x.dtype):  # a stored-dtype pool is converted per active slot below
-        return _grouped(x, slots, weights, pool["gate_up"], pool["down"], out)
+        return _grouped(x, slots, weights, pool, out, ffn)
     active, order, counts = group_by_slot(slots)
     token_of = order // K
     w = weights.reshape(-1)[order].to(x.dtype)
@@ -70,22 +133,26 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     for s, n in zip(active.tolist(), counts):
         if s >= 0:
             tok = token_of[start:start + n]
-            y = expert_ffn(x[tok], {name: t[s] for name, t in pool.items()}, method)
+            y = expert_ffn(x[tok], {name: t[s] for name, t in pool.items()}, method, ffn)
             # index_put_ rather than index_add_: the latter takes milliseconds with 2 CPU threads here
             out.index_put_((tok,), y * w[start:start + n, None], accumulate=True)
         start += n
     return out
 
 
-def _grouped(x, slots, weights, gate_up, down, out):
+def _grouped(x, slots, weights, pool, out, ffn):
     """Same result with two grouped GEMMs (torch's grouped_mm): no Python loop over experts."""
+    gate_up, down = pool["gate_up"], pool["down"]
+    if not ffn.transposed:  # grouped_mm takes [S, in, out]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     K = slots.shape[1]
     flat = slots.reshape(-1)
     pairs = torch.nonzero(flat >= 0).squeeze(1)
     order = pairs[torch.argsort(flat[pairs], stable=True)]
     offs = torch.cumsum(torch.bincount(flat[order], minlength=gate_up.shape[0]), 0).to(torch.int32)
     tok = order // K
-    g, u = F.grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = F.grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)
+    bias = {n: pool[n][flat[order]] for n in ("gate_up_bias", "down_bias") if n in pool}  # [pairs, out]
+    h = ffn.activate(_add_bias(F.grouped_mm(x[tok], gate_up, offs=offs), bias.get("gate_up_bias")))
+    y = _add_bias(F.grouped_mm(h, down, offs=offs), bias.get("down_bias"))
     out.index_put_((tok,), y * weights.reshape(-1)[order, None].to(x.dtype), accumulate=True)
     return out

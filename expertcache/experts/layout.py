@@ -10,7 +10,10 @@ and every tier holds those bytes; compute dequantizes (see compute.expert_ffn).
 
 Both checkpoint layouts reduce to at most three contiguous byte ranges per expert:
   hub:   layers.{l}.mlp.experts.{j}.gate_proj.weight / up_proj / down_proj (one tensor each)
-  fused: layers.{l}.mlp.experts.gate_up_proj [E, 2I, H] and .down_proj [E, H, I] (slice j)
+  fused: layers.{l}.mlp.experts.gate_up_proj [E, 2I, H] and .down_proj [E, H, I] (slice j);
+         GPT-OSS stores them [E, H, 2I] / [E, I, H] (parts keep that orientation) with
+         gate_up_proj_bias [E, 2I] / down_proj_bias [E, H] (parts "gate_up_bias", "down_bias"),
+         and quantized as gate_up_proj_blocks [E, 2I, H/32, 16] / _scales (parts "gate_up.weight_blocks" ...)
 `ExpertSource.ranges(layer, expert)` returns, per part, the (file, offset, nbytes) list in
 slot order; the tiers read exactly those bytes and nothing else.
 """
@@ -29,6 +32,7 @@ from ..loader.safetensors_index import TensorIndex
 from ..models.checks import SKIP_HINT, nonfinite_parts
 from ..models.model_config import ModelConfig
 from ..models.registry import WeightNames
+from .compute import ExpertFFN
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,11 @@ def _fits(shape: tuple[int, ...], dtype: torch.dtype, spec) -> bool:
     return dtype == spec.dtype
 
 
+def _slice(t, j: int, n: int) -> Range:
+    """Byte range of entry j of a tensor whose first dimension has n entries."""
+    return (t.file, t.offset + j * t.nbytes // n, t.nbytes // n)
+
+
 class ExpertSource:
     """Byte ranges of every routed expert of a checkpoint (from the headers alone)."""
 
@@ -73,23 +82,27 @@ class ExpertSource:
         self.nonfinite: dict[tuple[int, int], list[str]] = {}  # (layer, expert) -> tensors with NaN/inf
         self._checked: set[tuple[int, int]] = set()
         dtype = None
+        self.bias_parts: tuple[Part, ...] = ()
         if method is not None:
             self._quantized(names)
             return
+        tr = names.fused_transposed  # such a family has only the fused layout
+        gu_shape, dn_shape = ((H, 2 * I), (I, H)) if tr else ((2 * I, H), (H, I))
         for layer in self.layers:
             prefix = self._moe_prefix(layer, names)
             fused = f"{prefix}.experts.gate_up_proj"
-            if fused in index:
-                gu = index.info(fused, (E, 2 * I, H))
-                dn = index.info(f"{prefix}.experts.down_proj", (E, H, I))
+            if fused in index or tr:
+                gu = index.info(fused, (E, *gu_shape))
+                dn = index.info(f"{prefix}.experts.down_proj", (E, *dn_shape))
                 for j in range(E):
-                    self._ranges[layer, j] = {
-                        "gate_up": [(gu.file, gu.offset + j * gu.nbytes // E, gu.nbytes // E)],
-                        "down": [(dn.file, dn.offset + j * dn.nbytes // E, dn.nbytes // E)],
-                    }
+                    self._ranges[layer, j] = {"gate_up": [_slice(gu, j, E)], "down": [_slice(dn, j, E)]}
                     self._names[layer, j] = f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]"
                 dtypes, example = {gu.dtype, dn.dtype}, gu.name
+                self._biases(layer, prefix)
             else:
+                if cfg.expert_bias:
+                    raise CheckpointError(f"{index.model_dir}: missing tensor {fused} (experts with biases are "
+                                          "read from the fused layout only)")
                 g, u, d = names.expert_projs
                 dtypes = set()
                 for j in range(E):
@@ -116,39 +129,86 @@ class ExpertSource:
                 raise CheckpointError(f"layer {layer}: routed experts mix dtypes {sorted(map(str, dtypes))}")
             dtype = dtypes.pop()
         self.dtype = dtype or torch.float32
-        self.parts = (Part("gate_up", (2 * I, H), self.dtype), Part("down", (H, I), self.dtype))
+        self.parts = (Part("gate_up", gu_shape, self.dtype), Part("down", dn_shape, self.dtype)) + self.bias_parts
         self.expert_nbytes = sum(p.nbytes for p in self.parts)
+        self.ffn = self._ffn(names, transposed=tr, fused_quant=False)
+
+    def _ffn(self, names: WeightNames, transposed: bool, fused_quant: bool) -> ExpertFFN:
+        cfg = self.cfg
+        return ExpertFFN(act=cfg.expert_act, interleaved=names.gate_up_interleaved, transposed=transposed,
+                         fused_quant=fused_quant, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+
+    def _biases(self, layer: int, prefix: str) -> None:
+        """Expert biases (cfg.expert_bias): experts.gate_up_proj_bias [E, 2I], experts.down_proj_bias [E, H]."""
+        if not self.cfg.expert_bias:
+            return
+        cfg = self.cfg
+        E, parts = cfg.num_experts, []
+        for part, proj, n in (("gate_up_bias", "gate_up_proj", 2 * cfg.moe_intermediate_size),
+                              ("down_bias", "down_proj", cfg.hidden_size)):
+            t = self.index.info(f"{prefix}.experts.{proj}_bias", (E, n))
+            parts.append(Part(part, (n,), t.dtype))
+            for j in range(E):
+                self._ranges[layer, j][part] = [_slice(t, j, E)]
+        if self.bias_parts and tuple(parts) != self.bias_parts:
+            raise CheckpointError(f"layer {layer}: expert bias dtypes {[str(p.dtype) for p in parts]} differ "
+                                  "from the other layers'")
+        self.bias_parts = tuple(parts)
 
     def _quantized(self, names: WeightNames) -> None:
         """Parts = the method's stored tensors for gate, up and down, read as the checkpoint has them."""
         cfg, m = self.cfg, self.method
-        H, I = cfg.hidden_size, cfg.moe_intermediate_size
-        shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        shapes = {"gate": (I, H), "up": (I, H), "down": (H, I), "gate_up": (2 * I, H)}
         parts: dict[str, Part] = {}
+        fused_any = False
         for layer in self.layers:
             prefix = self._moe_prefix(layer, names)
-            for j in range(cfg.num_experts):
+            primary = m.primary.removeprefix("weight")
+            fused = names.gate_up_interleaved or f"{prefix}.experts.gate_up_proj{primary}" in self.index
+            fused_any |= fused
+            for j in range(E):
                 ranges = {}
-                for canon, proj in zip(("gate", "up", "down"), names.expert_projs):
+                projs = (("gate_up", "gate_up_proj"), ("down", "down_proj")) if fused else \
+                    zip(("gate", "up", "down"), names.expert_projs)
+                for canon, proj in projs:
                     for key, spec in m.layout(canon, shapes[canon]).items():
                         suffix = key.split(".", 1)[1]
-                        name = f"{prefix}.experts.{j}.{proj}.{suffix}"
-                        if name not in self.index and suffix in m.aliases:
-                            name = f"{prefix}.experts.{j}.{proj}.{m.aliases[suffix]}"
-                        t = self.index.info(name)
-                        if not _fits(t.shape, t.dtype, spec):
+                        if fused:  # experts.{proj}{suffix without "weight"} [E, ...], slice j
+                            name = f"{prefix}.experts.{proj}{suffix.removeprefix('weight')}"
+                            t = self.index.info(name)
+                            shape, rng = t.shape[1:], _slice(t, j, E)
+                            if t.shape[0] != E:
+                                raise CheckpointError(f"{t.file.name}: tensor {name} has {t.shape[0]} experts, "
+                                                      f"config.json says {E}")
+                        else:
+                            name = f"{prefix}.experts.{j}.{proj}.{suffix}"
+                            if name not in self.index and suffix in m.aliases:
+                                name = f"{prefix}.experts.{j}.{proj}.{m.aliases[suffix]}"
+                            t = self.index.info(name)
+                            shape, rng = t.shape, (t.file, t.offset, t.nbytes)
+                        if not _fits(shape, t.dtype, spec):
                             raise CheckpointError(
                                 f"{t.file.name}: tensor {name} is {t.dtype} {list(t.shape)}, but {m.name} experts "
-                                f"need {spec.dtype} {list(spec.shape)}")
+                                f"need {spec.dtype} {list(spec.shape)}{' per expert' if fused else ''}")
                         part = Part(key, spec.shape, t.dtype)
                         if parts.setdefault(key, part) != part:
                             raise CheckpointError(f"tensor {name}: {t.dtype} differs from other experts' {parts[key].dtype}")
-                        ranges[key] = [(t.file, t.offset, t.nbytes)]
+                        ranges[key] = [rng]
                 self._ranges[layer, j] = ranges
-                self._names[layer, j] = f"{prefix}.experts.{j}.{{{','.join(names.expert_projs)}}}"
-        self.parts = tuple(parts.values())
+                self._names[layer, j] = (f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]" if fused else
+                                         f"{prefix}.experts.{j}.{{{','.join(names.expert_projs)}}}")
+            if fused:
+                self._biases(layer, prefix)
+            elif cfg.expert_bias:
+                raise CheckpointError(f"{self.index.model_dir}: missing tensor {prefix}.experts.gate_up_proj{primary} "
+                                      "(experts with biases are read from the fused layout only)")
+        if fused_any and any(k.split(".")[0] in ("gate", "up") for k in parts):
+            raise CheckpointError(f"{self.index.model_dir}: layers mix the fused and per-expert quantized layouts")
+        self.parts = tuple(parts.values()) + self.bias_parts
         self.dtype = self.parts[0].dtype
         self.expert_nbytes = sum(p.nbytes for p in self.parts)
+        self.ffn = self._ffn(names, transposed=False, fused_quant=fused_any)
 
     def compute_parts(self, dtype: torch.dtype, device: torch.device | str | None = None) -> tuple[Part, ...]:
         """Parts as the fastest tier holds them: quantized as stored; plain weights as stored where the

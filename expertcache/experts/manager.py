@@ -150,7 +150,7 @@ class TieredExperts(ExpertProvider):
 
         # device tier: compute dtype, slot tables per layer, lookup expert -> slot
         self.device_slots = device_slots
-        self.method = source.method
+        self.method, self.ffn = source.method, source.ffn
         self.dev = {p.name: torch.empty((L, device_slots, *p.shape), dtype=p.dtype, device=device) for p in dev_parts}
         self.dev_tables = [SlotTable(self.E, device_slots, make_policy(policy, self.E, device_slots, layer, stats))
                            for layer in self.layers]
@@ -379,7 +379,7 @@ class TieredExperts(ExpertProvider):
         out = None
         if pending:  # compute the hits while the reads are in flight
             slots = lut.to(x.device)[ids]
-            out = moe_ffn(x, slots, weights, pool, self.method, mask=slots >= 0)
+            out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, mask=slots >= 0)
         for e, s in fills:
             if host[e][0] is DIRECT:
                 self._landed(layer, e, s, host[e][1])
@@ -388,11 +388,11 @@ class TieredExperts(ExpertProvider):
             lut[e] = s
         slots = lut.to(x.device)[ids]
         if out is None:
-            out = moe_ffn(x, slots, weights, pool, self.method, mask=slots >= 0)
+            out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, mask=slots >= 0)
         elif fills:
             new = torch.zeros(self.E, dtype=torch.bool)
             new[[e for e, _ in fills]] = True
-            moe_ffn(x, slots, weights, pool, self.method, out=out, mask=new.to(x.device)[ids])
+            moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, out=out, mask=new.to(x.device)[ids])
         for e, on_cpu in off_slot:
             self._off_slot(layer, e, on_cpu, x, ids, weights, out, self._host_now(layer, e, host[e]))
         table.unpin_all()
@@ -420,9 +420,9 @@ class TieredExperts(ExpertProvider):
             if not self.host_all:
                 ev.synchronize()
             c.bytes_moved += self.source.expert_nbytes
-            y = expert_ffn(x[tok], self.stage, self.method)
+            y = expert_ffn(x[tok], self.stage, self.method, self.ffn)
         else:
-            y = expert_ffn(x[tok].to("cpu", torch.float32), src, self.method).to(x.device, x.dtype)
+            y = expert_ffn(x[tok].to("cpu", torch.float32), src, self.method, self.ffn).to(x.device, x.dtype)
         out.index_put_((tok,), y * weights[tok, k, None], accumulate=True)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:

@@ -48,7 +48,7 @@ class ResidentExperts(ExpertProvider):
     """Every expert loaded once into stacked per-layer pools {part: [E, ...]} (slot = expert id)."""
 
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None, parts=None):
-        self.method = source.method
+        self.method, self.ffn = source.method, source.ffn
         E = source.cfg.num_experts
         parts = parts or source.compute_parts(dtype, device)
         self.pools: dict[int, dict[str, torch.Tensor]] = {}
@@ -65,4 +65,4 @@ class ResidentExperts(ExpertProvider):
             self.pools[layer] = pool
 
     def forward(self, layer, x, ids, weights):
-        return moe_ffn(x, ids, weights, self.pools[layer], self.method)
+        return moe_ffn(x, ids, weights, self.pools[layer], self.method, ffn=self.ffn)

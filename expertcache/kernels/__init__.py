@@ -65,33 +65,68 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def pool_specs(pool: dict[str, torch.Tensor], method, H: int) -> tuple:
-    """(gate, up, down) specs of a pool for hidden size H; raises Unsupported."""
-    if method is None:
-        gu = pool["gate_up"]
+def _rows(spec: tuple, rows: slice) -> tuple:
+    """The spec of some rows of a weight (gate or up out of a fused gate_up)."""
+    code, data, scale, zero, n, k, g, bo = spec
+    if bo > 1 and scale.shape[1] > 1:
+        raise Unsupported("rows of a block-scaled fused gate_up")
+    data = data[:, rows]
+    scale = scale[:, rows] if scale is not None and scale.shape[1] > 1 else scale
+    zero = zero[:, rows] if zero is not None else None
+    return (code, data, scale, zero, data.shape[1], k, g, bo)
+
+
+def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple:
+    """(gate, up, down) specs of a pool for hidden size H and the experts' layout `ffn`
+    (experts.compute.ExpertFFN; None = gate rows first, [out, in]); raises Unsupported."""
+    interleaved = ffn is not None and ffn.interleaved
+    if ffn is not None and ffn.transposed and method is None:
+        raise Unsupported("plain weights stored [in, out]")
+    fused = method is None or (ffn is not None and ffn.fused_quant)
+    if fused:
+        gu = plain_spec(pool["gate_up"]) if method is None else quant_spec(
+            method, pool, "gate_up", pool[f"gate_up.{method.primary}"].shape[1], H)
+        I = gu[4] // 2
+        gate, up = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, I), slice(I, 2 * I))
+        gate, up = _rows(gu, gate), _rows(gu, up)
+    else:
+        I = pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
+        gate, up = quant_spec(method, pool, "gate", I, H), quant_spec(method, pool, "up", I, H)
+    down = plain_spec(pool["down"]) if method is None else quant_spec(method, pool, "down", H, I)
+    return gate, up, down
+
+
+def _biases(pool: dict[str, torch.Tensor], interleaved: bool) -> list:
+    gu, d = pool.get("gate_up_bias"), pool.get("down_bias")
+    if gu is None:
+        g = u = None
+    else:
         I = gu.shape[1] // 2
-        return plain_spec(gu[:, :I]), plain_spec(gu[:, I:]), plain_spec(pool["down"])
-    I = pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
-    return (quant_spec(method, pool, "gate", I, H), quant_spec(method, pool, "up", I, H),
-            quant_spec(method, pool, "down", H, I))
+        g, u = (gu[:, 0::2], gu[:, 1::2]) if interleaved else (gu[:, :I], gu[:, I:])
+    return [None if b is None else b.float().contiguous() for b in (g, u, d)]
 
 
 def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
-        out: torch.Tensor, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-        biases: tuple = (None, None, None)) -> bool:
-    """out += the grouped expert FFN over pool slots (one call for the layer). False: not handled
-    (a format or dtype the kernels do not read); `out` is then untouched."""
+        out: torch.Tensor, ffn=None) -> bool:
+    """out += the grouped expert FFN over pool slots (one call for the layer), for the experts' layout
+    and activation `ffn` (experts.compute.ExpertFFN, None = SwiGLU); biases are the pool parts
+    "gate_up_bias" [S, 2I] and "down_bias" [S, H]. False: not handled (a format, layout or dtype the
+    kernels do not read); `out` is then untouched."""
     if not _usable(x) or out.dtype != torch.float32 or not out.is_contiguous():
-        return False
-    try:
-        specs = pool_specs(pool, method, x.shape[1])
-    except Unsupported:
         return False
     if any(t.device.type != "cpu" for t in pool.values()):
         return False
-    bias = [None if b is None else b.float().contiguous() for b in biases]
+    act = "silu" if ffn is None else ffn.act
+    if act not in ACTIVATIONS:
+        return False
+    try:
+        specs = pool_specs(pool, method, x.shape[1], ffn)
+    except Unsupported:
+        return False
+    alpha, limit = (1.0, float("inf")) if ffn is None else (ffn.alpha, ffn.limit)
+    bias = _biases(pool, ffn is not None and ffn.interleaved)
     extension().moe(x.contiguous(), slots.contiguous(), weights.float().contiguous(), *specs,
-                    ACTIVATIONS[activation], alpha, limit, *bias, out, SMALL_T[specs[0][0]], ROWS_PER_UNIT)
+                    ACTIVATIONS[act], alpha, limit, *bias, out, SMALL_T[specs[0][0]], ROWS_PER_UNIT)
     return True
 
 

@@ -8,6 +8,10 @@ Shape legend:
 New keys/values are written at `slot_mapping` (flat index block * block_size + offset)
 before the gather, so a sequence sees its own new tokens. Masking: key position kp is
 visible to a query at position qp iff kp <= qp and kp > qp - window (sliding window).
+
+Attention sinks (GPT-OSS, `w["sinks"]` [h]): a learned logit per head joins each softmax
+denominator without a value, softmax([q.k * scale..., sink_h]) dropping the sink's column. It is
+computed as one more key (zeros) with a zero value whose additive mask entry is sink_h.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Attention:
         self.h, self.g, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window[layer]
         self.scale = self.d ** -0.5
+        self.sinks = w.get("sinks")
 
     def __call__(self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, w, T = self.cfg, self.w, x.shape[0]
@@ -68,8 +73,21 @@ class Attention:
         mask = kpos[None, None, :] <= qpos
         if self.window:
             mask &= kpos[None, None, :] > qpos - self.window
+        mask = mask[:, None]  # [B, 1, Q, L]
+        if self.sinks is not None:
+            keys, vals, mask = self._sink_column(keys, vals, mask, q.dtype)
         o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, vals, attn_mask=mask[:, None], scale=self.scale, enable_gqa=self.g != self.h
+            qp.transpose(1, 2), keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=self.g != self.h
         )  # [B, h, Q, D]
         o = o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token].reshape(T, self.h * self.d)
         return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
+
+    def _sink_column(self, keys, vals, mask, dtype):
+        """keys/vals [B, g, L, D] -> [B, g, L+1, D] (a zero key and value last); the boolean mask
+        [B, 1, Q, L] -> an additive one [B, h, Q, L+1] whose last column is each head's sink logit."""
+        keys, vals = F.pad(keys, (0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 1))
+        B, _, Q, L = mask.shape
+        bias = torch.zeros(B, self.h, Q, L + 1, dtype=dtype, device=mask.device)
+        bias[..., :L].masked_fill_(~mask, float("-inf"))
+        bias[..., L] = self.sinks.to(dtype)[None, :, None]
+        return keys, vals, bias

@@ -43,6 +43,13 @@ class ModelConfig:
     rope: dict = field(default_factory=dict)  # normalised rope parameters (rope_type, rope_theta, ...)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    attn_sinks: bool = False  # a learned logit per head in the softmax denominator (self_attn.sinks)
+    router_bias: bool = False
+    router_order: str = "softmax_topk"  # | "topk_softmax" (softmax over the top-k logits only)
+    expert_bias: bool = False  # routed experts carry gate_up / down biases
+    expert_act: str = "silu"  # experts.compute.ACTIVATIONS: "silu" | "clamped_swiglu"
+    swiglu_alpha: float = 1.0  # clamped_swiglu only
+    swiglu_limit: float = float("inf")
 
     @property
     def moe_layer_ids(self) -> list[int]:

@@ -22,6 +22,10 @@ class WeightNames:
     expert_projs: tuple[str, str, str]  # (gate, up, down) names inside experts.{j}
     shared_expert: str = "shared_expert"
     shared_expert_gate: str = "shared_expert_gate"
+    # fused experts (experts.gate_up_proj / down_proj): stored [E, in, out] instead of [E, out, in],
+    # and gate/up rows alternating (gate = even rows) instead of gate half then up half
+    fused_transposed: bool = False
+    gate_up_interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ def register(family: Family) -> Family:
 
 def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:
     """Parse model_dir/config.json (+ generation_config.json) into (family, ModelConfig, raw dict)."""
-    from . import mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401  (register the families)
+    from . import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401  (register the families)
 
     path = Path(model_dir) / "config.json"
     if not path.exists():

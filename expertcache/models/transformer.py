@@ -85,6 +85,8 @@ class MoETransformer:
                 qn, kn = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (q_dim, kv_dim)
                 a["q_norm.weight"] = load(f"{p}.self_attn.q_norm.weight", (qn,))
                 a["k_norm.weight"] = load(f"{p}.self_attn.k_norm.weight", (kn,))
+            if cfg.attn_sinks:
+                a["sinks"] = load(f"{p}.self_attn.sinks", (cfg.num_heads,))
             layer = {
                 "attn": Attention(cfg, i, a, self.rotary),
                 "input_ln": load(f"{p}.input_layernorm.weight", (H,)),
@@ -94,6 +96,8 @@ class MoETransformer:
                 prefix = next((f"{p}.{m}" for m in names.moe_prefixes if f"{p}.{m}.{names.router}.weight" in index),
                               f"{p}.{names.moe_prefixes[0]}")
                 layer["router"] = load(f"{prefix}.{names.router}.weight", (cfg.num_experts, H))
+                if cfg.router_bias:
+                    layer["router_bias"] = load(f"{prefix}.{names.router}.bias", (cfg.num_experts,))
                 if cfg.shared_expert_intermediate_size:
                     S, se = cfg.shared_expert_intermediate_size, f"{prefix}.{names.shared_expert}"
                     layer["shared"] = (load(f"{se}.gate_proj.weight", (S, H)), load(f"{se}.up_proj.weight", (S, H)),
@@ -137,16 +141,19 @@ class MoETransformer:
             h = h[logits_rows]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head).float()
 
-    def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, layer: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        ids, w = route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob)
+        return route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob, layer.get("router_bias"), cfg.router_order)
+
+    def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self._route(layer, x)
         if self.route_override is not None:
             ids, w = self.route_override(i, ids, w)
         ahead = None
         nxt = self.next_moe.get(i)
         if nxt is not None and (self.experts.wants_prefetch or self.record_routing):
             nl = self.layers[nxt]
-            ahead, _ = route(rms_norm(h, nl["post_ln"], cfg.rms_norm_eps), nl["router"], cfg.top_k, False)
+            ahead, _ = self._route(nl, rms_norm(h, nl["post_ln"], self.cfg.rms_norm_eps))
             if hasattr(self.route_override, "lookahead"):
                 ahead = self.route_override.lookahead(nxt, ahead)
             if self.experts.wants_prefetch:

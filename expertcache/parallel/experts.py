@@ -28,7 +28,7 @@ import torch
 from ..experts.provider import ExpertProvider
 from .config import ParallelConfig
 from .group import EPGroup
-from .placement import Placement, assign_ranks, balanced_placement
+from .placement import Placement, assign_ranks, balanced_placement, worth_moving
 
 BALANCE_HISTORY = 1000  # steps of per-rank load kept for /stats
 
@@ -69,6 +69,8 @@ class ExpertParallelExperts(ExpertProvider):
                 load = torch.stack(list(self.window)).sum(0) if self.window else self.step_load
                 new = balanced_placement(load, self.layers, self.N, self.cfg.num_redundant_experts,
                                          self.placement.version + 1)
+                if not worth_moving(self.placement, new, load, self.layers):
+                    new = None
             if new is not None:
                 self.requested = None
                 if new.replicas != self.placement.replicas:
@@ -107,7 +109,7 @@ class ExpertParallelExperts(ExpertProvider):
     def forward(self, layer, x, ids, weights):
         table, counts = self.tables[layer]
         ids_cpu = ids.cpu()
-        ranks = assign_ranks(ids_cpu, table, counts)
+        ranks = assign_ranks(ids_cpu, table, counts, self.steps)
         self.step_pairs += torch.bincount(ranks.reshape(-1), minlength=self.N)
         row = self.layers.index(layer)
         self.step_load[row] += torch.bincount(ids_cpu.reshape(-1), minlength=self.step_load.shape[1])
@@ -122,7 +124,7 @@ class ExpertParallelExperts(ExpertProvider):
     def prefetch(self, layer, ids):
         table, counts = self.tables[layer]
         ids_cpu = ids.cpu()
-        mine = assign_ranks(ids_cpu, table, counts) == self.rank
+        mine = assign_ranks(ids_cpu, table, counts, self.steps) == self.rank
         if bool(mine.any()):
             self.local.prefetch(layer, ids_cpu[mine].unsqueeze(1).to(ids.device))
 

@@ -24,7 +24,7 @@ class LocalExperts(ExpertProvider):
                  progress=None):
         self.source, self.device, self.dtype, self.progress = source, device, dtype, progress
         self.parts = source.compute_parts(dtype)
-        self.method = source.method
+        self.method, self.ffn = source.method, source.ffn
         self.pools, self.slot_of, self.disk_bytes = {}, {}, 0
         self.pools, self.slot_of, _ = self._build(owned, {}, {})
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ep-rearrange")
@@ -73,7 +73,7 @@ class LocalExperts(ExpertProvider):
         slots = self.slot_of[layer][ids]
         if bool((slots < 0).any()):
             raise RuntimeError(f"layer {layer}: experts {ids[slots < 0].unique().tolist()} are not held by this rank")
-        return moe_ffn(x, slots, weights, self.pools[layer], self.method)
+        return moe_ffn(x, slots, weights, self.pools[layer], self.method, ffn=self.ffn)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -9,8 +9,10 @@ rank holds at most one replica of an expert). Invariants, checked by `check()`:
 - every logical expert has >= 1 replica, on distinct ranks;
 - rank r holds at most `capacity(r)` experts of a layer (R split as evenly as possible: the
   first R % N ranks hold one more).
-Tokens routed to a replicated expert are split between its replicas by token index
-(token t goes to replica t % replicas), so each replica serves about the same share.
+Tokens routed to a replicated expert are split between its replicas by token, step and top-k
+position (pair k of token t in step s goes to replica (t + s + k) % replicas), so each replica
+serves about the same share, at batch 1 too, and one token's replicated experts do not all land
+on the same rank (every rank counts steps alike, so every rank makes the same choice).
 
 `static_placement` is the split without load information (expert e on rank e % N).
 `balanced_placement` is EPLB's recipe (DeepSeek's EPLB, as vLLM's `--enable-eplb` uses it):
@@ -70,10 +72,11 @@ def static_placement(layers: list[int], num_experts: int, num_ranks: int) -> Pla
     return Placement(num_ranks, {layer: reps for layer in layers})
 
 
-def assign_ranks(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """ids [T, K] logical experts -> rank [T, K] that computes each pair (replicas split by token index)."""
-    tok = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
-    choice = tok % counts[ids]
+def assign_ranks(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """ids [T, K] logical experts -> rank [T, K] that computes each pair (replicas split by token and step)."""
+    tok = torch.arange(step, step + ids.shape[0], device=ids.device).unsqueeze(1)
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    choice = (tok + pos) % counts[ids]
     return table[ids, choice]
 
 
@@ -110,6 +113,26 @@ def balanced_placement(load: torch.Tensor, layers: list[int], num_ranks: int, nu
                                  for layer, row in zip(layers, rows)}, version, num_redundant)
 
 
-def rank_loads(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, num_ranks: int) -> torch.Tensor:
+def rank_loads(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, num_ranks: int,
+               step: int = 0) -> torch.Tensor:
     """Routed pairs each rank computes for ids [T, K] -> [N]."""
-    return torch.bincount(assign_ranks(ids, table, counts).reshape(-1), minlength=num_ranks)
+    return torch.bincount(assign_ranks(ids, table, counts, step).reshape(-1), minlength=num_ranks)
+
+
+MIN_GAIN = 0.05  # a new placement is taken only if it lowers the expected max/mean by this share
+
+
+def expected_balance(placement: Placement, load: torch.Tensor, layers: list[int]) -> float:
+    """max / mean of the expected routed pairs per rank for load [L, E] (replicas share equally)."""
+    ranks = torch.zeros(placement.num_ranks, dtype=torch.float64)
+    for row, layer in zip(load.double(), layers):
+        for e, rs in enumerate(placement.replicas[layer]):
+            for r in rs:
+                ranks[r] += row[e] / len(rs)
+    mean = ranks.mean().item()
+    return ranks.max().item() / mean if mean else 1.0
+
+
+def worth_moving(current: Placement, new: Placement, load: torch.Tensor, layers: list[int]) -> bool:
+    """EPLB's guard: move experts only when the window's load says the new placement is clearly better."""
+    return expected_balance(new, load, layers) < expected_balance(current, load, layers) * (1 - MIN_GAIN)

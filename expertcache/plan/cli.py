@@ -27,7 +27,10 @@ DEFAULT_PROFILE = {"cpu": "cpu-only", "cuda": "rtx4090-pcie4"}
 
 def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="memory plan and predicted decode speed, from headers only")
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: the built-in demo model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory, hub id found in the Hugging Face cache (plan never downloads), or "
+                        "hub-cache folder (default: the built-in demo model)")
+    p.add_argument("--revision", default=None, help="hub id only: branch, tag or commit (default: main)")
     p.add_argument("--device-memory", default="auto", help="expert budget of the fastest tier, e.g. 8GiB or 25%% "
                                                            "(default: auto, as the engine computes it)")
     p.add_argument("--host-memory", default="auto", help="expert budget in host RAM (default: auto)")
@@ -87,6 +90,10 @@ def build_report(args: argparse.Namespace) -> dict:
         from ..demo import demo_model_dir
 
         model_dir = demo_model_dir(progress=False)
+    else:
+        from ..hub import resolve_model
+
+        model_dir = resolve_model(model_dir, args.revision, download=False)
     dev, dtype = resolve_device(args.device, args.dtype)
     info = read_model(model_dir)
     cfg, sizes = info.cfg, model_sizes(info, dtype, dev)
@@ -123,11 +130,11 @@ def build_report(args: argparse.Namespace) -> dict:
 def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
     """The predicted decode tok/s band of plan `mp` (see plan/speed.py)."""
     from .speed import SYNTH_HIGH, SYNTH_LOW, speed_band
-    from ..trace.format import RoutingTrace
+    from ..cli_checks import load_trace
     from ..trace.simulate import ModelShape
 
     prof, how = _profile(args.profile, device, model_dir)
-    trace = RoutingTrace.load(args.trace) if args.trace else None
+    trace = load_trace(args.trace, "--trace") if args.trace else None
     cfg = info.cfg
     shape = ModelShape.from_config(info.hf, bytes_per_param=sizes.expert_fast / sizes.expert_params)
     from_disk = mp.host is not None and mp.host.slots < cfg.num_experts

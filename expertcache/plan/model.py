@@ -9,8 +9,6 @@ allocates; tests/test_plan.py checks the printed lines against a real LLM's.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,15 +16,13 @@ import torch
 
 from .. import kernels
 from ..engine.kv_cache import KVCache
-from ..experts.budget import MemoryPlan
+from ..experts.budget import MemoryPlan, dense_compute_bytes
 from ..experts.budget import plan_memory as budget_plan
 from ..experts.layout import ExpertSource
 from ..llm import default_dtype
 from ..loader.safetensors_index import TensorIndex
 from ..models.registry import read_config
 from ..quant.checkpoint import method_from_config
-
-_SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: consumed at load, not kept
 
 
 @dataclass
@@ -76,9 +72,7 @@ class Sizes:
 def model_sizes(info: ModelInfo, dtype: torch.dtype, device: torch.device | None = None) -> Sizes:
     src, cfg = info.source, info.cfg
     dense_stored = info.index.nbytes() - src.total_nbytes
-    held = (lambda t: kernels.dense_dtype(t.dtype, len(t.shape), device, dtype)) if device is not None else (lambda t: dtype)
-    dense_compute = sum(math.prod(t.shape) * held(t).itemsize for n, t in info.index.tensors.items()
-                        if ".experts." not in n and not _SCALE.search(n) and t.dtype.is_floating_point)
+    dense_compute = dense_compute_bytes(info.index, dtype, device)
     fast_parts = src.compute_parts(dtype, device)
     fast = sum(p.nbytes for p in fast_parts)
     method = src.method.name if src.method is not None else None
@@ -97,7 +91,7 @@ def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, devic
     """The tiers build_expert_cache would allocate, and its plan lines (the engine's own function)."""
     src = info.source
     if dense_bytes is None:  # the engine's estimate (llm.LLM._make_experts)
-        dense_bytes = (info.index.nbytes() - src.total_nbytes) // src.dtype.itemsize * dtype.itemsize
+        dense_bytes = dense_compute_bytes(info.index, dtype, device)
     return budget_plan(src, device, dtype, device_memory, host_memory, dense_bytes)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..experts.compute import SWIGLU
 from ..experts.layout import ExpertSource
 from ..loader.safetensors_index import TensorIndex, read_header
 from ..models.registry import read_config
@@ -39,6 +40,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, group_size: 
     method = make_quant_method(fmt, **params)
     index = TensorIndex(src)
     source = ExpertSource(index, cfg, family.names)
+    if source.ffn != SWIGLU or source.bias_parts:
+        raise ValueError(f"{src}: {family.name} experts ({source.ffn.act}, biases or interleaved gate/up rows) "
+                         "cannot be rewritten by expertcache quantize (GPT-OSS checkpoints ship MXFP4 experts already)")
     dst.mkdir(parents=True, exist_ok=True)
     expert_tensors = {n for layer in source.layers for n in _expert_names(index, layer, family.names, cfg.num_experts)}
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -1,10 +1,12 @@
 """The FastAPI application: OpenAI-compatible routes, /health, /metrics, /stats.
 
 Invariants:
-- Handlers run on the event loop thread and never touch the engine: they tokenize, validate,
-  then go through AsyncEngine (queues). The engine exists only once the loader finished.
-- Anything a client sends that is wrong ends as an ApiError -> OpenAI error object (400/401/503);
-  an unexpected exception in a handler becomes a 500 error object, and the server keeps serving.
+- Handlers run on the event loop thread and never touch the engine: they validate and tokenize
+  (on worker threads, see limits.py: the loop never waits on a big body) then go through
+  AsyncEngine (queues). The engine exists only once the loader finished.
+- Anything a client sends that is wrong ends as an ApiError -> OpenAI error object
+  (400/401/404/405/413/429/503), unknown routes and methods included; an unexpected exception in a
+  handler becomes a 500 error object, and the server keeps serving.
 - A request whose client goes away (stream closed or socket gone) is aborted in the engine,
   which frees its KV blocks.
 """
@@ -12,7 +14,6 @@ Invariants:
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -21,13 +22,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
 from .async_engine import AsyncEngine
 from .constraints import request_grammar
 from .errors import ApiError, from_validation_error
 from .generation import Job, Runner
+from .limits import BodyLimit, ConcurrencyLimit, Limits, parse_body
 from .loader import ModelLoader
 from .metrics import ServerMetrics
 from .openai_format import Shape
@@ -47,6 +52,7 @@ class ServerConfig:
     aliases: set[str] = field(default_factory=set)  # other names accepted in 'model'
     on_load_error: Callable[[str], None] | None = None  # e.g. make uvicorn exit
     save_expert_stats: str | None = None  # written at shutdown, after the engine thread stopped
+    limits: Limits = field(default_factory=Limits)  # body size, requests in flight per key
 
 
 class ServerState:
@@ -59,6 +65,7 @@ class ServerState:
         self.loader = ModelLoader(cfg.llm_kwargs, on_done=self._loaded)
         self.metrics.attach(lambda: self.engine.snapshot() if self.engine else {}, lambda: self.loader.progress)
         self.started = int(time.time())
+        self.in_flight = ConcurrencyLimit(cfg.limits.max_concurrent_per_key)
 
     def _loaded(self, llm, error: str | None) -> None:  # loader thread
         if llm is not None:
@@ -76,15 +83,24 @@ class ServerState:
                            status=503, type="server_error", code="model_loading")
         return self.engine
 
-    def check_auth(self, request: Request) -> None:
+    def check_auth(self, request: Request) -> str:
+        """-> who is asking: the API key given (one of several when --api-key-file lists more), or the
+        client's address on a server without a key; ApiError 401 for a wrong or missing key."""
         key = self.cfg.api_key
         if not key:
-            return
+            return request.client.host if request.client else "?"
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        token = token.strip().encode()
+        # every key compared (constant time each): no early exit that times which one matched
+        matches = [k for k in ((key,) if isinstance(key, str) else key) if hmac.compare_digest(token, k.encode())]
+        if scheme.lower() != "bearer" or not matches:
             raise ApiError("missing or invalid API key: send 'Authorization: Bearer <key>'", status=401,
                            code="invalid_api_key")
+        return matches[0]
+
+    def body_limit(self) -> int:
+        return self.cfg.limits.body_limit(self.engine.llm.max_model_len if self.engine else None)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.model_name and name not in self.cfg.aliases:
@@ -103,18 +119,18 @@ class ServerState:
                 log.exception("closing the model failed")
 
 
-async def _parse(request: Request, model_cls):
-    raw = await request.body()
-    try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise ApiError("the request body must be a JSON object")
+def _validate(raw: bytes, model_cls):
+    obj = parse_body(raw)
     try:
         return model_cls.model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+async def _parse(request: Request, model_cls):
+    """Body -> a validated request (JSON parsing and validation on a worker thread); ApiError 4xx."""
+    raw = await request.body()  # BodyLimit raises the 413 while reading
+    return await run_in_threadpool(_validate, raw, model_cls)
 
 
 def _completion_job(llm, req: CompletionRequest, shape: Shape) -> Job:
@@ -162,6 +178,31 @@ async def _respond(state: ServerState, request: Request, job: Job):
     return await runner.collect(request)
 
 
+async def _limited(state: ServerState, who: str, run):
+    """run() -> its response, counted against `who`'s requests in flight until the response (a
+    stream: its last chunk, or the client going away) is done."""
+    state.in_flight.acquire(who)
+    try:
+        response = await run()
+    except BaseException:
+        state.in_flight.release(who)
+        raise
+    if not isinstance(response, StreamingResponse):
+        state.in_flight.release(who)
+        return response
+    body = response.body_iterator
+
+    async def counted():
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            state.in_flight.release(who)
+
+    response.body_iterator = counted()
+    return response
+
+
 def create_app(cfg: ServerConfig) -> FastAPI:
     state = ServerState(cfg)
 
@@ -173,10 +214,24 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="expertcache", lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(BodyLimit, limit=state.body_limit)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        err = ApiError(f"{request.method} {request.url.path}: {e.detail}", status=e.status_code,
+                       code=codes.get(e.status_code))
+        response = err.response()
+        response.headers.update(e.headers or {})  # 405's Allow
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):  # a route's declared parameters
+        return from_validation_error(e).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
@@ -210,21 +265,27 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        state.check_auth(request)
-        req = await _parse(request, CompletionRequest)
-        state.check_model(req.model)
-        llm = state.ready().llm
-        shape = Shape(f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False, include_usage=req.include_usage)
-        return await _respond(state, request, _completion_job(llm, req, shape))
+        async def run():
+            req = await _parse(request, CompletionRequest)
+            state.check_model(req.model)
+            llm = state.ready().llm
+            shape = Shape(f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False, include_usage=req.include_usage)
+            # tokenizing (GIL released) and grammar compiling on a worker thread: the loop stays free
+            return await _respond(state, request, await run_in_threadpool(_completion_job, llm, req, shape))
+
+        return await _limited(state, state.check_auth(request), run)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        state.check_auth(request)
-        req = await _parse(request, ChatCompletionRequest)
-        state.check_model(req.model)
-        llm = state.ready().llm
-        shape = Shape(f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True, include_usage=req.include_usage)
-        return await _respond(state, request, _chat_job(llm, req, shape))
+        async def run():
+            req = await _parse(request, ChatCompletionRequest)
+            state.check_model(req.model)
+            llm = state.ready().llm
+            shape = Shape(f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
+                          include_usage=req.include_usage)
+            return await _respond(state, request, await run_in_threadpool(_chat_job, llm, req, shape))
+
+        return await _limited(state, state.check_auth(request), run)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -235,9 +296,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         if req.prompt is not None:
             if llm.tokenizer is None:
                 raise ApiError("this model has no tokenizer.json", "prompt")
-            ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            ids = await run_in_threadpool(llm.tokenizer.encode, req.prompt, req.add_special_tokens is not False)
         else:
-            ids = chat_ids(llm, req.messages, req.add_generation_prompt)
+            ids = await run_in_threadpool(chat_ids, llm, req.messages, req.add_generation_prompt)
         strs = [llm.tokenizer.tok.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids, "token_strs": strs}
 

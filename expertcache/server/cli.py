@@ -27,7 +27,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $EXPERTCACHE_API_KEY); "
                         "visible in `ps`: prefer --api-key-file or the variable")
     s.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="read the API key from FILE (first line), so it does not show in the process list")
+                   help="read the API key from FILE, so it does not show in the process list; several lines "
+                        "= several accepted keys (each with its own --max-concurrent-per-key)")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body accepted, larger ones get 413 (default: 32 bytes per token of "
+                        "--max-model-len, at least 1 MiB)")
+    s.add_argument("--max-concurrent-per-key", type=int, default=0,
+                   help="requests in flight per API key (per client address without a key); more get 429 "
+                        "(default: 0 = no limit)")
     s.add_argument("--served-model-name", default=None,
                    help="name clients pass as 'model' (default: the model argument, or 'expertcache-demo')")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -39,8 +46,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else --api-key-file's first line, else $EXPERTCACHE_API_KEY; ConfigError on a bad file."""
+def api_key(args: argparse.Namespace) -> str | tuple[str, ...] | None:
+    """--api-key, else --api-key-file's keys (one per line), else $EXPERTCACHE_API_KEY; ConfigError on
+    a bad file."""
     from ..errors import ConfigError
 
     if args.api_key and args.api_key_file:
@@ -50,16 +58,17 @@ def api_key(args: argparse.Namespace) -> str | None:
             lines = Path(args.api_key_file).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
-        key = lines[0].strip() if lines else ""
-        if not key:
+        keys = tuple(line.strip() for line in lines if line.strip())
+        if not keys:
             raise ConfigError(f"--api-key-file {args.api_key_file}: the file is empty")
-        return key
+        return keys[0] if len(keys) == 1 else keys
     return args.api_key or os.environ.get("EXPERTCACHE_API_KEY") or None
 
 
 def _server_config(args: argparse.Namespace):
     from ..cli import engine_kwargs
     from .app import ServerConfig
+    from .limits import Limits
 
     kw = engine_kwargs(args)
     kw["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -69,14 +78,15 @@ def _server_config(args: argparse.Namespace):
         name, aliases = "expertcache-demo", set()
     else:
         path = Path(args.model)
-        name = args.model
+        name = getattr(args, "model_spec", None) or args.model
         aliases = {str(path), str(path.resolve()), path.resolve().name}
     if args.served_model_name:
         aliases.add(name)
         name = args.served_model_name
     return ServerConfig(model_name=name, llm_kwargs=kw, api_key=args.api_key,
                         log_interval=args.log_interval, aliases=aliases - {name},
-                        save_expert_stats=args.save_expert_stats)
+                        save_expert_stats=args.save_expert_stats,
+                        limits=Limits(args.max_request_bytes, args.max_concurrent_per_key))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -87,9 +97,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("expertcache.server")
-    if args.model is not None and not Path(args.model).is_dir():
-        print(f"error: model directory {args.model} does not exist", file=sys.stderr)
-        return 2
+    from ..cli import resolve_model_arg
+
+    resolve_model_arg(args)
     args.api_key = api_key(args)
     if args.host not in LOOPBACK and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)

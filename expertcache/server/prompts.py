@@ -1,7 +1,8 @@
 """Request prompt -> token ids, with 400s that name the parameter at fault.
 
-Runs on the event loop thread: it only reads the tokenizer (thread-safe encode, sandboxed
-Jinja chat template) and the model config, never the engine.
+Runs on a worker thread (app.py), never the event loop: it only reads the tokenizer (its batch
+encode releases the GIL; the Jinja chat template is sandboxed) and the model config, never the
+engine. A text is tokenized only as far as the context length needs (limits.encode_bounded).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from jinja2 import TemplateError
 
 from ..errors import CheckpointError
 from .errors import ApiError
+from .limits import encode_bounded
 from .protocol import ChatMessage
 
 
@@ -17,7 +19,10 @@ def completion_ids(llm, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         if llm.tokenizer is None:
             raise ApiError("this model has no tokenizer.json: send 'prompt' as a list of token ids", "prompt")
-        ids = llm.tokenizer.encode(prompt)
+        try:
+            ids = encode_bounded(llm.tokenizer, prompt, llm.max_model_len, "prompt")
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise ApiError(f"'prompt' cannot be tokenized: {e}", "prompt") from None
     else:
         ids = list(prompt)
         vocab = llm.cfg.vocab_size
@@ -35,10 +40,14 @@ def chat_ids(llm, messages: list[ChatMessage], add_generation_prompt: bool = Tru
     if tok is None or not tok.chat_template:
         raise ApiError("this model has no chat template: use /v1/completions", "messages")
     try:
-        ids = tok.encode_chat([m.as_template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
-                              **template_kwargs)
+        text = tok.apply_chat_template([m.as_template_dict() for m in messages],
+                                       add_generation_prompt=add_generation_prompt, **template_kwargs)
     except (TemplateError, CheckpointError, ValueError, TypeError) as e:
         raise ApiError(f"the chat template rejected 'messages': {e}", "messages") from None
+    try:
+        ids = encode_bounded(tok, text, llm.max_model_len, "messages", add_special_tokens=False)
+    except (TypeError, ValueError, UnicodeError) as e:
+        raise ApiError(f"'messages' cannot be tokenized: {e}", "messages") from None
     if not ids:
         raise ApiError("'messages' rendered to an empty prompt", "messages")
     return ids

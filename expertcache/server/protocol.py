@@ -10,7 +10,7 @@ ones); the OpenAI parameters this server cannot honour are listed in UNSUPPORTED
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -70,8 +70,8 @@ class _Sampling(_Strict):
     top_k: int | None = None  # vLLM / llama.cpp extension
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool | None = False
+    n: int | None = None  # null = 1, as OpenAI
+    stream: bool | None = None  # null = false
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension (fixed-length benchmarks)
     presence_penalty: float | None = None
@@ -105,6 +105,7 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's and vLLM's default for /v1/completions
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
@@ -204,6 +205,7 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = None  # chat: up to the context length
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -309,7 +311,7 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_
         raise ApiError(f"the prompt has {prompt_len} tokens, which leaves no room to generate in the maximum "
                        f"context length of {max_model_len} tokens", prompt_param, code="context_length_exceeded")
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room if req.DEFAULT_MAX_TOKENS is None else min(req.DEFAULT_MAX_TOKENS, room)
     elif max_tokens < 1:
         raise ApiError(f"'{param}' must be at least 1, got {max_tokens}", param)
     elif max_tokens > room:

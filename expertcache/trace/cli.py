@@ -24,6 +24,7 @@ import json
 import sys
 
 from ..experts.policy import ONLINE, POLICIES
+from ..cli_checks import check_capacities, load_trace
 from .format import RoutingTrace
 from ..units import fmt_bytes as format_bytes, parse_bytes
 
@@ -42,21 +43,22 @@ def _capacities(args, trace: RoutingTrace) -> list[int]:
     if args.capacity is None:
         raise ValueError("replay: give --capacity, --budget or --sweep")
     try:
-        return [int(x) for x in str(args.capacity).split(",")]
+        caps = [int(x) for x in str(args.capacity).split(",")]
     except ValueError:
         raise ValueError(f"--capacity: expected integers separated by commas, got {args.capacity!r}") from None
+    return check_capacities(caps, trace.num_experts)
 
 
 def _cmd_replay(args) -> int:
     from .replay import sweep
     from .stats import use_counts
 
-    trace = RoutingTrace.load(args.trace)
+    trace = load_trace(args.trace, "trace")
     policies = list(ONLINE) if args.policy == "all" else args.policy.split(",")
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policy: unknown {p!r}; choose from {sorted(POLICIES)} or all")
-    stats = use_counts(RoutingTrace.load(args.stats)) if args.stats else None
+    stats = use_counts(load_trace(args.stats, "--stats")) if args.stats else None
     results = sweep(trace, policies, _capacities(args, trace), prefetch=args.prefetch, stats=stats,
                     prefetch_gate=None if args.no_prefetch_gate else 0.0, prefetch_waste=args.prefetch_waste)
     if args.json:
@@ -78,7 +80,7 @@ def _cmd_replay(args) -> int:
 def _cmd_stats(args) -> int:
     from .stats import plot_heatmap, summary
 
-    trace = RoutingTrace.load(args.trace)
+    trace = load_trace(args.trace, "trace")
     s = summary(trace)
     if args.json:
         print(json.dumps(s, default=str))
@@ -111,7 +113,7 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    RoutingTrace.load(args.trace).to_jsonl(args.out)
+    load_trace(args.trace, "trace").to_jsonl(args.out)
     return 0
 
 
@@ -120,7 +122,8 @@ def _cmd_simulate(args) -> int:
     from .replay import replay
     from .simulate import ModelShape, simulate
 
-    trace = RoutingTrace.load(args.trace)
+    trace = load_trace(args.trace, "trace")
+    check_capacities([args.capacity], trace.num_experts)
     prof = get_profile(args.profile)
     if args.model_config:
         shape = ModelShape.from_config(args.model_config)

@@ -1,0 +1,132 @@
+"""`expertcache chat [MODEL]` (and `generate` without --prompt): a conversation in the terminal.
+
+On a terminal: a prompt `> `, each reply streamed as it is generated, then one stats line (this
+turn's tokens and speeds, the cache so far) on stderr. The conversation goes through the model's
+chat template; when it no longer fits the context, the oldest turns are dropped (the system prompt
+stays) and a note says so. `/reset` forgets the conversation, `/exit` or Ctrl-D ends it.
+
+With stdin not a terminal (a pipe or a file), all of stdin is one prompt and one reply is printed:
+through the chat template for `chat` (and `generate --chat`), as raw text for `generate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "/reset forgets the conversation, /exit or Ctrl-D quits"
+
+
+def _fit(tok, messages: list[dict], budget: int) -> tuple[list[int], int]:
+    """Token ids of the conversation with the generation prompt, dropping the oldest turns to fit
+    `budget` tokens; returns (ids, number of messages dropped)."""
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    rest = messages[len(system):]
+    dropped = 0
+    while True:
+        ids = tok.encode_chat(system + rest, add_generation_prompt=True)
+        if len(ids) <= budget or len(rest) <= 1:
+            return ids, dropped
+        rest = rest[2:] if len(rest) > 2 else rest[1:]  # a user turn and its reply
+        dropped += 2
+
+
+def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
+    from .cli import engine_kwargs, stream_request
+    from .cli_checks import check_prompt_fits
+    from .llm import LLM
+
+    piped = not sys.stdin.isatty()
+    if piped:
+        text = sys.stdin.read()
+        if not text.strip():
+            raise ValueError("stdin: no prompt (pipe a prompt in, or run on a terminal for a chat)")
+    llm = LLM(**engine_kwargs(args))
+    print(llm.plan_lines[-1], file=sys.stderr)
+    tok = llm._require_tokenizer()
+    budget = llm.max_model_len - sp.max_tokens
+    if piped:
+        msgs = ([{"role": "system", "content": args.system}] if getattr(args, "system", None) else []) + \
+               [{"role": "user", "content": text.rstrip("\n")}]
+        ids = tok.encode_chat(msgs) if template else tok.encode(text)
+        check_prompt_fits(args, llm.model_dir, ids)
+        print(stream_request(llm, ids, sp), file=sys.stderr)
+        llm.close()
+        return 0
+    messages: list[dict] = [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
+    print(f"chat with {getattr(args, 'model_spec', None) or args.model or 'the demo model'}; {HELP}",
+          file=sys.stderr, flush=True)
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                break
+            cmd = line.strip()
+            if not cmd:
+                continue
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                messages = messages[:1] if messages and messages[0]["role"] == "system" else []
+                print("(conversation cleared)", file=sys.stderr, flush=True)
+                continue
+            if cmd.startswith("/"):
+                print(f"unknown command {cmd}; {HELP}", file=sys.stderr, flush=True)
+                continue
+            messages.append({"role": "user", "content": line})
+            ids, dropped = _fit(tok, messages, budget)
+            if len(ids) > budget:
+                print(f"(this message is {len(ids)} tokens; with --max-tokens {sp.max_tokens} it exceeds the "
+                      f"context of {llm.max_model_len}; not sent)", file=sys.stderr, flush=True)
+                messages.pop()
+                continue
+            if dropped:
+                n_sys = 1 if messages[0]["role"] == "system" else 0
+                messages = messages[:n_sys] + messages[n_sys + dropped:]
+                print(f"(dropped the oldest {dropped} messages to fit the context)", file=sys.stderr, flush=True)
+            reply: list[str] = []
+
+            class _Tee:
+                def write(self, s: str) -> None:
+                    reply.append(s)
+                    sys.stdout.write(s)
+
+                def flush(self) -> None:
+                    sys.stdout.flush()
+
+            stats = stream_request(llm, ids, sp, out=_Tee())
+            messages.append({"role": "assistant", "content": "".join(reply).rstrip("\n")})
+            print(stats, file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    finally:
+        llm.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .cli import model_dir_arg
+    from .cli_checks import sampling_params
+
+    sp = sampling_params(args)
+    model_dir_arg(args)
+    return run_chat(args, sp, template=True)
+
+
+def add_chat_subcommand(subparsers) -> argparse.ArgumentParser:
+    from .cli import add_engine_args
+
+    p = subparsers.add_parser("chat", help="a conversation with the model in the terminal (chat template, "
+                                           "streamed replies, a stats line per turn); reads one prompt from a pipe")
+    add_engine_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default: 0.9)")
+    p.add_argument("--top-k", type=int, default=20, help="sample among the k most likely tokens (default: 20)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.set_defaults(func=cmd_chat)
+    return p

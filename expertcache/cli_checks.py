@@ -1,0 +1,82 @@
+"""Command-line values checked before a weight byte is read: each failure is one ValueError naming the flag.
+
+`check_sampling(args)` maps SamplingParams' validation onto the flags (--max-tokens, --temperature,
+--top-p, --top-k, --seed); `check_prompt_fits(args, model_dir)` tokenizes the prompt with the
+model's tokenizer (config.json and tokenizer files only) and compares prompt + --max-tokens with
+--max-model-len (default min(max_position_embeddings, 4096), as the engine computes it).
+`load_trace(path, flag)` reads a routing trace or says which flag named a missing or foreign file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import zipfile
+from pathlib import Path
+
+from .errors import ConfigError
+
+_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+          "seed": "--seed"}
+DEFAULT_MAX_MODEL_LEN = 4096  # the engine's cap when --max-model-len is not given
+
+
+def sampling_params(args: argparse.Namespace):
+    """SamplingParams from the sampling flags; a bad value is reported under its flag name."""
+    from .engine.params import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, stop=args.stop)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        flag = _FLAGS.get(field)
+        if flag is None:
+            raise
+        raise ConfigError(f"{flag} {getattr(args, field)}: {str(e).split(' ', 1)[1]}") from None
+
+
+def default_max_model_len(max_position_embeddings: int) -> int:
+    return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
+def check_prompt_fits(args: argparse.Namespace, model_dir: str | Path, prompt_ids: list[int]) -> int:
+    """Return the context length the engine will use; raise if prompt + --max-tokens does not fit."""
+    from .models.registry import read_config
+
+    _, cfg, _ = read_config(Path(model_dir))
+    limit = args.max_model_len or default_max_model_len(cfg.max_position_embeddings)
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ConfigError(f"--max-model-len {args.max_model_len}: must be >= 1")
+    if len(prompt_ids) + args.max_tokens > limit:
+        src = f"--max-model-len {args.max_model_len}" if args.max_model_len else f"the default context of {limit}"
+        raise ConfigError(f"--prompt: {len(prompt_ids)} tokens + --max-tokens {args.max_tokens} exceed {src} "
+                          f"tokens; shorten the prompt, lower --max-tokens or raise --max-model-len "
+                          f"(the model allows {cfg.max_position_embeddings})")
+    return limit
+
+
+def load_trace(path: str | Path, flag: str):
+    """RoutingTrace.load with the flag (or argument) that named the file in every error."""
+    from .trace.format import RoutingTrace
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{flag} {path}: {'is a directory' if p.is_dir() else 'no such file'} "
+                          f"(expected a routing trace .npz from --record-routing or `expertcache trace synth`)")
+    if not zipfile.is_zipfile(p):
+        raise ConfigError(f"{flag} {path}: not a routing trace (.npz files are zip archives; this one is not)")
+    try:
+        return RoutingTrace.load(p)
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise ConfigError(f"{flag} {path}: not a routing trace (.npz): {e}") from None
+    except ValueError as e:
+        msg = str(e)
+        raise ConfigError(f"{flag} {path}: {msg.removeprefix(str(p) + ': ')}") from None
+
+
+def check_capacities(caps: list[int], num_experts: int, flag: str = "--capacity") -> list[int]:
+    bad = [c for c in caps if not 1 <= c <= num_experts]
+    if bad:
+        raise ConfigError(f"{flag} {bad[0]}: slots per layer must be between 1 and {num_experts} "
+                          f"(the trace's experts per layer)")
+    return caps

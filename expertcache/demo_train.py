@@ -1,0 +1,319 @@
+"""Train the shipped demo model: a tiny Qwen3-MoE on the project's own docs and source.
+
+    python -m expertcache.demo_train --out expertcache/demo_model --minutes 40
+
+The corpus is the repository's Markdown and Python files (README, docs/, expertcache/,
+bench/, tests/) plus chat-formatted question/answer pairs made from their docstrings, so the
+model writes text that looks like this project's code and docs and answers "What does X do?"
+in its chat template. Every 16th file (in sorted order) is held out; its text goes to
+`heldout.txt` in the output directory, where tests measure perplexity.
+
+The model is trained here in plain torch with stacked expert weights (one batched matmul per
+projection over capacity-padded expert buffers, no loop over experts), then written in the
+Hugging Face layout under hub names, with the tokenizer (byte-level BPE trained on the same
+corpus by `demo.train_tokenizer`) and a manifest (`expertcache_demo.json`: parameters, corpus
+hash, training summary, size/sha256 of every file) that `demo.check_demo_model` verifies.
+
+Shapes: B batch, T sequence, H hidden, E experts, K top-k, I expert width, C expert capacity
+(the most tokens any expert got this step), N = B*T tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import pathlib
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from . import demo
+
+SIZES: dict[str, Any] = {
+    "num_layers": 6, "num_experts": 32, "top_k": 4, "hidden": 128, "moe_intermediate": 96,
+    "intermediate": 512, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "vocab": 2048,
+    "max_position": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+}
+HOLDOUT_EVERY = 16
+SYSTEM = "You are the expertcache demo model."
+_GLOBS = ("README.md", "docs/**/*.md", "expertcache/**/*.py", "bench/**/*.py", "tests/**/*.py")
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def corpus_files(root: pathlib.Path) -> list[pathlib.Path]:
+    files = {f for g in _GLOBS for f in root.glob(g) if f.is_file() and "demo_model" not in f.parts}
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def _chat(question: str, answer: str) -> str:
+    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+            f"<|im_start|>assistant\n{answer}<|im_end|>\n")
+
+
+def chat_pairs(rel: str, text: str) -> list[str]:
+    """Question/answer samples from a Python file's docstrings (module, classes, functions)."""
+    if not rel.endswith(".py"):
+        return []
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    out = []
+    mod = ast.get_docstring(tree)
+    if mod:
+        out.append(_chat(f"What is {rel} for?", mod.split("\n\n")[0].strip()))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node)
+            if doc and not node.name.startswith("test_"):
+                kind = "class" if isinstance(node, ast.ClassDef) else "function"
+                out.append(_chat(f"What does the {kind} `{node.name}` do?", doc.split("\n\n")[0].strip()))
+    return out
+
+
+def build_corpus(root: pathlib.Path) -> tuple[list[str], list[str], dict[str, Any]]:
+    """(training documents, held-out documents, description for the manifest)."""
+    train, held, names = [], [], []
+    h = hashlib.sha256()
+    for i, f in enumerate(corpus_files(root)):
+        rel = f.relative_to(root).as_posix()
+        text = f.read_text(encoding="utf-8", errors="replace")
+        h.update(rel.encode() + b"\0" + text.encode() + b"\0")
+        names.append(rel)
+        docs = [text] + chat_pairs(rel, text)
+        (held if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 else train).extend(docs)
+    info = {"files": len(names), "held_out_files": [n for i, n in enumerate(names)
+                                                     if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1],
+            "sha256": h.hexdigest(), "train_chars": sum(map(len, train)), "held_out_chars": sum(map(len, held))}
+    return train, held, info
+
+
+def encode(tok, docs: list[str]) -> torch.Tensor:
+    """Documents -> one id stream, each document followed by <|endoftext|> (id 0)."""
+    ids: list[int] = []
+    for enc in tok.encode_batch(docs):
+        ids.extend(enc.ids)
+        ids.append(0)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class TinyMoE(torch.nn.Module):
+    """Qwen3-MoE math (q/k norm, rotary, GQA, softmax top-k router renormalised, SwiGLU experts)."""
+
+    def __init__(self, p: dict[str, Any], vocab_size: int, seed: int) -> None:
+        super().__init__()
+        self.p = p
+        L, E, H, I, D = p["num_layers"], p["num_experts"], p["hidden"], p["moe_intermediate"], p["head_dim"]
+        nh, nkv = p["num_heads"], p["num_kv_heads"]
+        g = torch.Generator().manual_seed(seed)
+
+        def w(*shape: int, std: float = 0.02) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.randn(shape, generator=g) * std)
+
+        out_std = 0.02 / math.sqrt(2 * L)
+        self.embed = w(vocab_size, H)
+        self.lm_head = w(vocab_size, H)
+        self.norm = torch.nn.Parameter(torch.ones(H))
+        self.layers = torch.nn.ModuleList()
+        for _ in range(L):
+            m = torch.nn.Module()
+            m.ln1, m.ln2 = torch.nn.Parameter(torch.ones(H)), torch.nn.Parameter(torch.ones(H))
+            m.q_norm, m.k_norm = torch.nn.Parameter(torch.ones(D)), torch.nn.Parameter(torch.ones(D))
+            m.q, m.k, m.v = w(nh * D, H), w(nkv * D, H), w(nkv * D, H)
+            m.o = w(H, nh * D, std=out_std)
+            m.router = w(E, H)
+            m.gate, m.up, m.down = w(E, I, H), w(E, I, H), w(E, H, I, std=out_std)
+            self.layers.append(m)
+        inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def moe(self, m: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [N, H] -> (out [N, H], load-balancing loss)."""
+        E, K = self.p["num_experts"], self.p["top_k"]
+        probs = F.softmax(h @ m.router.T, dim=-1, dtype=torch.float32)  # [N, E]
+        top_w, top_i = probs.topk(K, dim=-1)  # [N, K]
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        flat = top_i.reshape(-1)  # [N*K]
+        counts = torch.bincount(flat, minlength=E)
+        aux = E * ((counts.float() / flat.numel()) * probs.mean(0)).sum()
+        order = torch.argsort(flat, stable=True)
+        C = int(counts.max())
+        starts = torch.cumsum(counts, 0) - counts
+        e_sorted = flat[order]
+        slot = e_sorted * C + (torch.arange(flat.numel()) - starts[e_sorted])  # row in [E*C]
+        tok = order // K
+        buf = h.new_zeros(E * C, h.shape[1]).index_copy(0, slot, h[tok]).view(E, C, -1)  # [E, C, H]
+        act = F.silu(torch.bmm(buf, m.gate.transpose(1, 2))) * torch.bmm(buf, m.up.transpose(1, 2))
+        y = torch.bmm(act, m.down.transpose(1, 2)).reshape(E * C, -1)[slot]  # [N*K, H] in sorted order
+        y = y * top_w.reshape(-1)[order, None]
+        return h.new_zeros(h.shape).index_add(0, tok, y), aux
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, T] -> (logits [B, T, V], mean load-balancing loss)."""
+        p = self.p
+        B, T = ids.shape
+        nh, nkv, D, eps = p["num_heads"], p["num_kv_heads"], p["head_dim"], p["rms_norm_eps"]
+        freqs = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
+        cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()  # [T, D]
+        x = self.embed[ids]
+        aux = x.new_zeros(())
+        for m in self.layers:
+            h = _rms(x, m.ln1, eps)
+            q = _rms((h @ m.q.T).view(B, T, nh, D), m.q_norm, eps).transpose(1, 2)
+            k = _rms((h @ m.k.T).view(B, T, nkv, D), m.k_norm, eps).transpose(1, 2)
+            v = (h @ m.v.T).view(B, T, nkv, D).transpose(1, 2)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + a.transpose(1, 2).reshape(B, T, nh * D) @ m.o.T
+            out, la = self.moe(m, _rms(x, m.ln2, eps).view(B * T, -1))
+            x = x + out.view(B, T, -1)
+            aux = aux + la
+        return _rms(x, self.norm, eps) @ self.lm_head.T, aux / len(self.layers)
+
+    def hub_tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters under Qwen3-MoE hub names, bf16."""
+        t = {"model.embed_tokens.weight": self.embed, "lm_head.weight": self.lm_head, "model.norm.weight": self.norm}
+        for i, m in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            t.update({pre + "input_layernorm.weight": m.ln1, pre + "post_attention_layernorm.weight": m.ln2,
+                      pre + "self_attn.q_norm.weight": m.q_norm, pre + "self_attn.k_norm.weight": m.k_norm,
+                      pre + "self_attn.q_proj.weight": m.q, pre + "self_attn.k_proj.weight": m.k,
+                      pre + "self_attn.v_proj.weight": m.v, pre + "self_attn.o_proj.weight": m.o,
+                      pre + "mlp.gate.weight": m.router})
+            for j in range(self.p["num_experts"]):
+                for proj, wt in (("gate", m.gate), ("up", m.up), ("down", m.down)):
+                    t[pre + f"mlp.experts.{j}.{proj}_proj.weight"] = wt[j]
+        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sorted(t.items())}
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def held_out_loss(model: TinyMoE, ids: torch.Tensor, seq: int, max_windows: int = 32) -> float:
+    n = min(max_windows, (len(ids) - 1) // seq)
+    x = ids[: n * seq].view(n, seq)
+    y = ids[1: n * seq + 1].view(n, seq)
+    with torch.no_grad():
+        logits, _ = model(x)
+    return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+
+
+def write_checkpoint(out: pathlib.Path, model: TinyMoE, tok, p: dict[str, Any], vocab_size: int,
+                     held_text: str, info: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.iterdir():
+        if f.is_file():
+            f.unlink()
+    tok.save(str(out / "tokenizer.json"))
+    demo._write_json(out / "tokenizer_config.json", demo._tokenizer_config(tok, p))
+    cfg = demo._config(p, vocab_size, [0, 2])
+    cfg["router_aux_loss_coef"] = info["aux_coef"]
+    demo._write_json(out / "config.json", cfg)
+    demo._write_json(out / "generation_config.json", {
+        "bos_token_id": None, "eos_token_id": [0, 2], "pad_token_id": 0, "do_sample": True,
+        "temperature": 0.7, "top_p": 0.9, "top_k": 20})
+    save_file(model.hub_tensors(), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "heldout.txt").write_text(held_text, encoding="utf-8")
+    files = {f.name: demo._file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != demo.MANIFEST}
+    demo._write_json(out / demo.MANIFEST, {"format": "expertcache-demo", "version": demo.FORMAT_VERSION,
+                                           "params": p, "training": info, "files": files})
+    for f in out.iterdir():
+        f.chmod(0o644)
+
+
+def train(root: pathlib.Path, out: pathlib.Path, *, minutes: float | None, steps: int | None,
+          batch: int = 16, seq: int = 256, lr: float = 3e-3, aux_coef: float = 0.01, seed: int = 0,
+          sizes: dict[str, Any] | None = None, held_chars: int = 40_000, log=print) -> dict[str, Any]:
+    """Train until `steps` or `minutes` run out (whichever is given first), write the checkpoint to `out`."""
+    if (minutes is None) == (steps is None):
+        raise ValueError("train: give exactly one of minutes= and steps=")
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    p = {**SIZES, **(sizes or {}), "seed": seed}
+    train_docs, held_docs, info = build_corpus(root)
+    tok = demo.train_tokenizer(int(p["vocab"]), train_docs)
+    vocab_size = max(tok.get_vocab_size(), int(p["vocab"]))
+    data = encode(tok, train_docs)
+    held_text = "\n".join(held_docs)[:held_chars]
+    held = encode(tok, [held_text])
+    model = TinyMoE(p, vocab_size, seed)
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    rest = [q for q in model.parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95))
+    log(f"corpus: {info['files']} files, {len(data)} training tokens, {len(held)} held-out tokens; "
+        f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f} M parameters")
+    t0 = time.perf_counter()
+    budget = None if minutes is None else minutes * 60
+    warmup = 50 if steps is None else max(1, steps // 10)
+    step = 0
+    while True:
+        elapsed = time.perf_counter() - t0
+        frac = step / steps if steps is not None else elapsed / budget
+        if frac >= 1:
+            break
+        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr * scale
+        starts = [rng.randrange(len(data) - seq - 1) for _ in range(batch)]
+        x = torch.stack([data[s: s + seq] for s in starts])
+        y = torch.stack([data[s + 1: s + seq + 1] for s in starts])
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 master weights, bf16 matmuls
+            logits, aux = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab_size), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        (loss + aux_coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0:
+            log(f"step {step} t={elapsed:.0f}s loss={loss.item():.3f} aux={aux.item():.3f}")
+        step += 1
+    hl = held_out_loss(model, held, seq)
+    info.update({"steps": step, "tokens_seen": step * batch * seq, "batch": batch, "seq": seq, "lr": lr,
+                 "aux_coef": aux_coef, "minutes": round((time.perf_counter() - t0) / 60, 1),
+                 "held_out_loss": round(hl, 3), "held_out_ppl": round(math.exp(hl), 2)})
+    log(f"held-out loss {hl:.3f} ppl {math.exp(hl):.2f} after {step} steps ({info['tokens_seen']} tokens, "
+        f"{info['minutes']} min)")
+    write_checkpoint(out, model, tok, p, vocab_size, held_text, info)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m expertcache.demo_train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="output directory (its files are replaced)")
+    ap.add_argument("--root", default=str(pathlib.Path(__file__).resolve().parents[1]),
+                    help="repository root whose docs and source are the corpus")
+    ap.add_argument("--minutes", type=float, help="wall-clock training budget")
+    ap.add_argument("--steps", type=int, help="number of optimizer steps instead of a time budget")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    train(pathlib.Path(args.root), pathlib.Path(args.out), minutes=args.minutes, steps=args.steps,
+          log=lambda s: print(s, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

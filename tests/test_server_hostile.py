@@ -1,0 +1,188 @@
+"""The server under hostile or careless input: every bad body is a 4xx OpenAI error object naming
+the parameter, /health keeps answering while huge bodies are refused, nulls and defaults follow
+OpenAI, one request's tiny temperature never breaks the others, and a per-key concurrency limit."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from serving import start_server
+
+KEYS = ("key-one-111", "key-two-222")
+PER_KEY = 4
+MAX_MODEL_LEN = 256  # the tiny checkpoint's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_checkpoint, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    (tmp / "keys").write_text("\n".join(KEYS) + "\n")
+    with start_server(qwen3_checkpoint, tmp / "server.log", "--api-key-file", str(tmp / "keys"),
+                      "--max-concurrent-per-key", str(PER_KEY), "--max-num-seqs", "8", key=KEYS[0]) as srv:
+        yield srv
+        assert "Traceback" not in srv.log_path.read_text(errors="replace"), srv.log_tail()
+
+
+def is_error_object(r, status: int, param=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def deep(n: int) -> bytes:
+    return b'{"prompt": ' + b"[" * n + b"]" * n + b"}"
+
+
+HOSTILE = [
+    ("nested 100000 deep", "/v1/completions", deep(100_000), None, "nests deeper"),
+    ("nested 65 deep", "/v1/completions", deep(65), "prompt", "nests deeper"),
+    ("5000-digit integer", "/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", None, "digits"),
+    ("1000-char float", "/v1/completions", b'{"prompt": "hi", "temperature": 0.' + b"1" * 1000 + b"}", None,
+     "characters"),
+    ("NaN", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', None, "NaN"),
+    ("Infinity", "/v1/chat/completions", b'{"messages": [], "top_p": -Infinity}', None, "Infinity"),
+    ("lone surrogate in prompt", "/v1/completions", b'{"prompt": "hi \\ud800 there"}', "prompt", "surrogate"),
+    ("lone surrogate in chat", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "messages[0].content", "surrogate"),
+    ("lone surrogate in a list prompt", "/v1/completions", b'{"prompt": ["\\ud83d"]}', "prompt[0]", "surrogate"),
+    ("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', None, "not valid JSON"),
+    ("over-long text prompt", "/v1/completions", json.dumps({"prompt": "hello " * 100_000}).encode(), "prompt",
+     "maximum context length"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,param,needle", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_body_is_400(server, name, path, body, param, needle):
+    with server.http() as c:
+        err = is_error_object(c.post(path, content=body, headers={"content-type": "application/json"}), 400, param)
+        assert needle in err["message"], err
+        assert c.get("/health").status_code == 200
+
+
+def test_huge_bodies_are_413_while_health_answers(server):
+    """A 10 MB body (declared or chunked) is refused before it is read or as soon as it passes the
+    limit; an over-long prompt under the limit is judged on a prefix. /health is polled meanwhile:
+    it never waits behind them (the bound here is generous for a loaded machine; the README has
+    the measured p99)."""
+    lat, stop = [], threading.Event()
+
+    def poll():
+        with server.http() as h:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                assert h.get("/health").status_code == 200
+                lat.append(time.perf_counter() - t0)
+                time.sleep(0.005)
+
+    big = json.dumps({"prompt": "hello world " * 900_000}).encode()  # 10.8 MB
+    assert len(big) > 10_000_000
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with server.http() as c:
+            for _ in range(3):
+                err = is_error_object(c.post("/v1/completions", content=big), 413)
+                assert err["code"] == "request_too_large" and "--max-request-bytes" in err["message"]
+
+                def chunks():
+                    for i in range(0, len(big), 1 << 20):
+                        yield big[i:i + (1 << 20)]
+
+                is_error_object(c.post("/v1/completions", content=chunks()), 413)
+                mb = json.dumps({"prompt": "hello world " * 80_000}).encode()  # 0.96 MB: under the limit
+                is_error_object(c.post("/v1/completions", content=mb), 400, "prompt")
+    finally:
+        stop.set()
+        poller.join()
+    assert len(lat) >= 3 and max(lat) < 2.0, sorted(lat)[-5:]
+
+
+def test_nulls_are_accepted_where_openai_allows(server):
+    with server.http() as c:
+        body = {"prompt": "hi", "n": None, "stream": None, "temperature": None, "top_p": None, "max_tokens": 2,
+                "stop": None, "seed": None, "logprobs": None, "stream_options": None}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n": None, "stream": None, "max_tokens": None,
+                "max_completion_tokens": 2}
+        assert c.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_max_tokens_defaults(server):
+    """16 for completions (OpenAI, vLLM); the rest of the context for chat."""
+    with server.http() as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "ignore_eos": True}).json()
+        assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "ignore_eos": True}).json()
+        assert r["usage"]["completion_tokens"] == MAX_MODEL_LEN - r["usage"]["prompt_tokens"]
+
+
+def test_404_405_are_openai_errors(server):
+    with server.http() as c:
+        assert is_error_object(c.get("/v1/nope"), 404)["code"] == "not_found"
+        r = c.get("/v1/completions")
+        assert is_error_object(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+        assert is_error_object(c.put("/health"), 405)
+
+
+def test_tiny_temperatures_alongside_concurrent_streams(server):
+    """1e-40 and 5e-324 pass validation and are greedy; the streams batched with them finish
+    normally and greedy ones equal their sequential answers."""
+    prompts = ["The quick brown", "Hello world", "Numbers: 1 2"]
+    with server.http() as c:
+        ref = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0,
+                                               "ignore_eos": True}).json()["choices"][0]["text"] for p in prompts]
+
+    def stream(args):
+        i, (p, t) = args
+        with server.http(key=KEYS[i % 2]) as c:  # 7 streams: 4 + 3, within the limit per key
+            body = {"prompt": p, "max_tokens": 8, "temperature": t, "ignore_eos": True, "stream": True}
+            text, reason = "", None
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        d = json.loads(line[6:])
+                        assert "error" not in d, d
+                        text += d["choices"][0]["text"]
+                        reason = d["choices"][0]["finish_reason"] or reason
+            return text, reason
+
+    jobs = [(p, t) for p in prompts for t in (1e-40, 5e-324)] + [(prompts[0], 0.9)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(stream, enumerate(jobs)))
+    assert all(reason == "length" for _, reason in outs)
+    for (p, _), (text, _) in zip(jobs[:-1], outs[:-1]):
+        assert text == ref[prompts.index(p)]
+
+
+def test_concurrency_limit_per_key(server):
+    body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with server.http(key=KEYS[0]) as a, server.http(key=KEYS[1]) as b:
+        streams = [a.stream("POST", "/v1/completions", json=body) for _ in range(PER_KEY)]
+        opened = [s.__enter__() for s in streams]
+        try:
+            assert all(r.status_code == 200 for r in opened)
+            err = is_error_object(a.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}), 429)
+            assert err["code"] == "rate_limit_exceeded" and err["type"] == "rate_limit_error"
+            assert b.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+        for _ in range(100):  # the closed streams release their places
+            if a.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the key's places were not released after its streams closed")
+        assert is_error_object(a.post("/v1/completions", json={"prompt": "hi"},
+                                      headers={"Authorization": "Bearer wrong"}), 401)
