@@ -63,8 +63,11 @@ def build_llama_cpp(cache: Path) -> Path:
     return bench.parent
 
 
-def models(cache: Path, bindir: Path) -> dict[str, tuple[Path, Path]]:
-    """format -> (expertcache checkpoint dir, llama.cpp GGUF file), built once."""
+def models(cache: Path, bindir: Path, tokenizer: Path) -> dict[str, tuple[Path, Path]]:
+    """format -> (expertcache checkpoint dir, llama.cpp GGUF file), built once. The converter
+    identifies a tokenizer by its pre-tokenizer and does not know the demo's tiny trained one, so
+    the GGUF gets the real Qwen3 tokenizer (`tokenizer`; the weights are the same files, and
+    llama-bench feeds token ids, so this changes no timing)."""
     from yardstick import SIZES
 
     from expertcache.demo import build_demo_model
@@ -76,8 +79,15 @@ def models(cache: Path, bindir: Path) -> dict[str, tuple[Path, Path]]:
     conv = cache / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
     bf16 = cache / "yardstick-bf16.gguf"
     if not bf16.exists():
+        src = cache / "yardstick-gguf-src"
+        src.mkdir(exist_ok=True)
+        for f in yard.iterdir():
+            if not f.name.startswith("tokenizer") and not (src / f.name).exists():
+                (src / f.name).symlink_to(f)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (src / f).write_bytes((tokenizer / f).read_bytes())
         env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-        sh([sys.executable, str(conv), str(yard), "--outtype", "bf16", "--outfile", str(bf16) + ".tmp"], env=env)
+        sh([sys.executable, str(conv), str(src), "--outtype", "bf16", "--outfile", str(bf16) + ".tmp"], env=env)
         os.replace(str(bf16) + ".tmp", bf16)
     q8 = cache / "yardstick-q8_0.gguf"
     if not q8.exists():
@@ -153,6 +163,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--formats", nargs="+", default=["bf16", "int8"], choices=sorted(PEER_FORMAT))
+    ap.add_argument("--tokenizer", type=Path, default=HERE.parents[2] / "shared" / "tokenizers" / "qwen3",
+                    help="a Qwen3 tokenizer.json + tokenizer_config.json for the GGUF (default: ../shared/tokenizers/qwen3)")
     args = ap.parse_args()
     from common import hardware_line
     from kernel_bench import read_bandwidth
@@ -164,7 +176,7 @@ def main() -> None:
     bindir = build_llama_cpp(args.cache)
     ver = subprocess.run([str(bindir / "llama-bench"), "--version"], capture_output=True, text=True)
     print(f"llama.cpp: {(ver.stdout + ver.stderr).strip().splitlines()[-1] if (ver.stdout + ver.stderr).strip() else '?'}")
-    paths = models(args.cache, bindir)
+    paths = models(args.cache, bindir, args.tokenizer)
     bw = read_bandwidth()
     print(f"memory: read_GBps={bw:.1f} (256 MiB float32 sum, {args.threads} threads)", flush=True)
     for fmt in args.formats:
