@@ -22,6 +22,7 @@ from .engine.tokenizer import Tokenizer
 from .errors import CheckpointError, ConfigError
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
+from .layers.basic import LM_HEAD_FORMATS, lm_head_method
 from .loader.safetensors_index import TensorIndex
 from .models.checks import check_layer_count
 from .models.registry import read_config
@@ -41,13 +42,13 @@ class LLM:
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
                  progress=False, verbose: bool = False, low_memory: bool = False,
                  record_routing: str | None = None, expert_parallel=None, check_finite: bool = True,
-                 revision: str | None = None, **cache_options):
+                 revision: str | None = None, lm_head: str | None = None, **cache_options):
         # the arguments every expert-parallel rank builds its own LLM from (callables stay here)
         worker_kwargs = dict(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              kv_cache_memory=kv_cache_memory, block_size=block_size,
                              prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
-                             revision=revision, **cache_options)
+                             revision=revision, lm_head=lm_head, **cache_options)
         if model is None:
             from .demo import demo_model_dir
 
@@ -56,6 +57,8 @@ class LLM:
 
         self.model_dir = resolve_model(model, revision, download=True, progress=bool(progress))
         self.device = torch.device(device)
+        if lm_head is not None:
+            lm_head_method(lm_head)  # an unknown format is an error before anything loads
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
@@ -114,7 +117,8 @@ class LLM:
         try:
             self.experts = self._make_experts(cache_options, bar.update, show_plan, num_blocks * kv_bytes)
             self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype,
-                                        bar.update, self.quant, low_memory=low_memory, check_finite=check_finite)
+                                        bar.update, self.quant, low_memory=low_memory, check_finite=check_finite,
+                                        lm_head=lm_head)
         except BaseException:
             if self.experts is not None:
                 self.experts.close()  # its I/O threads
@@ -122,6 +126,9 @@ class LLM:
         finally:
             bar.close()  # before an error is printed: no half progress bar on its line
 
+        if lm_head is not None:
+            self.plan_lines.append(f"lm_head: {lm_head} (group {LM_HEAD_FORMATS[lm_head]['group_size']}), quantized at "
+                                   f"load: {fmt_bytes(self.model.lm_head.nbytes)} read per token")
         self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
                           self.dtype, self.device, prefix_caching)
         self.plan_lines.append(

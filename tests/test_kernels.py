@@ -257,3 +257,26 @@ def test_whole_model_kernels_equal_torch_path(fmt, bf16_model, tmp_path, monkeyp
         want = slow.logits(SEQ)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_cpp
+def test_lm_head_int8_against_float64_and_the_torch_path(bf16_model, monkeypatch):
+    """--lm-head int8: logits = final hidden @ dequantize(int8 lm_head)^T, through the kernels and the torch path."""
+    from expertcache.layers.basic import QuantizedWeight, lm_head_method
+
+    llm = LLM(str(bf16_model), lm_head="int8")
+    qw = llm.model.lm_head
+    assert isinstance(qw, QuantizedWeight) and qw.parts["w.weight"].dtype == torch.int8
+    assert any(line.startswith("lm_head: int8 (group 128)") for line in llm.plan_lines)
+    x = torch.randn(3, qw.shape[1])
+    w = qw.method.dequantize(qw.parts, "w").double()
+    ref = x.double() @ w.T
+    _close(qw.linear(x), ref, x.double().abs() @ w.abs().T)
+    with monkeypatch.context() as mp:
+        _no_extension(mp, "disabled by the test")
+        _close(qw.linear(x), ref, x.double().abs() @ w.abs().T)
+    plain = LLM(str(bf16_model))
+    a, b = llm.logits(SEQ), plain.logits(SEQ)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9  # int8 lm_head: close to, not equal to, bf16
+    with pytest.raises(ValueError, match="lm_head: unknown format 'int3'"):
+        lm_head_method("int3")

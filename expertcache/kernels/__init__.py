@@ -76,6 +76,20 @@ def _rows(spec: tuple, rows: slice) -> tuple:
     return (code, data, scale, zero, data.shape[1], k, g, bo)
 
 
+def quant_linear(x: torch.Tensor, method, parts: dict[str, torch.Tensor], proj: str) -> torch.Tensor | None:
+    """x [..., Kin] float32 @ W^T for a weight stored by QuantMethod `method` as `parts`
+    {"<proj>.<suffix>": tensor}, or None when the kernels do not apply."""
+    if not _usable(x):
+        return None
+    primary = parts[f"{proj}.{method.primary}"]
+    try:
+        spec = quant_spec(method, {k: t.unsqueeze(0) for k, t in parts.items()}, proj, primary.shape[0], x.shape[-1])
+    except Unsupported:
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    return extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT).view(*x.shape[:-1], spec[4])
+
+
 def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple:
     """(gate, up, down) specs of a pool for hidden size H and the experts' layout `ffn`
     (experts.compute.ExpertFFN; None = gate rows first, [out, in]); raises Unsupported."""
@@ -130,4 +144,4 @@ def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[
     return True
 
 
-__all__ = ["backend", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "why", "Unsupported"]
+__all__ = ["backend", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "why", "Unsupported"]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
-from ..layers.basic import Rotary, linear, rms_norm, swiglu
+from ..layers.basic import QuantizedWeight, Rotary, linear, lm_head_method, rms_norm, swiglu
 from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import load_dense
@@ -31,7 +31,7 @@ from .registry import Family
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
                  device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
-                 quant=None, low_memory: bool = False, check_finite: bool = True):
+                 quant=None, low_memory: bool = False, check_finite: bool = True, lm_head: str | None = None):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         # per forward with logits_rows: [num_layers, B] bool, row b's hidden state finite after layer l
         # (read only when a sequence's logits are not finite, to name the layer where it started)
@@ -114,6 +114,8 @@ class MoETransformer:
             self.lm_head = self.embed
         else:
             self.lm_head = load("lm_head.weight", (V, H))
+        if lm_head is not None:  # e.g. "int8": quantized at load, read once per token in that format
+            self.lm_head = QuantizedWeight(self.lm_head, lm_head_method(lm_head))
         moe = cfg.moe_layer_ids
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
 
