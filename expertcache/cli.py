@@ -201,6 +201,20 @@ def add_sampling_args(p: argparse.ArgumentParser, prompt_default: str | None) ->
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+# The architectures models/registry.py knows, with hub checkpoints of each layout (a test
+# checks this list against the registry). Kept here so that --help does not import torch.
+SUPPORTED = """supported checkpoints (config.json architectures, e.g. hub repos):
+  Qwen3MoeForCausalLM      Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B
+  Qwen2MoeForCausalLM      Qwen/Qwen1.5-MoE-A2.7B, Qwen/Qwen2-57B-A14B
+  MixtralForCausalLM       mistralai/Mixtral-8x7B-Instruct-v0.1
+  OlmoeForCausalLM         allenai/OLMoE-1B-7B-0924
+  DeepseekV2ForCausalLM    deepseek-ai/DeepSeek-V2-Lite
+  DeepseekV3ForCausalLM    deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct (block fp8 as shipped)
+  Glm4MoeForCausalLM       zai-org/GLM-4.5-Air, zai-org/GLM-4.5
+  Glm4MoeLiteForCausalLM   zai-org/GLM-4.7-Flash
+  GptOssForCausalLM        openai/gpt-oss-20b, openai/gpt-oss-120b (MXFP4 experts as shipped)"""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `expertcache generate: error: argument --top-p: ... (see --help)`, exit 2."""
 
@@ -218,7 +232,8 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="expertcache", description=__doc__.splitlines()[0])
+    parser = Parser(prog="expertcache", description=__doc__.splitlines()[0], epilog=SUPPORTED,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"expertcache {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streaming tokens")
@@ -226,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g, None)
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="generate under an expert budget smaller than the experts (25%% in the "
-                                    "fastest tier) and show the cache; default model: the built-in demo")
+                                    "fastest tier) and show the cache; default model: the built-in demo",
+                       epilog=SUPPORTED, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(d)
     add_sampling_args(d, "The expert cache keeps")
     d.add_argument("--rebuild", action="store_true", help="rebuild the demo checkpoint")

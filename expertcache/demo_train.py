@@ -8,14 +8,14 @@ model writes text that looks like this project's code and docs and answers "What
 in its chat template. Every 16th file (in sorted order) is held out; its text goes to
 `heldout.txt` in the output directory, where tests measure perplexity.
 
-The model is trained here in plain torch with stacked expert weights (one batched matmul per
-projection over capacity-padded expert buffers, no loop over experts), then written in the
+The model is trained here in plain torch with stacked expert weights (tokens sorted by expert,
+one matmul per active expert on its rows: exact work, no capacity padding), then written in the
 Hugging Face layout under hub names, with the tokenizer (byte-level BPE trained on the same
 corpus by `demo.train_tokenizer`) and a manifest (`expertcache_demo.json`: parameters, corpus
 hash, training summary, size/sha256 of every file) that `demo.check_demo_model` verifies.
 
-Shapes: B batch, T sequence, H hidden, E experts, K top-k, I expert width, C expert capacity
-(the most tokens any expert got this step), N = B*T tokens.
+Shapes: B batch, T sequence, H hidden, E experts, K top-k, I expert width,
+N = B*T tokens.
 """
 
 from __future__ import annotations
@@ -159,15 +159,16 @@ class TinyMoE(torch.nn.Module):
         counts = torch.bincount(flat, minlength=E)
         aux = E * ((counts.float() / flat.numel()) * probs.mean(0)).sum()
         order = torch.argsort(flat, stable=True)
-        C = int(counts.max())
-        starts = torch.cumsum(counts, 0) - counts
-        e_sorted = flat[order]
-        slot = e_sorted * C + (torch.arange(flat.numel()) - starts[e_sorted])  # row in [E*C]
         tok = order // K
-        buf = h.new_zeros(E * C, h.shape[1]).index_copy(0, slot, h[tok]).view(E, C, -1)  # [E, C, H]
-        act = F.silu(torch.bmm(buf, m.gate.transpose(1, 2))) * torch.bmm(buf, m.up.transpose(1, 2))
-        y = torch.bmm(act, m.down.transpose(1, 2)).reshape(E * C, -1)[slot]  # [N*K, H] in sorted order
-        y = y * top_w.reshape(-1)[order, None]
+        xs = h[tok]  # [N*K, H], grouped by expert
+        ends = torch.cumsum(counts, 0).tolist()
+        parts, start = [], 0
+        for e, end in enumerate(ends):  # exact work per expert (no capacity padding)
+            if end > start:
+                xe = xs[start:end]
+                parts.append((F.silu(xe @ m.gate[e].T) * (xe @ m.up[e].T)) @ m.down[e].T)
+            start = end
+        y = torch.cat(parts).float() * top_w.reshape(-1)[order, None]
         return h.new_zeros(h.shape).index_add(0, tok, y), aux
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +288,7 @@ def train(root: pathlib.Path, out: pathlib.Path, *, minutes: float | None, steps
         (loss + aux_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 25 == 0:
+        if step % 10 == 0:
             log(f"step {step} t={elapsed:.0f}s loss={loss.item():.3f} aux={aux.item():.3f}")
         step += 1
     hl = held_out_loss(model, held, seq)

@@ -25,6 +25,7 @@ from .experts.provider import ResidentExperts
 from .layers.basic import LM_HEAD_FORMATS, lm_head_method
 from .loader.safetensors_index import TensorIndex
 from .models.checks import check_layer_count
+from .models.mtp import drop_mtp_layers
 from .models.registry import read_config
 from .models.transformer import MoETransformer
 from .quant.checkpoint import method_from_config
@@ -64,6 +65,7 @@ class LLM:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
         self.family, self.cfg, self.hf_config = read_config(self.model_dir)
         self.index = TensorIndex(self.model_dir)
+        self.mtp_layers = drop_mtp_layers(self.index, self.cfg, self.hf_config)
         check_layer_count(self.index, self.cfg.num_layers)
         self.quant = method_from_config(self.hf_config)
         self.source = ExpertSource(self.index, self.cfg, self.family.names, self.quant)
@@ -85,8 +87,7 @@ class LLM:
         self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
         self.plan_lines: list[str] = []
 
-        kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.num_kv_heads,
-                                           self.cfg.head_dim, self.dtype)
+        kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.kv_token_shapes, self.dtype)
         min_blocks = math.ceil(self.max_model_len / block_size)
         budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
         if budget is None:
@@ -129,8 +130,8 @@ class LLM:
         if lm_head is not None:
             self.plan_lines.append(f"lm_head: {lm_head} (group {LM_HEAD_FORMATS[lm_head]['group_size']}), quantized at "
                                    f"load: {fmt_bytes(self.model.lm_head.nbytes)} read per token")
-        self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
-                          self.dtype, self.device, prefix_caching)
+        self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.kv_token_shapes, self.dtype,
+                          self.device, prefix_caching)
         self.plan_lines.append(
             f"dense weights {fmt_bytes(dense_bytes)}; KV cache {num_blocks} blocks x {block_size} tokens = "
             f"{fmt_bytes(num_blocks * kv_bytes)} ({num_blocks * block_size} tokens)"

@@ -18,6 +18,7 @@ fused 3-D layout transformers uses in memory (`...mlp.experts.gate_up_proj` [E, 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 # ../shared beside the checkout (CI lays a copy there); tests that need it skip when absent
 SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
@@ -163,20 +164,47 @@ def default_config(family: str) -> dict:
             norm_topk_prob=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
+    elif family in MLA_FAMILIES or family == "glm4_moe":
+        d.update(copy.deepcopy(MOE_DEEPSEEK))  # transformers' configs edit rope_parameters in place
+        if family in MLA_FAMILIES:  # multi-head latent attention: heads are not grouped
+            d.update(MLA, num_key_value_heads=d["num_attention_heads"])
+        if family == "deepseek_v2":
+            d.update(topk_method="greedy", routed_scaling_factor=1.5, norm_topk_prob=False)
+        elif family == "deepseek_v3":
+            d.update(n_group=2, topk_group=1, routed_scaling_factor=2.5)
+        elif family == "glm4_moe":
+            d.update(head_dim=16, routed_scaling_factor=1.5, rms_norm_eps=1e-5)
+        else:
+            d.update(mlp_layer_types=["dense", "sparse"], routed_scaling_factor=1.8, rms_norm_eps=1e-5)
+            d.pop("first_k_dense_replace")
     else:
         raise ValueError(f"unknown family {family!r}")
     return d
 
 
-def hf_config(family: str, **overrides):
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+# multi-head latent attention dims (DeepSeek-V3 proportions, scaled down): q 24 -> 4 heads x (8 + 4),
+# latent 16 + rope 4 per token in the KV cache
+MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
+# 8 routed experts top-2, one shared expert, first layer dense
+MOE_DEEPSEEK = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                    n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
-    cls = {
-        "qwen3_moe": Qwen3MoeConfig,
-        "qwen2_moe": Qwen2MoeConfig,
-        "mixtral": MixtralConfig,
-        "olmoe": OlmoeConfig,
-    }[family]
+
+def hf_config(family: str, **overrides):
+    import transformers
+
+    cls = getattr(transformers, {
+        "qwen3_moe": "Qwen3MoeConfig",
+        "qwen2_moe": "Qwen2MoeConfig",
+        "mixtral": "MixtralConfig",
+        "olmoe": "OlmoeConfig",
+        "deepseek_v2": "DeepseekV2Config",
+        "deepseek_v3": "DeepseekV3Config",
+        "glm4_moe": "Glm4MoeConfig",
+        "glm4_moe_lite": "Glm4MoeLiteConfig",
+    }[family])
     kw = default_config(family)
     kw.setdefault("vocab_size", tokenizer_vocab_size())
     kw.update(overrides)

@@ -176,7 +176,7 @@ def test_config_missing_num_experts(expertcache_api, errors, broken):
     expect(expertcache_api, broken, errors.ConfigError, "num_experts")
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "JambaForCausalLM"])
 def test_unsupported_architecture(expertcache_api, errors, broken, arch):
     C.edit_config(broken, architectures=[arch], model_type=arch.lower())
     expect(expertcache_api, broken, errors.ConfigError, arch)

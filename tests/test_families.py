@@ -58,6 +58,9 @@ class Case:
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e6}
+# DeepSeek's YaRN: mscale != mscale_all_dim, so the cos/sin factor and the softmax scale both change
+DS_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+           "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}
 
 CASES = [
     # --- Qwen3-MoE: GQA (4 q heads / 2 kv heads), per-head q/k RMSNorm, norm_topk_prob=True
@@ -103,6 +106,30 @@ CASES = [
     Case("olmoe-base", "olmoe"),
     Case("olmoe-clip-qkv", "olmoe", dict(clip_qkv=0.5)),
     Case("olmoe-norm-topk", "olmoe", dict(norm_topk_prob=True)),
+    # --- DeepSeek-V2: MLA with q_lora_rank, softmax greedy top-k, routed_scaling_factor, shared expert,
+    # first layer dense (interleaved rotary pairs)
+    Case("deepseek-v2-base", "deepseek_v2"),
+    Case("deepseek-v2-no-q-lora-group-limited", "deepseek_v2",
+         dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    Case("deepseek-v2-yarn-mscale", "deepseek_v2", dict(rope_parameters=dict(DS_YARN), num_hidden_layers=3,
+                                                        first_k_dense_replace=2, n_shared_experts=2)),
+    # --- DeepSeek-V3: sigmoid + e_score_correction_bias, 2 groups keep 1, norm_topk_prob, dense first layer
+    Case("deepseek-v3-base", "deepseek_v3"),
+    Case("deepseek-v3-groups-yarn", "deepseek_v3", dict(n_group=4, topk_group=2, num_experts_per_tok=3,
+                                                        num_hidden_layers=3, rope_parameters=dict(DS_YARN))),
+    Case("deepseek-v3-no-interleave-no-norm", "deepseek_v3", dict(rope_interleave=False, norm_topk_prob=False,
+                                                                  q_lora_rank=None, attention_bias=True)),
+    # --- GLM-4.5: partial rotary (0.5), attention bias, q/k norm on/off, V3 routing, dense first layer
+    Case("glm4-moe-base", "glm4_moe"),
+    Case("glm4-moe-qk-norm-bias", "glm4_moe", dict(use_qk_norm=True, attention_bias=True)),
+    Case("glm4-moe-groups-rotary", "glm4_moe", dict(n_group=2, topk_group=1, num_hidden_layers=3,
+                                                    first_k_dense_replace=2, rope_parameters={
+                                                        "rope_type": "default", "rope_theta": 1e6,
+                                                        "partial_rotary_factor": 0.25})),
+    # --- GLM-4.7-Flash class: MLA + GLM routing, mlp_layer_types dense first
+    Case("glm4-moe-lite-base", "glm4_moe_lite"),
+    Case("glm4-moe-lite-no-q-lora-3-layers", "glm4_moe_lite",
+         dict(q_lora_rank=None, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])),
 ]
 
 

@@ -232,7 +232,7 @@ def test_config_fields(gpt_oss_dir):
     _, cfg, _ = read_config(gpt_oss_dir(CASES[0]))
     assert cfg.family == "gpt_oss" and cfg.sliding_window == (4, None, 4)
     assert cfg.attn_sinks and cfg.router_bias and cfg.expert_bias and cfg.qkv_bias and cfg.o_bias
-    assert (cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.router_order) == \
+    assert (cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.router.kind) == \
         ("clamped_swiglu", 1.702, 7.0, "topk_softmax")
     assert cfg.eos_token_ids == G.EOS_IDS  # generation_config.json
 

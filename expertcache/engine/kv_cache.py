@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -27,12 +28,15 @@ class Block:
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    """token_shapes: per layer and token, the shape of each tensor the attention stores (ModelConfig.
+    kv_token_shapes: ((g, D), (g, D)) for keys and values, ((R + P,),) for an MLA latent). Layer l's
+    tensors are `tensors[l]`, each [num_blocks, block_size, *shape]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, token_shapes: tuple[tuple[int, ...], ...],
                  dtype: torch.dtype, device: torch.device, prefix_caching: bool = True):
         if num_blocks < 1:
             raise ValueError("KV cache needs at least one block")
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.tensors = [tuple(torch.zeros((num_blocks, block_size, *s), dtype=dtype, device=device) for s in token_shapes)
                         for _ in range(num_layers)]
         self.block_size, self.num_blocks, self.prefix_caching = block_size, num_blocks, prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -42,8 +46,8 @@ class KVCache:
         self.copied: list[tuple[int, int]] | None = None  # (src, dst) block copies, when someone mirrors them
 
     @staticmethod
-    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_block(num_layers, block_size, token_shapes: tuple[tuple[int, ...], ...], dtype) -> int:
+        return num_layers * block_size * sum(math.prod(s) for s in token_shapes) * dtype.itemsize
 
     @property
     def num_free(self) -> int:
@@ -103,9 +107,9 @@ class KVCache:
         return new
 
     def copy_block(self, src: int, dst: int) -> None:
-        for k, v in self.tensors:
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+        for layer in self.tensors:
+            for t in layer:
+                t[dst].copy_(t[src])
 
     def release(self, block_ids: list[int]) -> None:
         for bid in reversed(block_ids):

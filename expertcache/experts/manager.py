@@ -509,7 +509,21 @@ class TieredExperts(ExpertProvider):
                     self.lut[i, e] = a.slot
 
     def stats(self) -> dict:
-        return collect(self.counters, self.use_counts, self.device_slots, None if self.host_all else self.host_slots)
+        s = collect(self.counters, self.use_counts, self.device_slots, None if self.host_all else self.host_slots)
+        s["residency"] = self.residency()
+        return s
+
+    def residency(self) -> list[list[int]]:
+        """Per MoE layer, per expert, where it is now: 2 a device slot, 1 host RAM, 0 only on disk."""
+        rows = []
+        for i in range(len(self.layers)):
+            row = [1 if self.host_all else 0] * self.E
+            for e in (self.host_tables[i].resident() if self.host_tables else []):
+                row[e] = 1
+            for e in self.dev_tables[i].resident():
+                row[e] = 2
+            rows.append(row)
+        return rows
 
     def save_stats(self, path) -> None:
         save_stats(path, self.use_counts, self.layers, str(self.source.index.model_dir))

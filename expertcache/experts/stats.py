@@ -12,6 +12,8 @@ expert_stats() layout:
                               host_prefetch_issued, host_prefetch_useful, cpu_computed, ...}]
     cpu_computed_share      share of misses computed on the CPU from host RAM
     use_counts              [[...]] layers x experts
+    residency               [[...]] layers x experts: 2 in a device slot, 1 in host RAM, 0 only on disk
+                            (added by TieredExperts.stats)
 """
 
 from __future__ import annotations

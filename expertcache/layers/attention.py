@@ -66,18 +66,12 @@ class Attention:
         keys = k_cache[batch.block_tables].view(B, nb * bs, self.g, self.d).transpose(1, 2).to(q.dtype)
         vals = v_cache[batch.block_tables].view(B, nb * bs, self.g, self.d).transpose(1, 2).to(q.dtype)
 
-        qp = q.new_zeros(B, batch.max_q, self.h, self.d)
-        qp[batch.seq_of_token, batch.row_of_token] = q
-        kpos = torch.arange(nb * bs, device=x.device)
-        qpos = batch.query_pos[:, :, None]  # [B, Q, 1]
-        mask = kpos[None, None, :] <= qpos
-        if self.window:
-            mask &= kpos[None, None, :] > qpos - self.window
-        mask = mask[:, None]  # [B, 1, Q, L]
+        mask = visible(batch, nb * bs, self.window)[:, None]  # [B, 1, Q, L]
         if self.sinks is not None:
             keys, vals, mask = self._sink_column(keys, vals, mask, q.dtype)
         o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=self.g != self.h
+            pad_queries(batch, q).transpose(1, 2), keys, vals, attn_mask=mask, scale=self.scale,
+            enable_gqa=self.g != self.h
         )  # [B, h, Q, D]
         o = o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token].reshape(T, self.h * self.d)
         return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
@@ -91,3 +85,20 @@ class Attention:
         bias[..., :L].masked_fill_(~mask, float("-inf"))
         bias[..., L] = self.sinks.to(dtype)[None, :, None]
         return keys, vals, bias
+
+
+def pad_queries(batch: AttnBatch, q: torch.Tensor) -> torch.Tensor:
+    """[T, ...] new tokens -> [B, Q, ...] per sequence (padding rows zero)."""
+    qp = q.new_zeros(batch.block_tables.shape[0], batch.max_q, *q.shape[1:])
+    qp[batch.seq_of_token, batch.row_of_token] = q
+    return qp
+
+
+def visible(batch: AttnBatch, length: int, window: int | None = None) -> torch.Tensor:
+    """[B, Q, length] bool: key position kp visible to the query at qp (kp <= qp, within the window)."""
+    kpos = torch.arange(length, device=batch.query_pos.device)[None, None, :]
+    qpos = batch.query_pos[:, :, None]  # [B, Q, 1]
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    return mask

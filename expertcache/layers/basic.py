@@ -64,18 +64,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin for arbitrary positions: q/k [T, heads, D] rotated in the half-split convention."""
+    """cos/sin for arbitrary positions: q/k [T, heads, D] rotated in the half-split convention.
+    Partial rotary: only the first R = cfg.rope_dim dims of each head rotate, the rest pass."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         inv, self.scale = rope_inv_freq(cfg)
         self.inv_freq = inv.to(device)
+        self.dim = 2 * inv.numel()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        freqs = positions[:, None].float() * self.inv_freq  # [T, D/2]
+        freqs = positions[:, None].float() * self.inv_freq  # [T, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]
         sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] == self.dim:
+            return x * cos + rotate_half(x) * sin
+        r, rest = x[..., :self.dim], x[..., self.dim:]
+        return torch.cat((r * cos + rotate_half(r) * sin, rest), dim=-1)
+
+
+def deinterleave_rows(w: torch.Tensor, group: int, start: int, dim: int) -> torch.Tensor:
+    """Rows of a projection whose output is groups of `group` values, rows start..start+dim of each
+    group in interleaved rotary pairs (x0, x1), (x2, x3) ... reordered to half-split (x0, x2, ..., x1, x3, ...).
+    Rotating the reordered vector half-split equals rotating the original pairwise (same dot products)."""
+    perm = torch.arange(w.shape[0]).view(-1, group)
+    seg = perm[:, start:start + dim]
+    perm[:, start:start + dim] = torch.cat((seg[:, 0::2], seg[:, 1::2]), dim=1)
+    return w[perm.reshape(-1)]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

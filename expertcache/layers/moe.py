@@ -1,26 +1,91 @@
-"""Router of one MoE layer: scores, top-k, optional renormalisation.
+"""Routers of MoE layers, in a registry by name (ModelConfig.router.kind).
 
     x [T, H] -> ids [T, K] int64, weights [T, K] (x's dtype)
-order "softmax_topk": softmax over all experts, then top-k (optionally renormalised);
-order "topk_softmax" (GPT-OSS): top-k of the logits, then softmax over those k.
-The router may have a bias. Softmax and top-k run in float32, as the reference implementations do.
+Scores, group selection and top-k run in float32 (the logits too where the reference computes them so).
+E experts in G groups of E/G (n_group); a group-limited router keeps the topk_group best groups
+and picks the top-k experts among them.
+
+    softmax               softmax over experts, top-k (Qwen, Mixtral, OLMoE; DeepSeek-V2 `greedy`)
+    topk_softmax          top-k of the logits, softmax over those k (GPT-OSS)
+    group_limited_greedy  softmax, groups ranked by their best expert (DeepSeek-V2)
+    noaux_tc              sigmoid scores; the choice uses scores + e_score_correction_bias, groups
+                          ranked by the sum of their two best; weights are the plain scores (DeepSeek-V3, GLM-4.5)
+The router linear may have a bias (GPT-OSS). Every router then renormalises the chosen weights when norm_topk_prob and multiplies them by
+routed_scaling_factor (RouterSpec.scaling).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
+from ..models.model_config import RouterSpec
 from .basic import linear
 
-def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          bias: torch.Tensor | None = None, order: str = "softmax_topk"):
-    logits = linear(x, router_w, bias).float()
-    if order == "topk_softmax":
-        top, ids = torch.topk(logits, top_k, dim=-1)
-        return ids, F.softmax(top, dim=-1).to(x.dtype)
+# kind -> fn(logits fp32 [T, E], correction [E] | None, top_k, spec) -> (ids [T, K], weights fp32 [T, K])
+ROUTERS: dict[str, Callable] = {}
+
+
+def register(name: str):
+    def deco(fn):
+        ROUTERS[name] = fn
+        return fn
+
+    return deco
+
+
+def _group_mask(choice: torch.Tensor, group_scores: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """[T, E] bool: experts in the topk_group best groups (group_scores [T, G])."""
+    T, E = choice.shape
+    best = torch.topk(group_scores, spec.topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return keep[:, :, None].expand(T, spec.n_group, E // spec.n_group).reshape(T, E)
+
+
+@register("softmax")
+def _softmax(logits, correction, top_k, spec):
+    w, ids = torch.topk(F.softmax(logits, dim=-1), top_k, dim=-1)
+    return ids, w
+
+
+@register("topk_softmax")
+def _topk_softmax(logits, correction, top_k, spec):
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    return ids, F.softmax(top, dim=-1)
+
+
+@register("group_limited_greedy")
+def _group_limited(logits, correction, top_k, spec):
     probs = F.softmax(logits, dim=-1)
+    groups = probs.view(probs.shape[0], spec.n_group, -1).amax(dim=-1)
+    probs = probs.masked_fill(~_group_mask(probs, groups, spec), 0.0)
     w, ids = torch.topk(probs, top_k, dim=-1)
+    return ids, w
+
+
+@register("noaux_tc")
+def _noaux_tc(logits, correction, top_k, spec):
+    scores = logits.sigmoid()
+    choice = scores if correction is None else scores + correction
+    groups = choice.view(choice.shape[0], spec.n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
+    choice = choice.masked_fill(~_group_mask(choice, groups, spec), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    return ids, scores.gather(1, ids)
+
+
+def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          spec: RouterSpec | None = None, correction: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+    """The experts and weights of each token (spec None = softmax, no scaling)."""
+    spec = spec or RouterSpec()
+    if spec.float32_logits:
+        logits = linear(x.float(), router_w.float(), None if bias is None else bias.float())
+    else:
+        logits = linear(x, router_w, bias).float()
+    ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec)
     if norm_topk_prob:
-        w = w / w.sum(dim=-1, keepdim=True)
+        w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if spec.kind == "noaux_tc" else 0.0))
+    if spec.scaling != 1.0:
+        w = w * spec.scaling
     return ids, w.to(x.dtype)

@@ -117,5 +117,10 @@ class TensorIndex:
             f.readinto(buf)
         return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(t.shape) if t.nbytes else torch.empty(t.shape, dtype=t.dtype)
 
+    def drop(self, names) -> None:
+        """Forget tensors the model never reads (they are then absent: `in`, info, nbytes)."""
+        for n in names:
+            del self.tensors[n]
+
     def nbytes(self, prefix: str = "") -> int:
         return sum(t.nbytes for n, t in self.tensors.items() if n.startswith(prefix))

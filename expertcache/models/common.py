@@ -5,8 +5,8 @@ from __future__ import annotations
 from .model_config import ModelConfig, as_int, check_value, get_int, require_int, rope_parameters
 
 
-def base_fields(hf: dict, family: str) -> dict:
-    """Fields whose names are common to all supported families."""
+def base_fields(hf: dict, family: str, partial_rotary: bool = False) -> dict:
+    """Fields whose names are common to all supported families (partial_rotary: see rope_parameters)."""
     check_value(hf, "hidden_act", {"silu"}, "silu")
     hidden = require_int(hf, "hidden_size")
     heads = require_int(hf, "num_attention_heads")
@@ -25,7 +25,7 @@ def base_fields(hf: dict, family: str) -> dict:
         max_position_embeddings=get_int(hf, "max_position_embeddings", 32768, 1),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         top_k=require_int(hf, "num_experts_per_tok"),
-        rope=rope_parameters(hf),
+        rope=rope_parameters(hf, partial_rotary),
         eos_token_ids=eos,
         bos_token_id=hf.get("bos_token_id"),
     )

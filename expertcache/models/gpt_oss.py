@@ -16,7 +16,7 @@ do not use) are not read.
 from __future__ import annotations
 
 from .common import base_fields, finish, raise_cfg
-from .model_config import require
+from .model_config import RouterSpec, require
 from .registry import Family, WeightNames, register
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -62,7 +62,7 @@ def parse(hf: dict):
         "shared_expert_gate": False,
         "attn_sinks": True,
         "router_bias": True,
-        "router_order": "topk_softmax",
+        "router": RouterSpec(kind="topk_softmax"),
         "expert_bias": True,
         "expert_act": "clamped_swiglu",
         "swiglu_alpha": alpha,

@@ -16,6 +16,29 @@ from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention dims (DeepSeek-V2/V3, GLM-4.7-Flash). Per token the KV cache holds
+    the normed latent (kv_lora_rank) and the shared roped key (qk_rope_head_dim), not expanded heads."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a MoE layer picks its experts: `kind` names a router in layers/moe.ROUTERS."""
+
+    kind: str = "softmax"  # softmax | topk_softmax | group_limited_greedy | noaux_tc
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0  # routed_scaling_factor: multiplies the chosen experts' weights
+    float32_logits: bool = False  # router logits from float32 x and weight (else the compute dtype)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -45,15 +68,31 @@ class ModelConfig:
     bos_token_id: int | None = None
     attn_sinks: bool = False  # a learned logit per head in the softmax denominator (self_attn.sinks)
     router_bias: bool = False
-    router_order: str = "softmax_topk"  # | "topk_softmax" (softmax over the top-k logits only)
     expert_bias: bool = False  # routed experts carry gate_up / down biases
     expert_act: str = "silu"  # experts.compute.ACTIVATIONS: "silu" | "clamped_swiglu"
     swiglu_alpha: float = 1.0  # clamped_swiglu only
     swiglu_limit: float = float("inf")
+    rotary_dim: int | None = None  # dims rotated per head (partial rotary); None = all of head_dim
+    rope_interleave: bool = False  # rotary dims stored as interleaved pairs (permuted to half-split at load)
+    mla: MLA | None = None  # multi-head latent attention instead of q/k/v projections
+    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    router: RouterSpec = field(default_factory=RouterSpec)
 
     @property
     def moe_layer_ids(self) -> list[int]:
         return [i for i, m in enumerate(self.moe_layers) if m]
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def kv_token_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per layer and token, the shapes of the tensors the KV cache stores: (k, v) heads, or the
+        MLA latent [kv_lora_rank + qk_rope_head_dim] alone."""
+        if self.mla is not None:
+            return ((self.mla.kv_lora_rank + self.mla.qk_rope_head_dim,),)
+        return ((self.num_kv_heads, self.head_dim),) * 2
 
 
 def require(hf: dict, key: str, *aliases: str):
@@ -93,8 +132,11 @@ def check_value(hf: dict, key: str, allowed, default=None):
     return value
 
 
-def rope_parameters(hf: dict) -> dict:
-    """Merge the v5 `rope_parameters` and the legacy `rope_theta`/`rope_scaling` fields."""
+def rope_parameters(hf: dict, partial_rotary: bool = False) -> dict:
+    """Merge the v5 `rope_parameters` and the legacy `rope_theta`/`rope_scaling` fields.
+
+    partial_rotary: the family rotates `partial_rotary_factor` of each head (a top-level field
+    is moved into the result); otherwise a factor != 1 is an error."""
     rope = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
     for k, v in legacy.items():
@@ -105,8 +147,10 @@ def rope_parameters(hf: dict) -> dict:
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     if rope["rope_type"] not in ROPE_TYPES:
         raise ConfigError(f"config.json: rope type {rope['rope_type']!r} is not supported (supported: {ROPE_TYPES})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError("config.json: partial_rotary_factor != 1 is not supported")
+    if hf.get("partial_rotary_factor") is not None:
+        rope.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    if not partial_rotary and rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("config.json: partial_rotary_factor != 1 is not supported for this family")
     return rope
 
 
@@ -114,8 +158,8 @@ ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the cos/sin scale for cfg.rope."""
-    r, dim = cfg.rope, cfg.head_dim
+    """Inverse frequencies [rope_dim/2] and the cos/sin scale for cfg.rope."""
+    r, dim = cfg.rope, cfg.rope_dim
     base = float(r["rope_theta"])
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     kind = r["rope_type"]
@@ -136,13 +180,10 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     # yarn
     orig = r.get("original_max_position_embeddings") or cfg.max_position_embeddings
 
-    def mscale(s, m=1.0):
-        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
-
     attn = r.get("attention_factor")
     if attn is None:
         m, m_all = r.get("mscale"), r.get("mscale_all_dim")
-        attn = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+        attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if (m and m_all) else yarn_mscale(factor)
     beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
 
     def corr_dim(rot):
@@ -157,3 +198,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrap = 1 - ramp
     return (inv / factor) * (1 - extrap) + inv * extrap, float(attn)
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

@@ -47,7 +47,7 @@ def register(family: Family) -> Family:
 
 def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:
     """Parse model_dir/config.json (+ generation_config.json) into (family, ModelConfig, raw dict)."""
-    from . import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401  (register the families)
+    from . import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401  (register the families)
 
     path = Path(model_dir) / "config.json"
     if not path.exists():

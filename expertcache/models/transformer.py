@@ -20,6 +20,7 @@ from .. import kernels
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
 from ..layers.basic import QuantizedWeight, Rotary, linear, lm_head_method, rms_norm, swiglu
+from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import load_dense
@@ -44,15 +45,14 @@ class MoETransformer:
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         H, V, names = cfg.hidden_size, cfg.vocab_size, family.names
 
-        def load(name, shape):
+        def load(name, shape, as_dtype=None):
             t = load_dense(index, name, shape, quant)
             check_dense(index, name, t, check_finite)
-            t = t.to(device=device, dtype=kernels.dense_dtype(t.dtype, t.dim(), device, dtype, low_memory))
+            t = t.to(device=device, dtype=as_dtype or kernels.dense_dtype(t.dtype, t.dim(), device, dtype, low_memory))
             if progress:
                 progress(t.numel() * index.info(name).dtype.itemsize)
             return t
 
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # The embedding table is only gathered from: keep it in its stored float dtype (exact: rows
         # are converted after the lookup) unless lm_head shares it. Saves V x H x 2 bytes on CPU.
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in index
@@ -70,34 +70,22 @@ class MoETransformer:
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
-            a = {
-                "q_proj.weight": load(f"{p}.self_attn.q_proj.weight", (q_dim, H)),
-                "k_proj.weight": load(f"{p}.self_attn.k_proj.weight", (kv_dim, H)),
-                "v_proj.weight": load(f"{p}.self_attn.v_proj.weight", (kv_dim, H)),
-                "o_proj.weight": load(f"{p}.self_attn.o_proj.weight", (H, q_dim)),
-            }
-            if cfg.qkv_bias:
-                for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
-                    a[f"{n}_proj.bias"] = load(f"{p}.self_attn.{n}_proj.bias", (d,))
-            if cfg.o_bias:
-                a["o_proj.bias"] = load(f"{p}.self_attn.o_proj.bias", (H,))
-            if cfg.qk_norm:
-                qn, kn = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (q_dim, kv_dim)
-                a["q_norm.weight"] = load(f"{p}.self_attn.q_norm.weight", (qn,))
-                a["k_norm.weight"] = load(f"{p}.self_attn.k_norm.weight", (kn,))
-            if cfg.attn_sinks:
-                a["sinks"] = load(f"{p}.self_attn.sinks", (cfg.num_heads,))
             layer = {
-                "attn": Attention(cfg, i, a, self.rotary),
+                "attn": MLAttention(cfg, i, load_mla(cfg, p, load), self.rotary) if cfg.mla is not None
+                else Attention(cfg, i, self._mha_weights(p, load), self.rotary),
                 "input_ln": load(f"{p}.input_layernorm.weight", (H,)),
                 "post_ln": load(f"{p}.post_attention_layernorm.weight", (H,)),
             }
             if cfg.moe_layers[i]:
                 prefix = next((f"{p}.{m}" for m in names.moe_prefixes if f"{p}.{m}.{names.router}.weight" in index),
                               f"{p}.{names.moe_prefixes[0]}")
-                layer["router"] = load(f"{prefix}.{names.router}.weight", (cfg.num_experts, H))
+                r32 = torch.float32 if cfg.router.float32_logits else None  # the reference keeps these in fp32
+                layer["router"] = load(f"{prefix}.{names.router}.weight", (cfg.num_experts, H), r32)
                 if cfg.router_bias:
-                    layer["router_bias"] = load(f"{prefix}.{names.router}.bias", (cfg.num_experts,))
+                    layer["router_bias"] = load(f"{prefix}.{names.router}.bias", (cfg.num_experts,), r32)
+                if cfg.router.kind == "noaux_tc":
+                    layer["correction"] = load(f"{prefix}.{names.router}.e_score_correction_bias", (cfg.num_experts,),
+                                               torch.float32)
                 if cfg.shared_expert_intermediate_size:
                     S, se = cfg.shared_expert_intermediate_size, f"{prefix}.{names.shared_expert}"
                     layer["shared"] = (load(f"{se}.gate_proj.weight", (S, H)), load(f"{se}.up_proj.weight", (S, H)),
@@ -118,6 +106,29 @@ class MoETransformer:
             self.lm_head = QuantizedWeight(self.lm_head, lm_head_method(lm_head))
         moe = cfg.moe_layer_ids
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
+
+    def _mha_weights(self, p: str, load) -> dict[str, torch.Tensor]:
+        """q/k/v/o projections (+ biases, q/k norms) of layer prefix p."""
+        cfg, H = self.cfg, self.cfg.hidden_size
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        a = {
+            "q_proj.weight": load(f"{p}.self_attn.q_proj.weight", (q_dim, H)),
+            "k_proj.weight": load(f"{p}.self_attn.k_proj.weight", (kv_dim, H)),
+            "v_proj.weight": load(f"{p}.self_attn.v_proj.weight", (kv_dim, H)),
+            "o_proj.weight": load(f"{p}.self_attn.o_proj.weight", (H, q_dim)),
+        }
+        if cfg.qkv_bias:
+            for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                a[f"{n}_proj.bias"] = load(f"{p}.self_attn.{n}_proj.bias", (d,))
+        if cfg.o_bias:
+            a["o_proj.bias"] = load(f"{p}.self_attn.o_proj.bias", (H,))
+        if cfg.qk_norm:
+            qn, kn = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (q_dim, kv_dim)
+            a["q_norm.weight"] = load(f"{p}.self_attn.q_norm.weight", (qn,))
+            a["k_norm.weight"] = load(f"{p}.self_attn.k_norm.weight", (kn,))
+        if cfg.attn_sinks:
+            a["sinks"] = load(f"{p}.self_attn.sinks", (cfg.num_heads,))
+        return a
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -145,7 +156,8 @@ class MoETransformer:
 
     def _route(self, layer: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        return route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob, layer.get("router_bias"), cfg.router_order)
+        return route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob, cfg.router, layer.get("correction"),
+                     layer.get("router_bias"))
 
     def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ids, w = self._route(layer, x)

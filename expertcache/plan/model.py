@@ -21,6 +21,7 @@ from ..experts.budget import plan_memory as budget_plan
 from ..experts.layout import ExpertSource
 from ..llm import default_dtype
 from ..loader.safetensors_index import TensorIndex
+from ..models.mtp import drop_mtp_layers
 from ..models.registry import read_config
 from ..quant.checkpoint import method_from_config
 
@@ -48,6 +49,7 @@ def read_model(model_dir: str | Path) -> ModelInfo:
     model_dir = Path(model_dir)
     family, cfg, hf = read_config(model_dir)
     index = TensorIndex(model_dir)
+    drop_mtp_layers(index, cfg, hf)
     source = ExpertSource(index, cfg, family.names, method_from_config(hf))
     size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
     return ModelInfo(model_dir, hf, source, size)
@@ -83,7 +85,7 @@ def model_sizes(info: ModelInfo, dtype: torch.dtype, device: torch.device | None
                  fast_format=f"{method}, as stored" if method else str(fast_parts[0].dtype).removeprefix("torch.")
                  + (", as stored" if fast_parts[0].dtype != dtype else ""),
                  quantized=method,
-                 kv_per_token=KVCache.bytes_per_block(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, dtype))
+                 kv_per_token=KVCache.bytes_per_block(cfg.num_layers, 1, cfg.kv_token_shapes, dtype))
 
 
 def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",

@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI-compatible routes, /health, /metrics, /stats.
+"""The FastAPI application: OpenAI-compatible routes, /health, /metrics, /stats, and the browser UI at /.
 
 Invariants:
 - Handlers run on the event loop thread and never touch the engine: they validate and tokenize
@@ -18,12 +18,14 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
@@ -40,6 +42,7 @@ from .prompts import chat_ids, completion_ids
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, sampling_params
 from .tool_calls import format_for
 
+STATIC_DIR = Path(__file__).with_name("static")  # index.html, app.js, style.css of the browser UI
 log = logging.getLogger("expertcache.server")
 
 
@@ -237,6 +240,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def _unexpected(request: Request, e: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return ApiError(f"internal error: {type(e).__name__}", status=500, type="server_error").response()
+
+    # the browser UI: static files of this package, talking to the endpoints below
+    app.mount("/ui", StaticFiles(directory=STATIC_DIR), name="ui")
+
+    @app.get("/", include_in_schema=False)
+    async def ui():
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health():

@@ -58,11 +58,16 @@ class ModelShape:
             nh = cfg["num_attention_heads"]
             nkv = cfg.get("num_key_value_heads", nh)
             hd = cfg.get("head_dim") or h // nh
-            ne = cfg.get("num_experts") or cfg.get("num_local_experts")
+            ne = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
             vocab = cfg["vocab_size"]
         except KeyError as err:
             raise ValueError(f"config: missing field {err.args[0]!r}") from None
         attn = h * nh * hd * 2 + h * nkv * hd * 2
+        if cfg.get("kv_lora_rank"):  # multi-head latent attention: low-rank q and kv projections
+            r, ql, v = cfg["kv_lora_rank"], cfg.get("q_lora_rank"), cfg["v_head_dim"]
+            qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+            q = (h * ql + ql * nh * qk) if ql else h * nh * qk
+            attn = q + h * (r + cfg["qk_rope_head_dim"]) + r * nh * (cfg["qk_nope_head_dim"] + v) + nh * v * h
         dense = layers * (attn + h * (ne or 0)) + h * vocab
         return cls(expert_params=3 * h * inter, dense_params=dense, bytes_per_param=bytes_per_param)
 
