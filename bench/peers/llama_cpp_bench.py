@@ -37,6 +37,9 @@ sys.path.insert(0, str(HERE.parent))
 
 SDIST = "llama-cpp-python==0.3.36"
 PEER_FORMAT = {"bf16": "bf16", "int8": "q8_0"}  # expertcache format -> the llama.cpp format it is compared with
+# q8_0 quantizes every matrix, lm_head included: the int8 row reads lm_head as int8 too (`--lm-head int8`;
+# attention stays bf16 in both expertcache rows)
+OPTIONS = {"bf16": {}, "int8": {"lm_head": "int8"}}
 
 
 def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -114,14 +117,15 @@ sys.path.insert(0, {bench!r})
 from common import timed_generate
 from expertcache import LLM, SamplingParams
 torch.set_num_threads({threads})
-llm = LLM({model!r}, max_model_len=512, kv_cache_memory="64MiB")
+llm = LLM({model!r}, max_model_len=512, kv_cache_memory="64MiB", **{options!r})
 prompt = torch.randint(3, 2000, ({prompt},), generator=torch.Generator().manual_seed(0)).tolist()
 params = SamplingParams(max_tokens={gen} + 1, temperature=0.0, ignore_eos=True)
 llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
 m, src = llm.model, llm.source
 dense = sum(t.numel() * t.element_size() for layer in m.layers for t in layer["attn"].w.values())
 dense += sum(layer["router"].numel() * layer["router"].element_size() for layer in m.layers if "router" in layer)
-per_token = src.expert_nbytes * src.cfg.top_k * len(src.layers) + dense + m.lm_head.numel() * m.lm_head.element_size()
+head = m.lm_head.nbytes if hasattr(m.lm_head, "parts") else m.lm_head.numel() * m.lm_head.element_size()
+per_token = src.expert_nbytes * src.cfg.top_k * len(src.layers) + dense + head
 print("READY " + json.dumps({{"bytes_per_token": per_token}}), flush=True)
 for line in sys.stdin:
     r = timed_generate(llm, [prompt], params)
@@ -132,8 +136,9 @@ for line in sys.stdin:
 class Worker:
     """One expertcache process holding the model; `run()` measures one round."""
 
-    def __init__(self, model: Path, prompt: int, gen: int, threads: int):
-        code = WORKER.format(bench=str(HERE.parent), threads=threads, model=str(model), prompt=prompt, gen=gen)
+    def __init__(self, model: Path, prompt: int, gen: int, threads: int, options: dict):
+        code = WORKER.format(bench=str(HERE.parent), threads=threads, model=str(model), prompt=prompt, gen=gen,
+                             options=options)
         self.p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         self.info = json.loads(self._expect("READY "))
@@ -182,7 +187,7 @@ def main() -> None:
     for fmt in args.formats:
         model, gguf = paths[fmt]
         peer = PEER_FORMAT[fmt]
-        worker = Worker(model, args.prompt, args.gen, args.threads)
+        worker = Worker(model, args.prompt, args.gen, args.threads, OPTIONS[fmt])
         res = {"llama.cpp": [], "expertcache": []}
         try:
             for r in range(args.rounds):
@@ -198,7 +203,7 @@ def main() -> None:
             worker.close()
         med = {e: (statistics.median(p for p, _ in v), statistics.median(t for _, t in v)) for e, v in res.items()}
         (lp, lt), (ep, et) = med["llama.cpp"], med["expertcache"]
-        print(f"peer-summary: format={fmt} vs llama.cpp {peer} rounds={args.rounds} threads={args.threads} "
+        print(f"peer-summary: format={fmt} options={OPTIONS[fmt]} vs llama.cpp {peer} rounds={args.rounds} threads={args.threads} "
               f"llama_pp={lp:.1f} expertcache_pp={ep:.1f} pp_ratio={ep / lp:.2f} "
               f"llama_tg={lt:.2f} expertcache_tg={et:.2f} tg_ratio={et / lt:.2f}", flush=True)
         gb = worker.info["bytes_per_token"] / 1e9

@@ -62,8 +62,9 @@ class CostModel:
 
 
 def is_direct(device: torch.device, dev_parts, source_parts) -> bool:
-    """The device slots are host RAM in the stored format (CPU, low memory): a miss with no host
-    slot can be read from disk straight into its device slot, with no conversion or copy."""
+    """The device slots are host RAM in the stored format (CPU: the kernels read it, or low memory):
+    a miss with no host slot can be read from disk straight into its device slot, with no conversion
+    or copy."""
     key = [(p.name, p.dtype, tuple(p.shape)) for p in dev_parts]
     return device.type == "cpu" and key == [(p.name, p.dtype, tuple(p.shape)) for p in source_parts]
 
@@ -274,7 +275,8 @@ class TieredExperts(ExpertProvider):
         return views
 
     def _demote(self, i: int, d: Demotion) -> None:
-        """Exclusive tiers: device slot bytes back into a host slot (narrowed to the stored format, exactly)."""
+        """Exclusive tiers: device slot bytes back into a host slot: a plain copy where both hold the stored
+        format (CPU kernels), else fp32 narrowed back to the stored bf16/fp16 exactly."""
         self.dev.settle(i, d.dev_slot, self.device)
         self.host.settle(i, d.host_slot, self.device, host_write=True)
         for n, t in self.host.views(i, d.host_slot).items():
