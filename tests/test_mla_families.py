@@ -471,7 +471,7 @@ def test_deepseek_v3_chat_template_matches_transformers(deepseek_chat, conv, add
 def test_help_lists_every_registered_architecture(capsys):
     from expertcache.cli import SUPPORTED
 
-    from expertcache.models import deepseek, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401
+    from expertcache.models import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next  # noqa: F401
 
     listed = {line.split()[0] for line in SUPPORTED.splitlines()[1:]}
     assert listed == set(FAMILIES)

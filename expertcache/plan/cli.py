@@ -95,7 +95,8 @@ def build_report(args: argparse.Namespace) -> dict:
         "plan": {"fits": False, "error": None, "resident": None, "device_slots": None, "host_slots": None,
                  "device_budget": None, "host_budget": None, "device_used": None, "host_used": None,
                  "staging": None, "lines": []},
-        "kv": {"bytes_per_token": sizes.kv_per_token, "device_free": None, "tokens_in_device_free": None},
+        "kv": {"bytes_per_token": sizes.kv_per_token, "device_free": None, "tokens_in_device_free": None,
+               "state_bytes_per_sequence": sizes.state_per_sequence},
         "speed": None,
     }
     try:
@@ -163,6 +164,9 @@ def text_lines(r: dict) -> list[str]:
     out.append(f"KV cache: {fmt_bytes(kv['bytes_per_token'])}/token; the engine sizes it separately "
                f"(--kv-cache-memory, auto = up to 1 GiB); the unused {fmt_bytes(kv['device_free'])} of the "
                f"device budget would hold {kv['tokens_in_device_free']:,} tokens")
+    if kv["state_bytes_per_sequence"]:
+        out.append(f"linear-attention state: {fmt_bytes(kv['state_bytes_per_sequence'])}/sequence at any context "
+                   "length (the engine holds max_num_seqs + 1 of them)")
     s = r["speed"]
     lo, hi = s["band_tok_s"]
     out.append(f"decode speed, 1 sequence: {lo:.1f} - {hi:.1f} tok/s on profile {s['profile']} ({s['profile_source']})")

@@ -54,6 +54,8 @@ class ModelShape:
         if not isinstance(cfg, dict):
             p = Path(cfg)
             cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+            cfg = cfg["text_config"]  # a multimodal checkpoint: the decoder's fields
         try:
             h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
             inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
