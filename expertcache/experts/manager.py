@@ -217,7 +217,7 @@ class TieredExperts(ExpertProvider):
         if sync:
             self._read(layer, e, views)
             return None
-        return InFlight(self.reader.submit_parts(self.source.ranges(layer, e), views))
+        return InFlight(self.reader.pool.submit(self._read, layer, e, views))  # _read: with the finite check
 
     def _copy(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]):
         """host views -> device views; on CUDA async on the copy stream, returns its event."""

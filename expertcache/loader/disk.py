@@ -106,10 +106,6 @@ class DiskReader:
         for name, t in dst.items():
             self.read_into(ranges[name], t)
 
-    def submit_parts(self, ranges: dict[str, list], dst: dict[str, torch.Tensor]) -> Future:
-        """read_parts on the I/O pool; the future completes when every part is in."""
-        return self.pool.submit(self.read_parts, ranges, dst)
-
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         with self.lock:
