@@ -253,3 +253,26 @@ def test_quantized_experts_under_a_tight_budget(model, tmp_path):
         assert (resident.logits(PROMPT) - model.llm.logits(PROMPT)).abs().mean() < 0.05
     finally:
         tight.close()
+
+
+def test_failed_step_recomputes_the_survivors_state(model, monkeypatch):
+    """A step that raises after the layers ran (states already advanced): the sequence at fault ends
+    with the error; the others restart from token 0 and still give transformers' tokens."""
+    llm = LLM(str(model.path), device="cpu")
+    runner, real, victim = llm.engine.runner, llm.engine.runner.run_rows, {}
+
+    def run_rows(work, full):
+        out = real(work, full)
+        if any(seq.request_id == victim.get("id") and len(seq.generated) == 2 for seq, _ in work):
+            raise RuntimeError("kernel exploded")
+        return out
+
+    monkeypatch.setattr(runner, "run_rows", run_rows)
+    seqs = [llm.engine.add_request(p, GREEDY) for p in prompts()]
+    victim["id"] = seqs[0].request_id
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert seqs[0].finish_reason.startswith("error: the model step failed")
+    for s, p in zip(seqs[1:], prompts()[1:]):
+        assert s.finish_reason == "length" and s.generated == model.expected(p)
+    assert llm.states.num_free == llm.states.num_slots

@@ -209,6 +209,12 @@ class LLMEngine:
                 except Exception as e:  # noqa: BLE001
                     err = e
             failed.append(self._fail(seq, f"the model step failed: {type(err).__name__}: {err}"))
+        if self.scheduler.states is not None:
+            # hybrid models: the failed step (and the trial) advanced the linear-attention states in
+            # place, unlike KV slots they cannot be rewritten: the survivors recompute from token 0
+            for seq, _ in work:
+                if seq.finish_reason is None and seq in self.scheduler.running:
+                    self.scheduler.preempt(seq)
         return failed
 
     def _fail(self, seq: Sequence, why: str) -> StepOutput:
