@@ -35,9 +35,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="write the routing trace (.npz, see `expertcache trace`) when the command ends")
     g = p.add_argument_group("expert cache")
     g.add_argument("--device-memory", default=None,
-                   help="budget for experts in the fastest tier (device slots), e.g. 512MiB, or 'auto'; "
+                   help="budget for experts in the fastest tier (device slots), e.g. 512MiB, 25%% (of all the "
+                        "routed experts' bytes), or 'auto'; "
                         "omit all cache flags to keep every expert resident")
-    g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, or 'auto'")
+    g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, 50%%, or 'auto'; "
+                                                       "0 needs --low-memory")
     g.add_argument("--cache-policy", default=None,
                    help="eviction policy: lru, lfru, lfu, static, lfru-admit, adaptive (default: adaptive)")
     g.add_argument("--prefetch", nargs="?", const="device", default=None, choices=["auto", "device", "host", "off"],
@@ -175,10 +177,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import demo_model_dir
+    from . import demo
 
     if args.model is None:
-        args.model = str(demo_model_dir(rebuild=args.rebuild))
+        args.model = str(demo.random_demo_dir(rebuild=args.rebuild) if args.random else demo.demo_model_dir())
+        what = demo.describe(args.model) or ("the random-weight demo model: untrained, so its text is gibberish "
+                                             "and its routing near uniform (for comparison with the trained one)")
+        print(f"expertcache demo: {what}", file=sys.stderr, flush=True)
     if args.device_memory is None and args.host_memory is None:
         args.device_memory = "25%"  # a budget smaller than the experts, so the cache has work
     return cmd_generate(args)
@@ -241,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=SUPPORTED, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(d)
     add_sampling_args(d, "The expert cache keeps")
-    d.add_argument("--rebuild", action="store_true", help="rebuild the demo checkpoint")
+    d.add_argument("--random", action="store_true",
+                   help="use the untrained random-weight demo model (built once in ~/.cache/expertcache)")
+    d.add_argument("--rebuild", action="store_true", help="with --random: rebuild that checkpoint")
     d.set_defaults(func=cmd_demo)
     from .chat_cli import add_chat_subcommand
     from .plan import add_plan_subcommand
