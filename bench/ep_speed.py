@@ -3,8 +3,8 @@
     .venv/bin/python bench/ep_speed.py [--ranks 2 3] [--rounds 2] [--batch 1 8]
 
 A generated Qwen3-MoE checkpoint (8 layers, 32 experts top-4, hidden 512, moe intermediate 512)
-is built once under /tmp. Every configuration is loaded at once and run in alternating rounds;
-medians per configuration. On a 2-core machine N ranks share the same 2 cores, so these
+is built once under /tmp. One process holds one expert-parallel group at a time, so each round
+loads, runs and closes every configuration in turn (alternating rounds); medians per configuration. On a 2-core machine N ranks share the same 2 cores, so these
 figures measure the overhead of the collectives, not a speed-up: EP pays off when each rank has
 its own device (or machine) and the experts do not fit in one.
 """
@@ -45,25 +45,23 @@ def main(argv=None) -> None:
                                     num_experts_per_tok=4, num_hidden_layers=8, hidden_size=512,
                                     moe_intermediate_size=512, intermediate_size=1024)
     print(hardware_line())
-    configs = {"single": LLM(str(model))}
-    for n in args.ranks:
-        configs[f"ep{n}"] = LLM(str(model), expert_parallel=n)
+    configs = {"single": None, **{f"ep{n}": n for n in args.ranks}}
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
+    prompts = {B: [torch.randint(5, 300, (24,), generator=g).tolist() for _ in range(B)] for B in args.batch}
+    runs = {(name, B): [] for name in configs for B in args.batch}
+    for _ in range(args.rounds):
+        for name, ranks in configs.items():
+            llm = LLM(str(model), expert_parallel=ranks)
+            for B, p in prompts.items():
+                llm.generate(p, SamplingParams(max_tokens=2, temperature=0))  # warm-up
+                runs[name, B].append(timed_generate(llm, p, params)["decode_tok_s"])
+            llm.close()
     for B in args.batch:
-        prompts = [torch.randint(5, 300, (24,), generator=g).tolist() for _ in range(B)]
-        for llm in configs.values():  # warm-up
-            llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0))
-        runs = {name: [] for name in configs}
-        for _ in range(args.rounds):
-            for name, llm in configs.items():
-                runs[name].append(timed_generate(llm, prompts, params)["decode_tok_s"])
-        base = statistics.median(runs["single"])
-        for name, r in runs.items():
-            med = statistics.median(r)
+        base = statistics.median(runs["single", B])
+        for name in configs:
+            med = statistics.median(runs[name, B])
             print(f"ep_speed config={name} batch={B} decode_tok_s={med:.2f} vs_single={med / base:.2f}x")
-    for llm in configs.values():
-        llm.close()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,21 @@
-"""Constrained decoding on the CPU: xgrammar vs llguidance, per-token mask cost and schema coverage.
+"""Constrained decoding on the CPU: xgrammar vs llguidance (per-token mask cost, schema coverage),
+then the engine's overhead per generated token with a grammar, at batch 1 and 16.
 
-For each library, a JSON schema is compiled against a real tokenizer (Qwen3, 151k tokens), then B
-matchers walk the same valid document token by token; one step = fill the B token bitmasks, apply
-them to [B, V] logits, accept one token per matcher. Reported: median microseconds per step and per
-token at batch 1 and 16 (alternating rounds), compile time, and which of a set of schema features
-each library compiles.
+Part 1: for each library, a JSON schema is compiled against a real tokenizer (Qwen3, 151k tokens),
+then B matchers walk the same valid document token by token; one step = fill the B token bitmasks
+(the library), apply them to [B, V] logits (the engine's apply_bitmask, the same for both), accept
+one token per matcher. Median microseconds per step and per token (alternating rounds), compile
+time, and which of a set of schema features each library compiles.
 
-    python bench/grammar_mask.py [--tokenizer DIR] [--rounds 5]
+Part 2: the demo model generates 32 tokens per sequence for B sequences, without and with a
+grammar (llguidance regex `[a-z ]+`, which never completes, so every step is masked); reported:
+wall ms per step (generate time / 32), and the grammar's overhead per generated token.
 
-One line per (library, batch): `grammar_mask lib=... batch=... step_us=... per_token_us=... compile_ms=...`,
-then one `coverage lib=... ok=.../... failed=[...]` line.
+    python bench/grammar_mask.py [--tokenizer DIR] [--rounds 5] [--no-engine]
+
+Lines: `grammar_mask lib=... batch=... step_us=... per_token_us=... compile_ms=...`,
+`coverage lib=... ok=.../... failed=[...]`, `grammar_engine batch=... plain_ms_step=... grammar_ms_step=...
+overhead_us_per_token=...`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 
 from common import hardware_line
+from expertcache.engine.structured import apply_bitmask
 
 SCHEMA = {
     "type": "object",
@@ -90,7 +97,7 @@ class XGrammar:
     def step(self, ms, bitmask, logits, tok: int):
         for i, m in enumerate(ms):
             m.fill_next_token_bitmask(bitmask, i)
-        self.xgr.apply_token_bitmask_inplace(logits, bitmask)
+        apply_bitmask(logits, list(range(len(ms))), bitmask)
         for m in ms:
             assert m.accept_token(tok), "xgrammar rejected a valid token"
 
@@ -122,7 +129,7 @@ class LLGuidance:
     def step(self, ms, bitmask, logits, tok: int):
         for i, m in enumerate(ms):
             self.lt.fill_next_token_bitmask(m, bitmask, i)
-        self.lt.apply_token_bitmask_inplace(logits, bitmask)
+        apply_bitmask(logits, list(range(len(ms))), bitmask)
         for m in ms:
             assert m.consume_token(tok), f"llguidance rejected a valid token: {m.get_error()}"
 
@@ -142,6 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", default=str(Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "qwen3"))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-engine", action="store_true", help="skip part 2 (the demo model)")
     args = ap.parse_args()
     torch.manual_seed(0)
     tok_dir = Path(args.tokenizer)
@@ -176,6 +184,33 @@ def main() -> None:
             except Exception:  # noqa: BLE001 - a refusal is what we are counting
                 failed.append(feature)
         print(f"coverage lib={lib.name} ok={len(COVERAGE) - len(failed)}/{len(COVERAGE)} failed={failed}")
+    if not args.no_engine:
+        engine_overhead(args.rounds)
+
+
+def engine_overhead(rounds: int, tokens: int = 32) -> None:
+    from expertcache import LLM, SamplingParams
+
+    llm = LLM(max_num_seqs=16)
+    grammar = llm.grammars.regex("[a-z ]+")
+    print(f"engine: demo model, vocab {llm.cfg.vocab_size}, {tokens} tokens per sequence")
+
+    def ms_per_step(batch: int, structured) -> float:
+        """Wall time of a whole generate (prefill included, the same in both) per decode step."""
+        p = SamplingParams(max_tokens=tokens, temperature=1.0, seed=0, ignore_eos=True, structured=structured)
+        t0 = time.perf_counter()
+        llm.generate([[5 + i, 6, 7, 8] for i in range(batch)], p)
+        return (time.perf_counter() - t0) / tokens * 1000
+
+    for b in (1, 16):
+        ms_per_step(b, grammar)  # warm-up
+        plain, masked = [], []
+        for _ in range(rounds):  # alternating
+            plain.append(ms_per_step(b, None))
+            masked.append(ms_per_step(b, grammar))
+        p, m = statistics.median(plain), statistics.median(masked)
+        print(f"grammar_engine batch={b} plain_ms_step={p:.2f} grammar_ms_step={m:.2f} "
+              f"overhead_us_per_token={(m - p) / b * 1000:.0f}")
 
 
 if __name__ == "__main__":

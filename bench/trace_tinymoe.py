@@ -28,6 +28,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from expertcache.trace.format import RoutingTrace  # noqa: E402
 
 
+def route(model, chunks: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Routing of a transformers Qwen3-MoE model on `chunks` [S, T] (one full forward each) ->
+    experts, weights, lookahead, each [S, T, layers, top_k] (lookahead of layer 0 is -1)."""
+    cfg, layers = model.config, model.model.layers
+    nl, k = len(layers), cfg.num_experts_per_tok
+    S, T = chunks.shape
+    captured: dict[int, tuple] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.mlp.gate.register_forward_hook(
+            lambda mod, inp, out, i=i: captured.__setitem__(i, (out[2].detach(), out[1].detach()))))
+        hooks.append(layer.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: inputs.__setitem__(i, (args[0] if args else kwargs["hidden_states"]).detach()),
+            with_kwargs=True))
+    experts = np.empty((S, T, nl, k), np.int32)
+    weights = np.empty((S, T, nl, k), np.float32)
+    look = np.full((S, T, nl, k), -1, np.int32)
+    with torch.no_grad():
+        for s in range(S):
+            captured.clear()
+            inputs.clear()
+            model(input_ids=chunks[s].long()[None], use_cache=False)
+            for i in range(nl):
+                idx, sc = captured[i]
+                experts[s, :, i] = idx.reshape(T, k).numpy()
+                weights[s, :, i] = sc.reshape(T, k).float().numpy()
+            # lookahead: run layer l's gate on layer l's post-attention norm of its input
+            for i in range(1, nl):
+                h = layers[i].post_attention_layernorm(inputs[i].reshape(-1, cfg.hidden_size))
+                _, _, pred = layers[i].mlp.gate.__class__.forward(layers[i].mlp.gate, h)
+                look[s, :, i] = pred.reshape(T, k).numpy()
+    for h in hooks:
+        h.remove()
+    return experts, weights, look
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -46,39 +83,9 @@ def main(argv=None) -> None:
     ids = ids[args.offset:]
     if ids.numel() < need:
         raise SystemExit(f"heldout_ids.pt has {ids.numel()} ids, need {need}")
-    layers = model.model.layers
-    nl, k = len(layers), cfg.num_experts_per_tok
-    captured: dict[int, tuple] = {}
-    inputs: dict[int, torch.Tensor] = {}
-    hooks = []
-    for i, layer in enumerate(layers):
-        hooks.append(layer.mlp.gate.register_forward_hook(
-            lambda mod, inp, out, i=i: captured.__setitem__(i, (out[2].detach(), out[1].detach()))))
-        hooks.append(layer.register_forward_pre_hook(
-            lambda mod, args, kwargs, i=i: inputs.__setitem__(i, (args[0] if args else kwargs["hidden_states"]).detach()),
-            with_kwargs=True))
-
-    experts = np.empty((need, nl, k), np.int32)
-    weights = np.empty((need, nl, k), np.float32)
-    look = np.full((need, nl, k), -1, np.int32)
-    with torch.no_grad():
-        for s in range(args.seqs):
-            chunk = ids[s * args.tokens:(s + 1) * args.tokens].long()[None]
-            captured.clear()
-            inputs.clear()
-            model(input_ids=chunk, use_cache=False)
-            rows = slice(s * args.tokens, (s + 1) * args.tokens)
-            for i in range(nl):
-                idx, sc = captured[i]
-                experts[rows, i] = idx.reshape(args.tokens, k).numpy()
-                weights[rows, i] = sc.reshape(args.tokens, k).float().numpy()
-            # lookahead: run layer l's gate on layer l's post-attention norm of its input
-            for i in range(1, nl):
-                h = layers[i].post_attention_layernorm(inputs[i].reshape(-1, cfg.hidden_size))
-                _, _, pred = layers[i].mlp.gate.__class__.forward(layers[i].mlp.gate, h)
-                look[rows, i] = pred.reshape(args.tokens, k).numpy()
-    for h in hooks:
-        h.remove()
+    nl, k = len(model.model.layers), cfg.num_experts_per_tok
+    ex, wt, la = route(model, ids[:need].reshape(args.seqs, args.tokens))
+    experts, weights, look = (a.reshape(need, nl, k) for a in (ex, wt, la))
     n = need
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2  # bf16 as stored
     trace = RoutingTrace(

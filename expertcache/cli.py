@@ -9,6 +9,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .experts.policy import ONLINE  # numpy only: the policy names for --cache-policy
+
+
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model."""
@@ -22,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: min(model, 4096))")
     p.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default: 16)")
     p.add_argument("--kv-cache-memory", default="auto", help="KV cache budget, e.g. 512MiB (default: auto)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice, one per core; on a busy shared "
                         "machine 1 avoids OpenMP contention)")
     p.add_argument("--low-memory", action="store_true",
@@ -40,8 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "omit all cache flags to keep every expert resident")
     g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, 50%%, or 'auto'; "
                                                        "0 needs --low-memory")
-    g.add_argument("--cache-policy", default=None,
-                   help="eviction policy: lru, lfru, lfu, static, lfru-admit, adaptive (default: adaptive)")
+    g.add_argument("--cache-policy", default=None, choices=ONLINE,
+                   help="eviction policy of the expert cache (needs --device-memory or --host-memory; "
+                        "default: adaptive)")
     g.add_argument("--prefetch", nargs="?", const="device", default=None, choices=["auto", "device", "host", "off"],
                    help="read the next layer's predicted experts ahead: device = into device slots (default with "
                         "CUDA; bare --prefetch), host = disk reads into host RAM only (default on a CPU-only "

@@ -20,6 +20,7 @@ from .engine.runner import ModelRunner
 from .engine.sequence import Sequence
 from .engine.tokenizer import Tokenizer
 from .errors import CheckpointError, ConfigError
+from .experts.config import CacheConfig
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
 from .loader.safetensors_index import TensorIndex
@@ -49,6 +50,11 @@ class LLM:
                              kv_cache_memory=kv_cache_memory, block_size=block_size,
                              prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
                              revision=revision, **cache_options)
+        # every cache option checked before anything is read (CacheConfig's invariants)
+        self.cache_config = CacheConfig.from_options(low_memory=low_memory, **cache_options)
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or max_model_len < 1):
+            raise ConfigError(f"max_model_len: an integer >= 1, got {max_model_len!r}")
         if model is None:
             from .demo import demo_model_dir
 
@@ -61,6 +67,9 @@ class LLM:
             raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
         self.family, self.cfg, self.hf_config = read_config(self.model_dir)
+        if max_model_len is not None and max_model_len > self.cfg.max_position_embeddings:
+            raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                              f"{self.cfg.max_position_embeddings} ({self.model_dir / 'config.json'})")
         self.index = TensorIndex(self.model_dir)
         self.mtp_layers = drop_mtp_layers(self.index, self.cfg, self.hf_config)
         check_layer_count(self.index, self.cfg.num_layers)
@@ -108,12 +117,10 @@ class LLM:
                 callback(read[0], total)
 
             bar.update = report
-        if low_memory:
-            cache_options["low_memory"] = True
         # the KV cache is sized first so that an 'auto' device budget leaves room for it
         self.experts = None
         try:
-            self.experts = self._make_experts(cache_options, bar.update, show_plan, num_blocks * kv_bytes)
+            self.experts = self._make_experts(self.cache_config, bar.update, show_plan, num_blocks * kv_bytes)
             self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype,
                                         bar.update, self.quant, low_memory=low_memory, check_finite=check_finite)
         except BaseException:
@@ -147,20 +154,20 @@ class LLM:
             for line in self.plan_lines:
                 print(line)
 
-    def _make_experts(self, options: dict, on_bytes, show_plan: bool, kv_total: int):
+    def _make_experts(self, options: CacheConfig, on_bytes, show_plan: bool, kv_total: int):
         def show(lines):  # the memory plan, before the long load
             if show_plan:
                 tqdm.write("\n".join(lines), file=sys.stderr)
 
         if self.group is not None:
             return self._make_parallel_experts(options, on_bytes, show, kv_total)
-        if options:
+        if options.tiered:
             from .experts.budget import dense_compute_bytes
             from .experts.build import build_expert_cache
 
-            cache, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
+            cache, plan = build_expert_cache(self.source, self.device, self.dtype, options, progress=on_bytes,
                                              dense_bytes=dense_compute_bytes(self.index, self.dtype),
-                                             kv_bytes=kv_total, on_plan=show, **options)
+                                             kv_bytes=kv_total, on_plan=show)
             self.plan_lines += plan
             return cache
         self.plan_lines.append(
@@ -170,7 +177,7 @@ class LLM:
         show(self.plan_lines)
         return ResidentExperts(self.source, self.device, self.dtype, on_bytes)
 
-    def _make_parallel_experts(self, options: dict, on_bytes, show, kv_total: int):
+    def _make_parallel_experts(self, options: CacheConfig, on_bytes, show, kv_total: int):
         """This rank's share of the experts (its own tiers when budgets are given), behind the EP provider."""
         from .parallel.experts import ExpertParallelExperts
         from .parallel.local import LocalExperts
@@ -187,13 +194,13 @@ class LLM:
         self.plan_lines.append(
             f"expert parallel: rank {group.rank} of {group.world_size} holds {n} of {len(layers) * E} experts "
             f"({cfg.num_redundant_experts} redundant per layer; EPLB {'on' if cfg.eplb else 'off'})")
-        if options:
+        if options.tiered:
             from .experts.budget import dense_compute_bytes
             from .experts.build import build_expert_cache
 
-            local, plan = build_expert_cache(self.source, self.device, self.dtype, progress=on_bytes,
+            local, plan = build_expert_cache(self.source, self.device, self.dtype, options, progress=on_bytes,
                                              dense_bytes=dense_compute_bytes(self.index, self.dtype),
-                                             kv_bytes=kv_total, on_plan=show, **options)
+                                             kv_bytes=kv_total, on_plan=show)
             self.plan_lines += plan
         else:
             show(self.plan_lines)

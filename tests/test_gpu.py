@@ -31,7 +31,7 @@ def reference(cache_checkpoint):
 def test_cuda_cache_equals_resident(cache_checkpoint, reference, kw):
     prompts, tokens, logits = reference
     llm = LLM(str(cache_checkpoint), device="cuda", dtype="float32", verify=True, **kw)
-    assert llm.experts.host["gate_up"].is_pinned()
+    assert llm.experts.host.buf["gate_up"].is_pinned()
     torch.testing.assert_close(llm.logits(list(range(3, 60))), logits, atol=1e-4, rtol=1e-4)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == tokens
     llm.experts.check(contents=True)

@@ -194,8 +194,8 @@ def test_tight_cache_equals_resident(fmt, mode, quantized, resident):
         method = llm.quant
         want = {f"{c}.{s}": spec.dtype for c, shp in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
                 for s, spec in ((k.split(".", 1)[1], v) for k, v in method.layout(c, shp).items())}
-        assert {n: t.dtype for n, t in cache.dev.items()} == want
-        assert {n: t.dtype for n, t in cache.host.items()} == want
+        assert {n: t.dtype for n, t in cache.dev.buf.items()} == want
+        assert {n: t.dtype for n, t in cache.host.buf.items()} == want
         assert llm.source.expert_nbytes == expected_expert_bytes(fmt, FORMATS[fmt])
 
         torch.testing.assert_close(llm.logits(SEQ), full_logits, atol=1e-5, rtol=0)

@@ -186,3 +186,84 @@ def test_concurrency_limit_per_key(server):
             pytest.fail("the key's places were not released after its streams closed")
         assert is_error_object(a.post("/v1/completions", json={"prompt": "hi"},
                                       headers={"Authorization": "Bearer wrong"}), 401)
+
+
+# -- fuzz ------------------------------------------------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6)
+
+
+def field(valid):
+    """Mostly a plausible value (valid or just outside the range), sometimes anything at all."""
+    return st.one_of(valid, valid, JUNK)
+
+
+TEXT = st.text(max_size=40)
+SAMPLING = {
+    "temperature": field(st.floats(-1, 3)), "top_p": field(st.floats(-0.5, 1.5)), "top_k": field(st.integers(-3, 50)),
+    "seed": field(st.integers(-(2**65), 2**65)), "stop": field(st.text(max_size=4) | st.lists(st.text(max_size=4),
+                                                                                           max_size=3)),
+    "n": field(st.integers(-1, 3)), "stream": field(st.booleans()), "presence_penalty": field(st.floats(-3, 3)),
+    "frequency_penalty": field(st.floats(-3, 3)), "repetition_penalty": field(st.floats(-1, 3)),
+    "logit_bias": field(st.dictionaries(st.integers(-5, 400).map(str), st.floats(-150, 150), max_size=3)),
+    "min_tokens": field(st.integers(-1, 5)), "ignore_eos": field(st.booleans()), "model": field(st.just("nope")),
+    "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "response_format": field(st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}])),
+    "user": field(TEXT), "suffix": field(TEXT),
+}
+COMPLETION = st.fixed_dictionaries(
+    {"prompt": field(TEXT | st.lists(st.integers(-5, 400), max_size=8) | st.lists(TEXT, max_size=2)),
+     "max_tokens": field(st.integers(-2, 6)).filter(lambda v: v is not None)},  # null: 16 tokens, tested above
+    optional={**SAMPLING, "logprobs": field(st.integers(-1, 6)), "echo": field(st.booleans()),
+              "best_of": field(st.integers(-1, 3))})
+MESSAGE = st.fixed_dictionaries({"role": field(st.sampled_from(["system", "user", "assistant", "tool", "wizard"])),
+                                 "content": field(TEXT | st.lists(st.fixed_dictionaries(
+                                     {"type": st.just("text"), "text": TEXT}), max_size=2))},
+                                optional={"name": field(TEXT)})
+CHAT = st.fixed_dictionaries(
+    {"messages": field(st.lists(MESSAGE, max_size=3)),
+     # a null or absent limit runs to the end of the context (tested above): keep fuzz examples short
+     "max_tokens": field(st.integers(-2, 6)).filter(lambda v: v is not None)},
+    optional={**SAMPLING, "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(-1, 21)),
+              "max_completion_tokens": field(st.integers(-2, 6)), "tool_choice": field(st.sampled_from(
+                  ["none", "auto", "required"])), "reasoning_effort": field(st.sampled_from(["low", "max"]))})
+
+
+def _no_server_error(r, body) -> None:
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code == 200 and body.get("stream") is True:
+        assert '"server_error"' not in r.text, (body, r.text)
+
+
+@pytest.mark.parametrize("path,schema", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_fuzz_request_schema_never_5xx(server, path, schema):
+    """Random bodies over the request schema (bounded: 40 examples per route, derandomized): no 5xx,
+    no server_error event in a stream; afterwards the server answers /health and greedy requests
+    exactly as before."""
+    probe = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with server.http() as c:
+        before = c.post("/v1/completions", json=probe).json()["choices"][0]["text"]
+
+        @hypothesis.settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                             suppress_health_check=list(hypothesis.HealthCheck))
+        @hypothesis.given(body=schema)
+        def one(body):
+            _no_server_error(c.post(path, json=body), body)
+
+        one()
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json=probe).json()["choices"][0]["text"] == before
+        stats = c.get("/stats").json()["engine"]
+        for _ in range(100):
+            if stats["running"] == 0 and stats["waiting"] == 0:
+                break
+            time.sleep(0.05)
+            stats = c.get("/stats").json()["engine"]
+        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_usage"] == 0.0

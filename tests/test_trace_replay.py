@@ -36,7 +36,8 @@ def test_replay_matches_direct_slot_table_drive():
         for li in range(3):
             table = SlotTable(12, 4, make_policy(policy, 12, 4, layer=li))
             for row in range(len(t)):
-                for e in dict.fromkeys(t.experts[row, li].tolist()):
+                step = list(dict.fromkeys(t.experts[row, li].tolist()))
+                for e in sorted(step, key=lambda e: e not in table):  # the step's resident experts first
                     table.access(e, row)
                 table.unpin_all()
             assert (table.hits, table.misses) == (r.per_layer[li]["hits"], r.per_layer[li]["misses"])

@@ -106,11 +106,17 @@ class Grammars:
 def apply_grammar(logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
     """logits [B, V] in place: tokens row b's matcher forbids become -inf (rows without one untouched)."""
     rows = [b for b, m in enumerate(matchers) if m is not None]
-    V = logits.shape[1]
     width = max(matchers[b].n_vocab for b in rows)
     bitmask = torch.zeros(len(rows), (width + 31) // 32, dtype=torch.int32)
     for i, b in enumerate(rows):
         matchers[b].fill(bitmask, i)
+    apply_bitmask(logits, rows, bitmask)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """logits [B, V] in place; bitmask [len(rows), W] int32, bit t of row i (little-endian words)
+    set = token t allowed in logits row rows[i]."""
+    V = logits.shape[1]
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=V, bitorder="little").view(bool)
     allowed = torch.from_numpy(bits).to(logits.device)
     idx = torch.tensor(rows, device=logits.device)

@@ -104,6 +104,16 @@ def expert_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], method=None, ffn: Ex
 GROUPED_MM_MAX_PAIRS = 256  # measured: one grouped GEMM beats the per-slot loop below this (decode)
 
 
+def grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch's grouped_mm exists and runs here: any CPU dtype; on CUDA it needs compute capability
+    >= 8.0 (and bf16/fp32), so a T4 / V100 takes the per-slot loop instead of failing every step."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0) and dtype in (torch.bfloat16, torch.float32)
+
+
 def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
             method=None, out: torch.Tensor | None = None, mask: torch.Tensor | None = None,
             ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
@@ -112,7 +122,7 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     out = torch.zeros_like(x) if out is None else out
     if mask is not None:
         slots = torch.where(mask, slots, -1)
-    if (method is None and T * K <= GROUPED_MM_MAX_PAIRS and hasattr(F, "grouped_mm")
+    if (method is None and T * K <= GROUPED_MM_MAX_PAIRS and grouped_mm_ok(x.device, x.dtype)
             and pool["gate_up"].dtype == x.dtype):  # a stored-dtype pool is converted per active slot below
         return _grouped(x, slots, weights, pool, out, ffn)
     active, order, counts = group_by_slot(slots)

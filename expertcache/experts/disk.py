@@ -101,6 +101,15 @@ class DiskReader:
     def submit(self, ranges, dst: torch.Tensor) -> Future:
         return self.pool.submit(self.read_into, ranges, dst)
 
+    def read_parts(self, ranges: dict[str, list], dst: dict[str, torch.Tensor]) -> None:
+        """One expert: every part `name` of dst from ranges[name]."""
+        for name, t in dst.items():
+            self.read_into(ranges[name], t)
+
+    def submit_parts(self, ranges: dict[str, list], dst: dict[str, torch.Tensor]) -> Future:
+        """read_parts on the I/O pool; the future completes when every part is in."""
+        return self.pool.submit(self.read_parts, ranges, dst)
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         with self.lock:

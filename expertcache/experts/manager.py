@@ -1,34 +1,26 @@
-"""TieredExperts: the expert cache the model sees (an ExpertProvider).
+"""TieredExperts: the expert cache the model sees (an ExpertProvider); it carries out the step planner's plans.
 
     disk (safetensors, DiskReader) -> host slots (stored dtype, pinned on CUDA) -> device slots (compute dtype)
 
-Per MoE layer and forward step:
-1. the distinct experts U the batch routed to are looked up in the device SlotTable
-   and pinned (a pinned expert is never evicted before the layer's step ends);
-2. each miss is either fetched into a device slot (host copy first, from disk if the
-   host tier lacks it) or computed on the CPU from its host copy, by the cost model
-   (`cpu_compute`: auto | always | never); when no slot can be had (every slot pinned,
-   or admission refused during prefill) the expert goes through a staging slot in waves,
-   loaded once for this step and not cached;
-3. the grouped FFN runs over the device slots; the rest add their partial sums.
-Prefill (more than `prefill_admit_tokens` tokens) only fills free slots: it never
-evicts the decode working set wholesale.
+Every cache decision (hits, fills and their victims, CPU-computed misses, waves, demotions,
+prefetches) is made by experts.planner.StepPlanner, which trace replay drives too. This module
+moves bytes and computes. Per MoE layer and forward step:
 
-Disk reads of a step's misses go out together on the reader's I/O pool, and the hits are
-computed while they are in flight; the misses follow with a second grouped FFN
-(`overlap_io=False`: one synchronous read and copy per miss, vLLM #37190 v1's behaviour).
+    plan -> issue the byte movement (the misses' disk reads together on the I/O pool, demotions)
+         -> compute the hits from the device slots while the reads are in flight -> wait
+         -> fill the device slots -> compute the fills -> the off-slot experts (CPU or waves)
 
-Prefetch (`prefetch`: "device" | "host" | "off"): the model hands layer L+1's predicted
-experts to `prefetch` before layer L runs.
-- "device" (CUDA): device (and host) slots are assigned on the calling thread (all table
-  state is touched by that thread only) and the byte movement is queued on one mover
-  thread: disk -> host -> device, FIFO.
-- "host" (CPU compute with a partial host tier): only the disk reads into host slots,
-  issued on the I/O pool right after layer L's own demand reads. The "device" copy on a
-  CPU is a conversion that needs the same cores as compute; a disk read does not.
-Every slot with bytes in flight has a handle in `busy`; a slot is waited for before it is
-read, overwritten or computed with. On CUDA the copy runs on a side stream and the compute
-stream waits on its event.
+(`overlap_io=False`: one synchronous read and copy per miss, vLLM #37190 v1's behaviour.)
+The step's expert ids reach the host once per layer (one small copy): the distinct experts,
+their token counts and the use counts all come from it.
+
+Prefetch: the model hands layer L+1's predicted experts to `prefetch` before layer L runs; they
+are planned after layer L's own demand reads went out.
+- "device" (CUDA): the byte movement is queued on one mover thread: disk -> host -> device, FIFO.
+- "host" (CPU compute with a partial host tier): only disk reads into host slots, on the I/O pool.
+Every slot with bytes in flight has an `InFlight` handle in its tier's `SlotPool`; a slot is waited
+for before it is read, overwritten or computed with. On CUDA the copy runs on a side stream and the
+compute stream waits on its event.
 
 Slot tables and lookup tensors agree at all times (`check()`); with `verify=True` every
 slot fill is compared with the checkpoint's bytes (tests).
@@ -43,10 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from .compute import expert_ffn, moe_ffn
+from .config import CacheConfig
 from .disk import DiskReader
 from .layout import ExpertSource
-from .policy import make_policy
-from .prefetch import PrefetchGate, most_predicted, resolve_prefetch
+from .planner import Demotion, HostSource, PlannerConfig, StepPlanner
+from .prefetch import resolve_prefetch
 from .provider import ExpertProvider
 from .slots import SlotTable
 from .stats import LayerCounters, collect, save_stats
@@ -68,9 +61,6 @@ class CostModel:
         return t_cpu < t_move
 
 
-DIRECT = "direct"  # marks a demand read that goes straight into a device slot
-
-
 def is_direct(device: torch.device, dev_parts, source_parts) -> bool:
     """The device slots are host RAM in the stored format (CPU, low memory): a miss with no host
     slot can be read from disk straight into its device slot, with no conversion or copy."""
@@ -88,29 +78,76 @@ def demotable(cuda: bool, dev_parts, source_parts) -> bool:
         p.dtype == src[p.name].dtype or (src[p.name].dtype, p.dtype) in exact) for p in dev_parts)
 
 
-def distinct(ids: torch.Tensor) -> list[int]:
-    """Distinct expert ids in order of first appearance (the order replay uses, so counters agree)."""
-    return list(dict.fromkeys(ids.reshape(-1).tolist()))
+class InFlight:
+    """Bytes being written into one slot: a future that completes when they are in (its result: the
+    CUDA event of a host -> device copy, or None)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future):
+        self.future = future
+
+    def landed(self) -> None:
+        """Block until the bytes are written (host side)."""
+        self.future.result()
+
+    def wait(self, device: torch.device, host_write: bool = False) -> None:
+        """Before using the slot: the compute stream waits for the copy; `host_write`: before
+        overwriting a host slot, the device copy reading it must be finished too."""
+        ev = self.future.result()
+        if ev is not None:
+            if host_write:
+                ev.synchronize()
+            else:
+                torch.cuda.current_stream(device).wait_event(ev)
+
+
+class SlotPool:
+    """One tier's bytes: per part a [layers, slots, ...] buffer, and the InFlight handle of every
+    slot whose bytes are still being written."""
+
+    def __init__(self, parts, layers: int, slots: int, device: torch.device, pin: bool = False):
+        self.device = device
+        self.buf = {p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device,
+                                        pin_memory=pin) for p in parts}
+        self.inflight: dict[tuple[int, int], InFlight] = {}
+
+    def views(self, i: int, s: int) -> dict[str, torch.Tensor]:
+        return {n: t[i, s] for n, t in self.buf.items()}
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return {n: t[i] for n, t in self.buf.items()}
+
+    def take(self, i: int, s: int) -> InFlight | None:
+        return self.inflight.pop((i, s), None)
+
+    def settle(self, i: int, s: int, compute_device: torch.device, host_write: bool = False) -> None:
+        h = self.inflight.pop((i, s), None)
+        if h is not None:
+            h.wait(compute_device, host_write)
+
+    def mark(self, i: int, s: int, h: InFlight) -> None:
+        self.inflight[i, s] = h
+
+    def drain(self) -> None:
+        for h in list(self.inflight.values()):
+            h.landed()
 
 
 class TieredExperts(ExpertProvider):
-    """Options (all reachable as LLM(...) keywords):
-    policy          device-tier eviction policy (experts.policy registry)
-    prefetch        auto | device | host | off, or a bool (resolve_prefetch)
-    cpu_compute     auto (cost model, CUDA) | always | never
-    overlap_io      a step's disk reads in parallel with its hits (False: one synchronous read per miss)
-    prefetch_gate   PrefetchGate threshold; None never gates
-    exclusive       RAM tiers hold disjoint experts (None: where `demotable`)
-    prefill_admit_tokens, o_direct, verify (slot bytes checked against the checkpoint at every fill)
-    """
+    """The tiered cache for the slot counts of a memory plan and a validated CacheConfig
+    (policy, prefetch mode, cpu_compute, prefill admission; ablation switches in cfg.ablation)."""
 
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, device_slots: int,
-                 host_slots: int | None, policy: str = "lru", prefetch: bool | str | None = True, cpu_compute: str = "auto",
-                 stats: torch.Tensor | None = None, prefill_admit_tokens: int = 64, o_direct: bool = True,
-                 cost: CostModel | None = None, verify: bool = False, progress=None, dev_parts=None,
-                 overlap_io: bool = True, prefetch_gate: float | None = 0.0, exclusive: bool | None = None):
+                 host_slots: int | None, options: CacheConfig | None = None, stats: torch.Tensor | None = None,
+                 progress=None, dev_parts=None, cost: CostModel | None = None):
+        options = options or CacheConfig(device_memory="auto")
+        abl = options.ablation
+        policy, prefetch, cpu_compute = options.policy_name, options.prefetch, options.cpu_compute
+        prefill_admit_tokens, exclusive, verify = options.prefill_admit_tokens, abl.exclusive, abl.verify
         cfg = source.cfg
         self.source, self.device, self.dtype = source, device, dtype
+        self.serving = False  # set once the startup load is done
         self.E, self.K = cfg.num_experts, cfg.top_k
         self.layers = source.layers
         self.li = {layer: i for i, layer in enumerate(self.layers)}
@@ -119,24 +156,12 @@ class TieredExperts(ExpertProvider):
         partial = host_slots is not None and host_slots > 0
         self.prefetch_mode = resolve_prefetch(prefetch, device, self.direct, partial)
         self.wants_prefetch = self.prefetch_mode != "off"
-        self.cpu_compute, self.overlap_io = cpu_compute, overlap_io
+        self.overlap_io, self.verify = abl.overlap_io, verify
         self.ahead: tuple[int, torch.Tensor] | None = None  # prefetch waiting for the demand reads
-        if cpu_compute not in ("auto", "always", "never"):
-            raise ValueError(f"cpu_compute must be auto, always or never, got {cpu_compute!r}")
-        self.prefill_admit_tokens, self.verify = prefill_admit_tokens, verify
-        self.cost = cost or CostModel()
-        self.flops_per_token = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
         self.cuda = device.type == "cuda"
-        L = len(self.layers)
-        self.reader = DiskReader(o_direct=o_direct)
-        self.mover = ThreadPoolExecutor(1, thread_name_prefix="expert-mover")
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.busy: dict[tuple[str, int, int], Future] = {}
-        self.t = 0
-        self.counters = {layer: LayerCounters() for layer in self.layers}
-        self.use_counts = torch.zeros(L, self.E, dtype=torch.int64)
-        self.prefetched: list[set[int]] = [set() for _ in range(L)]
-        self.host_prefetched: list[set[int]] = [set() for _ in range(L)]
+        self.cost = cost or CostModel()
+        flops_per_token = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        nbytes = source.expert_nbytes
         # exclusive tiers: an expert leaving the device tier keeps its bytes in a host slot (demotion)
         # and one promoted from a host slot frees it, so RAM + device hold disjoint experts
         can = demotable(self.cuda, dev_parts, source.parts) and partial
@@ -144,47 +169,67 @@ class TieredExperts(ExpertProvider):
             raise ValueError("exclusive=True needs a CPU device, a partial host tier and device slots that "
                              "widen the stored format exactly (bf16/fp16 -> fp32, or the same dtype)")
         self.exclusive = can if exclusive is None else exclusive
-        self.gate = PrefetchGate(L, prefetch_gate, waste=0.25 if self.cuda else 1.0)  # None: never gate
-        self.step_issued, self.step_used, self.step_harm = [0] * L, [0] * L, [0] * L  # for the layer's next step
-        self.pf_evicted: list[set[int]] = [set() for _ in range(L)]  # experts those prefetches evicted
-
-        # device tier: compute dtype, slot tables per layer, lookup expert -> slot
         self.device_slots = device_slots
+        self.host_all = host_slots is None
+        self.host_slots = self.E if self.host_all else host_slots
+        L = len(self.layers)
+        self.planner = StepPlanner(PlannerConfig(
+            num_experts=self.E, device_slots=device_slots, host_slots=host_slots, expert_bytes=nbytes, policy=policy,
+            cpu_compute={"auto": "cost" if self.cuda else "never"}.get(cpu_compute, cpu_compute),
+            prefetch=self.prefetch_mode, prefill_admit_tokens=prefill_admit_tokens, exclusive=self.exclusive,
+            direct=self.direct, staged_waves=self.cuda, gate_threshold=abl.prefetch_gate,
+            gate_waste=0.25 if self.cuda else 1.0), L, stats,
+            cpu_faster=lambda tokens: self.cost.cpu_faster(nbytes, tokens, flops_per_token))
+        self.reader = DiskReader(o_direct=abl.o_direct)
+        self.mover = ThreadPoolExecutor(1, thread_name_prefix="expert-mover")
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.t = 0
+        self.use_counts = torch.zeros(L, self.E, dtype=torch.int64)
         self.method, self.ffn = source.method, source.ffn
-        self.dev = {p.name: torch.empty((L, device_slots, *p.shape), dtype=p.dtype, device=device) for p in dev_parts}
-        self.dev_tables = [SlotTable(self.E, device_slots, make_policy(policy, self.E, device_slots, layer, stats))
-                           for layer in self.layers]
-        self.lut = torch.full((L, self.E), -1, dtype=torch.int64)  # CPU mirror, uploaded once per layer step
+        # device tier: compute dtype; lookup expert -> slot (CPU mirror, uploaded once per layer step)
+        self.dev = SlotPool(dev_parts, L, device_slots, device)
+        self.lut = torch.full((L, self.E), -1, dtype=torch.int64)
         self.stage = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
                       if self.cuda else None)
-        # host tier: stored dtype; all experts when host_slots is None
-        self.host_all = host_slots is None
-        hs = self.E if self.host_all else host_slots
-        self.host_slots = hs
-        self.host = {p.name: torch.empty((L, hs, *p.shape), dtype=p.dtype, pin_memory=self.cuda) for p in source.parts}
-        self.host_tables = None if self.host_all else [
-            SlotTable(self.E, hs, make_policy("lru", self.E, hs, layer)) for layer in self.layers]
+        # host tier: stored dtype; all experts (slot = expert id) when host_slots is None
+        self.host = SlotPool(source.parts, L, self.host_slots, torch.device("cpu"), pin=self.cuda)
         if self.host_all:
             for i, layer in enumerate(self.layers):
                 for e in range(self.E):
-                    self._read(layer, e, {n: t[i, e] for n, t in self.host.items()})
+                    self._read(layer, e, self.host.views(i, e))
                     if (layer, e) in source.nonfinite:  # read at load: an error, like a dense weight
                         raise source.nonfinite_error(layer, e)
                     if progress:
                         progress(source.expert_nbytes)
         if stats is not None:
             self._warm(stats)
-        # counters describe serving: the startup load and warm start are not "bytes moved"
-        self.counters = {layer: LayerCounters() for layer in self.layers}
+        self.serving = True
+
+    @property
+    def dev_tables(self) -> list[SlotTable]:
+        return [st.device for st in self.planner.layers]
+
+    @property
+    def host_tables(self) -> list[SlotTable] | None:
+        return None if self.host_all or not self.host_slots else [st.host for st in self.planner.layers]
+
+    @property
+    def counters(self) -> dict[int, LayerCounters]:
+        return {layer: st.counters for layer, st in zip(self.layers, self.planner.layers)}
 
     # -- byte movement -------------------------------------------------------------------------------
     def _read(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> None:
-        """Expert e's bytes from disk into dst (any thread; the caller counts disk_bytes)."""
-        ranges = self.source.ranges(layer, e)
-        for name, t in dst.items():
-            self.reader.read_into(ranges[name], t)
-        if self.source.check_read(layer, e, dst) and hasattr(self, "counters"):  # serving (not loading):
+        """Expert e's bytes from disk into dst (any thread)."""
+        self.reader.read_parts(self.source.ranges(layer, e), dst)
+        if self.source.check_read(layer, e, dst) and self.serving:  # serving (not loading):
             log.warning("%s", self.source.nonfinite_error(layer, e))  # requests routed to e fail on their logits
+
+    def _submit_read(self, layer: int, e: int, views: dict[str, torch.Tensor], sync: bool) -> InFlight | None:
+        """Disk -> views: on the I/O pool (-> its handle), or now on this thread when `sync`."""
+        if sync:
+            self._read(layer, e, views)
+            return None
+        return InFlight(self.reader.submit_parts(self.source.ranges(layer, e), views))
 
     def _copy(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]):
         """host views -> device views; on CUDA async on the copy stream, returns its event."""
@@ -201,116 +246,48 @@ class TieredExperts(ExpertProvider):
             ev.record(self.copy_stream)
         return ev
 
-    def _wait(self, key, host_write: bool = False) -> None:
-        fut = self.busy.pop(key, None)
-        if fut is None:
-            return
-        ev = fut.result()
-        if ev is not None:
-            if host_write:
-                ev.synchronize()  # the H2D copy reading this host slot must finish first
-            else:
-                torch.cuda.current_stream(self.device).wait_event(ev)
-
-    def _host_views(self, i: int, s: int) -> dict[str, torch.Tensor]:
-        return {n: t[i, s] for n, t in self.host.items()}
-
-    def _dev_views(self, i: int, s: int) -> dict[str, torch.Tensor]:
-        return {n: t[i, s] for n, t in self.dev.items()}
-
-    def _host_slot(self, layer: int, e: int, pin: bool, ahead: bool = False) -> tuple[int, bool]:
-        """Host slot of e (assigning one if needed) -> (slot, needs_read); slot -1 = no slot free.
-        `ahead`: a host read-ahead (its evictions are what the prefetch gate charges)."""
-        i = self.li[layer]
-        if self.host_all:
-            return e, False
-        if pin and e in self.pf_evicted[i] and self.prefetch_mode == "host":
-            self.step_harm[i] += e not in self.host_tables[i]
-        table = self.host_tables[i]
-        a = table.access(e, self.t, pin=pin) if pin else table.insert(e, self.t)
-        c = self.counters[layer]
-        if pin:
-            c.host_hits += a.hit
-            c.host_misses += not a.hit
-            if a.hit and e in self.host_prefetched[i]:
-                c.host_prefetch_useful += 1
-                self.step_used[i] += 1
-        if a.slot >= 0 and not a.hit:
-            self._wait(("host", i, a.slot), host_write=True)
-            self.host_prefetched[i].discard(a.evicted)
-            if ahead and a.evicted >= 0:
-                self.pf_evicted[i].add(a.evicted)
-        return a.slot, a.slot >= 0 and not a.hit
-
-    def _host_expert(self, layer: int, e: int, sync: bool = True):
-        """Host copy of e -> (views, pending read or None). Demand path, calling thread.
-
-        A disk read is done now (`sync`) or issued on the I/O pool; a slot a prefetch is still
-        filling returns that read. With no host slot free (every one pinned by this step) views
-        is None: `_host_now` reads into a transient buffer at use, so at most one is alive."""
-        i = self.li[layer]
-        s, need = self._host_slot(layer, e, pin=True)
-        if s < 0:
+    def _source(self, i: int, layer: int, e: int, src: HostSource, sync: bool):
+        """Issue what a miss's host copy needs -> (host views or None for a transient read, pending read)."""
+        if src.transient:
             return None, None
-        views = self._host_views(i, s)
-        fut = self.busy.pop(("host", i, s), None)
-        if fut is not None and sync:
-            fut.result()
-            fut = None
-        if need:
-            fut = self._submit_read(layer, e, views, sync)
-        return views, fut
-
-    def _submit_read(self, layer: int, e: int, views: dict[str, torch.Tensor], sync: bool = False) -> Future | None:
-        """Disk -> views: on the I/O pool (-> its future), or now on this thread when `sync`."""
-        self.counters[layer].disk_bytes += self.source.expert_nbytes
-        if sync:
-            self._read(layer, e, views)
-            return None
-        return self.reader.pool.submit(self._read, layer, e, views)
-
-    def _demote(self, layer: int, e: int, s: int) -> None:
-        """Exclusive tiers: e leaves device slot s; keep its bytes in a host slot (narrowed back to
-        the stored format, exactly) so that a later miss on it does not go to disk."""
-        i = self.li[layer]
-        hs, need = self._host_slot(layer, e, pin=False)
-        if need:
-            for n, t in self._host_views(i, hs).items():
-                t.copy_(self.dev[n][i, s])
-            self.counters[layer].demoted += 1
-
-    def _landed(self, layer: int, e: int, s: int, fut: Future | None) -> None:
-        """A device slot read straight from disk (`direct`) is complete and counted."""
-        if fut is not None:
-            fut.result()
-        self.counters[layer].bytes_moved += self.source.expert_nbytes
-        if self.verify:
-            self._verify(layer, e, self._dev_views(self.li[layer], s))
-
-    def _transient(self, layer: int, e: int) -> dict[str, torch.Tensor]:
-        views = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.source.parts}
-        self.counters[layer].disk_bytes += self.source.expert_nbytes
-        self._read(layer, e, views)
-        return views
+        views = self.host.views(i, src.slot)
+        if self.host_all:
+            return views, None
+        pending = self.host.take(i, src.slot)
+        if src.read:
+            if pending is not None:
+                pending.wait(self.device, host_write=True)  # an earlier read-ahead or copy of the old expert
+            return views, self._submit_read(layer, e, views, sync)
+        if pending is not None and sync:  # a read-ahead of this expert still in flight
+            pending.landed()
+            pending = None
+        return views, pending
 
     def _host_now(self, layer: int, e: int, got) -> dict[str, torch.Tensor]:
-        """The views of a `_host_expert(sync=False)` result, once their bytes are in."""
-        views, fut = got
-        if fut is not None:
-            fut.result()
-        return self._transient(layer, e) if views is None else views
+        """The host bytes of a `_source` result, once they are in (a transient buffer when no slot)."""
+        views, pending = got
+        if pending is not None:
+            pending.landed()
+        if views is None:
+            views = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.source.parts}
+            self._read(layer, e, views)
+        return views
 
-    def _fill(self, layer: int, e: int, s: int, src: dict[str, torch.Tensor] | None = None) -> None:
-        """Demand fill of device slot s with expert e (from `src`, its host copy, when given)."""
-        i = self.li[layer]
-        src = src if src is not None else self._host_now(layer, e, self._host_expert(layer, e))
-        dst = self._dev_views(i, s)
+    def _demote(self, i: int, d: Demotion) -> None:
+        """Exclusive tiers: device slot bytes back into a host slot (narrowed to the stored format, exactly)."""
+        self.dev.settle(i, d.dev_slot, self.device)
+        self.host.settle(i, d.host_slot, self.device, host_write=True)
+        for n, t in self.host.views(i, d.host_slot).items():
+            t.copy_(self.dev.buf[n][i, d.dev_slot])
+
+    def _fill(self, i: int, layer: int, e: int, s: int, src: dict[str, torch.Tensor]) -> None:
+        """Demand fill of device slot s with expert e from its host copy `src`."""
+        dst = self.dev.views(i, s)
         ev = self._copy(src, dst)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
             if not self.host_all:
                 ev.synchronize()  # the host slot may be refilled by the next demand read
-        self.counters[layer].bytes_moved += self.source.expert_nbytes
         if self.verify:
             self._verify(layer, e, dst)
 
@@ -324,170 +301,118 @@ class TieredExperts(ExpertProvider):
     def begin_step(self) -> None:
         self.t += 1
 
+    def _step_ids(self, i: int, ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The step's ids on the host, once: -> (distinct experts in order of first appearance, their
+        token counts); the use counts are added on the way."""
+        flat = ids.reshape(-1)
+        if flat.device.type != "cpu":  # one small non-blocking copy, one wait
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(flat.device))
+            ev.synchronize()
+            flat = host
+        counts = torch.bincount(flat, minlength=self.E)
+        self.use_counts[i] += counts
+        n = counts.tolist()
+        experts = list(dict.fromkeys(flat.tolist()))
+        return experts, [n[e] for e in experts]
+
     def forward(self, layer, x, ids, weights):
-        i, c = self.li[layer], self.counters[layer]
-        T = x.shape[0]
-        self.use_counts[i] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.E)
-        table, lut = self.dev_tables[i], self.lut[i]
-        pool = {n: t[i] for n, t in self.dev.items()}
-        admit = T <= self.prefill_admit_tokens
-        per_expert = torch.bincount(ids.reshape(-1), minlength=self.E).tolist()
-        fills: list[tuple[int, int]] = []  # (expert, device slot) filled this step
-        leaving: list[tuple[int, int]] = []  # (expert, device slot) evicted by those fills
-        off_slot: list[tuple[int, bool]] = []  # (expert, on_cpu) computed outside the device slots
-        for e in distinct(ids):
-            if e in table:
-                s = table.access(e, self.t).slot
-                c.hits += 1
-                if e in self.prefetched[i]:
-                    c.prefetch_useful += 1
-                    self.step_used[i] += 1
-                    self.prefetched[i].discard(e)
-                self._wait(("dev", i, s))
-                continue
-            if self.prefetch_mode == "device" and e in self.pf_evicted[i]:
-                self.step_harm[i] += 1
-            cpu = self.cpu_compute == "always" or (self.cpu_compute == "auto" and self.cuda and self.cost.cpu_faster(
-                self.source.expert_nbytes, per_expert[e], self.flops_per_token))
-            if cpu or not (admit or table.free):
-                c.misses += 1
-                table.misses += 1
-                c.cpu_computed += cpu
-                off_slot.append((e, cpu))
-                continue
-            a = table.access(e, self.t)
-            c.misses += 1
-            if a.slot < 0:
-                off_slot.append((e, False))
-                continue
-            if a.evicted >= 0:
-                lut[a.evicted] = -1
-                self.prefetched[i].discard(a.evicted)
-                leaving.append((a.evicted, a.slot))
-            self._wait(("dev", i, a.slot))
-            fills.append((e, a.slot))
-        # host copies of the misses: their disk reads go out together, then the next layer's prefetch
+        i = self.li[layer]
+        experts, tokens = self._step_ids(i, ids)
+        plan = self.planner.plan_step(i, experts, tokens, x.shape[0], self.t)
+        lut, pool = self.lut[i], self.dev.layer(i)
+        for _, s in plan.hits:
+            self.dev.settle(i, s, self.device)
+        for f in plan.fills:
+            if f.evicted >= 0:
+                lut[f.evicted] = -1
+            self.dev.settle(i, f.slot, self.device)
+        # the misses' disk reads go out together, then demotions, direct reads, the next layer's prefetch
         sync = not self.overlap_io
-        host = {e: self._host_expert(layer, e, sync) for e in dict.fromkeys([e for e, _ in fills + off_slot])}
-        for e, s in leaving if self.exclusive else []:  # after the misses pinned their host slots
-            self._demote(layer, e, s)
-        for e, s in fills:
-            if host[e][0] is None and self.direct:  # no host slot: read from disk straight into the slot
-                host[e] = (DIRECT, self._submit_read(layer, e, self._dev_views(i, s), sync))
+        got = {f.expert: self._source(i, layer, f.expert, f.src, sync) for f in plan.fills if f.src is not None}
+        got.update((o.expert, self._source(i, layer, o.expert, o.src, sync)) for o in plan.off_slot)
+        for d in plan.demotions:
+            self._demote(i, d)
+        direct = {f.expert: self._submit_read(layer, f.expert, self.dev.views(i, f.slot), sync)
+                  for f in plan.fills if f.src is None}
         self._issue_prefetch()
-        pending = any(f is not None for _, f in host.values())
         out = None
-        if pending:  # compute the hits while the reads are in flight
-            slots = lut.to(x.device)[ids]
+        if any(p is not None for _, p in got.values()) or any(p is not None for p in direct.values()):
+            slots = lut.to(x.device)[ids]  # compute the hits while the reads are in flight
             out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, mask=slots >= 0)
-        for e, s in fills:
-            if host[e][0] is DIRECT:
-                self._landed(layer, e, s, host[e][1])
+        for f in plan.fills:
+            if f.src is None:
+                if direct[f.expert] is not None:
+                    direct[f.expert].landed()
+                if self.verify:
+                    self._verify(layer, f.expert, self.dev.views(i, f.slot))
             else:
-                self._fill(layer, e, s, self._host_now(layer, e, host[e]))
-            lut[e] = s
+                self._fill(i, layer, f.expert, f.slot, self._host_now(layer, f.expert, got[f.expert]))
+            lut[f.expert] = f.slot
         slots = lut.to(x.device)[ids]
         if out is None:
             out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, mask=slots >= 0)
-        elif fills:
+        elif plan.fills:
             new = torch.zeros(self.E, dtype=torch.bool)
-            new[[e for e, _ in fills]] = True
+            new[[f.expert for f in plan.fills]] = True
             moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, out=out, mask=new.to(x.device)[ids])
-        for e, on_cpu in off_slot:
-            self._off_slot(layer, e, on_cpu, x, ids, weights, out, self._host_now(layer, e, host[e]))
-        table.unpin_all()
-        self.prefetched[i].clear()  # "useful" = prefetched for this step and used in it (as replay counts)
-        if self.host_tables:
-            self.host_tables[i].unpin_all()
-            self.host_prefetched[i].clear()
-            for e, _ in fills if self.exclusive else []:  # promoted: the host copy is a duplicate now
-                self.host_tables[i].drop(e)
-        self.gate.update(i, self.step_issued[i], self.step_used[i], self.step_harm[i])
-        self.step_issued[i] = self.step_used[i] = self.step_harm[i] = 0
-        self.pf_evicted[i].clear()
+        for o in plan.off_slot:
+            self._off_slot(o.expert, o.on_cpu, x, ids, weights, out, self._host_now(layer, o.expert, got[o.expert]))
+        self.planner.end_step(i, plan)
         return out
 
-    def _off_slot(self, layer, e, on_cpu, x, ids, weights, out, src) -> None:
+    def _off_slot(self, e, on_cpu, x, ids, weights, out, src) -> None:
         """Compute expert e without caching it: on the CPU from its host copy `src`, or (a wave)
         through a staging slot loaded once for this step. On a CPU device both read `src` directly."""
-        c = self.counters[layer]
         tok, k = (ids == e).nonzero(as_tuple=True)
-        if not on_cpu:
-            c.waves += 1
         if self.cuda and not on_cpu:
             ev = self._copy(src, self.stage)  # waits for kernels still reading the previous wave
             torch.cuda.current_stream(self.device).wait_event(ev)
             if not self.host_all:
                 ev.synchronize()
-            c.bytes_moved += self.source.expert_nbytes
             y = expert_ffn(x[tok], self.stage, self.method, self.ffn)
         else:
             y = expert_ffn(x[tok].to("cpu", torch.float32), src, self.method, self.ffn).to(x.device, x.dtype)
         out.index_put_((tok,), y * weights[tok, k, None], accumulate=True)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
-        if not self.wants_prefetch or ids.shape[0] > self.prefill_admit_tokens:
-            return  # a prefill is not admitted into the slots, so nothing is fetched ahead for it
-        self.ahead = (layer, ids)  # issued by the current layer's forward, after its own demand reads
+        if self.wants_prefetch:
+            self.ahead = (layer, ids)  # planned by the current layer's forward, after its own demand reads
 
     def _issue_prefetch(self) -> None:
         if self.ahead is None:
             return
         layer, ids = self.ahead
         self.ahead = None
-        if not self.gate.allow(self.li[layer]):
-            return
-        if self.prefetch_mode == "host":
-            self._prefetch_host(layer, ids)
-            return
-        i, c = self.li[layer], self.counters[layer]
-        table, lut = self.dev_tables[i], self.lut[i]
-        for e in most_predicted(ids.reshape(-1).tolist())[: self.device_slots]:
-            if e in table:
+        i = self.li[layer]
+        lut = self.lut[i]
+        for item in self.planner.plan_prefetch(i, ids.reshape(-1).tolist(), ids.shape[0], self.t):
+            if isinstance(item, Demotion):
+                lut[item.expert] = -1
+                self._demote(i, item)
                 continue
-            a = table.insert(e, self.t)
-            if a.slot < 0:
+            if item.slot < 0:  # host read-ahead: disk -> host slot on the I/O pool
+                self.host.settle(i, item.src.slot, self.device, host_write=True)
+                self.host.mark(i, item.src.slot, self._submit_read(layer, item.expert,
+                                                                   self.host.views(i, item.src.slot), False))
                 continue
-            self._wait(("dev", i, a.slot))
-            if a.evicted >= 0:
-                lut[a.evicted] = -1
-                self.prefetched[i].discard(a.evicted)
-                self.pf_evicted[i].add(a.evicted)
-                if self.exclusive:
-                    self._demote(layer, a.evicted, a.slot)
-            hs, need = self._host_slot(layer, e, pin=False)
-            if hs < 0 and not self.direct:  # every host slot pinned: give the device slot back
-                table.drop(e)
+            self.dev.settle(i, item.slot, self.device)
+            if item.evicted >= 0:
+                lut[item.evicted] = -1
+            lut[item.expert] = item.slot
+            dst = self.dev.views(i, item.slot)
+            if item.src is None:  # direct: disk -> device slot on the I/O pool
+                self.dev.mark(i, item.slot, self._submit_read(layer, item.expert, dst, False))
                 continue
-            lut[e] = a.slot
-            self.prefetched[i].add(e)
-            c.prefetch_issued += 1
-            self.step_issued[i] += 1
-            c.bytes_moved += self.source.expert_nbytes
-            if hs < 0:  # direct: disk -> device slot on the I/O pool
-                self.busy["dev", i, a.slot] = self._submit_read(layer, e, self._dev_views(i, a.slot))
-                continue
-            self._wait(("host", i, hs))
-            c.disk_bytes += need * self.source.expert_nbytes
-            fut = self.mover.submit(self._prefetch_job, layer, e, self._host_views(i, hs), need,
-                                    self._dev_views(i, a.slot))
-            self.busy["dev", i, a.slot] = fut
+            hs = item.src.slot
+            self.host.settle(i, hs, self.device, host_write=item.src.read)
+            h = InFlight(self.mover.submit(self._prefetch_job, layer, item.expert, self.host.views(i, hs),
+                                           item.src.read, dst))
+            self.dev.mark(i, item.slot, h)
             if not self.host_all:
-                self.busy["host", i, hs] = fut
-
-    def _prefetch_host(self, layer: int, ids: torch.Tensor) -> None:
-        """Disk -> host reads for the experts predicted for the next layer (prefetch "host")."""
-        i, c = self.li[layer], self.counters[layer]
-        for e in most_predicted(ids.reshape(-1).tolist())[: self.host_slots]:
-            if e in self.dev_tables[i]:
-                continue
-            hs, need = self._host_slot(layer, e, pin=False, ahead=True)
-            if not need:
-                continue
-            self.host_prefetched[i].add(e)
-            c.host_prefetch_issued += 1
-            self.step_issued[i] += 1
-            self.busy["host", i, hs] = self._submit_read(layer, e, self._host_views(i, hs))
+                self.host.mark(i, hs, h)
 
     def _prefetch_job(self, layer, e, host_views, need_read, dev_views):
         if need_read:
@@ -502,11 +427,11 @@ class TieredExperts(ExpertProvider):
     # -- warm start, stats, checks ------------------------------------------------------------------------
     def _warm(self, counts: torch.Tensor) -> None:
         for i, layer in enumerate(self.layers):
-            for e in torch.argsort(counts[i], descending=True)[: self.device_slots].tolist():
-                a = self.dev_tables[i].insert(e, 0)
-                if a.slot >= 0:
-                    self._fill(layer, e, a.slot)
-                    self.lut[i, e] = a.slot
+            order = torch.argsort(counts[i], descending=True).tolist()
+            for e, s in self.planner.warm(i, order):
+                self._fill(i, layer, e, s, self._host_now(layer, e, (None, None) if not self.host_all else
+                                                          (self.host.views(i, e), None)))
+                self.lut[i, e] = s
 
     def stats(self) -> dict:
         s = collect(self.counters, self.use_counts, self.device_slots, None if self.host_all else self.host_slots)
@@ -530,23 +455,24 @@ class TieredExperts(ExpertProvider):
 
     def check(self, contents: bool = False) -> None:
         """Invariants: tables consistent, lookup = table, (contents) slot bytes = checkpoint bytes."""
-        for fut in list(self.busy.values()):
-            fut.result()
+        self.dev.drain()
+        self.host.drain()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        for i, (table, layer) in enumerate(zip(self.dev_tables, self.layers)):
+        for i, (st, layer) in enumerate(zip(self.planner.layers, self.layers)):
+            table = st.device
             table.check()
             assert not table.pinned, "pins must not outlive a layer's step"
             lut = self.lut[i].tolist()
             for e in range(self.E):
                 assert lut[e] == table.slot_of[e], f"layer {layer}: lookup says expert {e} in slot {lut[e]}, table {table.slot_of[e]}"
                 if contents and lut[e] >= 0:
-                    self._verify(layer, e, self._dev_views(i, lut[e]))
-        for i, (table, layer) in enumerate(zip(self.host_tables or [], self.layers)):
-            table.check()
-            assert not table.pinned, "host pins must not outlive a layer's step"
-            for e in table.resident() if contents else []:
-                self._verify(layer, e, self._host_views(i, table.slot_of[e]))
+                    self._verify(layer, e, self.dev.views(i, lut[e]))
+            if st.host is not None:
+                st.host.check()
+                assert not st.host.pinned, "host pins must not outlive a layer's step"
+                for e in st.host.resident() if contents else []:
+                    self._verify(layer, e, self.host.views(i, st.host.slot_of[e]))
 
     def close(self) -> None:
         self.mover.shutdown(wait=True)

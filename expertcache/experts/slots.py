@@ -54,6 +54,10 @@ class SlotTable:
                 self.pinned.add(e)
         return Access(s, False, evicted)
 
+    def bypass(self, e: int, t: int) -> None:
+        """A use of e served without a slot (computed on the CPU, or off-slot): a miss, no placement."""
+        self.misses += 1
+
     def insert(self, e: int, t: int) -> Access:
         """Place e without counting a use (prefetch, warm start). Never evicts a pinned expert."""
         s = self.slot_of[e]

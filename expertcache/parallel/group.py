@@ -90,6 +90,9 @@ class EPGroup:
         """Spawn ranks 1..N-1 on this machine (each builds LLM(**worker_kwargs)) and join as rank 0."""
         from .worker import worker_main
 
+        if dist.is_initialized():
+            raise ExpertParallelError("this process already belongs to a torch.distributed group (one "
+                                      "expert-parallel LLM per process: close() the other one first)")
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = multiprocessing.get_context("spawn")
         procs = []

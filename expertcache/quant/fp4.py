@@ -26,9 +26,14 @@ E8M0_NAN = 0xFF
 E8M0_BIAS = 127
 
 
+_E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Integer codes 0..15 (any shape, unpacked) -> float32 values."""
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    """Integer codes 0..15 (any shape, unpacked) -> float32 values (the table is built once per device)."""
+    lut = _E2M1_TABLES.get(codes.device)
+    if lut is None:
+        lut = _E2M1_TABLES[codes.device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
     return lut[codes.long()]
 
 

@@ -273,29 +273,26 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                            status=404, code="model_not_found")
         return (await models(request))["data"][0]
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def generate(request: Request, chat: bool):
         async def run():
-            req = await _parse(request, CompletionRequest)
+            req = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
             state.check_model(req.model)
             llm = state.ready().llm
-            shape = Shape(f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False, include_usage=req.include_usage)
+            shape = Shape(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", cfg.model_name, chat=chat,
+                          include_usage=req.include_usage)
             # tokenizing (GIL released) and grammar compiling on a worker thread: the loop stays free
-            return await _respond(state, request, await run_in_threadpool(_completion_job, llm, req, shape))
+            job = await run_in_threadpool(_chat_job if chat else _completion_job, llm, req, shape)
+            return await _respond(state, request, job)
 
         return await _limited(state, state.check_auth(request), run)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        async def run():
-            req = await _parse(request, ChatCompletionRequest)
-            state.check_model(req.model)
-            llm = state.ready().llm
-            shape = Shape(f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
-                          include_usage=req.include_usage)
-            return await _respond(state, request, await run_in_threadpool(_chat_job, llm, req, shape))
-
-        return await _limited(state, state.check_auth(request), run)
+        return await generate(request, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -1,40 +1,51 @@
-"""Replay a RoutingTrace through the engine's own SlotTable + policies.
+"""Replay a RoutingTrace through the engine's own step planner (experts.planner).
 
-Semantics (identical to the engine's cache calls):
-- Each MoE layer has its own SlotTable with `capacity` slots and its own policy.
-- Rows are grouped by `step` (the trace guarantees steps are non-decreasing).
-  Policy time t = the step value.
-- Per step, per layer l: if `prefetch`, first `table.insert(e, t)` for the
-  distinct lookahead experts of layer l over the step's rows (predicted from
-  layer l-1's hidden state, so issued before layer l runs; -1 entries skipped),
-  most predicted first and at most `capacity` of them (experts.manager.most_predicted),
-  on the steps the engine's PrefetchGate allows (`prefetch_gate=None` turns the gate off;
-  `prefetch_waste` as the engine's: 1.0 on CPU, 0.25 with CUDA);
-  then `table.access(e, t)` (pinning) for the distinct routed experts of the
-  step's rows in order of first appearance; then `table.unpin_all()`.
-- A "use" is one (step, layer, distinct expert) access; hit_rate = hits / uses.
-- bytes_moved = (misses + prefetch_issued) * expert_bytes (without prefetch:
-  misses * expert_bytes). A miss refused by `admit` still counts as moved bytes
-  (the expert must reach the compute tier once).
-- prefetch_issued: inserts that placed an expert (it was not resident and got a
-  slot); prefetch_useful: issued prefetches used by the same step's access.
-- min_hit_rate: the same schedule replayed with policy "min" (Belady with demand
-  caching and the same pinning), without prefetch. Its NextUse oracle is built
-  from the schedule itself, which is what makes MIN replay-only.
+The planner is the one place cache decisions are made, so a replay is the engine with the same
+options: per MoE layer a device SlotTable of `capacity` slots and its policy, a host tier
+(`host_slots`: None = every expert in RAM, 0 = none, else a partial tier read from disk),
+prefill admission (`prefill_admit_tokens`), CPU-computed misses (`cpu_compute`), exclusive tiers
+(`exclusive`), prefetch ("device" / "host" / "off", or a bool: True = "device") behind the
+engine's PrefetchGate (`prefetch_gate=None` turns it off; `prefetch_waste` as the engine's: 1.0
+on CPU, 0.25 with CUDA). `replay_config` takes the engine's PlannerConfig itself.
+
+Semantics:
+- Rows are grouped by `step` (the trace guarantees steps are non-decreasing); policy time t =
+  the step value. Per step and layer: first the prefetch of the layer's lookahead experts
+  (predicted from layer l-1's hidden state, so planned before layer l runs; -1 skipped), then
+  the layer's step: its distinct routed experts in order of first appearance, with token counts.
+- A "use" is one (step, layer, distinct expert); hit_rate = hits / uses (device tier).
+- bytes_moved = bytes into the fastest tier + bytes read from disk (as the engine's
+  expert_stats); with the defaults (every expert in RAM, `staged_waves`: an off-slot miss is
+  copied once, as on CUDA) that is (misses + prefetch_issued) * expert_bytes.
+- min_hit_rate: the same schedule and options with policy "min" (Belady with demand caching
+  and the same pinning), without prefetch. Its NextUse oracle is built from the schedule
+  itself, which is what makes MIN replay-only.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..experts.policy import NextUse, make_policy
-from ..experts.prefetch import PrefetchGate, most_predicted
-from ..experts.slots import SlotTable
+from ..experts.planner import PlannerConfig, StepPlanner
+from ..experts.policy import NextUse
+from ..experts.stats import LayerCounters
 from .format import RoutingTrace
 
-Schedule = list[list[tuple[int, list[int], list[int], int]]]  # per layer: (t, experts, lookahead, rows)
+
+class Step(NamedTuple):
+    """One step of one layer: what the engine's forward and prefetch calls receive."""
+
+    t: int
+    experts: list[int]  # distinct, in order of first appearance
+    lookahead: list[int]  # the rows' predicted experts, flat (-1 = none)
+    rows: int
+    tokens: list[int]  # rows routed to experts[j]
+
+
+Schedule = list[list[Step]]  # per layer
 
 
 def _distinct(a: np.ndarray) -> list[int]:
@@ -43,7 +54,7 @@ def _distinct(a: np.ndarray) -> list[int]:
 
 
 def schedule(trace: RoutingTrace) -> Schedule:
-    """Per layer, the list of (t, distinct experts, distinct lookahead experts, rows in step)."""
+    """Per layer, the list of its Steps."""
     step = trace.step
     cuts = np.flatnonzero(np.diff(step)) + 1
     bounds = np.concatenate([[0], cuts, [len(step)]]).astype(int)
@@ -51,9 +62,11 @@ def schedule(trace: RoutingTrace) -> Schedule:
     for a, b in zip(bounds[:-1], bounds[1:]):
         t = int(step[a])
         for li in range(trace.num_layers):
-            ex = _distinct(trace.experts[a:b, li].ravel())
-            la = most_predicted(trace.lookahead[a:b, li].ravel().tolist()) if trace.lookahead is not None else []
-            out[li].append((t, ex, la, int(b - a)))
+            flat = trace.experts[a:b, li].ravel()
+            ex = _distinct(flat)
+            n = np.bincount(flat[flat >= 0], minlength=trace.num_experts)
+            la = trace.lookahead[a:b, li].ravel().tolist() if trace.lookahead is not None else []
+            out[li].append(Step(t, ex, la, int(b - a), [int(n[e]) for e in ex]))
     return out
 
 
@@ -73,79 +86,81 @@ class ReplayResult:
     prefetch_issued: int = 0
     prefetch_useful: int = 0
     min_hit_rate: float | None = None
-    per_layer: list[dict] = field(default_factory=list)
+    per_layer: list[dict] = field(default_factory=list)  # {"layer", "hit_rate", every LayerCounters field}
+    totals: dict = field(default_factory=dict)  # every LayerCounters field summed over layers
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _run_layer(sched, num_experts, capacity, policy, layer, prefetch, stats, params, gate_threshold, waste):
-    oracle = NextUse(num_experts, ((t, ex) for t, ex, _, _ in sched)) if policy == "min" else None
-    table = SlotTable(num_experts, capacity,
-                      make_policy(policy, num_experts, capacity, layer=layer, stats=stats, oracle=oracle, **params))
-    gate = PrefetchGate(1, gate_threshold, waste=waste)
-    issued = useful = 0
-    for t, ex, la, _ in sched:
-        fetched, evicted = set(), set()
-        if prefetch and la and gate.allow(0):
-            for e in la[:capacity]:
-                r = table.insert(e, t)
-                if not r.hit and r.slot >= 0:
-                    fetched.add(e)
-                    evicted.add(r.evicted)
-            issued += len(fetched)
-        used = harm = 0
-        for e in ex:
-            harm += e in evicted and e not in table
-            r = table.access(e, t)
-            if r.hit and e in fetched:
-                used += 1
-        useful += used
-        gate.update(0, len(fetched), used, harm)
-        table.unpin_all()
-    return table.hits, table.misses, issued, useful
+def replay_config(trace: RoutingTrace, cfg: PlannerConfig, stats=None, cpu_faster: Callable[[int], bool] | None = None,
+                  sched: Schedule | None = None, policy_params: dict | None = None) -> ReplayResult:
+    """Replay `trace` through a StepPlanner built from `cfg` (the engine's own, or replay()'s)."""
+    sched = sched if sched is not None else schedule(trace)
+    oracles = ([NextUse(cfg.num_experts, ((st.t, st.experts) for st in ls)) for ls in sched]
+               if cfg.policy == "min" else None)
+    planner = StepPlanner(cfg, trace.num_layers, stats, cpu_faster=cpu_faster, oracles=oracles,
+                          **(policy_params or {}))
+    for i, ls in enumerate(sched):
+        for st in ls:
+            planner.plan_prefetch(i, st.lookahead, st.rows, st.t)
+            planner.end_step(i, planner.plan_step(i, st.experts, st.tokens, st.rows, st.t))
+    per_layer, tot = [], LayerCounters()
+    for layer, state in zip(trace.layer_ids or range(trace.num_layers), planner.layers):
+        c = asdict(state.counters)
+        per_layer.append({"layer": layer, "hit_rate": c["hits"] / max(c["hits"] + c["misses"], 1), **c})
+        for k, v in c.items():
+            setattr(tot, k, getattr(tot, k) + v)
+    return ReplayResult(policy=cfg.policy, capacity=cfg.device_slots, prefetch=cfg.prefetch != "off",
+                        hits=tot.hits, misses=tot.misses, hit_rate=tot.hits / max(tot.hits + tot.misses, 1),
+                        bytes_moved=tot.bytes_moved + tot.disk_bytes, expert_bytes=trace.expert_bytes,
+                        steps=len(sched[0]) if sched else 0, rows=len(trace), pairs=int(trace.experts.size),
+                        prefetch_issued=tot.prefetch_issued + tot.host_prefetch_issued,
+                        prefetch_useful=tot.prefetch_useful + tot.host_prefetch_useful,
+                        per_layer=per_layer, totals=asdict(tot))
 
 
-def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool = False, stats=None,
+def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool | str = False, stats=None,
            with_min: bool = True, sched: Schedule | None = None, prefetch_gate: float | None = 0.0,
-           prefetch_waste: float = 1.0, **params) -> ReplayResult:
-    """Replay `trace` with `policy` and `capacity` slots per layer (see module doc)."""
+           prefetch_waste: float = 1.0, host_slots: int | None = None, cpu_compute: str = "never",
+           cpu_faster: Callable[[int], bool] | None = None, prefill_admit_tokens: int = 64, exclusive: bool = False,
+           direct: bool = False, staged_waves: bool = True, policy_params: dict | None = None) -> ReplayResult:
+    """Replay `trace` with `policy` and `capacity` device slots per layer (see module doc)."""
     if capacity < 1:
         raise ValueError(f"capacity: must be >= 1, got {capacity}")
-    if prefetch and trace.lookahead is None:
+    mode = {True: "device", False: "off"}.get(prefetch, prefetch)
+    if mode not in ("device", "host", "off"):
+        raise ValueError(f"prefetch: must be device, host, off or a bool, got {prefetch!r}")
+    if mode != "off" and trace.lookahead is None:
         raise ValueError("prefetch: the trace has no lookahead array")
+    if mode == "host" and not host_slots:
+        raise ValueError("prefetch='host': needs a partial host tier (host_slots > 0)")
     sched = sched if sched is not None else schedule(trace)
-    per_layer, tot = [], np.zeros(4, dtype=np.int64)
-    for li, ls in enumerate(sched):
-        h, m, iss, use = _run_layer(ls, trace.num_experts, capacity, policy, li, prefetch, stats, params,
-                                    prefetch_gate, prefetch_waste)
-        tot += (h, m, iss, use)
-        per_layer.append({"layer": trace.layer_ids[li], "hits": h, "misses": m,
-                          "hit_rate": h / max(h + m, 1), "prefetch_issued": iss, "prefetch_useful": use})
-    hits, misses, issued, useful = (int(x) for x in tot)
-    res = ReplayResult(policy=policy, capacity=capacity, prefetch=prefetch, hits=hits, misses=misses,
-                       hit_rate=hits / max(hits + misses, 1),
-                       bytes_moved=(misses + issued) * trace.expert_bytes, expert_bytes=trace.expert_bytes,
-                       steps=len(sched[0]) if sched else 0, rows=len(trace),
-                       pairs=int(trace.experts.size),
-                       prefetch_issued=issued, prefetch_useful=useful, per_layer=per_layer)
+    cfg = PlannerConfig(num_experts=trace.num_experts, device_slots=capacity, host_slots=host_slots,
+                        expert_bytes=trace.expert_bytes, policy=policy, cpu_compute=cpu_compute, prefetch=mode,
+                        prefill_admit_tokens=prefill_admit_tokens, exclusive=exclusive, direct=direct,
+                        staged_waves=staged_waves, gate_threshold=prefetch_gate, gate_waste=prefetch_waste)
+    res = replay_config(trace, cfg, stats, cpu_faster, sched, policy_params)
     if with_min:
-        if policy == "min" and not prefetch:
+        if policy == "min" and mode == "off":
             res.min_hit_rate = res.hit_rate
         else:
-            res.min_hit_rate = replay(trace, "min", capacity, with_min=False, sched=sched).hit_rate
+            res.min_hit_rate = replay_config(trace, replace(cfg, policy="min", prefetch="off"), None, cpu_faster,
+                                             sched).hit_rate
     return res
 
 
-def sweep(trace: RoutingTrace, policies, capacities, prefetch: bool = False, stats=None,
-          **params) -> list[ReplayResult]:
+def sweep(trace: RoutingTrace, policies, capacities, prefetch: bool | str = False, stats=None,
+          **options) -> list[ReplayResult]:
     """replay() for every (policy, capacity); MIN is computed once per capacity."""
     sched = schedule(trace)
     out = []
     for cap in capacities:
-        mn = replay(trace, "min", cap, with_min=False, sched=sched).hit_rate
+        mn = replay(trace, "min", cap, with_min=False, sched=sched,
+                    **{k: v for k, v in options.items() if k not in ("prefetch_gate", "prefetch_waste",
+                                                                     "policy_params")}).hit_rate
         for p in policies:
-            r = replay(trace, p, cap, prefetch=prefetch, stats=stats, with_min=False, sched=sched, **params)
+            r = replay(trace, p, cap, prefetch=prefetch, stats=stats, with_min=False, sched=sched, **options)
             r.min_hit_rate = mn
             out.append(r)
     return out

@@ -53,7 +53,7 @@ def reuse_distance_hist(trace: RoutingTrace) -> dict:
     hist: Counter = Counter()
     for layer in schedule(trace):
         stack: list[int] = []  # most recent first
-        for _, ex, _, _ in layer:
+        for ex in (st.experts for st in layer):
             for e in ex:
                 if e in stack:
                     d = stack.index(e)

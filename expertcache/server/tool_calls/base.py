@@ -61,7 +61,9 @@ def arguments_schema(tool: dict) -> dict:
 
 
 def lark_json(schema: dict) -> str:
-    return "%json " + json.dumps(schema)
+    """A JSON-schema rule for llguidance's Lark, compact (no free whitespace: a model that never
+    stops writing spaces cannot loop inside it)."""
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
 
 
 def held_back(text: str, markers: tuple[str, ...]) -> int:

@@ -1,0 +1,336 @@
+"""The step planner: every cache decision of one MoE layer's step, made in one place.
+
+The engine (experts.manager.TieredExperts) and trace replay (trace.replay) both drive a
+`StepPlanner` with the same inputs, so replay is the engine with every feature on (prefill
+admission, CPU-computed misses, waves, exclusive tiers, a partial host tier, prefetch, the
+prefetch gate). The planner changes table state and counters only; it never touches a byte.
+The engine then carries a plan out: issue the byte movement, compute the hits while it is in
+flight, wait, compute the rest.
+
+One layer's step (`plan_step`), given the step's distinct experts in order of first
+appearance with their token counts:
+1. every expert of the step that is resident in the device tier is a hit and is pinned
+   *before any victim is chosen*, so a miss never evicts an expert the same step needs;
+2. each miss, in order: computed on the CPU from its host copy when the cost model says so
+   (`cpu_compute`), else given a device slot (its victim: an unpinned, i.e. not-this-step,
+   expert); a prefill step (more than `prefill_admit_tokens` rows) only takes free slots; a
+   miss with no slot (every slot pinned, admission refused, prefill) is an off-slot "wave";
+3. host copies of the misses: host-resident ones are pinned first, then the rest get a host
+   slot (read from disk), or none when every host slot is pinned (a transient read at use; a
+   fill of a `direct` device tier then reads from disk straight into its device slot);
+4. exclusive tiers: each expert a fill evicted is demoted into a host slot (its bytes copied
+   back before the fill overwrites them); at `end_step` a promoted expert leaves the host tier.
+`plan_prefetch` places the predicted experts of a layer before that layer runs ("device":
+device + host slots; "host": disk reads into host slots only), behind a per-layer PrefetchGate.
+
+Counters (experts.stats.LayerCounters) are counted here, bytes included, so the engine's and
+replay's agree by construction; the engine adds nothing to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .policy import NextUse, make_policy
+from .prefetch import PrefetchGate, most_predicted
+from .slots import SlotTable
+from .stats import LayerCounters
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What the planner needs to know about the tiers (all validated by the caller).
+
+    host_slots: None = every expert in host RAM (no host table); 0 = no host tier (low memory).
+    cpu_compute: "always" | "never" | "cost" (per miss, `cpu_faster(tokens)` decides).
+    prefetch: "device" | "host" | "off" (resolved; experts.prefetch.resolve_prefetch).
+    direct: device slots keep the stored format on the CPU, so disk can read straight into them.
+    staged_waves: an off-slot wave copies the expert into a staging slot (CUDA), counted as moved.
+    """
+
+    num_experts: int
+    device_slots: int
+    host_slots: int | None
+    expert_bytes: int
+    policy: str = "lru"
+    cpu_compute: str = "never"
+    prefetch: str = "off"
+    prefill_admit_tokens: int = 64
+    exclusive: bool = False
+    direct: bool = False
+    staged_waves: bool = False
+    gate_threshold: float | None = 0.0
+    gate_waste: float = 1.0
+
+
+@dataclass(frozen=True)
+class HostSource:
+    """Where a miss's bytes come from: host slot `slot` (after a disk read into it when `read`);
+    slot -1: no host slot could be had, read from disk into a transient buffer at use."""
+
+    slot: int
+    read: bool
+
+    @property
+    def transient(self) -> bool:
+        return self.slot < 0
+
+
+@dataclass(frozen=True)
+class Fill:
+    """Miss placed in device slot `slot` (evicting `evicted`, -1 none); src None: disk -> slot directly."""
+
+    expert: int
+    slot: int
+    evicted: int
+    src: HostSource | None
+
+
+@dataclass(frozen=True)
+class OffSlot:
+    """Miss computed without a device slot: on the CPU from its host copy, or as a wave."""
+
+    expert: int
+    on_cpu: bool
+    src: HostSource
+
+
+@dataclass(frozen=True)
+class Demotion:
+    """Exclusive tiers: copy device slot `dev_slot` (expert `expert`) back into host slot `host_slot`."""
+
+    expert: int
+    dev_slot: int
+    host_slot: int
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """A predicted expert placed ahead: device slot `slot` (-1 for a host-only read-ahead) and its
+    host source (None: disk straight into the device slot)."""
+
+    expert: int
+    slot: int
+    evicted: int
+    src: HostSource | None
+
+
+@dataclass
+class StepPlan:
+    """One layer's step. Execution order: demotions (before any fill overwrites a slot), the
+    reads of fills/off-slot sources, hits (computed while reads are in flight), fills, off-slot."""
+
+    hits: list[tuple[int, int]] = field(default_factory=list)  # (expert, device slot)
+    fills: list[Fill] = field(default_factory=list)
+    off_slot: list[OffSlot] = field(default_factory=list)
+    demotions: list[Demotion] = field(default_factory=list)
+
+    def fetched(self) -> list[int]:
+        """Experts whose bytes this step brings to the compute tier (each at most once)."""
+        return [f.expert for f in self.fills] + [o.expert for o in self.off_slot]
+
+
+class LayerState:
+    """One MoE layer's cache state in every tier: device and host tables, what prefetch put where,
+    and the prefetch gate's accounting for the layer's next step."""
+
+    def __init__(self, cfg: PlannerConfig, layer: int, stats=None, oracle: NextUse | None = None, **params):
+        E = cfg.num_experts
+        self.device = SlotTable(E, cfg.device_slots, make_policy(cfg.policy, E, cfg.device_slots, layer, stats,
+                                                                 oracle=oracle, **params))
+        partial = cfg.host_slots is not None and cfg.host_slots > 0
+        self.host = SlotTable(E, cfg.host_slots, make_policy("lru", E, cfg.host_slots, layer)) if partial else None
+        self.prefetched: set[int] = set()  # device prefetches not yet used
+        self.host_prefetched: set[int] = set()
+        self.pf_evicted: set[int] = set()  # experts this step's prefetches evicted
+        self.issued = self.used = self.harm = 0
+        self.counters = LayerCounters()
+
+
+class StepPlanner:
+    """Plans every layer's steps (see module doc); `layers[i]` is the state of MoE layer index i."""
+
+    def __init__(self, cfg: PlannerConfig, num_layers: int, stats=None, cpu_faster: Callable[[int], bool] | None = None,
+                 oracles: list[NextUse] | None = None, **policy_params):
+        if cfg.cpu_compute not in ("always", "never", "cost"):
+            raise ValueError(f"cpu_compute must be always, never or cost, got {cfg.cpu_compute!r}")
+        if cfg.cpu_compute == "cost" and cpu_faster is None:
+            raise ValueError("cpu_compute='cost' needs the cost model's cpu_faster(tokens)")
+        self.cfg, self.cpu_faster = cfg, cpu_faster
+        self.layers = [LayerState(cfg, i, stats, oracle=oracles[i] if oracles else None, **policy_params)
+                       for i in range(num_layers)]
+        self.gate = PrefetchGate(num_layers, cfg.gate_threshold, waste=cfg.gate_waste)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def plan_step(self, i: int, experts: list[int], tokens: list[int], rows: int, t: int) -> StepPlan:
+        """Layer i's step at time t: `experts` distinct (first-appearance order), `tokens[j]` the
+        rows routed to experts[j], `rows` the step's token count."""
+        cfg, st = self.cfg, self.layers[i]
+        c, table, plan = st.counters, st.device, StepPlan()
+        misses = []
+        for e, n in zip(experts, tokens):  # pin every resident expert of the step first
+            if e in table:
+                plan.hits.append((e, table.access(e, t).slot))
+                c.hits += 1
+                if e in st.prefetched:
+                    c.prefetch_useful += 1
+                    st.used += 1
+                    st.prefetched.discard(e)
+            else:
+                misses.append((e, n))
+        admit = rows <= cfg.prefill_admit_tokens
+        fills: list[tuple[int, int, int]] = []
+        offs: list[tuple[int, bool]] = []
+        for e, n in misses:
+            c.misses += 1
+            if cfg.prefetch == "device" and e in st.pf_evicted:
+                st.harm += 1
+            cpu = cfg.cpu_compute == "always" or (cfg.cpu_compute == "cost" and self.cpu_faster(n))
+            if cpu or not (admit or table.free):
+                table.bypass(e, t)
+                c.cpu_computed += cpu
+                offs.append((e, cpu))
+                continue
+            a = table.access(e, t)
+            if a.slot < 0:
+                offs.append((e, False))
+                continue
+            if a.evicted >= 0:
+                st.prefetched.discard(a.evicted)
+            fills.append((e, a.slot, a.evicted))
+        src = self._host_sources(st, [e for e, _, _ in fills] + [e for e, _ in offs], t)
+        if cfg.exclusive:  # after the misses pinned their host slots
+            for _, s, ev in fills:
+                if ev >= 0:
+                    d = self._demote(st, ev, s, t)
+                    if d is not None:
+                        plan.demotions.append(d)
+        for e, s, ev in fills:
+            h = src[e]
+            if h.transient and cfg.direct:  # no host slot: disk straight into the device slot
+                h = None
+            c.bytes_moved += cfg.expert_bytes
+            c.disk_bytes += cfg.expert_bytes * (h is None or h.read or h.transient)
+            plan.fills.append(Fill(e, s, ev, h))
+        for e, on_cpu in offs:
+            h = src[e]
+            c.disk_bytes += cfg.expert_bytes * (h.read or h.transient)
+            if not on_cpu:
+                c.waves += 1
+                c.bytes_moved += cfg.expert_bytes * cfg.staged_waves
+            plan.off_slot.append(OffSlot(e, on_cpu, h))
+        return plan
+
+    def end_step(self, i: int, plan: StepPlan) -> None:
+        """Layer i's step is computed: unpin, forget prefetch marks, promoted experts leave the host
+        tier (exclusive), the gate learns from this step."""
+        st = self.layers[i]
+        st.device.unpin_all()
+        st.prefetched.clear()  # "useful" = prefetched for this step and used in it
+        if st.host is not None:
+            st.host.unpin_all()
+            st.host_prefetched.clear()
+            for f in plan.fills if self.cfg.exclusive else []:
+                st.host.drop(f.expert)
+        self.gate.update(i, st.issued, st.used, st.harm)
+        st.issued = st.used = st.harm = 0
+        st.pf_evicted.clear()
+
+    def _host_sources(self, st: LayerState, experts: list[int], t: int) -> dict[int, HostSource]:
+        """Host slots of a step's misses, pinned: the host-resident ones first (so no miss evicts a
+        host copy this step needs), then the rest."""
+        if self.cfg.host_slots is None:
+            return {e: HostSource(e, False) for e in experts}
+        if st.host is None:
+            return {e: HostSource(-1, False) for e in experts}
+        c, host, out = st.counters, st.host, {}
+        for e in sorted(experts, key=lambda e: e not in host):  # stable: hits first, in order
+            if e in st.pf_evicted and self.cfg.prefetch == "host":
+                st.harm += e not in host
+            a = host.access(e, t, pin=True)
+            c.host_hits += a.hit
+            c.host_misses += not a.hit
+            if a.hit and e in st.host_prefetched:
+                c.host_prefetch_useful += 1
+                st.used += 1
+            if a.slot >= 0 and not a.hit:
+                st.host_prefetched.discard(a.evicted)
+            out[e] = HostSource(a.slot, a.slot >= 0 and not a.hit)
+        return out
+
+    def _demote(self, st: LayerState, e: int, dev_slot: int, t: int) -> Demotion | None:
+        """e leaves device slot dev_slot: keep its bytes in a host slot (None: already there, or none free)."""
+        a = st.host.insert(e, t)
+        if a.slot < 0 or a.hit:
+            return None
+        st.host_prefetched.discard(a.evicted)
+        st.counters.demoted += 1
+        return Demotion(e, dev_slot, a.slot)
+
+    # -- prefetch ---------------------------------------------------------------------------------
+    def plan_prefetch(self, i: int, predicted: list[int], rows: int, t: int) -> list[Prefetch | Demotion]:
+        """Place layer i's predicted experts (flat, -1 skipped) before its step at time t. Carried out
+        in list order: a Demotion copies an evicted expert's bytes out before its slot is refilled."""
+        cfg, st = self.cfg, self.layers[i]
+        if cfg.prefetch == "off" or rows > cfg.prefill_admit_tokens or not self.gate.allow(i):
+            return []  # a prefill is not admitted into the slots, so nothing is fetched ahead for it
+        c, out = st.counters, []
+        order = most_predicted(predicted)
+        if cfg.prefetch == "host":
+            for e in order[: cfg.host_slots]:
+                if e in st.device:
+                    continue
+                a = st.host.insert(e, t)
+                if a.slot < 0 or a.hit:
+                    continue
+                st.host_prefetched.discard(a.evicted)
+                if a.evicted >= 0:
+                    st.pf_evicted.add(a.evicted)
+                st.host_prefetched.add(e)
+                c.host_prefetch_issued += 1
+                st.issued += 1
+                c.disk_bytes += cfg.expert_bytes
+                out.append(Prefetch(e, -1, -1, HostSource(a.slot, True)))
+            return out
+        for e in order[: cfg.device_slots]:
+            if e in st.device:
+                continue
+            a = st.device.insert(e, t)
+            if a.slot < 0:
+                continue
+            if a.evicted >= 0:
+                st.prefetched.discard(a.evicted)
+                st.pf_evicted.add(a.evicted)
+                d = self._demote(st, a.evicted, a.slot, t) if cfg.exclusive else None
+                if d is not None:
+                    out.append(d)
+            if cfg.host_slots is None:
+                h = HostSource(e, False)
+            elif st.host is None:
+                h = HostSource(-1, False)
+            else:
+                ha = st.host.insert(e, t)
+                if ha.slot >= 0 and not ha.hit:
+                    st.host_prefetched.discard(ha.evicted)
+                h = HostSource(ha.slot, ha.slot >= 0 and not ha.hit)
+            if h.transient and not cfg.direct:  # every host slot pinned: give the device slot back
+                st.device.drop(e)
+                continue
+            st.prefetched.add(e)
+            c.prefetch_issued += 1
+            st.issued += 1
+            c.bytes_moved += cfg.expert_bytes
+            c.disk_bytes += cfg.expert_bytes * (h.transient or h.read)
+            out.append(Prefetch(e, a.slot, a.evicted, None if h.transient else h))
+        return out
+
+    # -- warm start -------------------------------------------------------------------------------
+    def warm(self, i: int, experts: list[int]) -> list[tuple[int, int]]:
+        """Place saved-statistics favourites at startup -> (expert, device slot) to fill; not counted."""
+        out = []
+        for e in experts[: self.cfg.device_slots]:
+            a = self.layers[i].device.insert(e, 0)
+            if a.slot >= 0:
+                out.append((e, a.slot))
+        return out
