@@ -128,3 +128,12 @@ def test_shipped_model_predicts_held_out_text(shipped, tmp_path):
     rnd = LLM(str(rnd_dir))
     assert ppl(rnd) > 5 * got
     rnd.close()
+
+
+def test_demo_command_says_what_the_model_is(capsys, shipped):
+    from expertcache.cli import main
+
+    assert main(["demo", "--max-tokens", "4"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "expertcache demo: " + demo.describe(shipped)
+    assert any("generated tokens 4" in line and "hit rate" in line for line in err)
