@@ -2,8 +2,8 @@
 
     python bench/demo_routing.py [--tokens 512] [--new 64]
 
-Both models read the same held-out text (the trained model's heldout.txt, never trained on) as a
-prompt and generate greedily; their routing is recorded (--record-routing) and replayed through the
+Both models read the same held-out text (the trained model's heldout.txt, never trained on) one
+token per engine step (teacher-forced decode) and then generate greedily; their routing is recorded (--record-routing) and replayed through the
 engine's own cache policies. One line per model: token-to-token expert reuse (chance = top_k/E), then
 one line per (model, slots per layer): LRU and MIN (offline optimum) hit rates. Fixed seed.
 """
@@ -48,7 +48,9 @@ def main() -> None:
     text = (trained / "heldout.txt").read_text()
     for name, path in (("trained", trained), ("random", rnd)):
         trace_path = work / f"{name}.npz"
-        llm = LLM(str(path), record_routing=str(trace_path))
+        # one token per engine step (prefill in 1-token chunks): every step routes one token, as in
+        # decode, so the trace is teacher-forced decode over the held-out text, then greedy tokens
+        llm = LLM(str(path), record_routing=str(trace_path), max_num_batched_tokens=1)
         ids = llm.tokenizer.encode(text)[: args.tokens]
         llm.generate([ids], SamplingParams(max_tokens=args.new, temperature=0.0))
         llm.close()

@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "fastest tier) and show the cache; default model: the built-in demo",
                        epilog=SUPPORTED, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(d)
-    add_sampling_args(d, "The expert cache keeps")
+    add_sampling_args(d, "def forward(self, x):")
+    d.set_defaults(temperature=0.7, top_p=0.9, seed=0)  # the demo samples (reproducibly): greedy loops on a tiny model
     d.add_argument("--random", action="store_true",
                    help="use the untrained random-weight demo model (built once in ~/.cache/expertcache)")
     d.add_argument("--rebuild", action="store_true", help="with --random: rebuild that checkpoint")
