@@ -27,7 +27,7 @@ def main():
     ap.add_argument("--experts", type=int, default=64, help="experts read per configuration")
     args = ap.parse_args()
     from expertcache.demo import build_demo_model
-    from expertcache.experts.disk import DiskReader
+    from expertcache.loader.disk import DiskReader
     from expertcache.experts.layout import ExpertSource
     from expertcache.loader.safetensors_index import TensorIndex
     from expertcache.models.registry import read_config

@@ -9,7 +9,7 @@ run in round-robin rounds; one line per configuration with the median:
 
     config=resident-auto batch=1 prompt_len=128 gen=32 prefill_tok_s=... decode_tok_s=...
 
-    python bench/mla_bench.py [--dir /tmp/mla-bench] [--rounds 3] [--batch 1] [--prompt-len 128] [--gen 32]
+    python bench/mla_bench.py [--dir /tmp/mla-bench] [--rounds 3] [--batch 1] [--prompt-len 128] [--gen 32] [--threads N]
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy machine)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from expertcache import LLM, SamplingParams
     from expertcache.engine.kv_cache import KVCache
 

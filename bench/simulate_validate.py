@@ -1,6 +1,6 @@
 """Validate the cost model (trace.simulate) against the engine's measured decode speed here.
 
-1. A `this-cpu` profile from micro-measurements (expertcache.plan.hw): memory bandwidth
+1. A `this-cpu` profile from micro-measurements (expertcache.cost.measure): memory bandwidth
    (large fp32 copy), fp32 GFLOP/s (matmul), disk GB/s (O_DIRECT reads of the checkpoint).
 2. The engine on the demo model under a few expert-cache configurations; routing recorded
    with RoutingRecorder while a measured request decodes (after a warm-up request).
@@ -92,8 +92,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="measured requests per configuration (best is kept)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
+    from expertcache.cost.measure import measure_cpu_profile
     from expertcache.demo import random_demo_dir
-    from expertcache.plan.hw import measure_cpu_profile
 
     model_dir = str(random_demo_dir())
     t0 = time.perf_counter()

@@ -228,7 +228,10 @@ SUPPORTED = """supported checkpoints (config.json architectures, e.g. hub repos)
   DeepseekV3ForCausalLM    deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct (block fp8 as shipped)
   Glm4MoeForCausalLM       zai-org/GLM-4.5-Air, zai-org/GLM-4.5
   Glm4MoeLiteForCausalLM   zai-org/GLM-4.7-Flash
-  GptOssForCausalLM        openai/gpt-oss-20b, openai/gpt-oss-120b (MXFP4 experts as shipped)"""
+  GptOssForCausalLM        openai/gpt-oss-20b, openai/gpt-oss-120b (MXFP4 experts as shipped)
+  Qwen3NextForCausalLM     Qwen/Qwen3-Next-80B-A3B-Instruct (hybrid: Gated DeltaNet + attention)
+  Qwen3_5MoeForConditionalGeneration  Qwen/Qwen3.5-35B-A3B (its text model; hybrid)
+  Qwen3_5MoeForCausalLM    a Qwen3.5-MoE text-only checkpoint (hybrid)"""
 
 
 class Parser(argparse.ArgumentParser):

@@ -18,15 +18,15 @@ from .engine.llm_engine import LLMEngine
 from .engine.params import RequestOutput, SamplingParams
 from .engine.runner import ModelRunner
 from .engine.sequence import Sequence
+from .engine.state_cache import StateCache
 from .engine.tokenizer import Tokenizer
 from .errors import CheckpointError, ConfigError
 from .experts.config import CacheConfig
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
-from .loader.safetensors_index import TensorIndex
 from .models.checks import check_layer_count
 from .models.mtp import drop_mtp_layers
-from .models.registry import read_config
+from .models.registry import open_index, read_config
 from .models.transformer import MoETransformer
 from .quant.checkpoint import method_from_config
 from .units import fmt_bytes, parse_bytes
@@ -70,13 +70,16 @@ class LLM:
         if max_model_len is not None and max_model_len > self.cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                               f"{self.cfg.max_position_embeddings} ({self.model_dir / 'config.json'})")
-        self.index = TensorIndex(self.model_dir)
+        self.index = open_index(self.model_dir, self.family)
         self.mtp_layers = drop_mtp_layers(self.index, self.cfg, self.hf_config)
         check_layer_count(self.index, self.cfg.num_layers)
         self.quant = method_from_config(self.hf_config)
         self.source = ExpertSource(self.index, self.cfg, self.family.names, self.quant)
         self.source.check_finite = check_finite  # experts: at their first read into any tier
         self.parallel = self.group = None
+        if expert_parallel is not None and self.cfg.linear_attn is not None:
+            raise ConfigError(f"expert_parallel: {self.family.name} is a hybrid linear-attention model; "
+                              "expert parallelism supports softmax-attention models only")
         if expert_parallel is not None:
             from .parallel import checkpoint_fingerprint, start
 
@@ -93,7 +96,15 @@ class LLM:
         self.max_model_len = max_model_len or default_max_model_len(self.cfg.max_position_embeddings)
         self.plan_lines: list[str] = []
 
-        kv_bytes = KVCache.bytes_per_block(self.cfg.num_layers, block_size, self.cfg.kv_token_shapes, self.dtype)
+        kv_layers = len(self.cfg.attention_layer_ids)  # hybrid models: linear-attention layers keep no KV
+        kv_bytes = max(1, KVCache.bytes_per_block(kv_layers, block_size, self.cfg.kv_token_shapes, self.dtype))
+        # linear-attention state: one slot per running sequence, plus one for logits()
+        state_slots = max_num_seqs + 1 if self.cfg.linear_attn is not None else 0
+        state_bytes = state_slots * StateCache.bytes_per_sequence(self.cfg, self.dtype)
+        if self.cfg.linear_attn is not None and prefix_caching:
+            print("note: prefix caching is off for hybrid linear-attention models (a cached prefix's KV "
+                  "blocks cannot restore the linear-attention state)", file=sys.stderr)
+            prefix_caching = False
         min_blocks = math.ceil(self.max_model_len / block_size)
         budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
         if budget is None:
@@ -120,7 +131,7 @@ class LLM:
         # the KV cache is sized first so that an 'auto' device budget leaves room for it
         self.experts = None
         try:
-            self.experts = self._make_experts(self.cache_config, bar.update, show_plan, num_blocks * kv_bytes)
+            self.experts = self._make_experts(self.cache_config, bar.update, show_plan, num_blocks * kv_bytes + state_bytes)
             self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype,
                                         bar.update, self.quant, low_memory=low_memory, check_finite=check_finite)
         except BaseException:
@@ -130,18 +141,24 @@ class LLM:
         finally:
             bar.close()  # before an error is printed: no half progress bar on its line
 
-        self.kv = KVCache(self.cfg.num_layers, num_blocks, block_size, self.cfg.kv_token_shapes, self.dtype,
+        self.kv = KVCache(kv_layers, num_blocks, block_size, self.cfg.kv_token_shapes, self.dtype,
                           self.device, prefix_caching)
+        self.states = StateCache(self.cfg, state_slots, self.dtype, self.device) if state_slots else None
         self.plan_lines.append(
             f"dense weights {fmt_bytes(dense_bytes)}; KV cache {num_blocks} blocks x {block_size} tokens = "
             f"{fmt_bytes(num_blocks * kv_bytes)} ({num_blocks * block_size} tokens)"
         )
+        if self.states is not None:
+            self.plan_lines.append(
+                f"linear-attention state: {state_slots} sequences x "
+                f"{fmt_bytes(StateCache.bytes_per_sequence(self.cfg, self.dtype))} = {fmt_bytes(state_bytes)} "
+                f"(fixed per sequence, any context length)")
         if self.group is not None:
             from .parallel.runner import ParallelRunner
 
             runner = ParallelRunner(self.model, self.kv, self.group, self.experts)
         else:
-            runner = ModelRunner(self.model, self.kv)
+            runner = ModelRunner(self.model, self.kv, self.states)
         self.engine = LLMEngine(runner, self.tokenizer, self._eos_ids(),
                                 self.max_model_len, max_num_seqs, max_num_batched_tokens)
         self.engine.nonfinite_experts, self.engine.expert_name = self.source.nonfinite, self.source.expert_name

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet + gated attention
 
 # ../shared beside the checkout (CI lays a copy there); tests that need it skip when absent
 SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
@@ -164,6 +165,25 @@ def default_config(family: str) -> dict:
             norm_topk_prob=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
+    elif family in HYBRID_FAMILIES:
+        # 4 layers: 3 Gated DeltaNet + 1 full attention (the default full_attention_interval 4);
+        # GQA in both mixers (4 q / 2 kv heads; 2 k / 4 v linear heads); partial rotary 0.25
+        d.update(
+            num_hidden_layers=4,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        )
+        if family == "qwen3_next":
+            d.update(norm_topk_prob=True, intermediate_size=96)
     elif family in MLA_FAMILIES or family == "glm4_moe":
         d.update(copy.deepcopy(MOE_DEEPSEEK))  # transformers' configs edit rope_parameters in place
         if family in MLA_FAMILIES:  # multi-head latent attention: heads are not grouped
@@ -197,6 +217,8 @@ def hf_config(family: str, **overrides):
 
     cls = getattr(transformers, {
         "qwen3_moe": "Qwen3MoeConfig",
+        "qwen3_next": "Qwen3NextConfig",
+        "qwen3_5_moe": "Qwen3_5MoeTextConfig",
         "qwen2_moe": "Qwen2MoeConfig",
         "mixtral": "MixtralConfig",
         "olmoe": "OlmoeConfig",
@@ -224,13 +246,16 @@ def randomize_(model, seed: int = 0) -> None:
     lm_head spreads the logits (greedy decoding has clear winners).
     """
     g = torch.Generator().manual_seed(seed)
+    # Qwen3-Next / Qwen3.5 RMSNorms scale by (1 + weight), except the DeltaNet's gated norm
+    zero_centred = model.config.model_type in ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 
     def randn(p):
         return torch.randn(p.shape, generator=g, dtype=torch.float32)
 
     for name, p in model.named_parameters():
         if name.endswith("norm.weight") or re.search(r"norm\.weight$", name):
-            p.copy_(1.0 + 0.1 * randn(p))
+            centre = 0.0 if zero_centred and not name.endswith("linear_attn.norm.weight") else 1.0
+            p.copy_(centre + 0.1 * randn(p))
         elif name.endswith(".bias"):
             p.copy_(0.1 * randn(p))
         elif name.endswith("shared_expert_gate.weight"):

@@ -161,3 +161,57 @@ def test_quantized_integer_parts_still_load(expertcache_api, broken, tmp_path):
     assert cfg["quantization_config"]["quant_method"] == "expertcache"
     llm = load(expertcache_api, out)
     assert len(llm.generate([PROBE], expertcache_api.SamplingParams(**GREEDY))[0].token_ids) == 4
+
+
+def test_server_fails_only_the_requests_routed_through_a_bad_expert(broken, tmp_path, qwen3_llm,
+                                                                    expertcache_api):
+    """End to end: with a NaN expert read lazily by a tiered cache, a request routed through it gets
+    an OpenAI error object (non-streamed) or an SSE error event (streamed) naming the expert, while
+    requests batched with it that never use it answer exactly as on the clean checkpoint."""
+    import threading
+
+    from serving import start_server
+
+    C.rewrite_tensors(broken, poison(EXPERT))
+    prompts = [[t] + PROBE for t in range(40, 200, 10)]
+    params = expertcache_api.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    clean = [o.token_ids for o in qwen3_llm.generate(prompts, params)]
+    with start_server(broken, tmp_path / "server.log", "--device-memory", "25%", "--host-memory", "25%") as srv:
+        results: dict = {}
+
+        def one(i):
+            body = {"prompt": prompts[i], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                    "stream": i % 2 == 1}
+            with srv.http() as c:
+                r = c.post("/v1/completions", json=body)
+                results[i] = (r.status_code, r.text if body["stream"] else r.json())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ok = failed = 0
+        for i, (status, got) in sorted(results.items()):
+            if i % 2:  # streamed: 200 with either a normal end or one error event
+                assert status == 200
+                if '"error"' in got:
+                    failed += 1
+                    err = json.loads(next(line[6:] for line in got.splitlines() if '"error"' in line))["error"]
+                    assert "non-finite" in err["message"] and "experts.3." in err["message"], err
+                else:
+                    ok += 1
+                    assert got.rstrip().endswith("data: [DONE]")
+            elif status == 200:
+                ok += 1
+                assert got["usage"]["completion_tokens"] == 24
+                assert got["choices"][0]["text"] == qwen3_llm.tokenizer.decode(clean[i])
+            else:
+                failed += 1
+                assert status == 500 and got["error"]["type"] == "server_error"
+                assert "non-finite" in got["error"]["message"] and "layer 1" in got["error"]["message"]
+        assert ok and failed, results
+        with srv.http() as c:
+            assert c.get("/health").status_code == 200
+            stats = c.get("/stats").json()["engine"]
+            assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0

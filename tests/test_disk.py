@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from expertcache.experts.disk import DiskReader
+from expertcache.loader.disk import DiskReader
 from expertcache.loader.safetensors_index import TensorIndex
 
 

@@ -276,7 +276,8 @@ def test_variant_changes_the_math(loaded, checkpoint):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_id", ["qwen3-base", "qwen3-sliding-window", "qwen2-base", "mixtral-base",
-                                     "olmoe-clip-qkv"])
+                                     "olmoe-clip-qkv", "deepseek-v2-no-q-lora-group-limited", "deepseek-v3-groups-yarn",
+                                     "glm4-moe-qk-norm-bias", "glm4-moe-lite-base"])
 def test_cuda_fp32_matches_transformers(case_id, checkpoint, expertcache_api):
     """On CUDA in fp32 the engine matches transformers' CPU fp32 logits and greedy tokens."""
     case = next(c for c in CASES if c.id == case_id)

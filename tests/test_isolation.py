@@ -101,6 +101,31 @@ def test_sampler_error_fails_only_its_request(expertcache_api, llm, monkeypatch)
         assert seqs[i].finish_reason == "length" and seqs[i].generated == ref[i]
 
 
+def test_model_step_failure_fails_only_the_sequence_at_fault(expertcache_api, llm, monkeypatch):
+    """A forward that raises whenever one sequence is in the batch: that sequence ends with the
+    error, the others are rerun and answer exactly as alone."""
+    api = expertcache_api
+    ref = alone(llm, api)
+    runner = llm.engine.runner
+    real = runner.run_rows
+    victim = {}
+
+    def run_rows(work, full):
+        if any(seq.request_id == victim.get("id") and len(seq.generated) == 1 for seq, _ in work):
+            raise RuntimeError("kernel exploded")
+        return real(work, full)
+
+    monkeypatch.setattr(runner, "run_rows", run_rows)
+    seqs = [llm.engine.add_request(p, greedy(api)) for p in PROMPTS]
+    victim["id"] = seqs[0].request_id
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert seqs[0].finish_reason == "error: the model step failed: RuntimeError: kernel exploded"
+    assert seqs[0].generated == ref[0][:1]
+    for i in (1, 2, 3):
+        assert seqs[i].finish_reason == "length" and seqs[i].generated == ref[i]
+
+
 def test_detokeniser_error_fails_only_its_request(expertcache_api, llm, monkeypatch):
     api = expertcache_api
     ref = alone(llm, api)

@@ -271,14 +271,24 @@ def test_mtp_layers_are_ignored_with_a_note(checkpoint, tmp_path, capsys):
 
 
 def test_deepseek_v3_block_fp8_as_shipped(checkpoint, tmp_path):
-    """Every *_proj Linear (MLA q_a/q_b/kv_b/o, experts, shared experts, dense MLP) float8 with
-    `weight_scale_inv` blocks of 32 (ragged at the 20-row kv_a_proj edge) == the dequantized checkpoint,
+    """Every Linear but the routers (MLA q_a/q_b/kv_a_with_mqa/kv_b/o, experts, shared experts, dense MLP)
+    float8 with `weight_scale_inv` blocks of 32 (ragged at the 20-row kv_a_proj edge) == the dequantized checkpoint,
     resident and tiered, and transformers on the dequantized weights."""
     from test_quant_checkpoints import check_against_dense, ship_fp8_block
 
+    from expertcache.quant.fp8_block import quantize_fp8_block
+
     src = checkpoint("deepseek_v3", **CACHE_CASES["deepseek_v3"])
     shipped = ship_fp8_block(src, tmp_path / "fp8")
+
+    def mqa_fp8(t):  # DeepSeek ships kv_a_proj_with_mqa [R + P, H] in fp8 too
+        for name in [n for n in t if n.endswith("kv_a_proj_with_mqa.weight")]:
+            t[name], t[name.replace(".weight", ".weight_scale_inv")] = quantize_fp8_block(t[name].float(), (32, 32))
+        return t
+
+    C.rewrite_tensors(shipped, mqa_fp8)
     t = C.read_tensors(shipped)
+    assert t["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (1, 2)  # [20, 64]
     assert t["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
     assert t["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"].shape == (3, 1)  # [80, 16]
     assert t["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
@@ -373,12 +383,16 @@ def _hub_spelling(path: Path) -> None:
     cfg = json.loads((path / "config.json").read_text())
     rope = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:  # GLM-4.5 spells it at the top level
+        cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     kind = rope.pop("rope_type")
     cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
     cfg.pop("dtype", None)
     cfg.update(torch_dtype="float32", ep_size=1, aux_loss_alpha=0.001, seq_aux=True, moe_layer_freq=1)
-    if cfg["architectures"] == ["DeepseekV3ForCausalLM"]:
+    if cfg["architectures"] != ["DeepseekV2ForCausalLM"]:
         cfg.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    if cfg["architectures"] == ["Glm4MoeLiteForCausalLM"]:
+        cfg.update(first_k_dense_replace=1)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -390,7 +404,10 @@ def _hub_spelling(path: Path) -> None:
                                           "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                           "beta_fast": 32, "beta_slow": 1}, n_group=4, topk_group=2,
                          n_routed_experts=16)),
-], ids=["deepseek-v2-lite-spelling", "deepseek-v3-spelling"])
+    ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+                      attention_bias=True, n_routed_experts=16)),
+    ("glm4_moe_lite", dict(n_routed_experts=16, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])),
+], ids=["deepseek-v2-lite-spelling", "deepseek-v3-spelling", "glm-4.5-air-spelling", "glm-4.7-flash-spelling"])
 def test_hub_spelled_config_matches_transformers(checkpoint, tmp_path, family, overrides):
     path = C.copy_checkpoint(checkpoint(family, **overrides), tmp_path / "model")
     _hub_spelling(path)
@@ -454,7 +471,7 @@ def test_deepseek_v3_chat_template_matches_transformers(deepseek_chat, conv, add
 def test_help_lists_every_registered_architecture(capsys):
     from expertcache.cli import SUPPORTED
 
-    from expertcache.models import deepseek, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401
+    from expertcache.models import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next  # noqa: F401
 
     listed = {line.split()[0] for line in SUPPORTED.splitlines()[1:]}
     assert listed == set(FAMILIES)

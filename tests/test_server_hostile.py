@@ -42,10 +42,11 @@ def deep(n: int) -> bytes:
 
 
 HOSTILE = [
-    ("nested 100000 deep", "/v1/completions", deep(100_000), None, "nests deeper"),
+    ("nested 100000 deep", "/v1/completions", deep(100_000), "prompt", "nests deeper"),
     ("nested 65 deep", "/v1/completions", deep(65), "prompt", "nests deeper"),
-    ("5000-digit integer", "/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", None, "digits"),
-    ("1000-char float", "/v1/completions", b'{"prompt": "hi", "temperature": 0.' + b"1" * 1000 + b"}", None,
+    ("5000-digit integer", "/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "max_tokens",
+     "digits"),
+    ("1000-char float", "/v1/completions", b'{"prompt": "hi", "temperature": 0.' + b"1" * 1000 + b"}", "temperature",
      "characters"),
     ("NaN", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', None, "NaN"),
     ("Infinity", "/v1/chat/completions", b'{"messages": [], "top_p": -Infinity}', None, "Infinity"),

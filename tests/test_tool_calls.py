@@ -4,6 +4,7 @@ detection from chat templates, and the forcing grammars accepting the canned cal
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,11 @@ def test_forcing_grammar_accepts_the_canned_call(fmt, qwen3_llm):
     assert not _accepts(grammars, lark, canned.replace("get_weather", "get_wether"))
     p = fmt.parse(canned, final=True)
     assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [("get_weather", {"city": "Paris", "days": 2})]
+
+
+def test_real_templates_detect_their_format(qwen3_tokenizer_dir):
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    assert isinstance(format_for((fixtures / "gpt_oss_chat_template.jinja").read_text()), HarmonyFormat)
+    assert isinstance(format_for((fixtures / "deepseek_v3_chat_template.jinja").read_text()), DeepSeekFormat)
+    qwen3 = json.loads((qwen3_tokenizer_dir / "tokenizer_config.json").read_text())["chat_template"]
+    assert isinstance(format_for(qwen3), QwenFormat)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from expertcache.trace.profiles import BUILTIN, Profile, get_profile
+from expertcache.cost.profiles import BUILTIN, Profile, get_profile
 from expertcache.trace.replay import ReplayResult
 from expertcache.trace.simulate import ModelShape, simulate
 from expertcache.units import parse_bytes

@@ -2,7 +2,8 @@
 
 Failure isolation: a sequence whose logits are not finite, or whose sampling, detokenising or
 stop-string check raises, is finished with reason "error: <why>" on its own (its KV blocks freed
-and their prefix hashes dropped); the other sequences of the step go on.
+and their prefix hashes dropped); the other sequences of the step go on. A model step that raises
+is retried one sequence at a time: only those that fail alone end with the error.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class LLMEngine:
         self.runner, self.tokenizer, self.kv = runner, tokenizer, runner.kv
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, runner.states)
         self.seqs: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.counters = EngineCounters()
         self.recorder = recorder
@@ -108,7 +109,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.runner.model.record_routing = self.recorder is not None
         full = [seq.prompt_logprobs is not None and seq.num_computed < seq.prompt_len for seq, _ in work]
-        logits, spans = self.runner.run_rows(work, full)
+        try:
+            logits, spans = self.runner.run_rows(work, full)
+        except Exception as e:  # noqa: BLE001 - find the sequence at fault instead of failing them all
+            if getattr(self.runner, "group", None) is not None:  # expert parallel: ranks step together
+                raise
+            log.exception("a step of %d sequences failed; running them one by one", len(work))
+            return outs + self._isolate_step_failure(work, e)
         logits = logits.cpu()  # sampling (and per-request CPU generators) on the host
         dt = time.perf_counter() - t0
         if self.recorder is not None:
@@ -188,6 +195,28 @@ class LLMEngine:
         return msg + ("; likely cause: non-finite weights (the checkpoint's tensors are scanned at load unless "
                       "--no-check-finite) or an overflow of the compute dtype")
 
+    def _isolate_step_failure(self, work: list[tuple[Sequence, int]], error: Exception) -> list[StepOutput]:
+        """The model step of `work` raised: run each sequence alone (nothing sampled, nothing advanced:
+        its KV slots are rewritten with the same values next step); those that fail alone end with the
+        error, the others run again in the next step."""
+        failed = []
+        for seq, n in work:
+            err = error
+            if len(work) > 1:
+                try:
+                    self.runner.run_rows([(seq, n)], [False])
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    err = e
+            failed.append(self._fail(seq, f"the model step failed: {type(err).__name__}: {err}"))
+        if self.scheduler.states is not None:
+            # hybrid models: the failed step (and the trial) advanced the linear-attention states in
+            # place, unlike KV slots they cannot be rewritten: the survivors recompute from token 0
+            for seq, _ in work:
+                if seq.finish_reason is None and seq in self.scheduler.running:
+                    self.scheduler.preempt(seq)
+        return failed
+
     def _fail(self, seq: Sequence, why: str) -> StepOutput:
         self.kv.forget(seq.block_ids)
         return self._finish(seq, f"error: {why}")
@@ -199,6 +228,8 @@ class LLMEngine:
             child = seq.fork(i)
             self.kv.acquire(seq.block_ids)
             child.block_ids = list(seq.block_ids)
+            if self.scheduler.states is not None:  # hybrid models: its own copy of the prompt's state
+                child.state_slot = self.scheduler.states.fork(seq.state_slot)
             self.scheduler.running.append(child)
             self.seqs[seq.request_id].append(child)
             children.append(child)

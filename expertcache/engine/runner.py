@@ -8,6 +8,7 @@ from ..layers.attention import AttnBatch
 from ..models.transformer import MoETransformer
 from .kv_cache import KVCache
 from .sequence import Sequence
+from .state_cache import StateBatch, StateCache
 
 
 def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch.device):
@@ -38,26 +39,34 @@ def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch
 
 
 class ModelRunner:
-    def __init__(self, model: MoETransformer, kv: KVCache):
-        self.model, self.kv = model, kv
+    def __init__(self, model: MoETransformer, kv: KVCache, states: StateCache | None = None):
+        self.model, self.kv, self.states = model, kv, states
 
-    def forward(self, ids: torch.Tensor, batch: AttnBatch, rows: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, batch: AttnBatch, rows: torch.Tensor | None,
+                states: StateBatch | None = None) -> torch.Tensor:
         """The one call into the model (expert-parallel rank 0 overrides it to mirror the batch)."""
-        return self.model.forward(ids, batch, self.kv.tensors, rows)
+        return self.model.forward(ids, batch, self.kv.tensors, rows, states)
+
+    def _states(self, work: list[tuple[Sequence, int]]) -> StateBatch | None:
+        """The batch's linear-attention state slots (hybrid models), in work order."""
+        if self.states is None:
+            return None
+        return self.states.batch([s.state_slot for s, _ in work], [n for _, n in work], self.model.device)
 
     def run(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
         """Compute KV for the scheduled tokens; -> logits [B, V] (last new token of each sequence),
         or [T, V] for every new token when all_logits."""
         ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
-        return self.forward(ids, batch, None if all_logits else last)
+        return self.forward(ids, batch, None if all_logits else last, self._states(work))
 
     def run_rows(self, work: list[tuple[Sequence, int]], full: list[bool]) -> tuple[torch.Tensor, list[range]]:
         """Like run, with every new token's logits for the sequences b where full[b] (prompt logprobs)
         and only the last one for the others; -> logits [R, V] and each sequence's rows (its last row
         is the next-token distribution)."""
         ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
+        states = self._states(work)
         if not any(full):
-            return self.forward(ids, batch, last), [range(b, b + 1) for b in range(len(work))]
+            return self.forward(ids, batch, last, states), [range(b, b + 1) for b in range(len(work))]
         rows, spans = [], []
         for b, (_, n) in enumerate(work):
             end = int(last[b]) + 1
@@ -65,4 +74,4 @@ class ModelRunner:
             spans.append(range(len(rows), len(rows) + end - start))
             rows += range(start, end)
         index = torch.tensor(rows, dtype=torch.int64, device=self.model.device)
-        return self.forward(ids, batch, index), spans
+        return self.forward(ids, batch, index, states), spans

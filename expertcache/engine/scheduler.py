@@ -7,6 +7,8 @@ Each step picks work under a token budget (max_num_batched_tokens):
 2. then waiting sequences join while the budget, max_num_seqs and free blocks allow;
    a joining sequence first reuses cached prefix blocks.
 A long prompt is split into chunks, so running decodes are never stalled by it.
+Hybrid models also give each scheduled sequence a slot of the state cache (with its first
+blocks); it is freed with the blocks, so a preempted sequence recomputes its state from token 0.
 A request with n > 1 joins only when its n samples fit under max_num_seqs; its siblings are
 forked by the engine once the prompt is computed and then run like any other sequence.
 A sequence that asks for prompt logprobs skips the prefix cache (its prompt is recomputed, so
@@ -19,11 +21,14 @@ from collections import deque
 
 from .kv_cache import KVCache
 from .sequence import Sequence
+from .state_cache import StateCache
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 states: StateCache | None = None):
         self.kv, self.max_num_seqs, self.budget = kv, max_num_seqs, max_num_batched_tokens
+        self.states = states
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -45,6 +50,10 @@ class Scheduler:
                   if self.kv.is_shared(seq.block_ids[i])]
         if need + len(shared) > self.kv.num_free:
             return False
+        if self.states is not None and seq.state_slot is None:
+            if not self.states.num_free:
+                return False
+            seq.state_slot = self.states.allocate()
         for i in shared:
             seq.block_ids[i] = self.kv.copy_on_write(seq.block_ids[i])
         seq.block_ids += self.kv.allocate(need)
@@ -53,6 +62,9 @@ class Scheduler:
     def free(self, seq: Sequence) -> None:
         self.kv.release(seq.block_ids)
         seq.block_ids = []
+        if seq.state_slot is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

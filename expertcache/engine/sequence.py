@@ -30,6 +30,7 @@ class Sequence:
         self.tokens = list(prompt_ids)
         self.params = params
         self.block_ids: list[int] = []
+        self.state_slot: int | None = None  # linear-attention state (engine/state_cache.py), hybrid models
         self.num_computed = 0
         self.num_cached = 0  # prompt tokens served by the prefix cache (first admission)
         self.high_water = 0  # prompt tokens ever computed or served from cache (counters)

@@ -117,7 +117,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     """logits [B, V] in place; bitmask [len(rows), W] int32, bit t of row i (little-endian words)
     set = token t allowed in logits row rows[i]."""
     V = logits.shape[1]
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=V, bitorder="little").view(bool)
-    allowed = torch.from_numpy(bits).to(logits.device)
-    idx = torch.tensor(rows, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    forbidden = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=-1, count=V, bitorder="little").view(bool)
+    forbidden = torch.from_numpy(forbidden).to(logits.device)
+    for i, b in enumerate(rows):  # in place, row by row: no gather/scatter of the whole batch
+        logits[b].masked_fill_(forbidden[i], float("-inf"))

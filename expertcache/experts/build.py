@@ -37,8 +37,16 @@ def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.
     mode = resolve_prefetch(cfg.prefetch, device, is_direct(device, plan.dev_parts, source.parts),
                             host_slots is not None and host_slots > 0)
     lines.append(f"prefetch: {PREFETCH_SAYS[mode]}; policy: {cfg.policy_name}")
+    cost = None
+    if device.type == "cuda" and cfg.cpu_compute == "auto":  # the per-miss choice prices each miss
+        from ..cost.measure import resolve_profile
+        from ..cost.model import ExpertCost
+
+        prof, how = resolve_profile(cfg.cost_profile, "cuda", source.index.model_dir)
+        cost = ExpertCost(prof, source.expert_nbytes, 3 * source.cfg.hidden_size * source.cfg.moe_intermediate_size)
+        lines.append(f"cost model: profile {prof.name} ({how})")
     if on_plan:
         on_plan(lines)
     cache = TieredExperts(source, device, dtype, plan.device.slots, host_slots, cfg, dev_parts=plan.dev_parts,
-                          stats=stats, progress=progress)
+                          stats=stats, progress=progress, cost=cost)
     return cache, lines

@@ -84,6 +84,7 @@ class CacheConfig:
     load_stats: str | None = None
     prefill_admit_tokens: int = 64
     low_memory: bool = False
+    cost_profile: str | None = None  # the per-miss choice's hardware profile (CUDA); None: the default
     ablation: CacheAblation = field(default_factory=CacheAblation)
 
     def __post_init__(self):
@@ -101,6 +102,13 @@ class CacheConfig:
             raise ConfigError(f"prefill_admit_tokens: an integer >= 0, got {n!r}")
         if not isinstance(self.low_memory, bool):
             raise ConfigError(f"low_memory: must be True or False, got {self.low_memory!r}")
+        if self.cost_profile is not None and self.cost_profile != "this-cpu":
+            from ..cost.profiles import get_profile
+
+            try:
+                get_profile(self.cost_profile)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"cost_profile: {e}") from None
         if self.load_stats is not None and not Path(self.load_stats).is_file():
             raise ConfigError(f"load_stats: {self.load_stats} is not a file")
         if not self.tiered:
@@ -123,7 +131,7 @@ class CacheConfig:
     def cache_only_options(self) -> list[str]:
         """The options set away from their defaults that only the tiered cache uses (keyword names)."""
         out = [k for k, default in (("cache_policy", None), ("prefetch", "auto"), ("cpu_compute", "auto"),
-                                    ("load_stats", None), ("prefill_admit_tokens", 64))
+                                    ("load_stats", None), ("prefill_admit_tokens", 64), ("cost_profile", None))
                if getattr(self, KEYWORDS.get(k, k)) != default]
         out += [f.name for f in fields(CacheAblation) if getattr(self.ablation, f.name) != f.default]
         return out
@@ -131,7 +139,7 @@ class CacheConfig:
     @classmethod
     def from_options(cls, **options) -> "CacheConfig":
         """From LLM(...) keywords: device_memory, host_memory, cache_policy, prefetch (a mode or a bool),
-        cpu_compute, load_stats, prefill_admit_tokens, low_memory and the CacheAblation switches."""
+        cpu_compute, load_stats, prefill_admit_tokens, low_memory, cost_profile and the CacheAblation switches."""
         abl = {f.name for f in fields(CacheAblation)}
         known = set(KEYWORDS) | {f.name for f in fields(cls)} - {"policy", "ablation"} | abl
         unknown = sorted(set(options) - known)

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cost.model import ExpertCost, default_profile
 from .compute import expert_ffn, moe_ffn
 from .config import CacheConfig
-from .disk import DiskReader
+from ..loader.disk import DiskReader
 from .layout import ExpertSource
 from .planner import Demotion, HostSource, PlannerConfig, StepPlanner
 from .prefetch import resolve_prefetch
@@ -45,20 +46,6 @@ from .slots import SlotTable
 from .stats import LayerCounters, collect, save_stats
 
 log = logging.getLogger("expertcache")
-
-
-@dataclass
-class CostModel:
-    """Per missing expert: compute on the CPU when that beats moving its bytes to the device."""
-
-    link_gbps: float = 25.0  # host -> device (PCIe 4 x16 ~25 GB/s effective)
-    cpu_mem_gbps: float = 20.0
-    cpu_gflops: float = 100.0
-
-    def cpu_faster(self, nbytes: int, tokens: int, flops_per_token: int) -> bool:
-        t_move = nbytes / (self.link_gbps * 1e9)
-        t_cpu = nbytes / (self.cpu_mem_gbps * 1e9) + tokens * flops_per_token / (self.cpu_gflops * 1e9)
-        return t_cpu < t_move
 
 
 def is_direct(device: torch.device, dev_parts, source_parts) -> bool:
@@ -140,7 +127,7 @@ class TieredExperts(ExpertProvider):
 
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, device_slots: int,
                  host_slots: int | None, options: CacheConfig | None = None, stats: torch.Tensor | None = None,
-                 progress=None, dev_parts=None, cost: CostModel | None = None):
+                 progress=None, dev_parts=None, cost: ExpertCost | None = None):
         options = options or CacheConfig(device_memory="auto")
         abl = options.ablation
         policy, prefetch, cpu_compute = options.policy_name, options.prefetch, options.cpu_compute
@@ -159,8 +146,9 @@ class TieredExperts(ExpertProvider):
         self.overlap_io, self.verify = abl.overlap_io, verify
         self.ahead: tuple[int, torch.Tensor] | None = None  # prefetch waiting for the demand reads
         self.cuda = device.type == "cuda"
-        self.cost = cost or CostModel()
-        flops_per_token = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        # per missing expert on CUDA (cpu_compute auto): computed on the CPU when that beats moving it
+        self.cost = cost or ExpertCost(default_profile(device.type), source.expert_nbytes,
+                                       3 * cfg.hidden_size * cfg.moe_intermediate_size)
         nbytes = source.expert_nbytes
         # exclusive tiers: an expert leaving the device tier keeps its bytes in a host slot (demotion)
         # and one promoted from a host slot frees it, so RAM + device hold disjoint experts
@@ -179,7 +167,7 @@ class TieredExperts(ExpertProvider):
             prefetch=self.prefetch_mode, prefill_admit_tokens=prefill_admit_tokens, exclusive=self.exclusive,
             direct=self.direct, staged_waves=self.cuda, gate_threshold=abl.prefetch_gate,
             gate_waste=0.25 if self.cuda else 1.0), L, stats,
-            cpu_faster=lambda tokens: self.cost.cpu_faster(nbytes, tokens, flops_per_token))
+            cpu_faster=self.cost.cpu_faster)
         self.reader = DiskReader(o_direct=abl.o_direct)
         self.mover = ThreadPoolExecutor(1, thread_name_prefix="expert-mover")
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None

@@ -24,7 +24,7 @@ replay, which builds it from the trace's access sequence.
 
 Registry: lru, lfru, lfu, static, min, "lfru-admit" (the best single policy on the
 trained top-2 traces; see `LFRUAdmit`) and "adaptive" (the default: per layer, follows
-whichever of lfru-admit and lfru its ghost tables show hitting more). Every victim choice
+whichever of lfru-admit, lfru and lfu its ghost tables show hitting more; bench/policy_bench.py). Every victim choice
 is O(capacity).
 """
 
@@ -281,10 +281,11 @@ class Adaptive(Policy):
     a ghost SlotTable of the same capacity fed with the same uses (a use: a touch, or a refused
     miss); ghost hits decay by `decay` per step. admit and victim go to the leader. Why: the
     admission filter of lfru-admit is the best on the trained top-2 traces and the worst on a
-    top-8 trace with topic shifts, where plain lfru leads (README, "cache policies").
+    top-8 trace with topic shifts, where plain lfru leads; on stationary Zipf skews full-history
+    lfu leads (README, "cache policies"; bench/policy_bench.py over traces none was tuned on).
     """
 
-    def __init__(self, candidates=("lfru-admit", "lfru"), decay: float = 0.98, **kw):
+    def __init__(self, candidates=("lfru-admit", "lfru", "lfu"), decay: float = 0.98, **kw):
         super().__init__(**kw)
         from .slots import SlotTable
 

@@ -8,6 +8,7 @@ Shape legend:
 New keys/values are written at `slot_mapping` (flat index block * block_size + offset)
 before the gather, so a sequence sees its own new tokens. Masking: key position kp is
 visible to a query at position qp iff kp <= qp and kp > qp - window (sliding window).
+With attn_output_gate, q_proj yields [query, gate] per head and the output is scaled by sigmoid(gate).
 
 Attention sinks (GPT-OSS, `w["sinks"]` [h]): a learned logit per head joins each softmax
 denominator without a value, softmax([q.k * scale..., sink_h]) dropping the sink's column. It is
@@ -46,6 +47,9 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, w, T = self.cfg, self.w, x.shape[0]
         q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+        if cfg.attn_output_gate:  # per head [query (D), gate (D)]
+            q, gate = q.view(T, self.h, 2 * self.d).chunk(2, dim=-1)
+            q, gate = q.reshape(T, self.h * self.d), gate.reshape(T, self.h * self.d)
         k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
         v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
         if cfg.qk_norm == "full":
@@ -74,6 +78,8 @@ class Attention:
             enable_gqa=self.g != self.h
         )  # [B, h, Q, D]
         o = o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token].reshape(T, self.h * self.d)
+        if cfg.attn_output_gate:
+            o = o * torch.sigmoid(gate)
         return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
     def _sink_column(self, keys, vals, mask, dtype):

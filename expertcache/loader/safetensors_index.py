@@ -14,7 +14,7 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -96,6 +96,16 @@ class TensorIndex:
         if not files:
             raise CheckpointError(f"{self.model_dir}: no model.safetensors or model.safetensors.index.json")
         return files
+
+    def rename(self, fn) -> None:
+        """Index the tensors under fn(checkpoint name) (None: leave the tensor out); a family whose
+        checkpoints nest the decoder (e.g. `model.language_model.*`) maps them to `model.*`."""
+        renamed = {}
+        for name, t in self.tensors.items():
+            new = fn(name)
+            if new is not None:
+                renamed[new] = t if new == name else replace(t, name=new)
+        self.tensors = renamed
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

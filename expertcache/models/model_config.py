@@ -77,10 +77,21 @@ class ModelConfig:
     mla: MLA | None = None  # multi-head latent attention instead of q/k/v projections
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
     router: RouterSpec = field(default_factory=RouterSpec)
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: o = attn * sigmoid(gate) (Qwen3-Next)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): 1.0 for zero-centred norms (Qwen3-Next)
+    linear_attn: LinearAttnConfig | None = None  # hybrid models: the Gated DeltaNet layers
 
     @property
     def moe_layer_ids(self) -> list[int]:
         return [i for i, m in enumerate(self.moe_layers) if m]
+
+    def is_linear(self, layer: int) -> bool:
+        return self.linear_attn is not None and self.linear_attn.layers[layer]
+
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        """Layers with softmax attention (the ones that own KV cache blocks)."""
+        return [i for i in range(self.num_layers) if not self.is_linear(i)]
 
     @property
     def rope_dim(self) -> int:
@@ -93,6 +104,22 @@ class ModelConfig:
         if self.mla is not None:
             return ((self.mla.kv_lora_rank + self.mla.qk_rope_head_dim,),)
         return ((self.num_kv_heads, self.head_dim),) * 2
+
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5-MoE linear_attention layers)."""
+
+    layers: tuple[bool, ...]  # per layer: linear attention (True) or softmax attention
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads: each q/k head serves num_v_heads // num_k_heads v heads
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # causal depthwise conv width; the conv state keeps conv_kernel - 1 inputs
+
+    @property
+    def conv_dim(self) -> int:  # channels of the convolved q|k|v projection
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 def require(hf: dict, key: str, *aliases: str):

@@ -34,6 +34,9 @@ class Family:
     architectures: tuple[str, ...]
     parse: Callable[[dict], ModelConfig]
     names: WeightNames
+    # checkpoint tensor name -> the name the decoder reads (None: not used, e.g. a vision tower);
+    # None = names as stored
+    tensor_names: Callable[[str], str | None] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -45,9 +48,19 @@ def register(family: Family) -> Family:
     return family
 
 
+def open_index(model_dir: str | Path, family: Family):
+    """The checkpoint's tensor index under the names the decoder reads (family.tensor_names)."""
+    from ..loader.safetensors_index import TensorIndex
+
+    index = TensorIndex(model_dir)
+    if family.tensor_names is not None:
+        index.rename(family.tensor_names)
+    return index
+
+
 def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:
     """Parse model_dir/config.json (+ generation_config.json) into (family, ModelConfig, raw dict)."""
-    from . import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401  (register the families)
+    from . import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next  # noqa: F401  (register the families)
 
     path = Path(model_dir) / "config.json"
     if not path.exists():

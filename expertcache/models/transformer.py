@@ -7,6 +7,10 @@ not: each MoE layer calls the ExpertProvider, which owns where they live.
 Before layer l's experts run, the router of the next MoE layer is applied to the
 current residual stream (normed with that layer's post-attention norm): the
 prediction is handed to `experts.prefetch` so transfers overlap this layer's work.
+
+The token mixer is chosen per layer: softmax attention over the paged KV cache (kv holds one
+(k, v) pair per attention layer, in layer order) or, in hybrid models, a Gated DeltaNet layer
+over the per-sequence state cache (`states`, layers/gated_deltanet.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
 from ..layers.basic import Rotary, linear, rms_norm, swiglu
+from ..layers.gated_deltanet import GatedDeltaNet, StateBatch, load_weights as load_linear_attn
 from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
@@ -54,6 +59,10 @@ class MoETransformer:
                 progress(t.numel() * index.info(name).dtype.itemsize)
             return t
 
+        def norm(name, shape):  # zero-centred norms (norm_offset 1) scale by 1 + weight
+            t = load(name, shape)
+            return t + cfg.norm_offset if cfg.norm_offset else t
+
         # The embedding table is only gathered from: keep it in its stored float dtype (exact: rows
         # are converted after the lookup) unless lm_head shares it. Saves V x H x 2 bytes on CPU.
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in index
@@ -69,14 +78,18 @@ class MoETransformer:
             progress(emb.nbytes)
         self.rotary = Rotary(cfg, device)
         self.layers = []
+        self.kv_index = {layer: n for n, layer in enumerate(cfg.attention_layer_ids)}
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
             layer = {
-                "attn": MLAttention(cfg, i, load_mla(cfg, p, load), self.rotary) if cfg.mla is not None
-                else Attention(cfg, i, self._mha_weights(p, load), self.rotary),
-                "input_ln": load(f"{p}.input_layernorm.weight", (H,)),
-                "post_ln": load(f"{p}.post_attention_layernorm.weight", (H,)),
+                "input_ln": norm(f"{p}.input_layernorm.weight", (H,)),
+                "post_ln": norm(f"{p}.post_attention_layernorm.weight", (H,)),
             }
+            if cfg.is_linear(i):
+                layer["linear"] = GatedDeltaNet(cfg, i, load_linear_attn(load, index, f"{p}.linear_attn", cfg))
+            else:
+                layer["attn"] = (MLAttention(cfg, i, load_mla(cfg, p, load), self.rotary) if cfg.mla is not None
+                                 else Attention(cfg, i, self._mha_weights(p, load, norm), self.rotary))
             if cfg.moe_layers[i]:
                 prefix = next((f"{p}.{m}" for m in names.moe_prefixes if f"{p}.{m}.{names.router}.weight" in index),
                               f"{p}.{names.moe_prefixes[0]}")
@@ -98,7 +111,7 @@ class MoETransformer:
                 layer["mlp"] = (load(f"{p}.mlp.gate_proj.weight", (I, H)), load(f"{p}.mlp.up_proj.weight", (I, H)),
                                 load(f"{p}.mlp.down_proj.weight", (H, I)))
             self.layers.append(layer)
-        self.norm = load("model.norm.weight", (H,))
+        self.norm = norm("model.norm.weight", (H,))
         if tied:
             self.lm_head = self.embed
         else:
@@ -106,33 +119,35 @@ class MoETransformer:
         moe = cfg.moe_layer_ids
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
 
-    def _mha_weights(self, p: str, load) -> dict[str, torch.Tensor]:
+    def _mha_weights(self, p: str, load, norm) -> dict[str, torch.Tensor]:
         """q/k/v/o projections (+ biases, q/k norms) of layer prefix p."""
         cfg, H = self.cfg, self.cfg.hidden_size
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_rows = 2 * q_dim if cfg.attn_output_gate else q_dim  # per head: [query, gate]
         a = {
-            "q_proj.weight": load(f"{p}.self_attn.q_proj.weight", (q_dim, H)),
+            "q_proj.weight": load(f"{p}.self_attn.q_proj.weight", (q_rows, H)),
             "k_proj.weight": load(f"{p}.self_attn.k_proj.weight", (kv_dim, H)),
             "v_proj.weight": load(f"{p}.self_attn.v_proj.weight", (kv_dim, H)),
             "o_proj.weight": load(f"{p}.self_attn.o_proj.weight", (H, q_dim)),
         }
         if cfg.qkv_bias:
-            for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+            for n, d in (("q", q_rows), ("k", kv_dim), ("v", kv_dim)):
                 a[f"{n}_proj.bias"] = load(f"{p}.self_attn.{n}_proj.bias", (d,))
         if cfg.o_bias:
             a["o_proj.bias"] = load(f"{p}.self_attn.o_proj.bias", (H,))
         if cfg.qk_norm:
             qn, kn = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (q_dim, kv_dim)
-            a["q_norm.weight"] = load(f"{p}.self_attn.q_norm.weight", (qn,))
-            a["k_norm.weight"] = load(f"{p}.self_attn.k_norm.weight", (kn,))
+            a["q_norm.weight"] = norm(f"{p}.self_attn.q_norm.weight", (qn,))
+            a["k_norm.weight"] = norm(f"{p}.self_attn.k_norm.weight", (kn,))
         if cfg.attn_sinks:
             a["sinks"] = load(f"{p}.self_attn.sinks", (cfg.num_heads,))
         return a
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [T] -> logits [len(logits_rows) or T, V] in float32."""
+                logits_rows: torch.Tensor | None = None, states: StateBatch | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [len(logits_rows) or T, V] in float32. kv: one (k, v) cache pair per
+        attention layer; states: the sequences' linear-attention states (hybrid models only)."""
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed).to(self.dtype)
         self.routing = {}
@@ -141,7 +156,10 @@ class MoETransformer:
         try:
             for i, layer in enumerate(self.layers):
                 x = rms_norm(h, layer["input_ln"], cfg.rms_norm_eps)
-                h = h + layer["attn"](x, batch, *kv[i])
+                if "linear" in layer:
+                    h = h + layer["linear"](x, batch.seq_of_token, batch.row_of_token, batch.max_q, states)
+                else:
+                    h = h + layer["attn"](x, batch, *kv[self.kv_index[i]])
                 x = rms_norm(h, layer["post_ln"], cfg.rms_norm_eps)
                 h = h + (self._moe(i, layer, h, x) if "router" in layer else swiglu(x, *layer["mlp"]))
                 if logits_rows is not None:  # B x H per layer, no sync: cheap next to the layer

@@ -27,7 +27,8 @@ class ParallelRunner(ModelRunner):
         if group.rank == 0:
             kv.copied = []  # copy-on-write block copies (n > 1 samples) are replayed on every rank
 
-    def forward(self, ids, batch, rows) -> torch.Tensor:
+    def forward(self, ids, batch, rows, states=None) -> torch.Tensor:
+        assert states is None, "hybrid linear-attention models are refused with expert parallelism (llm.py)"
         ctl = self.experts.control()
         self.steps += 1
         ctl["gather"] = self.steps % STATS_EVERY == 1

@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 
+from ..cost.model import DEFAULT_PROFILE
 from ..errors import BudgetError
 from ..units import fmt_bytes
 
-DEFAULT_PROFILE = {"cpu": "cpu-only", "cuda": "rtx4090-pcie4"}
 
 
 def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -68,24 +67,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _profile(spec: str | None, device: str, model_dir):
-    """(Profile, how it was chosen). Device cpu drops a profile's GPU figures; cuda needs them."""
-    from ..trace.profiles import get_profile
+    """(Profile, how it was chosen): cost.measure.resolve_profile, the engine's own resolution."""
+    from ..cost.measure import resolve_profile
 
-    how = "given"
-    if spec is None:
-        spec, how = DEFAULT_PROFILE[device], f"default for --device {device}"
-    if spec == "this-cpu":
-        from .hw import measure_cpu_profile
-
-        m = measure_cpu_profile(model_dir)
-        prof, how = m.profile, f"measured now with {m.threads} torch threads" + (f"; {m.notes}" if m.notes else "")
-    else:
-        prof = get_profile(spec)
-    if device == "cpu" and prof.has_gpu:
-        prof, how = replace(prof, gpu_mem_gbs=0.0, gpu_tflops=0.0), how + "; GPU figures ignored for --device cpu"
-    if device == "cuda" and not prof.has_gpu:
-        raise ValueError(f"--profile: {prof.name!r} has no GPU figures; pick a GPU profile for --device cuda")
-    return prof, how
+    prof, how = resolve_profile(spec, device, model_dir)
+    return prof, how.replace("device ", "--device ")
 
 
 def build_report(args: argparse.Namespace) -> dict:
@@ -117,7 +103,7 @@ def build_report(args: argparse.Namespace) -> dict:
                  "device_budget": None, "host_budget": None, "device_used": None, "host_used": None,
                  "staging": None, "lines": []},
         "kv": {"bytes_per_token": sizes.kv_per_token, "device_free": None, "tokens_in_device_free": None,
-               **_auto_kv(cfg, sizes.kv_per_token)},
+               "state_bytes_per_sequence": sizes.state_per_sequence, **_auto_kv(cfg, sizes.kv_per_token)},
         "speed": None,
     }
     try:
@@ -140,7 +126,7 @@ def _auto_kv(cfg, kv_per_token: int, max_num_seqs: int = 16, block_size: int = 1
     from ..engine.kv_cache import auto_kv_blocks, default_max_model_len
 
     mml = default_max_model_len(cfg.max_position_embeddings)
-    blocks = auto_kv_blocks(mml, max_num_seqs, kv_per_token * block_size, block_size)
+    blocks = auto_kv_blocks(mml, max_num_seqs, max(1, kv_per_token * block_size), block_size)
     return {"auto_max_model_len": mml, "auto_max_num_seqs": max_num_seqs, "auto_tokens": blocks * block_size,
             "auto_bytes": blocks * block_size * kv_per_token}
 
@@ -197,6 +183,9 @@ def text_lines(r: dict) -> list[str]:
                f"= {fmt_bytes(kv['auto_bytes'])} for {kv['auto_tokens']:,} tokens, besides the budgets above; the "
                f"unused {fmt_bytes(kv['device_free'])} of the device budget would hold "
                f"{kv['tokens_in_device_free']:,} tokens")
+    if kv["state_bytes_per_sequence"]:
+        out.append(f"linear-attention state: {fmt_bytes(kv['state_bytes_per_sequence'])}/sequence at any context "
+                   "length (the engine holds max_num_seqs + 1 of them)")
     s = r["speed"]
     lo, hi = s["band_tok_s"]
     out.append(f"decode speed, 1 sequence: {lo:.1f} - {hi:.1f} tok/s on profile {s['profile']} ({s['profile_source']})")

@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 
 from ..engine.kv_cache import KVCache
+from ..engine.state_cache import StateCache
 from ..experts.budget import MemoryPlan, dense_compute_bytes
 from ..experts.budget import plan_memory as budget_plan
 from ..experts.layout import ExpertSource
 from ..llm import default_dtype
 from ..loader.safetensors_index import TensorIndex
 from ..models.mtp import drop_mtp_layers
-from ..models.registry import read_config
+from ..models.registry import open_index, read_config
 from ..quant.checkpoint import method_from_config
 
 
@@ -47,7 +48,7 @@ def read_model(model_dir: str | Path) -> ModelInfo:
     """config.json + safetensors headers -> ModelInfo (ConfigError / CheckpointError as the engine raises)."""
     model_dir = Path(model_dir)
     family, cfg, hf = read_config(model_dir)
-    index = TensorIndex(model_dir)
+    index = open_index(model_dir, family)
     drop_mtp_layers(index, cfg, hf)
     source = ExpertSource(index, cfg, family.names, method_from_config(hf))
     size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
@@ -67,7 +68,8 @@ class Sizes:
     stored_dtype: str
     fast_format: str
     quantized: str | None
-    kv_per_token: int
+    kv_per_token: int  # KV of the softmax-attention layers only
+    state_per_sequence: int  # linear-attention conv + recurrent state (hybrid models), any context length
 
 
 def model_sizes(info: ModelInfo, dtype: torch.dtype) -> Sizes:
@@ -82,7 +84,8 @@ def model_sizes(info: ModelInfo, dtype: torch.dtype) -> Sizes:
                  stored_dtype=method or str(src.dtype).removeprefix("torch."),
                  fast_format=f"{method}, as stored" if method else str(dtype).removeprefix("torch."),
                  quantized=method,
-                 kv_per_token=KVCache.bytes_per_block(cfg.num_layers, 1, cfg.kv_token_shapes, dtype))
+                 kv_per_token=KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.kv_token_shapes, dtype),
+                 state_per_sequence=StateCache.bytes_per_sequence(cfg, dtype))
 
 
 def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..trace.format import RoutingTrace
-from ..trace.profiles import Profile
+from ..cost.profiles import Profile
 from ..trace.replay import ReplayResult, replay
 from ..trace.simulate import ModelShape, Prediction, simulate
 from ..trace.synthetic import synth_trace

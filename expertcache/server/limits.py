@@ -16,6 +16,7 @@ loop for long, so /health keeps answering while a hostile request is refused):
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from .errors import ApiError
@@ -107,12 +108,27 @@ def check_shape(obj) -> None:
                 stack.append((child, depth + 1, path + (k,)))
 
 
+# the key in front of what the parser refused, found in the raw bytes (error path only)
+_LONG_NUMBER = re.compile(rb'"([^"\\]{1,64})"\s*:\s*(?=[-+.\deE]{%d})' % (MAX_INT_DIGITS + 1))
+_DEEP = re.compile(rb'"([^"\\]{1,64})"\s*:\s*(?=(?:[\[{]\s*){%d})' % MAX_DEPTH)
+
+
+def _named(e: ApiError, raw: bytes, pattern: re.Pattern) -> ApiError:
+    m = pattern.search(raw)
+    if m is None or e.param is not None:
+        return e
+    param = m.group(1).decode("utf-8", "replace")
+    return ApiError(f"'{param}': {e.message}", param, e.status, e.type, e.code)
+
+
 def parse_body(raw: bytes) -> dict:
     """Bytes -> the JSON object of a request, or ApiError (400). Run it off the event loop."""
     try:
         obj = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except RecursionError:
-        raise ApiError(f"the request body nests deeper than {MAX_DEPTH} levels") from None
+        raise _named(ApiError(f"the request body nests deeper than {MAX_DEPTH} levels"), raw, _DEEP) from None
+    except ApiError as e:  # a number too long
+        raise _named(e, raw, _LONG_NUMBER) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(f"the request body is not valid JSON ({e})") from None
     if not isinstance(obj, dict):

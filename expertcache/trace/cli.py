@@ -124,7 +124,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_simulate(args) -> int:
-    from .profiles import get_profile
+    from ..cost.profiles import get_profile
     from .replay import replay
     from .simulate import ModelShape, simulate
 

@@ -19,6 +19,7 @@ bandwidths in bytes/s and throughputs in FLOP/s (a matmul costs 2 FLOP/param/row
                  + S * (step_overhead + moe_layers * layer_overhead)
     tok/s      = rows / total
 
+The per-use terms are cost.model.ExpertCost's, the same the engine's per-miss choice uses.
 Without a GPU (profile.gpu_tflops == 0) dense and every use run on the CPU
 (cpu_exp), misses cost only the disk read when from_disk. It is a first-order
 model: no overlap of demand transfers with compute; kernel launch and Python dispatch
@@ -32,7 +33,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .profiles import Profile
+from ..cost.model import ExpertCost
+from ..cost.profiles import Profile
 from .replay import ReplayResult, replay
 
 
@@ -52,6 +54,8 @@ class ModelShape:
         if not isinstance(cfg, dict):
             p = Path(cfg)
             cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+            cfg = cfg["text_config"]  # a multimodal checkpoint: the decoder's fields
         try:
             h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
             inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
@@ -106,8 +110,9 @@ def simulate(result: ReplayResult | object, shape: ModelShape, profile: Profile,
     u_step = result.rows / max(result.steps, 1)
     bd = shape.dense_params * shape.bytes_per_param
     over = result.steps * (profile.step_overhead_ms + len(result.per_layer) * profile.layer_overhead_ms) / 1e3
-    disk = eb / (profile.disk_gbs * gb) if from_disk and profile.disk_gbs > 0 else 0.0
-    cpu_exp = max(eb / (profile.cpu_mem_gbs * gb), 2 * shape.expert_params * u / (profile.cpu_gflops * 1e9))
+    cost = ExpertCost(profile, eb, shape.expert_params)  # the engine's per-miss terms
+    disk = cost.disk() if from_disk else 0.0
+    cpu_exp = cost.cpu_use(u)
     if not profile.has_gpu:
         dense = result.steps * max(bd / (profile.cpu_mem_gbs * gb),
                                    2 * shape.dense_params * u_step / (profile.cpu_gflops * 1e9))
@@ -117,9 +122,9 @@ def simulate(result: ReplayResult | object, shape: ModelShape, profile: Profile,
                           over)
     dense = result.steps * max(bd / (profile.gpu_mem_gbs * gb),
                                2 * shape.dense_params * u_step / (profile.gpu_tflops * tf))
-    gpu_exp = max(eb / (profile.gpu_mem_gbs * gb), 2 * shape.expert_params * u / (profile.gpu_tflops * tf))
-    xfer = (eb / (profile.link_gbs * gb) if profile.link_gbs > 0 else float("inf")) + disk
-    on_cpu = cpu_compute and cpu_exp + disk < xfer + gpu_exp
+    gpu_exp = cost.gpu_use(u)
+    xfer = cost.transfer(from_disk)
+    on_cpu = cpu_compute and cost.cpu_faster(u, from_disk)
     m = result.misses
     hit_s = result.hits * gpu_exp
     if on_cpu:

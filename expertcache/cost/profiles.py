@@ -1,4 +1,4 @@
-"""Hardware profiles for the cost model (expertcache.trace.simulate).
+"""Hardware profiles for the cost model (cost.model: the engine's per-miss choice, trace simulate, plan).
 
 A Profile is bandwidths in GB/s (10**9 bytes/s) and throughputs in GFLOP/s or
 TFLOP/s. `gpu_tflops == 0` means no accelerator: everything runs on the CPU.

@@ -1,0 +1,192 @@
+"""A `this-cpu` hardware profile from quick micro-measurements (a second or two in all).
+
+- cpu_mem_gbs: a float32 tensor copy much larger than the caches (bytes read + written / s)
+- cpu_gflops:  a float32 matmul (2 * n**3 FLOP / s); `gemv=True` measures one-row products
+               [1, H] @ [H, I] instead, the shape of a decode step
+- disk_gbs:    O_DIRECT reads of checkpoint files with the engine's DiskReader (page cache
+               bypassed where the filesystem allows it; otherwise a warm-cache figure, flagged)
+Each figure is the best of a few repetitions, measured with torch's current thread count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..loader.disk import DiskReader
+from .profiles import BUILTIN, Profile
+
+
+@dataclass
+class Measured:
+    profile: Profile
+    threads: int
+    disk_direct: bool  # False: reads went through the page cache, disk_gbs is optimistic
+    notes: str
+
+
+def _best(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def mem_gbs(mib: int = 256, reps: int = 3) -> float:
+    src = torch.ones(mib << 18)  # float32: mib MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), reps) / 1e9
+
+
+def matmul_gflops(n: int = 512, reps: int = 3) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    return 2 * n ** 3 / _best(lambda: a @ b, reps) / 1e9
+
+
+def gemv_gflops(h: int = 256, i: int = 512, batch: int = 64, reps: int = 5) -> float:
+    """One-row products against `batch` different weight matrices (cache-cold like experts)."""
+    ws = [torch.randn(h, i) for _ in range(batch)]
+    x = torch.randn(1, h)
+
+    def run():
+        for w in ws:
+            x @ w
+
+    run()
+    return 2 * h * i * batch / _best(run, reps) / 1e9
+
+
+def disk_gbs(files: list[Path], limit: int = 256 << 20, chunk: int = 4 << 20) -> tuple[float, bool]:
+    """Sequential O_DIRECT reads of up to `limit` bytes over `files`; (GB/s, direct used)."""
+    reader = DiskReader(o_direct=True, threads=1)
+    buf = torch.empty(chunk, dtype=torch.uint8)
+    mv = memoryview(buf.numpy())
+    total = 0
+    t0 = time.perf_counter()
+    try:
+        for f in files:
+            size = f.stat().st_size
+            for off in range(0, size - chunk + 1, chunk):
+                reader.read_range(f, off, mv)
+                total += chunk
+                if total >= limit:
+                    break
+            if total >= limit:
+                break
+        dt = time.perf_counter() - t0
+        direct = reader.direct_used
+    finally:
+        reader.close()
+    if total == 0:
+        raise ValueError("disk_gbs: the files are smaller than one read chunk")
+    return total / dt / 1e9, direct
+
+
+def measure_cpu_profile(model_dir: str | Path | None = None, name: str = "this-cpu", gemv: bool = False) -> Measured:
+    """Profile(name, link 0, disk, cpu mem, cpu GFLOP/s) of this machine (no GPU terms)."""
+    files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir else []
+    disk, direct = disk_gbs(files) if files else (3.0, False)
+    mem = mem_gbs()
+    flops = gemv_gflops() if gemv else matmul_gflops()
+    notes = "" if files else "disk not measured (no model dir): 3 GB/s assumed"
+    if files and not direct:
+        notes = "O_DIRECT refused: disk figure includes the page cache"
+    prof = Profile(name, link_gbs=0.0, disk_gbs=round(disk, 3), cpu_mem_gbs=round(mem, 3), cpu_gflops=round(flops, 2),
+                   layer_overhead_ms=BUILTIN["cpu-only"].layer_overhead_ms)  # dispatch cost: not measured here
+    return Measured(prof, torch.get_num_threads(), direct, notes)
+
+
+_MEASURED: dict[tuple, Measured] = {}
+
+
+def _cache_file() -> Path:
+    import os
+
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "expertcache" / "this-cpu.json"
+
+
+def _hardware_key(model_dir) -> str:
+    import os
+    import platform
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    dev = Path(model_dir).stat().st_dev if model_dir else -1  # the disk figure is the model's filesystem's
+    return f"{cpu}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}|dev={dev}"
+
+
+def this_cpu(model_dir: str | Path | None = None, refresh: bool = False) -> tuple[Measured, bool]:
+    """The `this-cpu` profile, measured once per machine (hardware key: CPU model, cores, torch
+    threads and version, the model's filesystem) and cached in memory and in
+    $XDG_CACHE_HOME/expertcache/this-cpu.json. -> (measurement, True when it came from the cache)."""
+    import json
+
+    key = _hardware_key(model_dir)
+    if not refresh and key in _MEASURED:
+        return _MEASURED[key], True
+    path = _cache_file()
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if not refresh and isinstance(saved.get(key), dict):
+        d = saved[key]
+        try:
+            m = Measured(Profile(**d["profile"]), d["threads"], d["disk_direct"], d["notes"])
+            _MEASURED[key] = m
+            return m, True
+        except (KeyError, TypeError):
+            pass  # an older or damaged entry: measure again
+    m = measure_cpu_profile(model_dir)
+    _MEASURED[key] = m
+    saved[key] = {"profile": m.profile.__dict__, "threads": m.threads, "disk_direct": m.disk_direct,
+                  "notes": m.notes}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(saved, indent=1))
+    except OSError:
+        pass  # a read-only home: measured again next process
+    return m, False
+
+
+def resolve_profile(spec: str | None, device: str, model_dir=None) -> tuple[Profile, str]:
+    """(Profile, how it was chosen) for `plan` and the engine's per-miss choice. None: the default for
+    the device (cost.model.DEFAULT_PROFILE); "this-cpu": measured once and cached (on cuda its GPU and
+    link figures come from the default CUDA profile); else a built-in name or FILE.toml[:NAME]. A CPU
+    device drops a profile's GPU figures; a CUDA device needs them."""
+    from dataclasses import replace
+
+    from .model import DEFAULT_PROFILE
+    from .profiles import get_profile
+
+    how = "given"
+    if spec is None:
+        spec, how = DEFAULT_PROFILE[device], f"default for device {device}"
+    if spec == "this-cpu":
+        m, cached = this_cpu(model_dir)
+        prof = m.profile
+        how = (f"measured {'earlier (cached)' if cached else 'now'} with {m.threads} torch threads"
+               + (f"; {m.notes}" if m.notes else ""))
+        if device == "cuda":
+            g = BUILTIN[DEFAULT_PROFILE["cuda"]]
+            prof = replace(prof, link_gbs=g.link_gbs, gpu_mem_gbs=g.gpu_mem_gbs, gpu_tflops=g.gpu_tflops,
+                           layer_overhead_ms=g.layer_overhead_ms)
+            how += f"; link and GPU figures from {g.name}"
+    else:
+        prof = get_profile(spec)
+    if device == "cpu" and prof.has_gpu:
+        prof, how = replace(prof, gpu_mem_gbs=0.0, gpu_tflops=0.0), how + "; GPU figures ignored for device cpu"
+    if device == "cuda" and not prof.has_gpu:
+        raise ValueError(f"profile: {prof.name!r} has no GPU figures; pick a GPU profile for device cuda")
+    return prof, how

@@ -1,0 +1,55 @@
+"""What one use of one expert costs under a hardware Profile: the terms every consumer shares.
+
+    gpu_use(u)   = max(eb / gpu_mem, 2 Pe u / gpu_flops)     a resident expert, u rows
+    cpu_use(u)   = max(eb / cpu_mem, 2 Pe u / cpu_flops)     computed on the CPU from host RAM
+    transfer     = eb / link  (+ eb / disk when from_disk)   bytes to the device
+    cpu_faster(u) <=> cpu_use(u) + disk < transfer + gpu_use(u)
+
+(eb = bytes of one expert, Pe = its parameters; bandwidths in bytes/s, throughputs in FLOP/s).
+A miss read from disk pays the disk on both sides, so the per-miss choice does not depend on it.
+The engine asks `cpu_faster(tokens)` for each missing expert (cpu_compute="auto" on CUDA);
+trace.simulate prices a replay with the same terms; plan.speed calls simulate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .profiles import BUILTIN, Profile
+
+DEFAULT_PROFILE = {"cpu": "cpu-only", "cuda": "rtx4090-pcie4"}  # used when none is given (engine and plan)
+
+GB, TF = 1e9, 1e12
+
+
+@dataclass(frozen=True)
+class ExpertCost:
+    profile: Profile
+    expert_bytes: int
+    expert_params: int
+
+    def gpu_use(self, rows: float = 1.0) -> float:
+        p = self.profile
+        return max(self.expert_bytes / (p.gpu_mem_gbs * GB), 2 * self.expert_params * rows / (p.gpu_tflops * TF))
+
+    def cpu_use(self, rows: float = 1.0) -> float:
+        p = self.profile
+        return max(self.expert_bytes / (p.cpu_mem_gbs * GB), 2 * self.expert_params * rows / (p.cpu_gflops * 1e9))
+
+    def disk(self) -> float:
+        return self.expert_bytes / (self.profile.disk_gbs * GB) if self.profile.disk_gbs > 0 else 0.0
+
+    def transfer(self, from_disk: bool = False) -> float:
+        link = self.profile.link_gbs
+        return (self.expert_bytes / (link * GB) if link > 0 else float("inf")) + (self.disk() if from_disk else 0.0)
+
+    def cpu_faster(self, rows: float, from_disk: bool = False) -> bool:
+        """Is a missing expert used by `rows` rows cheaper computed on the CPU than moved to the device?"""
+        if not self.profile.has_gpu:
+            return True
+        d = self.disk() if from_disk else 0.0
+        return self.cpu_use(rows) + d < self.transfer(from_disk) + self.gpu_use(rows)
+
+
+def default_profile(device: str) -> Profile:
+    return BUILTIN[DEFAULT_PROFILE[device]]

@@ -1,0 +1,42 @@
+"""The one cost model: the per-miss choice on both sides of its break-even, hand-computed, and the
+same decision wherever it is made (the step planner, trace simulate)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from expertcache.cost.model import ExpertCost
+from expertcache.cost.profiles import Profile
+from expertcache.experts.planner import PlannerConfig, StepPlanner
+from expertcache.trace.format import RoutingTrace
+from expertcache.trace.replay import replay
+from expertcache.trace.simulate import ModelShape, simulate
+
+# 100 MB experts of 50 M parameters; link 10 GB/s, CPU 50 GB/s and 100 GFLOP/s, GPU 1 TB/s and 100 TFLOP/s:
+#   CPU:  max(1e8 / 50e9, 2 * 5e7 * u / 1e11) = max(2 ms, 1 ms * u)
+#   move: 1e8 / 1e10 + max(1e8 / 1e12, 2 * 5e7 * u / 1e14) = 10 ms + max(0.1 ms, 1 us * u)
+# so the CPU wins while 1 ms * u < 10 ms + 0.1 ms: up to u = 10 rows, the device from u = 11.
+PROF = Profile("hand", link_gbs=10, disk_gbs=2, cpu_mem_gbs=50, cpu_gflops=100, gpu_mem_gbs=1000, gpu_tflops=100)
+COST = ExpertCost(PROF, expert_bytes=10**8, expert_params=5 * 10**7)
+
+
+def test_per_miss_choice_on_both_sides_of_break_even():
+    assert COST.cpu_use(10) == 10e-3 and COST.transfer() + COST.gpu_use(10) == 10.1e-3
+    assert [COST.cpu_faster(u) for u in (1, 2, 10, 11, 100)] == [True, True, True, False, False]
+    assert COST.cpu_faster(10, from_disk=True) and not COST.cpu_faster(11, from_disk=True)  # disk on both sides
+    no_gpu = ExpertCost(Profile("cpu", link_gbs=0, disk_gbs=2, cpu_mem_gbs=50, cpu_gflops=100), 10**8, 5 * 10**7)
+    assert no_gpu.cpu_faster(1000)
+
+
+def test_planner_and_simulate_make_the_same_choice():
+    cfg = PlannerConfig(num_experts=4, device_slots=2, host_slots=None, expert_bytes=10**8, cpu_compute="cost")
+    p = StepPlanner(cfg, 1, cpu_faster=COST.cpu_faster)
+    plan = p.plan_step(0, [0, 1], [10, 11], rows=11, t=1)
+    assert [(o.expert, o.on_cpu) for o in plan.off_slot] == [(0, True)]
+    assert [f.expert for f in plan.fills] == [1]
+    shape = ModelShape(expert_params=5 * 10**7, dense_params=0)
+    for rows, on_cpu in ((10, True), (11, False)):  # one step of `rows` rows, all routed to expert 0
+        t = RoutingTrace(experts=np.zeros((rows, 1, 1), np.int32), num_experts=4, step=np.zeros(rows, np.int64),
+                         expert_bytes=10**8)
+        pred = simulate(replay(t, "lru", 2, with_min=False), shape, PROF)
+        assert (pred.misses_on_cpu, pred.misses_transferred) == ((1, 0) if on_cpu else (0, 1))
