@@ -19,6 +19,7 @@ $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e .
+	$(PY) -m expertcache.kernels
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base

@@ -16,8 +16,10 @@ def hardware_line() -> str:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    from expertcache import kernels
+
     return (f"hardware: cpu={cpu!r} cores={os.cpu_count()} torch_threads={torch.get_num_threads()} "
-            f"gpu={gpu!r} torch={torch.__version__}")
+            f"gpu={gpu!r} torch={torch.__version__} cpu_kernels={kernels.backend()}")
 
 
 def timed_generate(llm, prompts, params) -> dict:

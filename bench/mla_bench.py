@@ -9,7 +9,8 @@ run in round-robin rounds; one line per configuration with the median:
 
     config=resident-auto batch=1 prompt_len=128 gen=32 prefill_tok_s=... decode_tok_s=...
 
-    python bench/mla_bench.py [--dir /tmp/mla-bench] [--rounds 3] [--batch 1] [--prompt-len 128] [--gen 32] [--threads N]
+    python bench/mla_bench.py [--dir /tmp/mla-bench] [--rounds 3] [--batch 1] [--prompt-len 128] [--gen 32]
+                              [--threads N]
 """
 
 from __future__ import annotations

@@ -37,12 +37,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default: 16)")
     p.add_argument("--kv-cache-memory", default="auto", help="KV cache budget, e.g. 512MiB (default: auto)")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch (default: torch's choice, one per core; on a busy shared "
-                        "machine 1 avoids OpenMP contention)")
+                   help="CPU threads for torch and the CPU kernels (default: torch's choice, one per core; on a "
+                        "busy shared machine 1 avoids OpenMP contention)")
     p.add_argument("--low-memory", action="store_true",
                    help="CPU: keep dense weights and the fastest expert tier in the checkpoint's dtype, converted "
                         "per use (about half the RAM, some speed); allows --host-memory 0 (misses read from disk "
                         "straight into expert slots)")
+    p.add_argument("--lm-head", choices=["int8"], default=None,
+                   help="quantize lm_head at load (int8, group 128): a quarter of its float32 bytes and half its "
+                        "bf16 bytes read per token (default: as stored)")
     p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="skip the NaN/inf scan of dense weights at load and of each expert at its first read")
     p.add_argument("--record-routing", default=None, metavar="FILE",
@@ -103,7 +106,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True,
-              low_memory=args.low_memory, record_routing=args.record_routing, check_finite=args.check_finite)
+              low_memory=args.low_memory, record_routing=args.record_routing, check_finite=args.check_finite,
+              lm_head=args.lm_head)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
              "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
     if args.prefetch is not None:

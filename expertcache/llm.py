@@ -24,6 +24,7 @@ from .errors import CheckpointError, ConfigError
 from .experts.config import CacheConfig
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
+from .layers.basic import LM_HEAD_FORMATS, lm_head_method
 from .models.checks import check_layer_count
 from .models.mtp import drop_mtp_layers
 from .models.registry import open_index, read_config
@@ -43,13 +44,13 @@ class LLM:
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
                  progress=False, verbose: bool = False, low_memory: bool = False,
                  record_routing: str | None = None, expert_parallel=None, check_finite: bool = True,
-                 revision: str | None = None, **cache_options):
+                 revision: str | None = None, lm_head: str | None = None, **cache_options):
         # the arguments every expert-parallel rank builds its own LLM from (callables stay here)
         worker_kwargs = dict(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              kv_cache_memory=kv_cache_memory, block_size=block_size,
                              prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
-                             revision=revision, **cache_options)
+                             revision=revision, lm_head=lm_head, **cache_options)
         # every cache option checked before anything is read (CacheConfig's invariants)
         self.cache_config = CacheConfig.from_options(low_memory=low_memory, **cache_options)
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
@@ -63,6 +64,8 @@ class LLM:
 
         self.model_dir = resolve_model(model, revision, download=True, progress=bool(progress))
         self.device = torch.device(device)
+        if lm_head is not None:
+            lm_head_method(lm_head)  # an unknown format is an error before anything loads
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
@@ -133,7 +136,8 @@ class LLM:
         try:
             self.experts = self._make_experts(self.cache_config, bar.update, show_plan, num_blocks * kv_bytes + state_bytes)
             self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype,
-                                        bar.update, self.quant, low_memory=low_memory, check_finite=check_finite)
+                                        bar.update, self.quant, low_memory=low_memory, check_finite=check_finite,
+                                        lm_head=lm_head)
         except BaseException:
             if self.experts is not None:
                 self.experts.close()  # its I/O threads
@@ -141,6 +145,9 @@ class LLM:
         finally:
             bar.close()  # before an error is printed: no half progress bar on its line
 
+        if lm_head is not None:
+            self.plan_lines.append(f"lm_head: {lm_head} (group {LM_HEAD_FORMATS[lm_head]['group_size']}), quantized at "
+                                   f"load: {fmt_bytes(self.model.lm_head.nbytes)} read per token")
         self.kv = KVCache(kv_layers, num_blocks, block_size, self.cfg.kv_token_shapes, self.dtype,
                           self.device, prefix_caching)
         self.states = StateCache(self.cfg, state_slots, self.dtype, self.device) if state_slots else None
@@ -183,7 +190,7 @@ class LLM:
             from .experts.build import build_expert_cache
 
             cache, plan = build_expert_cache(self.source, self.device, self.dtype, options, progress=on_bytes,
-                                             dense_bytes=dense_compute_bytes(self.index, self.dtype),
+                                             dense_bytes=dense_compute_bytes(self.index, self.dtype, self.device),
                                              kv_bytes=kv_total, on_plan=show)
             self.plan_lines += plan
             return cache
@@ -216,7 +223,7 @@ class LLM:
             from .experts.build import build_expert_cache
 
             local, plan = build_expert_cache(self.source, self.device, self.dtype, options, progress=on_bytes,
-                                             dense_bytes=dense_compute_bytes(self.index, self.dtype),
+                                             dense_bytes=dense_compute_bytes(self.index, self.dtype, self.device),
                                              kv_bytes=kv_total, on_plan=show)
             self.plan_lines += plan
         else:

@@ -182,7 +182,7 @@ def check_against_dense(shipped: Path, tmp_path: Path, oracle: bool = True) -> N
     try:
         assert q.quant is not None and d.quant is None
         q_logits = q.logits(SEQ)
-        torch.testing.assert_close(q_logits, d.logits(SEQ), atol=1e-5, rtol=0)
+        torch.testing.assert_close(q_logits, d.logits(SEQ), atol=1e-5, rtol=1e-5)  # fp32 rounding order
         q_tokens = q.generate([PROMPT], GREEDY)[0].token_ids
         assert q_tokens == d.generate([PROMPT], GREEDY)[0].token_ids
     finally:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import kernels
 from ..errors import BudgetError
 from ..units import fmt_bytes, parse_bytes
 
@@ -22,10 +23,14 @@ from ..units import fmt_bytes, parse_bytes
 _SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: consumed at load, not kept
 
 
-def dense_compute_bytes(index, dtype: torch.dtype) -> int:
-    """The dense (non-expert) float weights as the engine holds them: every element in `dtype`,
-    quantization scales folded in. From the headers alone (`index` a TensorIndex)."""
-    return sum(math.prod(t.shape) * dtype.itemsize for n, t in index.tensors.items()
+def dense_compute_bytes(index, dtype: torch.dtype, device: torch.device | str | None = None) -> int:
+    """The dense (non-expert) float weights as the engine holds them: in `dtype`, quantization scales
+    folded in; with `device`, bf16/fp16 matrices the CPU kernels read stay in their stored dtype
+    (kernels.dense_dtype). From the headers alone (`index` a TensorIndex)."""
+    def held(t) -> int:
+        return (dtype if device is None else kernels.dense_dtype(t.dtype, len(t.shape), device, dtype)).itemsize
+
+    return sum(math.prod(t.shape) * held(t) for n, t in index.tensors.items()
                if ".experts." not in n and not _SCALE.search(n) and t.dtype.is_floating_point)
 
 
@@ -129,7 +134,7 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
     """
     cfg = source.cfg
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
-    dev_parts = source.parts if low_memory and device.type == "cpu" else source.compute_parts(dtype)
+    dev_parts = source.parts if low_memory and device.type == "cpu" else source.compute_parts(dtype, device)
     dev_bytes = sum(p.nbytes for p in dev_parts)
     lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(source.expert_nbytes)} = "
              f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "

@@ -5,7 +5,9 @@ Shape legend:
     x [T, H]   slots [T, K] (slot index per routed pair, into the pool tensors)   weights [T, K]
     gate_up pool [S, 2I, H]   down pool [S, H, I]   ([S, H, 2I] and [S, I, H] when ExpertFFN.transposed)
 
-Tokens are grouped by slot with one argsort; the loop runs over the A active
+On the CPU with float32 activations the whole layer is one call into the C++ kernels
+(expertcache.kernels: every format read straight from its stored bytes; layouts they do not read,
+and CUDA, take the torch code below). There, tokens are grouped by slot with one argsort; the loop runs over the A active
 slots only (A <= min(T*K, S)), each a dense matmul over the tokens routed to it.
 Pool tensors may be stored in a lower precision than x: each active slot is
 converted once (the CPU has no fast bf16 matmul; see README "numerics"). Quantized
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .. import kernels
 
 
 def _silu(g: torch.Tensor, u: torch.Tensor, ffn: "ExpertFFN") -> torch.Tensor:
@@ -84,6 +88,11 @@ def group_by_slot(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list
 
 def expert_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], method=None, ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
     """One expert on x [n, H] with its parts `w` (gate_up [2I, H] + down [H, I], or quantized parts)."""
+    if kernels.backend() == "cpp" and x.dtype == torch.float32 and x.device.type == "cpu":
+        out = torch.zeros_like(x)  # a pool of one slot, every token routed to it with weight 1
+        slot0, ones = torch.zeros(x.shape[0], 1, dtype=torch.long), x.new_ones(x.shape[0], 1)
+        if kernels.moe(x, slot0, ones, {n: t.unsqueeze(0) for n, t in w.items()}, method, out, ffn):
+            return out
     if method is not None:
         xf = x.float()
         if ffn.fused_quant:
@@ -122,6 +131,8 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     out = torch.zeros_like(x) if out is None else out
     if mask is not None:
         slots = torch.where(mask, slots, -1)
+    if kernels.moe(x, slots, weights, pool, method, out, ffn):
+        return out
     if (method is None and T * K <= GROUPED_MM_MAX_PAIRS and grouped_mm_ok(x.device, x.dtype)
             and pool["gate_up"].dtype == x.dtype):  # a stored-dtype pool is converted per active slot below
         return _grouped(x, slots, weights, pool, out, ffn)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from ..errors import CheckpointError, ConfigError
 from ..loader.safetensors_index import TensorIndex
 from ..models.checks import SKIP_HINT, nonfinite_parts
@@ -209,9 +210,10 @@ class ExpertSource:
         self.expert_nbytes = sum(p.nbytes for p in self.parts)
         self.ffn = self._ffn(names, transposed=False, fused_quant=fused_any)
 
-    def compute_parts(self, dtype: torch.dtype) -> tuple[Part, ...]:
-        """Parts as the fastest tier holds them: plain weights in the compute dtype, quantized as stored."""
-        if self.method is not None:
+    def compute_parts(self, dtype: torch.dtype, device: torch.device | str | None = None) -> tuple[Part, ...]:
+        """Parts as the fastest tier holds them: quantized as stored; plain weights as stored where the
+        CPU kernels read them (`kernels.reads_stored`: CPU, float32 compute), else in the compute dtype."""
+        if self.method is not None or (device is not None and kernels.reads_stored(device, dtype)):
             return self.parts
         return tuple(Part(p.name, p.shape, dtype) for p in self.parts)
 

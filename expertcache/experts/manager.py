@@ -49,8 +49,9 @@ log = logging.getLogger("expertcache")
 
 
 def is_direct(device: torch.device, dev_parts, source_parts) -> bool:
-    """The device slots are host RAM in the stored format (CPU, low memory): a miss with no host
-    slot can be read from disk straight into its device slot, with no conversion or copy."""
+    """The device slots are host RAM in the stored format (CPU: the kernels read it, or low memory):
+    a miss with no host slot can be read from disk straight into its device slot, with no conversion
+    or copy."""
     key = [(p.name, p.dtype, tuple(p.shape)) for p in dev_parts]
     return device.type == "cpu" and key == [(p.name, p.dtype, tuple(p.shape)) for p in source_parts]
 
@@ -138,7 +139,7 @@ class TieredExperts(ExpertProvider):
         self.E, self.K = cfg.num_experts, cfg.top_k
         self.layers = source.layers
         self.li = {layer: i for i, layer in enumerate(self.layers)}
-        dev_parts = dev_parts or source.compute_parts(dtype)
+        dev_parts = dev_parts or source.compute_parts(dtype, device)
         self.direct = is_direct(device, dev_parts, source.parts)
         partial = host_slots is not None and host_slots > 0
         self.prefetch_mode = resolve_prefetch(prefetch, device, self.direct, partial)
@@ -262,7 +263,8 @@ class TieredExperts(ExpertProvider):
         return views
 
     def _demote(self, i: int, d: Demotion) -> None:
-        """Exclusive tiers: device slot bytes back into a host slot (narrowed to the stored format, exactly)."""
+        """Exclusive tiers: device slot bytes back into a host slot: a plain copy where both hold the stored
+        format (CPU kernels), else fp32 narrowed back to the stored bf16/fp16 exactly."""
         self.dev.settle(i, d.dev_slot, self.device)
         self.host.settle(i, d.host_slot, self.device, host_write=True)
         for n, t in self.host.views(i, d.host_slot).items():

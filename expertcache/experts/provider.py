@@ -50,7 +50,7 @@ class ResidentExperts(ExpertProvider):
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None, parts=None):
         self.method, self.ffn = source.method, source.ffn
         E = source.cfg.num_experts
-        parts = parts or source.compute_parts(dtype)
+        parts = parts or source.compute_parts(dtype, device)
         self.pools: dict[int, dict[str, torch.Tensor]] = {}
         for layer in source.layers:
             pool = {p.name: torch.empty((E, *p.shape), dtype=p.dtype, device=device) for p in parts}

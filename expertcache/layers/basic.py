@@ -5,17 +5,50 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..models.model_config import ModelConfig, rope_inv_freq
+from ..quant import make_quant_method
 
 
 CONVERT_ROWS = 4096  # rows of a stored-dtype weight converted at a time (bounded scratch memory)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + b. A weight kept in a narrower stored dtype (low-memory mode) is converted to x's
-    dtype a block of rows at a time: the result equals converting it whole, without the copy."""
+LM_HEAD_FORMATS = {"int8": dict(group_size=128)}  # `--lm-head` choices: QuantMethod name -> parameters
+
+
+def lm_head_method(name: str):
+    if name not in LM_HEAD_FORMATS:
+        raise ValueError(f"lm_head: unknown format {name!r}; choose one of {sorted(LM_HEAD_FORMATS)} (or omit it)")
+    return make_quant_method(name, **LM_HEAD_FORMATS[name])
+
+
+class QuantizedWeight:
+    """A dense weight [out, in] quantized at load (e.g. `--lm-head int8`): the QuantMethod's stored
+    tensors, computed from by the CPU kernels (or dequantized per use on the torch path)."""
+
+    def __init__(self, w: torch.Tensor, method, rows: int = 16384):
+        self.method, self.shape, self.dtype = method, tuple(w.shape), torch.int8
+        chunks = [method.pack({"w.weight": w[i:i + rows].float()}) for i in range(0, w.shape[0], rows)]
+        self.parts = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}  # row-wise formats: exact
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.quant_linear(x, self.method, self.parts, "w")
+        return y if y is not None else self.method.linear(x.float(), self.parts, "w").to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + b. A weight kept in a narrower stored dtype (bf16/fp16 dense weights on the CPU) is
+    read by the C++ kernels as stored, or else converted to x's dtype a block of rows at a time: the
+    result equals converting it whole, without the copy."""
+    if isinstance(w, QuantizedWeight):
+        y = w.linear(x)
+        return y if b is None else y + b.to(y.dtype)
     if w.dtype == x.dtype:
         return F.linear(x, w, b)
+    y = kernels.dense_linear(x, w)
+    if y is not None:
+        return y if b is None else y + b.to(y.dtype)
     if w.shape[0] <= CONVERT_ROWS:
         return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
     out = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)

@@ -30,7 +30,8 @@ from .attention import AttnBatch, pad_queries, visible
 from .basic import Rotary, deinterleave_rows, linear, rms_norm
 
 PATHS = ("auto", "naive", "absorbed")
-LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the reference builds them with the default eps, not rms_norm_eps
+# q_a_layernorm / kv_a_layernorm: the reference builds them with the default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
 
 
 def load_mla(cfg: ModelConfig, prefix: str, load: Callable[[str, tuple], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -68,7 +69,8 @@ class MLAttention:
     def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor], rotary: Rotary):
         m = cfg.mla
         self.cfg, self.w, self.rotary = cfg, w, rotary
-        self.h, self.N, self.P, self.V, self.R = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.h, self.N, self.P = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim
+        self.V, self.R = m.v_head_dim, m.kv_lora_rank
         self.scale = cfg.attn_scale or (self.N + self.P) ** -0.5
         self.window = cfg.sliding_window[layer]
         self.path = "auto"  # one of PATHS; "naive" / "absorbed" force a path (tests, benchmarks)

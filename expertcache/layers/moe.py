@@ -10,8 +10,8 @@ and picks the top-k experts among them.
     group_limited_greedy  softmax, groups ranked by their best expert (DeepSeek-V2)
     noaux_tc              sigmoid scores; the choice uses scores + e_score_correction_bias, groups
                           ranked by the sum of their two best; weights are the plain scores (DeepSeek-V3, GLM-4.5)
-The router linear may have a bias (GPT-OSS). Every router then renormalises the chosen weights when norm_topk_prob and multiplies them by
-routed_scaling_factor (RouterSpec.scaling).
+The router linear may have a bias (GPT-OSS). Every router then renormalises the chosen weights
+when norm_topk_prob and multiplies them by routed_scaling_factor (RouterSpec.scaling).
 """
 
 from __future__ import annotations

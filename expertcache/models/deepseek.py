@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from .common import base_fields, finish
-from .model_config import MLA, RouterSpec, check_value, require, yarn_mscale
+from .model_config import MLA, ModelConfig, RouterSpec, check_value, require, yarn_mscale
 from .registry import Family, WeightNames, register
 
 NAMES = WeightNames(("mlp",), "gate", ("gate_proj", "up_proj", "down_proj"), shared_expert="shared_experts")
@@ -50,7 +50,8 @@ def router_fields(hf: dict, methods: dict[str, str], scoring: str, num_experts: 
                           f"and topk_group={topk_group} must be in 1..n_group")
     top_k = int(require(hf, "num_experts_per_tok"))
     if kind == "noaux_tc" and top_k > topk_group * (num_experts // n_group):
-        raise ConfigError(f"config.json: num_experts_per_tok={top_k} exceeds the experts of topk_group={topk_group} groups")
+        raise ConfigError(f"config.json: num_experts_per_tok={top_k} exceeds the experts of "
+                          f"topk_group={topk_group} groups")
     if kind == "noaux_tc" and num_experts // n_group < 2:
         raise ConfigError(f"config.json: noaux_tc routing needs at least 2 experts per group (n_group={n_group})")
     spec = RouterSpec(kind=kind, n_group=n_group, topk_group=topk_group,
@@ -64,7 +65,7 @@ def moe_fields(hf: dict, num_experts: int, sparse: tuple[bool, ...]) -> dict:
     if hf.get("mlp_bias"):
         raise ConfigError("config.json: mlp_bias=true is not supported")
     return dict(num_experts=num_experts, moe_intermediate_size=inter, moe_layers=sparse,
-                intermediate_size=int(require(hf, "intermediate_size")) if not all(sparse) else int(hf.get("intermediate_size") or 0),
+                intermediate_size=int(hf.get("intermediate_size") or 0 if all(sparse) else require(hf, "intermediate_size")),
                 shared_expert_intermediate_size=inter * int(hf.get("n_shared_experts") or 0), shared_expert_gate=False)
 
 
@@ -74,7 +75,7 @@ def deepseek_sparse_layers(hf: dict, n: int) -> tuple[bool, ...]:
     return tuple(i >= first and i % freq == 0 for i in range(n))
 
 
-def _parse(hf: dict, family: str, methods: dict[str, str], scoring: str) -> "ModelConfig":  # noqa: F821
+def _parse(hf: dict, family: str, methods: dict[str, str], scoring: str) -> ModelConfig:
     f = base_fields(hf, family)
     e = int(require(hf, "n_routed_experts", "num_experts", "num_local_experts"))
     router = router_fields(hf, methods, scoring, e)

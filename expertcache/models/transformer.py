@@ -20,9 +20,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
-from ..layers.basic import Rotary, linear, rms_norm, swiglu
+from ..layers.basic import QuantizedWeight, Rotary, linear, lm_head_method, rms_norm, swiglu
 from ..layers.gated_deltanet import GatedDeltaNet, StateBatch, load_weights as load_linear_attn
 from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
@@ -36,7 +37,7 @@ from .registry import Family
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
                  device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
-                 quant=None, low_memory: bool = False, check_finite: bool = True):
+                 quant=None, low_memory: bool = False, check_finite: bool = True, lm_head: str | None = None):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         # per forward with logits_rows: [num_layers, B] bool, row b's hidden state finite after layer l
         # (read only when a sequence's logits are not finite, to name the layer where it started)
@@ -52,9 +53,7 @@ class MoETransformer:
         def load(name, shape, as_dtype=None):
             t = load_dense(index, name, shape, quant)
             check_dense(index, name, t, check_finite)
-            # low memory: a 2-D weight keeps its (narrower) stored float dtype and is converted per use
-            narrow = low_memory and t.dim() == 2 and t.dtype.itemsize < dtype.itemsize and t.is_floating_point()
-            t = t.to(device=device, dtype=as_dtype or (t.dtype if narrow else dtype))
+            t = t.to(device=device, dtype=as_dtype or kernels.dense_dtype(t.dtype, t.dim(), device, dtype, low_memory))
             if progress:
                 progress(t.numel() * index.info(name).dtype.itemsize)
             return t
@@ -116,6 +115,8 @@ class MoETransformer:
             self.lm_head = self.embed
         else:
             self.lm_head = load("lm_head.weight", (V, H))
+        if lm_head is not None:  # e.g. "int8": quantized at load, read once per token in that format
+            self.lm_head = QuantizedWeight(self.lm_head, lm_head_method(lm_head))
         moe = cfg.moe_layer_ids
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
 

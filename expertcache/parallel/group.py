@@ -59,6 +59,7 @@ class EPGroup:
         self.exit_on_failure = exit_on_failure
         self.procs = procs or []  # rank 0 only: the spawned workers (ranks 1..N-1)
         self.failed: str | None = None
+        self.stopping = False  # rank 0 told the workers to stop: their exits are expected
         if self.procs:
             threading.Thread(target=self._watch, daemon=True, name="ep-watch").start()
 
@@ -114,7 +115,7 @@ class EPGroup:
     def _watch(self) -> None:
         while self.failed is None:
             for r, p in enumerate(self.procs, start=1):
-                if p.exitcode is not None and self.failed is None:
+                if p.exitcode is not None and self.failed is None and not self.stopping:
                     self._fail(f"expert-parallel rank {r} exited with code {p.exitcode}")
                     return
             time.sleep(0.2)

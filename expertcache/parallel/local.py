@@ -23,7 +23,7 @@ class LocalExperts(ExpertProvider):
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, owned: dict[int, list[int]],
                  progress=None):
         self.source, self.device, self.dtype, self.progress = source, device, dtype, progress
-        self.parts = source.compute_parts(dtype)
+        self.parts = source.compute_parts(dtype, device)
         self.method, self.ffn = source.method, source.ffn
         self.pools, self.slot_of, self.disk_bytes = {}, {}, 0
         self.pools, self.slot_of, _ = self._build(owned, {}, {})

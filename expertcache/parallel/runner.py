@@ -58,6 +58,7 @@ class ParallelRunner(ModelRunner):
             self._mirror(ids.to(dev), _to(batch, dev), no_rows, ctl)
 
     def stop_workers(self) -> None:
+        self.group.stopping = True  # before the message: a worker may exit before broadcast returns
         self.group.broadcast(("stop",))
 
 

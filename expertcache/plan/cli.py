@@ -89,7 +89,7 @@ def build_report(args: argparse.Namespace) -> dict:
         model_dir = resolve_model(model_dir, args.revision, download=False)
     dev, dtype = resolve_device(args.device, args.dtype)
     info = read_model(model_dir)
-    cfg, sizes = info.cfg, model_sizes(info, dtype)
+    cfg, sizes = info.cfg, model_sizes(info, dtype, dev)
     report = {
         "model": {"dir": str(info.model_dir), "dir_bytes": info.dir_bytes,
                   "architecture": (info.hf.get("architectures") or ["?"])[0], "layers": cfg.num_layers,

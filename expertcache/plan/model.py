@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from ..engine.kv_cache import KVCache
 from ..engine.state_cache import StateCache
 from ..experts.budget import MemoryPlan, dense_compute_bytes
@@ -72,17 +73,19 @@ class Sizes:
     state_per_sequence: int  # linear-attention conv + recurrent state (hybrid models), any context length
 
 
-def model_sizes(info: ModelInfo, dtype: torch.dtype) -> Sizes:
+def model_sizes(info: ModelInfo, dtype: torch.dtype, device: torch.device | None = None) -> Sizes:
     src, cfg = info.source, info.cfg
     dense_stored = info.index.nbytes() - src.total_nbytes
-    dense_compute = dense_compute_bytes(info.index, dtype)
-    fast = sum(p.nbytes for p in src.compute_parts(dtype))
+    dense_compute = dense_compute_bytes(info.index, dtype, device)
+    fast_parts = src.compute_parts(dtype, device)
+    fast = sum(p.nbytes for p in fast_parts)
     method = src.method.name if src.method is not None else None
     return Sizes(dense_stored=dense_stored, dense_compute=int(dense_compute), experts_stored=src.total_nbytes,
                  expert_stored=src.expert_nbytes, expert_fast=fast,
                  expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
                  stored_dtype=method or str(src.dtype).removeprefix("torch."),
-                 fast_format=f"{method}, as stored" if method else str(dtype).removeprefix("torch."),
+                 fast_format=f"{method}, as stored" if method else str(fast_parts[0].dtype).removeprefix("torch.")
+                 + (", as stored" if fast_parts[0].dtype != dtype else ""),
                  quantized=method,
                  kv_per_token=KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.kv_token_shapes, dtype),
                  state_per_sequence=StateCache.bytes_per_sequence(cfg, dtype))
@@ -93,7 +96,7 @@ def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, devic
     """The tiers build_expert_cache would allocate, and its plan lines (the engine's own function)."""
     src = info.source
     if dense_bytes is None:  # the engine's estimate (llm.LLM._make_experts)
-        dense_bytes = dense_compute_bytes(info.index, dtype)
+        dense_bytes = dense_compute_bytes(info.index, dtype, device)
     return budget_plan(src, device, dtype, device_memory, host_memory, dense_bytes)
 
 

@@ -1,0 +1,86 @@
+"""The CPU kernels per weight format and token count: the GEMV path (conversion in registers), the
+tiled path (a tile converted once, reused for every token) and torch's float32 matmul on a
+pre-converted copy (what the engine did before), plus the machine's read bandwidth.
+
+    python bench/kernel_bench.py [--rows 8192] [--cols 1024] [--threads 2] [--tokens 1 4 16 64 300]
+
+One line per (format, T): ms per call (median of --reps, rounds alternating the three), weight
+GB/s, GFLOP/s. The SMALL_T table in expertcache/kernels/__init__.py is read off these lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import hardware_line  # noqa: E402
+
+from expertcache import kernels  # noqa: E402
+from expertcache.kernels.formats import quant_spec  # noqa: E402
+from expertcache.quant import make_quant_method  # noqa: E402
+
+FORMATS = [("bf16", {}), ("fp8", {}), ("int8", {}), ("int4", {}), ("mxfp4", {})]
+
+
+def read_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """GB/s of a float32 sum over `mib` MiB (the threads torch uses)."""
+    a = torch.ones(mib << 18)
+    a.sum()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.sum()
+        ts.append(time.perf_counter() - t)
+    return a.numel() * 4 / statistics.median(ts) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--cols", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 300])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(hardware_line())
+    if kernels.backend() != "cpp":
+        sys.exit(f"the C++ kernels are not available: {kernels.why()}")
+    print(f"memory: read_GBps={read_bandwidth():.1f} (256 MiB float32 sum, {args.threads} threads)")
+    ext, N, K = kernels.extension(), args.rows, args.cols
+    for fmt, params in FORMATS:
+        m = make_quant_method(fmt, **params)
+        parts = m.pack({"p.weight": torch.randn(N, K)})
+        nbytes = sum(t.numel() * t.element_size() for t in parts.values())
+        spec = quant_spec(m, {k: v.unsqueeze(0) for k, v in parts.items()}, "p", N, K)
+        wf = m.dequantize(parts, "p")
+        for T in args.tokens:
+            x = torch.randn(T, K)
+            runs = {"gemv": lambda: ext.linear(x, spec, 0, 1 << 30, kernels.ROWS_PER_UNIT),
+                    "tiled": lambda: ext.linear(x, spec, 0, 0, kernels.ROWS_PER_UNIT),
+                    "torch_fp32": lambda: F.linear(x, wf)}
+            times = {k: [] for k in runs}
+            for f in runs.values():
+                f()
+            for _ in range(args.reps):
+                for k, f in runs.items():
+                    t = time.perf_counter()
+                    f()
+                    times[k].append(time.perf_counter() - t)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            best = min(("gemv", "tiled"), key=med.get)
+            print(f"kernel: format={fmt} rows={N} cols={K} T={T} gemv_ms={med['gemv'] * 1e3:.3f} "
+                  f"tiled_ms={med['tiled'] * 1e3:.3f} torch_fp32_ms={med['torch_fp32'] * 1e3:.3f} best={best} "
+                  f"weight_GBps={nbytes / med[best] / 1e9:.1f} GFLOPs={2 * T * N * K / med[best] / 1e9:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

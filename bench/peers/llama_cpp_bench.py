@@ -1,0 +1,215 @@
+"""expertcache against llama.cpp on the same machine, in the same run: the yardstick checkpoint
+(bench/yardstick.py) as GGUF bf16 and q8_0 for llama.cpp, as bf16 and int8 experts for expertcache,
+all weights resident, 2 threads; llama-bench and expertcache alternate round by round and the
+ratios come from the medians of that one run.
+
+    python bench/peers/llama_cpp_bench.py [--cache ~/.cache/expertcache-peers] [--rounds 5] [--threads 2]
+        [--formats bf16 int8] [--prompt 128] [--gen 32]
+
+Once (kept in --cache): llama.cpp is built from the llama-cpp-python==0.3.36 source distribution
+(its vendored llama.cpp, commit 0c1e570; cmake + ninja, `llama-bench` and `llama-quantize`), the
+yardstick checkpoint is built, converted with llama.cpp's own convert_hf_to_gguf.py (and the gguf-py
+beside it) to bf16, quantized to q8_0 with llama-quantize, and quantized to int8 experts with
+`expertcache quantize` (group 128; dense weights stay bf16, lm_head included).
+
+Per round and format: `llama-bench -m M -p P -n G -r 1 -t THREADS -o json` (mmap; the weights are
+warm in the page cache), then the same counts through one long-lived expertcache process (model
+loaded once): a P-token prompt's prefill and G decode steps (greedy, ignore_eos). Lines:
+    peer: round=R engine=... format=... pp_tok_s=... tg_tok_s=...
+    peer-summary: format=... llama_pp=... expertcache_pp=... pp_ratio=... llama_tg=... expertcache_tg=... tg_ratio=...
+    streaming: format=... bytes_per_token_GB=... effective_GBps=... read_GBps=...  (expertcache decode)
+Not part of CI: it needs cmake, a C++ compiler, ~15 minutes of build and ~12 GB of disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+SDIST = "llama-cpp-python==0.3.36"
+PEER_FORMAT = {"bf16": "bf16", "int8": "q8_0"}  # expertcache format -> the llama.cpp format it is compared with
+# q8_0 quantizes every matrix, lm_head included: the int8 row reads lm_head as int8 too (`--lm-head int8`;
+# attention stays bf16 in both expertcache rows)
+OPTIONS = {"bf16": {}, "int8": {"lm_head": "int8"}}
+
+
+def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    print("+ " + " ".join(map(str, cmd)), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def build_llama_cpp(cache: Path) -> Path:
+    """-> the directory of llama-bench / llama-quantize (built once)."""
+    bench = cache / "build" / "bin" / "llama-bench"
+    src = cache / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    if bench.exists() and (cache / "build" / "bin" / "llama-quantize").exists():
+        return bench.parent
+    cache.mkdir(parents=True, exist_ok=True)
+    tarball = cache / "llama_cpp_python-0.3.36.tar.gz"
+    if not tarball.exists():
+        sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(cache)])
+    if not src.exists():
+        sh(["tar", "xzf", str(tarball), "-C", str(cache)])
+    sh(["cmake", "-S", str(src), "-B", str(cache / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_BUILD_UI=OFF"])
+    sh(["cmake", "--build", str(cache / "build"), "-j2", "--target", "llama-bench", "llama-quantize"])
+    return bench.parent
+
+
+def models(cache: Path, bindir: Path, tokenizer: Path) -> dict[str, tuple[Path, Path]]:
+    """format -> (expertcache checkpoint dir, llama.cpp GGUF file), built once. The converter
+    identifies a tokenizer by its pre-tokenizer and does not know the demo's tiny trained one, so
+    the GGUF gets the real Qwen3 tokenizer (`tokenizer`; the weights are the same files, and
+    llama-bench feeds token ids, so this changes no timing)."""
+    from yardstick import SIZES
+
+    from expertcache.demo import build_demo_model
+    from expertcache.quant.quantize import quantize_checkpoint
+
+    yard = cache / "yardstick"
+    if not (yard / "config.json").exists():
+        build_demo_model(yard, progress=True, **SIZES)
+    conv = cache / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
+    bf16 = cache / "yardstick-bf16.gguf"
+    if not bf16.exists():
+        src = cache / "yardstick-gguf-src"
+        src.mkdir(exist_ok=True)
+        for f in yard.iterdir():
+            if not f.name.startswith("tokenizer") and not (src / f.name).exists():
+                (src / f.name).symlink_to(f)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (src / f).write_bytes((tokenizer / f).read_bytes())
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+        sh([sys.executable, str(conv), str(src), "--outtype", "bf16", "--outfile", str(bf16) + ".tmp"], env=env)
+        os.replace(str(bf16) + ".tmp", bf16)
+    q8 = cache / "yardstick-q8_0.gguf"
+    if not q8.exists():
+        sh([str(bindir / "llama-quantize"), str(bf16), str(q8) + ".tmp", "Q8_0", "2"])
+        os.replace(str(q8) + ".tmp", q8)
+    int8 = cache / "yardstick-int8"
+    if not (int8 / "config.json").exists():
+        quantize_checkpoint(yard, int8, "int8", group_size=128)
+    return {"bf16": (yard, bf16), "int8": (int8, q8)}
+
+
+def llama_bench(bindir: Path, gguf: Path, prompt: int, gen: int, threads: int) -> tuple[float, float]:
+    out = subprocess.run([str(bindir / "llama-bench"), "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-r", "1",
+                          "-t", str(threads), "-o", "json"], check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
+    return pp, tg
+
+
+WORKER = r"""
+import json, sys, time, torch
+sys.path.insert(0, {bench!r})
+from common import timed_generate
+from expertcache import LLM, SamplingParams
+torch.set_num_threads({threads})
+llm = LLM({model!r}, max_model_len=512, kv_cache_memory="64MiB", **{options!r})
+prompt = torch.randint(3, 2000, ({prompt},), generator=torch.Generator().manual_seed(0)).tolist()
+params = SamplingParams(max_tokens={gen} + 1, temperature=0.0, ignore_eos=True)
+llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+m, src = llm.model, llm.source
+dense = sum(t.numel() * t.element_size() for layer in m.layers for t in layer["attn"].w.values())
+dense += sum(layer["router"].numel() * layer["router"].element_size() for layer in m.layers if "router" in layer)
+head = m.lm_head.nbytes if hasattr(m.lm_head, "parts") else m.lm_head.numel() * m.lm_head.element_size()
+per_token = src.expert_nbytes * src.cfg.top_k * len(src.layers) + dense + head
+print("READY " + json.dumps({{"bytes_per_token": per_token}}), flush=True)
+for line in sys.stdin:
+    r = timed_generate(llm, [prompt], params)
+    print("RESULT " + json.dumps({{"pp": r["prefill_tok_s"], "tg": r["decode_tok_s"]}}), flush=True)
+"""
+
+
+class Worker:
+    """One expertcache process holding the model; `run()` measures one round."""
+
+    def __init__(self, model: Path, prompt: int, gen: int, threads: int, options: dict):
+        code = WORKER.format(bench=str(HERE.parent), threads=threads, model=str(model), prompt=prompt, gen=gen,
+                             options=options)
+        self.p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        self.info = json.loads(self._expect("READY "))
+
+    def _expect(self, tag: str) -> str:
+        for line in self.p.stdout:
+            if line.startswith(tag):
+                return line[len(tag):]
+        raise RuntimeError(f"expertcache worker exited with {self.p.wait()}")
+
+    def run(self) -> tuple[float, float]:
+        self.p.stdin.write("go\n")
+        self.p.stdin.flush()
+        r = json.loads(self._expect("RESULT "))
+        return r["pp"], r["tg"]
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "expertcache-peers")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--formats", nargs="+", default=["bf16", "int8"], choices=sorted(PEER_FORMAT))
+    ap.add_argument("--tokenizer", type=Path, default=HERE.parents[2] / "shared" / "tokenizers" / "qwen3",
+                    help="a Qwen3 tokenizer.json + tokenizer_config.json for the GGUF (default: ../shared/tokenizers/qwen3)")
+    args = ap.parse_args()
+    from common import hardware_line
+    from kernel_bench import read_bandwidth
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(hardware_line(), flush=True)
+    bindir = build_llama_cpp(args.cache)
+    ver = subprocess.run([str(bindir / "llama-bench"), "--version"], capture_output=True, text=True)
+    print(f"llama.cpp: {(ver.stdout + ver.stderr).strip().splitlines()[-1] if (ver.stdout + ver.stderr).strip() else '?'}")
+    paths = models(args.cache, bindir, args.tokenizer)
+    bw = read_bandwidth()
+    print(f"memory: read_GBps={bw:.1f} (256 MiB float32 sum, {args.threads} threads)", flush=True)
+    for fmt in args.formats:
+        model, gguf = paths[fmt]
+        peer = PEER_FORMAT[fmt]
+        worker = Worker(model, args.prompt, args.gen, args.threads, OPTIONS[fmt])
+        res = {"llama.cpp": [], "expertcache": []}
+        try:
+            for r in range(args.rounds):
+                for engine in ("llama.cpp", "expertcache"):
+                    t0 = time.perf_counter()
+                    pp, tg = (llama_bench(bindir, gguf, args.prompt, args.gen, args.threads) if engine == "llama.cpp"
+                              else worker.run())
+                    res[engine].append((pp, tg))
+                    print(f"peer: round={r} engine={engine} format={peer if engine == 'llama.cpp' else fmt} "
+                          f"pp{args.prompt}_tok_s={pp:.1f} tg{args.gen}_tok_s={tg:.2f} wall_s={time.perf_counter() - t0:.0f}",
+                          flush=True)
+        finally:
+            worker.close()
+        med = {e: (statistics.median(p for p, _ in v), statistics.median(t for _, t in v)) for e, v in res.items()}
+        (lp, lt), (ep, et) = med["llama.cpp"], med["expertcache"]
+        print(f"peer-summary: format={fmt} options={OPTIONS[fmt]} vs llama.cpp {peer} rounds={args.rounds} threads={args.threads} "
+              f"llama_pp={lp:.1f} expertcache_pp={ep:.1f} pp_ratio={ep / lp:.2f} "
+              f"llama_tg={lt:.2f} expertcache_tg={et:.2f} tg_ratio={et / lt:.2f}", flush=True)
+        gb = worker.info["bytes_per_token"] / 1e9
+        print(f"streaming: format={fmt} bytes_per_token_GB={gb:.3f} (top-k experts + attention + routers + lm_head) "
+              f"effective_GBps={gb * et:.1f} read_GBps={bw:.1f} share={gb * et / bw:.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""CPU kernels computing y = x W^T straight from a weight's stored bytes (bf16, fp16, fp8, int8,
+int4, mxfp4): the expert FFN of a whole MoE layer in one call, and dense projections / lm_head.
+
+Shape legend:
+    T tokens, H hidden, I moe intermediate, K top_k, S slots of a pool, N x Kin one weight
+    x [T, H] float32   slots [T, K] int64 (-1: pair skipped)   weights [T, K]
+    pool: {"gate_up": [S, 2I, H], "down": [S, H, I]} plain, or a QuantMethod's parts {"gate.weight": [S, ...], ...}
+
+Backends: "cpp" (csrc/expert_kernels.cpp, built by build.py; AVX2/FMA/F16C, threads through
+ATen's parallel_for, so torch.set_num_threads / --threads sets them) or "torch" (the callers'
+own torch code, used with a printed note when the extension cannot be built or loaded). Every
+entry point returns None / False when it does not apply, and the caller computes with torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import extension, why
+from .formats import Unsupported, plain_spec, quant_spec
+
+# Tokens of one weight above which the tiled path (convert a tile once, reuse it for every token)
+# replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code.
+# Measured (bench/kernel_bench.py): the GEMV path wins at every T for the cheap conversions
+# (bf16/fp16/int8/int4); the tiled path wins from ~32 tokens for mxfp4 and ~256 for fp8.
+SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6: 24}
+ROWS_PER_UNIT = 32  # rows of a weight per unit of work handed to a thread
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+
+
+def backend() -> str:
+    """'cpp' when the C++ kernels are in use, else 'torch'."""
+    return "torch" if extension() is None else "cpp"
+
+
+def reads_stored(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether weights on `device` computed in `dtype` stay in their stored format (bf16 dense weights,
+    expert slots): the C++ kernels read them as stored, so they are never widened to float32 copies."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and backend() == "cpp"
+
+
+def dense_dtype(stored: torch.dtype, ndim: int, device: torch.device | str, dtype: torch.dtype,
+                low_memory: bool = False) -> torch.dtype:
+    """The dtype a dense weight stored as `stored` is held in: a 2-D weight narrower than `dtype` keeps
+    its stored float dtype where the kernels read it (or in low-memory mode: converted per use)."""
+    narrow = ndim == 2 and stored in (torch.bfloat16, torch.float16) and stored.itemsize < dtype.itemsize
+    return stored if narrow and (low_memory or reads_stored(device, dtype)) else dtype
+
+
+def _usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and extension() is not None
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [..., Kin] float32 @ w [N, Kin]^T for a bf16/fp16/fp32 weight, or None when the kernels
+    do not apply (then the caller uses torch)."""
+    if not _usable(x) or w.device.type != "cpu" or w.dim() != 2:
+        return None
+    try:
+        spec = plain_spec(w.unsqueeze(0))
+    except Unsupported:
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _rows(spec: tuple, rows: slice) -> tuple:
+    """The spec of some rows of a weight (gate or up out of a fused gate_up)."""
+    code, data, scale, zero, n, k, g, bo = spec
+    if bo > 1 and scale.shape[1] > 1:
+        raise Unsupported("rows of a block-scaled fused gate_up")
+    data = data[:, rows]
+    scale = scale[:, rows] if scale is not None and scale.shape[1] > 1 else scale
+    zero = zero[:, rows] if zero is not None else None
+    return (code, data, scale, zero, data.shape[1], k, g, bo)
+
+
+def quant_linear(x: torch.Tensor, method, parts: dict[str, torch.Tensor], proj: str) -> torch.Tensor | None:
+    """x [..., Kin] float32 @ W^T for a weight stored by QuantMethod `method` as `parts`
+    {"<proj>.<suffix>": tensor}, or None when the kernels do not apply."""
+    if not _usable(x):
+        return None
+    primary = parts[f"{proj}.{method.primary}"]
+    try:
+        spec = quant_spec(method, {k: t.unsqueeze(0) for k, t in parts.items()}, proj, primary.shape[0], x.shape[-1])
+    except Unsupported:
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    return extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT).view(*x.shape[:-1], spec[4])
+
+
+def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple:
+    """(gate, up, down) specs of a pool for hidden size H and the experts' layout `ffn`
+    (experts.compute.ExpertFFN; None = gate rows first, [out, in]); raises Unsupported."""
+    interleaved = ffn is not None and ffn.interleaved
+    if ffn is not None and ffn.transposed and method is None:
+        raise Unsupported("plain weights stored [in, out]")
+    fused = method is None or (ffn is not None and ffn.fused_quant)
+    if fused:
+        gu = plain_spec(pool["gate_up"]) if method is None else quant_spec(
+            method, pool, "gate_up", pool[f"gate_up.{method.primary}"].shape[1], H)
+        I = gu[4] // 2
+        gate, up = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, I), slice(I, 2 * I))
+        gate, up = _rows(gu, gate), _rows(gu, up)
+    else:
+        I = pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
+        gate, up = quant_spec(method, pool, "gate", I, H), quant_spec(method, pool, "up", I, H)
+    down = plain_spec(pool["down"]) if method is None else quant_spec(method, pool, "down", H, I)
+    return gate, up, down
+
+
+def _biases(pool: dict[str, torch.Tensor], interleaved: bool) -> list:
+    gu, d = pool.get("gate_up_bias"), pool.get("down_bias")
+    if gu is None:
+        g = u = None
+    else:
+        I = gu.shape[1] // 2
+        g, u = (gu[:, 0::2], gu[:, 1::2]) if interleaved else (gu[:, :I], gu[:, I:])
+    return [None if b is None else b.float().contiguous() for b in (g, u, d)]
+
+
+def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
+        out: torch.Tensor, ffn=None) -> bool:
+    """out += the grouped expert FFN over pool slots (one call for the layer), for the experts' layout
+    and activation `ffn` (experts.compute.ExpertFFN, None = SwiGLU); biases are the pool parts
+    "gate_up_bias" [S, 2I] and "down_bias" [S, H]. False: not handled (a format, layout or dtype the
+    kernels do not read); `out` is then untouched."""
+    if not _usable(x) or out.dtype != torch.float32 or not out.is_contiguous():
+        return False
+    if any(t.device.type != "cpu" for t in pool.values()):
+        return False
+    act = "silu" if ffn is None else ffn.act
+    if act not in ACTIVATIONS:
+        return False
+    try:
+        specs = pool_specs(pool, method, x.shape[1], ffn)
+    except Unsupported:
+        return False
+    alpha, limit = (1.0, float("inf")) if ffn is None else (ffn.alpha, ffn.limit)
+    bias = _biases(pool, ffn is not None and ffn.interleaved)
+    extension().moe(x.contiguous(), slots.contiguous(), weights.float().contiguous(), *specs,
+                    ACTIVATIONS[act], alpha, limit, *bias, out, SMALL_T[specs[0][0]], ROWS_PER_UNIT)
+    return True
+
+
+__all__ = ["backend", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "why", "Unsupported"]

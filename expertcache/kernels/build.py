@@ -1,0 +1,77 @@
+"""Builds (once, cached) and loads the C++ kernels; says why when they cannot be used.
+
+The extension is compiled by torch.utils.cpp_extension (ninja + the system C++ compiler) into
+~/.cache/expertcache/kernels/<hash of the source and flags>/, so a changed source never loads a
+stale build and concurrent processes share one build (torch's file lock). `make setup` runs
+`python -m expertcache.kernels` once, so the first model load does not pay the compile.
+
+EXPERTCACHE_KERNELS=torch skips the extension (the pure-torch path); anything else uses it when
+it builds and the CPU has AVX2, FMA and F16C.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("csrc") / "expert_kernels.cpp"
+# -fopenmp: ATen's parallel_for is OpenMP only when compiled with it (else it runs serially); the
+# extension then needs libgomp.so.1, which resolves to the one torch has already loaded (one thread pool)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp"]
+
+_state: dict = {}
+
+
+def cache_dir() -> Path:
+    base = Path(os.environ.get("EXPERTCACHE_CACHE", Path.home() / ".cache" / "expertcache"))
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return base / "kernels" / digest
+
+
+def _compile():
+    if os.environ.get("EXPERTCACHE_KERNELS", "").lower() == "torch":
+        return None, "EXPERTCACHE_KERNELS=torch"
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the C++ kernels are written for x86-64 AVX2, this CPU is {platform.machine()}"
+    if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
+        return None, "no C++ compiler found (install g++ and run `make setup`)"
+    try:
+        from torch.utils import cpp_extension
+    except ImportError as e:  # pragma: no cover - torch always ships it
+        return None, f"torch.utils.cpp_extension unavailable ({e})"
+    try:  # the `ninja` package's binary (a dependency), found even when the venv is not activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    out = cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        mod = cpp_extension.load(name="expertcache_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                                 build_directory=str(out), verbose=False)
+    except Exception as e:  # a failed build must not stop the engine: the torch path computes the same
+        return None, f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+    if not mod.cpu_supported():
+        return None, "this CPU lacks AVX2/FMA/F16C"
+    return mod, ""
+
+
+def extension():
+    """The loaded extension module, or None (then `why()` says why; a note is printed once)."""
+    if "mod" not in _state:
+        mod, why = _compile()
+        _state["mod"], _state["why"] = mod, why
+        if mod is None and why != "EXPERTCACHE_KERNELS=torch":
+            print(f"expertcache: using the pure-torch expert kernels: {why}", file=sys.stderr)
+    return _state["mod"]
+
+
+def why() -> str:
+    extension()
+    return _state["why"]

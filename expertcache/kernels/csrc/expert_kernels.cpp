@@ -1,0 +1,562 @@
+// CPU kernels that compute y = x W^T straight from a weight's stored bytes (AVX2 + FMA + F16C).
+//
+// Shape legend:
+//   x [T, K] float32 (rows may be gathered through row pointers)   W [N, K] in its stored format
+//   y [T, N] float32
+//   pools: every weight tensor carries a leading slot dim S: data [S, N, ...], scales [S, ...]
+//
+// Formats (codes shared with formats.py):
+//   0 f32 | 1 bf16 | 2 f16
+//   3 fp8 e4m3fn, scale float32 [S, ceil(N/Bo), ceil(K/G)] (block Bo x G; channel: Bo=1, G=K; tensor: Bo=N, G=K)
+//   4 int8 symmetric, scale float32 [S, N, ceil(K/G)]
+//   5 int4 (two codes per byte, low nibble first), scale float32 [S, N, ceil(K/G)], zero uint8 [S, N, ceil(K/G)]
+//   6 mxfp4 e2m1 (same nibble order), e8m0 scales uint8 [S, N, K/32] (passed as `zero`), G = 32
+// Conversion happens in registers, 8 weights at a time, group constants loaded once per group:
+//   w = code * s (+ b for int4's zero point: b = -zero * s). Nothing of W is materialised in float32,
+//   except in the tiled path (T > small_t), which converts one tile of rows at a time into a
+//   thread-local scratch and reuses it for every token.
+// fp8 is converted through float16 (the byte's exponent and mantissa land in fp16's fields; the fp16
+// value is 2^-8 times the e4m3 value, folded into the scale): exact for every finite code. The NaN
+// codes 0x7F/0xFF, which the encoders never write, read as +-480.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Fmt { F32 = 0, BF16 = 1, F16 = 2, FP8 = 3, INT8 = 4, INT4 = 5, MXFP4 = 6 };
+
+struct WView {
+  int fmt = F32;
+  int64_t N = 0, K = 0, G = 1, Bo = 1;
+  const uint8_t* d = nullptr;  // codes
+  int64_t d_slot = 0, d_row = 0;  // bytes
+  const float* s = nullptr;  // float scales
+  int64_t s_slot = 0, s_row = 0;  // floats
+  const uint8_t* z = nullptr;  // int4 zero points or mxfp4 e8m0 scales
+  int64_t z_slot = 0, z_row = 0;  // bytes
+};
+
+struct Row {
+  const uint8_t* d;
+  const float* s;
+  const uint8_t* z;
+};
+
+inline Row row_of(const WView& w, int64_t slot, int64_t n) {
+  Row r;
+  r.d = w.d + slot * w.d_slot + n * w.d_row;
+  r.s = w.s ? w.s + slot * w.s_slot + (n / w.Bo) * w.s_row : nullptr;
+  r.z = w.z ? w.z + slot * w.z_slot + n * w.z_row : nullptr;
+  return r;
+}
+
+float E8M0[256];
+const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+struct Tables {
+  Tables() {
+    for (int e = 0; e < 256; ++e) {
+      uint32_t bits = e == 0 ? 0x00400000u : (e == 255 ? 0x7FC00000u : uint32_t(e) << 23);
+      std::memcpy(&E8M0[e], &bits, 4);
+    }
+  }
+} tables_init;
+
+// ---- per-group constants -------------------------------------------------------------------------
+template <int F>
+inline void group_const(const Row& r, int64_t gi, float& s, float& b) {
+  s = 1.f;
+  b = 0.f;
+  if constexpr (F == FP8) s = r.s[gi] * 256.f;
+  if constexpr (F == INT8) s = r.s[gi];
+  if constexpr (F == INT4) {
+    s = r.s[gi];
+    b = -float(r.z[gi]) * s;
+  }
+  if constexpr (F == MXFP4) s = E8M0[r.z[gi]];
+}
+
+// ---- 8 weights at column k (k even for the nibble formats) -----------------------------------------
+inline __m256i nibbles8(const uint8_t* p) {  // 4 bytes -> 8 int32 codes, low nibble first
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi32_si128(v), _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1,
+                                                                            -1, -1, -1, -1));
+  const __m256i c = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(dup), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  return _mm256_and_si256(c, _mm256_set1_epi32(0xF));
+}
+
+template <int F>
+inline __m256 dec8(const uint8_t* d, int64_t k, __m256 s, __m256 b) {
+  if constexpr (F == F32) {
+    __m256 w = _mm256_loadu_ps(reinterpret_cast<const float*>(d) + k);
+    asm("" : "+x"(w));  // one load into a register, not one memory operand per FMA
+    return w;
+  } else if constexpr (F == BF16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 2 * k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  } else if constexpr (F == F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 2 * k)));
+  } else if constexpr (F == FP8) {
+    const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + k)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), s);
+  } else if constexpr (F == INT8) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + k)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(v), s);
+  } else if constexpr (F == INT4) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibbles8(d + k / 2)), s, b);
+  } else {  // MXFP4
+    const __m256i c = nibbles8(d + k / 2);
+    const __m256 mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), c);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28));
+    return _mm256_mul_ps(_mm256_xor_ps(mag, sign), s);
+  }
+}
+
+template <int F>
+inline float dec1(const uint8_t* d, int64_t k, float s, float b) {
+  if constexpr (F == F32) {
+    return reinterpret_cast<const float*>(d)[k];
+  } else if constexpr (F == BF16) {
+    uint16_t h;
+    std::memcpy(&h, d + 2 * k, 2);
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else if constexpr (F == F16) {
+    uint16_t h;
+    std::memcpy(&h, d + 2 * k, 2);
+    return _cvtsh_ss(h);
+  } else if constexpr (F == FP8) {
+    const uint16_t v = d[k];
+    return _cvtsh_ss(uint16_t(((v & 0x80) << 8) | ((v & 0x7F) << 7))) * s;
+  } else if constexpr (F == INT8) {
+    return float(int8_t(d[k])) * s;
+  } else {
+    const int q = (d[k >> 1] >> ((k & 1) * 4)) & 0xF;
+    if constexpr (F == INT4) return float(q) * s + b;
+    return E2M1[q] * s;
+  }
+}
+
+// byte offset of column k in a row
+template <int F>
+constexpr int64_t byte_at(int64_t k) {
+  return F == F32 ? 4 * k : (F == BF16 || F == F16) ? 2 * k : (F == FP8 || F == INT8) ? k : k / 2;
+}
+
+constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead of the dot products the weight rows are fetched
+
+inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+// ---- micro kernel: R rows x TT tokens, dot products over K ------------------------------------------
+// y[t * ldy + r] = sum_k W[n0 + r, k] * xr[t][k]
+template <int F, int R, int TT>
+inline void micro(const WView& W, int64_t slot, int64_t n0, const float* const* xr, float* y, int64_t ldy) {
+  const int64_t K = W.K, G = W.G;
+  Row rp[R];
+  for (int r = 0; r < R; ++r) rp[r] = row_of(W, slot, n0 + r);
+  __m256 acc[R][TT];
+  float tail[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) {
+      acc[r][t] = _mm256_setzero_ps();
+      tail[r][t] = 0.f;
+    }
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
+    const int64_t g1 = std::min(g0 + G, K);
+    float ss[R], bs[R];
+    __m256 sv[R], bv[R];
+    for (int r = 0; r < R; ++r) {
+      group_const<F>(rp[r], gi, ss[r], bs[r]);
+      sv[r] = _mm256_set1_ps(ss[r]);
+      bv[r] = _mm256_set1_ps(bs[r]);
+    }
+    int64_t k = g0;
+    for (; k + 8 <= g1; k += 8) {
+      __m256 xv[TT];
+      for (int t = 0; t < TT; ++t) xv[t] = _mm256_loadu_ps(xr[t] + k);
+      for (int r = 0; r < R; ++r) {
+        if constexpr (F != F32) _mm_prefetch(reinterpret_cast<const char*>(rp[r].d + byte_at<F>(k) + PREFETCH_BYTES), _MM_HINT_T0);
+        const __m256 w = dec8<F>(rp[r].d, k, sv[r], bv[r]);
+        for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_fmadd_ps(w, xv[t], acc[r][t]);
+      }
+    }
+    for (; k < g1; ++k)
+      for (int r = 0; r < R; ++r) {
+        const float w = dec1<F>(rp[r].d, k, ss[r], bs[r]);
+        for (int t = 0; t < TT; ++t) tail[r][t] += w * xr[t][k];
+      }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < R; ++r) y[t * ldy + r] = hsum(acc[r][t]) + tail[r][t];
+}
+
+// rows [n0, n1) for tokens t0..t0+TT-1
+template <int F, int TT>
+inline void rows_tt(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, float* y,
+                    int64_t ldy) {
+  constexpr int R = TT <= 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) micro<F, R, TT>(W, slot, n, xr, y + (n - n0), ldy);
+  for (; n < n1; ++n) micro<F, 1, TT>(W, slot, n, xr, y + (n - n0), ldy);
+}
+
+template <int F>
+void gemv_rows(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y,
+               int64_t ldy) {
+  constexpr int64_t RB = 4;  // rows kept hot in L1 while every token chunk passes over them
+  for (int64_t a = n0; a < n1; a += RB) {
+    const int64_t b = std::min(a + RB, n1);
+    for (int64_t t0 = 0; t0 < T; t0 += 4) {
+      float* yt = y + t0 * ldy + (a - n0);
+      switch (std::min<int64_t>(4, T - t0)) {
+        case 1: rows_tt<F, 1>(W, slot, a, b, xr + t0, yt, ldy); break;
+        case 2: rows_tt<F, 2>(W, slot, a, b, xr + t0, yt, ldy); break;
+        case 3: rows_tt<F, 3>(W, slot, a, b, xr + t0, yt, ldy); break;
+        default: rows_tt<F, 4>(W, slot, a, b, xr + t0, yt, ldy); break;
+      }
+    }
+  }
+}
+
+std::vector<float>& scratch(int which) {
+  static thread_local std::vector<float> bufs[5];
+  return bufs[which];
+}
+
+template <int F>
+void decode_rows(const WView& W, int64_t slot, int64_t n0, int64_t n1, float* dst, int64_t ld) {
+  const int64_t K = W.K, G = W.G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const Row r = row_of(W, slot, n);
+    float* o = dst + (n - n0) * ld;
+    for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
+      const int64_t g1 = std::min(g0 + G, K);
+      float s, b;
+      group_const<F>(r, gi, s, b);
+      const __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(b);
+      int64_t k = g0;
+      for (; k + 8 <= g1; k += 8) _mm256_storeu_ps(o + k, dec8<F>(r.d, k, sv, bv));
+      for (; k < g1; ++k) o[k] = dec1<F>(r.d, k, s, b);
+    }
+  }
+}
+
+// ---- tiled path (many tokens): a tile of TN rows is converted once into float32, transposed to
+// [k][TN] blocks of KC columns, and every token passes over it with an outer-product kernel
+// (TT tokens x TN rows of accumulators; x broadcast, two weight vectors per column).
+constexpr int64_t TN = 16, KC = 256;
+
+template <int TT>
+inline void outer(const float* pk, int64_t kc, const float* const* xr, int64_t k0, float* y, int64_t ldy, int64_t nn,
+                  bool add) {
+  __m256 acc[TT][2];
+  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(pk + k * TN), w1 = _mm256_loadu_ps(pk + k * TN + 8);
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xb = _mm256_broadcast_ss(xr[t] + k0 + k);
+      acc[t][0] = _mm256_fmadd_ps(w0, xb, acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(w1, xb, acc[t][1]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    alignas(32) float v[TN];
+    _mm256_store_ps(v, acc[t][0]);
+    _mm256_store_ps(v + 8, acc[t][1]);
+    float* o = y + t * ldy;
+    if (add)
+      for (int64_t j = 0; j < nn; ++j) o[j] += v[j];
+    else
+      for (int64_t j = 0; j < nn; ++j) o[j] = v[j];
+  }
+}
+
+// y[t * ldy + (n - n0)] = sum_k W[n, k] * xr[t][k] for n in [n0, n1), t < T
+template <int F>
+void gemm_rows(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y,
+               int64_t ldy, int64_t small_t) {
+  if (T <= small_t) {
+    gemv_rows<F>(W, slot, n0, n1, xr, T, y, ldy);
+    return;
+  }
+  const int64_t K = W.K;
+  std::vector<float>& rowsbuf = scratch(3);
+  std::vector<float>& packed = scratch(4);
+  rowsbuf.assign(TN * K, 0.f);
+  packed.resize(KC * TN);
+  for (int64_t a = n0; a < n1; a += TN) {
+    const int64_t b = std::min(a + TN, n1), nn = b - a;
+    decode_rows<F>(W, slot, a, b, rowsbuf.data(), K);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      for (int64_t j = 0; j < TN; ++j) {
+        const float* src = rowsbuf.data() + j * K + k0;
+        for (int64_t k = 0; k < kc; ++k) packed[k * TN + j] = j < nn ? src[k] : 0.f;
+      }
+      for (int64_t t0 = 0; t0 < T; t0 += 6) {
+        float* yt = y + t0 * ldy + (a - n0);
+        const bool add = k0 > 0;
+        switch (std::min<int64_t>(6, T - t0)) {
+          case 1: outer<1>(packed.data(), kc, xr + t0, k0, yt, ldy, nn, add); break;
+          case 2: outer<2>(packed.data(), kc, xr + t0, k0, yt, ldy, nn, add); break;
+          case 3: outer<3>(packed.data(), kc, xr + t0, k0, yt, ldy, nn, add); break;
+          case 4: outer<4>(packed.data(), kc, xr + t0, k0, yt, ldy, nn, add); break;
+          case 5: outer<5>(packed.data(), kc, xr + t0, k0, yt, ldy, nn, add); break;
+          default: outer<6>(packed.data(), kc, xr + t0, k0, yt, ldy, nn, add); break;
+        }
+      }
+    }
+  }
+}
+
+void gemm_any(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y,
+              int64_t ldy, int64_t small_t) {
+  switch (W.fmt) {
+    case F32: gemm_rows<F32>(W, slot, n0, n1, xr, T, y, ldy, small_t); break;
+    case BF16: gemm_rows<BF16>(W, slot, n0, n1, xr, T, y, ldy, small_t); break;
+    case F16: gemm_rows<F16>(W, slot, n0, n1, xr, T, y, ldy, small_t); break;
+    case FP8: gemm_rows<FP8>(W, slot, n0, n1, xr, T, y, ldy, small_t); break;
+    case INT8: gemm_rows<INT8>(W, slot, n0, n1, xr, T, y, ldy, small_t); break;
+    case INT4: gemm_rows<INT4>(W, slot, n0, n1, xr, T, y, ldy, small_t); break;
+    default: gemm_rows<MXFP4>(W, slot, n0, n1, xr, T, y, ldy, small_t); break;
+  }
+}
+
+// Work units handed out dynamically (an atomic counter), so uneven units balance across threads.
+template <class Fn>
+void run_units(int64_t n, const Fn& fn) {
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
+  if (nt <= 1) {
+    for (int64_t u = 0; u < n; ++u) fn(u);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
+    for (int64_t u; (u = next.fetch_add(1)) < n;) fn(u);
+  });
+}
+
+// ---- argument unpacking ------------------------------------------------------------------------------
+// spec = (fmt, data [S, N, ...], scale [S, *, ng] or None, zero [S, N, ng] or None, N, K, G, Bo)
+WView view_of(const py::tuple& spec, const char* what) {
+  TORCH_CHECK(spec.size() == 8, what, ": weight spec must have 8 fields");
+  WView w;
+  w.fmt = spec[0].cast<int>();
+  TORCH_CHECK(w.fmt >= F32 && w.fmt <= MXFP4, what, ": unknown weight format code ", w.fmt);
+  const at::Tensor d = spec[1].cast<at::Tensor>();
+  w.N = spec[4].cast<int64_t>();
+  w.K = spec[5].cast<int64_t>();
+  w.G = spec[6].cast<int64_t>();
+  w.Bo = spec[7].cast<int64_t>();
+  TORCH_CHECK(d.device().is_cpu() && d.dim() >= 2 && d.size(1) == w.N, what, ": data must be a CPU tensor [S, N, ...]");
+  TORCH_CHECK(w.G >= 1 && w.Bo >= 1 && w.K >= 1, what, ": group and block sizes must be positive");
+  const int64_t its = d.element_size();
+  for (int64_t i = d.dim() - 1, expect = 1; i >= 2; expect *= d.size(i), --i)
+    TORCH_CHECK(d.stride(i) == expect, what, ": rows of the data must be contiguous");
+  TORCH_CHECK(d.dim() > 2 || d.stride(1) == 1 || d.size(1) == 1, what, ": 2-D data must be [S, N] bytes");
+  w.d = static_cast<const uint8_t*>(d.data_ptr());
+  w.d_slot = d.stride(0) * its;
+  w.d_row = d.stride(1) * its;
+  if ((w.fmt == INT4 || w.fmt == MXFP4)) TORCH_CHECK(w.G % 2 == 0 && w.K % 2 == 0, what, ": nibble formats need even K and G");
+  if (!spec[2].is_none()) {
+    const at::Tensor s = spec[2].cast<at::Tensor>();
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 && s.stride(2) == 1, what,
+                ": scale must be float32 [S, rows, groups] with contiguous groups");
+    TORCH_CHECK(s.size(1) * w.Bo >= w.N && s.size(2) * w.G >= w.K, what, ": scale shape too small");
+    w.s = s.data_ptr<float>();
+    w.s_slot = s.stride(0);
+    w.s_row = s.size(1) == 1 ? 0 : s.stride(1);
+  }
+  if (!spec[3].is_none()) {
+    const at::Tensor z = spec[3].cast<at::Tensor>();
+    TORCH_CHECK(z.scalar_type() == at::kByte && z.dim() == 3 && z.stride(2) == 1 && z.size(1) == w.N, what,
+                ": zero points / e8m0 scales must be uint8 [S, N, groups]");
+    TORCH_CHECK(z.size(2) * w.G >= w.K, what, ": zero point shape too small");
+    w.z = z.data_ptr<uint8_t>();
+    w.z_slot = z.stride(0);
+    w.z_row = z.stride(1);
+  }
+  const bool needs_s = w.fmt == FP8 || w.fmt == INT8 || w.fmt == INT4;
+  TORCH_CHECK(!needs_s || w.s, what, ": format needs a float32 scale");
+  TORCH_CHECK(!(w.fmt == INT4 || w.fmt == MXFP4) || w.z, what, ": format needs uint8 zero points / e8m0 scales");
+  return w;
+}
+
+void check_x(const at::Tensor& x, int64_t K, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), what,
+              ": x must be contiguous float32 [T, K] on the CPU");
+  TORCH_CHECK(x.size(1) == K, what, ": x has ", x.size(1), " features, the weight expects ", K);
+}
+
+// y [T, N] = x [T, K] @ W[slot]^T
+at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int64_t small_t, int64_t rows_per_unit) {
+  const WView W = view_of(spec, "linear");
+  check_x(x, W.K, "linear");
+  const int64_t T = x.size(0);
+  at::Tensor y = at::empty({T, W.N}, x.options());
+  std::vector<const float*> xr(T);
+  for (int64_t t = 0; t < T; ++t) xr[t] = x.data_ptr<float>() + t * W.K;
+  float* yp = y.data_ptr<float>();
+  const int64_t units = (W.N + rows_per_unit - 1) / rows_per_unit;
+  {
+    pybind11::gil_scoped_release nogil;
+    run_units(units, [&](int64_t u) {
+      const int64_t n0 = u * rows_per_unit, n1 = std::min(n0 + rows_per_unit, W.N);
+      gemm_any(W, slot, n0, n1, xr.data(), T, yp + n0, W.N, small_t);
+    });
+  }
+  return y;
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// out [T, H] += sum_k weights[t, k] * down(act(gate(x[t]), up(x[t]))) over the pool slot slots[t, k] (-1: skip).
+// act 0: silu(g) * u;  act 1 (clamped SwiGLU): g = min(g, limit), u = clamp(u, -limit, limit),
+// (u + 1) * g * sigmoid(alpha * g). Biases (float32 [S, I] / [S, H], or None) are added to the projections.
+void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights, const py::tuple& gate_spec,
+         const py::tuple& up_spec, const py::tuple& down_spec, int64_t act, double alpha, double limit,
+         const py::object& gate_bias, const py::object& up_bias, const py::object& down_bias, at::Tensor& out,
+         int64_t small_t, int64_t rows_per_unit) {
+  const WView Wg = view_of(gate_spec, "gate"), Wu = view_of(up_spec, "up"), Wd = view_of(down_spec, "down");
+  const int64_t H = Wg.K, I = Wg.N;
+  check_x(x, H, "moe");
+  TORCH_CHECK(Wu.N == I && Wu.K == H && Wd.N == H && Wd.K == I, "moe: gate/up [I, H] and down [H, I] disagree");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == x.size(0) && slots.is_contiguous(),
+              "moe: slots must be contiguous int64 [T, K]");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.sizes() == slots.sizes() && weights.is_contiguous(),
+              "moe: weights must be contiguous float32 [T, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes(),
+              "moe: out must be contiguous float32 [T, H]");
+  TORCH_CHECK(act == 0 || act == 1, "moe: activation code must be 0 (silu) or 1 (clamped swiglu)");
+  const py::tuple& dspec = down_spec;
+  const int64_t S = dspec[1].cast<at::Tensor>().size(0);
+  auto bias_of = [&](const py::object& o, int64_t n, const char* what) -> const float* {
+    if (o.is_none()) return nullptr;
+    const at::Tensor b = o.cast<at::Tensor>();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.dim() == 2 && b.size(0) == S && b.size(1) == n,
+                what, ": bias must be contiguous float32 [S, ", n, "]");
+    return b.data_ptr<float>();
+  };
+  const float* bg = bias_of(gate_bias, I, "gate");
+  const float* bu = bias_of(up_bias, I, "up");
+  const float* bd = bias_of(down_bias, H, "down");
+
+  // group the routed pairs by slot (counting sort): pair p has token tok[p] and weight pw[p]
+  const int64_t T = slots.size(0), Kt = slots.size(1), P = T * Kt;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const float* wt = weights.data_ptr<float>();
+  std::vector<int64_t> count(S + 1, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(sl[p] >= -1 && sl[p] < S, "moe: slot ", sl[p], " out of range [0, ", S, ")");
+    count[sl[p] + 1] += sl[p] >= 0;
+  }
+  std::vector<int64_t> gslot, goff{0};
+  for (int64_t s = 0; s < S; ++s)
+    if (count[s + 1]) {
+      gslot.push_back(s);
+      goff.push_back(goff.back() + count[s + 1]);
+    }
+  const int64_t NG = gslot.size(), NP = goff.back();
+  if (NG == 0) return;
+  std::vector<int64_t> pos(S, -1);
+  for (int64_t g = 0; g < NG; ++g) pos[gslot[g]] = goff[g];
+  std::vector<int64_t> tok(NP);
+  std::vector<float> pw(NP);
+  for (int64_t p = 0; p < P; ++p)
+    if (sl[p] >= 0) {
+      const int64_t q = pos[sl[p]]++;
+      tok[q] = p / Kt;
+      pw[q] = wt[p];
+    }
+  const float* xp = x.data_ptr<float>();
+  std::vector<const float*> xr(NP), hr(NP);
+  std::vector<float> h(NP * I);
+  for (int64_t q = 0; q < NP; ++q) {
+    xr[q] = xp + tok[q] * H;
+    hr[q] = h.data() + q * I;
+  }
+  float* op = out.data_ptr<float>();
+  const float a = float(alpha), lim = float(limit);
+
+  pybind11::gil_scoped_release nogil;
+  // phase 1: h = act(gate x, up x), units = (group, block of I rows)
+  const int64_t rb = rows_per_unit, per_g = (I + rb - 1) / rb;
+  run_units(NG * per_g, [&](int64_t u) {
+    const int64_t g = u / per_g, n0 = (u % per_g) * rb, n1 = std::min(n0 + rb, I), nb = n1 - n0;
+    const int64_t n = goff[g + 1] - goff[g], slot = gslot[g];
+    std::vector<float>& tg = scratch(0);
+    std::vector<float>& tu = scratch(1);
+    tg.resize(n * nb);
+    tu.resize(n * nb);
+    gemm_any(Wg, slot, n0, n1, xr.data() + goff[g], n, tg.data(), nb, small_t);
+    gemm_any(Wu, slot, n0, n1, xr.data() + goff[g], n, tu.data(), nb, small_t);
+    for (int64_t t = 0; t < n; ++t) {
+      float* hp = h.data() + (goff[g] + t) * I;
+      for (int64_t j = 0; j < nb; ++j) {
+        float gv = tg[t * nb + j], uv = tu[t * nb + j];
+        if (bg) gv += bg[slot * I + n0 + j];
+        if (bu) uv += bu[slot * I + n0 + j];
+        if (act == 0) {
+          hp[n0 + j] = silu(gv) * uv;
+        } else {
+          gv = std::min(gv, lim);
+          uv = std::max(-lim, std::min(uv, lim));
+          hp[n0 + j] = (uv + 1.f) * gv / (1.f + std::exp(-a * gv));
+        }
+      }
+    }
+  });
+  // phase 2: out[tok] += w * down h, units = blocks of H rows (each owns its columns of out: no races)
+  const int64_t units2 = (H + rb - 1) / rb;
+  run_units(units2, [&](int64_t u) {
+    const int64_t n0 = u * rb, n1 = std::min(n0 + rb, H), nb = n1 - n0;
+    std::vector<float>& yd = scratch(2);
+    for (int64_t g = 0; g < NG; ++g) {
+      const int64_t n = goff[g + 1] - goff[g], slot = gslot[g];
+      yd.resize(n * nb);
+      gemm_any(Wd, slot, n0, n1, hr.data() + goff[g], n, yd.data(), nb, small_t);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t q = goff[g] + t;
+        float* o = op + tok[q] * H + n0;
+        const float w = pw[q];
+        const float* yv = yd.data() + t * nb;
+        if (bd) {
+          const float* b = bd + slot * H + n0;
+          for (int64_t j = 0; j < nb; ++j) o[j] += w * (yv[j] + b[j]);
+        } else {
+          for (int64_t j = 0; j < nb; ++j) o[j] += w * yv[j];
+        }
+      }
+    }
+  });
+}
+
+bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "expertcache CPU kernels: y = x W^T from stored bf16/fp16/fp8/int8/int4/mxfp4 bytes";
+  m.def("linear", &linear, "y [T, N] = x [T, K] @ W[slot]^T", py::arg("x"), py::arg("spec"), py::arg("slot"),
+        py::arg("small_t"), py::arg("rows_per_unit"));
+  m.def("moe", &moe, "grouped expert FFN of one MoE layer, accumulated into out");
+  m.def("cpu_supported", &cpu_supported, "AVX2, FMA and F16C present");
+}

@@ -1,0 +1,282 @@
+"""The C++ CPU kernels (expertcache.kernels) against float64 references, and the fallback.
+
+- every format (bf16, fp16, fp32, fp8 block / channel / tensor, int8, int4, mxfp4), T in
+  {1, 2, 7, 16, 64, 300}, shapes that are not multiples of the vector width (8), the group or the
+  block, through both the GEMV path and the tiled path, against x @ dequantize(W)^T in float64;
+- the grouped MoE form (one call per layer) with empty slots, pairs skipped (-1) and a slot
+  repeated within a token, the clamped SwiGLU and biases, against a float64 per-pair loop;
+- the whole model with the kernels equals the pure-torch path (fp32 logits, 1e-4 relative);
+- the fallback: with no extension the same entry points decline and the torch code computes,
+  with a printed note saying why.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expertcache import LLM, kernels
+from expertcache.experts.compute import ExpertFFN, moe_ffn
+from expertcache.kernels import build
+from expertcache.kernels.formats import plain_spec, quant_spec
+from expertcache.quant import make_quant_method
+from expertcache.quant.quantize import quantize_checkpoint
+
+# (format, parameters): group/block sizes chosen so that shapes leave ragged edges
+FORMATS = [("bf16", {}), ("fp16", {}), ("fp32", {}), ("fp8", {"block_size": [16, 24]}), ("fp8-channel", {}),
+           ("fp8-tensor", {}), ("int8", {"group_size": 40}), ("int8", {"group_size": 20}),
+           ("int4", {"group_size": 36}), ("mxfp4", {})]
+TOKENS = [1, 2, 7, 16, 64, 300]
+PATHS = {"gemv": 1 << 30, "tiled": 0}  # SMALL_T for every format code
+
+
+def _shape(fmt: str) -> tuple[int, int]:
+    return (37, 352) if fmt == "mxfp4" else (37, 330)  # N odd; K not a multiple of 8, 24, 36 or 40
+
+
+def _packed(fmt: str, params: dict, n: int, k: int, slots: int = 1, seed: int = 0):
+    """-> (method, pool parts {"p.<suffix>": [S, ...]}, float64 dequantized weights [S, n, k])."""
+    g = torch.Generator().manual_seed(seed)
+    m = make_quant_method(fmt, **params)
+    parts, dense = [], []
+    for _ in range(slots):
+        p = m.pack({"p.weight": torch.randn(n, k, generator=g)})
+        parts.append(p)
+        dense.append(m.dequantize(p, "p").double())
+    pool = {key: torch.stack([p[key] for p in parts]) for key in parts[0]}
+    return m, pool, torch.stack(dense)
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, rtol: float = 2e-6) -> None:
+    """|y - ref| <= rtol * bound elementwise, bound = |x| @ |W|^T (the float32 rounding scale)."""
+    err = (y.double() - ref).abs()
+    worst = (err / (bound + 1e-30)).max().item()
+    assert worst <= rtol, f"max error {worst:.3g} of |x||W| (allowed {rtol})"
+
+
+needs_cpp = pytest.mark.skipif(kernels.backend() != "cpp", reason=f"C++ kernels unavailable: {kernels.why()}")
+
+
+def test_users_get_the_cpp_kernels():
+    """Where a C++ compiler exists (CI, `make setup`), the engine runs the C++ kernels, not the fallback."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert kernels.backend() == "cpp", kernels.why()
+
+
+@needs_cpp
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt,params", FORMATS, ids=[f"{f}-{p}" for f, p in FORMATS])
+def test_linear_every_format_against_float64(fmt, params, path):
+    n, k = _shape(fmt)
+    m, pool, w = _packed(fmt, params, n, k)
+    spec = quant_spec(m, pool, "p", n, k)
+    ext = kernels.extension()
+    for T in TOKENS:
+        x = torch.randn(T, k, generator=torch.Generator().manual_seed(T))
+        y = ext.linear(x, spec, 0, PATHS[path], 8)
+        assert y.shape == (T, n) and y.dtype == torch.float32
+        _close(y, x.double() @ w[0].T, x.double().abs() @ w[0].abs().T)
+
+
+@needs_cpp
+def test_dense_linear_bf16_weight_and_fallback_cases():
+    w = torch.randn(70, 33).bfloat16()
+    x = torch.randn(2, 5, 33)
+    y = kernels.dense_linear(x, w)
+    assert y.shape == (2, 5, 70)
+    _close(y.reshape(10, 70), x.reshape(10, 33).double() @ w.double().T, x.reshape(10, 33).double().abs() @ w.double().abs().T)
+    assert kernels.dense_linear(x.double(), w) is None  # float64 activations: not a kernel case
+    assert kernels.dense_linear(x, w.to(torch.float8_e4m3fn)) is None  # no plain kernel for raw fp8
+
+
+def _moe_reference(x, slots, weights, gate, up, down, act="silu", biases=(None, None, None)):
+    """float64 per-pair loop: out[t] = sum_k w[t,k] * down_s(act(gate_s x_t, up_s x_t)) for slots s >= 0."""
+    xd, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)
+    bg, bu, bd = (None if b is None else b.double() for b in biases)
+    for t in range(slots.shape[0]):
+        for j in range(slots.shape[1]):
+            s = int(slots[t, j])
+            if s < 0:
+                continue
+            g, u = gate[s] @ xd[t], up[s] @ xd[t]
+            if bg is not None:
+                g, u = g + bg[s], u + bu[s]
+            if act == "silu":
+                h = F.silu(g) * u
+            else:
+                g, u = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
+                h = (u + 1) * g * torch.sigmoid(1.702 * g)
+            y = down[s] @ h
+            out[t] += weights[t, j].double() * (y if bd is None else y + bd[s])
+    return out
+
+
+def _moe_pool(fmt, params, S, H, I):
+    mg, pg, gate = _packed(fmt, params, I, H, S, seed=1)
+    _, pu, up = _packed(fmt, params, I, H, S, seed=2)
+    _, pd, down = _packed(fmt, params, H, I, S, seed=3)
+    rename = lambda pool, proj: {key.replace("p.", f"{proj}.", 1): t for key, t in pool.items()}  # noqa: E731
+    pool = {**rename(pg, "gate"), **rename(pu, "up"), **rename(pd, "down")}
+    if fmt in ("bf16", "fp16", "fp32"):  # plain pools are gate_up [S, 2I, H] + down [S, H, I]
+        pool = {"gate_up": torch.cat([pool["gate.weight"], pool["up.weight"]], 1), "down": pool["down.weight"]}
+        mg = None
+    return mg, pool, gate, up, down
+
+
+def _routing(T, K, S, seed=0):
+    """slots with -1 (skipped pairs), one slot repeated within a token, slot S-1 never used (empty)."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, S - 1, (T, K), generator=g)
+    slots[0, :] = slots[0, 0]  # repeated slot
+    slots[T // 2, 1] = -1
+    weights = torch.rand(T, K, generator=g)
+    return slots, weights
+
+
+@needs_cpp
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt,params", FORMATS, ids=[f"{f}-{p}" for f, p in FORMATS])
+def test_grouped_moe_against_float64(fmt, params, path, monkeypatch):
+    monkeypatch.setattr(kernels, "SMALL_T", dict.fromkeys(range(7), PATHS[path]))
+    S, H, I, K = 5, 64 if fmt == "mxfp4" else 60, 96 if fmt == "mxfp4" else 44, 3
+    method, pool, gate, up, down = _moe_pool(fmt, params, S, H, I)
+    for T in (1, 7, 64):
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+        slots, weights = _routing(T, K, S, seed=T)
+        out = torch.zeros(T, H)
+        assert kernels.moe(x, slots, weights, pool, method, out)
+        ref = _moe_reference(x, slots, weights, gate, up, down)
+        assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def _fused_pool(fmt, params, S, H, I, interleaved):
+    """A fused gate_up pool (plain [S, 2I, H], or quantized parts "gate_up.*"), gate rows first or
+    interleaved (gate = even rows); -> (method, pool, gate, up, down) with float64 dequantized weights."""
+    method, pgu, gu = _packed(fmt, params, 2 * I, H, S, seed=4)
+    _, pd, down = _packed(fmt, params, H, I, S, seed=5)
+    gate, up = (gu[:, 0::2], gu[:, 1::2]) if interleaved else (gu[:, :I], gu[:, I:])
+    pool = {**{k.replace("p.", "gate_up.", 1): t for k, t in pgu.items()}, **{k.replace("p.", "down.", 1): t for k, t in pd.items()}}
+    if fmt in ("bf16", "fp16", "fp32"):
+        pool, method = {"gate_up": pool["gate_up.weight"], "down": pool["down.weight"]}, None
+    return method, pool, gate, up, down
+
+
+@needs_cpp
+@pytest.mark.parametrize("fmt,params,layout", [("int8", {"group_size": 16}, "split"), ("bf16", {}, "interleaved"),
+                                               ("mxfp4", {}, "fused-interleaved"), ("int4", {"group_size": 8}, "fused")])
+def test_grouped_moe_clamped_swiglu_biases_layouts_and_accumulation(fmt, params, layout, monkeypatch):
+    S, H, I, K, T = 4, 64, 32, 2, 9
+    interleaved = "interleaved" in layout
+    if layout == "split":
+        method, pool, gate, up, down = _moe_pool(fmt, params, S, H, I)
+    else:
+        method, pool, gate, up, down = _fused_pool(fmt, params, S, H, I, interleaved)
+    ffn = ExpertFFN(act="clamped_swiglu", interleaved=interleaved, fused_quant=method is not None and layout != "split",
+                    alpha=1.702, limit=7.0)
+    g = torch.Generator().manual_seed(5)
+    bg, bu, bd = torch.randn(S, I, generator=g), torch.randn(S, I, generator=g), torch.randn(S, H, generator=g)
+    gu_bias = torch.stack([bg, bu], -1).reshape(S, 2 * I) if interleaved else torch.cat([bg, bu], 1)
+    pool = {**pool, "down_bias": bd}
+    if layout != "split":  # (split gate/up parts carry no gate_up bias in any supported family)
+        pool["gate_up_bias"] = gu_bias
+    else:
+        bg, bu = torch.zeros(S, I), torch.zeros(S, I)
+    x = 3 * torch.randn(T, H, generator=g)  # large enough that the clamps at +-7 engage
+    slots, weights = _routing(T, K, S)
+    start = torch.randn(T, H, generator=g)
+    out = start.clone()
+    assert kernels.moe(x, slots, weights, pool, method, out, ffn)
+    ref = start.double() + _moe_reference(x, slots, weights, gate, up, down, "clamped_swiglu", (bg, bu, bd))
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    with monkeypatch.context() as mp:
+        _no_extension(mp, "disabled by the test")
+        torch_path = moe_ffn(x, slots, weights, pool, method, out=start.clone(), ffn=ffn)
+    assert (torch_path.double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # the torch code agrees
+
+
+@needs_cpp
+def test_grouped_moe_errors_name_the_problem():
+    _, pool, *_ = _moe_pool("bf16", {}, 3, 16, 8)
+    x, out = torch.randn(2, 16), torch.zeros(2, 16)
+    with pytest.raises(RuntimeError, match="slot 3 out of range"):
+        kernels.moe(x, torch.tensor([[0], [3]]), torch.ones(2, 1), pool, None, out)
+    with pytest.raises(RuntimeError, match="x has 15 features"):
+        kernels.moe(torch.randn(2, 15), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), pool, None,
+                    torch.zeros(2, 15))
+
+
+def _no_extension(monkeypatch, why="no C++ compiler found (install g++ and run `make setup`)"):
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setattr(build, "_compile", lambda: (None, why))
+
+
+def test_fallback_prints_a_note_and_torch_computes(monkeypatch, capsys):
+    _no_extension(monkeypatch)
+    assert kernels.backend() == "torch"
+    assert "pure-torch expert kernels: no C++ compiler found" in capsys.readouterr().err
+    method, pool, gate, up, down = _moe_pool("int4", {"group_size": 16}, 4, 32, 16)
+    x = torch.randn(6, 32)
+    slots, weights = _routing(6, 2, 4)
+    assert not kernels.moe(x, slots, weights, pool, method, torch.zeros(6, 32))
+    out = moe_ffn(x, slots, weights, pool, method)  # the torch path of experts.compute
+    ref = _moe_reference(x, slots, weights, gate, up, down)
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert kernels.dense_linear(x, torch.randn(3, 32).bfloat16()) is None
+    assert not kernels.reads_stored("cpu", torch.float32)
+
+
+SEQ = [(i * 37 + 11) % 300 + 3 for i in range(40)]
+MODEL = dict(dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2,
+             num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(checkpoint):
+    return checkpoint("qwen3_moe", **MODEL)
+
+
+@needs_cpp
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8", "int4", "mxfp4"])
+def test_whole_model_kernels_equal_torch_path(fmt, bf16_model, tmp_path, monkeypatch):
+    params = {"fp8": {"block_size": 32}, "int8": {"group_size": 24}, "int4": {"group_size": 16}}.get(fmt, {})
+    path = bf16_model if fmt == "bf16" else quantize_checkpoint(bf16_model, tmp_path / fmt, fmt, **params)
+    fast = LLM(str(path))
+    assert kernels.backend() == "cpp"
+    parts = {t.dtype for t in fast.experts.pools[fast.source.layers[0]].values()}
+    assert torch.float32 not in parts or fmt != "bf16", "a bf16 model's expert pools stay bf16"
+    assert fast.model.lm_head.dtype == torch.bfloat16  # dense weights read as stored
+    got = fast.logits(SEQ)
+    with monkeypatch.context() as mp:
+        _no_extension(mp, "disabled by the test")
+        slow = LLM(str(path))
+        assert slow.model.lm_head.dtype == torch.float32
+        want = slow.logits(SEQ)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_cpp
+def test_lm_head_int8_against_float64_and_the_torch_path(bf16_model, monkeypatch):
+    """--lm-head int8: logits = final hidden @ dequantize(int8 lm_head)^T, through the kernels and the torch path."""
+    from expertcache.layers.basic import QuantizedWeight, lm_head_method
+
+    llm = LLM(str(bf16_model), lm_head="int8")
+    qw = llm.model.lm_head
+    assert isinstance(qw, QuantizedWeight) and qw.parts["w.weight"].dtype == torch.int8
+    assert any(line.startswith("lm_head: int8 (group 128)") for line in llm.plan_lines)
+    x = torch.randn(3, qw.shape[1])
+    w = qw.method.dequantize(qw.parts, "w").double()
+    ref = x.double() @ w.T
+    _close(qw.linear(x), ref, x.double().abs() @ w.abs().T)
+    with monkeypatch.context() as mp:
+        _no_extension(mp, "disabled by the test")
+        _close(qw.linear(x), ref, x.double().abs() @ w.abs().T)
+    plain = LLM(str(bf16_model))
+    a, b = llm.logits(SEQ), plain.logits(SEQ)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9  # int8 lm_head: close to, not equal to, bf16
+    with pytest.raises(ValueError, match="lm_head: unknown format 'int3'"):
+        lm_head_method("int3")
