@@ -267,14 +267,7 @@ lambda pair: (pair[1], -pair[0]); dict(zip(keys, values)); [x * 2 for x in items
 # ----------------------------------------------------------------------------- paths
 
 
-def cache_root() -> pathlib.Path:
-    """$EXPERTCACHE_CACHE_DIR, else $XDG_CACHE_HOME/expertcache, else ~/.cache/expertcache."""
-    if os.environ.get("EXPERTCACHE_CACHE_DIR"):
-        return pathlib.Path(os.environ["EXPERTCACHE_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
-    return base / "expertcache"
-
+from .paths import cache_root  # noqa: E402  (re-exported: the demo's cache lives under it)
 
 SHIPPED_DIR = pathlib.Path(__file__).with_name("demo_model")
 
