@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the fastest tier's device)")
     args = ap.parse_args()
     from expertcache import SamplingParams
-    from expertcache.demo import build_demo_model, demo_model_dir
+    from expertcache.demo import build_demo_model, random_demo_dir
 
     torch.manual_seed(0)
     print(hardware_line(), flush=True)
@@ -120,7 +120,7 @@ def main():
     for model in args.models:
         prompt_ids = None
         if model == "demo":
-            model_dir, host = str(demo_model_dir()), None
+            model_dir, host = str(random_demo_dir()), None
         elif model == "tinymoe":
             model_dir, host = str(Path(__file__).resolve().parents[2] / "shared/models/tinymoe-py16"), "25%"
             prompt_ids = torch.load(Path(model_dir) / "heldout_ids.pt").flatten().tolist()

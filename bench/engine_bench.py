@@ -48,9 +48,9 @@ def main():
     ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
     from expertcache import LLM, SamplingParams
-    from expertcache.demo import demo_model_dir
+    from expertcache.demo import random_demo_dir
 
-    model_dir = args.model or str(demo_model_dir())
+    model_dir = args.model or str(random_demo_dir())
     torch.manual_seed(0)
     print(hardware_line())
     llm = LLM(model_dir, prefix_caching=False)  # transformers has no prefix cache: compare like with like

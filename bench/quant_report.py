@@ -84,9 +84,9 @@ def model_dir(name: str, work: Path) -> Path:
 
     if name == "demo":
         try:
-            return demo.demo_model_dir(progress=False)
+            return demo.random_demo_dir(progress=False)
         except Exception as e:  # noqa: BLE001 - fall back to a private build
-            log(f"demo_model_dir failed ({e}); building one in {work}")
+            log(f"random_demo_dir failed ({e}); building one in {work}")
             return demo.build_demo_model(work / "demo")
     if name == "large":
         out = work / "large"

@@ -92,10 +92,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="measured requests per configuration (best is kept)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
-    from expertcache.demo import demo_model_dir
     from expertcache.cost.measure import measure_cpu_profile
+    from expertcache.demo import random_demo_dir
 
-    model_dir = str(demo_model_dir())
+    model_dir = str(random_demo_dir())
     t0 = time.perf_counter()
     prompt = torch.randint(3, 2000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     for threads in args.threads:

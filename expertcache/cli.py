@@ -52,9 +52,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="write the routing trace (.npz, see `expertcache trace`) when the command ends")
     g = p.add_argument_group("expert cache")
     g.add_argument("--device-memory", default=None,
-                   help="budget for experts in the fastest tier (device slots), e.g. 512MiB, or 'auto'; "
+                   help="budget for experts in the fastest tier (device slots), e.g. 512MiB, 25%% (of all the "
+                        "routed experts' bytes), or 'auto'; "
                         "omit all cache flags to keep every expert resident")
-    g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, or 'auto'")
+    g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, 50%%, or 'auto'; "
+                                                       "0 needs --low-memory")
     g.add_argument("--cache-policy", default=None, choices=ONLINE,
                    help="eviction policy of the expert cache (needs --device-memory or --host-memory; "
                         "default: adaptive)")
@@ -194,10 +196,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import demo_model_dir
+    from . import demo
 
     if args.model is None:
-        args.model = str(demo_model_dir(rebuild=args.rebuild))
+        args.model = str(demo.random_demo_dir(rebuild=args.rebuild) if args.random else demo.demo_model_dir())
+        what = demo.describe(args.model) or ("the random-weight demo model: untrained, so its text is gibberish "
+                                             "and its routing near uniform (for comparison with the trained one)")
+        print(f"expertcache demo: {what}", file=sys.stderr, flush=True)
     if args.device_memory is None and args.host_memory is None:
         args.device_memory = "25%"  # a budget smaller than the experts, so the cache has work
     return cmd_generate(args)
@@ -262,8 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "fastest tier) and show the cache; default model: the built-in demo",
                        epilog=SUPPORTED, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(d)
-    add_sampling_args(d, "The expert cache keeps")
-    d.add_argument("--rebuild", action="store_true", help="rebuild the demo checkpoint")
+    add_sampling_args(d, "def forward(self, x):")
+    d.set_defaults(temperature=0.7, top_p=0.9, seed=0)  # the demo samples (reproducibly): greedy loops on a tiny model
+    d.add_argument("--random", action="store_true",
+                   help="use the untrained random-weight demo model (built once in ~/.cache/expertcache)")
+    d.add_argument("--rebuild", action="store_true", help="with --random: rebuild that checkpoint")
     d.set_defaults(func=cmd_demo)
     from .chat_cli import add_chat_subcommand
     from .plan import add_plan_subcommand

@@ -17,7 +17,6 @@ from .errors import ConfigError
 
 _FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
           "seed": "--seed"}
-DEFAULT_MAX_MODEL_LEN = 4096  # the engine's cap when --max-model-len is not given
 
 
 def sampling_params(args: argparse.Namespace):
@@ -35,12 +34,9 @@ def sampling_params(args: argparse.Namespace):
         raise ConfigError(f"{flag} {getattr(args, field)}: {str(e).split(' ', 1)[1]}") from None
 
 
-def default_max_model_len(max_position_embeddings: int) -> int:
-    return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-
-
 def check_prompt_fits(args: argparse.Namespace, model_dir: str | Path, prompt_ids: list[int]) -> int:
     """Return the context length the engine will use; raise if prompt + --max-tokens does not fit."""
+    from .engine.kv_cache import default_max_model_len
     from .models.registry import read_config
 
     _, cfg, _ = read_config(Path(model_dir))

@@ -1,19 +1,25 @@
-"""The built-in demo model: a small, deterministic Qwen3-MoE checkpoint built on first use.
+"""The built-in demo models: the shipped trained one, and a deterministic random-weight one.
 
-`expertcache demo` needs a model without downloading one, so this module writes a
-randomly initialised (untrained) checkpoint in genuine Hugging Face format and caches it.
+`demo_model_dir()` is the model `expertcache demo` (and every command given no model) runs: a tiny
+Qwen3-MoE trained by `expertcache/demo_train.py` on this project's own docs and source, shipped in
+`expertcache/demo_model/` and checked against its manifest on every use. `describe()` says in one
+line what it is and what to expect from it.
 
-Layout of the checkpoint directory (`demo_model_dir()`):
+`random_demo_dir()` builds (once, cached) a randomly initialised checkpoint of the same format:
+untrained, for tests, benchmarks and the comparison with a trained router (`demo --random`).
+
+Layout of both checkpoint directories:
 
     config.json                         Qwen3MoeForCausalLM config, written as a plain dict
     generation_config.json              eos_token_id = [<|endoftext|>, <|im_end|>]
-    tokenizer.json                      byte-level BPE trained here on CORPUS
+    tokenizer.json                      byte-level BPE trained here (`train_tokenizer`)
     tokenizer_config.json               eos/pad tokens and a ChatML chat_template
-    model-0000k-of-0000n.safetensors    bf16 weights under hub names, split by layer ranges
-    model.safetensors.index.json        {"metadata": {"total_size"}, "weight_map"}
-    expertcache_demo.json               manifest: build parameters + size/sha256 of every file
+    model*.safetensors                  bf16 weights under hub names (random: split by layer ranges)
+    model.safetensors.index.json        random model: {"metadata": {"total_size"}, "weight_map"}
+    heldout.txt                         trained model: text of files it was not trained on
+    expertcache_demo.json               manifest: build parameters (+ training summary) + size/sha256 of every file
 
-Invariants:
+Invariants (random model):
 - Same seed and sizes => byte-identical files. Every tensor has its own generator seeded
   from (seed, tensor name), so values do not depend on generation order or sharding.
 - The cache directory is created by renaming a finished temp directory, so a reader
@@ -42,7 +48,8 @@ import time
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+
+from .loader.writer import write_safetensors
 
 from .demo_corpus import CORPUS  # the tokenizer's training text
 
@@ -96,17 +103,39 @@ _ROUTER_NOISE = 0.3  # full-rank part of the router, relative to the low-rank pa
 # ----------------------------------------------------------------------------- paths
 
 
-def cache_root() -> pathlib.Path:
-    """$EXPERTCACHE_CACHE_DIR, else $XDG_CACHE_HOME/expertcache, else ~/.cache/expertcache."""
-    if os.environ.get("EXPERTCACHE_CACHE_DIR"):
-        return pathlib.Path(os.environ["EXPERTCACHE_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
-    return base / "expertcache"
+from .paths import cache_root  # noqa: E402  (re-exported: the demo's cache lives under it)
+
+SHIPPED_DIR = pathlib.Path(__file__).with_name("demo_model")
 
 
-def demo_model_dir(rebuild: bool = False, progress: bool = True) -> pathlib.Path:
-    """Return the path of the demo checkpoint, building it if missing or damaged."""
+def demo_model_dir(progress: bool = True) -> pathlib.Path:
+    """The shipped trained demo model, after checking sizes and headers against its manifest."""
+    from .errors import CheckpointError
+
+    problem = check_demo_model(SHIPPED_DIR)
+    if problem is not None:
+        raise CheckpointError(f"the demo model shipped in {SHIPPED_DIR} is damaged ({problem}); reinstall "
+                              f"expertcache (or `git checkout -- expertcache/demo_model`), or retrain it with "
+                              f"`python -m expertcache.demo_train --out {SHIPPED_DIR} --minutes 45`")
+    return SHIPPED_DIR
+
+
+def describe(path: str | os.PathLike) -> str | None:
+    """One line on a trained demo model (from its manifest): what it is and what to expect; None if untrained."""
+    try:
+        m = json.loads((pathlib.Path(path) / MANIFEST).read_text(encoding="utf-8"))
+        p, t = m["params"], m["training"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return (f"a tiny Qwen3-MoE ({p['num_layers']} layers x {p['num_experts']} experts, top-{p['top_k']}, "
+            f"{t['parameters_m']} M parameters) trained for {t['minutes']:.0f} min on a shared CPU "
+            f"({t['tokens_seen'] / 1e6:.1f} M tokens) on this project's own docs and source; expect "
+            f"code- and doc-like fragments in the project's words, not facts or reliable answers "
+            f"(held-out perplexity {t['held_out_ppl']})")
+
+
+def random_demo_dir(rebuild: bool = False, progress: bool = True) -> pathlib.Path:
+    """Return the path of the random-weight demo checkpoint, building it if missing or damaged."""
     root = cache_root()
     final = root / DEMO_NAME
     root.mkdir(parents=True, exist_ok=True)
@@ -415,7 +444,7 @@ def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, progress: boo
         if k == n - 1:
             tensors["model.norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
             tensors["lm_head.weight"] = _uniform(seed, "lm_head.weight", vocab_size, H)
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        write_safetensors(tensors, out / fname, metadata={"format": "pt"})
         total += sum(v.numel() * v.element_size() for v in tensors.values())
         weight_map.update({name: fname for name in tensors})
         say(f"  wrote {fname} ({(out / fname).stat().st_size / 2**20:.1f} MiB)")

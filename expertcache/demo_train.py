@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from . import demo
+from .loader.writer import write_safetensors
 
 SIZES: dict[str, Any] = {
     "num_layers": 6, "num_experts": 32, "top_k": 4, "hidden": 128, "moe_intermediate": 96,
@@ -44,6 +44,9 @@ SIZES: dict[str, Any] = {
 }
 HOLDOUT_EVERY = 16
 SYSTEM = "You are the expertcache demo model."
+# ChatML with the training's system prompt as the default, so a chat without one looks like training
+CHAT_TEMPLATE = ("{%- if not messages or messages[0]['role'] != 'system' %}"
+                 "{{- '<|im_start|>system\\n" + SYSTEM + "<|im_end|>\\n' }}{%- endif %}" + demo.CHAT_TEMPLATE)
 _GLOBS = ("README.md", "docs/**/*.md", "expertcache/**/*.py", "bench/**/*.py", "tests/**/*.py")
 
 
@@ -85,15 +88,19 @@ def build_corpus(root: pathlib.Path) -> tuple[list[str], list[str], dict[str, An
     """(training documents, held-out documents, description for the manifest)."""
     train, held, names = [], [], []
     h = hashlib.sha256()
-    for i, f in enumerate(corpus_files(root)):
+    files = corpus_files(root)
+    if len(files) < 2:
+        raise ValueError(f"demo_train: {root} has {len(files)} corpus files ({', '.join(_GLOBS)}); need at least 2")
+    # every HOLDOUT_EVERY-th file, or the last one of a small corpus
+    held_idx = {i for i in range(len(files)) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1} or {len(files) - 1}
+    for i, f in enumerate(files):
         rel = f.relative_to(root).as_posix()
         text = f.read_text(encoding="utf-8", errors="replace")
         h.update(rel.encode() + b"\0" + text.encode() + b"\0")
         names.append(rel)
         docs = [text] + chat_pairs(rel, text)
-        (held if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 else train).extend(docs)
-    info = {"files": len(names), "held_out_files": [n for i, n in enumerate(names)
-                                                     if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1],
+        (held if i in held_idx else train).extend(docs)
+    info = {"files": len(names), "held_out_files": [names[i] for i in sorted(held_idx)],
             "sha256": h.hexdigest(), "train_chars": sum(map(len, train)), "held_out_chars": sum(map(len, held))}
     return train, held, info
 
@@ -228,15 +235,20 @@ def write_checkpoint(out: pathlib.Path, model: TinyMoE, tok, p: dict[str, Any], 
         if f.is_file():
             f.unlink()
     tok.save(str(out / "tokenizer.json"))
-    demo._write_json(out / "tokenizer_config.json", demo._tokenizer_config(tok, p))
+    demo._write_json(out / "tokenizer_config.json", {**demo._tokenizer_config(tok, p), "chat_template": CHAT_TEMPLATE})
     cfg = demo._config(p, vocab_size, [0, 2])
     cfg["router_aux_loss_coef"] = info["aux_coef"]
     demo._write_json(out / "config.json", cfg)
     demo._write_json(out / "generation_config.json", {
         "bos_token_id": None, "eos_token_id": [0, 2], "pad_token_id": 0, "do_sample": True,
         "temperature": 0.7, "top_p": 0.9, "top_k": 20})
-    save_file(model.hub_tensors(), str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(model.hub_tensors(), out / "model.safetensors", metadata={"format": "pt"})
     (out / "heldout.txt").write_text(held_text, encoding="utf-8")
+    write_manifest(out, p, info)
+
+
+def write_manifest(out: pathlib.Path, p: dict[str, Any], info: dict[str, Any]) -> None:
+    """The manifest (parameters, training summary, size/sha256 of every other file); files made 0644."""
     files = {f.name: demo._file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != demo.MANIFEST}
     demo._write_json(out / demo.MANIFEST, {"format": "expertcache-demo", "version": demo.FORMAT_VERSION,
                                            "params": p, "training": info, "files": files})
@@ -292,7 +304,7 @@ def train(root: pathlib.Path, out: pathlib.Path, *, minutes: float | None, steps
             log(f"step {step} t={elapsed:.0f}s loss={loss.item():.3f} aux={aux.item():.3f}")
         step += 1
     hl = held_out_loss(model, held, seq)
-    info.update({"steps": step, "tokens_seen": step * batch * seq, "batch": batch, "seq": seq, "lr": lr,
+    info.update({"parameters_m": round(sum(q.numel() for q in model.parameters()) / 1e6, 1), "steps": step, "tokens_seen": step * batch * seq, "batch": batch, "seq": seq, "lr": lr,
                  "aux_coef": aux_coef, "minutes": round((time.perf_counter() - t0) / 60, 1),
                  "held_out_loss": round(hl, 3), "held_out_ppl": round(math.exp(hl), 2)})
     log(f"held-out loss {hl:.3f} ppl {math.exp(hl):.2f} after {step} steps ({info['tokens_seen']} tokens, "

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .engine.kv_cache import KVCache
+from .engine.kv_cache import KVCache, auto_kv_blocks, default_max_model_len
 from .engine.llm_engine import LLMEngine
 from .engine.params import RequestOutput, SamplingParams
 from .engine.runner import ModelRunner
@@ -96,7 +96,7 @@ class LLM:
             if "missing tokenizer.json" not in str(e):
                 raise
             self.tokenizer = None  # token-id prompts still work; text raises
-        self.max_model_len = max_model_len or min(self.cfg.max_position_embeddings, 4096)
+        self.max_model_len = max_model_len or default_max_model_len(self.cfg.max_position_embeddings)
         self.plan_lines: list[str] = []
 
         kv_layers = len(self.cfg.attention_layer_ids)  # hybrid models: linear-attention layers keep no KV
@@ -111,7 +111,7 @@ class LLM:
         min_blocks = math.ceil(self.max_model_len / block_size)
         budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
         if budget is None:
-            num_blocks = min(min_blocks * max_num_seqs, max(min_blocks, (1 << 30) // kv_bytes))
+            num_blocks = auto_kv_blocks(self.max_model_len, max_num_seqs, kv_bytes, block_size)
         else:
             num_blocks = budget // kv_bytes
             if num_blocks < min_blocks:

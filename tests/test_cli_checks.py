@@ -121,3 +121,46 @@ def test_version(capsys):
     import expertcache
 
     assert capsys.readouterr().out.strip() == f"expertcache {expertcache.__version__}"
+
+
+def test_host_memory_zero_points_at_low_memory(capsys, cache_checkpoint):
+    rc, err, _ = run(capsys, "generate", cache_checkpoint, "--prompt", "hi", "--max-tokens", "1",
+                     "--device-memory", "50%", "--host-memory", "0")
+    last = err.splitlines()[-1]  # budgets are checked by the cache's own validation (after the progress bar)
+    assert rc == 2 and last.startswith("error: host_memory=0") and "--low-memory" in last, err
+
+
+def test_help_documents_percent_budgets(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "25% (of all the routed experts' bytes)" in text and "0 needs --low-memory" in text
+
+
+def test_plan_auto_kv_is_what_generate_allocates(capsys, qwen3_checkpoint):
+    import json
+
+    from expertcache import LLM
+
+    assert main(["plan", str(qwen3_checkpoint), "--json"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv"]
+    llm = LLM(str(qwen3_checkpoint))  # the CLI's defaults: kv auto, 16 sequences, the default context
+    assert kv["auto_tokens"] == llm.kv.num_blocks * llm.kv.block_size
+    assert kv["auto_max_model_len"] == llm.max_model_len
+    llm.close()
+
+
+def test_quantize_drops_the_demo_manifest_and_writes_0644(tmp_path, capsys):
+    import os
+
+    from expertcache import demo
+
+    src = demo.build_demo_model(tmp_path / "src", num_layers=1, num_experts=4, top_k=2, hidden=64,
+                                moe_intermediate=32, num_heads=2, num_kv_heads=1, head_dim=32, num_shards=1)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in src.iterdir())  # safetensors included
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--experts", "int8"]) == 0
+    out = tmp_path / "q"
+    assert not (out / demo.MANIFEST).exists() and (out / "tokenizer.json").exists()
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in out.iterdir())

@@ -1,4 +1,4 @@
-"""The built-in demo checkpoint: format (checked against transformers), determinism, caching."""
+"""The random-weight demo checkpoint: format (checked against transformers), determinism, caching."""
 
 from __future__ import annotations
 
@@ -221,28 +221,28 @@ def small_cache(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
-def test_demo_model_dir_rebuilds_damage(small_cache, case, caplog):
+def test_random_demo_dir_rebuilds_damage(small_cache, case, caplog):
     root, builds = small_cache
-    path = demo.demo_model_dir(progress=False)
+    path = demo.random_demo_dir(progress=False)
     assert path == root / demo.DEMO_NAME and len(builds) == 1
-    assert demo.demo_model_dir(progress=False) == path and len(builds) == 1  # cached
+    assert demo.random_demo_dir(progress=False) == path and len(builds) == 1  # cached
     fname, damage, reason = DAMAGE[case]
     damage(path / fname)
     assert reason in demo.check_demo_model(path)
     with caplog.at_level(logging.WARNING, logger="expertcache.demo"):
-        assert demo.demo_model_dir(progress=False) == path
+        assert demo.random_demo_dir(progress=False) == path
     assert len(builds) == 2 and reason in caplog.text
     assert demo.check_demo_model(path, deep=True) is None
     assert sorted(p.name for p in root.iterdir()) == [demo.DEMO_NAME, f"{demo.DEMO_NAME}.lock"]
 
 
-def test_demo_model_dir_rebuild_flag_params_and_interruption(small_cache, monkeypatch):
+def test_random_demo_dir_rebuild_flag_params_and_interruption(small_cache, monkeypatch):
     root, builds = small_cache
-    path = demo.demo_model_dir(progress=False)
-    demo.demo_model_dir(rebuild=True, progress=False)
+    path = demo.random_demo_dir(progress=False)
+    demo.random_demo_dir(rebuild=True, progress=False)
     assert len(builds) == 2 and demo.check_demo_model(path) is None
     monkeypatch.setitem(demo.DEFAULT_SIZES, "num_experts", 6)  # a newer default => rebuild
-    demo.demo_model_dir(progress=False)
+    demo.random_demo_dir(progress=False)
     assert len(builds) == 3 and json.loads((path / "config.json").read_text())["num_experts"] == 6
 
     def crash(out, **kw):
@@ -252,7 +252,7 @@ def test_demo_model_dir_rebuild_flag_params_and_interruption(small_cache, monkey
     monkeypatch.setattr(demo, "build_demo_model", crash)
     (root / f".{demo.DEMO_NAME}.tmp-killed").mkdir()  # left by a killed build: cleaned up
     with pytest.raises(KeyboardInterrupt):
-        demo.demo_model_dir(rebuild=True, progress=False)
+        demo.random_demo_dir(rebuild=True, progress=False)
     assert demo.check_demo_model(path) is None  # the old copy is untouched
     assert sorted(p.name for p in root.iterdir()) == [demo.DEMO_NAME, f"{demo.DEMO_NAME}.lock"]
 

@@ -164,7 +164,8 @@ def test_json_keys_are_stable(ckpt, capsys):
                                 "stored_format", "fast_format"]
     assert list(r["plan"]) == ["fits", "error", "resident", "device_slots", "host_slots", "device_budget",
                                "host_budget", "device_used", "host_used", "staging", "lines"]
-    assert list(r["kv"]) == ["bytes_per_token", "device_free", "tokens_in_device_free", "state_bytes_per_sequence"]
+    assert list(r["kv"]) == ["bytes_per_token", "device_free", "tokens_in_device_free", "state_bytes_per_sequence",
+                             "auto_max_model_len", "auto_max_num_seqs", "auto_tokens", "auto_bytes"]
     assert list(r["speed"]) == ["profile", "profile_source", "step_overhead_ms", "layer_overhead_ms", "source", "synthetic", "from_disk", "low", "high",
                                 "band_tok_s"]
     assert list(r["speed"]["low"]) == ["policy", "prefetch", "hit_rate", "tok_s"]

@@ -17,7 +17,7 @@ warm in the page cache), then the same counts through one long-lived expertcache
 loaded once): a P-token prompt's prefill and G decode steps (greedy, ignore_eos). Lines:
     peer: round=R engine=... format=... pp_tok_s=... tg_tok_s=...
     peer-summary: format=... llama_pp=... expertcache_pp=... pp_ratio=... llama_tg=... expertcache_tg=... tg_ratio=...
-    streaming: format=... bytes_per_token_GB=... effective_GBps=... read_GBps=...  (expertcache decode)
+    streaming: format=... bytes_per_token_GB=... effective_GBps=... read_GBps=... (median of one read per round)
 Not part of CI: it needs cmake, a C++ compiler, ~15 minutes of build and ~12 GB of disk.
 """
 
@@ -189,8 +189,10 @@ def main() -> None:
         peer = PEER_FORMAT[fmt]
         worker = Worker(model, args.prompt, args.gen, args.threads, OPTIONS[fmt])
         res = {"llama.cpp": [], "expertcache": []}
+        bws = []
         try:
             for r in range(args.rounds):
+                bws.append(read_bandwidth())  # per round: the limit moves with the machine's load
                 for engine in ("llama.cpp", "expertcache"):
                     t0 = time.perf_counter()
                     pp, tg = (llama_bench(bindir, gguf, args.prompt, args.gen, args.threads) if engine == "llama.cpp"
@@ -206,7 +208,7 @@ def main() -> None:
         print(f"peer-summary: format={fmt} options={OPTIONS[fmt]} vs llama.cpp {peer} rounds={args.rounds} threads={args.threads} "
               f"llama_pp={lp:.1f} expertcache_pp={ep:.1f} pp_ratio={ep / lp:.2f} "
               f"llama_tg={lt:.2f} expertcache_tg={et:.2f} tg_ratio={et / lt:.2f}", flush=True)
-        gb = worker.info["bytes_per_token"] / 1e9
+        gb, bw = worker.info["bytes_per_token"] / 1e9, statistics.median(bws)
         print(f"streaming: format={fmt} bytes_per_token_GB={gb:.3f} (top-k experts + attention + routers + lm_head) "
               f"effective_GBps={gb * et:.1f} read_GBps={bw:.1f} share={gb * et / bw:.0%}", flush=True)
 

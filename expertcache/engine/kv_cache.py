@@ -20,6 +20,21 @@ from collections import deque
 import torch
 
 
+DEFAULT_MAX_MODEL_LEN = 4096  # the context cap when max_model_len is not given
+AUTO_KV_BYTES = 1 << 30  # --kv-cache-memory auto: at most this much, unless one sequence needs more
+
+
+def default_max_model_len(max_position_embeddings: int) -> int:
+    return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
+def auto_kv_blocks(max_model_len: int, max_num_seqs: int, bytes_per_block: int, block_size: int) -> int:
+    """Blocks of --kv-cache-memory auto: max_num_seqs full-length sequences, capped at AUTO_KV_BYTES but
+    never fewer than one full-length sequence (used by LLM and by `expertcache plan`)."""
+    min_blocks = math.ceil(max_model_len / block_size)
+    return min(min_blocks * max_num_seqs, max(min_blocks, AUTO_KV_BYTES // bytes_per_block))
+
+
 class Block:
     __slots__ = ("id", "ref_count", "hash", "tokens")
 

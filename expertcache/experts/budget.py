@@ -157,6 +157,9 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
             resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0:
         hplan = TierPlan(0, source.expert_nbytes, 0)
     else:
+        if not _is_auto(host_memory) and resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0:
+            raise BudgetError("host_memory=0: no expert could be staged in RAM; on CPU add --low-memory (misses "
+                              "are then read from disk straight into the expert slots), or give a host budget")
         hplan = plan_tier("auto" if host_memory is None else host_memory, "host_memory", source.expert_nbytes,
                           L, E, K, ram)
     if _is_auto(host_memory):

@@ -1,7 +1,8 @@
 """Builds (once, cached) and loads the C++ kernels; says why when they cannot be used.
 
 The extension is compiled by torch.utils.cpp_extension (ninja + the system C++ compiler) into
-~/.cache/expertcache/kernels/<hash of the source and flags>/, so a changed source never loads a
+<cache root>/kernels/<hash of the source and flags>/ (expertcache/paths.py: $EXPERTCACHE_CACHE_DIR or
+~/.cache/expertcache), so a changed source never loads a
 stale build and concurrent processes share one build (torch's file lock). `make setup` runs
 `python -m expertcache.kernels` once, so the first model load does not pay the compile.
 
@@ -26,7 +27,9 @@ _state: dict = {}
 
 
 def cache_dir() -> Path:
-    base = Path(os.environ.get("EXPERTCACHE_CACHE", Path.home() / ".cache" / "expertcache"))
+    from ..paths import cache_root
+
+    base = cache_root()
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
     return base / "kernels" / digest
 
@@ -52,6 +55,7 @@ def _compile():
         pass
     out = cache_dir()
     out.mkdir(parents=True, exist_ok=True)
+    _drop_stale_lock(out)
     try:
         mod = cpp_extension.load(name="expertcache_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                  build_directory=str(out), verbose=False)
@@ -60,6 +64,24 @@ def _compile():
     if not mod.cpu_supported():
         return None, "this CPU lacks AVX2/FMA/F16C"
     return mod, ""
+
+
+STALE_LOCK_S = 600  # a build takes ~1 min; an older lock was left by a process killed mid-compile
+
+
+def _drop_stale_lock(out: Path) -> None:
+    """torch's build lock (`out/lock`) outlives a process killed while compiling, and every later load
+    would wait on it forever: remove it when it is older than any real build."""
+    import time
+
+    lock = out / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"expertcache: removing a stale kernel build lock ({lock}, {age / 60:.0f} min old)", file=sys.stderr)
+        lock.unlink(missing_ok=True)
 
 
 def extension():

@@ -41,6 +41,8 @@ def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="routing trace (.npz, e.g. from --record-routing) for the speed band")
     p.add_argument("--policy", default="adaptive", help="cache policy for the high end of the band")
     p.add_argument("--json", action="store_true", help="one JSON object with stable keys")
+    p.add_argument("--png", default=None, metavar="FILE", help="also draw the plan: tiers as stacked bars against "
+                                                              "their budgets (needs matplotlib)")
     p.set_defaults(func=cmd_plan)
     return p
 
@@ -52,6 +54,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=1) if args.json else "\n".join(text_lines(report)))
+    if args.png and report["plan"]["fits"]:
+        from .picture import plot_plan
+
+        plot_plan(report, args.png)
+        print(f"wrote the memory plan picture to {args.png}", file=sys.stderr)
     if not report["plan"]["fits"]:
         if args.json:
             print(f"error: {report['plan']['error']}", file=sys.stderr)
@@ -96,7 +103,7 @@ def build_report(args: argparse.Namespace) -> dict:
                  "device_budget": None, "host_budget": None, "device_used": None, "host_used": None,
                  "staging": None, "lines": []},
         "kv": {"bytes_per_token": sizes.kv_per_token, "device_free": None, "tokens_in_device_free": None,
-               "state_bytes_per_sequence": sizes.state_per_sequence},
+               "state_bytes_per_sequence": sizes.state_per_sequence, **_auto_kv(cfg, sizes.kv_per_token)},
         "speed": None,
     }
     try:
@@ -112,6 +119,16 @@ def build_report(args: argparse.Namespace) -> dict:
     report["kv"].update(device_free=free, tokens_in_device_free=free // sizes.kv_per_token)
     report["speed"] = _speed(args, info, sizes, mp, dev.type, model_dir)
     return report
+
+
+def _auto_kv(cfg, kv_per_token: int, max_num_seqs: int = 16, block_size: int = 16) -> dict:
+    """The KV cache `generate`/`serve` allocate with --kv-cache-memory auto and their default lengths."""
+    from ..engine.kv_cache import auto_kv_blocks, default_max_model_len
+
+    mml = default_max_model_len(cfg.max_position_embeddings)
+    blocks = auto_kv_blocks(mml, max_num_seqs, max(1, kv_per_token * block_size), block_size)
+    return {"auto_max_model_len": mml, "auto_max_num_seqs": max_num_seqs, "auto_tokens": blocks * block_size,
+            "auto_bytes": blocks * block_size * kv_per_token}
 
 
 def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
@@ -161,9 +178,11 @@ def text_lines(r: dict) -> list[str]:
     out.append(f"{where} for weights: dense {fmt_bytes(b['dense_compute'])} + experts {fmt_bytes(p['device_used'])}"
                f" = {fmt_bytes(tier_total)}" + ("" if r["device"] == "cuda" or p["resident"] else
                                                 f" (+ host tier {fmt_bytes(p['host_used'])})"))
-    out.append(f"KV cache: {fmt_bytes(kv['bytes_per_token'])}/token; the engine sizes it separately "
-               f"(--kv-cache-memory, auto = up to 1 GiB); the unused {fmt_bytes(kv['device_free'])} of the "
-               f"device budget would hold {kv['tokens_in_device_free']:,} tokens")
+    out.append(f"KV cache: {fmt_bytes(kv['bytes_per_token'])}/token; --kv-cache-memory auto (generate/serve "
+               f"defaults: {kv['auto_max_num_seqs']} sequences x {kv['auto_max_model_len']} tokens, at most 1 GiB) "
+               f"= {fmt_bytes(kv['auto_bytes'])} for {kv['auto_tokens']:,} tokens, besides the budgets above; the "
+               f"unused {fmt_bytes(kv['device_free'])} of the device budget would hold "
+               f"{kv['tokens_in_device_free']:,} tokens")
     if kv["state_bytes_per_sequence"]:
         out.append(f"linear-attention state: {fmt_bytes(kv['state_bytes_per_sequence'])}/sequence at any context "
                    "length (the engine holds max_num_seqs + 1 of them)")

@@ -19,11 +19,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..experts.compute import SWIGLU
 from ..experts.layout import ExpertSource
 from ..loader.safetensors_index import TensorIndex, read_header
+from ..loader.writer import write_safetensors
 from ..models.registry import read_config
 from .method import make_quant_method
 
@@ -77,7 +77,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, group_size: 
     hf["quantization_config"] = {"quant_method": "expertcache", "experts": fmt, **params}
     (dst / "config.json").write_text(json.dumps(hf, indent=2))
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (
+                "config.json", "model.safetensors.index.json", "expertcache_demo.json"):  # the demo's manifest
+            # lists the source files' hashes: it would be wrong for the quantized copy
             shutil.copy2(f, dst / f.name)
     return dst
 
@@ -94,7 +96,7 @@ def _expert_names(index: TensorIndex, layer: int, names, num_experts: int) -> li
 
 def _flush(shards: list[dict], dst: Path) -> None:
     i = len(shards)
-    save_file(shards[-1], str(dst / f"model-{i:05d}.partial.safetensors"), metadata={"format": "pt"})
+    write_safetensors(shards[-1], dst / f"model-{i:05d}.partial.safetensors", metadata={"format": "pt"})
 
 
 def _write_index(dst: Path, n: int) -> None:

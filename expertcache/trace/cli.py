@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..experts.policy import ONLINE, POLICIES
 from ..cli_checks import check_capacities, load_trace
@@ -73,7 +74,10 @@ def _cmd_replay(args) -> int:
     if args.png:
         from .stats import plot_sweep
 
-        plot_sweep(results, args.png)
+        plot_sweep(results, args.png, title=f"{Path(args.trace).name}: model {trace.model or '?'}, top-{trace.top_k} "
+                                             f"of {trace.num_experts} experts, {trace.num_layers} MoE layers"
+                                             + (", prefetch" if args.prefetch else ""))
+        print(f"wrote the hit-rate plot to {args.png}", file=sys.stderr)
     return 0
 
 
@@ -88,7 +92,9 @@ def _cmd_stats(args) -> int:
         for k, v in s.items():
             print(f"{k}: {v}")
     if args.png:
-        plot_heatmap(trace, args.png)
+        plot_heatmap(trace, args.png, title=f"{Path(args.trace).name}: expert use, model {trace.model or '?'}, "
+                                            f"top-{trace.top_k}, {len(trace)} tokens")
+        print(f"wrote the heatmap to {args.png}", file=sys.stderr)
     return 0
 
 

@@ -174,6 +174,8 @@ function renderHeatmap(es) {
   let max = 0, total = 0;
   for (const row of uses) for (const v of row) { max = Math.max(max, v); total += v; }
   const lmax = Math.log1p(max || 1);
+  // host outlines only when the host tier is partial (when it holds every expert they say nothing)
+  const partialHost = res.some((row) => row.some((r) => r === 0));
   for (let l = 0; l < L; l++) {
     for (let e = 0; e < E; e++) {
       const shade = Math.log1p(uses[l][e]) / lmax;  // 0..1
@@ -181,7 +183,7 @@ function renderHeatmap(es) {
       ctx.fillStyle = `rgb(${g},${g},${Math.min(255, g + 25)})`;
       ctx.fillRect(e * cell, l * cell, cell, cell);
       const r = res[l] ? res[l][e] : 0;
-      if (r && cell >= 6) {
+      if (r && (r === 2 || partialHost) && cell >= 6) {
         ctx.strokeStyle = TIER_COLOR[r];
         ctx.lineWidth = Math.max(1, Math.floor(cell / 6));
         ctx.strokeRect(e * cell + ctx.lineWidth / 2, l * cell + ctx.lineWidth / 2, cell - ctx.lineWidth, cell - ctx.lineWidth);
