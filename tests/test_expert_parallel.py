@@ -17,6 +17,8 @@ import time
 import pytest
 import torch
 
+from serving import free_port
+
 from expertcache import LLM, SamplingParams
 from expertcache.parallel import ExpertParallelError, ParallelConfig, balanced_placement, static_placement
 from expertcache.parallel.placement import assign_ranks, balanced_layer, capacities, rank_loads, worth_moving
@@ -193,43 +195,20 @@ def test_torchrun_two_ranks(ep_checkpoint, single):
     """The same command under torchrun (its own rendezvous): rank 0 prints, rank 1 mirrors."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(_free_port()), "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
+                        str(free_port()), "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
                         "--max-tokens", "4", "--expert-parallel", "2"],
                        capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "expert parallel 2 ranks" in r.stderr and "expert-parallel rank 1 ready" in r.stderr
 
 
-def _free_port() -> int:
-    import socket
+def test_server_with_two_ranks(ep_checkpoint, tmp_path):
+    pytest.importorskip("openai")
+    from serving import start_server
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_server_with_two_ranks(ep_checkpoint):
-    httpx = pytest.importorskip("httpx")
-    openai = pytest.importorskip("openai")
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "expertcache.server", str(ep_checkpoint), "--port", str(port),
-                             "--served-model-name", "tiny", "--expert-parallel", "2", "--no-access-log"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail("server with --expert-parallel 2 not healthy in time")
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
+    with start_server(ep_checkpoint, tmp_path / "server.log", "--served-model-name", "tiny",
+                      "--expert-parallel", "2", "--no-access-log") as server:
+        client = server.client()
         ref = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model="tiny", prompt="hello", max_tokens=6, temperature=0, stream=True))
@@ -237,23 +216,7 @@ def test_server_with_two_ranks(ep_checkpoint):
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=4, temperature=0)
         assert chat.choices[0].finish_reason in ("length", "stop")
-        ep = httpx.get(url + "/stats").json()["expert_stats"]["expert_parallel"]
-        assert ep["world_size"] == 2 and sum(ep["pairs_per_rank_last_step"]) > 0
-        assert 'expertcache:ep_balance{window="mean"}' in httpx.get(url + "/metrics").text
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def test_eplb_moves_only_when_the_window_says_it_pays():
-    layers = [0]
-    skewed = torch.tensor([[400.0, 10, 10, 10, 10, 10, 10, 200, 5, 5, 5, 5]])
-    static = static_placement(layers, 12, 3)
-    new = balanced_placement(skewed, layers, 3, 3)
-    assert worth_moving(static, new, skewed, layers)
-    assert not worth_moving(new, balanced_placement(skewed, layers, 3, 3, version=2), skewed, layers)
-    flat = torch.ones(1, 12)
-    assert not worth_moving(static, balanced_placement(flat, layers, 3, 0), flat, layers)
+        with server.http() as http:
+            ep = http.get("/stats").json()["expert_stats"]["expert_parallel"]
+            assert ep["world_size"] == 2 and sum(ep["pairs_per_rank_last_step"]) > 0
+            assert 'expertcache:ep_balance{window="mean"}' in http.get("/metrics").text

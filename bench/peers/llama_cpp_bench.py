@@ -18,7 +18,8 @@ loaded once): a P-token prompt's prefill and G decode steps (greedy, ignore_eos)
     peer: round=R engine=... format=... pp_tok_s=... tg_tok_s=...
     peer-summary: format=... llama_pp=... expertcache_pp=... pp_ratio=... llama_tg=... expertcache_tg=... tg_ratio=...
     streaming: format=... bytes_per_token_GB=... effective_GBps=... read_GBps=... (median of one read per round)
-Not part of CI: it needs cmake, a C++ compiler, ~15 minutes of build and ~12 GB of disk.
+Not part of CI: it needs cmake, a C++ compiler, ~15 minutes of build and ~12 GB of disk, and the
+converter's Python packages (`pip install -e ".[peers]"`).
 """
 
 from __future__ import annotations
