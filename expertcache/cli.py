@@ -81,9 +81,11 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="extra physical experts per layer: replicas of the hottest experts (default: 0)")
     e.add_argument("--enable-eplb", action="store_true",
                    help="rebalance the placement from the measured expert load (replicas + balanced packing)")
-    e.add_argument("--eplb-window-size", type=int, default=1000, help="steps of load the balancer uses (default: 1000)")
-    e.add_argument("--eplb-step-interval", type=int, default=3000, help="steps between rebalances (default: 3000)")
-    e.add_argument("--ep-timeout", type=float, default=120.0,
+    e.add_argument("--eplb-window-size", type=int, default=None,
+                   help="steps of load the balancer uses (with --enable-eplb; default: 1000)")
+    e.add_argument("--eplb-step-interval", type=int, default=None,
+                   help="steps between rebalances (with --enable-eplb; default: 3000)")
+    e.add_argument("--ep-timeout", type=float, default=None,
                    help="seconds a rank may stay silent before the group stops with an error (default: 120)")
 
 
@@ -92,11 +94,16 @@ def parallel_config(args: argparse.Namespace):
     from .parallel.config import ParallelConfig
 
     if args.expert_parallel is None:
-        if args.enable_eplb or args.num_redundant_experts:
-            raise ValueError("--enable-eplb and --num-redundant-experts need --expert-parallel N")
+        given = [f for f, v in (("--enable-eplb", args.enable_eplb), ("--num-redundant-experts", args.num_redundant_experts),
+                                ("--eplb-window-size", args.eplb_window_size),
+                                ("--eplb-step-interval", args.eplb_step_interval),
+                                ("--ep-timeout", args.ep_timeout)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: need --expert-parallel N")
         return None
+    timeout = {} if args.ep_timeout is None else {"timeout_s": args.ep_timeout}
     return ParallelConfig(args.expert_parallel, args.num_redundant_experts, args.enable_eplb, args.eplb_window_size,
-                          args.eplb_step_interval, args.ep_timeout, exit_on_failure=True)
+                          args.eplb_step_interval, exit_on_failure=True, **timeout)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

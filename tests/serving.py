@@ -55,7 +55,8 @@ class Server:
 
 
 @contextmanager
-def start_server(checkpoint, log_path: Path, *flags: str, key: str | None = None):
+def start_server(checkpoint, log_path: Path, *flags: str, key: str | None = None,
+                 timeout_s: float = START_TIMEOUT_S):
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as log:
@@ -64,7 +65,7 @@ def start_server(checkpoint, log_path: Path, *flags: str, key: str | None = None
     url = f"http://127.0.0.1:{port}"
     health: list[tuple[int, dict]] = []
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
             try:
@@ -76,7 +77,7 @@ def start_server(checkpoint, log_path: Path, *flags: str, key: str | None = None
                 pass
             time.sleep(0.05)
         else:
-            pytest.fail(f"server not healthy within {START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+            pytest.fail(f"server not healthy within {timeout_s} s:\n{log_path.read_text()[-3000:]}")
         yield Server(proc, url, log_path, health, key)
     finally:
         proc.kill()

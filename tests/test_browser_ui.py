@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+
+from serving import start_server
 
 webdriver = pytest.importorskip("selenium.webdriver")
 CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -24,38 +23,12 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-sync", "--no-first-run", "--disable-dev-shm-usage", "--window-size=1280,900"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(cache_checkpoint, tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("ui") / "server.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "expertcache.server", str(cache_checkpoint), "--port", str(port),
-                                 "--api-key", KEY, "--device-memory", "50%", "--no-access-log"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        else:
-            pytest.fail("server not healthy:\n" + log_path.read_text()[-3000:])
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+    with start_server(cache_checkpoint, log_path, "--api-key", KEY, "--device-memory", "50%", key=KEY,
+                      timeout_s=120) as srv:
+        yield srv.url
 
 
 @pytest.fixture(scope="module")

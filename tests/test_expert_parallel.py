@@ -85,7 +85,9 @@ def test_bad_parallel_options_are_refused():
     with pytest.raises(ValueError, match="num_redundant_experts"):
         ParallelConfig(1, num_redundant_experts=2)
     with pytest.raises(ValueError, match="eplb_step_interval"):
-        ParallelConfig(2, eplb_step_interval=0)
+        ParallelConfig(2, eplb=True, eplb_step_interval=0)
+    with pytest.raises(ValueError, match="eplb_window_size=8 is invalid; it only applies with eplb=True"):
+        ParallelConfig(2, eplb_window_size=8)  # would be ignored without EPLB: refused
 
 
 # -- engines ----------------------------------------------------------------------------------------------
@@ -189,6 +191,10 @@ def test_cli_generate_with_two_ranks(ep_checkpoint, single):
     r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
                         "--enable-eplb"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "need --expert-parallel" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
+                        "--expert-parallel", "2", "--eplb-step-interval", "5"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 2 and "only applies with eplb=True (--enable-eplb)" in r.stderr
 
 
 def test_torchrun_two_ranks(ep_checkpoint, single):

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 
+DEFAULTS = {"eplb_window_size": 1000, "eplb_step_interval": 3000}  # vLLM's
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     world_size: int  # ranks (processes); each owns a share of every MoE layer's experts
     num_redundant_experts: int = 0  # extra physical experts per layer: replicas of the hottest
     eplb: bool = False  # rebalance the placement from measured load every eplb_step_interval steps
-    eplb_window_size: int = 1000  # steps of routing load the balancer looks at
-    eplb_step_interval: int = 3000  # steps between rebalances
+    eplb_window_size: int | None = None  # steps of routing load the balancer looks at (EPLB only; 1000)
+    eplb_step_interval: int | None = None  # steps between rebalances (EPLB only; 3000)
     timeout_s: float = 120.0  # a collective that waits longer names the failure and stops
     exit_on_failure: bool = False  # the CLI and server: a dead or hung rank ends the process (exit 2)
 
@@ -22,6 +25,11 @@ class ParallelConfig:
             if not ok:
                 raise ConfigError(f"expert parallel: {field}={value!r} is invalid; {what}")
 
+        for field in ("eplb_window_size", "eplb_step_interval"):
+            value = getattr(self, field)
+            need(value is None or self.eplb, field, value, "it only applies with eplb=True (--enable-eplb)")
+            if value is None:  # frozen: the default is filled in once, here
+                object.__setattr__(self, field, DEFAULTS[field])
         need(isinstance(self.world_size, int) and self.world_size >= 1, "world_size", self.world_size,
              "expected an integer >= 1 (--expert-parallel)")
         need(isinstance(self.num_redundant_experts, int) and self.num_redundant_experts >= 0,

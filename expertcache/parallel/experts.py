@@ -37,6 +37,7 @@ class ExpertParallelExperts(ExpertProvider):
     def __init__(self, group: EPGroup, local: ExpertProvider, placement: Placement, cfg: ParallelConfig,
                  layers: list[int], num_experts: int):
         self.group, self.local, self.cfg, self.layers = group, local, cfg, layers
+        self.row_of = {layer: i for i, layer in enumerate(layers)}
         self.rank, self.N = group.rank, group.world_size
         self.wants_prefetch = local.wants_prefetch
         self._use(placement)
@@ -110,9 +111,9 @@ class ExpertParallelExperts(ExpertProvider):
         table, counts = self.tables[layer]
         ids_cpu = ids.cpu()
         ranks = assign_ranks(ids_cpu, table, counts, self.steps)
-        self.step_pairs += torch.bincount(ranks.reshape(-1), minlength=self.N)
-        row = self.layers.index(layer)
-        self.step_load[row] += torch.bincount(ids_cpu.reshape(-1), minlength=self.step_load.shape[1])
+        if self.rank == 0:  # the balancer and the balance stats live on rank 0
+            self.step_pairs += torch.bincount(ranks.reshape(-1), minlength=self.N)
+            self.step_load[self.row_of[layer]] += torch.bincount(ids_cpu.reshape(-1), minlength=self.step_load.shape[1])
         tok, k = torch.nonzero(ranks == self.rank, as_tuple=True)
         out = torch.zeros_like(x)
         if tok.numel():
