@@ -77,7 +77,8 @@ def test_chat_repl_through_a_pty(qwen3_checkpoint, reference):
         assert out2.startswith("and again\n" + reply2 + "\n"), (out2, reply2)  # the conversation is kept
         mark = len("".join(buf))
         os.write(master, b"/reset\n")
-        _read_until(master, "cleared", buf, mark)
+        text = _read_until(master, "cleared", buf, mark)
+        _read_until(master, "> ", buf, text.index("cleared", mark))  # the prompt, before typing (the pty echoes at once)
         mark = len("".join(buf))
         os.write(master, b"and again\n")
         _read_until(master, "decode", buf, mark)
