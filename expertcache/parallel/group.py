@@ -60,6 +60,9 @@ class EPGroup:
         self.procs = procs or []  # rank 0 only: the spawned workers (ranks 1..N-1)
         self.failed: str | None = None
         self.stopping = False  # rank 0 told the workers to stop: their exits are expected
+        # a second gloo group for rearrangement moves on a background thread (never on the engine
+        # thread's group, whose collectives must stay in one order on every rank)
+        self.move_group = dist.new_group(backend="gloo") if world_size > 1 else None
         if self.procs:
             threading.Thread(target=self._watch, daemon=True, name="ep-watch").start()
 
@@ -155,6 +158,15 @@ class EPGroup:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
         self._call("all_reduce", dist.all_reduce, t, dist.ReduceOp.MIN)
         return bool(t.item())
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                 group=None) -> None:
+        """Point-to-point: post every (tensor, peer rank) send and receive together (batch_isend_irecv)
+        and wait for all of them. Every pair of ranks must list its transfers in the same order."""
+        ops = [dist.P2POp(dist.isend, t, r, group) for t, r in sends] + \
+              [dist.P2POp(dist.irecv, t, r, group) for t, r in recvs]
+        if ops:
+            self._call("point-to-point", lambda: [w.wait() for w in dist.batch_isend_irecv(ops)])
 
     def gather(self, obj) -> list | None:
         """Every rank's `obj` on rank 0 (None elsewhere)."""
