@@ -30,6 +30,7 @@ experts received but not used.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,7 @@ class PeerTier:
         self.offer: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.used: set[tuple[int, int]] = set()
         self.hits = self.bytes_in = self.bytes_out = self.unused = self.stale_sends = 0
+        self.received: deque[tuple[int, int]] = deque(maxlen=256)  # (layer, expert) of recent hits (checks)
         cache.peer = self
 
     # -- the cache's side (TieredExperts._read / _submit_read) ----------------------------------------
@@ -96,6 +98,7 @@ class PeerTier:
             t.copy_(got[n])
         if (layer, e) not in self.used:
             self.used.add((layer, e))
+            self.received.append((layer, e))
             self.hits += 1
         return True
 
@@ -170,11 +173,11 @@ def measure_link(group: EPGroup, nbytes: int, reps: int = 5) -> tuple[float, flo
         for _ in range(reps):
             t0 = time.perf_counter()
             if group.rank == 0:
-                group.exchange([(t, 1)], [])
-                group.exchange([], [(t, 1)])
+                group.exchange([(t, 1)], [], startup=True)
+                group.exchange([], [(t, 1)], startup=True)
             elif group.rank == 1:
-                group.exchange([], [(t, 0)])
-                group.exchange([(t, 0)], [])
+                group.exchange([], [(t, 0)], startup=True)
+                group.exchange([(t, 0)], [], startup=True)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             best = min(best, time.perf_counter() - t0)
@@ -183,7 +186,7 @@ def measure_link(group: EPGroup, nbytes: int, reps: int = 5) -> tuple[float, flo
     lat = round_trip(small)
     one = round_trip(big)
     gbs = nbytes / max(one - lat, 1e-9) / 1e9
-    return tuple(group.broadcast((round(gbs, 3), round(lat * 1e3, 4)) if group.rank == 0 else None))
+    return tuple(group.broadcast((round(gbs, 3), round(lat * 1e3, 4)) if group.rank == 0 else None, startup=True))
 
 
 def decide(group: EPGroup, mode: str, cost: ExpertCost) -> tuple[bool, str]:
@@ -205,7 +208,7 @@ def decide(group: EPGroup, mode: str, cost: ExpertCost) -> tuple[bool, str]:
     line = (f"peer tier: {'on' if on else 'off'} ({'forced' if mode == 'on' else 'cost model'}): link "
             f"{prof.peer_gbs:g} GB/s + {prof.peer_latency_ms:g} ms ({how}): {cost.peer() * 1e3:.3f} ms per expert "
             f"vs disk {cost.disk() * 1e3:.3f} ms ({prof.disk_gbs:g} GB/s)")
-    on, line = group.broadcast((on, line) if group.rank == 0 else None)
+    on, line = group.broadcast((on, line) if group.rank == 0 else None, startup=True)
     return on, line
 
 

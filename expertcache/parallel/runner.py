@@ -25,6 +25,7 @@ class ParallelRunner(ModelRunner):
         super().__init__(model, kv)
         self.group, self.experts, self.steps = group, experts, 0
         self._refreshed = -1  # the step of the last refresh_stats
+        group.ready()  # every rank has loaded its model: from here the steps' timeout applies
         if group.rank == 0:
             kv.copied = []  # copy-on-write block copies (n > 1 samples) are replayed on every rank
 
