@@ -154,6 +154,18 @@ def test_ranks_equal_single_process(ep_checkpoint, single, world):
         llm.close()
 
 
+def _generate_switching_at_step_6(llm, placement) -> list[int]:
+    """PROMPTS[0] greedily, with `placement` requested in the middle of the generation -> its tokens."""
+    seq = llm.engine.add_request(PROMPTS[0], GREEDY)
+    steps = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        steps += 1
+        if steps == 6:
+            llm.experts.request_placement(placement)
+    return seq.generated
+
+
 @pytest.mark.parametrize("peer", ["off", "on"])  # a new placement's bytes from disk / from their old ranks
 def test_rearrangement_mid_generation_with_replicas(ep_checkpoint, single, peer):
     cfg = ParallelConfig(3, num_redundant_experts=4, eplb=True, eplb_window_size=8, eplb_step_interval=5,
@@ -167,14 +179,7 @@ def test_rearrangement_mid_generation_with_replicas(ep_checkpoint, single, peer)
         # and an arbitrary placement forced in the middle of a generation
         E, layers = 16, llm.source.layers
         worst = balanced_placement(torch.rand(len(layers), E), layers, 3, 4, version=99)
-        seq = llm.engine.add_request(PROMPTS[0], GREEDY)
-        steps = 0
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-            steps += 1
-            if steps == 6:
-                llm.experts.request_placement(worst)
-        assert seq.generated == single["tokens"][0]
+        assert _generate_switching_at_step_6(llm, worst) == single["tokens"][0]
         assert llm.experts.placement.version >= 99  # the forced placement was taken (EPLB continues from it)
         assert llm.experts.rearrangements > before
         ep = llm.expert_stats()["expert_parallel"]
@@ -235,14 +240,9 @@ def test_peer_tier_serves_misses_and_equals_single_process(ep_checkpoint, single
         _check_equal(llm, single)
         if world == 3:
             layers = llm.source.layers
-            seq = llm.engine.add_request(PROMPTS[0], GREEDY)
-            steps = 0
-            while llm.engine.has_unfinished():
-                llm.engine.step()
-                steps += 1
-                if steps == 6:
-                    llm.experts.request_placement(balanced_placement(torch.rand(len(layers), 16), layers, 3, 3, 9))
-            assert seq.generated == single["tokens"][0] and llm.experts.placement.version == 9
+            new = balanced_placement(torch.rand(len(layers), 16), layers, 3, 3, version=9)
+            assert _generate_switching_at_step_6(llm, new) == single["tokens"][0]
+            assert llm.experts.placement.version == 9
         s = llm.expert_stats()
         ep = s["expert_parallel"]
         assert ep["peer_tier"] and ep["peer_hits"] > 0
