@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from .experts.config import CacheConfig
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
 from .layers.basic import LM_HEAD_FORMATS, lm_head_method
-from .models.checks import check_layer_count
+from .loader.checks import check_layer_count
 from .models.mtp import drop_mtp_layers
 from .models.registry import open_index, read_config
 from .models.transformer import MoETransformer
@@ -87,7 +88,7 @@ class LLM:
             from .parallel import checkpoint_fingerprint, start
 
             worker_kwargs["model"] = str(self.model_dir)
-            self.parallel, self.group = start(expert_parallel, self.device, worker_kwargs)
+            self.parallel, self.group = start(expert_parallel, self.device, worker_kwargs, serve_ep_rank)
             self.group.check_same("checkpoint (config.json + safetensors headers)",
                                   checkpoint_fingerprint(self.model_dir))
         try:
@@ -325,3 +326,25 @@ class LLM:
                 self.engine.runner.stop_workers()
             self.group.close()
             self.group = None
+
+
+def serve_ep_rank(kwargs: dict, group) -> None:
+    """A spawned expert-parallel rank 1..N-1 (parallel/worker.py joined `group`): build the same LLM
+    and mirror rank 0 until it stops."""
+    cfg = kwargs.pop("expert_parallel")
+    llm = LLM(**kwargs, expert_parallel=(cfg, group))
+    try:
+        llm.serve_worker()
+    finally:
+        llm.close()
+
+
+def run_torchrun_worker(llm_kwargs: dict) -> int:
+    """A torchrun rank other than 0: build the same LLM, mirror rank 0 until it stops."""
+    llm = LLM(**{**llm_kwargs, "progress": False})
+    print(f"expert-parallel rank {os.environ['RANK']} ready", file=sys.stderr)
+    try:
+        llm.serve_worker()
+    finally:
+        llm.close()
+    return 0

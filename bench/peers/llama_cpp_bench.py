@@ -76,7 +76,7 @@ def models(cache: Path, bindir: Path, tokenizer: Path) -> dict[str, tuple[Path, 
     from yardstick import SIZES
 
     from expertcache.demo import build_demo_model
-    from expertcache.quant.quantize import quantize_checkpoint
+    from expertcache.quantize.rewrite import quantize_checkpoint
 
     yard = cache / "yardstick"
     if not (yard / "config.json").exists():

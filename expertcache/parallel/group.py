@@ -2,8 +2,9 @@
 
 Rank 0 runs the scheduler (and the HTTP server); ranks 1..N-1 are workers that mirror every
 model forward. Two ways in:
-- `launch(world_size, worker_kwargs)` on one machine: picks a loopback port, spawns the workers
-  (fresh interpreters, `multiprocessing` spawn) and joins as rank 0;
+- `launch(world_size, device, serve, worker_kwargs)` on one machine: picks a loopback port, spawns the
+  workers (fresh interpreters, `multiprocessing` spawn; each calls `serve(worker_kwargs, group)`) and
+  joins as rank 0;
 - `from_env()` under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by it), any number
   of machines.
 Backend: NCCL when the device is CUDA, gloo otherwise. Every collective has the group's
@@ -86,9 +87,10 @@ class EPGroup:
         return cls.join(rank, world, device, "env://", timeout_s)
 
     @classmethod
-    def launch(cls, world_size: int, device: torch.device, worker_kwargs: dict,
+    def launch(cls, world_size: int, device: torch.device, serve, worker_kwargs: dict,
                timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_failure: bool = False) -> "EPGroup":
-        """Spawn ranks 1..N-1 on this machine (each builds LLM(**worker_kwargs)) and join as rank 0."""
+        """Spawn ranks 1..N-1 on this machine (each joins, then calls serve(worker_kwargs, group)) and
+        join as rank 0."""
         from .worker import worker_main
 
         if dist.is_initialized():
@@ -99,7 +101,7 @@ class EPGroup:
         procs = []
         for r in range(1, world_size):
             dev = torch.device("cuda", r % torch.cuda.device_count()) if device.type == "cuda" else device
-            p = ctx.Process(target=worker_main, args=(r, world_size, str(dev), init, timeout_s, worker_kwargs),
+            p = ctx.Process(target=worker_main, args=(r, world_size, str(dev), init, timeout_s, serve, worker_kwargs),
                             name=f"expertcache-ep-rank{r}", daemon=True)
             p.start()
             procs.append(p)
