@@ -113,6 +113,16 @@ def test_peer_plan_against_brute_force(seed):
     assert plan_transfers(codes, ids, ranks, slots) == plan  # the same on every rank
 
 
+def test_zero_row_lm_head_on_the_kernels():
+    """Ranks 1..N-1 run lm_head on no rows: a bf16 weight through the CPU kernels gives [0, V], no crash."""
+    from expertcache.layers.basic import linear
+
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    y = linear(torch.empty(0, 32), w)
+    assert y.shape == (0, 64)
+    torch.testing.assert_close(linear(torch.ones(1, 32), w), torch.ones(1, 32) @ w.float().T, rtol=1e-3, atol=1e-3)
+
+
 # -- engines ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ep_checkpoint(checkpoint):
