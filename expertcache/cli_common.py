@@ -87,6 +87,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="steps of load the balancer uses (with --enable-eplb; default: 1000)")
     e.add_argument("--eplb-step-interval", type=int, default=None,
                    help="steps between rebalances (with --enable-eplb; default: 3000)")
+    e.add_argument("--peer-tier", choices=("auto", "on", "off"), default=None,
+                   help="a rank's expert missing from its memory that another rank holds in memory comes over the "
+                        "link instead of from its disk (and EPLB moves take bytes from the old rank): auto = when "
+                        "the cost model says the link (measured at start) beats the disk (default: auto)")
     e.add_argument("--ep-timeout", type=float, default=None,
                    help="seconds a rank may stay silent before the group stops with an error (default: 120)")
 
@@ -99,13 +103,14 @@ def parallel_config(args: argparse.Namespace):
         given = [f for f, v in (("--enable-eplb", args.enable_eplb), ("--num-redundant-experts", args.num_redundant_experts),
                                 ("--eplb-window-size", args.eplb_window_size),
                                 ("--eplb-step-interval", args.eplb_step_interval),
-                                ("--ep-timeout", args.ep_timeout)) if v]
+                                ("--ep-timeout", args.ep_timeout), ("--peer-tier", args.peer_tier)) if v]
         if given:
             raise ValueError(f"{', '.join(given)}: need --expert-parallel N")
         return None
     timeout = {} if args.ep_timeout is None else {"timeout_s": args.ep_timeout}
+    peer = {} if args.peer_tier is None else {"peer_tier": args.peer_tier}
     return ParallelConfig(args.expert_parallel, args.num_redundant_experts, args.enable_eplb, args.eplb_window_size,
-                          args.eplb_step_interval, exit_on_failure=True, **timeout)
+                          args.eplb_step_interval, exit_on_failure=True, **timeout, **peer)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -230,7 +230,12 @@ class LLM:
         else:
             show(self.plan_lines)
             local = LocalExperts(self.source, self.device, self.dtype, owned, on_bytes)
-        return ExpertParallelExperts(group, local, placement, cfg, layers, E)
+        from .parallel.peer import build as build_peer
+
+        peer, moves, line = build_peer(group, cfg.peer_tier, local, self.source, options.cost_profile)
+        if line:
+            self.plan_lines.append(line)
+        return ExpertParallelExperts(group, local, placement, cfg, layers, E, peer, moves)
 
     def serve_worker(self) -> None:
         """Expert-parallel ranks 1..N-1: mirror rank 0's forwards until it stops."""
@@ -309,6 +314,8 @@ class LLM:
         return self._grammars
 
     def expert_stats(self) -> dict:
+        if self.group is not None:  # every rank's counters as of now (called on the engine thread)
+            self.engine.runner.refresh_stats()
         return self.experts.stats()
 
     def _output(self, seq: Sequence) -> RequestOutput:
