@@ -6,8 +6,8 @@ Shape legend:
     x [T, H] float32   slots [T, K] int64 (-1: pair skipped)   weights [T, K]
     pool: {"gate_up": [S, 2I, H], "down": [S, H, I]} plain, or a QuantMethod's parts {"gate.weight": [S, ...], ...}
 
-Backends: "cpp" (csrc/expert_kernels.cpp, built by build.py; AVX2/FMA/F16C, threads through
-ATen's parallel_for, so torch.set_num_threads / --threads sets them) or "torch" (the callers'
+Backends: "cpp" (csrc/expert_kernels.cpp, built by build.py; AVX2/FMA/F16C, threads from
+csrc/thread_pool.h, as many as torch.set_num_threads / --threads sets) or "torch" (the callers'
 own torch code, used with a printed note when the extension cannot be built or loaded). Every
 entry point returns None / False when it does not apply, and the caller computes with torch.
 """

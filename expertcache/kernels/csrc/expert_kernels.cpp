@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -400,19 +402,7 @@ void gemm_any(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float*
   }
 }
 
-// Work units handed out dynamically (an atomic counter), so uneven units balance across threads.
-template <class Fn>
-void run_units(int64_t n, const Fn& fn) {
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
-  if (nt <= 1) {
-    for (int64_t u = 0; u < n; ++u) fn(u);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
-    for (int64_t u; (u = next.fetch_add(1)) < n;) fn(u);
-  });
-}
+using pool::run_units;  // units handed out dynamically, so uneven units balance across threads
 
 // ---- argument unpacking ------------------------------------------------------------------------------
 // spec = (fmt, data [S, N, ...], scale [S, *, ng] or None, zero [S, N, ng] or None, N, K, G, Bo)
