@@ -7,7 +7,8 @@ Shape legend:
 
 On the CPU with float32 activations the whole layer is one call into the C++ kernels
 (expertcache.kernels: every format read straight from its stored bytes; layouts they do not read,
-and CUDA, take the torch code below). There, tokens are grouped by slot with one argsort; the loop runs over the A active
+and CUDA, take the torch code below). There, tokens are grouped by slot on the host, from one host copy
+of the slots (experts/host_routing.py: no other device read); the loop runs over the A active
 slots only (A <= min(T*K, S)), each a dense matmul over the tokens routed to it.
 Pool tensors may be stored in a lower precision than x: each active slot is
 converted once (the CPU has no fast bf16 matmul; see README "numerics"). Quantized
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from .host_routing import DeviceGroups, group_by_slot, to_host
 
 
 def _silu(g: torch.Tensor, u: torch.Tensor, ffn: "ExpertFFN") -> torch.Tensor:
@@ -78,14 +80,6 @@ def _add_bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return y if b is None else y + b.to(y.dtype)
 
 
-def group_by_slot(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """-> (active slot ids [A], pair order [T*K] sorted by slot, counts per active slot)."""
-    flat = slots.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    active, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    return active, order, counts.tolist()
-
-
 def expert_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], method=None, ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
     """One expert on x [n, H] with its parts `w` (gate_up [2I, H] + down [H, I], or quantized parts)."""
     if kernels.backend() == "cpp" and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -124,45 +118,42 @@ def grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
-            method=None, out: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-            ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
-    """Grouped expert FFN from pool tensors {part: [S, ...]}. `mask` [T, K] (bool) limits to some pairs."""
+            method=None, out: torch.Tensor | None = None, ffn: ExpertFFN = SWIGLU,
+            host: bool = False) -> torch.Tensor:
+    """Grouped expert FFN from pool tensors {part: [S, ...]}; pairs with slot -1 are skipped.
+    `host`: `slots` is a host tensor (derived from the layer's host copy of its ids, as TieredExperts
+    does), so the torch paths group it with no device read; else they group one host copy of it
+    (experts/host_routing.py: the only device -> host read here)."""
     T, K = slots.shape
     out = torch.zeros_like(x) if out is None else out
-    if mask is not None:
-        slots = torch.where(mask, slots, -1)
     if kernels.moe(x, slots, weights, pool, method, out, ffn):
+        return out
+    groups = group_by_slot(slots if host else to_host(slots))
+    if not groups.active:
         return out
     if (method is None and T * K <= GROUPED_MM_MAX_PAIRS and grouped_mm_ok(x.device, x.dtype)
             and pool["gate_up"].dtype == x.dtype):  # a stored-dtype pool is converted per active slot below
-        return _grouped(x, slots, weights, pool, out, ffn)
-    active, order, counts = group_by_slot(slots)
-    token_of = order // K
-    w = weights.reshape(-1)[order].to(x.dtype)
+        return _grouped(x, groups.on(x.device, pool["gate_up"].shape[0]), weights, pool, out, ffn)
+    g = groups.on(x.device)
+    w = weights.reshape(-1)[g.order].to(x.dtype)
     start = 0
-    for s, n in zip(active.tolist(), counts):
-        if s >= 0:
-            tok = token_of[start:start + n]
-            y = expert_ffn(x[tok], {name: t[s] for name, t in pool.items()}, method, ffn)
-            # index_put_ rather than index_add_: the latter takes milliseconds with 2 CPU threads here
-            out.index_put_((tok,), y * w[start:start + n, None], accumulate=True)
+    for s, n in zip(groups.active, groups.counts):
+        tok = g.token[start:start + n]
+        y = expert_ffn(x[tok], {name: t[s] for name, t in pool.items()}, method, ffn)
+        # index_put_ rather than index_add_: the latter takes milliseconds with 2 CPU threads here
+        out.index_put_((tok,), y * w[start:start + n, None], accumulate=True)
         start += n
     return out
 
 
-def _grouped(x, slots, weights, pool, out, ffn):
+def _grouped(x, g: DeviceGroups, weights, pool, out, ffn):
     """Same result with two grouped GEMMs (torch's grouped_mm): no Python loop over experts."""
     gate_up, down = pool["gate_up"], pool["down"]
     if not ffn.transposed:  # grouped_mm takes [S, in, out]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    K = slots.shape[1]
-    flat = slots.reshape(-1)
-    pairs = torch.nonzero(flat >= 0).squeeze(1)
-    order = pairs[torch.argsort(flat[pairs], stable=True)]
-    offs = torch.cumsum(torch.bincount(flat[order], minlength=gate_up.shape[0]), 0).to(torch.int32)
-    tok = order // K
-    bias = {n: pool[n][flat[order]] for n in ("gate_up_bias", "down_bias") if n in pool}  # [pairs, out]
-    h = ffn.activate(_add_bias(F.grouped_mm(x[tok], gate_up, offs=offs), bias.get("gate_up_bias")))
-    y = _add_bias(F.grouped_mm(h, down, offs=offs), bias.get("down_bias"))
-    out.index_put_((tok,), y * weights.reshape(-1)[order, None].to(x.dtype), accumulate=True)
+    tok = g.token
+    bias = {n: pool[n][g.slot] for n in ("gate_up_bias", "down_bias") if n in pool}  # [pairs, out]
+    h = ffn.activate(_add_bias(F.grouped_mm(x[tok], gate_up, offs=g.offs), bias.get("gate_up_bias")))
+    y = _add_bias(F.grouped_mm(h, down, offs=g.offs), bias.get("down_bias"))
+    out.index_put_((tok,), y * weights.reshape(-1)[g.order, None].to(x.dtype), accumulate=True)
     return out

@@ -11,8 +11,11 @@ moves bytes and computes. Per MoE layer and forward step:
          -> fill the device slots -> compute the fills -> the off-slot experts (CPU or waves)
 
 (`overlap_io=False`: one synchronous read and copy per miss, vLLM #37190 v1's behaviour.)
-The step's expert ids reach the host once per layer (one small copy): the distinct experts,
-their token counts and the use counts all come from it.
+The step's expert ids (and the held prediction's) reach the host once per layer, in one small copy
+(experts/host_routing.py `to_host`: on CUDA the layer's only device -> host read, non-blocking
+into pinned memory): the distinct experts, their token counts, the use counts, the prefetch's
+experts, the pairs of each compute pass (grouped by slot on the host) and of each off-slot expert
+all come from it; lookup tables stay on the host.
 
 Prefetch: the model hands layer L+1's predicted experts to `prefetch` before layer L runs; they
 are planned after layer L's own demand reads went out.
@@ -36,6 +39,7 @@ import torch
 
 from ..cost.model import ExpertCost, default_profile
 from .compute import expert_ffn, moe_ffn
+from .host_routing import to_device, to_host
 from .config import CacheConfig
 from ..loader.disk import DiskReader
 from .layout import ExpertSource
@@ -180,7 +184,7 @@ class TieredExperts(ExpertProvider):
         self.t = 0
         self.use_counts = torch.zeros(L, self.E, dtype=torch.int64)
         self.method, self.ffn = source.method, source.ffn
-        # device tier: compute dtype; lookup expert -> slot (CPU mirror, uploaded once per layer step)
+        # device tier: compute dtype; lookup expert -> slot (host only: pairs' slots are looked up on the host)
         self.dev = SlotPool(dev_parts, L, device_slots, device)
         self.lut = torch.full((L, self.E), -1, dtype=torch.int64)
         self.stage = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
@@ -304,26 +308,32 @@ class TieredExperts(ExpertProvider):
     def begin_step(self) -> None:
         self.t += 1
 
-    def _step_ids(self, i: int, ids: torch.Tensor) -> tuple[list[int], list[int]]:
-        """The step's ids on the host, once: -> (distinct experts in order of first appearance, their
-        token counts); the use counts are added on the way."""
+    def _step_ids(self, ids: torch.Tensor):
+        """The step's ids [T*K] and the held prediction's on the host, in one copy (the layer's one
+        device read) -> (step ids, (prediction's layer, its ids, its rows) or None)."""
         flat = ids.reshape(-1)
-        if flat.device.type != "cpu":  # one small non-blocking copy, one wait
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(flat.device))
-            ev.synchronize()
-            flat = host
-        counts = torch.bincount(flat, minlength=self.E)
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return to_host(flat), None
+        layer, pred = ahead
+        both = to_host(torch.cat([flat, pred.reshape(-1).to(flat.dtype)]))
+        n = flat.shape[0]
+        return both[:n], (layer, both[n:], pred.shape[0])
+
+    def _distinct(self, i: int, step: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Host ids -> (distinct experts in order of first appearance, their token counts); the use
+        counts are added on the way."""
+        counts = torch.bincount(step, minlength=self.E)
         self.use_counts[i] += counts
         n = counts.tolist()
-        experts = list(dict.fromkeys(flat.tolist()))
+        experts = list(dict.fromkeys(step.tolist()))
         return experts, [n[e] for e in experts]
 
     def forward(self, layer, x, ids, weights):
         i = self.li[layer]
-        experts, tokens = self._step_ids(i, ids)
+        T, K = ids.shape
+        step, ahead = self._step_ids(ids)
+        experts, tokens = self._distinct(i, step)
         plan = self.planner.plan_step(i, experts, tokens, x.shape[0], self.t)
         lut, pool = self.lut[i], self.dev.layer(i)
         for _, s in plan.hits:
@@ -340,11 +350,11 @@ class TieredExperts(ExpertProvider):
             self._demote(i, d)
         direct = {f.expert: self._submit_read(layer, f.expert, self.dev.views(i, f.slot), sync)
                   for f in plan.fills if f.src is None}
-        self._issue_prefetch()
+        self._issue_prefetch(ahead)
         out = None
         if any(p is not None for _, p in got.values()) or any(p is not None for p in direct.values()):
-            slots = lut.to(x.device)[ids]  # compute the hits while the reads are in flight
-            out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, mask=slots >= 0)
+            # compute the hits while the reads are in flight (slot -1: not resident yet)
+            out = moe_ffn(x, lut[step].view(T, K), weights, pool, self.method, ffn=self.ffn, host=True)
         for f in plan.fills:
             if f.src is None:
                 if direct[f.expert] is not None:
@@ -354,22 +364,25 @@ class TieredExperts(ExpertProvider):
             else:
                 self._fill(i, layer, f.expert, f.slot, self._host_now(layer, f.expert, got[f.expert]))
             lut[f.expert] = f.slot
-        slots = lut.to(x.device)[ids]
+        slots = lut[step].view(T, K)
         if out is None:
-            out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, mask=slots >= 0)
+            out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, host=True)
         elif plan.fills:
             new = torch.zeros(self.E, dtype=torch.bool)
             new[[f.expert for f in plan.fills]] = True
-            moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, out=out, mask=new.to(x.device)[ids])
+            moe_ffn(x, torch.where(new[step].view(T, K), slots, -1), weights, pool, self.method, ffn=self.ffn,
+                    out=out, host=True)
         for o in plan.off_slot:
-            self._off_slot(o.expert, o.on_cpu, x, ids, weights, out, self._host_now(layer, o.expert, got[o.expert]))
+            self._off_slot(o.expert, o.on_cpu, x, step, weights, out, self._host_now(layer, o.expert, got[o.expert]))
         self.planner.end_step(i, plan)
         return out
 
-    def _off_slot(self, e, on_cpu, x, ids, weights, out, src) -> None:
+    def _off_slot(self, e, on_cpu, x, step, weights, out, src) -> None:
         """Compute expert e without caching it: on the CPU from its host copy `src`, or (a wave)
-        through a staging slot loaded once for this step. On a CPU device both read `src` directly."""
-        tok, k = (ids == e).nonzero(as_tuple=True)
+        through a staging slot loaded once for this step. On a CPU device both read `src` directly.
+        Its pairs come from the step's host ids `step` [T*K]."""
+        pair = to_device((step == e).nonzero().squeeze(1), x.device)  # host work, one copy
+        tok, k = pair // weights.shape[1], pair % weights.shape[1]
         if self.cuda and not on_cpu:
             ev = self._copy(src, self.stage)  # waits for kernels still reading the previous wave
             torch.cuda.current_stream(self.device).wait_event(ev)
@@ -384,14 +397,14 @@ class TieredExperts(ExpertProvider):
         if self.wants_prefetch:
             self.ahead = (layer, ids)  # planned by the current layer's forward, after its own demand reads
 
-    def _issue_prefetch(self) -> None:
-        if self.ahead is None:
+    def _issue_prefetch(self, ahead) -> None:
+        """Plan and issue the held prediction `ahead` (its layer, host ids [rows*K], rows), or nothing."""
+        if ahead is None:
             return
-        layer, ids = self.ahead
-        self.ahead = None
+        layer, ids, rows = ahead
         i = self.li[layer]
         lut = self.lut[i]
-        for item in self.planner.plan_prefetch(i, ids.reshape(-1).tolist(), ids.shape[0], self.t):
+        for item in self.planner.plan_prefetch(i, ids.tolist(), rows, self.t):
             if isinstance(item, Demotion):
                 lut[item.expert] = -1
                 self._demote(i, item)
