@@ -284,13 +284,13 @@ def test_killed_rank_is_named_within_the_timeout(ep_checkpoint):
 def test_cli_generate_with_two_ranks(ep_checkpoint, single):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
-                        "--max-tokens", "4", "--expert-parallel", "2", "--enable-eplb", "--eplb-step-interval", "2"],
-                       capture_output=True, text=True, env=env, timeout=240)
+                        "--max-tokens", "4", "--expert-parallel", "2", "--enable-eplb", "--eplb-step-interval", "2",
+                        "--peer-tier", "on"], capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "expert parallel 2 ranks, balance max/mean" in r.stderr
+    assert "expert parallel 2 ranks, balance max/mean" in r.stderr and ", peer tier 0 hits" in r.stderr
     r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
-                        "--enable-eplb"], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2 and "need --expert-parallel" in r.stderr
+                        "--enable-eplb", "--peer-tier", "off"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "--enable-eplb, --peer-tier: need --expert-parallel" in r.stderr
     r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
                         "--expert-parallel", "2", "--eplb-step-interval", "5"], capture_output=True, text=True,
                        env=env, timeout=120)
@@ -325,4 +325,7 @@ def test_server_with_two_ranks(ep_checkpoint, tmp_path):
         with server.http() as http:
             ep = http.get("/stats").json()["expert_stats"]["expert_parallel"]
             assert ep["world_size"] == 2 and sum(ep["pairs_per_rank_last_step"]) > 0
-            assert 'expertcache:ep_balance{window="mean"}' in http.get("/metrics").text
+            metrics = http.get("/metrics").text
+            assert 'expertcache:ep_balance{window="mean"}' in metrics
+            assert 'expertcache:ep_peer_hits_total{rank="1"}' in metrics
+            assert 'expertcache:ep_bytes_rearranged_total{source="peer"}' in metrics
