@@ -23,10 +23,11 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t` (the layer's one device -> host read). On CUDA one non-blocking copy into
     pinned memory and one wait on its event; on the CPU a plain copy (a few bytes per pair), so the
     host work never shares storage with the tensor the compute reads."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-    if t.device.type != "cuda":
+    if not t.is_cuda:
+        host = torch.empty(t.shape, dtype=t.dtype)
         host.copy_(t)
         return host
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(t.device))

@@ -316,7 +316,7 @@ class TieredExperts(ExpertProvider):
         if ahead is None:
             return to_host(flat), None
         layer, pred = ahead
-        both = to_host(torch.cat([flat, pred.reshape(-1).to(flat.dtype)]))
+        both = to_host(torch.cat([flat, pred.reshape(-1)]))
         n = flat.shape[0]
         return both[:n], (layer, both[n:], pred.shape[0])
 
