@@ -43,7 +43,8 @@ class Pool {
  public:
   template <class Fn>
   void run(int64_t n, const Fn& fn) {
-    const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
+    const int64_t want = count_.load(std::memory_order_relaxed);
+    const int64_t nt = std::min<int64_t>(want > 0 ? want : at::get_num_threads(), n);
     if (nt <= 1 || at::in_parallel_region()) {
       for (int64_t u = 0; u < n; ++u) fn(u);
       return;
@@ -65,6 +66,9 @@ class Pool {
     current_.store(nullptr);
     while (refs_.load() > 0) _mm_pause();  // a worker between taking the job and leaving it
   }
+
+  void set_threads(int64_t n) { count_.store(n); }  // 0: torch's thread count
+  int64_t threads() const { return count_.load(); }
 
   void reset_after_fork() {  // the child has none of the parent's threads (all detached): forget them
     new (&m_) std::mutex();
@@ -128,6 +132,7 @@ class Pool {
   std::condition_variable cv_;
   std::atomic<Job*> current_{nullptr};
   std::atomic<uint64_t> epoch_{0};
+  std::atomic<int64_t> count_{0};
   std::atomic<int64_t> refs_{0}, sleepers_{0};
 };
 
