@@ -78,7 +78,7 @@ def test_trainer_math_is_qwen3_moe(tiny_run):
                                                     for j in range(TINY["num_experts"])]))
     ids = [5, 17, 42, 99, 7, 3, 250, 11, 64, 128, 1, 2, 33]
     with torch.no_grad():
-        ours, _ = model(torch.tensor([ids]))
+        ours, _, _ = model(torch.tensor([ids]))
     ref = _hf_logits(out, ids)
     torch.testing.assert_close(ours[0], ref, atol=2e-4, rtol=1e-4)
     llm = LLM(str(out))
