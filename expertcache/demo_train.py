@@ -1,6 +1,15 @@
 """Train the shipped demo model: a tiny Qwen3-MoE on the project's own docs and source.
 
-    python -m expertcache.demo_train --out expertcache/demo_model --minutes 40
+    nice -n 10 python -m expertcache.demo_train --out expertcache/demo_model --steps 600
+
+(the shipped model's run: seed 0, one thread; deterministic for a seed and thread count, 20-40
+minutes of one CPU thread). The log prints, every `--probe-every` steps, the held-out loss and a
+routing probe: the share of a token's experts the previous token also used (chance = K/E) and the
+expert-load entropy (1 = even). The load-balancing loss weight matters most for routing: at 0.01 it
+keeps the load even and the routing no more local than a random model's (reuse ~0.22 with K/E =
+0.125); at 0.001 experts specialise and a token reuses about half of its predecessor's experts, with
+the load skewed about as much as in other small trained MoEs (entropy ~0.75); with no balancing loss
+(router z-loss only) routing clumps onto few experts (entropy ~0.63) and perplexity suffers.
 
 The corpus is the repository's Markdown and Python files (README, docs/, expertcache/,
 bench/, tests/) plus chat-formatted question/answer pairs made from their docstrings, so the
@@ -38,10 +47,11 @@ from . import demo
 from .loader.writer import write_safetensors
 
 SIZES: dict[str, Any] = {
-    "num_layers": 6, "num_experts": 32, "top_k": 4, "hidden": 128, "moe_intermediate": 96,
+    "num_layers": 6, "num_experts": 32, "top_k": 4, "hidden": 192, "moe_intermediate": 128,
     "intermediate": 512, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "vocab": 2048,
     "max_position": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
 }
+DEFAULT_STEPS = 600  # the shipped model's run (with the defaults below)
 HOLDOUT_EVERY = 16
 SYSTEM = "You are the expertcache demo model."
 # ChatML with the training's system prompt as the default, so a chat without one looks like training
@@ -276,7 +286,7 @@ def write_manifest(out: pathlib.Path, p: dict[str, Any], info: dict[str, Any]) -
 
 
 def train(root: pathlib.Path, out: pathlib.Path, *, minutes: float | None, steps: int | None,
-          batch: int = 16, seq: int = 256, lr: float = 3e-3, aux_coef: float = 0.01, z_coef: float = 0.0,
+          batch: int = 16, seq: int = 256, lr: float = 3e-3, aux_coef: float = 0.001, z_coef: float = 0.0,
           router_lr_mult: float = 1.0, seed: int = 0, sizes: dict[str, Any] | None = None,
           held_chars: int = 40_000, probe_every: int = 0, log=print) -> dict[str, Any]:
     """Train until `steps` or `minutes` run out (exactly one is given), write the checkpoint to `out`.
@@ -352,21 +362,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory (its files are replaced)")
     ap.add_argument("--root", default=str(pathlib.Path(__file__).resolve().parents[1]),
                     help="repository root whose docs and source are the corpus")
-    ap.add_argument("--minutes", type=float, help="wall-clock training budget")
-    ap.add_argument("--steps", type=int, help="number of optimizer steps instead of a time budget")
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULT_STEPS}, as shipped)")
+    budget.add_argument("--minutes", type=float, help="a wall-clock budget instead (not reproducible)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the run is deterministic for a seed "
                     "and thread count)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--aux-coef", type=float, default=0.01, help="load-balancing loss weight")
+    ap.add_argument("--aux-coef", type=float, default=0.001, help="load-balancing loss weight")
     ap.add_argument("--z-coef", type=float, default=0.0, help="router z-loss weight")
     ap.add_argument("--router-lr-mult", type=float, default=1.0, help="routers' learning rate / the others'")
     ap.add_argument("--hidden", type=int, default=SIZES["hidden"])
     ap.add_argument("--moe-intermediate", type=int, default=SIZES["moe_intermediate"])
     ap.add_argument("--probe-every", type=int, default=50, help="log held-out loss and routing every N steps (0: never)")
     args = ap.parse_args(argv)
+    if args.minutes is None and args.steps is None:
+        args.steps = DEFAULT_STEPS
+    for flag, v in (("--steps", args.steps), ("--minutes", args.minutes), ("--threads", args.threads),
+                    ("--batch", args.batch), ("--seq", args.seq)):
+        if v is not None and v <= 0:
+            ap.error(f"{flag} must be positive, got {v}")
     torch.set_num_threads(args.threads)
     train(pathlib.Path(args.root), pathlib.Path(args.out), minutes=args.minutes, steps=args.steps,
           batch=args.batch, seq=args.seq, lr=args.lr, aux_coef=args.aux_coef, z_coef=args.z_coef,

@@ -35,12 +35,15 @@ def tiny_run(tmp_path_factory):
             f'"""Module {i}: counts things."""\n\n\ndef count_{i}(xs):\n    """Count the items of xs."""\n'
             f"    return len(xs) + {i}\n" * 10)
     out = tmp_path_factory.mktemp("trained") / "model"
-    info = T.train(root, out, minutes=None, steps=3, batch=2, seq=32, sizes=TINY, log=lambda s: None)
-    return root, out, info
+    logs: list[str] = []
+    info = T.train(root, out, minutes=None, steps=3, batch=2, seq=32, sizes=TINY, probe_every=2, log=logs.append)
+    return root, out, info, logs
 
 
 def test_training_script_writes_a_checked_checkpoint(tiny_run):
-    root, out, info = tiny_run
+    root, out, info, logs = tiny_run
+    assert [line.split(" held_loss")[0] for line in logs if line.startswith("probe")] == ["probe step 0", "probe step 2"]
+    assert 0 <= info["held_out_reuse"] <= 1 and 0 < info["held_out_load_entropy"] <= 1
     assert info["steps"] == 3 and info["files"] == 4 and info["held_out_files"] == ["expertcache/m2.py"]
     assert demo.check_demo_model(out, deep=True) is None
     assert {f.name for f in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "heldout.txt",
@@ -54,7 +57,7 @@ def test_training_script_writes_a_checked_checkpoint(tiny_run):
 def test_trainer_math_is_qwen3_moe(tiny_run):
     """The trainer's forward (weights rounded to the stored bf16) equals transformers' Qwen3-MoE on the
     written checkpoint, and the engine agrees: the trained weights mean the same thing everywhere."""
-    root, out, _ = tiny_run
+    root, out, _, _ = tiny_run
     from safetensors.torch import load_file
 
     tensors = load_file(str(out / "model.safetensors"))
@@ -84,6 +87,26 @@ def test_trainer_math_is_qwen3_moe(tiny_run):
     llm = LLM(str(out))
     torch.testing.assert_close(llm.logits(ids), ref, atol=2e-4, rtol=1e-4)
     llm.close()
+
+
+def test_routing_probe_matches_a_brute_force_count():
+    """held_out_eval's reuse and load entropy equal a plain count over the routes the model chose."""
+    torch.manual_seed(0)
+    model = T.TinyMoE({**T.SIZES, **TINY, "seed": 0}, 300, seed=7)
+    ids = torch.randint(0, 300, (3 * 16 + 1,))
+    ev = T.held_out_eval(model, ids, seq=16)
+    routes: list[torch.Tensor] = []
+    with torch.no_grad():
+        model(ids[:48].view(3, 16), routes)
+    K, E = TINY["top_k"], TINY["num_experts"]
+    shares, ents = [], []
+    for r in routes:  # [3*16, K] per layer
+        sets = [set(row) for row in r.tolist()]
+        shares += [len(sets[i] & sets[i - 1]) / K for i in range(len(sets)) if i % 16]
+        counts = [sum(e in s for s in sets) for e in range(E)]
+        ents.append(-sum(c / sum(counts) * math.log(c / sum(counts)) for c in counts if c) / math.log(E))
+    assert ev["reuse"] == pytest.approx(sum(shares) / len(shares), abs=1e-6)
+    assert ev["entropy"] == pytest.approx(sum(ents) / len(ents), abs=1e-6)
 
 
 @pytest.fixture(scope="module")
