@@ -6,7 +6,7 @@ Configurations (one line each, per model and routing source):
   sync-lru   vLLM #37190 v1 behaviour: LRU slots, one synchronous read + copy per miss, no prefetch,
              no CPU compute
   static     hottest experts pinned from saved statistics (KTransformers / llama.cpp placement)
-  default    expertcache's default: lfru-admit, a step's disk reads in parallel while its hits
+  default    expertcache's default: the adaptive policy, a step's disk reads in parallel while its hits
              compute, CPU compute by cost model, prefetch auto (CUDA: into device slots;
              CPU-only: disk reads ahead into host RAM)
   default+prefetch   the same with next-layer prefetch into the fastest tier forced on

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from expertcache import LLM, SamplingParams  # noqa: E402
-from expertcache.quant.quantize import quantize_checkpoint  # noqa: E402
+from expertcache.quantize.rewrite import quantize_checkpoint  # noqa: E402
 
 TINYMOE = Path(__file__).resolve().parents[2] / "shared" / "models" / "tinymoe-py16"
 FORMATS = [("bf16", {}), ("fp8", {"block_size": 128}), ("int8", {"group_size": 128}),

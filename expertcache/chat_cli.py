@@ -32,7 +32,7 @@ def _fit(tok, messages: list[dict], budget: int) -> tuple[list[int], int]:
 
 
 def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
-    from .cli import engine_kwargs, stream_request
+    from .cli_common import engine_kwargs, stream_request
     from .cli_checks import check_prompt_fits
     from .llm import LLM
 
@@ -107,7 +107,7 @@ def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from .cli import model_dir_arg
+    from .cli_common import model_dir_arg
     from .cli_checks import sampling_params
 
     sp = sampling_params(args)
@@ -116,7 +116,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def add_chat_subcommand(subparsers) -> argparse.ArgumentParser:
-    from .cli import add_engine_args
+    from .cli_common import add_engine_args
 
     p = subparsers.add_parser("chat", help="a conversation with the model in the terminal (chat template, "
                                            "streamed replies, a stats line per turn); reads one prompt from a pipe")

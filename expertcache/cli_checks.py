@@ -4,13 +4,11 @@
 --top-p, --top-k, --seed); `check_prompt_fits(args, model_dir)` tokenizes the prompt with the
 model's tokenizer (config.json and tokenizer files only) and compares prompt + --max-tokens with
 --max-model-len (default min(max_position_embeddings, 4096), as the engine computes it).
-`load_trace(path, flag)` reads a routing trace or says which flag named a missing or foreign file.
 """
 
 from __future__ import annotations
 
 import argparse
-import zipfile
 from pathlib import Path
 
 from .errors import ConfigError
@@ -49,30 +47,3 @@ def check_prompt_fits(args: argparse.Namespace, model_dir: str | Path, prompt_id
                           f"tokens; shorten the prompt, lower --max-tokens or raise --max-model-len "
                           f"(the model allows {cfg.max_position_embeddings})")
     return limit
-
-
-def load_trace(path: str | Path, flag: str):
-    """RoutingTrace.load with the flag (or argument) that named the file in every error."""
-    from .trace.format import RoutingTrace
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{flag} {path}: {'is a directory' if p.is_dir() else 'no such file'} "
-                          f"(expected a routing trace .npz from --record-routing or `expertcache trace synth`)")
-    if not zipfile.is_zipfile(p):
-        raise ConfigError(f"{flag} {path}: not a routing trace (.npz files are zip archives; this one is not)")
-    try:
-        return RoutingTrace.load(p)
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
-        raise ConfigError(f"{flag} {path}: not a routing trace (.npz): {e}") from None
-    except ValueError as e:
-        msg = str(e)
-        raise ConfigError(f"{flag} {path}: {msg.removeprefix(str(p) + ': ')}") from None
-
-
-def check_capacities(caps: list[int], num_experts: int, flag: str = "--capacity") -> list[int]:
-    bad = [c for c in caps if not 1 <= c <= num_experts]
-    if bad:
-        raise ConfigError(f"{flag} {bad[0]}: slots per layer must be between 1 and {num_experts} "
-                          f"(the trace's experts per layer)")
-    return caps

@@ -218,7 +218,7 @@ def _safetensors_header_len(path: pathlib.Path) -> int:
     return 8 + int.from_bytes(prefix, "little")
 
 
-def _file_entry(path: pathlib.Path) -> dict[str, Any]:
+def file_entry(path: pathlib.Path) -> dict[str, Any]:
     entry: dict[str, Any] = {"size": path.stat().st_size, "sha256": _sha256_file(path)}
     if path.suffix == ".safetensors":
         n = _safetensors_header_len(path)
@@ -326,7 +326,7 @@ def train_tokenizer(vocab_size: int, texts=None):
     return tok
 
 
-def _config(p: dict[str, Any], vocab_size: int, eos_ids: list[int]) -> dict[str, Any]:
+def config_json(p: dict[str, Any], vocab_size: int, eos_ids: list[int]) -> dict[str, Any]:
     # Keys and values as transformers 5 writes Qwen3MoeConfig, plus the hub-era keys
     # (`num_experts`, `rope_theta`) that older readers and our own loader expect.
     return {
@@ -420,9 +420,9 @@ def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, progress: boo
     vocab_size = max(tok.get_vocab_size(), int(p["vocab"]))
     eos_ids = [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")]
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(tok, p))
-    _write_json(out / "config.json", _config(p, vocab_size, eos_ids))
-    _write_json(out / "generation_config.json", {
+    write_json(out / "tokenizer_config.json", tokenizer_config(tok, p))
+    write_json(out / "config.json", config_json(p, vocab_size, eos_ids))
+    write_json(out / "generation_config.json", {
         "bos_token_id": None, "eos_token_id": eos_ids, "pad_token_id": 0, "do_sample": True,
         "temperature": 0.7, "top_p": 0.9, "top_k": 20,
     })
@@ -454,17 +454,17 @@ def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, progress: boo
         say(f"  wrote {fname} ({(out / fname).stat().st_size / 2**20:.1f} MiB)")
         del tensors
     if n > 1:
-        _write_json(out / "model.safetensors.index.json",
+        write_json(out / "model.safetensors.index.json",
                     {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
-    files = {f.name: _file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != MANIFEST}
-    _write_json(out / MANIFEST, {"format": "expertcache-demo", "version": FORMAT_VERSION, "params": p,
+    files = {f.name: file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != MANIFEST}
+    write_json(out / MANIFEST, {"format": "expertcache-demo", "version": FORMAT_VERSION, "params": p,
                                  "files": files})
     say(f"demo model ready in {time.perf_counter() - t0:.1f} s")
     return out
 
 
-def _tokenizer_config(tok, p: dict[str, Any]) -> dict[str, Any]:
+def tokenizer_config(tok, p: dict[str, Any]) -> dict[str, Any]:
     return {
         "added_tokens_decoder": {
             str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
@@ -485,5 +485,5 @@ def _tokenizer_config(tok, p: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write_json(path: pathlib.Path, obj: Any) -> None:
+def write_json(path: pathlib.Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")

@@ -264,11 +264,11 @@ def write_checkpoint(out: pathlib.Path, model: TinyMoE, tok, p: dict[str, Any], 
         if f.is_file():
             f.unlink()
     tok.save(str(out / "tokenizer.json"))
-    demo._write_json(out / "tokenizer_config.json", {**demo._tokenizer_config(tok, p), "chat_template": CHAT_TEMPLATE})
-    cfg = demo._config(p, vocab_size, [0, 2])
+    demo.write_json(out / "tokenizer_config.json", {**demo.tokenizer_config(tok, p), "chat_template": CHAT_TEMPLATE})
+    cfg = demo.config_json(p, vocab_size, [0, 2])
     cfg["router_aux_loss_coef"] = info["aux_coef"]
-    demo._write_json(out / "config.json", cfg)
-    demo._write_json(out / "generation_config.json", {
+    demo.write_json(out / "config.json", cfg)
+    demo.write_json(out / "generation_config.json", {
         "bos_token_id": None, "eos_token_id": [0, 2], "pad_token_id": 0, "do_sample": True,
         "temperature": 0.7, "top_p": 0.9, "top_k": 20})
     write_safetensors(model.hub_tensors(), out / "model.safetensors", metadata={"format": "pt"})
@@ -278,8 +278,8 @@ def write_checkpoint(out: pathlib.Path, model: TinyMoE, tok, p: dict[str, Any], 
 
 def write_manifest(out: pathlib.Path, p: dict[str, Any], info: dict[str, Any]) -> None:
     """The manifest (parameters, training summary, size/sha256 of every other file); files made 0644."""
-    files = {f.name: demo._file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != demo.MANIFEST}
-    demo._write_json(out / demo.MANIFEST, {"format": "expertcache-demo", "version": demo.FORMAT_VERSION,
+    files = {f.name: demo.file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != demo.MANIFEST}
+    demo.write_json(out / demo.MANIFEST, {"format": "expertcache-demo", "version": demo.FORMAT_VERSION,
                                            "params": p, "training": info, "files": files})
     for f in out.iterdir():
         f.chmod(0o644)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from .experts.config import CacheConfig
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
 from .layers.basic import LM_HEAD_FORMATS, lm_head_method
-from .models.checks import check_layer_count
+from .loader.checks import check_layer_count
 from .models.mtp import drop_mtp_layers
 from .models.registry import open_index, read_config
 from .models.transformer import MoETransformer
@@ -87,7 +88,7 @@ class LLM:
             from .parallel import checkpoint_fingerprint, start
 
             worker_kwargs["model"] = str(self.model_dir)
-            self.parallel, self.group = start(expert_parallel, self.device, worker_kwargs)
+            self.parallel, self.group = start(expert_parallel, self.device, worker_kwargs, serve_ep_rank)
             self.group.check_same("checkpoint (config.json + safetensors headers)",
                                   checkpoint_fingerprint(self.model_dir))
         try:
@@ -229,7 +230,12 @@ class LLM:
         else:
             show(self.plan_lines)
             local = LocalExperts(self.source, self.device, self.dtype, owned, on_bytes)
-        return ExpertParallelExperts(group, local, placement, cfg, layers, E)
+        from .parallel.peer import build as build_peer
+
+        peer, moves, line = build_peer(group, cfg.peer_tier, local, self.source, options.cost_profile)
+        if line:
+            self.plan_lines.append(line)
+        return ExpertParallelExperts(group, local, placement, cfg, layers, E, peer, moves)
 
     def serve_worker(self) -> None:
         """Expert-parallel ranks 1..N-1: mirror rank 0's forwards until it stops."""
@@ -308,6 +314,8 @@ class LLM:
         return self._grammars
 
     def expert_stats(self) -> dict:
+        if self.group is not None:  # every rank's counters as of now (called on the engine thread)
+            self.engine.runner.refresh_stats()
         return self.experts.stats()
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -325,3 +333,25 @@ class LLM:
                 self.engine.runner.stop_workers()
             self.group.close()
             self.group = None
+
+
+def serve_ep_rank(kwargs: dict, group) -> None:
+    """A spawned expert-parallel rank 1..N-1 (parallel/worker.py joined `group`): build the same LLM
+    and mirror rank 0 until it stops."""
+    cfg = kwargs.pop("expert_parallel")
+    llm = LLM(**kwargs, expert_parallel=(cfg, group))
+    try:
+        llm.serve_worker()
+    finally:
+        llm.close()
+
+
+def run_torchrun_worker(llm_kwargs: dict) -> int:
+    """A torchrun rank other than 0: build the same LLM, mirror rank 0 until it stops."""
+    llm = LLM(**{**llm_kwargs, "progress": False})
+    print(f"expert-parallel rank {os.environ['RANK']} ready", file=sys.stderr)
+    try:
+        llm.serve_worker()
+    finally:
+        llm.close()
+    return 0

@@ -256,7 +256,7 @@ def test_exclusive_tiers_raise_the_ram_hit_rate(cache_checkpoint):
 def test_cli_prefetch_flag(argv, want):
     import argparse
 
-    from expertcache.cli import add_engine_args, engine_kwargs
+    from expertcache.cli_common import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

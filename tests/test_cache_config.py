@@ -91,7 +91,7 @@ def test_policy_with_every_expert_resident_is_a_printed_note(cache_checkpoint):
 
 
 def test_cli_cache_policy_choices_are_the_online_policies(capsys):
-    from expertcache.cli import add_engine_args
+    from expertcache.cli_common import add_engine_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

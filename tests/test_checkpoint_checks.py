@@ -153,7 +153,7 @@ def test_bad_tokenizer_config_names_the_file(expertcache_api, capsys, broken):
 
 def test_quantized_integer_parts_still_load(expertcache_api, broken, tmp_path):
     """The documented integer codes of a quantized expert layout are not 'integer weights'."""
-    from expertcache.quant.quantize import quantize_checkpoint
+    from expertcache.quantize.rewrite import quantize_checkpoint
 
     out = tmp_path / "int8"
     quantize_checkpoint(broken, out, "int8")

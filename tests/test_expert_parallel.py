@@ -21,6 +21,7 @@ from serving import free_port
 
 from expertcache import LLM, SamplingParams
 from expertcache.parallel import ExpertParallelError, ParallelConfig, balanced_placement, static_placement
+from expertcache.parallel.peer import plan_transfers
 from expertcache.parallel.placement import assign_ranks, balanced_layer, capacities, rank_loads, worth_moving
 
 PROMPTS = [list(range(5, 25)), [7, 3, 9, 11, 40, 41, 42], list(range(60, 97))]
@@ -90,6 +91,38 @@ def test_bad_parallel_options_are_refused():
         ParallelConfig(2, eplb_window_size=8)  # would be ignored without EPLB: refused
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_peer_plan_against_brute_force(seed):
+    """Every planned transfer is needed, only on the receiver's disk and in the sender's memory; no
+    receiver gets more than its buffers; nothing fetchable is left out below that cap."""
+    g = torch.Generator().manual_seed(seed)
+    N, E, T, K, slots = 3, 12, 9, 2, 3
+    codes = torch.randint(0, 3, (N, E), generator=g)
+    ids = torch.randint(0, E, (T, K), generator=g)
+    ranks = torch.randint(0, N, (T, K), generator=g)
+    plan = plan_transfers(codes, ids, ranks, slots)
+    needs = {(int(r), int(e)) for r, e in zip(ranks.reshape(-1), ids.reshape(-1))}
+    got = {}
+    for s, r, e in plan:
+        assert s != r and (r, e) in needs and codes[r, e] == 0 and codes[s, e] == 2
+        got.setdefault(r, []).append(e)
+    for r in range(N):
+        fetchable = sorted(e for rr, e in needs if rr == r and codes[r, e] == 0 and any(
+            codes[s, e] == 2 for s in range(N) if s != r))
+        assert got.get(r, []) == fetchable[:slots]  # in expert order, up to the receive buffers
+    assert plan_transfers(codes, ids, ranks, slots) == plan  # the same on every rank
+
+
+def test_zero_row_lm_head_on_the_kernels():
+    """Ranks 1..N-1 run lm_head on no rows: a bf16 weight through the CPU kernels gives [0, V], no crash."""
+    from expertcache.layers.basic import linear
+
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    y = linear(torch.empty(0, 32), w)
+    assert y.shape == (0, 64)
+    torch.testing.assert_close(linear(torch.ones(1, 32), w), torch.ones(1, 32) @ w.float().T, rtol=1e-3, atol=1e-3)
+
+
 # -- engines ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ep_checkpoint(checkpoint):
@@ -131,8 +164,22 @@ def test_ranks_equal_single_process(ep_checkpoint, single, world):
         llm.close()
 
 
-def test_rearrangement_mid_generation_with_replicas(ep_checkpoint, single):
-    cfg = ParallelConfig(3, num_redundant_experts=4, eplb=True, eplb_window_size=8, eplb_step_interval=5)
+def _generate_switching_at_step_6(llm, placement) -> list[int]:
+    """PROMPTS[0] greedily, with `placement` requested in the middle of the generation -> its tokens."""
+    seq = llm.engine.add_request(PROMPTS[0], GREEDY)
+    steps = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        steps += 1
+        if steps == 6:
+            llm.experts.request_placement(placement)
+    return seq.generated
+
+
+@pytest.mark.parametrize("peer", ["off", "on"])  # a new placement's bytes from disk / from their old ranks
+def test_rearrangement_mid_generation_with_replicas(ep_checkpoint, single, peer):
+    cfg = ParallelConfig(3, num_redundant_experts=4, eplb=True, eplb_window_size=8, eplb_step_interval=5,
+                         peer_tier=peer)
     llm = LLM(str(ep_checkpoint), expert_parallel=cfg)
     try:
         _check_equal(llm, single)  # EPLB rebalances where the window's load says it pays
@@ -142,34 +189,87 @@ def test_rearrangement_mid_generation_with_replicas(ep_checkpoint, single):
         # and an arbitrary placement forced in the middle of a generation
         E, layers = 16, llm.source.layers
         worst = balanced_placement(torch.rand(len(layers), E), layers, 3, 4, version=99)
-        seq = llm.engine.add_request(PROMPTS[0], GREEDY)
-        steps = 0
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-            steps += 1
-            if steps == 6:
-                llm.experts.request_placement(worst)
-        assert seq.generated == single["tokens"][0]
+        assert _generate_switching_at_step_6(llm, worst) == single["tokens"][0]
         assert llm.experts.placement.version >= 99  # the forced placement was taken (EPLB continues from it)
         assert llm.experts.rearrangements > before
-        assert llm.expert_stats()["expert_parallel"]["bytes_rearranged"] > 0
+        ep = llm.expert_stats()["expert_parallel"]
+        if peer == "on":  # every byte came from the rank that held the expert
+            assert ep["bytes_rearranged_peer"] > 0 and ep["bytes_rearranged"] == 0
+        else:
+            assert ep["bytes_rearranged"] > 0 and ep["bytes_rearranged_peer"] == 0
+        local = llm.experts.local  # rank 0's pools after the moves: the checkpoint's bytes
+        for layer, experts in llm.experts.placement.owned(0).items():
+            for e in experts:
+                ref = llm.source.read(layer, e)
+                for name, t in local.pools[layer].items():
+                    assert torch.equal(t[int(local.slot_of[layer][e])], ref[name]), (layer, e, name)
     finally:
         llm.close()
 
 
 def test_tiny_per_rank_budgets_equal_single_process(ep_checkpoint, single):
-    llm = LLM(str(ep_checkpoint), expert_parallel=2, device_memory="20%", host_memory="30%")
+    """Peer tier off: every miss reads this rank's disk."""
+    llm = LLM(str(ep_checkpoint), expert_parallel=ParallelConfig(2, num_redundant_experts=2, peer_tier="off"),
+              device_memory="20%", host_memory="30%")
     try:
         _check_equal(llm, single)
         s = llm.expert_stats()
         assert s["misses"] > 0  # rank 0's own tiers missed and fetched
-        assert all(r["cache"]["misses"] > 0 for r in s["expert_parallel"]["ranks"])
+        ep = s["expert_parallel"]
+        assert all(r["cache"]["misses"] > 0 for r in ep["ranks"])
+        assert not ep["peer_tier"] and ep["peer_hits"] == ep["peer_bytes_in"] == 0
+        assert llm.experts.peer is None and "peer" not in s["per_tier"]
+    finally:
+        llm.close()
+
+
+def _slot_bytes_equal_checkpoint(llm, received) -> int:
+    """Rank 0: the stored bytes of each peer-fetched expert still in its memory == the checkpoint's."""
+    cache, checked = llm.experts.local, 0
+    for layer, e in set(received):
+        got = cache.stored_bytes(layer, e)
+        if got is None:
+            continue
+        ref = llm.source.read(layer, e)
+        for name, t in got.items():
+            assert torch.equal(t.cpu().view(torch.uint8), ref[name].view(torch.uint8)), (layer, e, name)
+        checked += 1
+    cache.check(contents=True)  # and every slot of both tiers
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_peer_tier_serves_misses_and_equals_single_process(ep_checkpoint, single, world):
+    """Tiny per-rank budgets with replicas (3 ranks: and a placement forced mid-generation): misses
+    that another rank holds in memory come over gloo point-to-point; outputs equal the single-process
+    engine, every slot fill equals the checkpoint (verify), and so do the peer-fetched bytes."""
+    cfg = ParallelConfig(world, num_redundant_experts=world, peer_tier="on")
+    llm = LLM(str(ep_checkpoint), expert_parallel=cfg, device_memory="20%", host_memory="30%", verify=True)
+    try:
+        assert any(line.startswith("peer tier: on (forced): link") for line in llm.plan_lines)
+        _check_equal(llm, single)
+        if world == 3:
+            layers = llm.source.layers
+            new = balanced_placement(torch.rand(len(layers), 16), layers, 3, 3, version=9)
+            assert _generate_switching_at_step_6(llm, new) == single["tokens"][0]
+            assert llm.experts.placement.version == 9
+        s = llm.expert_stats()
+        ep = s["expert_parallel"]
+        assert ep["peer_tier"] and ep["peer_hits"] > 0
+        assert ep["peer_bytes_in"] == ep["peer_bytes_out"] > 0  # every byte received was sent by a rank
+        per_rank = [r["cache"]["per_tier"]["peer"]["hits"] for r in ep["ranks"]]
+        assert sum(per_rank) == ep["peer_hits"] and s["per_tier"]["peer"]["hits"] == per_rank[0]
+        assert all(r["cache"]["per_tier"]["disk"]["bytes_read"] >= 0 for r in ep["ranks"])
+        assert per_rank[0] > 0 and _slot_bytes_equal_checkpoint(llm, llm.experts.peer.received) > 0
     finally:
         llm.close()
 
 
 def test_killed_rank_is_named_within_the_timeout(ep_checkpoint):
-    llm = LLM(str(ep_checkpoint), expert_parallel=ParallelConfig(2, timeout_s=20))
+    """The death is detected (the lost connection, the exited process), not waited out: the error names
+    the rank well before the step timeout. (The timeout itself is generous so that a rank starved by a
+    loaded machine during the first generation is not mistaken for a hung one.)"""
+    llm = LLM(str(ep_checkpoint), expert_parallel=ParallelConfig(2, timeout_s=60))
     try:
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0))
         os.kill(llm.group.procs[0].pid, signal.SIGKILL)

@@ -276,7 +276,7 @@ def test_stops_at_generation_config_eos(gpt_oss_dir, tmp_path):
 
 
 def test_quantize_command_refuses_gpt_oss(gpt_oss_dir, tmp_path):
-    from expertcache.quant.quantize import quantize_checkpoint
+    from expertcache.quantize.rewrite import quantize_checkpoint
 
     with pytest.raises(ValueError, match="gpt_oss experts .* cannot be rewritten"):
         quantize_checkpoint(gpt_oss_dir(CASES[0]), tmp_path / "q", "int8")

@@ -239,7 +239,7 @@ def test_qwen35_multimodal_checkpoint_reads_the_text_model(tmp_path):
 
 def test_quantized_experts_under_a_tight_budget(model, tmp_path):
     """`expertcache quantize` on a hybrid checkpoint (int8 experts): tight tiers == the same model resident."""
-    from expertcache.quant.quantize import quantize_checkpoint
+    from expertcache.quantize.rewrite import quantize_checkpoint
 
     q = quantize_checkpoint(model.path, tmp_path / "int8", "int8", group_size=16)
     resident = LLM(str(q), device="cpu")

@@ -23,7 +23,7 @@ from expertcache.experts.compute import ExpertFFN, moe_ffn
 from expertcache.kernels import build
 from expertcache.kernels.formats import plain_spec, quant_spec
 from expertcache.quant import make_quant_method
-from expertcache.quant.quantize import quantize_checkpoint
+from expertcache.quantize.rewrite import quantize_checkpoint
 
 # (format, parameters): group/block sizes chosen so that shapes leave ragged edges
 FORMATS = [("bf16", {}), ("fp16", {}), ("fp32", {}), ("fp8", {"block_size": [16, 24]}), ("fp8-channel", {}),

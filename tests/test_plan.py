@@ -224,7 +224,7 @@ def test_trace_of_another_model_is_rejected(ckpt, tmp_path, capsys):
 
 
 def test_quantized_experts_stay_quantized_in_the_fastest_tier(ckpt, tmp_path, capsys, monkeypatch):
-    from expertcache.quant.quantize import quantize_checkpoint
+    from expertcache.quantize.rewrite import quantize_checkpoint
 
     import expertcache.experts.budget as budget
 

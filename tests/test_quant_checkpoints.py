@@ -33,7 +33,7 @@ from expertcache.errors import CheckpointError, ConfigError
 from expertcache.quant.fp8_block import quantize_fp8_block
 from expertcache.quant.fp8_channel import quantize_fp8_channel
 from expertcache.quant.mxfp4 import quantize_mxfp4
-from expertcache.quant.quantize import quantize_checkpoint
+from expertcache.quantize.rewrite import quantize_checkpoint
 from test_quant_e2e import dequantized_dense_checkpoint
 
 B = 32

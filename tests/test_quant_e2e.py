@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 import checkpoints
 from expertcache import LLM, SamplingParams
 from expertcache.quant.checkpoint import method_from_config
-from expertcache.quant.quantize import quantize_checkpoint
+from expertcache.quantize.rewrite import quantize_checkpoint
 
 H, I, E, L, K = 64, 64, 16, 2, 2
 TINY = dict(dtype=torch.bfloat16, hidden_size=H, moe_intermediate_size=I, num_experts=E, num_hidden_layers=L,

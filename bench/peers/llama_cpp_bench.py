@@ -14,7 +14,8 @@ beside it) to bf16, quantized to q8_0 with llama-quantize, and quantized to int8
 
 Per round and format: `llama-bench -m M -p P -n G -r 1 -t THREADS -o json` (mmap; the weights are
 warm in the page cache), then the same counts through one long-lived expertcache process (model
-loaded once): a P-token prompt's prefill and G decode steps (greedy, ignore_eos). Lines:
+loaded once, prefix caching off so that every round prefills the whole prompt, as llama-bench does): a
+P-token prompt's prefill and G decode steps (greedy, ignore_eos). Lines:
     peer: round=R engine=... format=... pp_tok_s=... tg_tok_s=...
     peer-summary: format=... llama_pp=... expertcache_pp=... pp_ratio=... llama_tg=... expertcache_tg=... tg_ratio=...
     streaming: format=... bytes_per_token_GB=... effective_GBps=... read_GBps=... (median of one read per round)
@@ -75,7 +76,7 @@ def models(cache: Path, bindir: Path, tokenizer: Path) -> dict[str, tuple[Path, 
     from yardstick import SIZES
 
     from expertcache.demo import build_demo_model
-    from expertcache.quant.quantize import quantize_checkpoint
+    from expertcache.quantize.rewrite import quantize_checkpoint
 
     yard = cache / "yardstick"
     if not (yard / "config.json").exists():
@@ -118,7 +119,7 @@ sys.path.insert(0, {bench!r})
 from common import timed_generate
 from expertcache import LLM, SamplingParams
 torch.set_num_threads({threads})
-llm = LLM({model!r}, max_model_len=512, kv_cache_memory="64MiB", **{options!r})
+llm = LLM({model!r}, max_model_len=512, kv_cache_memory="64MiB", prefix_caching=False, **{options!r})  # every round prefills the whole prompt
 prompt = torch.randint(3, 2000, ({prompt},), generator=torch.Generator().manual_seed(0)).tolist()
 params = SamplingParams(max_tokens={gen} + 1, temperature=0.0, ignore_eos=True)
 llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up

@@ -4,10 +4,13 @@
     cpu_use(u)   = max(eb / cpu_mem, 2 Pe u / cpu_flops)     computed on the CPU from host RAM
     transfer     = eb / link  (+ eb / disk when from_disk)   bytes to the device
     cpu_faster(u) <=> cpu_use(u) + disk < transfer + gpu_use(u)
+    peer         = peer_latency + eb / peer                  one expert from another rank's memory
+    peer_faster  <=> peer < disk                             (expert parallelism's peer tier)
 
 (eb = bytes of one expert, Pe = its parameters; bandwidths in bytes/s, throughputs in FLOP/s).
 A miss read from disk pays the disk on both sides, so the per-miss choice does not depend on it.
 The engine asks `cpu_faster(tokens)` for each missing expert (cpu_compute="auto" on CUDA);
+an expert-parallel group asks `peer_faster()` once, for its measured or profiled link;
 trace.simulate prices a replay with the same terms; plan.speed calls simulate.
 """
 
@@ -49,6 +52,17 @@ class ExpertCost:
             return True
         d = self.disk() if from_disk else 0.0
         return self.cpu_use(rows) + d < self.transfer(from_disk) + self.gpu_use(rows)
+
+
+    def peer(self) -> float:
+        p = self.profile
+        return p.peer_latency_ms / 1e3 + (self.expert_bytes / (p.peer_gbs * GB) if p.peer_gbs > 0 else float("inf"))
+
+    def peer_faster(self) -> bool:
+        """Is an expert missing from this rank's memory cheaper fetched from a peer rank's memory than
+        read from this rank's disk? (The peer's bytes replace the disk read; the rest of the miss is
+        the same either way.)"""
+        return self.peer() < self.disk()
 
 
 def default_profile(device: str) -> Profile:

@@ -28,6 +28,11 @@ class Profile:
     gpu_tflops: float = 0.0
     step_overhead_ms: float = 0.0  # fixed cost per forward step (dispatch, launches); calibrated, 0 = ignored
     layer_overhead_ms: float = 0.0  # fixed cost per MoE layer per step (op dispatch); see BUILTIN
+    # expert parallelism: the link between two ranks (NVLink, PCIe P2P, Ethernet, loopback gloo), what
+    # the peer tier pays per expert fetched from another rank's memory; 0 = not known (the group
+    # measures its own link once at start)
+    peer_gbs: float = 0.0  # rank -> rank bandwidth
+    peer_latency_ms: float = 0.0  # fixed cost of one rank -> rank transfer
 
     @property
     def has_gpu(self) -> bool:

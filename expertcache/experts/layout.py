@@ -29,7 +29,7 @@ import torch
 from .. import kernels
 from ..errors import CheckpointError, ConfigError
 from ..loader.safetensors_index import TensorIndex
-from ..models.checks import SKIP_HINT, nonfinite_parts
+from ..loader.checks import SKIP_HINT, nonfinite_parts
 from ..spec.model_config import ModelConfig
 from ..spec.weights import WeightNames
 from .compute import ExpertFFN

@@ -114,8 +114,9 @@ class SlotPool:
         if h is not None:
             h.wait(compute_device, host_write)
 
-    def mark(self, i: int, s: int, h: InFlight) -> None:
-        self.inflight[i, s] = h
+    def mark(self, i: int, s: int, h: InFlight | None) -> None:
+        if h is not None:  # None: the bytes are in already (a synchronous read)
+            self.inflight[i, s] = h
 
     def drain(self) -> None:
         for h in list(self.inflight.values()):
@@ -141,6 +142,10 @@ class TieredExperts(ExpertProvider):
         self.li = {layer: i for i, layer in enumerate(self.layers)}
         dev_parts = dev_parts or source.compute_parts(dtype, device)
         self.direct = is_direct(device, dev_parts, source.parts)
+        # device slots hold the stored format (a peer rank can be sent their bytes as they are)
+        self.dev_stored = [(p.name, p.dtype, tuple(p.shape)) for p in dev_parts] == [
+            (p.name, p.dtype, tuple(p.shape)) for p in source.parts]
+        self.peer = None  # expert parallelism: offers this layer's missing experts from other ranks (parallel.peer)
         partial = host_slots is not None and host_slots > 0
         self.prefetch_mode = resolve_prefetch(prefetch, device, self.direct, partial)
         self.wants_prefetch = self.prefetch_mode != "off"
@@ -208,8 +213,9 @@ class TieredExperts(ExpertProvider):
 
     # -- byte movement -------------------------------------------------------------------------------
     def _read(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> None:
-        """Expert e's bytes from disk into dst (any thread)."""
-        self.reader.read_parts(self.source.ranges(layer, e), dst)
+        """Expert e's bytes from disk (or the bytes a peer rank sent for this layer) into dst (any thread)."""
+        if self.peer is None or not self.peer.take(layer, e, dst):
+            self.reader.read_parts(self.source.ranges(layer, e), dst)
         self._check(layer, e, dst)
 
     def _check(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> None:
@@ -219,8 +225,9 @@ class TieredExperts(ExpertProvider):
             log.warning("%s", self.source.nonfinite_error(layer, e))
 
     def _submit_read(self, layer: int, e: int, views: dict[str, torch.Tensor], sync: bool) -> InFlight | None:
-        """Disk -> views: on the I/O pool (-> its handle), or now on this thread when `sync`."""
-        if sync:
+        """Disk -> views: on the I/O pool (-> its handle), or now on this thread when `sync` (or when a
+        peer rank sent the bytes: a memory copy)."""
+        if sync or (self.peer is not None and self.peer.offers(layer, e)):
             self._read(layer, e, views)
             return None
         return InFlight(self.reader.submit_parts(self.source.ranges(layer, e), views,
@@ -445,6 +452,38 @@ class TieredExperts(ExpertProvider):
                 row[e] = 2
             rows.append(row)
         return rows
+
+    # -- what other ranks may fetch from this one (expert parallelism, parallel.peer) ------------------
+    def memory_codes(self, layer: int) -> list[int]:
+        """Per expert of `layer`: 2 its stored-format bytes are in memory (a host slot, or a device slot
+        holding the stored format), 1 in a device slot in another format, 0 only on disk. Bytes
+        still in flight count as in memory (their slot is taken)."""
+        i = self.li[layer]
+        if self.host_all:
+            return [2] * self.E
+        row = [0] * self.E
+        for e in self.dev_tables[i].resident():
+            row[e] = 2 if self.dev_stored else 1
+        for e in (self.host_tables[i].resident() if self.host_tables else []):
+            row[e] = 2
+        return row
+
+    def stored_bytes(self, layer: int, e: int) -> dict[str, torch.Tensor] | None:
+        """Expert e's bytes in the stored format from memory, landed (a peer send); None: only on disk."""
+        i = self.li[layer]
+        if self.host_all:
+            return self.host.views(i, e)
+        ht = self.host_tables[i] if self.host_tables else None
+        if ht is not None and e in ht:
+            s = ht.slot_of[e]
+            self.host.settle(i, s, self.device)
+            return self.host.views(i, s)
+        dt = self.dev_tables[i]
+        if self.dev_stored and e in dt:
+            s = dt.slot_of[e]
+            self.dev.settle(i, s, self.device)
+            return self.dev.views(i, s)
+        return None
 
     def save_stats(self, path) -> None:
         save_stats(path, self.use_counts, self.layers, str(self.source.index.model_dir))

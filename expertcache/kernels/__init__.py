@@ -61,6 +61,8 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     except Unsupported:
         return None
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if x2.shape[0] == 0:  # no rows (an expert-parallel worker's lm_head): nothing for the kernel to do
+        return x.new_empty(*x.shape[:-1], w.shape[0])
     y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT)
     return y.view(*x.shape[:-1], w.shape[0])
 

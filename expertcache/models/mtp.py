@@ -3,7 +3,7 @@
 GLM-4.7-Flash) and used only for speculative decoding, which the engine does not do. They never
 change generated tokens, so they are dropped from the tensor index (never read, not counted in any
 budget or plan) with a printed note. Layers beyond those the config declares stay in the index
-(models/checks.check_layer_count refuses them).
+(loader/checks.check_layer_count refuses them).
 """
 
 from __future__ import annotations

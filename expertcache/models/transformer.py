@@ -29,7 +29,7 @@ from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import load_dense
-from .checks import check_dense
+from ..loader.checks import check_dense
 from ..spec.model_config import ModelConfig
 from .registry import Family
 

@@ -8,10 +8,11 @@ __all__ = ["ParallelConfig", "EPGroup", "ExpertParallelError", "checkpoint_finge
            "balanced_placement", "static_placement", "start"]
 
 
-def start(expert_parallel, device, worker_kwargs: dict):
+def start(expert_parallel, device, worker_kwargs: dict, serve):
     """-> (ParallelConfig, EPGroup). `expert_parallel`: ranks (int), a ParallelConfig, or a worker's
     (config, joined group). Under torchrun the group comes from its environment; otherwise rank 0
-    spawns ranks 1..N-1 on this machine, each building LLM(**worker_kwargs)."""
+    spawns ranks 1..N-1 on this machine, each calling serve(worker_kwargs, its joined group)
+    (`serve`: a picklable module-level function, as multiprocessing spawn needs)."""
     from .worker import torchrun_rank
 
     if isinstance(expert_parallel, tuple):
@@ -24,5 +25,5 @@ def start(expert_parallel, device, worker_kwargs: dict):
             raise ExpertParallelError(f"--expert-parallel {cfg.world_size} but torchrun started "
                                       f"{group.world_size} ranks")
         return cfg, group
-    return cfg, EPGroup.launch(cfg.world_size, device, {**worker_kwargs, "expert_parallel": cfg}, cfg.timeout_s,
-                               cfg.exit_on_failure)
+    return cfg, EPGroup.launch(cfg.world_size, device, serve, {**worker_kwargs, "expert_parallel": cfg},
+                               cfg.timeout_s, cfg.exit_on_failure)

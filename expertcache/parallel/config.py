@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 
+PEER_TIER = ("auto", "on", "off")
 DEFAULTS = {"eplb_window_size": 1000, "eplb_step_interval": 3000}  # vLLM's
 
 
@@ -19,6 +20,9 @@ class ParallelConfig:
     eplb_step_interval: int | None = None  # steps between rebalances (EPLB only; 3000)
     timeout_s: float = 120.0  # a collective that waits longer names the failure and stops
     exit_on_failure: bool = False  # the CLI and server: a dead or hung rank ends the process (exit 2)
+    # an expert missing from a rank's memory tiers that another rank holds in memory comes over the
+    # link instead of from disk: "auto" when the cost model says the link beats the disk, "on", "off"
+    peer_tier: str = "auto"
 
     def __post_init__(self):
         def need(ok: bool, field: str, value, what: str):
@@ -38,6 +42,7 @@ class ParallelConfig:
              self.eplb_window_size, "expected an integer >= 1")
         need(isinstance(self.eplb_step_interval, int) and self.eplb_step_interval >= 1, "eplb_step_interval",
              self.eplb_step_interval, "expected an integer >= 1")
+        need(self.peer_tier in PEER_TIER, "peer_tier", self.peer_tier, f"expected one of {PEER_TIER} (--peer-tier)")
         need(self.timeout_s > 0, "timeout_s", self.timeout_s, "expected seconds > 0")
         need(not (self.num_redundant_experts and self.world_size == 1), "num_redundant_experts",
              self.num_redundant_experts, "replicas need --expert-parallel >= 2")

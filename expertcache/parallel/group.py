@@ -2,13 +2,16 @@
 
 Rank 0 runs the scheduler (and the HTTP server); ranks 1..N-1 are workers that mirror every
 model forward. Two ways in:
-- `launch(world_size, worker_kwargs)` on one machine: picks a loopback port, spawns the workers
-  (fresh interpreters, `multiprocessing` spawn) and joins as rank 0;
+- `launch(world_size, device, serve, worker_kwargs)` on one machine: picks a loopback port, spawns the
+  workers (fresh interpreters, `multiprocessing` spawn; each calls `serve(worker_kwargs, group)`) and
+  joins as rank 0;
 - `from_env()` under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by it), any number
   of machines.
-Backend: NCCL when the device is CUDA, gloo otherwise. Every collective has the group's
-timeout; a failed or timed-out collective raises `ExpertParallelError` naming the rank that
-died (rank 0 watches the processes it spawned) or the timeout.
+Backend: NCCL when the device is CUDA, gloo otherwise. Two timeouts: the start (forming the
+group, the checkpoint check, every rank loading its model: `STARTUP_TIMEOUT_S`, or the step
+timeout when longer) and the steps (every collective of serving: the group's `timeout_s`). A
+failed or timed-out collective raises `ExpertParallelError` naming the rank that died (rank 0
+watches the processes it spawned) or the timeout.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ import torch.distributed as dist
 from ..errors import ExpertCacheError
 
 DEFAULT_TIMEOUT_S = 120.0
+# group formation, checkpoint check and model load on every rank: a fresh interpreter importing torch
+# and loading a large checkpoint on a loaded machine can take minutes (a rank that dies meanwhile is
+# still named at once: its process exits or its connection drops)
+STARTUP_TIMEOUT_S = 600.0
+DEAD_RANK_WAIT_S = 10.0  # after a failed collective, how long rank 0 waits to see which worker exited
 
 
 class ExpertParallelError(ExpertCacheError, RuntimeError):
@@ -60,6 +68,12 @@ class EPGroup:
         self.procs = procs or []  # rank 0 only: the spawned workers (ranks 1..N-1)
         self.failed: str | None = None
         self.stopping = False  # rank 0 told the workers to stop: their exits are expected
+        # the steps' collectives: the step timeout (the default group keeps the start's)
+        self.pg = dist.new_group(timeout=timedelta(seconds=timeout_s))
+        # a second gloo group for rearrangement moves on a background thread (never on the engine
+        # thread's group, whose collectives must stay in one order on every rank)
+        self.move_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) \
+            if world_size > 1 else None
         if self.procs:
             threading.Thread(target=self._watch, daemon=True, name="ep-watch").start()
 
@@ -70,7 +84,7 @@ class EPGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
 
     @classmethod
     def join(cls, rank: int, world_size: int, device: torch.device, init_method: str,
@@ -86,9 +100,10 @@ class EPGroup:
         return cls.join(rank, world, device, "env://", timeout_s)
 
     @classmethod
-    def launch(cls, world_size: int, device: torch.device, worker_kwargs: dict,
+    def launch(cls, world_size: int, device: torch.device, serve, worker_kwargs: dict,
                timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_failure: bool = False) -> "EPGroup":
-        """Spawn ranks 1..N-1 on this machine (each builds LLM(**worker_kwargs)) and join as rank 0."""
+        """Spawn ranks 1..N-1 on this machine (each joins, then calls serve(worker_kwargs, group)) and
+        join as rank 0."""
         from .worker import worker_main
 
         if dist.is_initialized():
@@ -99,16 +114,32 @@ class EPGroup:
         procs = []
         for r in range(1, world_size):
             dev = torch.device("cuda", r % torch.cuda.device_count()) if device.type == "cuda" else device
-            p = ctx.Process(target=worker_main, args=(r, world_size, str(dev), init, timeout_s, worker_kwargs),
+            p = ctx.Process(target=worker_main, args=(r, world_size, str(dev), init, timeout_s, serve, worker_kwargs),
                             name=f"expertcache-ep-rank{r}", daemon=True)
             p.start()
             procs.append(p)
-        try:
-            cls._init(0, world_size, device, init, timeout_s)
-        except Exception as e:
+        # join on a helper thread while watching the workers: one that dies before it joins (an import
+        # error, killed) is named at once instead of after the start's timeout
+        failed: list = []
+
+        def join():
+            try:
+                cls._init(0, world_size, device, init, timeout_s)
+            except Exception as e:  # noqa: BLE001 - reported below
+                failed.append(e)
+
+        joiner = threading.Thread(target=join, daemon=True, name="ep-join")
+        joiner.start()
+        why = None
+        while joiner.is_alive() and why is None:
+            joiner.join(0.2)
+            why = next((f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs, start=1)
+                        if p.exitcode is not None), None)
+        if why is not None or failed:
             for p in procs:
                 p.kill()
-            raise ExpertParallelError(f"expert-parallel group of {world_size} did not form: {e}") from None
+            raise ExpertParallelError(f"expert-parallel group of {world_size} did not form: "
+                                      f"{why or failed[0]}") from None
         return cls(0, world_size, device, timeout_s, procs, exit_on_failure)
 
     # -- failures --------------------------------------------------------------------------------
@@ -128,38 +159,68 @@ class EPGroup:
                 p.kill()
             os._exit(2)
 
+    def _dead_worker(self) -> str | None:
+        """Rank 0, after a failed collective: a worker that was killed may take a moment to be reaped
+        (longer on a loaded machine); look at the processes directly until one has exited, for at
+        most DEAD_RANK_WAIT_S. -> what happened to it, or None (no spawned worker exited)."""
+        end = time.monotonic() + DEAD_RANK_WAIT_S
+        while self.procs and not self.stopping:
+            for r, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    return f"expert-parallel rank {r} exited with code {p.exitcode}"
+            if time.monotonic() >= end:
+                break
+            time.sleep(0.05)
+        return None
+
     def _call(self, what: str, fn, *args):
         if self.failed:
             raise ExpertParallelError(f"{self.failed} (before {what})")
         try:
             return fn(*args)
         except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on a lost peer or timeout
-            time.sleep(0.5)  # let the watcher see a dead process
-            who = self.failed or f"a rank did not answer within {self.timeout_s:.0f} s or lost its connection"
+            who = self.failed or self._dead_worker() or \
+                f"a rank did not answer within {self.timeout_s:.0f} s or lost its connection"
             if not self.failed:
                 self._fail(f"{who} (during {what})")
             raise ExpertParallelError(f"{who} (during {what}: {str(e).splitlines()[0][:200]})") from None
 
     # -- collectives (called from the engine thread only) ------------------------------------------
-    def broadcast(self, obj=None):
-        """Rank 0's `obj` to every rank (pickled; tensors travel on the CPU)."""
+    def broadcast(self, obj=None, startup: bool = False):
+        """Rank 0's `obj` to every rank (pickled; tensors travel on the CPU). `startup`: with the
+        start's timeout (while ranks may still be loading)."""
         box = [obj]
-        self._call("broadcast", dist.broadcast_object_list, box, 0)
+        self._call("broadcast", dist.broadcast_object_list, box, 0, None if startup else self.pg)
         return box[0]
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        self._call("all_reduce", dist.all_reduce, t)
+        self._call("all_reduce", dist.all_reduce, t, dist.ReduceOp.SUM, self.pg)
         return t
 
-    def all_true(self, flag: bool) -> bool:
+    def all_true(self, flag: bool, startup: bool = False) -> bool:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        self._call("all_reduce", dist.all_reduce, t, dist.ReduceOp.MIN)
+        self._call("all_reduce", dist.all_reduce, t, dist.ReduceOp.MIN, None if startup else self.pg)
         return bool(t.item())
+
+    def ready(self) -> None:
+        """Every rank has loaded its model (the start's timeout): the steps' timeout applies from here."""
+        self.all_true(True, startup=True)
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                 group=None, startup: bool = False) -> None:
+        """Point-to-point: post every (tensor, peer rank) send and receive together (batch_isend_irecv)
+        and wait for all of them. Every pair of ranks must list its transfers in the same order.
+        `group`: another process group (the move group); `startup`: with the start's timeout."""
+        group = dist.group.WORLD if startup else (group or self.pg)
+        ops = [dist.P2POp(dist.isend, t, r, group) for t, r in sends] + \
+              [dist.P2POp(dist.irecv, t, r, group) for t, r in recvs]
+        if ops:
+            self._call("point-to-point", lambda: [w.wait() for w in dist.batch_isend_irecv(ops)])
 
     def gather(self, obj) -> list | None:
         """Every rank's `obj` on rank 0 (None elsewhere)."""
         out = [None] * self.world_size if self.rank == 0 else None
-        self._call("gather", dist.gather_object, obj, out, 0)
+        self._call("gather", dist.gather_object, obj, out, 0, self.pg)
         return out
 
     def check_same(self, what: str, value: str) -> None:

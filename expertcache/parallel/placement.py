@@ -46,6 +46,16 @@ class Placement:
         """layer -> sorted logical experts that `rank` holds."""
         return {layer: [e for e, rs in enumerate(reps) if rank in rs] for layer, reps in self.replicas.items()}
 
+    def moves_to(self, new: "Placement") -> list[tuple[int, int, int, int]]:
+        """[(from rank, to rank, layer, expert)]: every expert a rank holds in `new` but not here, taken
+        from one of its current holders (spread by expert and rank), in layer, expert, rank order."""
+        out = []
+        for layer, reps in new.replicas.items():
+            for e, rs in enumerate(reps):
+                old = self.replicas[layer][e]
+                out += [(old[(r + e) % len(old)], r, layer, e) for r in rs if r not in old]
+        return out
+
     def rank_table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (ranks [E, max_replicas] int64 padded with -1, replica count [E] int64)."""
         reps = self.replicas[layer]

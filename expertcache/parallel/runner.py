@@ -5,8 +5,8 @@ one call into the model) broadcasts
 ("forward", input_ids, AttnBatch, control) before running it (control: a new placement, the
 KV block copies rank 0's scheduler made since the last step, whether to gather stats); ranks 1..N-1 sit in
 `serve_worker()`, run the same forward on their own copy of the KV cache (same block ids:
-rank 0's scheduler owns the block tables) and skip lm_head. Every STATS_EVERY steps, and
-when rank 0 is asked for stats, the ranks send their cache counters to rank 0 in-step.
+rank 0's scheduler owns the block tables) and skip lm_head. Every STATS_EVERY steps the ranks
+send their cache counters to rank 0 in-step; `refresh_stats` (LLM.expert_stats) asks for them now.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ class ParallelRunner(ModelRunner):
     def __init__(self, model, kv, group: EPGroup, experts: ExpertParallelExperts):
         super().__init__(model, kv)
         self.group, self.experts, self.steps = group, experts, 0
+        self._refreshed = -1  # the step of the last refresh_stats
+        group.ready()  # every rank has loaded its model: from here the steps' timeout applies
         if group.rank == 0:
             kv.copied = []  # copy-on-write block copies (n > 1 samples) are replayed on every rank
 
@@ -54,8 +56,20 @@ class ParallelRunner(ModelRunner):
             msg = self.group.broadcast()
             if msg[0] == "stop":
                 return
+            if msg[0] == "stats":
+                self.experts.gather_stats()
+                continue
             _, ids, batch, ctl = msg
             self._mirror(ids.to(dev), _to(batch, dev), no_rows, ctl)
+
+    def refresh_stats(self) -> None:
+        """Rank 0, on the engine thread between steps: every rank's counters as of now (at most once
+        per step; nothing once the group has failed)."""
+        if self.group.failed or self._refreshed == self.steps:
+            return
+        self._refreshed = self.steps
+        self.group.broadcast(("stats",))
+        self.experts.gather_stats()
 
     def stop_workers(self) -> None:
         self.group.stopping = True  # before the message: a worker may exit before broadcast returns

@@ -134,7 +134,7 @@ def _auto_kv(cfg, kv_per_token: int, max_num_seqs: int = 16, block_size: int = 1
 def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
     """The predicted decode tok/s band of plan `mp` (see plan/speed.py)."""
     from .speed import SYNTH_HIGH, SYNTH_LOW, speed_band
-    from ..cli_checks import load_trace
+    from ..trace.format import load_trace
     from ..trace.simulate import ModelShape
 
     prof, how = _profile(args.profile, device, model_dir)

@@ -1,10 +1,10 @@
 """What `expertcache plan` knows about a model without loading it: sizes and the memory plan.
 
 Everything here comes from config.json and the safetensors headers (TensorIndex,
-ExpertSource): no weight byte is read. The tier plan calls the engine's own budget
-functions (budget.plan_tier, TierPlan.describe, auto_device_bytes) with the same
-arguments build_expert_cache passes, so the slot counts are the ones the engine
-allocates; tests/test_plan.py checks the printed lines against a real LLM's.
+ExpertSource): no weight byte is read. The tier plan calls the engine's own
+experts.budget.plan_memory with the same arguments build_expert_cache passes, so the
+slot counts are the ones the engine allocates; tests/test_plan.py checks the printed
+lines against a real LLM's.
 """
 
 from __future__ import annotations

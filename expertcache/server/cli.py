@@ -17,7 +17,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from ..cli import add_engine_args
+    from ..cli_common import add_engine_args
 
     add_engine_args(p)
     s = p.add_argument_group("server")
@@ -66,7 +66,7 @@ def api_key(args: argparse.Namespace) -> str | tuple[str, ...] | None:
 
 
 def _server_config(args: argparse.Namespace):
-    from ..cli import engine_kwargs
+    from ..cli_common import engine_kwargs
     from .app import ServerConfig
     from .limits import Limits
 
@@ -97,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("expertcache.server")
-    from ..cli import resolve_model_arg
+    from ..cli_common import resolve_model_arg
 
     resolve_model_arg(args)
     args.api_key = api_key(args)
@@ -107,10 +107,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from ..parallel.worker import run_torchrun_worker, torchrun_rank
+    from ..llm import run_torchrun_worker
+    from ..parallel.worker import torchrun_rank
 
     if torchrun_rank():  # ranks 1..N-1 under torchrun: no HTTP server, mirror rank 0
-        from ..cli import engine_kwargs
+        from ..cli_common import engine_kwargs
 
         return run_torchrun_worker(engine_kwargs(args))
     cfg = _server_config(args)
@@ -138,7 +139,7 @@ def add_serve_subcommand(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import run_command
+    from ..cli_common import run_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv

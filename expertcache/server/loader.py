@@ -48,7 +48,7 @@ class ModelLoader:
 
     def _run(self) -> None:
         from .. import llm as llm_module
-        from ..cli import error_line
+        from ..cli_common import error_line
 
         try:
             llm = llm_module.LLM(**{**self.llm_kwargs, "progress": self._on_bytes})

@@ -105,8 +105,21 @@ def _parallel_metrics(ep: dict):
     c = CounterMetricFamily(P + "ep_rearrangements", "Expert placements switched to (EPLB)")
     c.add_metric([], _num(ep.get("rearrangements")))
     yield c
-    c = CounterMetricFamily(P + "ep_bytes_rearranged", "Expert bytes loaded by the ranks for new placements")
-    c.add_metric([], _num(ep.get("bytes_rearranged")))
+    c = CounterMetricFamily(P + "ep_bytes_rearranged", "Expert bytes loaded by the ranks for new placements",
+                            labels=["source"])
+    c.add_metric(["disk"], _num(ep.get("bytes_rearranged")))
+    c.add_metric(["peer"], _num(ep.get("bytes_rearranged_peer")))
+    yield c
+    c = CounterMetricFamily(P + "ep_peer_hits", "Expert misses served from another rank's memory (peer tier)",
+                            labels=["rank"])
+    for r in ep.get("ranks") or []:
+        c.add_metric([str(r.get("rank"))], _num((r.get("peer") or {}).get("hits")))
+    yield c
+    c = CounterMetricFamily(P + "ep_peer_bytes", "Expert bytes moved rank to rank by the peer tier",
+                            labels=["rank", "direction"])
+    for r in ep.get("ranks") or []:
+        for d in ("in", "out"):
+            c.add_metric([str(r.get("rank")), d], _num((r.get("peer") or {}).get(f"bytes_{d}")))
     yield c
 
 

@@ -45,5 +45,7 @@ class ThroughputLog:
         ep = ex.get("expert_parallel")
         if ep:
             line += f", EP balance (max/mean): {ep['balance_mean']:.2f}"
+            if ep.get("peer_tier"):
+                line += f", EP peer hits: {ep.get('peer_hits', 0)}"
         log.info("%s", line)
         return line

@@ -25,9 +25,17 @@ import sys
 from pathlib import Path
 
 from ..experts.policy import ONLINE, POLICIES
-from ..cli_checks import check_capacities, load_trace
-from .format import RoutingTrace
+from ..errors import ConfigError
+from .format import RoutingTrace, load_trace
 from ..units import fmt_bytes as format_bytes, parse_bytes
+
+
+def check_capacities(caps: list[int], num_experts: int, flag: str = "--capacity") -> list[int]:
+    bad = [c for c in caps if not 1 <= c <= num_experts]
+    if bad:
+        raise ConfigError(f"{flag} {bad[0]}: slots per layer must be between 1 and {num_experts} "
+                          f"(the trace's experts per layer)")
+    return caps
 
 
 def _capacities(args, trace: RoutingTrace) -> list[int]:

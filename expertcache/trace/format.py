@@ -34,10 +34,13 @@ one row per step.
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from ..errors import ConfigError
 
 PHASES = {"prefill": 0, "decode": 1}
 
@@ -253,3 +256,20 @@ class RoutingTrace:
             step[r] = steps_given[i] if steps_given[i] is not None else r
         return cls(experts=experts, num_experts=num_experts, seq=seq, token=token, phase=phase, step=step,
                    weights=weights, model=model, layer_ids=layer_ids, expert_bytes=expert_bytes)
+
+
+def load_trace(path: str | Path, flag: str):
+    """RoutingTrace.load with the flag (or argument) that named the file in every error."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{flag} {path}: {'is a directory' if p.is_dir() else 'no such file'} "
+                          f"(expected a routing trace .npz from --record-routing or `expertcache trace synth`)")
+    if not zipfile.is_zipfile(p):
+        raise ConfigError(f"{flag} {path}: not a routing trace (.npz files are zip archives; this one is not)")
+    try:
+        return RoutingTrace.load(p)
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise ConfigError(f"{flag} {path}: not a routing trace (.npz): {e}") from None
+    except ValueError as e:
+        msg = str(e)
+        raise ConfigError(f"{flag} {path}: {msg.removeprefix(str(p) + ': ')}") from None

@@ -15,7 +15,7 @@ import re
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..loader.safetensors_index import TensorIndex
+from .safetensors_index import TensorIndex
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 SKIP_HINT = "--no-check-finite (check_finite=False) loads it anyway"

@@ -18,7 +18,7 @@ def add_quantize_subcommand(sub) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .quantize import quantize_checkpoint
+    from .rewrite import quantize_checkpoint
 
     out = quantize_checkpoint(args.model, args.out, args.experts, args.group_size, args.block_size, progress=True)
     print(f"wrote {out}")

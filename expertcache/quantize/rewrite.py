@@ -25,7 +25,7 @@ from ..experts.layout import ExpertSource
 from ..loader.safetensors_index import TensorIndex, read_header
 from ..loader.writer import write_safetensors
 from ..models.registry import read_config
-from .method import make_quant_method
+from ..quant.method import make_quant_method
 
 SHARD_BYTES = 2 << 30
 
