@@ -133,7 +133,7 @@ def describe(path: str | os.PathLike) -> str | None:
                    f"where chance is {p['top_k'] / p['num_experts']:.1%}")
     return (f"a tiny Qwen3-MoE ({p['num_layers']} layers x {p['num_experts']} experts, top-{p['top_k']}, "
             f"{t['parameters_m']} M parameters) trained for {t['steps']} steps ({t['tokens_seen'] / 1e6:.1f} M "
-            f"tokens, {t['minutes']:.0f} min on a shared CPU) on this project's own docs and source; expect "
+            f"tokens, {t['minutes']:.0f} min on one thread of a shared CPU) on this project's own docs and source; expect "
             f"code- and doc-like fragments in the project's words, not facts or reliable answers "
             f"(held-out perplexity {t['held_out_ppl']}){routing}")
 
