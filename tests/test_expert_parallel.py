@@ -22,7 +22,8 @@ from serving import free_port
 from expertcache import LLM, SamplingParams
 from expertcache.parallel import ExpertParallelError, ParallelConfig, balanced_placement, static_placement
 from expertcache.parallel.peer import plan_transfers
-from expertcache.parallel.placement import assign_ranks, balanced_layer, capacities, rank_loads, worth_moving
+from expertcache.parallel.placement import (assign_ranks, balanced_layer, capacities, coactivation, rank_loads,
+                                            worth_moving)
 
 PROMPTS = [list(range(5, 25)), [7, 3, 9, 11, 40, 41, 42], list(range(60, 97))]
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -71,6 +72,25 @@ def test_redundant_experts_go_to_the_hottest_and_balance_improves():
         return (n.max() / n.mean()).item()
 
     assert balance(p) < 1.15 and balance(static) > 1.8  # capacity 5 per rank limits the packing
+
+
+def test_coactivation_and_layers_spread_a_tokens_pairs():
+    """Experts that fire together go to different ranks (every token's two pairs on two ranks, the
+    brute-force best), and the heaviest expert of each layer does not land on the same rank."""
+    ids = torch.tensor([[0, 2], [1, 3], [4, 6], [5, 7]] * 8)  # pairs (0,2), (1,3), ... always together
+    load = torch.bincount(ids.reshape(-1), minlength=8).double()
+    co = coactivation(ids, 8)
+    assert co[0, 2] == 8 and co[0, 1] == 0 and co[0, 0] == 0
+
+    def split(coact):
+        t, c = balanced_placement(load.unsqueeze(0), [0], 2, 0, coact=coact).rank_table(0)
+        r = assign_ranks(ids, t, c)
+        return bool((r[:, 0] != r[:, 1]).all())
+
+    assert split(co.unsqueeze(0)) and not split(None)  # load alone packs 0 and 2 together
+    hot = torch.tensor([[50.0, 1, 1, 1], [50.0, 1, 1, 1]])
+    p = balanced_placement(hot, [0, 1], 2, 0)
+    assert p.replicas[0][0] != p.replicas[1][0]  # layer 1's hottest goes where layer 0's is not
 
 
 def test_replicas_split_tokens_evenly():
@@ -284,13 +304,13 @@ def test_killed_rank_is_named_within_the_timeout(ep_checkpoint):
 def test_cli_generate_with_two_ranks(ep_checkpoint, single):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
-                        "--max-tokens", "4", "--expert-parallel", "2", "--enable-eplb", "--eplb-step-interval", "2"],
-                       capture_output=True, text=True, env=env, timeout=240)
+                        "--max-tokens", "4", "--expert-parallel", "2", "--enable-eplb", "--eplb-step-interval", "2",
+                        "--peer-tier", "on"], capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "expert parallel 2 ranks, balance max/mean" in r.stderr
+    assert "expert parallel 2 ranks, balance max/mean" in r.stderr and ", peer tier 0 hits" in r.stderr
     r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
-                        "--enable-eplb"], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2 and "need --expert-parallel" in r.stderr
+                        "--enable-eplb", "--peer-tier", "off"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "--enable-eplb, --peer-tier: need --expert-parallel" in r.stderr
     r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
                         "--expert-parallel", "2", "--eplb-step-interval", "5"], capture_output=True, text=True,
                        env=env, timeout=120)
@@ -325,4 +345,7 @@ def test_server_with_two_ranks(ep_checkpoint, tmp_path):
         with server.http() as http:
             ep = http.get("/stats").json()["expert_stats"]["expert_parallel"]
             assert ep["world_size"] == 2 and sum(ep["pairs_per_rank_last_step"]) > 0
-            assert 'expertcache:ep_balance{window="mean"}' in http.get("/metrics").text
+            metrics = http.get("/metrics").text
+            assert 'expertcache:ep_balance{window="mean"}' in metrics
+            assert 'expertcache:ep_peer_hits_total{rank="1"}' in metrics
+            assert 'expertcache:ep_bytes_rearranged_total{source="peer"}' in metrics

@@ -6,6 +6,8 @@
 - the grouped MoE form (one call per layer) with empty slots, pairs skipped (-1) and a slot
   repeated within a token, the clamped SwiGLU and biases, against a float64 per-pair loop;
 - the whole model with the kernels equals the pure-torch path (fp32 logits, 1e-4 relative);
+- the kernels' threads: 1, 2, 3 threads bit-identical, a forked child computes too; around a forward
+  the kernels get torch's thread count and torch one thread;
 - the fallback: with no extension the same entry points decline and the torch code computes,
   with a printed note saying why.
 """
@@ -207,6 +209,57 @@ def test_grouped_moe_errors_name_the_problem():
     with pytest.raises(RuntimeError, match="x has 15 features"):
         kernels.moe(torch.randn(2, 15), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), pool, None,
                     torch.zeros(2, 15))
+
+
+@needs_cpp
+def test_threads_agree_and_a_forked_child_computes():
+    """The kernels' thread pool: 1, 2 and 3 threads give bit-identical results (each unit of rows is
+    computed the same way on whichever thread takes it), and a forked child (no pool threads of its
+    own yet) computes the same as the parent."""
+    import multiprocessing
+
+    _, pool, w = _packed("bf16", {}, 1000, 96)
+    spec = quant_spec(make_quant_method("bf16"), pool, "p", 1000, 96)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5))
+    ext, before = kernels.extension(), torch.get_num_threads()
+    try:
+        ys = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            ys.append(ext.linear(x, spec, 0, 1 << 30, 8))
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(1) as child:
+            forked = child.apply_async(_linear_in_child, (x, spec)).get(timeout=60)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+    assert torch.equal(forked, ys[0])
+    _close(ys[0], x.double() @ w[0].T, x.double().abs() @ w[0].abs().T)
+
+
+@needs_cpp
+def test_cpu_threads_kernels_get_the_count_torch_one_thread_restored():
+    """Around a CPU forward the kernels take torch's thread count and torch's ops one thread; both are
+    restored afterwards (also after an error); on other devices nothing changes."""
+    ext, before = kernels.extension(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with kernels.cpu_threads("cpu"):
+            assert (torch.get_num_threads(), ext.get_threads()) == (1, 2)
+        assert (torch.get_num_threads(), ext.get_threads()) == (2, 0)
+        with pytest.raises(KeyError):
+            with kernels.cpu_threads("cpu"):
+                raise KeyError("x")
+        assert (torch.get_num_threads(), ext.get_threads()) == (2, 0)
+        with kernels.cpu_threads("meta"):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def _linear_in_child(x, spec):
+    torch.set_num_threads(2)
+    return kernels.extension().linear(x, spec, 0, 1 << 30, 8)
 
 
 def _no_extension(monkeypatch, why="no C++ compiler found (install g++ and run `make setup`)"):

@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("csrc") / "expert_kernels.cpp"
-# -fopenmp: ATen's parallel_for is OpenMP only when compiled with it (else it runs serially); the
-# extension then needs libgomp.so.1, which resolves to the one torch has already loaded (one thread pool)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fopenmp"]
+HEADERS = sorted(SOURCE.parent.glob("*.h"))  # csrc/thread_pool.h: the kernels' own threads (not OpenMP)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-pthread"]
 
 _state: dict = {}
 
@@ -30,7 +29,8 @@ def cache_dir() -> Path:
     from ..paths import cache_root
 
     base = cache_root()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    code = b"".join(f.read_bytes() for f in (SOURCE, *HEADERS))
+    digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:16]
     return base / "kernels" / digest
 
 
@@ -57,7 +57,7 @@ def _compile():
     out.mkdir(parents=True, exist_ok=True)
     _drop_stale_lock(out)
     try:
-        mod = cpp_extension.load(name="expertcache_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        mod = cpp_extension.load(name="expertcache_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-pthread"],
                                  build_directory=str(out), verbose=False)
     except Exception as e:  # a failed build must not stop the engine: the torch path computes the same
         return None, f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"

@@ -71,12 +71,20 @@ class Rotary:
         inv, self.scale = rope_inv_freq(cfg)
         self.inv_freq = inv.to(device)
         self.dim = 2 * inv.numel()
+        # cos/sin of the last positions tensor: every layer of one forward passes the same tensor
+        # object, so they are computed once per forward, not once per layer
+        self._last: tuple | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        freqs = positions[:, None].float() * self.inv_freq  # [T, R/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == q.dtype:
+            cos, sin = last[2], last[3]
+        else:
+            freqs = positions[:, None].float() * self.inv_freq  # [T, R/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]
+            sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
+            self._last = (positions, q.dtype, cos, sin)  # holds `positions`: its id is not reused
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

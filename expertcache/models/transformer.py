@@ -149,6 +149,10 @@ class MoETransformer:
                 logits_rows: torch.Tensor | None = None, states: StateBatch | None = None) -> torch.Tensor:
         """input_ids [T] -> logits [len(logits_rows) or T, V] in float32. kv: one (k, v) cache pair per
         attention layer; states: the sequences' linear-attention states (hybrid models only)."""
+        with kernels.cpu_threads(self.device):
+            return self._forward(input_ids, batch, kv, logits_rows, states)
+
+    def _forward(self, input_ids, batch, kv, logits_rows, states):
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed).to(self.dtype)
         self.routing = {}

@@ -29,6 +29,7 @@ experts received but not used.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -82,16 +83,19 @@ class PeerTier:
         self.known: dict[int, torch.Tensor] = {}  # layer -> codes [N, E] carried by the previous all-reduce
         self.offer: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.used: set[tuple[int, int]] = set()
+        self.engine_thread = threading.get_ident()  # the thread that runs the forwards (set per layer)
         self.hits = self.bytes_in = self.bytes_out = self.unused = self.stale_sends = 0
         self.received: deque[tuple[int, int]] = deque(maxlen=256)  # (layer, expert) of recent hits (checks)
         cache.peer = self
 
     # -- the cache's side (TieredExperts._read / _submit_read) ----------------------------------------
+    # Only the engine thread takes received bytes: the buffers are reused by the next layer, so a read
+    # on the mover thread (a prefetch) goes to disk as before.
     def offers(self, layer: int, e: int) -> bool:
-        return (layer, e) in self.offer
+        return threading.get_ident() == self.engine_thread and (layer, e) in self.offer
 
     def take(self, layer: int, e: int, dst: dict[str, torch.Tensor]) -> bool:
-        got = self.offer.get((layer, e))
+        got = self.offer.get((layer, e)) if threading.get_ident() == self.engine_thread else None
         if got is None:
             return False
         for n, t in dst.items():
@@ -105,6 +109,7 @@ class PeerTier:
     # -- one MoE layer (every rank, same order) -----------------------------------------------------------
     def before(self, layer: int, ids: torch.Tensor, ranks: torch.Tensor) -> None:
         """Plan from the carried codes and move the planned experts' bytes."""
+        self.engine_thread = threading.get_ident()
         codes = self.known.pop(layer, None)
         if codes is None:
             return
@@ -162,13 +167,15 @@ class PeerTier:
 
 # -- the link, measured once per group -----------------------------------------------------------------
 def measure_link(group: EPGroup, nbytes: int, reps: int = 5) -> tuple[float, float]:
-    """(GB/s, latency ms) of rank 0 <-> rank 1 over the group's backend: best of `reps` round trips of
-    one byte and of `nbytes`; every rank calls it (ranks > 1 wait), every rank gets rank 0's figures."""
+    """(GB/s, latency ms) of rank 0 <-> rank 1 over the group's backend, best of `reps` round trips:
+    the latency from 1 byte, the bandwidth from max(nbytes, 8 MiB) (latency included: a conservative
+    figure). Every rank calls it (ranks > 1 wait); every rank gets rank 0's figures."""
     dev = group.device if group.device.type == "cuda" else torch.device("cpu")
+    big_n = min(max(nbytes, 8 << 20), 64 << 20)
     small = torch.zeros(1, dtype=torch.uint8, device=dev)
-    big = torch.zeros(max(1, nbytes), dtype=torch.uint8, device=dev)
+    big = torch.zeros(big_n, dtype=torch.uint8, device=dev)
 
-    def round_trip(t: torch.Tensor) -> float:
+    def one_way(t: torch.Tensor) -> float:
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -183,10 +190,9 @@ def measure_link(group: EPGroup, nbytes: int, reps: int = 5) -> tuple[float, flo
             best = min(best, time.perf_counter() - t0)
         return best / 2
 
-    lat = round_trip(small)
-    one = round_trip(big)
-    gbs = nbytes / max(one - lat, 1e-9) / 1e9
-    return tuple(group.broadcast((round(gbs, 3), round(lat * 1e3, 4)) if group.rank == 0 else None, startup=True))
+    lat, t_big = one_way(small), one_way(big)
+    figures = (round(big_n / t_big / 1e9, 3), round(lat * 1e3, 4)) if group.rank == 0 else None
+    return tuple(group.broadcast(figures, startup=True))
 
 
 def decide(group: EPGroup, mode: str, cost: ExpertCost) -> tuple[bool, str]:

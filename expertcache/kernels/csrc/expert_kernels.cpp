@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -247,12 +249,12 @@ inline void block(const WView& W, int64_t slot, int64_t n0, const float* const* 
       bv[r] = _mm256_set1_ps(bs[r]);
     }
     int64_t k = g0;
-    for (; k + 8 <= g1; k += 8) {
-      __m256 xv[TT];
-      for (int t = 0; t < TT; ++t) xv[t] = _mm256_loadu_ps(xr[t] + k);
-      for (int r = 0; r < R; ++r) {
-        const __m256 w = dec8<F>(rp[r].d, k, sv[r], bv[r]);
-        for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_fmadd_ps(w, xv[t], acc[r][t]);
+    for (; k + 8 <= g1; k += 8) {  // live: R weight vectors, one x vector, R x TT accumulators
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = dec8<F>(rp[r].d, k, sv[r], bv[r]);
+      for (int t = 0; t < TT; ++t) {
+        const __m256 xv = _mm256_loadu_ps(xr[t] + k);
+        for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
       }
     }
     for (; k < g1; ++k)
@@ -266,7 +268,8 @@ inline void block(const WView& W, int64_t slot, int64_t n0, const float* const* 
 }
 
 // fewer than 4 tokens: one row at a time (memory-bound); else blocks of 4 rows kept hot in L1 while
-// every chunk of 4 tokens passes over them in 2-row x 4-token register blocks (the rest row by row)
+// every chunk of 6 tokens passes over them in 2-row x 6-token register blocks (12 accumulators; a
+// chunk of 4-5 tokens in 2 x 4-5, the rest row by row)
 template <int F>
 void gemv_rows(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y,
                int64_t ldy) {
@@ -286,12 +289,16 @@ void gemv_rows(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float
   constexpr int64_t RB = 4;
   for (int64_t a = n0; a < n1; a += RB) {
     const int64_t b = std::min(a + RB, n1);
-    for (int64_t t0 = 0; t0 < T; t0 += 4) {
-      const int64_t tt = std::min<int64_t>(4, T - t0);
+    for (int64_t t0 = 0; t0 < T; t0 += 6) {
+      const int64_t tt = std::min<int64_t>(6, T - t0);
       int64_t n = a;
-      if (tt == 4)
-        for (; n + 2 <= b; n += 2) block<F, 2, 4>(W, slot, n, xr + t0, y + t0 * ldy + (n - n0), ldy);
-      rows(n, b, t0, tt);
+      for (; tt >= 4 && n + 2 <= b; n += 2) {
+        float* yt = y + t0 * ldy + (n - n0);
+        if (tt == 6) block<F, 2, 6>(W, slot, n, xr + t0, yt, ldy);
+        else if (tt == 5) block<F, 2, 5>(W, slot, n, xr + t0, yt, ldy);
+        else block<F, 2, 4>(W, slot, n, xr + t0, yt, ldy);
+      }
+      for (int64_t t = t0; t < t0 + tt; t += 3) rows(n, b, t, std::min<int64_t>(3, t0 + tt - t));
     }
   }
 }
@@ -400,19 +407,7 @@ void gemm_any(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float*
   }
 }
 
-// Work units handed out dynamically (an atomic counter), so uneven units balance across threads.
-template <class Fn>
-void run_units(int64_t n, const Fn& fn) {
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
-  if (nt <= 1) {
-    for (int64_t u = 0; u < n; ++u) fn(u);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
-    for (int64_t u; (u = next.fetch_add(1)) < n;) fn(u);
-  });
-}
+using pool::run_units;  // units handed out dynamically, so uneven units balance across threads
 
 // ---- argument unpacking ------------------------------------------------------------------------------
 // spec = (fmt, data [S, N, ...], scale [S, *, ng] or None, zero [S, N, ng] or None, N, K, G, Bo)
@@ -618,5 +613,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y [T, N] = x [T, K] @ W[slot]^T", py::arg("x"), py::arg("spec"), py::arg("slot"),
         py::arg("small_t"), py::arg("rows_per_unit"));
   m.def("moe", &moe, "grouped expert FFN of one MoE layer, accumulated into out");
+  m.def("set_threads", [](int64_t n) { pool::instance().set_threads(n); }, "kernel threads (0: torch's count)");
+  m.def("get_threads", [] { return pool::instance().threads(); }, "kernel threads set (0: torch's count)");
   m.def("cpu_supported", &cpu_supported, "AVX2, FMA and F16C present");
 }
