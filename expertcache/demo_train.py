@@ -7,8 +7,8 @@ minutes of one CPU thread). The log prints, every `--probe-every` steps, the hel
 routing probe: the share of a token's experts the previous token also used (chance = K/E) and the
 expert-load entropy (1 = even). The load-balancing loss weight matters most for routing: at 0.01 it
 keeps the load even and the routing no more local than a random model's (reuse ~0.22 with K/E =
-0.125); at 0.001 experts specialise and a token reuses about half of its predecessor's experts, with
-the load skewed about as much as in other small trained MoEs (entropy ~0.75); with no balancing loss
+0.125); at 0.001 experts specialise and a token reuses 40-50% of its predecessor's experts, with
+the load skewed about as much as in other small trained MoEs (entropy 0.75-0.83); with no balancing loss
 (router z-loss only) routing clumps onto few experts (entropy ~0.63) and perplexity suffers.
 
 The corpus is the repository's Markdown and Python files (README, docs/, expertcache/,
