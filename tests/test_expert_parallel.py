@@ -111,6 +111,22 @@ def test_bad_parallel_options_are_refused():
         ParallelConfig(2, eplb_window_size=8)  # would be ignored without EPLB: refused
 
 
+def test_peer_link_in_the_cost_model(tmp_path):
+    """peer = latency + bytes / bandwidth, against the disk read it replaces; the fields load from TOML."""
+    from expertcache.cost.model import ExpertCost
+    from expertcache.cost.profiles import get_profile
+
+    f = tmp_path / "rig.toml"
+    f.write_text("link_gbs = 25\ndisk_gbs = 6\ncpu_mem_gbs = 50\ncpu_gflops = 500\npeer_gbs = 300\n"
+                 "peer_latency_ms = 0.02\n")
+    prof = get_profile(str(f))
+    cost = ExpertCost(prof, 9_437_184, 1)
+    assert cost.peer() == pytest.approx(0.02e-3 + 9_437_184 / 300e9)
+    assert cost.peer_faster()  # NVLink-class link vs a 6 GB/s disk
+    slow = ExpertCost(get_profile("cpu-only"), 9_437_184, 1)  # no link figure: never faster
+    assert slow.peer() == float("inf") and not slow.peer_faster()
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_peer_plan_against_brute_force(seed):
     """Every planned transfer is needed, only on the receiver's disk and in the sender's memory; no
