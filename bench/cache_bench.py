@@ -12,7 +12,7 @@ Configurations (one line each, per model and routing source):
   default+prefetch   the same with next-layer prefetch into the fastest tier forced on
   inclusive  default with inclusive tiers (no demotion of device evictions into host RAM; ablation)
 The fastest tier holds `--device-share` of the experts (default 30%). On a CPU-only
-machine it holds fp32 compute copies, the host tier bf16 bytes, the rest streams from
+machine it holds the stored bytes where the C++ kernels read them (else fp32 compute copies), the host tier bf16 bytes, the rest streams from
 disk with O_DIRECT (no page cache). Routing comes from the model's routers ("router") or
 from a synthetic trace with realistic skew and locality ("synthetic"; its next-layer
 predictions keep each true expert with probability 0.83, the recall measured for the trained
@@ -93,7 +93,7 @@ def make_llm(model_dir, kw, stats_path, device="cpu"):
         per_slot = cfg.top_k * len(source.layers)
         fast = torch.float32 if device == "cpu" else torch.bfloat16
         staging = 1 if device != "cpu" else 0  # CUDA reserves one staging slot for waves
-        kw["device_memory"] = (per_slot + staging) * sum(p.nbytes for p in source.compute_parts(fast))
+        kw["device_memory"] = (per_slot + staging) * sum(p.nbytes for p in source.compute_parts(fast, device))
         kw["host_memory"] = per_slot * source.expert_nbytes
     if kw.pop("load_stats", False):
         kw["load_stats"] = stats_path

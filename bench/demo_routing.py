@@ -1,6 +1,6 @@
 """Routing of the trained demo model next to a random-weight model of the same shape.
 
-    python bench/demo_routing.py [--tokens 512] [--new 64]
+    python bench/demo_routing.py [--tokens 512] [--new 64] [--model DIR]
 
 Both models read the same held-out text (the trained model's heldout.txt, never trained on) one
 token per engine step (teacher-forced decode) and then generate greedily; their routing is recorded (--record-routing) and replayed through the
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512, help="prompt tokens of held-out text")
     ap.add_argument("--new", type=int, default=64, help="generated tokens")
     ap.add_argument("--capacities", default="4,8,16")
+    ap.add_argument("--model", help="a trained demo checkpoint directory (default: the shipped one)")
     args = ap.parse_args()
     import json
 
@@ -38,7 +39,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     print(hardware_line())
-    trained = demo.demo_model_dir()
+    trained = pathlib.Path(args.model) if args.model else demo.demo_model_dir()
     p = json.loads((trained / demo.MANIFEST).read_text())["params"]
     work = pathlib.Path(tempfile.mkdtemp(prefix="expertcache-routing-"))
     sizes = {k: p[k] for k in ("num_layers", "num_experts", "top_k", "hidden", "moe_intermediate", "num_heads",

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import hardware_line  # noqa: E402
 
-from expertcache.parallel.placement import (balanced_placement, rank_loads, static_placement,  # noqa: E402
-                                            worth_moving)
+from expertcache.parallel.placement import (balanced_placement, coactivation, rank_loads,  # noqa: E402
+                                            static_placement, worth_moving)
 from expertcache.trace.format import RoutingTrace  # noqa: E402
 
 LINKS_GBS = {"nvlink": 300.0, "pcie-p2p": 25.0, "ethernet-100g": 12.5}
@@ -81,13 +81,17 @@ def balance_run(steps, L, E, N, redundant, window, interval, eplb):
     return b.mean(), np.percentile(b, 95), rearr, moved
 
 
-def oracle_run(steps, L, E, N, redundant):
+def oracle_run(steps, L, E, N, redundant, coact=False):
     layers = list(range(L))
     load = torch.zeros(L, E, dtype=torch.int64)
+    co = torch.zeros(L, E, E) if coact else None
     for st in steps:
         for l in layers:
-            load[l] += torch.bincount(torch.from_numpy(st[:, l].astype(np.int64)).reshape(-1), minlength=E)
-    pl = balanced_placement(load, layers, N, redundant)
+            ids = torch.from_numpy(st[:, l].astype(np.int64))
+            load[l] += torch.bincount(ids.reshape(-1), minlength=E)
+            if coact:
+                co[l] += coactivation(ids, E)
+    pl = balanced_placement(load, layers, N, redundant, coact=co)
     bal = []
     for i, st in enumerate(steps):
         ids = torch.from_numpy(st.astype(np.int64))
@@ -147,8 +151,9 @@ def main(argv=None) -> None:
                     print(f"balance trace={Path(path).name} batch={B} ranks={N} placement={name} steps={len(steps)} "
                           f"max_over_mean={mean:.3f} p95={p95:.3f} rearrangements={rearr} "
                           f"experts_moved={moved} bytes_moved={moved * tr.expert_bytes}")
-                for name, red in (("oracle-static", 0), (f"oracle-E/8={max(1, E // 8)}", max(1, E // 8))):
-                    mean, p95 = oracle_run(steps, L, E, N, red)
+                for name, red, co in (("oracle-static", 0, False), (f"oracle-E/8={max(1, E // 8)}", max(1, E // 8), False),
+                                      ("oracle-coact", 0, True), (f"oracle-coact-E/8={max(1, E // 8)}", max(1, E // 8), True)):
+                    mean, p95 = oracle_run(steps, L, E, N, red, co)
                     print(f"balance trace={Path(path).name} batch={B} ranks={N} placement={name} steps={len(steps)} "
                           f"max_over_mean={mean:.3f} p95={p95:.3f}")
         # Part 2: simulated peer tier, 2 ranks, rank 0 owns E/2 experts per layer

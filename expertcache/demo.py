@@ -127,11 +127,15 @@ def describe(path: str | os.PathLike) -> str | None:
         p, t = m["params"], m["training"]
     except (OSError, ValueError, KeyError):
         return None
+    routing = ""
+    if "held_out_reuse" in t:
+        routing = (f"; its routers reuse {t['held_out_reuse']:.0%} of the previous token's experts "
+                   f"where chance is {p['top_k'] / p['num_experts']:.1%}")
     return (f"a tiny Qwen3-MoE ({p['num_layers']} layers x {p['num_experts']} experts, top-{p['top_k']}, "
-            f"{t['parameters_m']} M parameters) trained for {t['minutes']:.0f} min on a shared CPU "
-            f"({t['tokens_seen'] / 1e6:.1f} M tokens) on this project's own docs and source; expect "
+            f"{t['parameters_m']} M parameters) trained for {t['steps']} steps ({t['tokens_seen'] / 1e6:.1f} M "
+            f"tokens, {t['minutes']:.0f} min on one thread of a shared CPU) on this project's own docs and source; expect "
             f"code- and doc-like fragments in the project's words, not facts or reliable answers "
-            f"(held-out perplexity {t['held_out_ppl']})")
+            f"(held-out perplexity {t['held_out_ppl']}){routing}")
 
 
 def random_demo_dir(rebuild: bool = False, progress: bool = True) -> pathlib.Path:

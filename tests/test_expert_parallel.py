@@ -22,7 +22,8 @@ from serving import free_port
 from expertcache import LLM, SamplingParams
 from expertcache.parallel import ExpertParallelError, ParallelConfig, balanced_placement, static_placement
 from expertcache.parallel.peer import plan_transfers
-from expertcache.parallel.placement import assign_ranks, balanced_layer, capacities, rank_loads, worth_moving
+from expertcache.parallel.placement import (assign_ranks, balanced_layer, capacities, coactivation, rank_loads,
+                                            worth_moving)
 
 PROMPTS = [list(range(5, 25)), [7, 3, 9, 11, 40, 41, 42], list(range(60, 97))]
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -73,6 +74,25 @@ def test_redundant_experts_go_to_the_hottest_and_balance_improves():
     assert balance(p) < 1.15 and balance(static) > 1.8  # capacity 5 per rank limits the packing
 
 
+def test_coactivation_and_layers_spread_a_tokens_pairs():
+    """Experts that fire together go to different ranks (every token's two pairs on two ranks, the
+    brute-force best), and the heaviest expert of each layer does not land on the same rank."""
+    ids = torch.tensor([[0, 2], [1, 3], [4, 6], [5, 7]] * 8)  # pairs (0,2), (1,3), ... always together
+    load = torch.bincount(ids.reshape(-1), minlength=8).double()
+    co = coactivation(ids, 8)
+    assert co[0, 2] == 8 and co[0, 1] == 0 and co[0, 0] == 0
+
+    def split(coact):
+        t, c = balanced_placement(load.unsqueeze(0), [0], 2, 0, coact=coact).rank_table(0)
+        r = assign_ranks(ids, t, c)
+        return bool((r[:, 0] != r[:, 1]).all())
+
+    assert split(co.unsqueeze(0)) and not split(None)  # load alone packs 0 and 2 together
+    hot = torch.tensor([[50.0, 1, 1, 1], [50.0, 1, 1, 1]])
+    p = balanced_placement(hot, [0, 1], 2, 0)
+    assert p.replicas[0][0] != p.replicas[1][0]  # layer 1's hottest goes where layer 0's is not
+
+
 def test_replicas_split_tokens_evenly():
     p = balanced_placement(torch.tensor([[100.0, 1, 1, 1]]), [0], 2, 1)
     t, c = p.rank_table(0)
@@ -89,6 +109,22 @@ def test_bad_parallel_options_are_refused():
         ParallelConfig(2, eplb=True, eplb_step_interval=0)
     with pytest.raises(ValueError, match="eplb_window_size=8 is invalid; it only applies with eplb=True"):
         ParallelConfig(2, eplb_window_size=8)  # would be ignored without EPLB: refused
+
+
+def test_peer_link_in_the_cost_model(tmp_path):
+    """peer = latency + bytes / bandwidth, against the disk read it replaces; the fields load from TOML."""
+    from expertcache.cost.model import ExpertCost
+    from expertcache.cost.profiles import get_profile
+
+    f = tmp_path / "rig.toml"
+    f.write_text("link_gbs = 25\ndisk_gbs = 6\ncpu_mem_gbs = 50\ncpu_gflops = 500\npeer_gbs = 300\n"
+                 "peer_latency_ms = 0.02\n")
+    prof = get_profile(str(f))
+    cost = ExpertCost(prof, 9_437_184, 1)
+    assert cost.peer() == pytest.approx(0.02e-3 + 9_437_184 / 300e9)
+    assert cost.peer_faster()  # NVLink-class link vs a 6 GB/s disk
+    slow = ExpertCost(get_profile("cpu-only"), 9_437_184, 1)  # no link figure: never faster
+    assert slow.peer() == float("inf") and not slow.peer_faster()
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -90,8 +90,15 @@ def assign_ranks(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, s
     return table[ids, choice]
 
 
-def balanced_layer(load: list[float], num_ranks: int, num_redundant: int) -> tuple[tuple[int, ...], ...]:
-    """One layer's replicas for loads [E]: replicate the hottest, then pack heaviest-first."""
+def balanced_layer(load: list[float], num_ranks: int, num_redundant: int,
+                   coact: list[list[float]] | None = None,
+                   rank_load: list[float] | None = None) -> tuple[tuple[int, ...], ...]:
+    """One layer's replicas for loads [E]: replicate the hottest, then pack heaviest-first.
+    `coact` [E, E] (tokens routed to both experts): a rank's cost for an expert also counts the
+    tokens it shares with the experts already there (per replica pair), so experts that fire together
+    go to different ranks and one token's pairs spread over the group. `rank_load` [N]: the ranks'
+    expected pairs from the layers packed before this one (updated in place), so the heaviest expert
+    of every layer does not land on the same rank (a step's pairs per rank add up over its layers)."""
     E = len(load)
     num_redundant = min(num_redundant, E * (num_ranks - 1))  # at most one replica per rank
     count = [1] * E
@@ -100,14 +107,17 @@ def balanced_layer(load: list[float], num_ranks: int, num_redundant: int) -> tup
         count[e] += 1
     physical = sorted(((load[e] / count[e], e) for e in range(E) for _ in range(count[e])), key=lambda p: (-p[0], p[1]))
     room = capacities(len(physical), num_ranks)
-    rank_load = [0.0] * num_ranks
+    rank_load = [0.0] * num_ranks if rank_load is None else rank_load
     holds: list[set[int]] = [set() for _ in range(num_ranks)]
     reps: list[list[int]] = [[] for _ in range(E)]
     for share, e in physical:
         fits = [r for r in range(num_ranks) if room[r] > 0 and e not in holds[r]]
         if not fits:  # only ranks that already hold e have room: this replica adds nothing, drop it
             continue
-        r = min(fits, key=lambda r: (rank_load[r], r))
+        if coact is None:
+            r = min(fits, key=lambda r: (rank_load[r], r))
+        else:
+            r = min(fits, key=lambda r: (rank_load[r] + sum(coact[e][o] / (count[e] * count[o]) for o in holds[r]), r))
         room[r] -= 1
         rank_load[r] += share
         holds[r].add(e)
@@ -116,11 +126,23 @@ def balanced_layer(load: list[float], num_ranks: int, num_redundant: int) -> tup
 
 
 def balanced_placement(load: torch.Tensor, layers: list[int], num_ranks: int, num_redundant: int,
-                       version: int = 0) -> Placement:
-    """load [L, E] (rows in the order of `layers`) -> a Placement with `num_redundant` extra replicas per layer."""
+                       version: int = 0, coact: torch.Tensor | None = None) -> Placement:
+    """load [L, E] (rows in the order of `layers`) -> a Placement with `num_redundant` extra replicas per
+    layer; `coact` [L, E, E]: co-activation counts (see balanced_layer)."""
     rows = load.double().tolist()
-    return Placement(num_ranks, {layer: balanced_layer(row, num_ranks, num_redundant)
-                                 for layer, row in zip(layers, rows)}, version, num_redundant)
+    co = coact.double().tolist() if coact is not None else [None] * len(rows)
+    ranks = [0.0] * num_ranks  # expected pairs per rank over the layers packed so far
+    return Placement(num_ranks, {layer: balanced_layer(row, num_ranks, num_redundant, c, ranks)
+                                 for layer, row, c in zip(layers, rows, co)}, version, num_redundant)
+
+
+def coactivation(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ids [T, K] of one layer -> [E, E] tokens routed to both experts (diagonal zero)."""
+    m = torch.zeros(ids.shape[0], num_experts, dtype=torch.float32)
+    m.scatter_(1, ids, 1.0)
+    c = m.T @ m
+    c.fill_diagonal_(0)
+    return c
 
 
 def rank_loads(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, num_ranks: int,
