@@ -56,6 +56,8 @@ def _compile():
     out = cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     _drop_stale_lock(out)
+    if not (out / "expertcache_kernels.so").exists():  # a first build is silent and takes ~30-90 s: say so
+        print(f"expertcache: building the C++ CPU kernels once into {out} (about a minute)", file=sys.stderr, flush=True)
     try:
         mod = cpp_extension.load(name="expertcache_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-pthread"],
                                  build_directory=str(out), verbose=False)
