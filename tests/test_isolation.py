@@ -25,6 +25,22 @@ def alone(llm, api):
     return [llm.generate([p], greedy(api))[0].token_ids for p in PROMPTS]
 
 
+def run_batch(llm, api, victim: dict, index: int) -> list:
+    """PROMPTS as one batch stepped to the end; victim["id"] = the index-th request's id (the one the
+    patched hook fails)."""
+    seqs = [llm.engine.add_request(p, greedy(api)) for p in PROMPTS]
+    victim["id"] = seqs[index].request_id
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    return seqs
+
+
+def assert_others_alone(seqs, ref, index: int) -> None:
+    for i, seq in enumerate(seqs):
+        if i != index:
+            assert seq.finish_reason == "length" and seq.generated == ref[i]
+
+
 @pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-6])
 def test_tiny_temperature_is_greedy_alongside_other_streams(expertcache_api, llm, temperature):
     api = expertcache_api
@@ -67,14 +83,10 @@ def test_nonfinite_logits_fail_only_their_request(expertcache_api, llm, monkeypa
         return logits, spans
 
     monkeypatch.setattr(runner, "run_rows", run_rows)
-    seqs = [llm.engine.add_request(p, greedy(api)) for p in PROMPTS]
-    victim["id"] = seqs[1].request_id
-    while llm.engine.has_unfinished():
-        llm.engine.step()
+    seqs = run_batch(llm, api, victim, 1)
     assert seqs[1].finish_reason.startswith("error: ") and "non-finite logits" in seqs[1].finish_reason
     assert seqs[1].generated == ref[1][:2]
-    for i in (0, 2, 3):
-        assert seqs[i].finish_reason == "length" and seqs[i].generated == ref[i]
+    assert_others_alone(seqs, ref, 1)
 
 
 def test_sampler_error_fails_only_its_request(expertcache_api, llm, monkeypatch):
@@ -92,13 +104,9 @@ def test_sampler_error_fails_only_its_request(expertcache_api, llm, monkeypatch)
         return real(rows, seqs, eos)
 
     monkeypatch.setattr(engine_module, "sample_batch", sample_batch)
-    seqs = [llm.engine.add_request(p, greedy(api)) for p in PROMPTS]
-    victim["id"] = seqs[3].request_id
-    while llm.engine.has_unfinished():
-        llm.engine.step()
+    seqs = run_batch(llm, api, victim, 3)
     assert seqs[3].finish_reason == "error: sampling failed: RuntimeError: sampler exploded"
-    for i in (0, 1, 2):
-        assert seqs[i].finish_reason == "length" and seqs[i].generated == ref[i]
+    assert_others_alone(seqs, ref, 3)
 
 
 def test_model_step_failure_fails_only_the_sequence_at_fault(expertcache_api, llm, monkeypatch):
@@ -116,14 +124,10 @@ def test_model_step_failure_fails_only_the_sequence_at_fault(expertcache_api, ll
         return real(work, full)
 
     monkeypatch.setattr(runner, "run_rows", run_rows)
-    seqs = [llm.engine.add_request(p, greedy(api)) for p in PROMPTS]
-    victim["id"] = seqs[0].request_id
-    while llm.engine.has_unfinished():
-        llm.engine.step()
+    seqs = run_batch(llm, api, victim, 0)
     assert seqs[0].finish_reason == "error: the model step failed: RuntimeError: kernel exploded"
     assert seqs[0].generated == ref[0][:1]
-    for i in (1, 2, 3):
-        assert seqs[i].finish_reason == "length" and seqs[i].generated == ref[i]
+    assert_others_alone(seqs, ref, 0)
 
 
 def test_detokeniser_error_fails_only_its_request(expertcache_api, llm, monkeypatch):
