@@ -18,8 +18,9 @@ import shutil
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("csrc") / "expert_kernels.cpp"
-HEADERS = sorted(SOURCE.parent.glob("*.h"))  # csrc/thread_pool.h: the kernels' own threads (not OpenMP)
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))  # one module: module.cpp calls each source's register_* (registry.h)
+HEADERS = sorted(CSRC.glob("*.h"))  # thread_pool.h: the kernels' own threads (not OpenMP); registry.h
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-pthread"]
 
 _state: dict = {}
@@ -29,7 +30,7 @@ def cache_dir() -> Path:
     from ..paths import cache_root
 
     base = cache_root()
-    code = b"".join(f.read_bytes() for f in (SOURCE, *HEADERS))
+    code = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:16]
     return base / "kernels" / digest
 
@@ -59,7 +60,7 @@ def _compile():
     if not (out / "expertcache_kernels.so").exists():  # a first build is silent and takes ~30-90 s: say so
         print(f"expertcache: building the C++ CPU kernels once into {out} (about a minute)", file=sys.stderr, flush=True)
     try:
-        mod = cpp_extension.load(name="expertcache_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-pthread"],
+        mod = cpp_extension.load(name="expertcache_kernels", sources=[str(f) for f in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-pthread"],
                                  build_directory=str(out), verbose=False)
     except Exception as e:  # a failed build must not stop the engine: the torch path computes the same
         return None, f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"

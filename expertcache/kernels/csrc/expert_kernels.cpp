@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "registry.h"
 #include "thread_pool.h"
 
 #include <algorithm>
@@ -608,8 +609,7 @@ bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_su
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "expertcache CPU kernels: y = x W^T from stored bf16/fp16/fp8/int8/int4/mxfp4 bytes";
+void register_expert_kernels(py::module_& m) {
   m.def("linear", &linear, "y [T, N] = x [T, K] @ W[slot]^T", py::arg("x"), py::arg("spec"), py::arg("slot"),
         py::arg("small_t"), py::arg("rows_per_unit"));
   m.def("moe", &moe, "grouped expert FFN of one MoE layer, accumulated into out");
