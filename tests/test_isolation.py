@@ -98,10 +98,10 @@ def test_sampler_error_fails_only_its_request(expertcache_api, llm, monkeypatch)
     real = engine_module.sample_batch
     victim = {}
 
-    def sample_batch(rows, seqs, eos):
+    def sample_batch(rows, seqs, eos, stats=None):
         if any(s.request_id == victim.get("id") for s in seqs):
             raise RuntimeError("sampler exploded")
-        return real(rows, seqs, eos)
+        return real(rows, seqs, eos, stats)
 
     monkeypatch.setattr(engine_module, "sample_batch", sample_batch)
     seqs = run_batch(llm, api, victim, 3)

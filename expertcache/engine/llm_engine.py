@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import kernels
 from ..errors import CheckpointError
 from .params import SamplingParams
 from .runner import ModelRunner
-from .sampler import prompt_logprobs, sample_batch
+from .sampler import prompt_logprobs, row_stats, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .tokenizer import Tokenizer
@@ -99,6 +100,13 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        # the whole step (forward, checks, sampling) in the forward's thread arrangement on the CPU:
+        # torch's own ops on one thread (their OpenMP barriers would wait on the kernel threads' cores),
+        # the C++ kernels on torch's thread count (the forward's own cpu_threads then changes nothing)
+        with kernels.cpu_threads(self.runner.model.device):
+            return self._step()
+
+    def _step(self) -> list[StepOutput]:
         work = self.scheduler.schedule()
         outs = []
         for seq, n in [w for w in work if w[1] == 0]:  # rejected at admission
@@ -126,7 +134,8 @@ class LLMEngine:
             self.counters.decode_seconds += dt
         else:
             self.counters.prefill_seconds += dt
-        finite = torch.isfinite(logits).all(-1).tolist()  # [R], one pass over the final logits
+        stats = row_stats(logits)  # (finite, logsumexp, argmax) [R]: one pass over the final logits
+        finite = stats[0].tolist()
         ready: list[tuple[Sequence, int]] = []  # (sequence, row of its next-token logits)
         for b, (seq, n) in enumerate(work):
             if full[b]:
@@ -146,9 +155,14 @@ class LLMEngine:
         if not ready:
             return outs
         seqs = [s for s, _ in ready]
-        rows = logits[torch.tensor([r for _, r in ready])]
+        picked = [r for _, r in ready]
+        if picked == list(range(logits.shape[0])):  # every row once, in order (decode): no copy
+            rows = logits
+        else:
+            index = torch.tensor(picked)
+            rows, stats = logits[index], tuple(t[index] for t in stats)
         try:
-            sampled = list(zip(seqs, *sample_batch(rows, seqs, self.eos)))
+            sampled = list(zip(seqs, *sample_batch(rows, seqs, self.eos, stats)))
         except Exception:  # noqa: BLE001 - find the sequence at fault: each alone, failures finish alone
             sampled = []
             for b, seq in enumerate(seqs):

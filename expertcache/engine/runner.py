@@ -12,29 +12,27 @@ from .state_cache import StateBatch, StateCache
 
 
 def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch.device):
-    """-> (input_ids [T], AttnBatch, rows of the last new token of each sequence [B])."""
-    ids, pos, slots, seq_of, row_of = [], [], [], [], []
+    """-> (input_ids [T], AttnBatch, rows of the last new token of each sequence [B]). Built as Python
+    lists, one tensor each at the end (a tensor per sequence costs more than the lists at batch 8)."""
+    ids, pos, slots, seq_of, row_of, tables, qpos, last = [], [], [], [], [], [], [], []
     max_q = max(n for _, n in work)
     max_blocks = max(len(s.block_ids) for s, _ in work)
-    tables = torch.zeros(len(work), max_blocks, dtype=torch.int64)
-    qpos = torch.zeros(len(work), max_q, dtype=torch.int64)
-    last = []
     for b, (seq, n) in enumerate(work):
-        start = seq.num_computed
-        p = list(range(start, start + n))
+        start, blocks = seq.num_computed, seq.block_ids
+        p = range(start, start + n)
         ids += seq.tokens[start:start + n]
         pos += p
-        slots += [seq.block_ids[i // block_size] * block_size + i % block_size for i in p]
+        slots += [blocks[i // block_size] * block_size + i % block_size for i in p]
         seq_of += [b] * n
         row_of += range(n)
-        tables[b, : len(seq.block_ids)] = torch.tensor(seq.block_ids)
-        qpos[b, :n] = torch.tensor(p)
+        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        qpos.append([*p, *[0] * (max_q - n)])
         last.append(len(ids) - 1)
 
     def t(x):
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    batch = AttnBatch(t(pos), t(slots), tables.to(device), t(seq_of), t(row_of), max_q, qpos.to(device))
+    batch = AttnBatch(t(pos), t(slots), t(tables), t(seq_of), t(row_of), max_q, t(qpos))
     return t(ids), batch, t(last)
 
 

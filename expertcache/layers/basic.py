@@ -1,4 +1,5 @@
-"""Small layers: linear (with per-use conversion), RMSNorm, rotary embedding, the dense SwiGLU MLP."""
+"""Small layers: linear (with per-use conversion), RMSNorm (alone or fused with the residual add before it),
+rotary embedding, the dense SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels import small_ops
 from ..quant import make_quant_method
 from ..spec.model_config import ModelConfig, rope_inv_freq
 
@@ -58,9 +60,22 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] normalised over its last dim, times weight [H] (the C++ kernel on CPU float32)."""
+    y = small_ops.rms_norm(x, weight, eps)
+    if y is not None:
+        return y
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (s, rms_norm(s)) with s = h + d [..., H], a new tensor."""
+    fused = small_ops.add_rms_norm(h, d, weight, eps)
+    if fused is not None:
+        return fused
+    s = h + d
+    return s, rms_norm(s, weight, eps)
 
 
 class Rotary:

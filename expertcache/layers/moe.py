@@ -12,6 +12,9 @@ and picks the top-k experts among them.
                           ranked by the sum of their two best; weights are the plain scores (DeepSeek-V3, GLM-4.5)
 The router linear may have a bias (GPT-OSS). Every router then renormalises the chosen weights
 when norm_topk_prob and multiplies them by routed_scaling_factor (RouterSpec.scaling).
+On the CPU the softmax router's post-linear work (softmax, top-k, renormalisation) is one C++ call
+(kernels/small_ops.py), which hands a call back to the torch code above when a near-tie could make
+its choice differ from torch's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..kernels import small_ops
 from ..spec.model_config import RouterSpec
 from .basic import linear
 
@@ -83,9 +87,13 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
         logits = linear(x.float(), router_w.float(), None if bias is None else bias.float())
     else:
         logits = linear(x, router_w, bias).float()
-    ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec)
-    if norm_topk_prob:
-        w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if spec.kind == "noaux_tc" else 0.0))
+    fused = small_ops.softmax_topk(logits, top_k, norm_topk_prob) if spec.kind == "softmax" else None
+    if fused is not None:  # the same choice as torch's (the kernel declines near-ties), renormalised
+        ids, w = fused
+    else:
+        ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec)
+        if norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if spec.kind == "noaux_tc" else 0.0))
     if spec.scaling != 1.0:
         w = w * spec.scaling
     return ids, w.to(x.dtype)

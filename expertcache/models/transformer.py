@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
-from ..layers.basic import QuantizedWeight, Rotary, linear, lm_head_method, rms_norm, swiglu
+from ..layers.basic import QuantizedWeight, Rotary, add_rms_norm, linear, lm_head_method, rms_norm, swiglu
 from ..layers.gated_deltanet import GatedDeltaNet, StateBatch, load_weights as load_linear_attn
 from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
@@ -34,14 +34,21 @@ from ..spec.model_config import ModelConfig
 from .registry import Family
 
 
+# Bytes of per-layer outputs a forward keeps for `finite_after` (decode steps: T x H x 4 x L, e.g.
+# 8 x 4096 x 4 x 94 = 12 MiB); a bigger forward checks its logits rows after every layer instead.
+KEEP_LAYER_OUTPUTS = 16 << 20
+
+
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
                  device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
                  quant=None, low_memory: bool = False, check_finite: bool = True, lm_head: str | None = None):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
-        # per forward with logits_rows: [num_layers, B] bool, row b's hidden state finite after layer l
-        # (read only when a sequence's logits are not finite, to name the layer where it started)
-        self.finite_after: torch.Tensor | None = None
+        # per forward with logits_rows: `finite_after` [num_layers, B] bool, row b's hidden state finite
+        # after layer l (read only when a sequence's logits are not finite, to name the layer where it
+        # started): derived on first read from the layers' outputs kept by the forward
+        self._finite_after: torch.Tensor | None = None
+        self._layer_outputs: tuple[list[torch.Tensor], torch.Tensor] | None = None  # ([L] x [T, H], rows)
         self.record_routing = False
         # route_override(layer, ids, weights) -> (ids, weights): replaces the router's choice
         # (benchmarks drive routing from a synthetic trace); None = the model's own router. If it
@@ -152,29 +159,56 @@ class MoETransformer:
         with kernels.cpu_threads(self.device):
             return self._forward(input_ids, batch, kv, logits_rows, states)
 
+    @property
+    def finite_after(self) -> torch.Tensor | None:
+        """[num_layers, B] bool for the last forward with logits_rows: row b finite after layer l."""
+        if self._finite_after is None and self._layer_outputs is not None:
+            hs, rows = self._layer_outputs
+            self._finite_after = torch.stack([torch.isfinite(h[rows]).all(-1) for h in hs]) if hs else None
+            self._layer_outputs = None
+        return self._finite_after
+
     def _forward(self, input_ids, batch, kv, logits_rows, states):
-        cfg = self.cfg
+        eps = self.cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed).to(self.dtype)
         self.routing = {}
+        self._finite_after = self._layer_outputs = None
+        # every layer's output h (a new tensor each layer) is kept while they are few bytes, and only
+        # checked if the logits turn out non-finite; a bigger step checks its B rows after each layer
+        keep = h.numel() * h.element_size() * len(self.layers) <= KEEP_LAYER_OUTPUTS
+        outs: list[torch.Tensor] = []
+
+        def done(h):  # h: a layer's output
+            if logits_rows is not None:
+                outs.append(h if keep else torch.isfinite(h[logits_rows]).all(-1))
+
         self.experts.begin_step()
-        finite = []
         try:
+            mlp = None  # the previous layer's MLP / MoE output, added into h by the next norm
             for i, layer in enumerate(self.layers):
-                x = rms_norm(h, layer["input_ln"], cfg.rms_norm_eps)
-                if "linear" in layer:
-                    h = h + layer["linear"](x, batch.seq_of_token, batch.row_of_token, batch.max_q, states)
+                if mlp is None:
+                    x = rms_norm(h, layer["input_ln"], eps)
                 else:
-                    h = h + layer["attn"](x, batch, *kv[self.kv_index[i]])
-                x = rms_norm(h, layer["post_ln"], cfg.rms_norm_eps)
-                h = h + (self._moe(i, layer, h, x) if "router" in layer else swiglu(x, *layer["mlp"]))
-                if logits_rows is not None:  # B x H per layer, no sync: cheap next to the layer
-                    finite.append(torch.isfinite(h[logits_rows]).all(-1))
+                    h, x = add_rms_norm(h, mlp, layer["input_ln"], eps)
+                    done(h)
+                if "linear" in layer:
+                    mix = layer["linear"](x, batch.seq_of_token, batch.row_of_token, batch.max_q, states)
+                else:
+                    mix = layer["attn"](x, batch, *kv[self.kv_index[i]])
+                h, x = add_rms_norm(h, mix, layer["post_ln"], eps)
+                mlp = self._moe(i, layer, h, x) if "router" in layer else swiglu(x, *layer["mlp"])
+            if mlp is not None:
+                h = h + mlp
+                done(h)
         finally:
             self.experts.end_step()
-        self.finite_after = torch.stack(finite) if finite else None
         if logits_rows is not None:
+            if keep:
+                self._layer_outputs = (outs, logits_rows)
+            else:
+                self._finite_after = torch.stack(outs) if outs else None
             h = h[logits_rows]
-        return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(h, self.norm, eps), self.lm_head).float()
 
     def _route(self, layer: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
