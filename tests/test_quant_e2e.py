@@ -275,7 +275,8 @@ def test_quantized_equals_dense_dequantized(fmt, quantized, resident, tmp_path):
     llm = LLM(str(dense))
     try:
         assert llm.quant is None
-        torch.testing.assert_close(llm.logits(SEQ), q_logits, atol=1e-5, rtol=0)
+        # the experts' rounding differs (stored format vs fp32): a few float32 ulps of the largest logit
+        torch.testing.assert_close(llm.logits(SEQ), q_logits, atol=2e-6 * q_logits.abs().max().item(), rtol=0)
         assert greedy(llm) == q_tokens
     finally:
         llm.close()
