@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec.model_config import ModelConfig
+from ..kernels.attention import attend
 from .basic import Rotary, linear, rms_norm
 
 
@@ -43,21 +44,55 @@ class Attention:
         self.window = cfg.sliding_window[layer]
         self.scale = self.d ** -0.5
         self.sinks = w.get("sinks")
+        self.q_rows = (2 if cfg.attn_output_gate else 1) * self.h * self.d
+        head_norm = cfg.qk_norm == "head"
+        self._kernel_norms = (w["q_norm.weight"], w["k_norm.weight"]) if head_norm else (None, None)
 
     def __call__(self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, w, T = self.cfg, self.w, x.shape[0]
-        q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+        q, gate, k, v = self._project(x)  # [T, h, D], [T, h * D] or None, [T, g, D] x 2
+        o = self._kernel(q, k, v, batch, k_cache, v_cache)
+        if o is None:
+            o = self._torch(q, k, v, batch, k_cache, v_cache)
+        o = o.reshape(T, self.h * self.d)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
+
+    def _project(self, x: torch.Tensor):
+        """x [T, H] -> q [T, h, D], gate [T, h * D] (attn_output_gate, else None), k and v [T, g, D]:
+        the projections (one fused qkv weight when the load made one), full q/k norm, clip_qkv."""
+        cfg, w, T, qr, kd = self.cfg, self.w, x.shape[0], self.q_rows, self.g * self.d
+        if "qkv_proj.weight" in w:
+            qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias"))
+            q, k, v = qkv[:, :qr], qkv[:, qr:qr + kd], qkv[:, qr + kd:]
+        else:
+            q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+            k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
+            v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
+        gate = None
         if cfg.attn_output_gate:  # per head [query (D), gate (D)]
             q, gate = q.view(T, self.h, 2 * self.d).chunk(2, dim=-1)
-            q, gate = q.reshape(T, self.h * self.d), gate.reshape(T, self.h * self.d)
-        k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
-        v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
+            gate = gate.reshape(T, self.h * self.d)
         if cfg.qk_norm == "full":
-            q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
+            q = rms_norm(q.reshape(T, self.h * self.d), w["q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q, k, v = q.view(T, self.h, self.d), k.view(T, self.g, self.d), v.view(T, self.g, self.d)
+        return q.view(T, self.h, self.d), gate, k.view(T, self.g, self.d), v.view(T, self.g, self.d)
+
+    def _kernel(self, q, k, v, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor | None:
+        """The CPU kernel (head norm, rotary, cache write, attention in one call), or None: not handled."""
+        if q.device.type != "cpu" or q.dtype != torch.float32:
+            return None
+        cos, sin = self.rotary.tables(batch.positions, q.dtype)
+        qn, kn = self._kernel_norms
+        return attend(q, k, v, k_cache, v_cache, batch, self.scale, self.window, self.sinks, qn, kn,
+                      self.cfg.rms_norm_eps, cos, sin)
+
+    def _torch(self, q, k, v, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor:
+        """The same in torch ops: -> [T, h, D]."""
+        cfg, w, T = self.cfg, self.w, q.shape[0]
         if cfg.qk_norm == "head":
             q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
@@ -77,10 +112,7 @@ class Attention:
             pad_queries(batch, q).transpose(1, 2), keys, vals, attn_mask=mask, scale=self.scale,
             enable_gqa=self.g != self.h
         )  # [B, h, Q, D]
-        o = o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token].reshape(T, self.h * self.d)
-        if cfg.attn_output_gate:
-            o = o * torch.sigmoid(gate)
-        return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
+        return o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token]
 
     def _sink_column(self, keys, vals, mask, dtype):
         """keys/vals [B, g, L, D] -> [B, g, L+1, D] (a zero key and value last); the boolean mask
