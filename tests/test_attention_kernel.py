@@ -248,7 +248,6 @@ def _kernel_vs_torch(path, monkeypatch, **kw):
     monkeypatch.setattr(KA, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
     import expertcache.layers.attention as LA
     monkeypatch.setattr(LA, "attend", KA.attend)
-    monkeypatch.setattr(KA, "MAX_Q", 64)  # the 40-token prefill through the kernel too
     llm, fast, toks, lps = _run(path, **kw)
     assert calls, "the kernel was not called"
     with monkeypatch.context() as mp:

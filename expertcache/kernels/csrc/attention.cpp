@@ -16,10 +16,13 @@
 //
 // Step 1, per new token: RMSNorm per head (optional), rotary on the first R dims (half-split: x * cos
 // + rotate_half(x) * sin), k and v written at slot_mapping in the cache's dtype (bf16 rounded to
-// nearest even, as torch), the prepared q into `out`. Step 2, per (token, kv head) unit after every
-// write (a prefill token sees the other new tokens): the h / g query heads of that kv head together,
-// so each key and value row is read once; two passes over the visible keys: scores into a
-// thread-local row, then exp(score - max) (vectorised) and the weighted sum of the value rows.
+// nearest even, as torch), the prepared q into `out`. Step 2, after every write (a prefill token sees
+// the other new tokens), per unit = (chunk of up to TQ new tokens of one sequence, kv head): rows =
+// the chunk's tokens x the kv head's h / g query heads, keys = the union of their visible ranges
+// (read in place through the block table); scores [rows, keys] by a register-tiled micro-kernel
+// (2 rows x 4 keys), each row's softmax (masked keys -inf, the sink in the denominator; exp
+// vectorised), then the weighted values [rows, D] (4 rows x 16 dims in registers). Two passes over
+// the keys, the scores in a thread-local scratch.
 
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -136,113 +139,173 @@ void write_token(const Args& a, KT* kc, KT* vc, int64_t t) {
   }
 }
 
-// s[r * ld + i] = scale * q_r . key(i) for the RC query rows q[r * D] and the keys at `keys[i]`
-template <int RC, class KT>
-inline void dot_rows(const float* q, int64_t D, const KT* key, float* s, int64_t ld, float scale) {
+// Step 2. A unit: a chunk of up to TQ new tokens of one sequence x one kv head. Its rows are the
+// chunk's tokens x the G = h / g query heads of that kv head (row i: token i / G, head i % G) and its
+// keys the union of the tokens' visible ranges; a key outside a row's own range scores -inf.
+constexpr int64_t TQ = 8;
+
+struct Chunk {
+  int64_t b, first, count;  // tokens order[first .. first + count), all of sequence b
+};
+
+// s[r * ld + i] = q_r . key_i for RT rows of q (row stride D) and NK keys (NK 4: one transposing
+// reduction of the 4 accumulators; 1: a horizontal sum)
+template <int RT, int NK, class KT>
+inline void dots(const float* q, int64_t D, const KT* const* key, float* s, int64_t ld) {
   const int64_t D8 = D & ~int64_t(7);
-  __m256 acc[RC];
-  for (int r = 0; r < RC; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[RT][NK];
+  for (int r = 0; r < RT; ++r)
+    for (int i = 0; i < NK; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D8; d += 8) {
-    const __m256 kv = load8(key + d);
-    for (int r = 0; r < RC; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), kv, acc[r]);
+    __m256 kv[NK];
+    for (int i = 0; i < NK; ++i) kv[i] = load8(key[i] + d);
+    for (int r = 0; r < RT; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q + r * D + d);
+      for (int i = 0; i < NK; ++i) acc[r][i] = _mm256_fmadd_ps(qv, kv[i], acc[r][i]);
+    }
   }
-  for (int r = 0; r < RC; ++r) {
-    float sum = hsum(acc[r]);
-    for (int64_t d = D8; d < D; ++d) sum += q[r * D + d] * load1(key + d);
-    s[r * ld] = sum * scale;
+  for (int r = 0; r < RT; ++r) {
+    float sum[NK];
+    if constexpr (NK == 4) {
+      const __m256 hh = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+      _mm_storeu_ps(sum, _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1)));
+    } else {
+      for (int i = 0; i < NK; ++i) sum[i] = hsum(acc[r][i]);
+    }
+    for (int64_t d = D8; d < D; ++d)
+      for (int i = 0; i < NK; ++i) sum[i] += q[r * D + d] * load1(key[i] + d);
+    for (int i = 0; i < NK; ++i) s[r * ld + i] = sum[i];
   }
 }
 
-// o_r[D] += p[r * ld] * value for the RC output rows o[r * D]
-template <int RC, class KT>
-inline void add_rows(float* o, int64_t D, const KT* val, const float* p, int64_t ld) {
-  const int64_t D8 = D & ~int64_t(7);
-  __m256 pr[RC];
-  for (int r = 0; r < RC; ++r) pr[r] = _mm256_set1_ps(p[r * ld]);
-  for (int64_t d = 0; d < D8; d += 8) {
-    const __m256 vv = load8(val + d);
-    for (int r = 0; r < RC; ++r)
-      _mm256_storeu_ps(o + r * D + d, _mm256_fmadd_ps(pr[r], vv, _mm256_loadu_ps(o + r * D + d)));
-  }
-  for (int64_t d = D8; d < D; ++d) {
-    const float x = load1(val + d);
-    for (int r = 0; r < RC; ++r) o[r * D + d] += p[r * ld] * x;
-  }
+template <int RT, class KT>
+void score_rows(const float* q, int64_t D, const KT* const* key, int64_t n, float* s, int64_t ld) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) dots<RT, 4>(q, D, key + i, s + i, ld);
+  for (; i < n; ++i) dots<RT, 1>(q, D, key + i, s + i, ld);
 }
 
-// the RC query heads h0.. of token t over kv head j: q in qbuf [RC, D], result into out
-template <int RC, class KT>
-void attend(const Args& a, const KT* kc, const KT* vc, int64_t t, int64_t j, int64_t h0, const float* qbuf,
-            std::vector<float>& sc) {
-  const int64_t D = a.D, bs = a.bs, row = a.g * D;  // row: floats (elements) between tokens in the cache
-  const int64_t qp = a.pos[t];
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, qp - a.window + 1) : 0;
-  const int64_t n = qp - lo + 1;
-  if (int64_t(sc.size()) < RC * n) sc.resize(RC * n);
-  float* s = sc.data();
-  const int64_t* table = a.tables + a.seq_of[t] * a.nb;
+// o_r[d0 .. d0 + 8 CV) = sum_i p[r * ld + i] * val_i[d0 ..] for RT rows
+template <int RT, int CV, class KT>
+inline void weighted(const float* p, int64_t ld, const KT* const* val, int64_t n, int64_t d0, float* const* o) {
+  __m256 acc[RT][CV];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CV; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 vv[CV];
+    for (int c = 0; c < CV; ++c) vv[c] = load8(val[i] + d0 + 8 * c);
+    for (int r = 0; r < RT; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * ld + i);
+      for (int c = 0; c < CV; ++c) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CV; ++c) _mm256_storeu_ps(o[r] + d0 + 8 * c, acc[r][c]);
+}
 
-  // pass 1: scores, block by block
-  for (int64_t kp = lo; kp <= qp;) {
-    const int64_t blk = table[kp / bs], off = kp % bs, end = std::min(qp + 1, kp - off + bs);
-    const KT* key = kc + (blk * bs + off) * row + j * D;
-    for (; kp < end; ++kp, key += row) dot_rows<RC>(qbuf, D, key, s + (kp - lo), n, a.scale);
-  }
-  // softmax per row (sink in the denominator)
-  float inv[RC];
-  for (int r = 0; r < RC; ++r) {
-    float* sr = s + r * n;
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + i));
-    float buf[8];
-    _mm256_storeu_ps(buf, mv);
-    float m = buf[0];
-    for (int l = 1; l < 8; ++l) m = std::max(m, buf[l]);
-    for (; i < n; ++i) m = std::max(m, sr[i]);
-    const float sink = a.sinks ? a.sinks[h0 + r] : 0.f;
-    if (a.sinks) m = std::max(m, sink);
-    const __m256 mm = _mm256_set1_ps(m);
-    __m256 acc = _mm256_setzero_ps();
-    i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), mm));
-      _mm256_storeu_ps(sr + i, e);
-      acc = _mm256_add_ps(acc, e);
+template <int RT, class KT>
+void value_rows(const float* p, int64_t ld, const KT* const* val, int64_t n, int64_t D, float* const* o) {
+  const int64_t D8 = D & ~int64_t(7);
+  int64_t d0 = 0;
+  for (; d0 + 16 <= D8; d0 += 16) weighted<RT, 2>(p, ld, val, n, d0, o);
+  if (d0 < D8) weighted<RT, 1>(p, ld, val, n, d0, o);
+  for (int64_t d = D8; d < D; ++d)
+    for (int r = 0; r < RT; ++r) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) sum += p[r * ld + i] * load1(val[i] + d);
+      o[r][d] = sum;
     }
-    float sum = hsum(acc);
-    for (; i < n; ++i) {
-      sr[i] = std::exp(sr[i] - m);
-      sum += sr[i];
-    }
-    if (a.sinks) sum += std::exp(sink - m);
-    inv[r] = 1.0f / sum;
+}
+
+// softmax of one row s[n] in place (entries outside [vlo, vhi) masked out; the sink, when given, in
+// the denominator), normalised: the row becomes the weights of the values
+inline void softmax_row(float* s, int64_t n, int64_t vlo, int64_t vhi, const float* sink) {
+  for (int64_t i = 0; i < vlo; ++i) s[i] = -INFINITY;
+  for (int64_t i = vhi; i < n; ++i) s[i] = -INFINITY;
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+  float buf[8];
+  _mm256_storeu_ps(buf, mv);
+  float m = buf[0];
+  for (int l = 1; l < 8; ++l) m = std::max(m, buf[l]);
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  if (sink) m = std::max(m, *sink);
+  const __m256 mm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + i), mm);
+    const __m256 e = _mm256_and_ps(exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ));  // -inf: 0
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
   }
-  // pass 2: weighted values
-  float* o = a.out + (t * a.h + h0) * D;
-  std::memset(o, 0, RC * D * sizeof(float));
-  for (int64_t kp = lo; kp <= qp;) {
-    const int64_t blk = table[kp / bs], off = kp % bs, end = std::min(qp + 1, kp - off + bs);
-    const KT* val = vc + (blk * bs + off) * row + j * D;
-    for (; kp < end; ++kp, val += row) add_rows<RC>(o, D, val, s + (kp - lo), n);
+  float sum = hsum(acc);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
   }
-  for (int r = 0; r < RC; ++r)
-    for (int64_t d = 0; d < D; ++d) o[r * D + d] *= inv[r];
+  if (sink) sum += std::exp(*sink - m);
+  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
+  for (; i < n; ++i) s[i] *= 1.0f / sum;
 }
 
 template <class KT>
-void unit(const Args& a, const KT* kc, const KT* vc, int64_t u) {
+void unit(const Args& a, const KT* kc, const KT* vc, const Chunk& ch, const int64_t* order, int64_t j) {
   thread_local std::vector<float> sc, qbuf;
-  const int64_t t = u / a.g, j = u % a.g, G = a.h / a.g, D = a.D;
-  for (int64_t r0 = 0; r0 < G; r0 += 4) {
-    const int64_t rc = std::min<int64_t>(4, G - r0), h0 = j * G + r0;
-    if (int64_t(qbuf.size()) < rc * D) qbuf.resize(rc * D);
-    std::memcpy(qbuf.data(), a.out + (t * a.h + h0) * D, rc * D * sizeof(float));  // step 1's q
-    switch (rc) {
-      case 4: attend<4>(a, kc, vc, t, j, h0, qbuf.data(), sc); break;
-      case 3: attend<3>(a, kc, vc, t, j, h0, qbuf.data(), sc); break;
-      case 2: attend<2>(a, kc, vc, t, j, h0, qbuf.data(), sc); break;
-      default: attend<1>(a, kc, vc, t, j, h0, qbuf.data(), sc); break;
+  thread_local std::vector<const void*> ptrs;
+  const int64_t G = a.h / a.g, D = a.D, rows = ch.count * G;
+  // the keys: union of the chunk's visible ranges
+  int64_t klo = INT64_MAX, khi = -1;
+  for (int64_t c = 0; c < ch.count; ++c) {
+    const int64_t qp = a.pos[order[ch.first + c]];
+    klo = std::min(klo, a.window > 0 ? std::max<int64_t>(0, qp - a.window + 1) : int64_t(0));
+    khi = std::max(khi, qp);
+  }
+  const int64_t n = khi - klo + 1, ld = n;
+  if (int64_t(qbuf.size()) < rows * D) qbuf.resize(rows * D);
+  if (int64_t(sc.size()) < rows * n) sc.resize(rows * n);
+  if (int64_t(ptrs.size()) < 2 * n) ptrs.resize(2 * n);
+  float* o[64 * TQ];
+  const float* sinks[64 * TQ];
+  for (int64_t c = 0; c < ch.count; ++c) {
+    const int64_t t = order[ch.first + c];
+    for (int64_t r = 0; r < G; ++r) {
+      const int64_t hd = j * G + r;
+      o[c * G + r] = a.out + (t * a.h + hd) * D;
+      sinks[c * G + r] = a.sinks ? a.sinks + hd : nullptr;
+      const float* src = o[c * G + r];  // step 1's q
+      float* dst = qbuf.data() + (c * G + r) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * a.scale;
+    }
+  }
+  const KT** key = reinterpret_cast<const KT**>(ptrs.data());
+  const KT** val = key + n;
+  const int64_t* table = a.tables + ch.b * a.nb;
+  const int64_t row = a.g * D;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t kp = klo + i, at = (table[kp / a.bs] * a.bs + kp % a.bs) * row + j * D;
+    key[i] = kc + at;
+    val[i] = vc + at;
+  }
+  float* s = sc.data();
+  const float* q = qbuf.data();
+  int64_t r0 = 0;
+  for (; r0 + 2 <= rows; r0 += 2) score_rows<2>(q + r0 * D, D, key, n, s + r0 * ld, ld);
+  if (r0 < rows) score_rows<1>(q + r0 * D, D, key, n, s + r0 * ld, ld);
+  for (int64_t c = 0; c < ch.count; ++c) {
+    const int64_t qp = a.pos[order[ch.first + c]];
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, qp - a.window + 1) : int64_t(0);
+    for (int64_t r = 0; r < G; ++r) softmax_row(s + (c * G + r) * ld, n, lo - klo, qp - klo + 1, sinks[c * G + r]);
+  }
+  for (r0 = 0; r0 < rows; r0 += 4) {
+    float* const* orow = o + r0;
+    const float* p = s + r0 * ld;
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 4: value_rows<4>(p, ld, val, n, D, orow); break;
+      case 3: value_rows<3>(p, ld, val, n, D, orow); break;
+      case 2: value_rows<2>(p, ld, val, n, D, orow); break;
+      default: value_rows<1>(p, ld, val, n, D, orow); break;
     }
   }
 }
@@ -258,7 +321,26 @@ void run(const Args& a, KT* kc, KT* vc) {
       for (int64_t t = u * WRITE_TOKENS; t < std::min(a.T, (u + 1) * WRITE_TOKENS); ++t) write_token(a, kc, vc, t);
     });
   }
-  pool::run_units(a.T * a.g, [&](int64_t u) { unit(a, kc, vc, u); });
+  // the tokens grouped by sequence (stable), cut into chunks of up to TQ
+  thread_local std::vector<int64_t> order;
+  thread_local std::vector<Chunk> chunks;
+  order.resize(a.T);
+  for (int64_t t = 0; t < a.T; ++t) order[t] = t;
+  bool sorted = true;
+  for (int64_t t = 1; t < a.T; ++t) sorted = sorted && a.seq_of[t - 1] <= a.seq_of[t];
+  if (!sorted)
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return a.seq_of[x] < a.seq_of[y]; });
+  chunks.clear();
+  for (int64_t i = 0; i < a.T;) {
+    const int64_t b = a.seq_of[order[i]];
+    int64_t e = i;
+    while (e < a.T && e - i < TQ && a.seq_of[order[e]] == b) ++e;
+    chunks.push_back({b, i, e - i});
+    i = e;
+  }
+  const Chunk* ch = chunks.data();
+  const int64_t* ord = order.data();
+  pool::run_units(int64_t(chunks.size()) * a.g, [&](int64_t u) { unit(a, kc, vc, ch[u / a.g], ord, u % a.g); });
 }
 
 void check_heads(const at::Tensor& x, int64_t T, int64_t n, int64_t D, const char* what) {
@@ -293,6 +375,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   Args a;
   a.T = q.size(0), a.h = q.size(1), a.D = q.size(2), a.g = k.size(1);
   TORCH_CHECK(a.g >= 1 && a.h % a.g == 0, "attention: ", a.h, " query heads are not a multiple of ", a.g, " kv heads");
+  TORCH_CHECK(a.h / a.g <= 64, "attention: ", a.h / a.g, " query heads per kv head (at most 64)");
   TORCH_CHECK(a.D >= 1 && a.D <= 1024, "attention: head_dim ", a.D, " outside [1, 1024]");
   check_heads(q, a.T, a.h, a.D, "q");
   check_heads(k, a.T, a.g, a.D, "k");
