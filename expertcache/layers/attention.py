@@ -13,6 +13,11 @@ With attn_output_gate, q_proj yields [query, gate] per head and the output is sc
 Attention sinks (GPT-OSS, `w["sinks"]` [h]): a learned logit per head joins each softmax
 denominator without a value, softmax([q.k * scale..., sink_h]) dropping the sink's column. It is
 computed as one more key (zeros) with a zero value whose additive mask entry is sink_h.
+
+Two paths after the projections (one fused qkv weight when the load made one, models/transformer.py
+`fuse_qkv`): on the CPU in float32 the C++ kernel (kernels/attention.py: head q/k norm, rotary, the
+cache write and attention through the block table in one call); elsewhere, or where it declines,
+torch: the same steps as tensor ops and SDPA over the gathered, padded context.
 """
 
 from __future__ import annotations
