@@ -139,7 +139,14 @@ def test_kernel_against_float64(case, bs, cache_dtype):
 
     out = KA.attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, qn, kn, EPS,
                     cos.float()[:, None, :], sin.float()[:, None, :])
-    assert out.shape == (T, h, D) and out.dtype == torch.float32
+    assert out.shape == (T, h * D) and out.dtype == torch.float32
+    out = out.view(T, h, D)
+    # q/k/v as [T, heads * D] column slices (the layer's form): the same result
+    k_cache2, v_cache2 = before_k.clone(), before_v.clone()
+    flat = KA.attend(q.reshape(T, h * D), k.reshape(T, g * D), v.reshape(T, g * D), k_cache2, v_cache2, batch,
+                     scale, window, sinks, qn, kn, EPS, cos.float()[:, None, :], sin.float()[:, None, :])
+    assert torch.equal(flat.view(T, h, D), out)
+    assert torch.equal(k_cache2, k_cache) and torch.equal(v_cache2, v_cache)
 
     # the cache: new rows at slot_mapping, every other row untouched
     k64, q64 = _prep64(k, kn, cos, sin, R), _prep64(q, qn, cos, sin, R)

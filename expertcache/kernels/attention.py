@@ -4,10 +4,11 @@ attends over the cache through the block table (no gathered copy of the context)
 
 Shape legend:
     T new tokens   h heads   g kv heads   D head_dim   R rotary dims
-    q [T, h, D], k / v [T, g, D] float32 (views into the qkv projection: each head's D values contiguous)
+    q [T, h, D], k / v [T, g, D] float32 (each head's D values contiguous), or [T, h * D] / [T, g * D]
+    (column slices of the qkv projection; h and g are then read from the cache's shape)
     k_cache / v_cache [num_blocks, block_size, g, D] float32 or bfloat16   cos / sin [T, 1, R] (or [T, R])
     q_norm / k_norm [D] float32 (per-head RMSNorm weights)   sinks [h] float32
-    -> [T, h, D] float32
+    -> [T, h * D] float32
 
 `attend` returns None when the kernel does not apply (not the CPU, not float32, a cache dtype it does
 not read, the extension missing, a sequence with more than MAX_Q new tokens: SDPA's batched matmuls
@@ -33,7 +34,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
            scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
            cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor | None:
-    """-> out [T, h, D], with the new k/v written into the caches at batch.slot_mapping; or None (not
+    """-> out [T, h * D], with the new k/v written into the caches at batch.slot_mapping; or None (not
     handled, nothing written). batch: layers.attention.AttnBatch (read by attribute). q/k are normed
     (q_norm/k_norm, eps) then rotated (cos/sin) per head; positions visible as layers/attention.py says."""
     if (batch.max_q > MAX_Q or q.dtype != torch.float32 or q.device.type != "cpu"

@@ -55,22 +55,22 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, w, T = self.cfg, self.w, x.shape[0]
-        q, gate, k, v = self._project(x)  # [T, h, D], [T, h * D] or None, [T, g, D] x 2
-        o = self._kernel(q, k, v, batch, k_cache, v_cache)
+        q, gate, k, v = self._project(x)
+        o = self._kernel(q, k, v, batch, k_cache, v_cache)  # [T, h * D]
         if o is None:
-            o = self._torch(q, k, v, batch, k_cache, v_cache)
-        o = o.reshape(T, self.h * self.d)
+            o = self._torch(q, k, v, batch, k_cache, v_cache).reshape(T, self.h * self.d)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
     def _project(self, x: torch.Tensor):
-        """x [T, H] -> q [T, h, D], gate [T, h * D] (attn_output_gate, else None), k and v [T, g, D]:
-        the projections (one fused qkv weight when the load made one), full q/k norm, clip_qkv."""
+        """x [T, H] -> q [T, h * D] (with attn_output_gate: [T, h, D], a strided view), gate [T, h * D]
+        (attn_output_gate, else None), k and v [T, g * D]: the projections (one fused qkv weight when
+        the load made one), full q/k norm, clip_qkv."""
         cfg, w, T, qr, kd = self.cfg, self.w, x.shape[0], self.q_rows, self.g * self.d
         if "qkv_proj.weight" in w:
             qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias"))
-            q, k, v = qkv[:, :qr], qkv[:, qr:qr + kd], qkv[:, qr + kd:]
+            q, k, v = qkv.split((qr, kd, kd), dim=1)
         else:
             q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
             k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
@@ -84,7 +84,7 @@ class Attention:
             k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        return q.view(T, self.h, self.d), gate, k.view(T, self.g, self.d), v.view(T, self.g, self.d)
+        return q, gate, k, v
 
     def _kernel(self, q, k, v, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor | None:
         """The CPU kernel (head norm, rotary, cache write, attention in one call), or None: not handled."""
@@ -98,6 +98,7 @@ class Attention:
     def _torch(self, q, k, v, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor:
         """The same in torch ops: -> [T, h, D]."""
         cfg, w, T = self.cfg, self.w, q.shape[0]
+        q, k, v = q.view(T, self.h, self.d), k.view(T, self.g, self.d), v.view(T, self.g, self.d)
         if cfg.qk_norm == "head":
             q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)

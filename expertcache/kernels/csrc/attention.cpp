@@ -5,10 +5,11 @@
 // Shape legend:
 //   T new tokens   h query heads   g kv heads (h % g == 0)   D head_dim   R rotary dims (even, <= D)
 //   B sequences    nb blocks per table row   NB blocks in the cache   bs tokens per block
-//   q [T, h, D], k / v [T, g, D] float32 (any token and head strides; each head's D values contiguous)
+//   q [T, h, D], k / v [T, g, D] float32 (any token and head strides; each head's D values contiguous),
+//   or [T, h * D] / [T, g * D] (rows of contiguous heads: views into one qkv projection)
 //   k_cache / v_cache [NB, bs, g, D] float32 or bfloat16, contiguous   block_tables [B, nb] int64
 //   slot_mapping, seq_of_token, positions [T] int64   cos / sin [T, R] float32   norms [D]   sinks [h]
-//   out [T, h, D] float32
+//   out [T, h * D] float32 (the heads in order, as the output projection reads them)
 //
 // Visibility: key position kp of sequence b is visible to the query at position qp iff kp <= qp and
 // (window == 0 or kp > qp - window); it is at cache slot block_tables[b, kp / bs] * bs + kp % bs.
@@ -34,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -343,12 +345,20 @@ void run(const Args& a, KT* kc, KT* vc) {
   pool::run_units(int64_t(chunks.size()) * a.g, [&](int64_t u) { unit(a, kc, vc, ch[u / a.g], ord, u % a.g); });
 }
 
-void check_heads(const at::Tensor& x, int64_t T, int64_t n, int64_t D, const char* what) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3, "attention: ", what,
-              " must be a float32 CPU tensor [T, heads, D]");
+// x [T, n, D] (any strides but the last) or [T, n * D] (rows with heads of D contiguous) -> its
+// token and head strides in floats
+std::pair<int64_t, int64_t> check_heads(const at::Tensor& x, int64_t T, int64_t n, int64_t D, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && (x.dim() == 3 || x.dim() == 2), "attention: ",
+              what, " must be a float32 CPU tensor [T, heads, D] or [T, heads * D]");
+  if (x.dim() == 2) {
+    TORCH_CHECK(x.size(0) == T && x.size(1) == n * D && x.stride(1) == 1, "attention: ", what, " has shape ",
+                x.sizes(), " (strides ", x.strides(), "), expected [", T, ", ", n * D, "] with contiguous rows");
+    return {x.stride(0), D};
+  }
   TORCH_CHECK(x.size(0) == T && x.size(1) == n && x.size(2) == D, "attention: ", what, " has shape ", x.sizes(),
               ", expected [", T, ", ", n, ", ", D, "]");
   TORCH_CHECK(x.stride(2) == 1, "attention: ", what, ": each head's values must be contiguous");
+  return {x.stride(0), x.stride(1)};
 }
 
 const float* vec(const c10::optional<at::Tensor>& x, int64_t n, const char* what) {
@@ -371,21 +381,22 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_of_token, const at::Tensor& positions, int64_t window, double scale,
                      const c10::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "attention: q and k must be [T, heads, D]");
+  TORCH_CHECK(k_cache.dim() == 4, "attention: k_cache must be [NB, bs, g, D], got ", k_cache.sizes());
+  TORCH_CHECK(q.dim() == 2 || q.dim() == 3, "attention: q must be [T, h, D] or [T, h * D]");
   Args a;
-  a.T = q.size(0), a.h = q.size(1), a.D = q.size(2), a.g = k.size(1);
-  TORCH_CHECK(a.g >= 1 && a.h % a.g == 0, "attention: ", a.h, " query heads are not a multiple of ", a.g, " kv heads");
+  a.T = q.size(0), a.g = k_cache.size(2), a.D = k_cache.size(3);
+  TORCH_CHECK(a.g >= 1 && a.D >= 1 && a.D <= 1024, "attention: k_cache ", k_cache.sizes(),
+              ": kv heads >= 1 and head_dim in [1, 1024]");
+  a.h = q.dim() == 3 ? q.size(1) : q.size(1) / a.D;
+  TORCH_CHECK(a.h >= 1 && a.h % a.g == 0, "attention: ", a.h, " query heads are not a multiple of ", a.g, " kv heads");
   TORCH_CHECK(a.h / a.g <= 64, "attention: ", a.h / a.g, " query heads per kv head (at most 64)");
-  TORCH_CHECK(a.D >= 1 && a.D <= 1024, "attention: head_dim ", a.D, " outside [1, 1024]");
-  check_heads(q, a.T, a.h, a.D, "q");
-  check_heads(k, a.T, a.g, a.D, "k");
-  check_heads(v, a.T, a.g, a.D, "v");
-  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+  std::tie(a.q_t, a.q_h) = check_heads(q, a.T, a.h, a.D, "q");
+  std::tie(a.k_t, a.k_h) = check_heads(k, a.T, a.g, a.D, "k");
+  std::tie(a.v_t, a.v_h) = check_heads(v, a.T, a.g, a.D, "v");
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "attention: k_cache and v_cache must be contiguous CPU tensors of one shape and dtype [NB, bs, g, D]");
-  TORCH_CHECK(k_cache.size(2) == a.g && k_cache.size(3) == a.D, "attention: k_cache is ", k_cache.sizes(),
-              ", expected [NB, bs, ", a.g, ", ", a.D, "]");
   const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || k_cache.scalar_type() == at::kFloat, "attention: k_cache dtype ", k_cache.scalar_type(),
               " unsupported (float32 or bfloat16)");
@@ -393,8 +404,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(window >= 0, "attention: window must be >= 0 (0: none), got ", window);
   a.window = window, a.scale = float(scale), a.eps = float(eps);
   a.q = q.data_ptr<float>(), a.k = k.data_ptr<float>(), a.v = v.data_ptr<float>();
-  a.q_t = q.stride(0), a.q_h = q.stride(1), a.k_t = k.stride(0), a.k_h = k.stride(1);
-  a.v_t = v.stride(0), a.v_h = v.stride(1);
   a.q_norm = vec(q_norm, a.D, "q_norm");
   a.k_norm = vec(k_norm, a.D, "k_norm");
   TORCH_CHECK(cos.has_value() == sin.has_value(), "attention: cos and sin come together");
@@ -427,7 +436,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     TORCH_CHECK(a.pos[t] >= 0 && a.pos[t] < a.nb * a.bs, "attention: positions[", t, "] = ", a.pos[t],
                 " outside the block table's ", a.nb * a.bs, " tokens");
   }
-  at::Tensor out = at::empty({a.T, a.h, a.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty({a.T, a.h * a.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   a.out = out.data_ptr<float>();
   if (a.T == 0) return out;
   if (bf16) {
@@ -443,7 +452,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 void register_attention(py::module_& m) {
   m.def("attention", &attention,
-        "out [T, h, D]: the new tokens' q/k norm + rotary, k/v written into the paged cache, softmax attention "
+        "out [T, h * D]: the new tokens' q/k norm + rotary, k/v written into the paged cache, softmax attention "
         "over it through the block table",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("cos"),
         py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_tables"),
