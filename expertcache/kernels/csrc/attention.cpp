@@ -180,10 +180,31 @@ inline void dots(const float* q, int64_t D, const KT* const* key, float* s, int6
   }
 }
 
+// the cache lines of one key or value row into L2: in a decode step the context's rows were evicted
+// by the layers' expert weights streaming through. The pointer loop fetches the first PREFETCH rows,
+// pass 1 the rest PREFETCH ahead. Measured (decode, 16 q / 4 kv heads, D 64, 2 threads, after a
+// 64 MiB stream; busy machine): 500 keys 137-197 us without, 114-150 us with; 40 keys ~40 us either
+// way (7 us warm).
+constexpr int64_t PREFETCH = 256;
+
+template <class KT>
+inline void prefetch_row(const KT* p, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < D * int64_t(sizeof(KT)); b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
 template <int RT, class KT>
-void score_rows(const float* q, int64_t D, const KT* const* key, int64_t n, float* s, int64_t ld) {
+void score_rows(const float* q, int64_t D, const KT* const* key, const KT* const* val, int64_t n, float* s,
+                int64_t ld, bool prefetch) {
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) dots<RT, 4>(q, D, key + i, s + i, ld);
+  for (; i + 4 <= n; i += 4) {
+    if (prefetch)
+      for (int64_t f = i + PREFETCH; f < std::min(n, i + PREFETCH + 4); ++f) {
+        prefetch_row(key[f], D);
+        prefetch_row(val[f], D);
+      }
+    dots<RT, 4>(q, D, key + i, s + i, ld);
+  }
   for (; i < n; ++i) dots<RT, 1>(q, D, key + i, s + i, ld);
 }
 
@@ -289,12 +310,16 @@ void unit(const Args& a, const KT* kc, const KT* vc, const Chunk& ch, const int6
     const int64_t kp = klo + i, at = (table[kp / a.bs] * a.bs + kp % a.bs) * row + j * D;
     key[i] = kc + at;
     val[i] = vc + at;
+    if (i < PREFETCH) {
+      prefetch_row(key[i], D);
+      prefetch_row(val[i], D);
+    }
   }
   float* s = sc.data();
   const float* q = qbuf.data();
   int64_t r0 = 0;
-  for (; r0 + 2 <= rows; r0 += 2) score_rows<2>(q + r0 * D, D, key, n, s + r0 * ld, ld);
-  if (r0 < rows) score_rows<1>(q + r0 * D, D, key, n, s + r0 * ld, ld);
+  for (; r0 + 2 <= rows; r0 += 2) score_rows<2>(q + r0 * D, D, key, val, n, s + r0 * ld, ld, r0 == 0);
+  if (r0 < rows) score_rows<1>(q + r0 * D, D, key, val, n, s + r0 * ld, ld, r0 == 0);
   for (int64_t c = 0; c < ch.count; ++c) {
     const int64_t qp = a.pos[order[ch.first + c]];
     const int64_t lo = a.window > 0 ? std::max<int64_t>(0, qp - a.window + 1) : int64_t(0);
