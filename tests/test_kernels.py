@@ -282,6 +282,30 @@ def test_fallback_prints_a_note_and_torch_computes(monkeypatch, capsys):
     assert not kernels.reads_stored("cpu", torch.float32)
 
 
+@needs_cpp
+def test_a_finished_build_loads_without_ninja_or_its_lock(monkeypatch, tmp_path):
+    """A finished build is imported directly: a build lock left by a killed process (or another checkout
+    with the same sources building at once) must not make a load wait, and nothing is rebuilt."""
+    built = build.cache_dir()
+    shutil.copy(built / "expertcache_kernels.so", tmp_path / "expertcache_kernels.so")
+    (tmp_path / "lock").touch()  # fresh: not old enough to be dropped as stale
+    monkeypatch.setattr(build, "cache_dir", lambda: tmp_path)
+
+    def no_build(out):
+        raise AssertionError("rebuilt a finished build")
+
+    monkeypatch.setattr(build, "_build", no_build)
+    (tmp_path / build.BUILT).touch()
+    mod, why = build._compile()
+    assert why == "" and mod.cpu_supported()
+    x, w = torch.randn(3, 40), torch.randn(5, 40).bfloat16()
+    y = mod.linear(x, kernels.formats.plain_spec(w.unsqueeze(0)), 0, 1 << 30, 8)
+    assert torch.allclose(y, x @ w.float().T, atol=1e-5)
+    (tmp_path / build.BUILT).unlink()  # no marker: an unfinished directory is built, not trusted
+    mod, why = build._compile()
+    assert mod is None and "rebuilt a finished build" in why
+
+
 SEQ = [(i * 37 + 11) % 300 + 3 for i in range(40)]
 MODEL = dict(dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2,
              num_experts_per_tok=2)
