@@ -257,6 +257,36 @@ def test_cpu_threads_kernels_get_the_count_torch_one_thread_restored():
         torch.set_num_threads(before)
 
 
+@needs_cpp
+@pytest.mark.parametrize("fmt,params", [f for f in FORMATS if f[0] in ("bf16", "int8", "fp8", "mxfp4")],
+                         ids=lambda f: str(f))
+def test_specs_built_once_follow_slot_refills(fmt, params):
+    """Weight specs are cached per pool (the same tensor objects every step): a slot refilled in place
+    computes with its new bytes, and a pool dict rebuilt from other tensors is not mistaken for it."""
+    method, pool, gate, up, down = _moe_pool(fmt, params, 4, 64, 32)
+    x = torch.randn(5, 64)
+    slots, weights = _routing(5, 2, 4)
+
+    def check(gate, up, down):
+        out = torch.zeros(5, 64)
+        assert kernels.moe(x, slots, weights, pool, method, out)
+        ref = _moe_reference(x, slots, weights, gate, up, down)
+        assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+    check(gate, up, down)
+    _, other, gate2, up2, down2 = _moe_pool(fmt, {**params}, 4, 64, 32)
+    other = {n: t.flip(0).contiguous() for n, t in other.items()}  # slot s holds expert 3 - s
+    for n, t in pool.items():
+        t.copy_(other[n])  # a refill of every slot, in place
+    check(gate2.flip(0), up2.flip(0), down2.flip(0))
+    pool = dict(other)  # new tensors: a new entry, never the old pool's specs
+    check(gate2.flip(0), up2.flip(0), down2.flip(0))
+    w = torch.randn(7, 64).bfloat16()
+    y = kernels.dense_linear(x, w)
+    w.copy_(torch.randn(7, 64))  # dense weights are views too
+    assert torch.allclose(kernels.dense_linear(x, w), x @ w.float().T, atol=1e-5) and not torch.allclose(y, x @ w.float().T)
+
+
 def _linear_in_child(x, spec):
     torch.set_num_threads(2)
     return kernels.extension().linear(x, spec, 0, 1 << 30, 8)

@@ -614,6 +614,8 @@ void register_expert_kernels(py::module_& m) {
         py::arg("small_t"), py::arg("rows_per_unit"));
   m.def("moe", &moe, "grouped expert FFN of one MoE layer, accumulated into out");
   m.def("set_threads", [](int64_t n) { pool::instance().set_threads(n); }, "kernel threads (0: torch's count)");
+  m.def("set_spin_us", [](int64_t us) { pool::instance().set_spin_us(us); }, "how long an idle worker spins before it sleeps");
+  m.def("spin_us", [] { return pool::instance().spin_us(); }, "how long an idle worker spins before it sleeps");
   m.def("get_threads", [] { return pool::instance().threads(); }, "kernel threads set (0: torch's count)");
   m.def("cpu_supported", &cpu_supported, "AVX2, FMA and F16C present");
 }
