@@ -287,6 +287,33 @@ def test_specs_built_once_follow_slot_refills(fmt, params):
     assert torch.allclose(kernels.dense_linear(x, w), x @ w.float().T, atol=1e-5) and not torch.allclose(y, x @ w.float().T)
 
 
+@needs_cpp
+@pytest.mark.parametrize("act", ["silu", "clamped_swiglu"])
+def test_activation_over_the_whole_float_range(act):
+    """The vectorised activation (its own e^x) against float64 for gate values from -120 to 120,
+    past where e^-g overflows float32, and a width that leaves a scalar tail (I = 44)."""
+    H, I = 48, 44
+    c = torch.linspace(-120, 120, I).bfloat16()
+    gate = torch.zeros(1, I, H, dtype=torch.bfloat16)
+    gate[0, :, 0] = c  # g_j = c_j for x = e_0
+    up = torch.zeros(1, I, H, dtype=torch.bfloat16)
+    up[0, :, 0] = torch.linspace(-9, 9, I).bfloat16()  # u_j spans the clamp limit too
+    down = torch.eye(H, I, dtype=torch.bfloat16)[None]  # out_j = h_j: every activation value seen alone
+    pool = {"gate_up": torch.cat([gate, up], 1), "down": down}
+    x = torch.zeros(1, H)
+    x[0, 0] = 1.0
+    ffn = ExpertFFN(act=act, alpha=1.702, limit=7.0) if act != "silu" else None
+    out = torch.zeros(1, H)
+    assert kernels.moe(x, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), pool, None, out, ffn)
+    ref = _moe_reference(x, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), gate.double(), up.double(),
+                         down.double(), act)[0, :I]
+    assert ref.abs().max() > 50 and (ref.abs() < 1e-30).any()  # the range reaches both ends
+    # float32 rounds the exponent's argument a*g (relative 2^-24), which e^(a*g) turns into an absolute
+    # error of |a*g| * 2^-24 in its own relative terms: the same in torch's float32 path
+    arg = c.double().clamp(max=7.0) * 1.702 if act != "silu" else c.double()
+    assert ((out[0, :I].double() - ref).abs() <= (1e-6 + arg.abs() * 2.0 ** -23) * ref.abs() + 1e-30).all()
+
+
 def _linear_in_child(x, spec):
     torch.set_num_threads(2)
     return kernels.extension().linear(x, spec, 0, 1 << 30, 8)
