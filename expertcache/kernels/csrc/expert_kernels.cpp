@@ -620,26 +620,30 @@ void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights
       activate(tg.data() + t * nb, tu.data() + t * nb, bg ? bg + slot * I + n0 : nullptr, bu ? bu + slot * I + n0 : nullptr,
                nb, act, a, lim, h.data() + (goff[g] + t) * I + n0);
   });
-  // phase 2: out[tok] += w * down h, units = blocks of H rows (each owns its columns of out: no races)
-  const int64_t units2 = (H + rb - 1) / rb;
-  run_units(units2, [&](int64_t u) {
-    const int64_t n0 = u * rb, n1 = std::min(n0 + rb, H), nb = n1 - n0;
-    std::vector<float>& yd = scratch(2);
-    for (int64_t g = 0; g < NG; ++g) {
-      const int64_t n = goff[g + 1] - goff[g], slot = gslot[g];
-      yd.resize(n * nb);
-      gemm_any(Wd, slot, n0, n1, hr.data() + goff[g], n, yd.data(), nb, small_t);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t q = goff[g] + t;
-        float* o = op + tok[q] * H + n0;
-        const float w = pw[q];
-        const float* yv = yd.data() + t * nb;
-        if (bd) {
-          const float* b = bd + slot * H + n0;
-          for (int64_t j = 0; j < nb; ++j) o[j] += w * (yv[j] + b[j]);
-        } else {
-          for (int64_t j = 0; j < nb; ++j) o[j] += w * yv[j];
-        }
+  // phase 2: y[q] = down h[q] per pair, units = (group, block of H rows) in expert order, so a thread's
+  // consecutive units stream one expert's rows (long sequential reads); then out[tok] += w * y, units =
+  // blocks of H columns (each owns its columns of out: no races). Measured against units of H rows
+  // over every group (one thread, busy machine, yardstick layer): +7% bandwidth at T=1, +10% at T=8.
+  std::vector<float> yq(NP * H);
+  const int64_t per_h = (H + rb - 1) / rb;
+  run_units(NG * per_h, [&](int64_t u) {
+    const int64_t g = u / per_h, n0 = (u % per_h) * rb, n1 = std::min(n0 + rb, H);
+    gemm_any(Wd, gslot[g], n0, n1, hr.data() + goff[g], goff[g + 1] - goff[g], yq.data() + goff[g] * H + n0, H, small_t);
+  });
+  std::vector<int64_t> slot_of(NP);
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t q = goff[g]; q < goff[g + 1]; ++q) slot_of[q] = gslot[g];
+  run_units((H + rb - 1) / rb, [&](int64_t u) {
+    const int64_t n0 = u * rb, n1 = std::min(n0 + rb, H);
+    for (int64_t q = 0; q < NP; ++q) {
+      float* o = op + tok[q] * H;
+      const float w = pw[q];
+      const float* yv = yq.data() + q * H;
+      if (bd) {
+        const float* bb = bd + slot_of[q] * H;
+        for (int64_t j = n0; j < n1; ++j) o[j] += w * (yv[j] + bb[j]);
+      } else {
+        for (int64_t j = n0; j < n1; ++j) o[j] += w * yv[j];
       }
     }
   });
