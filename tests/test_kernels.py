@@ -257,6 +257,63 @@ def test_cpu_threads_kernels_get_the_count_torch_one_thread_restored():
         torch.set_num_threads(before)
 
 
+@needs_cpp
+@pytest.mark.parametrize("fmt,params", [f for f in FORMATS if f[0] in ("bf16", "int8", "fp8", "mxfp4")],
+                         ids=lambda f: str(f))
+def test_specs_built_once_follow_slot_refills(fmt, params):
+    """Weight specs are cached per pool (the same tensor objects every step): a slot refilled in place
+    computes with its new bytes, and a pool dict rebuilt from other tensors is not mistaken for it."""
+    method, pool, gate, up, down = _moe_pool(fmt, params, 4, 64, 32)
+    x = torch.randn(5, 64)
+    slots, weights = _routing(5, 2, 4)
+
+    def check(gate, up, down):
+        out = torch.zeros(5, 64)
+        assert kernels.moe(x, slots, weights, pool, method, out)
+        ref = _moe_reference(x, slots, weights, gate, up, down)
+        assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+    check(gate, up, down)
+    _, other, gate2, up2, down2 = _moe_pool(fmt, {**params}, 4, 64, 32)
+    other = {n: t.flip(0).contiguous() for n, t in other.items()}  # slot s holds expert 3 - s
+    for n, t in pool.items():
+        t.copy_(other[n])  # a refill of every slot, in place
+    check(gate2.flip(0), up2.flip(0), down2.flip(0))
+    pool = dict(other)  # new tensors: a new entry, never the old pool's specs
+    check(gate2.flip(0), up2.flip(0), down2.flip(0))
+    w = torch.randn(7, 64).bfloat16()
+    y = kernels.dense_linear(x, w)
+    w.copy_(torch.randn(7, 64))  # dense weights are views too
+    assert torch.allclose(kernels.dense_linear(x, w), x @ w.float().T, atol=1e-5) and not torch.allclose(y, x @ w.float().T)
+
+
+@needs_cpp
+@pytest.mark.parametrize("act", ["silu", "clamped_swiglu"])
+def test_activation_over_the_whole_float_range(act):
+    """The vectorised activation (its own e^x) against float64 for gate values from -120 to 120,
+    past where e^-g overflows float32, and a width that leaves a scalar tail (I = 44)."""
+    H, I = 48, 44
+    c = torch.linspace(-120, 120, I).bfloat16()
+    gate = torch.zeros(1, I, H, dtype=torch.bfloat16)
+    gate[0, :, 0] = c  # g_j = c_j for x = e_0
+    up = torch.zeros(1, I, H, dtype=torch.bfloat16)
+    up[0, :, 0] = torch.linspace(-9, 9, I).bfloat16()  # u_j spans the clamp limit too
+    down = torch.eye(H, I, dtype=torch.bfloat16)[None]  # out_j = h_j: every activation value seen alone
+    pool = {"gate_up": torch.cat([gate, up], 1), "down": down}
+    x = torch.zeros(1, H)
+    x[0, 0] = 1.0
+    ffn = ExpertFFN(act=act, alpha=1.702, limit=7.0) if act != "silu" else None
+    out = torch.zeros(1, H)
+    assert kernels.moe(x, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), pool, None, out, ffn)
+    ref = _moe_reference(x, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), gate.double(), up.double(),
+                         down.double(), act)[0, :I]
+    assert ref.abs().max() > 50 and (ref.abs() < 1e-30).any()  # the range reaches both ends
+    # float32 rounds the exponent's argument a*g (relative 2^-24), which e^(a*g) turns into an absolute
+    # error of |a*g| * 2^-24 in its own relative terms: the same in torch's float32 path
+    arg = c.double().clamp(max=7.0) * 1.702 if act != "silu" else c.double()
+    assert ((out[0, :I].double() - ref).abs() <= (1e-6 + arg.abs() * 2.0 ** -23) * ref.abs() + 1e-30).all()
+
+
 def _linear_in_child(x, spec):
     torch.set_num_threads(2)
     return kernels.extension().linear(x, spec, 0, 1 << 30, 8)
@@ -280,6 +337,30 @@ def test_fallback_prints_a_note_and_torch_computes(monkeypatch, capsys):
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert kernels.dense_linear(x, torch.randn(3, 32).bfloat16()) is None
     assert not kernels.reads_stored("cpu", torch.float32)
+
+
+@needs_cpp
+def test_a_finished_build_loads_without_ninja_or_its_lock(monkeypatch, tmp_path):
+    """A finished build is imported directly: a build lock left by a killed process (or another checkout
+    with the same sources building at once) must not make a load wait, and nothing is rebuilt."""
+    built = build.cache_dir()
+    shutil.copy(built / "expertcache_kernels.so", tmp_path / "expertcache_kernels.so")
+    (tmp_path / "lock").touch()  # fresh: not old enough to be dropped as stale
+    monkeypatch.setattr(build, "cache_dir", lambda: tmp_path)
+
+    def no_build(out):
+        raise AssertionError("rebuilt a finished build")
+
+    monkeypatch.setattr(build, "_build", no_build)
+    (tmp_path / build.BUILT).touch()
+    mod, why = build._compile()
+    assert why == "" and mod.cpu_supported()
+    x, w = torch.randn(3, 40), torch.randn(5, 40).bfloat16()
+    y = mod.linear(x, kernels.formats.plain_spec(w.unsqueeze(0)), 0, 1 << 30, 8)
+    assert torch.allclose(y, x @ w.float().T, atol=1e-5)
+    (tmp_path / build.BUILT).unlink()  # no marker: an unfinished directory is built, not trusted
+    mod, why = build._compile()
+    assert mod is None and "rebuilt a finished build" in why
 
 
 SEQ = [(i * 37 + 11) % 300 + 3 for i in range(40)]

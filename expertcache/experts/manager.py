@@ -103,12 +103,16 @@ class SlotPool:
         self.buf = {p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device,
                                         pin_memory=pin) for p in parts}
         self.inflight: dict[tuple[int, int], InFlight] = {}
+        # one dict of views per layer, made once: the same tensor objects every step, so the kernels
+        # build their weight specs once per layer (kernels.moe caches them by these objects)
+        self._layers = [{n: t[i] for n, t in self.buf.items()} for i in range(layers)]
 
     def views(self, i: int, s: int) -> dict[str, torch.Tensor]:
         return {n: t[i, s] for n, t in self.buf.items()}
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
-        return {n: t[i] for n, t in self.buf.items()}
+        """Layer i's slots {part: [slots, ...]} (the same dict every call: do not modify it)."""
+        return self._layers[i]
 
     def take(self, i: int, s: int) -> InFlight | None:
         return self.inflight.pop((i, s), None)

@@ -42,6 +42,15 @@ def _compile():
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"the C++ kernels are written for x86-64 AVX2, this CPU is {platform.machine()}"
+    out = cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        mod = _load_built(out)
+    except Exception:  # noqa: BLE001 - a damaged build directory: build it again
+        (out / BUILT).unlink(missing_ok=True)
+        mod = None
+    if mod is not None:
+        return (mod, "") if mod.cpu_supported() else (None, "this CPU lacks AVX2/FMA/F16C")
     if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
         return None, "no C++ compiler found (install g++ and run `make setup`)"
     try:
@@ -54,19 +63,43 @@ def _compile():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    out = cache_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    _drop_stale_lock(out)
-    if not (out / "expertcache_kernels.so").exists():  # a first build is silent and takes ~30-90 s: say so
-        print(f"expertcache: building the C++ CPU kernels once into {out} (about a minute)", file=sys.stderr, flush=True)
     try:
-        mod = cpp_extension.load(name="expertcache_kernels", sources=[str(f) for f in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-pthread"],
-                                 build_directory=str(out), verbose=False)
+        mod = _build(out)
     except Exception as e:  # a failed build must not stop the engine: the torch path computes the same
         return None, f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
     if not mod.cpu_supported():
         return None, "this CPU lacks AVX2/FMA/F16C"
     return mod, ""
+
+
+BUILT = "built"  # written after a build loaded: the directory's .so is complete
+
+
+def _load_built(out: Path):
+    """The module of a finished build in `out`, imported directly: no ninja run and no build lock, so
+    a checkout elsewhere with the same sources (the directory is named by their hash) and processes
+    loading at once never rebuild or wait. None when `out` holds no finished build."""
+    if not (out / BUILT).exists():
+        return None
+    import importlib.util
+
+    import torch  # noqa: F401 - the extension links against libtorch
+
+    spec = importlib.util.spec_from_file_location("expertcache_kernels", out / "expertcache_kernels.so")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _build(out: Path):
+    from torch.utils import cpp_extension
+
+    _drop_stale_lock(out)
+    print(f"expertcache: building the C++ CPU kernels once into {out} (about a minute)", file=sys.stderr, flush=True)
+    mod = cpp_extension.load(name="expertcache_kernels", sources=[str(f) for f in SOURCES], extra_cflags=FLAGS,
+                             extra_ldflags=["-pthread"], build_directory=str(out), verbose=False)
+    (out / BUILT).touch()
+    return mod
 
 
 STALE_LOCK_S = 600  # a build takes ~1 min; an older lock was left by a process killed mid-compile

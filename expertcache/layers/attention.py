@@ -13,6 +13,11 @@ With attn_output_gate, q_proj yields [query, gate] per head and the output is sc
 Attention sinks (GPT-OSS, `w["sinks"]` [h]): a learned logit per head joins each softmax
 denominator without a value, softmax([q.k * scale..., sink_h]) dropping the sink's column. It is
 computed as one more key (zeros) with a zero value whose additive mask entry is sink_h.
+
+Two paths after the projections (one fused qkv weight when the load made one, models/transformer.py
+`fuse_qkv`): on the CPU in float32 the C++ kernel (kernels/attention.py: head q/k norm, rotary, the
+cache write and attention through the block table in one call); elsewhere, or where it declines,
+torch: the same steps as tensor ops and SDPA over the gathered, padded context.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec.model_config import ModelConfig
+from ..kernels.attention import attend
 from .basic import Rotary, linear, rms_norm
 
 
@@ -43,20 +49,55 @@ class Attention:
         self.window = cfg.sliding_window[layer]
         self.scale = self.d ** -0.5
         self.sinks = w.get("sinks")
+        self.q_rows = (2 if cfg.attn_output_gate else 1) * self.h * self.d
+        head_norm = cfg.qk_norm == "head"
+        self._kernel_norms = (w["q_norm.weight"], w["k_norm.weight"]) if head_norm else (None, None)
 
     def __call__(self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, w, T = self.cfg, self.w, x.shape[0]
-        q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+        q, gate, k, v = self._project(x)
+        o = self._kernel(q, k, v, batch, k_cache, v_cache)  # [T, h * D]
+        if o is None:
+            o = self._torch(q, k, v, batch, k_cache, v_cache).reshape(T, self.h * self.d)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
+
+    def _project(self, x: torch.Tensor):
+        """x [T, H] -> q [T, h * D] (with attn_output_gate: [T, h, D], a strided view), gate [T, h * D]
+        (attn_output_gate, else None), k and v [T, g * D]: the projections (one fused qkv weight when
+        the load made one), full q/k norm, clip_qkv."""
+        cfg, w, T, qr, kd = self.cfg, self.w, x.shape[0], self.q_rows, self.g * self.d
+        if "qkv_proj.weight" in w:
+            qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias"))
+            q, k, v = qkv.split((qr, kd, kd), dim=1)
+        else:
+            q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+            k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
+            v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
+        gate = None
         if cfg.attn_output_gate:  # per head [query (D), gate (D)]
             q, gate = q.view(T, self.h, 2 * self.d).chunk(2, dim=-1)
-            q, gate = q.reshape(T, self.h * self.d), gate.reshape(T, self.h * self.d)
-        k = linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
-        v = linear(x, w["v_proj.weight"], w.get("v_proj.bias"))
+            gate = gate.reshape(T, self.h * self.d)
         if cfg.qk_norm == "full":
-            q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
+            q = rms_norm(q.reshape(T, self.h * self.d), w["q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        return q, gate, k, v
+
+    def _kernel(self, q, k, v, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor | None:
+        """The CPU kernel (head norm, rotary, cache write, attention in one call), or None: not handled."""
+        if q.device.type != "cpu" or q.dtype != torch.float32:
+            return None
+        cos, sin = self.rotary.tables(batch.positions, q.dtype)
+        qn, kn = self._kernel_norms
+        return attend(q, k, v, k_cache, v_cache, batch, self.scale, self.window, self.sinks, qn, kn,
+                      self.cfg.rms_norm_eps, cos, sin)
+
+    def _torch(self, q, k, v, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor:
+        """The same in torch ops: -> [T, h, D]."""
+        cfg, w, T = self.cfg, self.w, q.shape[0]
         q, k, v = q.view(T, self.h, self.d), k.view(T, self.g, self.d), v.view(T, self.g, self.d)
         if cfg.qk_norm == "head":
             q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
@@ -77,10 +118,7 @@ class Attention:
             pad_queries(batch, q).transpose(1, 2), keys, vals, attn_mask=mask, scale=self.scale,
             enable_gqa=self.g != self.h
         )  # [B, h, Q, D]
-        o = o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token].reshape(T, self.h * self.d)
-        if cfg.attn_output_gate:
-            o = o * torch.sigmoid(gate)
-        return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
+        return o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token]
 
     def _sink_column(self, keys, vals, mask, dtype):
         """keys/vals [B, g, L, D] -> [B, g, L+1, D] (a zero key and value last); the boolean mask

@@ -91,16 +91,20 @@ class Rotary:
         self._last: tuple | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        last = self._last
-        if last is not None and last[0] is positions and last[1] == q.dtype:
-            cos, sin = last[2], last[3]
-        else:
-            freqs = positions[:, None].float() * self.inv_freq  # [T, R/2]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]
-            sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
-            self._last = (positions, q.dtype, cos, sin)  # holds `positions`: its id is not reused
+        cos, sin = self.tables(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, R] (contiguous, the rotary scale folded in) for positions [T]."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        freqs = positions[:, None].float() * self.inv_freq  # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.scale).to(dtype)[:, None, :]
+        sin = (emb.sin() * self.scale).to(dtype)[:, None, :]
+        self._last = (positions, dtype, cos, sin)  # holds `positions`: its id is not reused
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] == self.dim:

@@ -128,7 +128,7 @@ class MoETransformer:
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
 
     def _mha_weights(self, p: str, load, norm) -> dict[str, torch.Tensor]:
-        """q/k/v/o projections (+ biases, q/k norms) of layer prefix p."""
+        """q/k/v/o projections (+ biases, q/k norms) of layer prefix p; q/k/v fused (fuse_qkv)."""
         cfg, H = self.cfg, self.cfg.hidden_size
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q_rows = 2 * q_dim if cfg.attn_output_gate else q_dim  # per head: [query, gate]
@@ -149,7 +149,7 @@ class MoETransformer:
             a["k_norm.weight"] = norm(f"{p}.self_attn.k_norm.weight", (kn,))
         if cfg.attn_sinks:
             a["sinks"] = load(f"{p}.self_attn.sinks", (cfg.num_heads,))
-        return a
+        return fuse_qkv(a)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -237,3 +237,22 @@ class MoETransformer:
                 s = torch.sigmoid(linear(x, layer["shared_gate"])) * s
             out = out + s
         return out
+
+
+def fuse_qkv(a: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q/k/v projection weights of one dtype -> one "qkv_proj.weight" [q_rows + 2 kv_dim, H] (and
+    "qkv_proj.bias" when all three have one): a decode step makes one projection call, not three.
+    Left apart when their dtypes differ (or only some have biases)."""
+    names = ("q_proj", "k_proj", "v_proj")
+    ws = [a[f"{n}.weight"] for n in names]
+    bs = [a.get(f"{n}.bias") for n in names]
+    has_bias = [b is not None for b in bs]
+    if len({w.dtype for w in ws}) != 1 or any(has_bias) != all(has_bias):
+        return a
+    if all(has_bias) and len({b.dtype for b in bs}) != 1:
+        return a
+    out = {k: t for k, t in a.items() if not k.startswith(names)}
+    out["qkv_proj.weight"] = torch.cat(ws)
+    if all(has_bias):
+        out["qkv_proj.bias"] = torch.cat(bs)
+    return out
