@@ -28,11 +28,11 @@ from .formats import Unsupported, plain_spec, quant_spec
 # (bf16/fp16/int8/int4); the tiled path wins from ~32 tokens for mxfp4 and ~256 for fp8.
 SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6: 24}
 # Rows of a weight per unit of work handed to a thread. Longer units are longer sequential streams
-# (fewer restarts of the hardware prefetcher); measured A/B in one process (bench/stream_bench.py,
-# decode shapes of the yardstick): 32 -> 64 -> 128 rows gave +5% / +13% CPU-time bandwidth for the
-# MoE layer on a busy machine; 64 keeps a decode layer's down projection at 16 units, enough for
-# 2 threads to balance.
-ROWS_PER_UNIT = 64
+# (fewer restarts of the hardware prefetcher). `python bench/stream_bench.py --rows 32 64 128 256 512`
+# (decode shapes of the yardstick, bf16, 2 threads, quiet machine, read bandwidth 29.5 GB/s; GB/s of
+# MoE layers / attention projections / lm_head): 32 rows 21.7 / 21.4 / 25.7, 64 24.4 / 22.4 / 28.8,
+# 128 25.3-26.1 / 25.1-25.2 / 29.4-30.4, 256 27.2 / 24.9 / 31.0, 512 27.3 / 22.6 / 30.9.
+ROWS_PER_UNIT = 256
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 
 
