@@ -15,9 +15,11 @@ beside it) to bf16, quantized to q8_0 with llama-quantize, and quantized to int8
 Per round and format: `llama-bench -m M -p P -n G -r 1 -t THREADS -o json` (mmap; the weights are
 warm in the page cache), then the same counts through one long-lived expertcache process (model
 loaded once, prefix caching off so that every round prefills the whole prompt, as llama-bench does): a
-P-token prompt's prefill and G decode steps (greedy, ignore_eos). Lines:
+P-token prompt's prefill and G decode steps (greedy, ignore_eos; decode timed end to end: the
+generate call's wall time less the prefill's, bench/common.py timed_generate). Lines:
     peer: round=R engine=... format=... pp_tok_s=... tg_tok_s=...
     peer-summary: format=... llama_pp=... expertcache_pp=... pp_ratio=... llama_tg=... expertcache_tg=... tg_ratio=...
+    peer-rounds: format=... pp_ratio_median=... pp_ratio_range=... tg_ratio_median=... tg_ratio_range=... (per round)
     streaming: format=... bytes_per_token_GB=... effective_GBps=... read_GBps=... (median of one read per round)
 Not part of CI: it needs cmake, a C++ compiler, ~15 minutes of build and ~12 GB of disk, and the
 converter's Python packages (`pip install -e ".[peers]"`).
@@ -210,6 +212,13 @@ def main() -> None:
         print(f"peer-summary: format={fmt} options={OPTIONS[fmt]} vs llama.cpp {peer} rounds={args.rounds} threads={args.threads} "
               f"llama_pp={lp:.1f} expertcache_pp={ep:.1f} pp_ratio={ep / lp:.2f} "
               f"llama_tg={lt:.2f} expertcache_tg={et:.2f} tg_ratio={et / lt:.2f}", flush=True)
+        # the machine's speed drifts between rounds (both engines together): the ratio within each round
+        # (llama-bench then expertcache, back to back) is the steadier comparison
+        rounds = list(zip(res["llama.cpp"], res["expertcache"]))
+        rp = sorted(e[0] / l[0] for l, e in rounds)
+        rt = sorted(e[1] / l[1] for l, e in rounds)
+        print(f"peer-rounds: format={fmt} pp_ratio_median={statistics.median(rp):.2f} pp_ratio_range={rp[0]:.2f}-{rp[-1]:.2f} "
+              f"tg_ratio_median={statistics.median(rt):.2f} tg_ratio_range={rt[0]:.2f}-{rt[-1]:.2f}", flush=True)
         gb, bw = worker.info["bytes_per_token"] / 1e9, statistics.median(bws)
         print(f"streaming: format={fmt} bytes_per_token_GB={gb:.3f} (top-k experts + attention + routers + lm_head) "
               f"effective_GBps={gb * et:.1f} read_GBps={bw:.1f} share={gb * et / bw:.0%}", flush=True)
