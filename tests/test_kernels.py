@@ -314,6 +314,24 @@ def test_activation_over_the_whole_float_range(act):
     assert ((out[0, :I].double() - ref).abs() <= (1e-6 + arg.abs() * 2.0 ** -23) * ref.abs() + 1e-30).all()
 
 
+@needs_cpp
+@pytest.mark.parametrize("act", ["silu", "clamped_swiglu"])
+def test_activation_keeps_nan(act):
+    """A NaN gate or up value stays NaN through the vectorised activation (a clamp must not turn it into
+    the limit), so a non-finite expert shows up in the layer's output and the engine can name it."""
+    H, I = 16, 16
+    gate_up = torch.zeros(1, 2 * I, H, dtype=torch.bfloat16)
+    gate_up[0, 3, 0] = float("nan")  # gate row 3 (a clamp to the limit would make h_3 finite)
+    gate_up[0, I:, 0] = 1.0
+    pool = {"gate_up": gate_up, "down": torch.eye(H, I, dtype=torch.bfloat16)[None]}
+    x = torch.zeros(1, H)
+    x[0, 0] = 1.0
+    out = torch.zeros(1, H)
+    ffn = ExpertFFN(act=act, alpha=1.702, limit=7.0) if act != "silu" else None
+    assert kernels.moe(x, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), pool, None, out, ffn)
+    assert out[0].isnan().all()  # h_3 is NaN, and every output row of down reads it (0 * NaN = NaN)
+
+
 def _linear_in_child(x, spec):
     torch.set_num_threads(2)
     return kernels.extension().linear(x, spec, 0, 1 << 30, 8)

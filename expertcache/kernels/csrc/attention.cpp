@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include "registry.h"
+#include "simd_math.h"
 #include "thread_pool.h"
 
 #include <algorithm>
@@ -69,24 +70,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// e^x for x <= 0 (a score minus the row's max; Cephes polynomial, ~1 ulp); NaN stays NaN
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // NaN: max returns its second operand
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 struct Args {
@@ -258,7 +241,7 @@ inline void softmax_row(float* s, int64_t n, int64_t vlo, int64_t vhi, const flo
   __m256 acc = _mm256_setzero_ps();
   for (i = 0; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + i), mm);
-    const __m256 e = _mm256_and_ps(exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ));  // -inf: 0
+    const __m256 e = _mm256_and_ps(simd::exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ));  // -inf: 0
     _mm256_storeu_ps(s + i, e);
     acc = _mm256_add_ps(acc, e);
   }

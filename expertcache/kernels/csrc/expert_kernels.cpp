@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include "registry.h"
+#include "simd_math.h"
 #include "thread_pool.h"
 
 #include <algorithm>
@@ -482,26 +483,6 @@ at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int6
   return y;
 }
 
-// e^x for 8 floats (Cephes-style: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial; relative error
-// ~2e-7 over the clamped range [-87.3, 88.7]: below it e^x reads as ~1e-38, above as ~3e38, where
-// x / (1 + e^-x) is already 0 or x to float precision)
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split hi + lo: exact reduction
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // h[j] = act(g[j] (+ bg[j]), u[j] (+ bu[j])) for j < n (act codes as in moe(); biases may be null)
@@ -516,11 +497,11 @@ void activate(const float* g, const float* u, const float* bg, const float* bu, 
     if (bu) uv = _mm256_add_ps(uv, _mm256_loadu_ps(bu + j));
     __m256 hv;
     if (act == 0) {
-      hv = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))), uv);
+      hv = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, simd::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))), uv);
     } else {
-      gv = _mm256_min_ps(gv, lv);
-      uv = _mm256_max_ps(nlv, _mm256_min_ps(uv, lv));
-      hv = _mm256_div_ps(_mm256_mul_ps(_mm256_add_ps(uv, one), gv), _mm256_add_ps(one, exp8(_mm256_mul_ps(av, gv))));
+      gv = _mm256_min_ps(lv, gv);  // NaN stays NaN (the second operand), as std::min(gv, lim) keeps it
+      uv = _mm256_max_ps(nlv, _mm256_min_ps(lv, uv));
+      hv = _mm256_div_ps(_mm256_mul_ps(_mm256_add_ps(uv, one), gv), _mm256_add_ps(one, simd::exp8(_mm256_mul_ps(av, gv))));
     }
     _mm256_storeu_ps(h + j, hv);
   }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "registry.h"
+#include "simd_math.h"
 #include "thread_pool.h"
 
 namespace {
@@ -117,23 +118,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
 
 // ---- row_stats ---------------------------------------------------------------------------------------
 
-// exp(x) for x <= 0 (Cephes' polynomial, ~1e-7 relative; below -87.3 it returns ~0, -inf included)
-inline __m256 exp_neg(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  const __m256 x2 = _mm256_mul_ps(x, x);
-  y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+// exp(x) for x <= 0 (simd::exp8; below -87.3 it returns ~0, -inf included, and so does NaN here: the
+// rows' finiteness is tracked apart)
+inline __m256 exp_neg(__m256 x) { return simd::exp8(_mm256_max_ps(x, _mm256_set1_ps(-87.3f))); }
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
