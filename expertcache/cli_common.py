@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-head", choices=["int8"], default=None,
                    help="quantize lm_head at load (int8, group 128): a quarter of its float32 bytes and half its "
                         "bf16 bytes read per token (default: as stored)")
+    p.add_argument("--cpu-math", choices=["exact", "fast"], default="exact",
+                   help="how the CPU kernels multiply: exact = float32 activations (default); fast = as llama.cpp, "
+                        "bf16 weights against activations rounded to bf16 and int8 weights against activations "
+                        "quantized to int8 per 64 (AVX-512 BF16/VNNI; refused on a CPU without them)")
     p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="skip the NaN/inf scan of dense weights at load and of each expert at its first read")
     p.add_argument("--record-routing", default=None, metavar="FILE",
@@ -121,7 +125,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True,
               low_memory=args.low_memory, record_routing=args.record_routing, check_finite=args.check_finite,
-              lm_head=args.lm_head)
+              lm_head=args.lm_head, cpu_math=args.cpu_math)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
              "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
     if args.prefetch is not None:

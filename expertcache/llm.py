@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import kernels
 from .engine.kv_cache import KVCache, auto_kv_blocks, default_max_model_len
 from .engine.llm_engine import LLMEngine
 from .engine.params import RequestOutput, SamplingParams
@@ -45,13 +46,13 @@ class LLM:
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
                  progress=False, verbose: bool = False, low_memory: bool = False,
                  record_routing: str | None = None, expert_parallel=None, check_finite: bool = True,
-                 revision: str | None = None, lm_head: str | None = None, **cache_options):
+                 revision: str | None = None, lm_head: str | None = None, cpu_math: str = "exact", **cache_options):
         # the arguments every expert-parallel rank builds its own LLM from (callables stay here)
         worker_kwargs = dict(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              kv_cache_memory=kv_cache_memory, block_size=block_size,
                              prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
-                             revision=revision, lm_head=lm_head, **cache_options)
+                             revision=revision, lm_head=lm_head, cpu_math=cpu_math, **cache_options)
         # every cache option checked before anything is read (CacheConfig's invariants)
         self.cache_config = CacheConfig.from_options(low_memory=low_memory, **cache_options)
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
@@ -67,6 +68,12 @@ class LLM:
         self.device = torch.device(device)
         if lm_head is not None:
             lm_head_method(lm_head)  # an unknown format is an error before anything loads
+        try:
+            unavailable = kernels.cpu_math_unavailable(cpu_math)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if unavailable:
+            raise ConfigError(f"cpu_math={cpu_math!r}: {unavailable}; use cpu_math='exact'")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(self.device)
@@ -138,7 +145,7 @@ class LLM:
             self.experts = self._make_experts(self.cache_config, bar.update, show_plan, num_blocks * kv_bytes + state_bytes)
             self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype,
                                         bar.update, self.quant, low_memory=low_memory, check_finite=check_finite,
-                                        lm_head=lm_head)
+                                        lm_head=lm_head, cpu_math=cpu_math)
         except BaseException:
             if self.experts is not None:
                 self.experts.close()  # its I/O threads
@@ -146,6 +153,8 @@ class LLM:
         finally:
             bar.close()  # before an error is printed: no half progress bar on its line
 
+        if cpu_math != "exact":
+            self.plan_lines.append(f"cpu math: {cpu_math} ({kernels.CPU_MATH_NOTES[cpu_math]})")
         if lm_head is not None:
             self.plan_lines.append(f"lm_head: {lm_head} (group {LM_HEAD_FORMATS[lm_head]['group_size']}), quantized at "
                                    f"load: {fmt_bytes(self.model.lm_head.nbytes)} read per token")

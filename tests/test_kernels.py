@@ -79,7 +79,7 @@ def test_linear_every_format_against_float64(fmt, params, path):
     ext = kernels.extension()
     for T in TOKENS:
         x = torch.randn(T, k, generator=torch.Generator().manual_seed(T))
-        y = ext.linear(x, spec, 0, PATHS[path], 8)
+        y = ext.linear(x, spec, 0, PATHS[path], 8, 0)
         assert y.shape == (T, n) and y.dtype == torch.float32
         _close(y, x.double() @ w[0].T, x.double().abs() @ w[0].abs().T)
 
@@ -226,7 +226,7 @@ def test_threads_agree_and_a_forked_child_computes():
         ys = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            ys.append(ext.linear(x, spec, 0, 1 << 30, 8))
+            ys.append(ext.linear(x, spec, 0, 1 << 30, 8, 0))
         ctx = multiprocessing.get_context("fork")
         with ctx.Pool(1) as child:
             forked = child.apply_async(_linear_in_child, (x, spec)).get(timeout=60)
@@ -334,7 +334,7 @@ def test_activation_keeps_nan(act):
 
 def _linear_in_child(x, spec):
     torch.set_num_threads(2)
-    return kernels.extension().linear(x, spec, 0, 1 << 30, 8)
+    return kernels.extension().linear(x, spec, 0, 1 << 30, 8, 0)
 
 
 def _no_extension(monkeypatch, why="no C++ compiler found (install g++ and run `make setup`)"):
@@ -374,7 +374,7 @@ def test_a_finished_build_loads_without_ninja_or_its_lock(monkeypatch, tmp_path)
     mod, why = build._compile()
     assert why == "" and mod.cpu_supported()
     x, w = torch.randn(3, 40), torch.randn(5, 40).bfloat16()
-    y = mod.linear(x, kernels.formats.plain_spec(w.unsqueeze(0)), 0, 1 << 30, 8)
+    y = mod.linear(x, kernels.formats.plain_spec(w.unsqueeze(0)), 0, 1 << 30, 8, 0)
     assert torch.allclose(y, x @ w.float().T, atol=1e-5)
     (tmp_path / build.BUILT).unlink()  # no marker: an unfinished directory is built, not trusted
     mod, why = build._compile()

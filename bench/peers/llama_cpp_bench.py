@@ -4,7 +4,7 @@ all weights resident, 2 threads; llama-bench and expertcache alternate round by 
 ratios come from the medians of that one run.
 
     python bench/peers/llama_cpp_bench.py [--cache ~/.cache/expertcache-peers] [--rounds 5] [--threads 2]
-        [--formats bf16 int8] [--prompt 128] [--gen 32]
+        [--formats bf16 int8] [--cpu-math exact fast] [--prompt 128] [--gen 32]
 
 Once (kept in --cache): llama.cpp is built from the llama-cpp-python==0.3.36 source distribution
 (its vendored llama.cpp, commit 0c1e570; cmake + ninja, `llama-bench` and `llama-quantize`), the
@@ -17,10 +17,13 @@ warm in the page cache), then the same counts through one long-lived expertcache
 loaded once, prefix caching off so that every round prefills the whole prompt, as llama-bench does): a
 P-token prompt's prefill and G decode steps (greedy, ignore_eos; decode timed end to end: the
 generate call's wall time less the prefill's, bench/common.py timed_generate). Lines:
-    peer: round=R engine=... format=... pp_tok_s=... tg_tok_s=...
-    peer-summary: format=... llama_pp=... expertcache_pp=... pp_ratio=... llama_tg=... expertcache_tg=... tg_ratio=...
-    peer-rounds: format=... pp_ratio_median=... pp_ratio_range=... tg_ratio_median=... tg_ratio_range=... (per round)
-    streaming: format=... bytes_per_token_GB=... effective_GBps=... read_GBps=... (median of one read per round)
+    peer: round=R engine=... format=... [cpu_math=...] pp_tok_s=... tg_tok_s=...
+    peer-summary: format=... cpu_math=... llama_pp=... expertcache_pp=... pp_ratio=... llama_tg=... expertcache_tg=... tg_ratio=...
+    peer-rounds: format=... cpu_math=... pp_ratio_median=... pp_ratio_range=... tg_ratio_median=... (per round)
+    streaming: format=... cpu_math=... bytes_per_token_GB=... effective_GBps=... read_GBps=... (median of one read per round)
+--cpu-math names expertcache's CPU maths to run (one process each, alternating with llama-bench in
+every round): exact (float32 activations, the default) and fast (activations rounded to bf16 /
+quantized to int8 as llama.cpp does; AVX-512 BF16/VNNI).
 Not part of CI: it needs cmake, a C++ compiler, ~15 minutes of build and ~12 GB of disk, and the
 converter's Python packages (`pip install -e ".[peers]"`).
 """
@@ -172,6 +175,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--formats", nargs="+", default=["bf16", "int8"], choices=sorted(PEER_FORMAT))
+    ap.add_argument("--cpu-math", nargs="+", default=["exact"], choices=["exact", "fast"])
     ap.add_argument("--tokenizer", type=Path, default=HERE.parents[2] / "shared" / "tokenizers" / "qwen3",
                     help="a Qwen3 tokenizer.json + tokenizer_config.json for the GGUF (default: ../shared/tokenizers/qwen3)")
     args = ap.parse_args()
@@ -191,38 +195,42 @@ def main() -> None:
     for fmt in args.formats:
         model, gguf = paths[fmt]
         peer = PEER_FORMAT[fmt]
-        worker = Worker(model, args.prompt, args.gen, args.threads, OPTIONS[fmt])
-        res = {"llama.cpp": [], "expertcache": []}
+        workers = {m: Worker(model, args.prompt, args.gen, args.threads, {**OPTIONS[fmt], "cpu_math": m})
+                   for m in args.cpu_math}
+        res = {"llama.cpp": [], **{m: [] for m in workers}}
         bws = []
         try:
             for r in range(args.rounds):
                 bws.append(read_bandwidth())  # per round: the limit moves with the machine's load
-                for engine in ("llama.cpp", "expertcache"):
+                for engine in res:
                     t0 = time.perf_counter()
                     pp, tg = (llama_bench(bindir, gguf, args.prompt, args.gen, args.threads) if engine == "llama.cpp"
-                              else worker.run())
+                              else workers[engine].run())
                     res[engine].append((pp, tg))
-                    print(f"peer: round={r} engine={engine} format={peer if engine == 'llama.cpp' else fmt} "
-                          f"pp{args.prompt}_tok_s={pp:.1f} tg{args.gen}_tok_s={tg:.2f} wall_s={time.perf_counter() - t0:.0f}",
-                          flush=True)
+                    what = f"llama.cpp format={peer}" if engine == "llama.cpp" else f"expertcache format={fmt} cpu_math={engine}"
+                    print(f"peer: round={r} engine={what} pp{args.prompt}_tok_s={pp:.1f} tg{args.gen}_tok_s={tg:.2f} "
+                          f"wall_s={time.perf_counter() - t0:.0f}", flush=True)
         finally:
-            worker.close()
-        med = {e: (statistics.median(p for p, _ in v), statistics.median(t for _, t in v)) for e, v in res.items()}
-        (lp, lt), (ep, et) = med["llama.cpp"], med["expertcache"]
-        print(f"peer-summary: format={fmt} options={OPTIONS[fmt]} vs llama.cpp {peer} rounds={args.rounds} threads={args.threads} "
-              f"llama_pp={lp:.1f} expertcache_pp={ep:.1f} pp_ratio={ep / lp:.2f} "
-              f"llama_tg={lt:.2f} expertcache_tg={et:.2f} tg_ratio={et / lt:.2f}", flush=True)
-        # the machine's speed drifts between rounds (both engines together): the ratio within each round
-        # (llama-bench then expertcache, back to back) is the steadier comparison
-        rounds = list(zip(res["llama.cpp"], res["expertcache"]))
-        rp = sorted(e[0] / l[0] for l, e in rounds)
-        rt = sorted(e[1] / l[1] for l, e in rounds)
-        print(f"peer-rounds: format={fmt} pp_ratio_median={statistics.median(rp):.2f} pp_ratio_range={rp[0]:.2f}-{rp[-1]:.2f} "
-              f"tg_ratio_median={statistics.median(rt):.2f} tg_ratio_range={rt[0]:.2f}-{rt[-1]:.2f}", flush=True)
-        gb, bw = worker.info["bytes_per_token"] / 1e9, statistics.median(bws)
-        print(f"streaming: format={fmt} bytes_per_token_GB={gb:.3f} (top-k experts + attention + routers + lm_head) "
-              f"effective_GBps={gb * et:.1f} read_GBps={bw:.1f} share={gb * et / bw:.0%}", flush=True)
-
+            for w in workers.values():
+                w.close()
+        lp, lt = statistics.median(p for p, _ in res["llama.cpp"]), statistics.median(t for _, t in res["llama.cpp"])
+        for m, w in workers.items():
+            ep, et = statistics.median(p for p, _ in res[m]), statistics.median(t for _, t in res[m])
+            print(f"peer-summary: format={fmt} cpu_math={m} options={OPTIONS[fmt]} vs llama.cpp {peer} rounds={args.rounds} "
+                  f"threads={args.threads} llama_pp={lp:.1f} expertcache_pp={ep:.1f} pp_ratio={ep / lp:.2f} "
+                  f"llama_tg={lt:.2f} expertcache_tg={et:.2f} tg_ratio={et / lt:.2f}", flush=True)
+            # the machine's speed drifts between rounds (both engines together): the ratio within each round
+            # (llama-bench then expertcache, back to back) is the steadier comparison
+            rounds = list(zip(res["llama.cpp"], res[m]))
+            rp = sorted(e[0] / l[0] for l, e in rounds)
+            rt = sorted(e[1] / l[1] for l, e in rounds)
+            print(f"peer-rounds: format={fmt} cpu_math={m} pp_ratio_median={statistics.median(rp):.2f} "
+                  f"pp_ratio_range={rp[0]:.2f}-{rp[-1]:.2f} tg_ratio_median={statistics.median(rt):.2f} "
+                  f"tg_ratio_range={rt[0]:.2f}-{rt[-1]:.2f}", flush=True)
+            gb, bw = w.info["bytes_per_token"] / 1e9, statistics.median(bws)
+            print(f"streaming: format={fmt} cpu_math={m} bytes_per_token_GB={gb:.3f} (top-k experts + attention + "
+                  f"routers + lm_head) effective_GBps={gb * et:.1f} read_GBps={bw:.1f} share={gb * et / bw:.0%}",
+                  flush=True)
 
 if __name__ == "__main__":
     main()

@@ -34,6 +34,15 @@ SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6
 # 128 25.3-26.1 / 25.1-25.2 / 29.4-30.4, 256 27.2 / 24.9 / 31.0, 512 27.3 / 22.6 / 30.9.
 ROWS_PER_UNIT = 256
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+# The CPU math of the kernels (`--cpu-math`). exact: float32 activations, the fp32 logits within 1e-4
+# of the torch path. fast: as llama.cpp computes, bf16 weights against activations rounded to bf16
+# (vdpbf16ps) and int8 weights against activations quantized to int8 per block of 64 (vpdpbusd);
+# the other formats stay exact. It needs AVX-512 F/BW/VL/BF16/VNNI (csrc/fast_kernels.h).
+CPU_MATHS = {"exact": 0, "fast": 1}
+CPU_MATH_NOTES = {"exact": "float32 activations",
+                  "fast": "bf16 and int8 weights against activations rounded to bf16 / int8 blocks of 64, "
+                          "AVX-512 BF16/VNNI; other formats exact"}
+_math = [0]  # the code in effect: set by cpu_math() around a forward
 
 
 def backend() -> str:
@@ -60,6 +69,30 @@ def cpu_threads(device: torch.device | str):
     finally:
         torch.set_num_threads(n)
         ext.set_threads(0)
+
+
+def cpu_math_unavailable(math: str) -> str | None:
+    """Why CPU math `math` cannot be used here (None: it can); raises ValueError for an unknown name."""
+    if math not in CPU_MATHS:
+        raise ValueError(f"cpu_math: one of {', '.join(CPU_MATHS)}, got {math!r}")
+    if math == "exact":
+        return None
+    if extension() is None:
+        return f"the C++ kernels are not in use ({why()})"
+    if not extension().fast_supported():
+        return "this CPU lacks AVX-512 F/BW/VL/BF16/VNNI"
+    return None
+
+
+@contextmanager
+def cpu_math(math: str):
+    """Around a forward: the kernels compute with CPU math `math` (CPU_MATHS), restored afterwards."""
+    saved = _math[0]
+    _math[0] = CPU_MATHS[math]
+    try:
+        yield
+    finally:
+        _math[0] = saved
 
 
 def reads_stored(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -129,7 +162,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     if x2.shape[0] == 0:  # no rows (an expert-parallel worker's lm_head): nothing for the kernel to do
         return x.new_empty(*x.shape[:-1], w.shape[0])
-    y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT)
+    y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT, _math[0])
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -156,7 +189,7 @@ def quant_linear(x: torch.Tensor, method, parts: dict[str, torch.Tensor], proj: 
         return None
     spec = specs[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    return extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT).view(*x.shape[:-1], spec[4])
+    return extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT, _math[0]).view(*x.shape[:-1], spec[4])
 
 
 def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple:
@@ -209,8 +242,8 @@ def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[
     bias = _biases(pool, ffn is not None and ffn.interleaved)
     alpha, limit = (1.0, float("inf")) if ffn is None else (ffn.alpha, ffn.limit)
     extension().moe(x.contiguous(), slots.contiguous(), weights.float().contiguous(), *specs,
-                    ACTIVATIONS[act], alpha, limit, *bias, out, SMALL_T[specs[0][0]], ROWS_PER_UNIT)
+                    ACTIVATIONS[act], alpha, limit, *bias, out, SMALL_T[specs[0][0]], ROWS_PER_UNIT, _math[0])
     return True
 
 
-__all__ = ["backend", "cpu_threads", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "why", "Unsupported"]
+__all__ = ["backend", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "why", "Unsupported"]

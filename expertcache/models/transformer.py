@@ -42,8 +42,10 @@ KEEP_LAYER_OUTPUTS = 16 << 20
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
                  device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
-                 quant=None, low_memory: bool = False, check_finite: bool = True, lm_head: str | None = None):
+                 quant=None, low_memory: bool = False, check_finite: bool = True, lm_head: str | None = None,
+                 cpu_math: str = "exact"):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
+        self.cpu_math = cpu_math  # kernels.CPU_MATHS: how the CPU kernels compute in every forward
         # per forward with logits_rows: `finite_after` [num_layers, B] bool, row b's hidden state finite
         # after layer l (read only when a sequence's logits are not finite, to name the layer where it
         # started): derived on first read from the layers' outputs kept by the forward
@@ -156,7 +158,7 @@ class MoETransformer:
                 logits_rows: torch.Tensor | None = None, states: StateBatch | None = None) -> torch.Tensor:
         """input_ids [T] -> logits [len(logits_rows) or T, V] in float32. kv: one (k, v) cache pair per
         attention layer; states: the sequences' linear-attention states (hybrid models only)."""
-        with kernels.cpu_threads(self.device):
+        with kernels.cpu_threads(self.device), kernels.cpu_math(self.cpu_math):
             return self._forward(input_ids, batch, kv, logits_rows, states)
 
     @property

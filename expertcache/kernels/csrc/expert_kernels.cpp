@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "fast_kernels.h"
 #include "registry.h"
 #include "simd_math.h"
 #include "thread_pool.h"
@@ -31,6 +32,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -411,6 +413,81 @@ void gemm_any(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float*
 
 using pool::run_units;  // units handed out dynamically, so uneven units balance across threads
 
+// ---- the fast math (fast_kernels.h): activations prepared once per call -----------------------------
+// math 0 (exact): float32 activations, the sums above. math 1 (fast): bf16 and int8 weights go through
+// fastk with rounded / quantized activations; every other format is computed exactly.
+enum Math { EXACT = 0, FAST = 1 };
+
+bool fast_reads(const WView& W) {
+  return W.fmt == BF16 || (W.fmt == INT8 && W.Bo == 1 && (W.G >= W.K || W.G % fastk::BLOCK == 0));
+}
+
+int64_t check_math(int64_t math) {
+  TORCH_CHECK(math == EXACT || math == FAST, "math must be 0 (exact) or 1 (fast), got ", math);
+  TORCH_CHECK(math == EXACT || fastk::supported(), "the fast CPU math needs AVX-512 F/BW/VL/BF16/VNNI");
+  return math;
+}
+
+// T rows of activations [K] in the form the fast kernel of weight format `fmt` reads
+struct FastX {
+  int64_t Kp = 0;
+  std::vector<uint16_t> bf;  // [T, Kp]
+  std::vector<uint8_t> q;    // [T, Kp]
+  std::vector<float> s;      // [T, Kp / BLOCK]
+
+  FastX(int fmt, const float* const* xr, int64_t T, int64_t K) : Kp(fastk::padded(K)) {
+    if (fmt == BF16) bf.resize(T * Kp);
+    else {
+      q.resize(T * Kp);
+      s.resize(T * (Kp / fastk::BLOCK));
+    }
+    auto one = [&](int64_t t) {
+      if (fmt == BF16) fastk::prep_bf16(xr[t], K, bf.data() + t * Kp);
+      else fastk::prep_q8(xr[t], K, q.data() + t * Kp, s.data() + t * (Kp / fastk::BLOCK));
+    };
+    constexpr int64_t per = 16;
+    if (T <= per) for (int64_t t = 0; t < T; ++t) one(t);
+    else run_units((T + per - 1) / per, [&](int64_t u) {
+      for (int64_t t = u * per; t < std::min(T, (u + 1) * per); ++t) one(t);
+    });
+  }
+};
+
+// row pointers into a FastX, one per entry of `rows` (a pair's token, or 0..T-1)
+struct FastRows {
+  std::vector<const uint16_t*> bf;
+  std::vector<const uint8_t*> q;
+  std::vector<const float*> s;
+  FastRows(const FastX& f, const std::vector<int64_t>& rows) {
+    for (int64_t i : rows) {
+      if (!f.bf.empty()) bf.push_back(f.bf.data() + i * f.Kp);
+      else {
+        q.push_back(f.q.data() + i * f.Kp);
+        s.push_back(f.s.data() + i * (f.Kp / fastk::BLOCK));
+      }
+    }
+  }
+};
+
+// y[t * ldy + (n - n0)] = W[slot, n] . (prepared row off + t), n in [n0, n1), t < T
+void fast_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const FastRows& fr, int64_t off, int64_t T,
+               float* y, int64_t ldy) {
+  const uint8_t* d = W.d + slot * W.d_slot + n0 * W.d_row;
+  if (W.fmt == BF16) {
+    fastk::rows_bf16(d, W.d_row, n1 - n0, W.K, fr.bf.data() + off, T, y, ldy);
+  } else {
+    const float* s = W.s + slot * W.s_slot + n0 * W.s_row;
+    fastk::rows_q8(d, W.d_row, s, W.s_row, std::min(W.G, W.K), n1 - n0, W.K, fr.q.data() + off, fr.s.data() + off, T,
+                   y, ldy);
+  }
+}
+
+std::vector<int64_t> iota(int64_t n) {
+  std::vector<int64_t> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = i;
+  return v;
+}
+
 // ---- argument unpacking ------------------------------------------------------------------------------
 // spec = (fmt, data [S, N, ...], scale [S, *, ng] or None, zero [S, N, ng] or None, N, K, G, Bo)
 WView view_of(const py::tuple& spec, const char* what) {
@@ -464,8 +541,10 @@ void check_x(const at::Tensor& x, int64_t K, const char* what) {
 }
 
 // y [T, N] = x [T, K] @ W[slot]^T
-at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int64_t small_t, int64_t rows_per_unit) {
+at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int64_t small_t, int64_t rows_per_unit,
+                  int64_t math) {
   const WView W = view_of(spec, "linear");
+  const bool fast = check_math(math) == FAST && fast_reads(W);
   check_x(x, W.K, "linear");
   const int64_t T = x.size(0);
   at::Tensor y = at::empty({T, W.N}, x.options());
@@ -475,10 +554,19 @@ at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int6
   const int64_t units = (W.N + rows_per_unit - 1) / rows_per_unit;
   {
     pybind11::gil_scoped_release nogil;
-    run_units(units, [&](int64_t u) {
-      const int64_t n0 = u * rows_per_unit, n1 = std::min(n0 + rows_per_unit, W.N);
-      gemm_any(W, slot, n0, n1, xr.data(), T, yp + n0, W.N, small_t);
-    });
+    if (fast) {
+      const FastX fx(W.fmt, xr.data(), T, W.K);
+      const FastRows fr(fx, iota(T));
+      run_units(units, [&](int64_t u) {
+        const int64_t n0 = u * rows_per_unit, n1 = std::min(n0 + rows_per_unit, W.N);
+        fast_gemm(W, slot, n0, n1, fr, 0, T, yp + n0, W.N);
+      });
+    } else {
+      run_units(units, [&](int64_t u) {
+        const int64_t n0 = u * rows_per_unit, n1 = std::min(n0 + rows_per_unit, W.N);
+        gemm_any(W, slot, n0, n1, xr.data(), T, yp + n0, W.N, small_t);
+      });
+    }
   }
   return y;
 }
@@ -523,8 +611,10 @@ void activate(const float* g, const float* u, const float* bg, const float* bu, 
 void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights, const py::tuple& gate_spec,
          const py::tuple& up_spec, const py::tuple& down_spec, int64_t act, double alpha, double limit,
          const py::object& gate_bias, const py::object& up_bias, const py::object& down_bias, at::Tensor& out,
-         int64_t small_t, int64_t rows_per_unit) {
+         int64_t small_t, int64_t rows_per_unit, int64_t math) {
   const WView Wg = view_of(gate_spec, "gate"), Wu = view_of(up_spec, "up"), Wd = view_of(down_spec, "down");
+  const bool fast = check_math(math) == FAST;
+  const bool fast_gu = fast && fast_reads(Wg) && fast_reads(Wu) && Wg.fmt == Wu.fmt, fast_d = fast && fast_reads(Wd);
   const int64_t H = Wg.K, I = Wg.N;
   check_x(x, H, "moe");
   TORCH_CHECK(Wu.N == I && Wu.K == H && Wd.N == H && Wd.K == I, "moe: gate/up [I, H] and down [H, I] disagree");
@@ -588,6 +678,14 @@ void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights
   pybind11::gil_scoped_release nogil;
   // phase 1: h = act(gate x, up x), units = (group, block of I rows)
   const int64_t rb = rows_per_unit, per_g = (I + rb - 1) / rb;
+  std::vector<const float*> xt(T);
+  for (int64_t t = 0; t < T; ++t) xt[t] = xp + t * H;
+  std::unique_ptr<FastX> fx;
+  std::unique_ptr<FastRows> fr;
+  if (fast_gu) {  // x once per token; a pair's row is its token's
+    fx.reset(new FastX(Wg.fmt, xt.data(), T, H));
+    fr.reset(new FastRows(*fx, tok));
+  }
   run_units(NG * per_g, [&](int64_t u) {
     const int64_t g = u / per_g, n0 = (u % per_g) * rb, n1 = std::min(n0 + rb, I), nb = n1 - n0;
     const int64_t n = goff[g + 1] - goff[g], slot = gslot[g];
@@ -595,8 +693,13 @@ void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights
     std::vector<float>& tu = scratch(1);
     tg.resize(n * nb);
     tu.resize(n * nb);
-    gemm_any(Wg, slot, n0, n1, xr.data() + goff[g], n, tg.data(), nb, small_t);
-    gemm_any(Wu, slot, n0, n1, xr.data() + goff[g], n, tu.data(), nb, small_t);
+    if (fast_gu) {
+      fast_gemm(Wg, slot, n0, n1, *fr, goff[g], n, tg.data(), nb);
+      fast_gemm(Wu, slot, n0, n1, *fr, goff[g], n, tu.data(), nb);
+    } else {
+      gemm_any(Wg, slot, n0, n1, xr.data() + goff[g], n, tg.data(), nb, small_t);
+      gemm_any(Wu, slot, n0, n1, xr.data() + goff[g], n, tu.data(), nb, small_t);
+    }
     for (int64_t t = 0; t < n; ++t)
       activate(tg.data() + t * nb, tu.data() + t * nb, bg ? bg + slot * I + n0 : nullptr, bu ? bu + slot * I + n0 : nullptr,
                nb, act, a, lim, h.data() + (goff[g] + t) * I + n0);
@@ -607,9 +710,15 @@ void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights
   // over every group (one thread, busy machine, yardstick layer): +7% bandwidth at T=1, +10% at T=8.
   std::vector<float> yq(NP * H);
   const int64_t per_h = (H + rb - 1) / rb;
+  if (fast_d) {  // h once per pair
+    fx.reset(new FastX(Wd.fmt, hr.data(), NP, I));
+    fr.reset(new FastRows(*fx, iota(NP)));
+  }
   run_units(NG * per_h, [&](int64_t u) {
     const int64_t g = u / per_h, n0 = (u % per_h) * rb, n1 = std::min(n0 + rb, H);
-    gemm_any(Wd, gslot[g], n0, n1, hr.data() + goff[g], goff[g + 1] - goff[g], yq.data() + goff[g] * H + n0, H, small_t);
+    float* yg = yq.data() + goff[g] * H + n0;
+    if (fast_d) fast_gemm(Wd, gslot[g], n0, n1, *fr, goff[g], goff[g + 1] - goff[g], yg, H);
+    else gemm_any(Wd, gslot[g], n0, n1, hr.data() + goff[g], goff[g + 1] - goff[g], yg, H, small_t);
   });
   std::vector<int64_t> slot_of(NP);
   for (int64_t g = 0; g < NG; ++g)
@@ -636,10 +745,10 @@ bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_su
 
 void register_expert_kernels(py::module_& m) {
   m.def("linear", &linear, "y [T, N] = x [T, K] @ W[slot]^T", py::arg("x"), py::arg("spec"), py::arg("slot"),
-        py::arg("small_t"), py::arg("rows_per_unit"));
+        py::arg("small_t"), py::arg("rows_per_unit"), py::arg("math"));
+  m.def("fast_supported", &fastk::supported, "the CPU has what the fast math needs (AVX-512 F/BW/VL/BF16/VNNI)");
   m.def("moe", &moe, "grouped expert FFN of one MoE layer, accumulated into out");
   m.def("set_threads", [](int64_t n) { pool::instance().set_threads(n); }, "kernel threads (0: torch's count)");
-  m.def("set_spin_us", [](int64_t us) { pool::instance().set_spin_us(us); }, "how long an idle worker spins before it sleeps");
   m.def("spin_us", [] { return pool::instance().spin_us(); }, "how long an idle worker spins before it sleeps");
   m.def("get_threads", [] { return pool::instance().threads(); }, "kernel threads set (0: torch's count)");
   m.def("cpu_supported", &cpu_supported, "AVX2, FMA and F16C present");
