@@ -1,7 +1,7 @@
 """Where a decode token's time goes: the engine's pieces timed in one process (each wrapped with a
 wall-clock timer; CPU ops are synchronous, so the sums are exact), batch 1, every weight resident.
 
-    python bench/decode_breakdown.py [MODEL_DIR] [--lm-head int8] [--cpu-math fast] [--threads 2] [--tokens 64] [--prompt 9] [--rounds 3]
+    python bench/decode_breakdown.py [MODEL_DIR] [--lm-head int8] [--dense int8] [--cpu-math fast] [--threads 2] [--tokens 64] [--prompt 9] [--rounds 3]
 
 MODEL_DIR defaults to the peer benchmark's yardstick (~/.cache/expertcache-peers/yardstick, built by
 bench/peers/llama_cpp_bench.py). One line per piece (the last round): ms per decode step, calls per
@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default=str(Path.home() / ".cache" / "expertcache-peers" / "yardstick"))
     ap.add_argument("--lm-head", default=None)
     ap.add_argument("--cpu-math", default="exact", choices=["exact", "fast"])
+    ap.add_argument("--dense", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -39,7 +40,7 @@ def main() -> None:
     from expertcache import LLM, SamplingParams
 
     llm = LLM(a.model, max_model_len=512, kv_cache_memory="64MiB", prefix_caching=False, lm_head=a.lm_head,
-              cpu_math=a.cpu_math)
+              cpu_math=a.cpu_math, dense=a.dense)
     prompt = [3 + i % 2000 for i in range(a.prompt)]
     llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     spent, calls = collections.Counter(), collections.Counter()

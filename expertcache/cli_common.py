@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-head", choices=["int8"], default=None,
                    help="quantize lm_head at load (int8, group 128): a quarter of its float32 bytes and half its "
                         "bf16 bytes read per token (default: as stored)")
+    p.add_argument("--dense", choices=["int8"], default=None,
+                   help="quantize the dense projections at load (int8, group 128): a standard attention's "
+                        "q/k/v/o, dense MLPs and shared experts (default: as stored)")
     p.add_argument("--cpu-math", choices=["exact", "fast"], default="exact",
                    help="how the CPU kernels multiply: exact = float32 activations (default); fast = as llama.cpp, "
                         "bf16 weights against activations rounded to bf16 and int8 weights against activations "
@@ -125,7 +128,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True,
               low_memory=args.low_memory, record_routing=args.record_routing, check_finite=args.check_finite,
-              lm_head=args.lm_head, cpu_math=args.cpu_math)
+              lm_head=args.lm_head, cpu_math=args.cpu_math, dense=args.dense)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
              "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
     if args.prefetch is not None:

@@ -26,7 +26,7 @@ from .errors import CheckpointError, ConfigError
 from .experts.config import CacheConfig
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
-from .layers.basic import LM_HEAD_FORMATS, lm_head_method
+from .layers.basic import LM_HEAD_FORMATS, QuantizedWeight, lm_head_method
 from .loader.checks import check_layer_count
 from .models.mtp import drop_mtp_layers
 from .models.registry import open_index, read_config
@@ -46,13 +46,14 @@ class LLM:
                  kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
                  progress=False, verbose: bool = False, low_memory: bool = False,
                  record_routing: str | None = None, expert_parallel=None, check_finite: bool = True,
-                 revision: str | None = None, lm_head: str | None = None, cpu_math: str = "exact", **cache_options):
+                 revision: str | None = None, lm_head: str | None = None, cpu_math: str = "exact", dense: str | None = None,
+                 **cache_options):
         # the arguments every expert-parallel rank builds its own LLM from (callables stay here)
         worker_kwargs = dict(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              kv_cache_memory=kv_cache_memory, block_size=block_size,
                              prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
-                             revision=revision, lm_head=lm_head, cpu_math=cpu_math, **cache_options)
+                             revision=revision, lm_head=lm_head, cpu_math=cpu_math, dense=dense, **cache_options)
         # every cache option checked before anything is read (CacheConfig's invariants)
         self.cache_config = CacheConfig.from_options(low_memory=low_memory, **cache_options)
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
@@ -68,6 +69,8 @@ class LLM:
         self.device = torch.device(device)
         if lm_head is not None:
             lm_head_method(lm_head)  # an unknown format is an error before anything loads
+        if dense is not None:
+            lm_head_method(dense, "dense")
         try:
             unavailable = kernels.cpu_math_unavailable(cpu_math)
         except ValueError as e:
@@ -145,7 +148,7 @@ class LLM:
             self.experts = self._make_experts(self.cache_config, bar.update, show_plan, num_blocks * kv_bytes + state_bytes)
             self.model = MoETransformer(self.cfg, self.family, self.index, self.experts, self.device, self.dtype,
                                         bar.update, self.quant, low_memory=low_memory, check_finite=check_finite,
-                                        lm_head=lm_head, cpu_math=cpu_math)
+                                        lm_head=lm_head, cpu_math=cpu_math, dense=dense)
         except BaseException:
             if self.experts is not None:
                 self.experts.close()  # its I/O threads
@@ -155,6 +158,12 @@ class LLM:
 
         if cpu_math != "exact":
             self.plan_lines.append(f"cpu math: {cpu_math} ({kernels.CPU_MATH_NOTES[cpu_math]})")
+        if dense is not None:
+            qw = [w for layer in self.model.layers for part in ("attn", "mlp", "shared") if part in layer
+                  for w in (layer[part].w.values() if part == "attn" else layer[part]) if isinstance(w, QuantizedWeight)]
+            self.plan_lines.append(f"dense projections: {dense} (group {LM_HEAD_FORMATS[dense]['group_size']}), "
+                                   f"quantized at load: {len(qw)} matrices, {fmt_bytes(sum(w.nbytes for w in qw))}"
+                                   f"{'' if qw else ' (this model has none of the standard attention / dense MLP kind)'}")
         if lm_head is not None:
             self.plan_lines.append(f"lm_head: {lm_head} (group {LM_HEAD_FORMATS[lm_head]['group_size']}), quantized at "
                                    f"load: {fmt_bytes(self.model.lm_head.nbytes)} read per token")

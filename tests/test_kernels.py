@@ -432,3 +432,32 @@ def test_lm_head_int8_against_float64_and_the_torch_path(bf16_model, monkeypatch
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9  # int8 lm_head: close to, not equal to, bf16
     with pytest.raises(ValueError, match="lm_head: unknown format 'int3'"):
         lm_head_method("int3")
+
+
+def test_dense_int8_equals_a_checkpoint_holding_the_dequantized_projections(bf16_model, tmp_path):
+    """--dense int8: every attention projection quantized at load (int8, group 128) computes as a checkpoint
+    whose q/k/v/o weights are replaced by their dequantized int8 values (float32; the rest as stored)."""
+    import checkpoints
+    from safetensors.torch import save_file
+
+    from expertcache.layers.basic import QuantizedWeight, lm_head_method
+
+    m = lm_head_method("int8")
+    tensors = checkpoints.read_tensors(bf16_model)
+    proj = [n for n in tensors if ".self_attn." in n and n.endswith("_proj.weight")]
+    assert len(proj) == 4 * MODEL["num_hidden_layers"]
+    for n in proj:
+        tensors[n] = m.dequantize(m.pack({"w.weight": tensors[n].float()}), "w").contiguous()
+    ref_dir = tmp_path / "dequantized"
+    shutil.copytree(bf16_model, ref_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file(tensors, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(bf16_model), dense="int8")
+    w = llm.model.layers[0]["attn"].w
+    assert all(isinstance(w[k], QuantizedWeight) for k in w if k.endswith("proj.weight"))
+    assert any(line.startswith(f"dense projections: int8 (group 128), quantized at load: {2 * MODEL['num_hidden_layers']} "
+                               "matrices") for line in llm.plan_lines)
+    got, want = llm.logits(SEQ), LLM(str(ref_dir)).logits(SEQ)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert not torch.equal(got, LLM(str(bf16_model)).logits(SEQ))  # the projections were quantized
+    with pytest.raises(ValueError, match="dense: unknown format 'int3'"):
+        LLM(str(bf16_model), dense="int3")

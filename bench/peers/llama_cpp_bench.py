@@ -10,7 +10,7 @@ Once (kept in --cache): llama.cpp is built from the llama-cpp-python==0.3.36 sou
 (its vendored llama.cpp, commit 0c1e570; cmake + ninja, `llama-bench` and `llama-quantize`), the
 yardstick checkpoint is built, converted with llama.cpp's own convert_hf_to_gguf.py (and the gguf-py
 beside it) to bf16, quantized to q8_0 with llama-quantize, and quantized to int8 experts with
-`expertcache quantize` (group 128; dense weights stay bf16, lm_head included).
+`expertcache quantize` (group 128; the dense weights, lm_head included, are quantized at load).
 
 Per round and format: `llama-bench -m M -p P -n G -r 1 -t THREADS -o json` (mmap; the weights are
 warm in the page cache), then the same counts through one long-lived expertcache process (model
@@ -44,9 +44,9 @@ sys.path.insert(0, str(HERE.parent))
 
 SDIST = "llama-cpp-python==0.3.36"
 PEER_FORMAT = {"bf16": "bf16", "int8": "q8_0"}  # expertcache format -> the llama.cpp format it is compared with
-# q8_0 quantizes every matrix, lm_head included: the int8 row reads lm_head as int8 too (`--lm-head int8`;
-# attention stays bf16 in both expertcache rows)
-OPTIONS = {"bf16": {}, "int8": {"lm_head": "int8"}}
+# q8_0 quantizes every matrix, lm_head and attention included: the int8 row quantizes them at load too
+# (`--lm-head int8 --dense int8`, group 128)
+OPTIONS = {"bf16": {}, "int8": {"lm_head": "int8", "dense": "int8"}}
 
 
 def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -129,9 +129,10 @@ prompt = torch.randint(3, 2000, ({prompt},), generator=torch.Generator().manual_
 params = SamplingParams(max_tokens={gen} + 1, temperature=0.0, ignore_eos=True)
 llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
 m, src = llm.model, llm.source
-dense = sum(t.numel() * t.element_size() for layer in m.layers for t in layer["attn"].w.values())
+size = lambda t: t.nbytes if hasattr(t, "parts") else t.numel() * t.element_size()
+dense = sum(size(t) for layer in m.layers for t in layer["attn"].w.values())
 dense += sum(layer["router"].numel() * layer["router"].element_size() for layer in m.layers if "router" in layer)
-head = m.lm_head.nbytes if hasattr(m.lm_head, "parts") else m.lm_head.numel() * m.lm_head.element_size()
+head = size(m.lm_head)
 per_token = src.expert_nbytes * src.cfg.top_k * len(src.layers) + dense + head
 print("READY " + json.dumps({{"bytes_per_token": per_token}}), flush=True)
 for line in sys.stdin:

@@ -15,12 +15,14 @@ from ..spec.model_config import ModelConfig, rope_inv_freq
 CONVERT_ROWS = 4096  # rows of a stored-dtype weight converted at a time (bounded scratch memory)
 
 
-LM_HEAD_FORMATS = {"int8": dict(group_size=128)}  # `--lm-head` choices: QuantMethod name -> parameters
+# `--lm-head` and `--dense` choices: QuantMethod name -> parameters
+LM_HEAD_FORMATS = {"int8": dict(group_size=128)}
 
 
-def lm_head_method(name: str):
+def lm_head_method(name: str, what: str = "lm_head"):
+    """The QuantMethod of load-time format `name` for `what` (lm_head, or the dense projections)."""
     if name not in LM_HEAD_FORMATS:
-        raise ValueError(f"lm_head: unknown format {name!r}; choose one of {sorted(LM_HEAD_FORMATS)} (or omit it)")
+        raise ValueError(f"{what}: unknown format {name!r}; choose one of {sorted(LM_HEAD_FORMATS)} (or omit it)")
     return make_quant_method(name, **LM_HEAD_FORMATS[name])
 
 

@@ -43,7 +43,7 @@ class MoETransformer:
     def __init__(self, cfg: ModelConfig, family: Family, index: TensorIndex, experts: ExpertProvider,
                  device: torch.device, dtype: torch.dtype, progress: Callable[[int], None] | None = None,
                  quant=None, low_memory: bool = False, check_finite: bool = True, lm_head: str | None = None,
-                 cpu_math: str = "exact"):
+                 cpu_math: str = "exact", dense: str | None = None):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.cpu_math = cpu_math  # kernels.CPU_MATHS: how the CPU kernels compute in every forward
         # per forward with logits_rows: `finite_after` [num_layers, B] bool, row b's hidden state finite
@@ -58,6 +58,14 @@ class MoETransformer:
         self.route_override = None
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         H, V, names = cfg.hidden_size, cfg.vocab_size, family.names
+        dense_method = None if dense is None else lm_head_method(dense, "dense")
+
+        def quantized(ws):  # `dense`: a standard attention's projections and the dense MLPs, quantized at load
+            if dense_method is None:
+                return ws
+            if isinstance(ws, tuple):
+                return tuple(QuantizedWeight(w, dense_method) for w in ws)
+            return {k: QuantizedWeight(w, dense_method) if k.endswith("proj.weight") else w for k, w in ws.items()}
 
         def load(name, shape, as_dtype=None):
             t = load_dense(index, name, shape, quant)
@@ -97,7 +105,7 @@ class MoETransformer:
                 layer["linear"] = GatedDeltaNet(cfg, i, load_linear_attn(load, index, f"{p}.linear_attn", cfg))
             else:
                 layer["attn"] = (MLAttention(cfg, i, load_mla(cfg, p, load), self.rotary) if cfg.mla is not None
-                                 else Attention(cfg, i, self._mha_weights(p, load, norm), self.rotary))
+                                 else Attention(cfg, i, quantized(self._mha_weights(p, load, norm)), self.rotary))
             if cfg.moe_layers[i]:
                 prefix = next((f"{p}.{m}" for m in names.moe_prefixes if f"{p}.{m}.{names.router}.weight" in index),
                               f"{p}.{names.moe_prefixes[0]}")
@@ -110,14 +118,14 @@ class MoETransformer:
                                                torch.float32)
                 if cfg.shared_expert_intermediate_size:
                     S, se = cfg.shared_expert_intermediate_size, f"{prefix}.{names.shared_expert}"
-                    layer["shared"] = (load(f"{se}.gate_proj.weight", (S, H)), load(f"{se}.up_proj.weight", (S, H)),
-                                       load(f"{se}.down_proj.weight", (H, S)))
+                    layer["shared"] = quantized((load(f"{se}.gate_proj.weight", (S, H)),
+                                                 load(f"{se}.up_proj.weight", (S, H)), load(f"{se}.down_proj.weight", (H, S))))
                     if cfg.shared_expert_gate:
                         layer["shared_gate"] = load(f"{prefix}.{names.shared_expert_gate}.weight", (1, H))
             else:
                 I = cfg.intermediate_size
-                layer["mlp"] = (load(f"{p}.mlp.gate_proj.weight", (I, H)), load(f"{p}.mlp.up_proj.weight", (I, H)),
-                                load(f"{p}.mlp.down_proj.weight", (H, I)))
+                layer["mlp"] = quantized((load(f"{p}.mlp.gate_proj.weight", (I, H)), load(f"{p}.mlp.up_proj.weight", (I, H)),
+                                          load(f"{p}.mlp.down_proj.weight", (H, I))))
             self.layers.append(layer)
         self.norm = norm("model.norm.weight", (H,))
         if tied:
