@@ -90,10 +90,13 @@ void bf_row(const uint16_t* r, int64_t K, const uint16_t* const* xb, float* y, i
 
 // y[t * ldy + i] for rows r[i], i < R
 template <int R, int TT>
-void bf_block(const uint16_t* const* r, int64_t K, const uint16_t* const* xb, float* y, int64_t ldy) {
+void bf_block(const uint16_t* const* r, int64_t K, const uint16_t* const* xb, float* y, int64_t ldy,
+              const uint16_t* ahead) {
   __m512 acc[R * TT];
   for (int i = 0; i < R * TT; ++i) acc[i] = _mm512_setzero_ps();
   auto step = [&](int64_t k, bool tail) __attribute__((always_inline)) {
+    if (ahead)
+      for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * K + k), _MM_HINT_T0);
     __m512bh w[R];
     for (int i = 0; i < R; ++i)
       w[i] = as_bh(tail ? _mm512_maskz_loadu_epi16(mask32(K - k), r[i] + k) : _mm512_loadu_si512(r[i] + k));
@@ -112,14 +115,15 @@ void bf_block(const uint16_t* const* r, int64_t K, const uint16_t* const* xb, fl
 }
 
 template <int R>
-void bf_block_n(int tt, const uint16_t* const* r, int64_t K, const uint16_t* const* xb, float* y, int64_t ldy) {
+void bf_block_n(int tt, const uint16_t* const* r, int64_t K, const uint16_t* const* xb, float* y, int64_t ldy,
+                const uint16_t* ahead) {
   switch (tt) {
-    case 1: bf_block<R, 1>(r, K, xb, y, ldy); break;
-    case 2: bf_block<R, 2>(r, K, xb, y, ldy); break;
-    case 3: bf_block<R, 3>(r, K, xb, y, ldy); break;
-    case 4: bf_block<R, 4>(r, K, xb, y, ldy); break;
-    case 5: bf_block<R, 5>(r, K, xb, y, ldy); break;
-    default: bf_block<R, 6>(r, K, xb, y, ldy); break;
+    case 1: bf_block<R, 1>(r, K, xb, y, ldy, ahead); break;
+    case 2: bf_block<R, 2>(r, K, xb, y, ldy, ahead); break;
+    case 3: bf_block<R, 3>(r, K, xb, y, ldy, ahead); break;
+    case 4: bf_block<R, 4>(r, K, xb, y, ldy, ahead); break;
+    case 5: bf_block<R, 5>(r, K, xb, y, ldy, ahead); break;
+    default: bf_block<R, 6>(r, K, xb, y, ldy, ahead); break;
   }
 }
 
@@ -211,6 +215,10 @@ void q8_block_n(int tt, const Q8Row* r, int64_t G, int64_t K, const uint8_t* con
 }
 
 constexpr int64_t RB = 4, TB = 6;  // rows kept in L1 per block, tokens per register block
+// bf16 blocks ask for the rows PF blocks ahead during their first pass. MoE layer at the yardstick's
+// prefill shape (128 tokens, 64 experts top-8, bf16, 2 threads; one run per setting, alternating):
+// none 22.7-23.3 ms, 1 block ahead 17.6, 2 blocks 17.9-19.5, 3 blocks 17.6.
+constexpr int64_t PF = 2;
 
 }  // namespace
 
@@ -266,11 +274,13 @@ void rows_bf16(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint
     for (int64_t t0 = 0; t0 < T; t0 += TB) {
       const int tt = int(lo(TB, T - t0));
       float* yt = y + t0 * ldy + a;
+      // the first pass over a block's rows also asks for the rows PF blocks ahead (rows are contiguous)
+      const uint16_t* ahead = PF && t0 == 0 && a + (PF + 1) * RB <= N && w_row == 2 * K ? row(a + PF * RB) : nullptr;
       switch (nr) {
-        case 1: bf_block_n<1>(tt, r, K, xb + t0, yt, ldy); break;
-        case 2: bf_block_n<2>(tt, r, K, xb + t0, yt, ldy); break;
-        case 3: bf_block_n<3>(tt, r, K, xb + t0, yt, ldy); break;
-        default: bf_block_n<4>(tt, r, K, xb + t0, yt, ldy); break;
+        case 1: bf_block_n<1>(tt, r, K, xb + t0, yt, ldy, ahead); break;
+        case 2: bf_block_n<2>(tt, r, K, xb + t0, yt, ldy, ahead); break;
+        case 3: bf_block_n<3>(tt, r, K, xb + t0, yt, ldy, ahead); break;
+        default: bf_block_n<4>(tt, r, K, xb + t0, yt, ldy, ahead); break;
       }
     }
   }
