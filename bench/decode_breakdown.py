@@ -62,7 +62,8 @@ def main() -> None:
     for obj, name, key in [(attention.Attention, "__call__", "attention"), (m, "_moe", "moe_total"),
                            (m.experts, "forward", "experts.forward"), (m, "_route", "route"),
                            (m, "forward", "forward"), (transformer, "linear", "lm_head"),
-                           (K, "moe", "kernels.moe"), (K, "dense_linear", "kernels.dense_linear")]:
+                           (K, "moe", "kernels.moe"), (K, "dense_linear", "kernels.dense_linear"),
+                           (K, "quant_linear", "kernels.quant_linear"), (attention, "attend", "kernels.attend")]:
         wrap(obj, name, key)
     params = SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True)
     print(hardware_line())

@@ -64,8 +64,8 @@ def main() -> None:
         wf = m.dequantize(parts, "p")
         for T in args.tokens:
             x = torch.randn(T, K)
-            runs = {"gemv": lambda: ext.linear(x, spec, 0, 1 << 30, kernels.ROWS_PER_UNIT, 0),
-                    "tiled": lambda: ext.linear(x, spec, 0, 0, kernels.ROWS_PER_UNIT, 0),
+            runs = {"gemv": lambda: ext.linear(x, spec, 0, 1 << 30, kernels.rows_per_unit(spec[0]), 0),
+                    "tiled": lambda: ext.linear(x, spec, 0, 0, kernels.rows_per_unit(spec[0]), 0),
                     "torch_fp32": lambda: F.linear(x, wf)}
             times = {k: [] for k in runs}
             for f in runs.values():

@@ -1,8 +1,9 @@
 """Decode-shaped weight streaming through the CPU kernels at the yardstick's shapes (T=1): a MoE
 layer's top-8 experts (64 per layer, 16 layers cycled so nothing stays in cache), the fused q/k/v and
-o projections, and lm_head, for several work-unit sizes (kernels.ROWS_PER_UNIT) and CPU maths
+o projections, and lm_head, for several work-unit sizes (kernels.ROWS_PER_UNIT: rows of 2-byte weights;
+other formats take the rows of about the same bytes, kernels.UNIT_ROWS) and CPU maths
 (`--cpu-math`) run alternately round by round in one process, so the comparison survives a noisy
-machine. --format int8 quantizes the experts and lm_head (group 128; attention stays bf16).
+machine. --format int8 quantizes the experts, the attention projections and lm_head (group 128).
 
     python bench/stream_bench.py [--threads 2] [--rows 256] [--cpu-math exact fast] [--format bf16] [--rounds 12]
 
@@ -26,7 +27,7 @@ from common import hardware_line  # noqa: E402
 from kernel_bench import read_bandwidth  # noqa: E402
 
 from expertcache import kernels  # noqa: E402
-from expertcache.layers.basic import QuantizedWeight  # noqa: E402
+from expertcache.layers.basic import QuantizedWeight, linear  # noqa: E402
 from expertcache.quant import make_quant_method  # noqa: E402
 
 L, S, H, I, K, V = 16, 64, 1024, 512, 8, 151936
@@ -62,12 +63,13 @@ def main() -> None:
         head = QuantizedWeight(bf(V, H).float(), method)
         moe_b = L * K * sum(t[0].nbytes for t in pools[0].values())
     attn = [(bf(1536, H), bf(H, H)) for _ in range(L)]
-    head_b = V * H * 2 if method is None else sum(t.nbytes for t in head.parts.values())
-    head_fn = (lambda x: kernels.dense_linear(x, head)) if method is None else head.linear  # noqa: E731
+    if method is not None:  # as --dense int8
+        attn = [tuple(QuantizedWeight(w.float(), method) for w in pair) for pair in attn]
+    size = lambda w: w.nbytes if method is not None else w.numel() * 2  # noqa: E731
+    attn_b, head_b = sum(size(w) for pair in attn for w in pair), size(head)
     print(hardware_line())
     print(f"memory: read_GBps={read_bandwidth():.1f} (256 MiB float32 sum, {a.threads} threads)")
     x, out, w = torch.randn(1, H), torch.zeros(1, H), torch.rand(1, K)
-    attn_b = L * (1536 + H) * H * 2
     configs = [(r, m) for r in a.rows for m in a.cpu_math]
     res = {c: [] for c in configs}
     with kernels.cpu_threads("cpu"):
@@ -81,10 +83,10 @@ def main() -> None:
                         assert kernels.moe(x, slots[i], w, pools[i], method, out)
                     c1, t1 = time.thread_time(), time.perf_counter()
                     for qkv, o in attn:
-                        kernels.dense_linear(x, qkv)
-                        kernels.dense_linear(x, o)
+                        linear(x, qkv)
+                        linear(x, o)
                     t2 = time.perf_counter()
-                    head_fn(x)
+                    linear(x, head)
                     t3 = time.perf_counter()
                 if rnd >= 2:  # warm-up rounds dropped
                     res[r, m].append((moe_b / (t1 - t0), moe_b / (c1 - c0), attn_b / (t2 - t1), head_b / (t3 - t2)))

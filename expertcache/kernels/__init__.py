@@ -32,7 +32,17 @@ SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6
 # (decode shapes of the yardstick, bf16, 2 threads, quiet machine, read bandwidth 29.5 GB/s; GB/s of
 # MoE layers / attention projections / lm_head): 32 rows 21.7 / 21.4 / 25.7, 64 24.4 / 22.4 / 28.8,
 # 128 25.3-26.1 / 25.1-25.2 / 29.4-30.4, 256 27.2 / 24.9 / 31.0, 512 27.3 / 22.6 / 30.9.
+# That is for 2-byte weights; a unit of another format has the rows of about the same bytes
+# (UNIT_ROWS: relative to bf16, by format code). int8, fast math, the same benchmark with
+# `--format int8 --cpu-math fast --rows 256 512 1024` (quiet, read bandwidth 31.7 GB/s; MoE / lm_head
+# GB/s): 256 rows 25.2 / 28.7, 512 27.2 / 34.2, 1024 25.7 / 32.9.
 ROWS_PER_UNIT = 256
+UNIT_ROWS = {0: 0.5, 1: 1, 2: 1, 3: 2, 4: 2, 5: 4, 6: 4}
+
+
+def rows_per_unit(code: int) -> int:
+    """Rows of a weight of format `code` per unit of work."""
+    return max(1, int(ROWS_PER_UNIT * UNIT_ROWS[code]))
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # The CPU math of the kernels (`--cpu-math`). exact: float32 activations, the fp32 logits within 1e-4
 # of the torch path. fast: as llama.cpp computes, bf16 weights against activations rounded to bf16
@@ -162,7 +172,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     if x2.shape[0] == 0:  # no rows (an expert-parallel worker's lm_head): nothing for the kernel to do
         return x.new_empty(*x.shape[:-1], w.shape[0])
-    y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT, _math[0])
+    y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], rows_per_unit(spec[0]), _math[0])
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -189,7 +199,7 @@ def quant_linear(x: torch.Tensor, method, parts: dict[str, torch.Tensor], proj: 
         return None
     spec = specs[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    return extension().linear(x2, spec, 0, SMALL_T[spec[0]], ROWS_PER_UNIT, _math[0]).view(*x.shape[:-1], spec[4])
+    return extension().linear(x2, spec, 0, SMALL_T[spec[0]], rows_per_unit(spec[0]), _math[0]).view(*x.shape[:-1], spec[4])
 
 
 def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple:
@@ -242,7 +252,8 @@ def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[
     bias = _biases(pool, ffn is not None and ffn.interleaved)
     alpha, limit = (1.0, float("inf")) if ffn is None else (ffn.alpha, ffn.limit)
     extension().moe(x.contiguous(), slots.contiguous(), weights.float().contiguous(), *specs,
-                    ACTIVATIONS[act], alpha, limit, *bias, out, SMALL_T[specs[0][0]], ROWS_PER_UNIT, _math[0])
+                    ACTIVATIONS[act], alpha, limit, *bias, out, SMALL_T[specs[0][0]], rows_per_unit(specs[0][0]),
+                    _math[0])
     return True
 
 
