@@ -50,6 +50,9 @@ def _group_mask(choice: torch.Tensor, group_scores: torch.Tensor, spec: RouterSp
 
 @register("softmax")
 def _softmax(logits, correction, top_k, spec):
+    fused = small_ops.softmax_topk(logits, top_k, False)  # C++ on CPU float32; it declines near-ties,
+    if fused is not None:  # so the choice is always torch's
+        return fused
     w, ids = torch.topk(F.softmax(logits, dim=-1), top_k, dim=-1)
     return ids, w
 
@@ -87,13 +90,9 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
         logits = linear(x.float(), router_w.float(), None if bias is None else bias.float())
     else:
         logits = linear(x, router_w, bias).float()
-    fused = small_ops.softmax_topk(logits, top_k, norm_topk_prob) if spec.kind == "softmax" else None
-    if fused is not None:  # the same choice as torch's (the kernel declines near-ties), renormalised
-        ids, w = fused
-    else:
-        ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec)
-        if norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if spec.kind == "noaux_tc" else 0.0))
+    ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec)
+    if norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if spec.kind == "noaux_tc" else 0.0))
     if spec.scaling != 1.0:
         w = w * spec.scaling
     return ids, w.to(x.dtype)

@@ -6,7 +6,9 @@
 // costs a scheduler time slice per call (measured on 2 busy cores: 2 threads 4-15x slower than 1).
 // Here the caller works through the units itself and returns when every unit is done: a worker
 // that wakes late finds nothing left and goes back to waiting. Only a unit a worker has started is
-// waited for, so units are kept small (tens of microseconds).
+// waited for, so units are kept small (tens of microseconds). Units are handed out in increasing
+// order, so a unit may wait for units of lower index (all already taken by running threads): the MoE
+// kernel's down units wait for their expert's gate/up units that way.
 //
 // Workers: at::get_num_threads() - 1 (torch.set_num_threads / --threads), started on first use.
 // After a job a worker spins for SPIN_US (the next kernel call usually comes sooner; yielding the
