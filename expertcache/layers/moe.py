@@ -28,7 +28,8 @@ from ..kernels import small_ops
 from ..spec.model_config import RouterSpec
 from .basic import linear
 
-# kind -> fn(logits fp32 [T, E], correction [E] | None, top_k, spec) -> (ids [T, K], weights fp32 [T, K])
+# kind -> fn(logits fp32 [T, E], correction [E] | None, top_k, spec, renorm) -> (ids [T, K], weights fp32
+# [T, K], divided by their sum when renorm: each router renormalises, so that a fused kernel can)
 ROUTERS: dict[str, Callable] = {}
 
 
@@ -48,38 +49,43 @@ def _group_mask(choice: torch.Tensor, group_scores: torch.Tensor, spec: RouterSp
     return keep[:, :, None].expand(T, spec.n_group, E // spec.n_group).reshape(T, E)
 
 
+def _normed(w: torch.Tensor, renorm: bool, eps: float = 0.0) -> torch.Tensor:
+    return w / (w.sum(dim=-1, keepdim=True) + eps) if renorm else w
+
+
 @register("softmax")
-def _softmax(logits, correction, top_k, spec):
-    fused = small_ops.softmax_topk(logits, top_k, False)  # C++ on CPU float32; it declines near-ties,
-    if fused is not None:  # so the choice is always torch's
+def _softmax(logits, correction, top_k, spec, renorm):
+    # C++ on CPU float32, renormalised in the same pass; it declines near-ties, so the choice is torch's
+    fused = small_ops.softmax_topk(logits, top_k, renorm)
+    if fused is not None:
         return fused
     w, ids = torch.topk(F.softmax(logits, dim=-1), top_k, dim=-1)
-    return ids, w
+    return ids, _normed(w, renorm)
 
 
 @register("topk_softmax")
-def _topk_softmax(logits, correction, top_k, spec):
+def _topk_softmax(logits, correction, top_k, spec, renorm):
     top, ids = torch.topk(logits, top_k, dim=-1)
-    return ids, F.softmax(top, dim=-1)
+    return ids, _normed(F.softmax(top, dim=-1), renorm)
 
 
 @register("group_limited_greedy")
-def _group_limited(logits, correction, top_k, spec):
+def _group_limited(logits, correction, top_k, spec, renorm):
     probs = F.softmax(logits, dim=-1)
     groups = probs.view(probs.shape[0], spec.n_group, -1).amax(dim=-1)
     probs = probs.masked_fill(~_group_mask(probs, groups, spec), 0.0)
     w, ids = torch.topk(probs, top_k, dim=-1)
-    return ids, w
+    return ids, _normed(w, renorm)
 
 
 @register("noaux_tc")
-def _noaux_tc(logits, correction, top_k, spec):
+def _noaux_tc(logits, correction, top_k, spec, renorm):
     scores = logits.sigmoid()
     choice = scores if correction is None else scores + correction
     groups = choice.view(choice.shape[0], spec.n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
     choice = choice.masked_fill(~_group_mask(choice, groups, spec), float("-inf"))
     ids = torch.topk(choice, top_k, dim=-1).indices
-    return ids, scores.gather(1, ids)
+    return ids, _normed(scores.gather(1, ids), renorm, 1e-20)
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
@@ -90,9 +96,7 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
         logits = linear(x.float(), router_w.float(), None if bias is None else bias.float())
     else:
         logits = linear(x, router_w, bias).float()
-    ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec)
-    if norm_topk_prob:
-        w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if spec.kind == "noaux_tc" else 0.0))
+    ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec, norm_topk_prob)
     if spec.scaling != 1.0:
         w = w * spec.scaling
     return ids, w.to(x.dtype)
