@@ -51,6 +51,19 @@ __attribute__((always_inline)) inline void sums(const __m512* v, int n, float* o
   for (; i < n; ++i) out[i] = _mm512_reduce_add_ps(v[i]);
 }
 
+// y[t * ldy] = the sum of token t's U accumulators' lanes
+template <int TT, int U>
+__attribute__((always_inline)) inline void store_tokens(const __m512 (&acc)[TT][U], float* y, int64_t ldy) {
+  __m512 tot[TT];
+  for (int t = 0; t < TT; ++t) {
+    tot[t] = acc[t][0];
+    for (int u = 1; u < U; ++u) tot[t] = _mm512_add_ps(tot[t], acc[t][u]);
+  }
+  float s[TT];
+  sums(tot, TT, s);
+  for (int t = 0; t < TT; ++t) y[t * ldy] = s[t];
+}
+
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1; }
 inline __mmask64 mask64(int64_t n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1; }
 
@@ -78,14 +91,7 @@ void bf_row(const uint16_t* r, int64_t K, const uint16_t* const* xb, float* y, i
     const __m512bh w = as_bh(wbf(r, k, K));
     for (int t = 0; t < TT; ++t) acc[t][0] = _mm512_dpbf16_ps(acc[t][0], w, as_bh(_mm512_loadu_si512(xb[t] + k)));
   }
-  __m512 tot[TT];
-  for (int t = 0; t < TT; ++t) {
-    tot[t] = acc[t][0];
-    for (int u = 1; u < U; ++u) tot[t] = _mm512_add_ps(tot[t], acc[t][u]);
-  }
-  float s[TT];
-  sums(tot, TT, s);
-  for (int t = 0; t < TT; ++t) y[t * ldy] = s[t];
+  store_tokens(acc, y, ldy);
 }
 
 // y[t * ldy + i] for rows r[i], i < R
@@ -163,14 +169,7 @@ void q8_row(Q8Row r, int64_t G, int64_t K, const uint8_t* const* xq, const float
   for (; k + 64 * U <= K; k += 64 * U, c += U)
     for (int u = 0; u < U; ++u) chunk(k + 64 * u, c + u, u);
   for (; k < K; k += 64, ++c) chunk(k, c, 0);
-  __m512 tot[TT];
-  for (int t = 0; t < TT; ++t) {
-    tot[t] = acc[t][0];
-    for (int u = 1; u < U; ++u) tot[t] = _mm512_add_ps(tot[t], acc[t][u]);
-  }
-  float s[TT];
-  sums(tot, TT, s);
-  for (int t = 0; t < TT; ++t) y[t * ldy] = s[t];
+  store_tokens(acc, y, ldy);
 }
 
 template <int R, int TT>
