@@ -26,7 +26,7 @@ from .errors import CheckpointError, ConfigError
 from .experts.config import CacheConfig
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
-from .layers.basic import LM_HEAD_FORMATS, QuantizedWeight, lm_head_method
+from .layers.basic import LOAD_FORMATS, load_quant_method
 from .loader.checks import check_layer_count
 from .models.mtp import drop_mtp_layers
 from .models.registry import open_index, read_config
@@ -68,9 +68,9 @@ class LLM:
         self.model_dir = resolve_model(model, revision, download=True, progress=bool(progress))
         self.device = torch.device(device)
         if lm_head is not None:
-            lm_head_method(lm_head)  # an unknown format is an error before anything loads
+            load_quant_method(lm_head)  # an unknown format is an error before anything loads
         if dense is not None:
-            lm_head_method(dense, "dense")
+            load_quant_method(dense, "dense")
         try:
             unavailable = kernels.cpu_math_unavailable(cpu_math)
         except ValueError as e:
@@ -159,13 +159,12 @@ class LLM:
         if cpu_math != "exact":
             self.plan_lines.append(f"cpu math: {cpu_math} ({kernels.CPU_MATH_NOTES[cpu_math]})")
         if dense is not None:
-            qw = [w for layer in self.model.layers for part in ("attn", "mlp", "shared") if part in layer
-                  for w in (layer[part].w.values() if part == "attn" else layer[part]) if isinstance(w, QuantizedWeight)]
-            self.plan_lines.append(f"dense projections: {dense} (group {LM_HEAD_FORMATS[dense]['group_size']}), "
+            qw = self.model.dense_quantized
+            self.plan_lines.append(f"dense projections: {dense} (group {LOAD_FORMATS[dense]['group_size']}), "
                                    f"quantized at load: {len(qw)} matrices, {fmt_bytes(sum(w.nbytes for w in qw))}"
                                    f"{'' if qw else ' (this model has none of the standard attention / dense MLP kind)'}")
         if lm_head is not None:
-            self.plan_lines.append(f"lm_head: {lm_head} (group {LM_HEAD_FORMATS[lm_head]['group_size']}), quantized at "
+            self.plan_lines.append(f"lm_head: {lm_head} (group {LOAD_FORMATS[lm_head]['group_size']}), quantized at "
                                    f"load: {fmt_bytes(self.model.lm_head.nbytes)} read per token")
         self.kv = KVCache(kv_layers, num_blocks, block_size, self.cfg.kv_token_shapes, self.dtype,
                           self.device, prefix_caching)

@@ -414,7 +414,7 @@ def test_whole_model_kernels_equal_torch_path(fmt, bf16_model, tmp_path, monkeyp
 @needs_cpp
 def test_lm_head_int8_against_float64_and_the_torch_path(bf16_model, monkeypatch):
     """--lm-head int8: logits = final hidden @ dequantize(int8 lm_head)^T, through the kernels and the torch path."""
-    from expertcache.layers.basic import QuantizedWeight, lm_head_method
+    from expertcache.layers.basic import QuantizedWeight, load_quant_method
 
     llm = LLM(str(bf16_model), lm_head="int8")
     qw = llm.model.lm_head
@@ -431,7 +431,7 @@ def test_lm_head_int8_against_float64_and_the_torch_path(bf16_model, monkeypatch
     a, b = llm.logits(SEQ), plain.logits(SEQ)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9  # int8 lm_head: close to, not equal to, bf16
     with pytest.raises(ValueError, match="lm_head: unknown format 'int3'"):
-        lm_head_method("int3")
+        load_quant_method("int3")
 
 
 def test_dense_int8_equals_a_checkpoint_holding_the_dequantized_projections(bf16_model, tmp_path):
@@ -440,9 +440,9 @@ def test_dense_int8_equals_a_checkpoint_holding_the_dequantized_projections(bf16
     import checkpoints
     from safetensors.torch import save_file
 
-    from expertcache.layers.basic import QuantizedWeight, lm_head_method
+    from expertcache.layers.basic import QuantizedWeight, load_quant_method
 
-    m = lm_head_method("int8")
+    m = load_quant_method("int8")
     tensors = checkpoints.read_tensors(bf16_model)
     proj = [n for n in tensors if ".self_attn." in n and n.endswith("_proj.weight")]
     assert len(proj) == 4 * MODEL["num_hidden_layers"]

@@ -15,15 +15,15 @@ from ..spec.model_config import ModelConfig, rope_inv_freq
 CONVERT_ROWS = 4096  # rows of a stored-dtype weight converted at a time (bounded scratch memory)
 
 
-# `--lm-head` and `--dense` choices: QuantMethod name -> parameters
-LM_HEAD_FORMATS = {"int8": dict(group_size=128)}
+# formats a dense weight can be quantized to at load (`--lm-head`, `--dense`): QuantMethod name -> parameters
+LOAD_FORMATS = {"int8": dict(group_size=128)}
 
 
-def lm_head_method(name: str, what: str = "lm_head"):
+def load_quant_method(name: str, what: str = "lm_head"):
     """The QuantMethod of load-time format `name` for `what` (lm_head, or the dense projections)."""
-    if name not in LM_HEAD_FORMATS:
-        raise ValueError(f"{what}: unknown format {name!r}; choose one of {sorted(LM_HEAD_FORMATS)} (or omit it)")
-    return make_quant_method(name, **LM_HEAD_FORMATS[name])
+    if name not in LOAD_FORMATS:
+        raise ValueError(f"{what}: unknown format {name!r}; choose one of {sorted(LOAD_FORMATS)} (or omit it)")
+    return make_quant_method(name, **LOAD_FORMATS[name])
 
 
 class QuantizedWeight:

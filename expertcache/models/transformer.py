@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
-from ..layers.basic import QuantizedWeight, Rotary, add_rms_norm, linear, lm_head_method, rms_norm, swiglu
+from ..layers.basic import QuantizedWeight, Rotary, add_rms_norm, linear, load_quant_method, rms_norm, swiglu
 from ..layers.gated_deltanet import GatedDeltaNet, StateBatch, load_weights as load_linear_attn
 from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
@@ -58,14 +58,20 @@ class MoETransformer:
         self.route_override = None
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         H, V, names = cfg.hidden_size, cfg.vocab_size, family.names
-        dense_method = None if dense is None else lm_head_method(dense, "dense")
+        dense_method = None if dense is None else load_quant_method(dense, "dense")
+
+        self.dense_quantized: list[QuantizedWeight] = []  # what `dense` quantized at load
+
+        def quantize(w):
+            self.dense_quantized.append(QuantizedWeight(w, dense_method))
+            return self.dense_quantized[-1]
 
         def quantized(ws):  # `dense`: a standard attention's projections and the dense MLPs, quantized at load
             if dense_method is None:
                 return ws
             if isinstance(ws, tuple):
-                return tuple(QuantizedWeight(w, dense_method) for w in ws)
-            return {k: QuantizedWeight(w, dense_method) if k.endswith("proj.weight") else w for k, w in ws.items()}
+                return tuple(quantize(w) for w in ws)
+            return {k: quantize(w) if k.endswith("proj.weight") else w for k, w in ws.items()}
 
         def load(name, shape, as_dtype=None):
             t = load_dense(index, name, shape, quant)
@@ -133,7 +139,7 @@ class MoETransformer:
         else:
             self.lm_head = load("lm_head.weight", (V, H))
         if lm_head is not None:  # e.g. "int8": quantized at load, read once per token in that format
-            self.lm_head = QuantizedWeight(self.lm_head, lm_head_method(lm_head))
+            self.lm_head = QuantizedWeight(self.lm_head, load_quant_method(lm_head))
         moe = cfg.moe_layer_ids
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
 
