@@ -42,7 +42,7 @@ def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
         if not text.strip():
             raise ValueError("stdin: no prompt (pipe a prompt in, or run on a terminal for a chat)")
     llm = LLM(**engine_kwargs(args))
-    print(llm.plan_lines[-1], file=sys.stderr)
+    print("\n".join(llm.loaded_lines), file=sys.stderr)
     tok = llm.require_tokenizer()
     budget = llm.max_model_len - sp.max_tokens
     if piped:

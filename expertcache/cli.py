@@ -32,7 +32,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     check_prompt_fits(args, model_dir, ids)  # all before a weight byte is read
     llm = LLM(**engine_kwargs(args))
-    print(llm.plan_lines[-1], file=sys.stderr)  # the KV cache line (the expert plan printed before loading)
+    print("\n".join(llm.loaded_lines), file=sys.stderr)  # KV cache, cpu math, ... (the expert plan came before the load)
     print(stream_request(llm, ids, sp), file=sys.stderr)
     if args.save_expert_stats:
         llm.experts.save_stats(args.save_expert_stats)

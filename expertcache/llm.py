@@ -156,6 +156,7 @@ class LLM:
         finally:
             bar.close()  # before an error is printed: no half progress bar on its line
 
+        shown = len(self.plan_lines)  # the expert plan, printed before the load
         if cpu_math != "exact":
             self.plan_lines.append(f"cpu math: {cpu_math} ({kernels.CPU_MATH_NOTES[cpu_math]})")
         if dense is not None:
@@ -178,6 +179,7 @@ class LLM:
                 f"linear-attention state: {state_slots} sequences x "
                 f"{fmt_bytes(StateCache.bytes_per_sequence(self.cfg, self.dtype))} = {fmt_bytes(state_bytes)} "
                 f"(fixed per sequence, any context length)")
+        self.loaded_lines = self.plan_lines[shown:]  # the plan's lines known only after the load
         if self.group is not None:
             from .parallel.runner import ParallelRunner
 

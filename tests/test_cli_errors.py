@@ -62,3 +62,14 @@ def test_api_key_file(tmp_path, monkeypatch):
         api_key(_serve_args(api_key_file=str(tmp_path / "missing")))
     with pytest.raises(ConfigError, match="not both"):
         api_key(_serve_args(api_key="a", api_key_file=str(f)))
+
+
+def test_generate_prints_the_plan_lines_known_after_the_load(capsys, qwen3_checkpoint):
+    """Load-time quantization and the KV cache are reported by `generate`, not only kept in llm.plan_lines."""
+    rc, err = run(capsys, "generate", str(qwen3_checkpoint), "--prompt", "hi", "--max-tokens", "1",
+                  "--lm-head", "int8", "--dense", "int8")
+    assert rc in (0, None), err
+    lines = err.splitlines()
+    for start in ("dense projections: int8 (group 128), quantized at load:", "lm_head: int8 (group 128)",
+                  "dense weights "):
+        assert any(line.startswith(start) for line in lines), (start, err)
