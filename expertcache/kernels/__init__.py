@@ -187,19 +187,24 @@ def _rows(spec: tuple, rows: slice) -> tuple:
     return (code, data, scale, zero, data.shape[1], k, g, bo)
 
 
-def quant_linear(x: torch.Tensor, method, parts: dict[str, torch.Tensor], proj: str) -> torch.Tensor | None:
-    """x [..., Kin] float32 @ W^T for a weight stored by QuantMethod `method` as `parts`
-    {"<proj>.<suffix>": tensor}, or None when the kernels do not apply."""
-    if not _usable(x):
+def quant_weight_spec(method, parts: dict[str, torch.Tensor], proj: str, shape: tuple[int, int]) -> tuple | None:
+    """The kernel spec of one weight [N, K] stored by QuantMethod `method` as `parts` {"<proj>.<suffix>":
+    tensor}, or None when no kernel reads that format. Built once per weight: its tensors are views
+    of the parts, so it stays valid while they do."""
+    try:
+        return quant_spec(method, {k: t.unsqueeze(0) for k, t in parts.items()}, proj, *shape)
+    except Unsupported:
         return None
-    primary = parts[f"{proj}.{method.primary}"]
-    specs = _cached_specs(list(parts.values()), (method, proj, x.shape[-1]), lambda: (quant_spec(
-        method, {k: t.unsqueeze(0) for k, t in parts.items()}, proj, primary.shape[0], x.shape[-1]),))
-    if specs is None:
+
+
+def quant_linear(x: torch.Tensor, spec: tuple | None) -> torch.Tensor | None:
+    """x [..., K] float32 @ W^T for the weight of `spec` (quant_weight_spec), or None when the kernels
+    do not apply (then the caller uses torch)."""
+    if spec is None or not _usable(x):
         return None
-    spec = specs[0]
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    return extension().linear(x2, spec, 0, SMALL_T[spec[0]], rows_per_unit(spec[0]), _math[0]).view(*x.shape[:-1], spec[4])
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], rows_per_unit(spec[0]), _math[0])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], spec[4])
 
 
 def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple:
@@ -257,4 +262,4 @@ def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[
     return True
 
 
-__all__ = ["backend", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "why", "Unsupported"]
+__all__ = ["backend", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]

@@ -35,9 +35,10 @@ class QuantizedWeight:
         chunks = [method.pack({"w.weight": w[i:i + rows].float()}) for i in range(0, w.shape[0], rows)]
         self.parts = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}  # row-wise formats: exact
         self.nbytes = sum(t.numel() * t.element_size() for t in self.parts.values())
+        self.spec = kernels.quant_weight_spec(method, self.parts, "w", self.shape)  # once: the parts never change
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.quant_linear(x, self.method, self.parts, "w")
+        y = kernels.quant_linear(x, self.spec)
         return y if y is not None else self.method.linear(x.float(), self.parts, "w").to(x.dtype)
 
 
