@@ -38,11 +38,6 @@ SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6
 # GB/s): 256 rows 25.2 / 28.7, 512 27.2 / 34.2, 1024 25.7 / 32.9.
 ROWS_PER_UNIT = 256
 UNIT_ROWS = {0: 0.5, 1: 1, 2: 1, 3: 2, 4: 2, 5: 4, 6: 4}
-
-
-def rows_per_unit(code: int) -> int:
-    """Rows of a weight of format `code` per unit of work."""
-    return max(1, int(ROWS_PER_UNIT * UNIT_ROWS[code]))
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # The CPU math of the kernels (`--cpu-math`). exact: float32 activations, the fp32 logits within 1e-4
 # of the torch path. fast: as llama.cpp computes, bf16 weights against activations rounded to bf16
@@ -53,6 +48,11 @@ CPU_MATH_NOTES = {"exact": "float32 activations",
                   "fast": "bf16 and int8 weights against activations rounded to bf16 / int8 blocks of 64, "
                           "AVX-512 BF16/VNNI; other formats exact"}
 _math = [0]  # the code in effect: set by cpu_math() around a forward
+
+
+def rows_per_unit(code: int) -> int:
+    """Rows of a weight of format `code` per unit of work."""
+    return max(1, int(ROWS_PER_UNIT * UNIT_ROWS[code]))
 
 
 def backend() -> str:
@@ -167,13 +167,16 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not _usable(x):
         return None
     spec = _dense_spec(w)
-    if spec is None:
-        return None
+    return None if spec is None else _linear(x, spec)
+
+
+def _linear(x: torch.Tensor, spec: tuple) -> torch.Tensor:
+    """x [..., K] @ W^T through the kernel, for a weight of `spec` [N, K]."""
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     if x2.shape[0] == 0:  # no rows (an expert-parallel worker's lm_head): nothing for the kernel to do
-        return x.new_empty(*x.shape[:-1], w.shape[0])
+        return x.new_empty(*x.shape[:-1], spec[4])
     y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], rows_per_unit(spec[0]), _math[0])
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], spec[4])
 
 
 def _rows(spec: tuple, rows: slice) -> tuple:
@@ -200,11 +203,7 @@ def quant_weight_spec(method, parts: dict[str, torch.Tensor], proj: str, shape: 
 def quant_linear(x: torch.Tensor, spec: tuple | None) -> torch.Tensor | None:
     """x [..., K] float32 @ W^T for the weight of `spec` (quant_weight_spec), or None when the kernels
     do not apply (then the caller uses torch)."""
-    if spec is None or not _usable(x):
-        return None
-    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-    y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], rows_per_unit(spec[0]), _math[0])
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], spec[4])
+    return None if spec is None or not _usable(x) else _linear(x, spec)
 
 
 def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple:

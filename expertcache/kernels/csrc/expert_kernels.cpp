@@ -558,19 +558,17 @@ at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int6
   const int64_t units = (W.N + rows_per_unit - 1) / rows_per_unit;
   {
     pybind11::gil_scoped_release nogil;
+    std::unique_ptr<FastX> fx;
+    std::unique_ptr<FastRows> fr;
     if (fast) {
-      const FastX fx(W.fmt, xr.data(), T, W.K);
-      const FastRows fr(fx, iota(T));
-      run_units(units, [&](int64_t u) {
-        const int64_t n0 = u * rows_per_unit, n1 = std::min(n0 + rows_per_unit, W.N);
-        fast_gemm(W, slot, n0, n1, fr, 0, T, yp + n0, W.N);
-      });
-    } else {
-      run_units(units, [&](int64_t u) {
-        const int64_t n0 = u * rows_per_unit, n1 = std::min(n0 + rows_per_unit, W.N);
-        gemm_any(W, slot, n0, n1, xr.data(), T, yp + n0, W.N, small_t);
-      });
+      fx.reset(new FastX(W.fmt, xr.data(), T, W.K));
+      fr.reset(new FastRows(*fx, iota(T)));
     }
+    run_units(units, [&](int64_t u) {
+      const int64_t n0 = u * rows_per_unit, n1 = std::min(n0 + rows_per_unit, W.N);
+      if (fast) fast_gemm(W, slot, n0, n1, *fr, 0, T, yp + n0, W.N);
+      else gemm_any(W, slot, n0, n1, xr.data(), T, yp + n0, W.N, small_t);
+    });
   }
   return y;
 }
@@ -685,14 +683,13 @@ void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights
   // One job of two kinds of units, handed out in order. Phase 1, units (group, block of I rows):
   // h = act(gate x, up x) for the group's pairs (in fast math also h's prepared form, block by block).
   // Phase 2, units (group, block of H rows) in expert order, so a thread's consecutive units stream one
-  // expert's rows (against units of H rows over every group, one thread, busy machine, yardstick layer:
-  // +7% bandwidth at T=1, +10% at T=8): y[q] = down h[q] per pair; a phase-2 unit of group g first waits until g's phase-1
-  // units are done. Those were all handed out before it, so it only ever waits for running units, and
+  // expert's rows (against units of H rows over every group, one thread, busy machine, yardstick
+  // layer: +7% bandwidth at T=1, +10% at T=8): y[q] = down h[q] per pair; a phase-2 unit of group g
+  // first waits until g's phase-1 units are done. Those were all handed out before it, so it only ever waits for running units, and
   // the end of phase 1 overlaps the start of phase 2 instead of ending at a barrier. Against two jobs
   // and a threaded final add, alternating in one process (yardstick MoE layers, 2 threads, us per
   // layer): int8 fast math T=1 519 -> 494, bf16 exact T=1 989 -> 970, bf16 fast T=8 5383 -> 5206.
-  const bool fast_h = fast_d;
-  const int64_t rb = fast_h ? (rows_per_unit + fastk::BLOCK - 1) / fastk::BLOCK * fastk::BLOCK : rows_per_unit;
+  const int64_t rb = fast_d ? (rows_per_unit + fastk::BLOCK - 1) / fastk::BLOCK * fastk::BLOCK : rows_per_unit;
   const int64_t per_g = (I + rb - 1) / rb, per_h = (H + rb - 1) / rb, U1 = NG * per_g;
   std::vector<const float*> xt(T);
   for (int64_t t = 0; t < T; ++t) xt[t] = xp + t * H;
@@ -702,7 +699,7 @@ void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights
     fx.reset(new FastX(Wg.fmt, xt.data(), T, H));
     fr.reset(new FastRows(*fx, tok));
   }
-  if (fast_h) {  // h per pair, prepared by the phase-1 units
+  if (fast_d) {  // h per pair, prepared by the phase-1 units
     fh.reset(new FastX(Wd.fmt, NP, I));
     frh.reset(new FastRows(*fh, iota(NP)));
   }
@@ -728,7 +725,7 @@ void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights
         float* hq = h.data() + (goff[g] + t) * I;
         activate(tg.data() + t * nb, tu.data() + t * nb, bg ? bg + slot * I + n0 : nullptr,
                  bu ? bu + slot * I + n0 : nullptr, nb, act, a, lim, hq + n0);
-        if (fast_h) fh->part(goff[g] + t, hq, n0, n1);
+        if (fast_d) fh->part(goff[g] + t, hq, n0, n1);
       }
       ready[g].fetch_add(1, std::memory_order_release);
       return;
@@ -736,7 +733,7 @@ void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights
     const int64_t g = (u - U1) / per_h, n0 = ((u - U1) % per_h) * rb, n1 = std::min(n0 + rb, H);
     while (ready[g].load(std::memory_order_acquire) < per_g) _mm_pause();
     float* yg = yq.data() + goff[g] * H + n0;
-    if (fast_h) fast_gemm(Wd, gslot[g], n0, n1, *frh, goff[g], goff[g + 1] - goff[g], yg, H);
+    if (fast_d) fast_gemm(Wd, gslot[g], n0, n1, *frh, goff[g], goff[g + 1] - goff[g], yg, H);
     else gemm_any(Wd, gslot[g], n0, n1, hr.data() + goff[g], goff[g + 1] - goff[g], yg, H, small_t);
   };
   run_units(U1 + NG * per_h, unit);
@@ -773,7 +770,6 @@ void register_expert_kernels(py::module_& m) {
   m.def("fast_supported", &fastk::supported, "the CPU has what the fast math needs (AVX-512 F/BW/VL/BF16/VNNI)");
   m.def("moe", &moe, "grouped expert FFN of one MoE layer, accumulated into out");
   m.def("set_threads", [](int64_t n) { pool::instance().set_threads(n); }, "kernel threads (0: torch's count)");
-  m.def("spin_us", [] { return pool::instance().spin_us(); }, "how long an idle worker spins before it sleeps");
   m.def("get_threads", [] { return pool::instance().threads(); }, "kernel threads set (0: torch's count)");
   m.def("cpu_supported", &cpu_supported, "AVX2, FMA and F16C present");
 }

@@ -39,7 +39,7 @@ struct Job {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// default of set_spin_us. Yardstick bf16 decode, spin times alternating in one process (quiet):
+// how long an idle worker spins before it sleeps. Yardstick bf16 decode, spin times alternating in one process (quiet):
 // 200 us 33.1 tok/s, 500 us 35.0, 1000 us 35.0; beside two CPU-bound processes 200 / 500 us: 17.6 / 17.5
 constexpr int64_t SPIN_US = 500;
 
@@ -72,8 +72,6 @@ class Pool {
   }
 
   void set_threads(int64_t n) { count_.store(n); }  // 0: torch's thread count
-  void set_spin_us(int64_t us) { spin_us_.store(us); }
-  int64_t spin_us() const { return spin_us_.load(); }
   int64_t threads() const { return count_.load(); }
 
   void reset_after_fork() {  // the child has none of the parent's threads (all detached): forget them
@@ -118,7 +116,7 @@ class Pool {
 
   // until a job newer than epoch `seen` is published (spinning first, then asleep)
   void wait_for_next(uint64_t seen) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
     for (int i = 0;; ++i) {
       if (epoch_.load(std::memory_order_relaxed) != seen) return;
       _mm_pause();
@@ -140,7 +138,6 @@ class Pool {
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int64_t> count_{0};
   std::atomic<int64_t> refs_{0}, sleepers_{0};
-  std::atomic<int64_t> spin_us_{SPIN_US};
 };
 
 inline Pool& instance() {
