@@ -120,7 +120,7 @@ def dense_dtype(stored: torch.dtype, ndim: int, device: torch.device | str, dtyp
 
 
 def _usable(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and extension() is not None
+    return x.dtype == torch.float32 and x.is_cpu and extension() is not None
 
 
 # Specs are built once per weight, not once per call (a decode token makes ~100 kernel calls, and
@@ -132,8 +132,11 @@ _SPECS: dict[int, tuple] = {}  # id(first tensor) -> (weakrefs of the tensors, k
 
 
 def _views_only(specs: tuple, tensors: list[torch.Tensor]) -> bool:
+    """Every tensor of `specs` (kernel specs, and any tensors or other values beside them) is a view of
+    one of `tensors`."""
     own = {t.untyped_storage().data_ptr() for t in tensors}
-    return all(t.untyped_storage().data_ptr() in own for spec in specs for t in spec[1:4] if t is not None)
+    held = [t for spec in specs if isinstance(spec, tuple) for t in spec[1:4]] + list(specs)
+    return all(t.untyped_storage().data_ptr() in own for t in held if isinstance(t, torch.Tensor))
 
 
 def _cached_specs(tensors: list[torch.Tensor], key: tuple, build) -> tuple | None:
@@ -154,11 +157,21 @@ def _cached_specs(tensors: list[torch.Tensor], key: tuple, build) -> tuple | Non
     return specs
 
 
+_DENSE: dict[int, tuple] = {}  # id(dense weight) -> (weakref, spec or None), as _SPECS for one tensor (a faster lookup)
+
+
 def _dense_spec(w: torch.Tensor) -> tuple | None:
-    if w.device.type != "cpu" or w.dim() != 2:
-        return None
-    specs = _cached_specs([w], ("dense",), lambda: (plain_spec(w.unsqueeze(0)),))
-    return None if specs is None else specs[0]
+    hit = _DENSE.get(id(w))
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    try:
+        spec = plain_spec(w.unsqueeze(0)) if w.is_cpu and w.dim() == 2 else None
+    except Unsupported:
+        spec = None
+    if spec is None or _views_only((spec,), [w]):
+        k = id(w)
+        _DENSE[k] = (weakref.ref(w, lambda _, k=k, table=_DENSE: table.pop(k, None)), spec)
+    return spec
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -170,13 +183,13 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return None if spec is None else _linear(x, spec)
 
 
+_UNIT_ROWS_OF = {code: rows_per_unit(code) for code in UNIT_ROWS}
+
+
 def _linear(x: torch.Tensor, spec: tuple) -> torch.Tensor:
     """x [..., K] @ W^T through the kernel, for a weight of `spec` [N, K]."""
-    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-    if x2.shape[0] == 0:  # no rows (an expert-parallel worker's lm_head): nothing for the kernel to do
-        return x.new_empty(*x.shape[:-1], spec[4])
-    y = extension().linear(x2, spec, 0, SMALL_T[spec[0]], rows_per_unit(spec[0]), _math[0])
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], spec[4])
+    code = spec[0]
+    return extension().linear(x.contiguous(), spec, 0, SMALL_T[code], _UNIT_ROWS_OF[code], _math[0])
 
 
 def _rows(spec: tuple, rows: slice) -> tuple:
@@ -236,6 +249,21 @@ def _biases(pool: dict[str, torch.Tensor], interleaved: bool) -> list:
     return [None if b is None else b.float().contiguous() for b in (g, u, d)]
 
 
+def _moe_args(pool: dict[str, torch.Tensor], method, H: int, ffn) -> tuple:
+    """The kernel's arguments that depend on the pool alone: (gate, up, down specs, activation, alpha,
+    limit, the three biases, small_t, rows per unit); raises Unsupported where the kernel does not apply."""
+    if any(t.device.type != "cpu" for t in pool.values()):
+        raise Unsupported("a pool off the CPU")
+    act = "silu" if ffn is None else ffn.act
+    if act not in ACTIVATIONS:
+        raise Unsupported(f"activation {act}")
+    gate, up, down = pool_specs(pool, method, H, ffn)
+    alpha, limit = (1.0, float("inf")) if ffn is None else (ffn.alpha, ffn.limit)
+    bias = _biases(pool, ffn is not None and ffn.interleaved)
+    code = gate[0]
+    return (gate, up, down, ACTIVATIONS[act], alpha, limit, *bias, SMALL_T[code], _UNIT_ROWS_OF[code])
+
+
 def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
         out: torch.Tensor, ffn=None) -> bool:
     """out += the grouped expert FFN over pool slots (one call for the layer), for the experts' layout
@@ -244,20 +272,13 @@ def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[
     kernels do not read); `out` is then untouched."""
     if not _usable(x) or out.dtype != torch.float32 or not out.is_contiguous():
         return False
-    if any(t.device.type != "cpu" for t in pool.values()):
-        return False
-    act = "silu" if ffn is None else ffn.act
-    if act not in ACTIVATIONS:
-        return False
     H = x.shape[1]
-    specs = _cached_specs(list(pool.values()), (method, H, ffn, tuple(pool)), lambda: pool_specs(pool, method, H, ffn))
-    if specs is None:
+    args = _cached_specs(list(pool.values()), (method, H, ffn, tuple(pool)), lambda: _moe_args(pool, method, H, ffn))
+    if args is None:
         return False
-    bias = _biases(pool, ffn is not None and ffn.interleaved)
-    alpha, limit = (1.0, float("inf")) if ffn is None else (ffn.alpha, ffn.limit)
-    extension().moe(x.contiguous(), slots.contiguous(), weights.float().contiguous(), *specs,
-                    ACTIVATIONS[act], alpha, limit, *bias, out, SMALL_T[specs[0][0]], rows_per_unit(specs[0][0]),
-                    _math[0])
+    if weights.dtype != torch.float32:
+        weights = weights.float()
+    extension().moe(x.contiguous(), slots.contiguous(), weights.contiguous(), *args[:9], out, *args[9:], _math[0])
     return True
 
 

@@ -5,7 +5,8 @@ attends over the cache through the block table (no gathered copy of the context)
 Shape legend:
     T new tokens   h heads   g kv heads   D head_dim   R rotary dims
     q [T, h, D], k / v [T, g, D] float32 (each head's D values contiguous), or [T, h * D] / [T, g * D]
-    (column slices of the qkv projection; h and g are then read from the cache's shape)
+    (column slices of the qkv projection; h and g are then read from the cache's shape), or k = v =
+    None and q the fused qkv projection [T, (h + 2 g) * D] itself (the kernel splits it: no views made)
     k_cache / v_cache [num_blocks, block_size, g, D] float32 or bfloat16   cos / sin [T, 1, R] (or [T, R])
     q_norm / k_norm [D] float32 (per-head RMSNorm weights)   sinks [h] float32
     -> [T, h * D] float32
@@ -30,7 +31,7 @@ MAX_Q = 2048
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
+def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
            scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
            cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor | None:

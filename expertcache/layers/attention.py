@@ -16,8 +16,9 @@ computed as one more key (zeros) with a zero value whose additive mask entry is 
 
 Two paths after the projections (one fused qkv weight when the load made one, models/transformer.py
 `fuse_qkv`): on the CPU in float32 the C++ kernel (kernels/attention.py: head q/k norm, rotary, the
-cache write and attention through the block table in one call); elsewhere, or where it declines,
-torch: the same steps as tensor ops and SDPA over the gathered, padded context.
+cache write and attention through the block table in one call; it splits a plain fused qkv itself);
+elsewhere, or where it declines, torch: the same steps as tensor ops and SDPA over the gathered,
+padded context.
 """
 
 from __future__ import annotations
@@ -52,24 +53,29 @@ class Attention:
         self.q_rows = (2 if cfg.attn_output_gate else 1) * self.h * self.d
         head_norm = cfg.qk_norm == "head"
         self._kernel_norms = (w["q_norm.weight"], w["k_norm.weight"]) if head_norm else (None, None)
+        self.fused = "qkv_proj.weight" in w
+        # a fused qkv the kernel can take whole: nothing between the projection and the kernel
+        self.plain_qkv = self.fused and not cfg.attn_output_gate and cfg.qk_norm != "full" and cfg.clip_qkv is None
 
     def __call__(self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        cfg, w, T = self.cfg, self.w, x.shape[0]
-        q, gate, k, v = self._project(x)
-        o = self._kernel(q, k, v, batch, k_cache, v_cache)  # [T, h * D]
+        w, T = self.w, x.shape[0]
+        qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")) if self.fused else None
+        o = self._kernel(qkv, None, None, batch, k_cache, v_cache) if self.plain_qkv else None  # [T, h * D]
         if o is None:
-            o = self._torch(q, k, v, batch, k_cache, v_cache).reshape(T, self.h * self.d)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
+            q, gate, k, v = self._project(x, qkv)
+            o = self._kernel(q, k, v, batch, k_cache, v_cache)
+            if o is None:
+                o = self._torch(q, k, v, batch, k_cache, v_cache).reshape(T, self.h * self.d)
+            if gate is not None:
+                o = o * torch.sigmoid(gate)
         return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
-    def _project(self, x: torch.Tensor):
-        """x [T, H] -> q [T, h * D] (with attn_output_gate: [T, h, D], a strided view), gate [T, h * D]
-        (attn_output_gate, else None), k and v [T, g * D]: the projections (one fused qkv weight when
-        the load made one), full q/k norm, clip_qkv."""
+    def _project(self, x: torch.Tensor, qkv: torch.Tensor | None):
+        """x [T, H] (and its fused qkv projection, when the load fused the weights) -> q [T, h * D] (with
+        attn_output_gate: [T, h, D], a strided view), gate [T, h * D] (attn_output_gate, else None), k and
+        v [T, g * D]: the projections, full q/k norm, clip_qkv."""
         cfg, w, T, qr, kd = self.cfg, self.w, x.shape[0], self.q_rows, self.g * self.d
-        if "qkv_proj.weight" in w:
-            qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias"))
+        if qkv is not None:
             q, k, v = qkv.split((qr, kd, kd), dim=1)
         else:
             q = linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
@@ -87,7 +93,8 @@ class Attention:
         return q, gate, k, v
 
     def _kernel(self, q, k, v, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor | None:
-        """The CPU kernel (head norm, rotary, cache write, attention in one call), or None: not handled."""
+        """The CPU kernel (head norm, rotary, cache write, attention in one call), or None: not handled.
+        k = v = None: q is the fused qkv."""
         if q.device.type != "cpu" or q.dtype != torch.float32:
             return None
         cos, sin = self.rotary.tables(batch.positions, q.dtype)

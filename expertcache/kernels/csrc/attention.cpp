@@ -6,7 +6,8 @@
 //   T new tokens   h query heads   g kv heads (h % g == 0)   D head_dim   R rotary dims (even, <= D)
 //   B sequences    nb blocks per table row   NB blocks in the cache   bs tokens per block
 //   q [T, h, D], k / v [T, g, D] float32 (any token and head strides; each head's D values contiguous),
-//   or [T, h * D] / [T, g * D] (rows of contiguous heads: views into one qkv projection)
+//   or [T, h * D] / [T, g * D] (rows of contiguous heads: views into one qkv projection), or k = v =
+//   None and q the fused qkv [T, (h + 2 g) * D] itself (each row: the q heads, then k's, then v's)
 //   k_cache / v_cache [NB, bs, g, D] float32 or bfloat16, contiguous   block_tables [B, nb] int64
 //   slot_mapping, seq_of_token, positions [T] int64   cos / sin [T, R] float32   norms [D]   sinks [h]
 //   out [T, h * D] float32 (the heads in order, as the output projection reads them)
@@ -383,7 +384,7 @@ const int64_t* ids(const at::Tensor& x, int64_t n, const char* what) {
   return x.data_ptr<int64_t>();
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+at::Tensor attention(const at::Tensor& q, const c10::optional<at::Tensor>& k, const c10::optional<at::Tensor>& v,
                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
                      const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin, at::Tensor k_cache,
                      at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -395,12 +396,21 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   a.T = q.size(0), a.g = k_cache.size(2), a.D = k_cache.size(3);
   TORCH_CHECK(a.g >= 1 && a.D >= 1 && a.D <= 1024, "attention: k_cache ", k_cache.sizes(),
               ": kv heads >= 1 and head_dim in [1, 1024]");
-  a.h = q.dim() == 3 ? q.size(1) : q.size(1) / a.D;
+  TORCH_CHECK(k.has_value() == v.has_value(), "attention: k and v come together (or neither: q is the fused qkv)");
+  const bool fused = !k.has_value();  // q = [T, (h + 2g) * D]: each row its q heads, then k, then v
+  TORCH_CHECK(!fused || q.dim() == 2, "attention: a fused qkv must be [T, (h + 2 g) * D]");
+  a.h = q.dim() == 3 ? q.size(1) : q.size(1) / a.D - (fused ? 2 * a.g : 0);
   TORCH_CHECK(a.h >= 1 && a.h % a.g == 0, "attention: ", a.h, " query heads are not a multiple of ", a.g, " kv heads");
   TORCH_CHECK(a.h / a.g <= 64, "attention: ", a.h / a.g, " query heads per kv head (at most 64)");
-  std::tie(a.q_t, a.q_h) = check_heads(q, a.T, a.h, a.D, "q");
-  std::tie(a.k_t, a.k_h) = check_heads(k, a.T, a.g, a.D, "k");
-  std::tie(a.v_t, a.v_h) = check_heads(v, a.T, a.g, a.D, "v");
+  if (fused) {
+    check_heads(q, a.T, a.h + 2 * a.g, a.D, "qkv");
+    a.q_t = a.k_t = a.v_t = q.stride(0);
+    a.q_h = a.k_h = a.v_h = a.D;
+  } else {
+    std::tie(a.q_t, a.q_h) = check_heads(q, a.T, a.h, a.D, "q");
+    std::tie(a.k_t, a.k_h) = check_heads(*k, a.T, a.g, a.D, "k");
+    std::tie(a.v_t, a.v_h) = check_heads(*v, a.T, a.g, a.D, "v");
+  }
   TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
@@ -411,7 +421,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   a.NB = k_cache.size(0), a.bs = k_cache.size(1);
   TORCH_CHECK(window >= 0, "attention: window must be >= 0 (0: none), got ", window);
   a.window = window, a.scale = float(scale), a.eps = float(eps);
-  a.q = q.data_ptr<float>(), a.k = k.data_ptr<float>(), a.v = v.data_ptr<float>();
+  a.q = q.data_ptr<float>();
+  a.k = fused ? a.q + a.h * a.D : k->data_ptr<float>();
+  a.v = fused ? a.q + (a.h + a.g) * a.D : v->data_ptr<float>();
   a.q_norm = vec(q_norm, a.D, "q_norm");
   a.k_norm = vec(k_norm, a.D, "k_norm");
   TORCH_CHECK(cos.has_value() == sin.has_value(), "attention: cos and sin come together");

@@ -544,14 +544,19 @@ void check_x(const at::Tensor& x, int64_t K, const char* what) {
   TORCH_CHECK(x.size(1) == K, what, ": x has ", x.size(1), " features, the weight expects ", K);
 }
 
-// y [T, N] = x [T, K] @ W[slot]^T
+// y [..., N] = x [..., K] @ W[slot]^T (x contiguous: its leading dims are T rows)
 at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int64_t small_t, int64_t rows_per_unit,
                   int64_t math) {
   const WView W = view_of(spec, "linear");
   const bool fast = check_math(math) == FAST && fast_reads(W);
-  check_x(x, W.K, "linear");
-  const int64_t T = x.size(0);
-  at::Tensor y = at::empty({T, W.N}, x.options());
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(),
+              "linear: x must be contiguous float32 [..., K] on the CPU");
+  TORCH_CHECK(x.size(-1) == W.K, "linear: x has ", x.size(-1), " features, the weight expects ", W.K);
+  const int64_t T = W.K ? x.numel() / W.K : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = W.N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (T == 0) return y;  // no rows (an expert-parallel worker's lm_head)
   std::vector<const float*> xr(T);
   for (int64_t t = 0; t < T; ++t) xr[t] = x.data_ptr<float>() + t * W.K;
   float* yp = y.data_ptr<float>();

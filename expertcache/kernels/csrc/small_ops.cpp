@@ -1,12 +1,14 @@
 // Fused small ops of a decode step on the CPU: each replaces a handful of torch ops whose per-op
 // overhead (dispatch, allocation, a pass over the data each) is most of their cost at batch 1.
 //
-//   rms_norm(x [T, H], w [H], eps) -> y [T, H]                   y = w * (x * rsqrt(mean(x^2) + eps))
+//   rms_norm(x [..., H], w [H], eps) -> y [..., H]               y = w * (x * rsqrt(mean(x^2) + eps))
 //   add_rms_norm(h, d, w, eps) -> (s, y)                          s = h + d, y = rms_norm(s)
 //   row_stats(logits [R, V]) -> (max [R], argmax [R], lse [R], finite [R])
-//   softmax_topk(logits [T, E], k, renorm) -> (ids [T, K], w [T, K], exact)
+//   softmax_topk(logits [T, E], k, renorm) -> (ids [T, K], w [T, K]) or None (not exact)
 //
-// All float32 contiguous CPU tensors. The norm computes as layers/basic.py's torch path does
+// All float32 contiguous CPU tensors. rms_norm, add_rms_norm and softmax_topk check that in C++ and
+// return None for anything else (the caller then computes with torch): a decode step makes ~50 of
+// these calls, and the same checks in Python cost several times the op. The norm computes as layers/basic.py's torch path does
 // (mean of squares, then the same float multiplies in the same order; the mean is accumulated in
 // double, so it can differ from torch's float reduction in its last bit). row_stats follows
 // torch.max / argmax (first maximum; a NaN wins, the first NaN) / logsumexp / isfinite().all()
@@ -21,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "registry.h"
@@ -32,11 +35,6 @@ namespace {
 void check_2d(const at::Tensor& t, const char* fn, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(), fn, ": ",
               name, " must be a contiguous float32 [rows, cols] CPU tensor");
-}
-
-void check_weight(const at::Tensor& w, int64_t H, const char* fn) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous() && w.size(0) == H,
-              fn, ": weight must be a contiguous float32 [", H, "] CPU tensor");
 }
 
 // ---- rms_norm ----------------------------------------------------------------------------------------
@@ -84,10 +82,16 @@ void over_rows(int64_t T, int64_t H, const Fn& fn) {
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_2d(x, "rms_norm", "x");
-  const int64_t T = x.size(0), H = x.size(1);
-  check_weight(w, H, "rms_norm");
+// x [..., H] and w [H] the float32 contiguous CPU tensors the norms read
+bool norm_args(const at::Tensor& x, const at::Tensor& w) {
+  return x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() > 0 && x.is_contiguous() &&
+         w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous() &&
+         x.size(-1) == w.size(0);
+}
+
+std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  if (!norm_args(x, w)) return std::nullopt;
+  const int64_t H = x.size(-1), T = H ? x.numel() / H : 0;
   at::Tensor y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -95,13 +99,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& d, const at::Tensor& w,
-                                                double eps) {
-  check_2d(h, "add_rms_norm", "h");
-  check_2d(d, "add_rms_norm", "d");
-  TORCH_CHECK(h.sizes() == d.sizes(), "add_rms_norm: h ", h.sizes(), " and d ", d.sizes(), " differ in shape");
-  const int64_t T = h.size(0), H = h.size(1);
-  check_weight(w, H, "add_rms_norm");
+std::optional<std::tuple<at::Tensor, at::Tensor>> add_rms_norm(const at::Tensor& h, const at::Tensor& d,
+                                                               const at::Tensor& w, double eps) {
+  if (!norm_args(h, w) || !norm_args(d, w) || h.sizes() != d.sizes()) return std::nullopt;
+  const int64_t H = h.size(-1), T = H ? h.numel() / H : 0;
   at::Tensor s = at::empty_like(h), y = at::empty_like(h);
   const float *hp = h.data_ptr<float>(), *dp = d.data_ptr<float>(), *wp = w.data_ptr<float>();
   float *sp = s.data_ptr<float>(), *yp = y.data_ptr<float>();
@@ -113,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
     for (; i < H; ++i) o[i] = a[i] + b[i];
     norm_row(o, wp, yp + t * H, H, float(eps));
   });
-  return {s, y};
+  return std::make_tuple(s, y);
 }
 
 // ---- row_stats ---------------------------------------------------------------------------------------
@@ -269,10 +270,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_stats(const at::T
 // exp's argument x - max carries a rounding error of |x - max| * 2^-24 and exp/divide a few ulps more.
 constexpr float TIE_GAP = 1e-5f;
 
-std::tuple<at::Tensor, at::Tensor, bool> softmax_topk(const at::Tensor& logits, int64_t k, bool renorm) {
-  check_2d(logits, "softmax_topk", "logits");
+std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_topk(const at::Tensor& logits, int64_t k, bool renorm) {
+  if (!logits.device().is_cpu() || logits.scalar_type() != at::kFloat || logits.dim() != 2 || !logits.is_contiguous())
+    return std::nullopt;
   const int64_t T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(k >= 1 && k <= E, "softmax_topk: k=", k, " must be in [1, ", E, "]");
+  if (k < 1 || k > E) return std::nullopt;
   at::Tensor ids = at::empty({T, k}, logits.options().dtype(at::kLong)), w = at::empty({T, k}, logits.options());
   const float* lp = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
@@ -283,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor, bool> softmax_topk(const at::Tensor& logits, 
     const float* x = lp + t * E;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t e = 0; e < E; ++e) {
-      if (!std::isfinite(x[e])) return {ids, w, false};
+      if (!std::isfinite(x[e])) return std::nullopt;
       m = std::max(m, x[e]);
     }
     for (int64_t e = 0; e < E; ++e) order[e] = e;
@@ -291,7 +293,7 @@ std::tuple<at::Tensor, at::Tensor, bool> softmax_topk(const at::Tensor& logits, 
                       [x](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
     for (int64_t j = 0; j + 1 < keep; ++j) {
       const float a = x[order[j]], b = x[order[j + 1]];
-      if (a - b <= TIE_GAP * (1.f + std::fabs(a - m))) return {ids, w, false};
+      if (a - b <= TIE_GAP * (1.f + std::fabs(a - m))) return std::nullopt;
     }
     double z = 0.0;
     for (int64_t e = 0; e < E; ++e) z += std::exp(double(x[e] - m));
@@ -304,18 +306,18 @@ std::tuple<at::Tensor, at::Tensor, bool> softmax_topk(const at::Tensor& logits, 
     if (renorm)
       for (int64_t j = 0; j < k; ++j) wp[t * k + j] /= total;
   }
-  return {ids, w, true};
+  return std::make_tuple(ids, w);
 }
 
 }  // namespace
 
 void register_small_ops(py::module_& m) {
-  m.def("rms_norm", &rms_norm, "y = w * (x * rsqrt(mean(x^2) + eps)) over the rows of x [T, H]", py::arg("x"),
+  m.def("rms_norm", &rms_norm, "y = w * (x * rsqrt(mean(x^2) + eps)) over the rows of x [..., H], or None", py::arg("x"),
         py::arg("w"), py::arg("eps"));
-  m.def("add_rms_norm", &add_rms_norm, "(s, rms_norm(s)) with s = h + d", py::arg("h"), py::arg("d"), py::arg("w"),
+  m.def("add_rms_norm", &add_rms_norm, "(s, rms_norm(s)) with s = h + d, or None", py::arg("h"), py::arg("d"), py::arg("w"),
         py::arg("eps"));
   m.def("row_stats", &row_stats, "(max, argmax, logsumexp, all finite) of each row of logits [R, V]",
         py::arg("logits"));
-  m.def("softmax_topk", &softmax_topk, "(ids, weights, exact): top-k of softmax(logits [T, E]), renormalised",
+  m.def("softmax_topk", &softmax_topk, "(ids, weights): top-k of softmax(logits [T, E]), renormalised; None: not exact",
         py::arg("logits"), py::arg("k"), py::arg("renorm"));
 }
