@@ -276,9 +276,7 @@ def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[
     args = _cached_specs(list(pool.values()), (method, H, ffn, tuple(pool)), lambda: _moe_args(pool, method, H, ffn))
     if args is None:
         return False
-    if weights.dtype != torch.float32:
-        weights = weights.float()
-    extension().moe(x.contiguous(), slots.contiguous(), weights.contiguous(), *args[:9], out, *args[9:], _math[0])
+    extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
     return True
 
 

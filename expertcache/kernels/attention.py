@@ -38,8 +38,7 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_ca
     """-> out [T, h * D], with the new k/v written into the caches at batch.slot_mapping; or None (not
     handled, nothing written). batch: layers.attention.AttnBatch (read by attribute). q/k are normed
     (q_norm/k_norm, eps) then rotated (cos/sin) per head; positions visible as layers/attention.py says."""
-    if (batch.max_q > MAX_Q or q.dtype != torch.float32 or q.device.type != "cpu"
-            or k_cache.dtype not in CACHE_DTYPES):
+    if batch.max_q > MAX_Q or q.dtype != torch.float32 or not q.is_cpu or k_cache.dtype not in CACHE_DTYPES:
         return None
     ext = extension()
     if ext is None:

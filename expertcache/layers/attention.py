@@ -95,7 +95,7 @@ class Attention:
     def _kernel(self, q, k, v, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor | None:
         """The CPU kernel (head norm, rotary, cache write, attention in one call), or None: not handled.
         k = v = None: q is the fused qkv."""
-        if q.device.type != "cpu" or q.dtype != torch.float32:
+        if not q.is_cpu or q.dtype != torch.float32:
             return None
         cos, sin = self.rotary.tables(batch.positions, q.dtype)
         qn, kn = self._kernel_norms

@@ -99,4 +99,4 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec, norm_topk_prob)
     if spec.scaling != 1.0:
         w = w * spec.scaling
-    return ids, w.to(x.dtype)
+    return ids, (w if w.dtype == x.dtype else w.to(x.dtype))

@@ -617,10 +617,13 @@ void activate(const float* g, const float* u, const float* bg, const float* bu, 
 // out [T, H] += sum_k weights[t, k] * down(act(gate(x[t]), up(x[t]))) over the pool slot slots[t, k] (-1: skip).
 // act 0: silu(g) * u;  act 1 (clamped SwiGLU): g = min(g, limit), u = clamp(u, -limit, limit),
 // (u + 1) * g * sigmoid(alpha * g). Biases (float32 [S, I] / [S, H], or None) are added to the projections.
-void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights, const py::tuple& gate_spec,
+// x, slots and weights are made contiguous here (weights float32): no Python calls for it per layer.
+void moe(const at::Tensor& x_in, const at::Tensor& slots_in, const at::Tensor& weights_in, const py::tuple& gate_spec,
          const py::tuple& up_spec, const py::tuple& down_spec, int64_t act, double alpha, double limit,
          const py::object& gate_bias, const py::object& up_bias, const py::object& down_bias, at::Tensor& out,
          int64_t small_t, int64_t rows_per_unit, int64_t math) {
+  const at::Tensor x = x_in.contiguous(), slots = slots_in.contiguous();
+  const at::Tensor weights = (weights_in.scalar_type() == at::kFloat ? weights_in : weights_in.to(at::kFloat)).contiguous();
   const WView Wg = view_of(gate_spec, "gate"), Wu = view_of(up_spec, "up"), Wd = view_of(down_spec, "down");
   const bool fast = check_math(math) == FAST;
   const bool fast_gu = fast && fast_reads(Wg) && fast_reads(Wu) && Wg.fmt == Wu.fmt, fast_d = fast && fast_reads(Wd);
