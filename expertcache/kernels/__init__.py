@@ -160,7 +160,8 @@ def _cached_specs(tensors: list[torch.Tensor], key: tuple, build) -> tuple | Non
 _DENSE: dict[int, tuple] = {}  # id(dense weight) -> (weakref, spec or None), as _SPECS for one tensor (a faster lookup)
 
 
-def _dense_spec(w: torch.Tensor) -> tuple | None:
+def dense_spec(w: torch.Tensor) -> tuple | None:
+    """The kernel spec of a dense CPU weight [N, K] (bf16/fp16/fp32), or None: built once per weight."""
     hit = _DENSE.get(id(w))
     if hit is not None and hit[0]() is w:
         return hit[1]
@@ -179,7 +180,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     do not apply (then the caller uses torch)."""
     if not _usable(x):
         return None
-    spec = _dense_spec(w)
+    spec = dense_spec(w)
     return None if spec is None else _linear(x, spec)
 
 
@@ -190,6 +191,22 @@ def _linear(x: torch.Tensor, spec: tuple) -> torch.Tensor:
     """x [..., K] @ W^T through the kernel, for a weight of `spec` [N, K]."""
     code = spec[0]
     return extension().linear(x.contiguous(), spec, 0, SMALL_T[code], _UNIT_ROWS_OF[code], _math[0])
+
+
+def projection(spec: tuple, bias: torch.Tensor | None = None) -> tuple:
+    """A projection as the attention block reads it: (spec, bias, small_t, rows per unit)."""
+    return (spec, bias, SMALL_T[spec[0]], _UNIT_ROWS_OF[spec[0]])
+
+
+def attn_block(h: torch.Tensor, mlp: torch.Tensor | None, input_ln: torch.Tensor, post_ln: torch.Tensor, eps: float,
+               qkv: tuple, o: tuple, router: tuple, attention: tuple, top_k: int, renorm: bool) -> tuple:
+    """A MoE layer's attention half in one call (csrc/decode_block.cpp), in the CPU math in effect:
+    -> (s, h2, x2, logits, ids or None, weights or None). qkv / o / router: projection(); attention: the
+    attention kernel's arguments after eps (cos, sin, caches, batch tensors, window, scale, sinks),
+    preceded by the head norms (q_norm, k_norm)."""
+    q_norm, k_norm, *rest = attention
+    return extension().attn_block(h, mlp, input_ln, post_ln, eps, qkv, o, router, _math[0], q_norm, k_norm, *rest,
+                                  top_k, renorm)
 
 
 def _rows(spec: tuple, rows: slice) -> tuple:
@@ -280,4 +297,4 @@ def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[
     return True
 
 
-__all__ = ["backend", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
+__all__ = ["attn_block", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]

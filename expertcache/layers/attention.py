@@ -70,6 +70,15 @@ class Attention:
                 o = o * torch.sigmoid(gate)
         return linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
 
+    def kernel_args(self, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+        """The attention kernel's arguments besides q/k/v and eps, as kernels.attn_block takes them:
+        (q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_of_token,
+        positions, window, scale, sinks)."""
+        cos, sin = self.rotary.tables(batch.positions, torch.float32)
+        qn, kn = self._kernel_norms
+        return (qn, kn, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables, batch.seq_of_token,
+                batch.positions, self.window or 0, self.scale, self.sinks)
+
     def _project(self, x: torch.Tensor, qkv: torch.Tensor | None):
         """x [T, H] (and its fused qkv projection, when the load fused the weights) -> q [T, h * D] (with
         attn_output_gate: [T, h, D], a strided view), gate [T, h * D] (attn_output_gate, else None), k and

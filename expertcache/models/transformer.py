@@ -24,6 +24,7 @@ from .. import kernels
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
 from ..layers.basic import QuantizedWeight, Rotary, add_rms_norm, linear, load_quant_method, rms_norm, swiglu
+from ..layers.block import AttnBlock
 from ..layers.gated_deltanet import GatedDeltaNet, StateBatch, load_weights as load_linear_attn
 from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
@@ -142,6 +143,10 @@ class MoETransformer:
             self.lm_head = QuantizedWeight(self.lm_head, load_quant_method(lm_head))
         moe = cfg.moe_layer_ids
         self.next_moe = {a: b for a, b in zip(moe, moe[1:])}
+        # a MoE layer's attention half in one C++ call where every piece runs on the kernels anyway
+        # (layers/block.py; bit-identical to the Python path). fused_blocks = False: the Python path.
+        self.blocks = [AttnBlock.build(cfg, layer, device, dtype) for layer in self.layers]
+        self.fused_blocks = True
 
     def _mha_weights(self, p: str, load, norm) -> dict[str, torch.Tensor]:
         """q/k/v/o projections (+ biases, q/k norms) of layer prefix p; q/k/v fused (fuse_qkv)."""
@@ -201,7 +206,15 @@ class MoETransformer:
         self.experts.begin_step()
         try:
             mlp = None  # the previous layer's MLP / MoE output, added into h by the next norm
+            blocks = self.blocks if self.fused_blocks else ()
             for i, layer in enumerate(self.layers):
+                fused = blocks[i](h, mlp, batch, *kv[self.kv_index[i]]) if blocks and blocks[i] else None
+                if fused is not None:
+                    s, h, x, routed = fused
+                    if mlp is not None:
+                        done(s)
+                    mlp = self._moe(i, layer, h, x, routed)
+                    continue
                 if mlp is None:
                     x = rms_norm(h, layer["input_ln"], eps)
                 else:
@@ -231,8 +244,8 @@ class MoETransformer:
         return route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob, cfg.router, layer.get("correction"),
                      layer.get("router_bias"))
 
-    def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        ids, w = self._route(layer, x)
+    def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor, routed: tuple | None = None) -> torch.Tensor:
+        ids, w = self._route(layer, x) if routed is None else routed
         if self.route_override is not None:
             ids, w = self.route_override(i, ids, w)
         ahead = None

@@ -29,6 +29,7 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include "ops.h"
 #include "registry.h"
 #include "simd_math.h"
 #include "thread_pool.h"
@@ -469,6 +470,16 @@ at::Tensor attention(const at::Tensor& q, const c10::optional<at::Tensor>& k, co
 }
 
 }  // namespace
+
+at::Tensor ops::attention(const at::Tensor& q, const c10::optional<at::Tensor>& k, const c10::optional<at::Tensor>& v,
+                          const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
+                          const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                          at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& seq_of_token, const at::Tensor& positions,
+                          int64_t window, double scale, const c10::optional<at::Tensor>& sinks) {
+  return ::attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
+                     seq_of_token, positions, window, scale, sinks);
+}
 
 void register_attention(py::module_& m) {
   m.def("attention", &attention,

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include "fast_kernels.h"
+#include "ops.h"
 #include "registry.h"
 #include "simd_math.h"
 #include "thread_pool.h"
@@ -771,6 +772,11 @@ void moe(const at::Tensor& x_in, const at::Tensor& slots_in, const at::Tensor& w
 bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }
 
 }  // namespace
+
+at::Tensor ops::linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int64_t small_t,
+                       int64_t rows_per_unit, int64_t math) {
+  return ::linear(x, spec, slot, small_t, rows_per_unit, math);
+}
 
 void register_expert_kernels(py::module_& m) {
   m.def("linear", &linear, "y [T, N] = x [T, K] @ W[slot]^T", py::arg("x"), py::arg("spec"), py::arg("slot"),

@@ -6,4 +6,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_expert_kernels(m);
   register_attention(m);
   register_small_ops(m);
+  register_decode_block(m);
 }

@@ -8,3 +8,4 @@
 void register_expert_kernels(py::module_& m);  // expert_kernels.cpp: y = x W^T from stored bytes, grouped MoE
 void register_attention(py::module_& m);       // attention.cpp: attention over the paged KV cache
 void register_small_ops(py::module_& m);       // small_ops.cpp: fused norms and per-token helpers
+void register_decode_block(py::module_& m);    // decode_block.cpp: a MoE layer's attention half in one call

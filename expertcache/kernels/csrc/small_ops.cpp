@@ -26,6 +26,7 @@
 #include <optional>
 #include <vector>
 
+#include "ops.h"
 #include "registry.h"
 #include "simd_math.h"
 #include "thread_pool.h"
@@ -310,6 +311,17 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_topk(const at::Tensor&
 }
 
 }  // namespace
+
+std::optional<at::Tensor> ops::rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return ::rms_norm(x, w, eps);
+}
+std::optional<std::tuple<at::Tensor, at::Tensor>> ops::add_rms_norm(const at::Tensor& h, const at::Tensor& d,
+                                                                    const at::Tensor& w, double eps) {
+  return ::add_rms_norm(h, d, w, eps);
+}
+std::optional<std::tuple<at::Tensor, at::Tensor>> ops::softmax_topk(const at::Tensor& logits, int64_t k, bool renorm) {
+  return ::softmax_topk(logits, k, renorm);
+}
 
 void register_small_ops(py::module_& m) {
   m.def("rms_norm", &rms_norm, "y = w * (x * rsqrt(mean(x^2) + eps)) over the rows of x [..., H], or None", py::arg("x"),
