@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from expertcache import LLM, SamplingParams, kernels
+from expertcache.kernels import attention as KA
 from expertcache.layers import block as block_mod
 from test_fast_math import needs_fast
 from test_kernels import SEQ, needs_cpp
@@ -95,7 +96,7 @@ def test_a_step_the_attention_kernel_declines_runs_the_python_path(checkpoint, m
     calls = []
     real = kernels.attn_block
     monkeypatch.setattr(kernels, "attn_block", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(block_mod, "MAX_Q", 4)  # the prompt's 40 tokens: more than the kernel takes
+    monkeypatch.setattr(KA, "MAX_Q", 4)  # the prompt's 40 tokens: more than the kernel takes
     want = llm.logits(SEQ)
     assert not calls
     llm.model.fused_blocks = False

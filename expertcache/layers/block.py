@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..kernels.attention import CACHE_DTYPES, MAX_Q
+from ..kernels import attention as attention_kernel
 from ..spec.model_config import ModelConfig
 from .attention import AttnBatch, Attention
 from .basic import QuantizedWeight
@@ -63,8 +63,8 @@ class AttnBlock:
         """h [T, H] the residual stream, mlp the previous layer's MLP / MoE output (None: nothing to add)
         -> (s, h2, x2, (ids, weights)): s = h + mlp (the previous layer's output), h2 the stream after
         attention, x2 its post-attention norm, the router's choice; or None (not for this step)."""
-        if batch.max_q > MAX_Q or k_cache.dtype not in CACHE_DTYPES:
-            return None
+        if batch.max_q > attention_kernel.MAX_Q or k_cache.dtype not in attention_kernel.CACHE_DTYPES:
+            return None  # the attention kernel's own limits (kernels/attention.py)
         cfg, layer = self.cfg, self.layer
         s, h2, x2, logits, ids, w = kernels.attn_block(
             h, mlp, layer["input_ln"], layer["post_ln"], cfg.rms_norm_eps, self.qkv, self.o, self.router,
