@@ -125,8 +125,12 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     does), so the torch paths group it with no device read; else they group one host copy of it
     (experts/host_routing.py: the only device -> host read here)."""
     T, K = slots.shape
-    out = torch.zeros_like(x) if out is None else out
-    if kernels.moe(x, slots, weights, pool, method, out, ffn):
+    if out is None:  # the kernel starts from a zeroed output of its own (no torch call per layer)
+        out = kernels.moe_out(x, slots, weights, pool, method, ffn)
+        if out is not None:
+            return out
+        out = torch.zeros_like(x)
+    elif kernels.moe(x, slots, weights, pool, method, out, ffn):
         return out
     groups = group_by_slot(slots if host else to_host(slots))
     if not groups.active:

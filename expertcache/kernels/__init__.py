@@ -287,14 +287,22 @@ def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[
     and activation `ffn` (experts.compute.ExpertFFN, None = SwiGLU); biases are the pool parts
     "gate_up_bias" [S, 2I] and "down_bias" [S, H]. False: not handled (a format, layout or dtype the
     kernels do not read); `out` is then untouched."""
-    if not _usable(x) or out.dtype != torch.float32 or not out.is_contiguous():
+    if out.dtype != torch.float32 or not out.is_contiguous():
         return False
+    return moe_out(x, slots, weights, pool, method, ffn, out) is not None
+
+
+def moe_out(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
+            ffn=None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """moe() into `out`, or into a zeroed output the kernel makes (out None) -> the output; None: not
+    handled."""
+    if not _usable(x):
+        return None
     H = x.shape[1]
     args = _cached_specs(list(pool.values()), (method, H, ffn, tuple(pool)), lambda: _moe_args(pool, method, H, ffn))
     if args is None:
-        return False
-    extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
-    return True
+        return None
+    return extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
 
 
-__all__ = ["attn_block", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
+__all__ = ["attn_block", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]

@@ -236,7 +236,7 @@ class MoETransformer:
                 self._layer_outputs = (outs, logits_rows)
             else:
                 self._finite_after = torch.stack(outs) if outs else None
-            h = h[logits_rows]
+            h = h.index_select(0, logits_rows)  # (h[rows] runs torch's much longer indexing path)
         return linear(rms_norm(h, self.norm, eps), self.lm_head).float()
 
     def _route(self, layer: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

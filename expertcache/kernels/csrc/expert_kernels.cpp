@@ -619,7 +619,7 @@ void activate(const float* g, const float* u, const float* bg, const float* bu, 
 // act 0: silu(g) * u;  act 1 (clamped SwiGLU): g = min(g, limit), u = clamp(u, -limit, limit),
 // (u + 1) * g * sigmoid(alpha * g). Biases (float32 [S, I] / [S, H], or None) are added to the projections.
 // x, slots and weights are made contiguous here (weights float32): no Python calls for it per layer.
-void moe(const at::Tensor& x_in, const at::Tensor& slots_in, const at::Tensor& weights_in, const py::tuple& gate_spec,
+void moe_into(const at::Tensor& x_in, const at::Tensor& slots_in, const at::Tensor& weights_in, const py::tuple& gate_spec,
          const py::tuple& up_spec, const py::tuple& down_spec, int64_t act, double alpha, double limit,
          const py::object& gate_bias, const py::object& up_bias, const py::object& down_bias, at::Tensor& out,
          int64_t small_t, int64_t rows_per_unit, int64_t math) {
@@ -769,6 +769,23 @@ void moe(const at::Tensor& x_in, const at::Tensor& slots_in, const at::Tensor& w
   else run_units(per_h, add);
 }
 
+// moe_into with out None: a zeroed output made here, saving a torch call per layer -> out
+at::Tensor moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights, const py::tuple& gate_spec,
+               const py::tuple& up_spec, const py::tuple& down_spec, int64_t act, double alpha, double limit,
+               const py::object& gate_bias, const py::object& up_bias, const py::object& down_bias,
+               const c10::optional<at::Tensor>& out, int64_t small_t, int64_t rows_per_unit, int64_t math) {
+  at::Tensor o;
+  if (out.has_value()) {
+    o = *out;
+  } else {
+    o = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+    std::memset(o.data_ptr(), 0, o.nbytes());
+  }
+  moe_into(x, slots, weights, gate_spec, up_spec, down_spec, act, alpha, limit, gate_bias, up_bias, down_bias, o,
+           small_t, rows_per_unit, math);
+  return o;
+}
+
 bool cpu_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }
 
 }  // namespace
@@ -782,7 +799,7 @@ void register_expert_kernels(py::module_& m) {
   m.def("linear", &linear, "y [T, N] = x [T, K] @ W[slot]^T", py::arg("x"), py::arg("spec"), py::arg("slot"),
         py::arg("small_t"), py::arg("rows_per_unit"), py::arg("math"));
   m.def("fast_supported", &fastk::supported, "the CPU has what the fast math needs (AVX-512 F/BW/VL/BF16/VNNI)");
-  m.def("moe", &moe, "grouped expert FFN of one MoE layer, accumulated into out");
+  m.def("moe", &moe, "grouped expert FFN of one MoE layer, accumulated into out (None: a zeroed one) -> out");
   m.def("set_threads", [](int64_t n) { pool::instance().set_threads(n); }, "kernel threads (0: torch's count)");
   m.def("get_threads", [] { return pool::instance().threads(); }, "kernel threads set (0: torch's count)");
   m.def("cpu_supported", &cpu_supported, "AVX2, FMA and F16C present");
