@@ -82,7 +82,8 @@ def add_rms_norm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 class Rotary:
-    """cos/sin for arbitrary positions: q/k [T, heads, D] rotated in the half-split convention.
+    """cos/sin for arbitrary positions: q/k [T, heads, D] rotated in the half-split convention (on the CPU in
+    float32 gathered from a table of positions 0..n-1, the same values).
     Partial rotary: only the first R = cfg.rope_dim dims of each head rotate, the rest pass."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
@@ -92,20 +93,35 @@ class Rotary:
         # cos/sin of the last positions tensor: every layer of one forward passes the same tensor
         # object, so they are computed once per forward, not once per layer
         self._last: tuple | None = None
+        # float32 cos/sin [n, R] of positions 0..n-1 (n grown by doubling up to TABLE_POSITIONS): a
+        # step's rows are gathered from them (2 ops, not ~10 run cold after the weights streamed)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    TABLE_POSITIONS = 16384  # at most 16384 x R x 8 bytes (8 MiB at R = 128); later positions are computed
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         cos, sin = self.tables(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq  # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, R] (contiguous, the rotary scale folded in) for positions [T]."""
         last = self._last
         if last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
-        freqs = positions[:, None].float() * self.inv_freq  # [T, R/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.scale).to(dtype)[:, None, :]
-        sin = (emb.sin() * self.scale).to(dtype)[:, None, :]
+        # on the CPU only: reading the largest position back from a device would wait for it
+        top = int(positions.max()) + 1 if positions.is_cpu and positions.numel() else self.TABLE_POSITIONS + 1
+        if dtype == torch.float32 and top <= self.TABLE_POSITIONS:
+            if self._table is None or self._table[0].shape[0] < top:
+                n = min(self.TABLE_POSITIONS, max(1024, 1 << (top - 1).bit_length()))
+                self._table = self._compute(torch.arange(n, device=self.inv_freq.device), dtype)
+            cos, sin = (t.index_select(0, positions)[:, None, :] for t in self._table)
+        else:
+            cos, sin = (t[:, None, :] for t in self._compute(positions, dtype))
         self._last = (positions, dtype, cos, sin)  # holds `positions`: its id is not reused
         return cos, sin
 
