@@ -5,6 +5,8 @@
   (qkv biases, a shared expert) and Mixtral (no q/k norm), in exact and fast CPU math, and with
   `--dense int8` projections. Against an independent reference: the whole bf16 model through the
   kernels equals the torch path within 1e-4 (test_kernels.py), which now runs through the block.
+- With every expert resident the layer's MoE kernel call runs inside the block too (not beside a
+  shared expert); the results stay the Python path's.
 - Every MoE layer of those models gets a block (so the tests above exercise it); layers whose
   pieces are not all kernel calls do not: float32 weights (torch's F.linear), GLM-4.5's sigmoid router,
   MLA.
@@ -29,15 +31,21 @@ FAMILIES = {"qwen3_moe": {}, "qwen2_moe": dict(shared_expert_intermediate_size=4
 PROMPTS = [SEQ[:9], SEQ[5:8]]
 
 
-def _both_paths(llm: LLM):
-    """(prefill logits, decode log-probabilities) with the block on, then off."""
+def _both_paths(llm: LLM, provider_calls: list | None = None):
+    """(prefill logits, decode log-probabilities) with the block on, then off; provider_calls gets the
+    number of expert-provider forwards made with the block on (0: every MoE ran inside the block)."""
     out = []
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=4, ignore_eos=True)
+    real, calls = llm.experts.forward, []
     for fused in (True, False):
         llm.model.fused_blocks = fused
+        llm.experts.forward = lambda *a: calls.append(fused) or real(*a)
         decoded = [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, params)]
         out.append((llm.logits(SEQ), decoded))
+    llm.experts.forward = real
     llm.model.fused_blocks = True
+    if provider_calls is not None:
+        provider_calls.append(sum(calls))
     return out
 
 
@@ -55,9 +63,12 @@ def test_the_block_is_the_python_path_bit_for_bit(family, math, checkpoint):
         kw["num_local_experts"] = kw.pop("num_experts")
     llm = LLM(str(checkpoint(family, **kw)), cpu_math=math)
     assert _blocks(llm) == len(llm.model.layers)
-    (a, da), (b, db) = _both_paths(llm)
+    calls = []
+    (a, da), (b, db) = _both_paths(llm, calls)
     assert torch.equal(a, b)
     assert da == db
+    # every expert resident: the MoE runs inside the block, except beside a shared expert (qwen2_moe)
+    assert (calls[0] > 0) == (family == "qwen2_moe")
 
 
 @needs_cpp

@@ -12,12 +12,16 @@ Contract:
 - `begin_step()` / `end_step()` bracket one forward pass of the whole model; an expert a
   layer uses stays pinned (never evicted) until that layer's forward returns.
 - `stats()` returns the counters described in experts/stats.py.
+- `kernel_moe_args(layer, H)`: where slot s of a layer's pool always holds expert s (every expert
+  resident) and the CPU MoE kernel reads the pool, its arguments (kernels.moe_args), so a caller may
+  run the layer's forward inside a larger kernel call; else None (the default).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from .compute import moe_ffn
 from .layout import ExpertSource
 
@@ -39,6 +43,9 @@ class ExpertProvider:
 
     def stats(self) -> dict:
         return {}
+
+    def kernel_moe_args(self, layer: int, H: int) -> tuple | None:
+        return None
 
     def close(self) -> None:
         pass
@@ -66,3 +73,6 @@ class ResidentExperts(ExpertProvider):
 
     def forward(self, layer, x, ids, weights):
         return moe_ffn(x, ids, weights, self.pools[layer], self.method, ffn=self.ffn)
+
+    def kernel_moe_args(self, layer: int, H: int) -> tuple | None:
+        return kernels.moe_args(self.pools[layer], self.method, H, self.ffn)

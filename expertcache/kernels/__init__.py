@@ -199,14 +199,16 @@ def projection(spec: tuple, bias: torch.Tensor | None = None) -> tuple:
 
 
 def attn_block(h: torch.Tensor, mlp: torch.Tensor | None, input_ln: torch.Tensor, post_ln: torch.Tensor, eps: float,
-               qkv: tuple, o: tuple, router: tuple, attention: tuple, top_k: int, renorm: bool) -> tuple:
+               qkv: tuple, o: tuple, router: tuple, attention: tuple, top_k: int, renorm: bool,
+               moe: tuple | None = None) -> tuple:
     """A MoE layer's attention half in one call (csrc/decode_block.cpp), in the CPU math in effect:
-    -> (s, h2, x2, logits, ids or None, weights or None). qkv / o / router: projection(); attention: the
-    attention kernel's arguments after eps (cos, sin, caches, batch tensors, window, scale, sinks),
-    preceded by the head norms (q_norm, k_norm)."""
+    -> (s, h2, x2, logits, ids or None, weights or None, out or None). qkv / o / router: projection();
+    attention: the attention kernel's arguments after eps (cos, sin, caches, batch tensors, window,
+    scale, sinks), preceded by the head norms (q_norm, k_norm); moe: moe_args() of a pool whose slot
+    s holds expert s (then out: that layer's MoE output, once the top-k answered)."""
     q_norm, k_norm, *rest = attention
     return extension().attn_block(h, mlp, input_ln, post_ln, eps, qkv, o, router, _math[0], q_norm, k_norm, *rest,
-                                  top_k, renorm)
+                                  top_k, renorm, moe)
 
 
 def _rows(spec: tuple, rows: slice) -> tuple:
@@ -292,17 +294,23 @@ def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[
     return moe_out(x, slots, weights, pool, method, ffn, out) is not None
 
 
+def moe_args(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple | None:
+    """The MoE kernel's arguments for a pool (built once per pool), or None: no kernel reads it."""
+    if extension() is None:
+        return None
+    return _cached_specs(list(pool.values()), (method, H, ffn, tuple(pool)), lambda: _moe_args(pool, method, H, ffn))
+
+
 def moe_out(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
             ffn=None, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """moe() into `out`, or into a zeroed output the kernel makes (out None) -> the output; None: not
     handled."""
     if not _usable(x):
         return None
-    H = x.shape[1]
-    args = _cached_specs(list(pool.values()), (method, H, ffn, tuple(pool)), lambda: _moe_args(pool, method, H, ffn))
+    args = moe_args(pool, method, x.shape[1], ffn)
     if args is None:
         return None
     return extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
 
 
-__all__ = ["attn_block", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
+__all__ = ["attn_block", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]

@@ -59,16 +59,18 @@ class AttnBlock:
         return None if None in (qkv, o, router) else cls(cfg, attn, layer, qkv, o, router)
 
     def __call__(self, h: torch.Tensor, mlp: torch.Tensor | None, batch: AttnBatch, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> tuple | None:
+                 v_cache: torch.Tensor, moe: tuple | None = None) -> tuple | None:
         """h [T, H] the residual stream, mlp the previous layer's MLP / MoE output (None: nothing to add)
-        -> (s, h2, x2, (ids, weights)): s = h + mlp (the previous layer's output), h2 the stream after
-        attention, x2 its post-attention norm, the router's choice; or None (not for this step)."""
+        -> (s, h2, x2, (ids, weights), out): s = h + mlp (the previous layer's output), h2 the stream
+        after attention, x2 its post-attention norm, the router's choice; out: with `moe` (the
+        resident experts' kernel arguments, ExpertProvider.kernel_moe_args; the router must not scale),
+        the layer's MoE output once the fused top-k answered, else None; or None (not for this step)."""
         if batch.max_q > attention_kernel.MAX_Q or k_cache.dtype not in attention_kernel.CACHE_DTYPES:
             return None  # the attention kernel's own limits (kernels/attention.py)
         cfg, layer = self.cfg, self.layer
-        s, h2, x2, logits, ids, w = kernels.attn_block(
+        s, h2, x2, logits, ids, w, out = kernels.attn_block(
             h, mlp, layer["input_ln"], layer["post_ln"], cfg.rms_norm_eps, self.qkv, self.o, self.router,
-            self.attn.kernel_args(batch, k_cache, v_cache), cfg.top_k, cfg.norm_topk_prob)
+            self.attn.kernel_args(batch, k_cache, v_cache), cfg.top_k, cfg.norm_topk_prob, moe)
         if ids is None:  # the fused top-k declined (a near-tie): the router's torch code decides
-            return s, h2, x2, route_logits(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router, None, x2.dtype)
-        return s, h2, x2, finish_route(ids, w, cfg.router, x2.dtype)
+            return s, h2, x2, route_logits(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router, None, x2.dtype), None
+        return s, h2, x2, finish_route(ids, w, cfg.router, x2.dtype), out

@@ -147,6 +147,10 @@ class MoETransformer:
         # (layers/block.py; bit-identical to the Python path). fused_blocks = False: the Python path.
         self.blocks = [AttnBlock.build(cfg, layer, device, dtype) for layer in self.layers]
         self.fused_blocks = True
+        # and the MoE call inside the block where the experts are resident (slot = expert id), the
+        # layer has no shared expert and the router does not scale its weights
+        self._block_moe = [experts.kernel_moe_args(i, H) if b is not None and "shared" not in layer
+                           and cfg.router.scaling == 1.0 else None for i, (b, layer) in enumerate(zip(self.blocks, self.layers))]
 
     def _mha_weights(self, p: str, load, norm) -> dict[str, torch.Tensor]:
         """q/k/v/o projections (+ biases, q/k norms) of layer prefix p; q/k/v fused (fuse_qkv)."""
@@ -207,13 +211,15 @@ class MoETransformer:
         try:
             mlp = None  # the previous layer's MLP / MoE output, added into h by the next norm
             blocks = self.blocks if self.fused_blocks else ()
+            # the MoE inside the block only when nothing needs the routing in Python this step
+            moes = self._block_moe if self.route_override is None and not self.record_routing else [None] * len(blocks)
             for i, layer in enumerate(self.layers):
-                fused = blocks[i](h, mlp, batch, *kv[self.kv_index[i]]) if blocks and blocks[i] else None
+                fused = blocks[i](h, mlp, batch, *kv[self.kv_index[i]], moes[i]) if blocks and blocks[i] else None
                 if fused is not None:
-                    s, h, x, routed = fused
+                    s, h, x, routed, out = fused
                     if mlp is not None:
                         done(s)
-                    mlp = self._moe(i, layer, h, x, routed)
+                    mlp = out if out is not None else self._moe(i, layer, h, x, routed)
                     continue
                 if mlp is None:
                     x = rms_norm(h, layer["input_ln"], eps)

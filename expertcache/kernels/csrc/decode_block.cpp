@@ -4,8 +4,11 @@
 //     s = h + mlp (h itself when mlp is None)     x = rms_norm(s, input_ln)
 //     a = attention(x @ qkv^T) (+ bias; the fused q/k/v split by the kernel)     m = a @ o^T (+ bias)
 //     h2 = s + m     x2 = rms_norm(h2, post_ln)     logits = x2 @ router^T (+ bias)
-//     -> (s, h2, x2, logits, ids, weights): ids / weights the softmax top-k (renormalised when renorm),
-//        both None when softmax_topk declines (a near-tie: the caller routes from the logits)
+//     -> (s, h2, x2, logits, ids, weights, out): ids / weights the softmax top-k (renormalised when
+//        renorm), both None when softmax_topk declines (a near-tie: the caller routes from the logits)
+//   moe: None, or the MoE kernel's pool arguments (kernels/__init__.py `moe_args`) of a layer whose
+//   slots are its expert ids (every expert resident): then, when the top-k answered, out = the layer's
+//   expert FFN of x2 over those experts (the MoE call the caller would make next); else out is None.
 //
 // Each projection is a tuple (spec, bias or None, small_t, rows_per_unit) as kernels/__init__.py builds
 // it. Every step is the function Python would call (ops.h) in the same order, so the results are the
@@ -36,7 +39,7 @@ py::tuple attn_block(const at::Tensor& h, const c10::optional<at::Tensor>& mlp, 
                      const c10::optional<at::Tensor>& sin, at::Tensor k_cache, at::Tensor v_cache,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_of_token,
                      const at::Tensor& positions, int64_t window, double scale, const c10::optional<at::Tensor>& sinks,
-                     int64_t top_k, bool renorm) {
+                     int64_t top_k, bool renorm, const py::object& moe) {
   at::Tensor s = h, x;
   if (mlp.has_value()) std::tie(s, x) = need(ops::add_rms_norm(h, *mlp, input_ln, eps), "add_rms_norm");
   else x = need(ops::rms_norm(h, input_ln, eps), "rms_norm");
@@ -47,8 +50,16 @@ py::tuple attn_block(const at::Tensor& h, const c10::optional<at::Tensor>& mlp, 
   const auto [h2, x2] = need(ops::add_rms_norm(s, m, post_ln, eps), "add_rms_norm");
   const at::Tensor logits = project(x2, router, math);
   const auto routed = ops::softmax_topk(logits, top_k, renorm);
-  if (!routed.has_value()) return py::make_tuple(s, h2, x2, logits, py::none(), py::none());
-  return py::make_tuple(s, h2, x2, logits, std::get<0>(*routed), std::get<1>(*routed));
+  if (!routed.has_value()) return py::make_tuple(s, h2, x2, logits, py::none(), py::none(), py::none());
+  const auto& [ids, w] = *routed;
+  if (moe.is_none()) return py::make_tuple(s, h2, x2, logits, ids, w, py::none());
+  const py::tuple args = moe.cast<py::tuple>();  // (gate, up, down, act, alpha, limit, 3 biases, small_t, rows per unit)
+  TORCH_CHECK(args.size() == 11, "attn_block: moe must be the MoE kernel's 11 pool arguments");
+  at::Tensor out = at::zeros_like(x2);
+  ops::moe(x2, ids, w, args[0].cast<py::tuple>(), args[1].cast<py::tuple>(), args[2].cast<py::tuple>(),
+           args[3].cast<int64_t>(), args[4].cast<double>(), args[5].cast<double>(), args[6], args[7], args[8], out,
+           args[9].cast<int64_t>(), args[10].cast<int64_t>(), math);
+  return py::make_tuple(s, h2, x2, logits, ids, w, out);
 }
 
 }  // namespace
@@ -59,5 +70,5 @@ void register_decode_block(py::module_& m) {
         py::arg("o"), py::arg("router"), py::arg("math"), py::arg("q_norm"), py::arg("k_norm"), py::arg("cos"),
         py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_tables"),
         py::arg("seq_of_token"), py::arg("positions"), py::arg("window"), py::arg("scale"), py::arg("sinks"),
-        py::arg("top_k"), py::arg("renorm"));
+        py::arg("top_k"), py::arg("renorm"), py::arg("moe"));
 }

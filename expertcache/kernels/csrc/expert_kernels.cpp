@@ -795,6 +795,14 @@ at::Tensor ops::linear(const at::Tensor& x, const py::tuple& spec, int64_t slot,
   return ::linear(x, spec, slot, small_t, rows_per_unit, math);
 }
 
+void ops::moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights, const py::tuple& gate_spec,
+              const py::tuple& up_spec, const py::tuple& down_spec, int64_t act, double alpha, double limit,
+              const py::object& gate_bias, const py::object& up_bias, const py::object& down_bias, at::Tensor& out,
+              int64_t small_t, int64_t rows_per_unit, int64_t math) {
+  moe_into(x, slots, weights, gate_spec, up_spec, down_spec, act, alpha, limit, gate_bias, up_bias, down_bias, out,
+           small_t, rows_per_unit, math);
+}
+
 void register_expert_kernels(py::module_& m) {
   m.def("linear", &linear, "y [T, N] = x [T, K] @ W[slot]^T", py::arg("x"), py::arg("spec"), py::arg("slot"),
         py::arg("small_t"), py::arg("rows_per_unit"), py::arg("math"));

@@ -13,6 +13,12 @@ namespace ops {
 at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int64_t small_t, int64_t rows_per_unit,
                   int64_t math);
 
+// expert_kernels.cpp: out [T, H] += the grouped expert FFN of one MoE layer (kernels/__init__.py `moe`)
+void moe(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& weights, const py::tuple& gate_spec,
+         const py::tuple& up_spec, const py::tuple& down_spec, int64_t act, double alpha, double limit,
+         const py::object& gate_bias, const py::object& up_bias, const py::object& down_bias, at::Tensor& out,
+         int64_t small_t, int64_t rows_per_unit, int64_t math);
+
 // attention.cpp: the new tokens' attention over the paged cache (k = v = None: q is the fused qkv)
 at::Tensor attention(const at::Tensor& q, const c10::optional<at::Tensor>& k, const c10::optional<at::Tensor>& v,
                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
