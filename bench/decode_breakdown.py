@@ -1,7 +1,7 @@
 """Where a decode token's time goes: the engine's pieces timed in one process (each wrapped with a
 wall-clock timer; CPU ops are synchronous, so the sums are exact), batch 1, every weight resident.
 
-    python bench/decode_breakdown.py [MODEL_DIR] [--lm-head int8] [--dense int8] [--cpu-math fast] [--threads 2] [--tokens 64] [--prompt 9] [--rounds 3]
+    python bench/decode_breakdown.py [MODEL_DIR] [--lm-head int8] [--dense int8] [--cpu-math fast] [--threads 2] [--tokens 64] [--prompt 9] [--rounds 3] [--fused-blocks]
 
 MODEL_DIR defaults to the peer benchmark's yardstick (~/.cache/expertcache-peers/yardstick, built by
 bench/peers/llama_cpp_bench.py). One line per piece (the last round): ms per decode step, calls per
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=9, help="prompt tokens (--prompt 128 --tokens 0: a prefill alone)")
+    ap.add_argument("--fused-blocks", action="store_true", help="the one-call attention block (default: the Python path)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import expertcache.kernels as K
@@ -59,10 +60,12 @@ def main() -> None:
         setattr(obj, name, timed)
 
     m = llm.model
+    m.fused_blocks = a.fused_blocks
     for obj, name, key in [(attention.Attention, "__call__", "attention"), (m, "_moe", "moe_total"),
                            (m.experts, "forward", "experts.forward"), (m, "_route", "route"),
                            (m, "forward", "forward"), (transformer, "linear", "lm_head"),
-                           (K, "moe", "kernels.moe"), (K, "dense_linear", "kernels.dense_linear"),
+                           (K, "moe_out", "kernels.moe"), (K, "attn_block", "kernels.attn_block"),
+                           (K, "dense_linear", "kernels.dense_linear"),
                            (K, "quant_linear", "kernels.quant_linear"), (attention, "attend", "kernels.attend")]:
         wrap(obj, name, key)
     params = SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True)
