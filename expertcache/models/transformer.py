@@ -149,8 +149,9 @@ class MoETransformer:
         self.fused_blocks = True
         # and the MoE call inside the block where the experts are resident (slot = expert id), the
         # layer has no shared expert and the router does not scale its weights
-        self._block_moe = [experts.kernel_moe_args(i, H) if b is not None and "shared" not in layer
-                           and cfg.router.scaling == 1.0 else None for i, (b, layer) in enumerate(zip(self.blocks, self.layers))]
+        self._block_moe = [
+            experts.kernel_moe_args(i, H) if b is not None and "shared" not in layer and cfg.router.scaling == 1.0
+            else None for i, (b, layer) in enumerate(zip(self.blocks, self.layers))]
 
     def _mha_weights(self, p: str, load, norm) -> dict[str, torch.Tensor]:
         """q/k/v/o projections (+ biases, q/k norms) of layer prefix p; q/k/v fused (fuse_qkv)."""
