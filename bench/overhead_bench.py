@@ -3,10 +3,10 @@ block (layers/block.py) saves: the block on and off, alternating in one process.
 
     python bench/overhead_bench.py [MODEL_DIR] [--rounds 12] [--tokens 48] [--threads 2] [--cpu-math fast]
 
-MODEL_DIR defaults to a "skeleton" built here once: the yardstick's structure (Qwen3-MoE, 16 layers,
-64 experts top-8, 16 query / 4 kv heads, untied, bf16) with tiny widths (hidden 64, expert
-intermediate 32, head_dim 16, vocab 2048), so its weights stay in the caches and its decode time is
-the Python, dispatch and small ops a step makes. On the yardstick itself (MODEL_DIR =
+MODEL_DIR defaults to a "skeleton" built here once with transformers (the test extra): the
+yardstick's structure (Qwen3-MoE, 16 layers, 64 experts top-8, 16 query / 4 kv heads, untied, bf16)
+with tiny widths (hidden 64, expert intermediate 32, head_dim 16, vocab 2048), so its weights stay in
+the caches and its decode time is the Python, dispatch and small ops a step makes. On the yardstick itself (MODEL_DIR =
 ~/.cache/expertcache-peers/yardstick) the same lines give the block's effect with the weight streams.
 One line per setting: median decode tok/s and main-thread CPU ms per token; then the ratio of the
 medians and the median of the per-round ratios. Batch 1, greedy, every weight resident.

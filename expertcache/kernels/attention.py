@@ -31,6 +31,11 @@ MAX_Q = 2048
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def takes(batch, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes this step's batch and cache (its limits beside q's dtype and device)."""
+    return batch.max_q <= MAX_Q and k_cache.dtype in CACHE_DTYPES
+
+
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
            scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
@@ -38,7 +43,7 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_ca
     """-> out [T, h * D], with the new k/v written into the caches at batch.slot_mapping; or None (not
     handled, nothing written). batch: layers.attention.AttnBatch (read by attribute). q/k are normed
     (q_norm/k_norm, eps) then rotated (cos/sin) per head; positions visible as layers/attention.py says."""
-    if batch.max_q > MAX_Q or q.dtype != torch.float32 or not q.is_cpu or k_cache.dtype not in CACHE_DTYPES:
+    if q.dtype != torch.float32 or not q.is_cpu or not takes(batch, k_cache):
         return None
     ext = extension()
     if ext is None:

@@ -62,6 +62,14 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
     return out if b is None else out + b.to(x.dtype)
 
 
+def kernel_spec(w: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> tuple | None:
+    """The C++ kernel spec linear(x, w) computes with for x of `dtype` on the CPU (with the kernels in
+    use), or None where linear takes a torch path: the same dispatch as linear's."""
+    if isinstance(w, QuantizedWeight):
+        return w.spec
+    return None if w.dtype == dtype else kernels.dense_spec(w)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H] normalised over its last dim, times weight [H] (the C++ kernel on CPU float32)."""
     y = small_ops.rms_norm(x, weight, eps)

@@ -23,18 +23,13 @@ from .. import kernels
 from ..kernels import attention as attention_kernel
 from ..spec.model_config import ModelConfig
 from .attention import AttnBatch, Attention
-from .basic import QuantizedWeight
+from .basic import kernel_spec
 from .moe import finish_route, route_logits
 
 
 def _projection(w, b: torch.Tensor | None) -> tuple | None:
     """kernels.projection of a weight the Python path computes with a kernel, else None."""
-    if isinstance(w, QuantizedWeight):
-        spec = w.spec
-    elif isinstance(w, torch.Tensor) and w.dtype in (torch.bfloat16, torch.float16):
-        spec = kernels.dense_spec(w)
-    else:  # float32 weights go through torch's F.linear in layers/basic.py
-        return None
+    spec = kernel_spec(w, torch.float32)
     return None if spec is None else kernels.projection(spec, b)
 
 
@@ -65,8 +60,8 @@ class AttnBlock:
         after attention, x2 its post-attention norm, the router's choice; out: with `moe` (the
         resident experts' kernel arguments, ExpertProvider.kernel_moe_args; the router must not scale),
         the layer's MoE output once the fused top-k answered, else None; or None (not for this step)."""
-        if batch.max_q > attention_kernel.MAX_Q or k_cache.dtype not in attention_kernel.CACHE_DTYPES:
-            return None  # the attention kernel's own limits (kernels/attention.py)
+        if not attention_kernel.takes(batch, k_cache):
+            return None
         cfg, layer = self.cfg, self.layer
         s, h2, x2, logits, ids, w, out = kernels.attn_block(
             h, mlp, layer["input_ln"], layer["post_ln"], cfg.rms_norm_eps, self.qkv, self.o, self.router,

@@ -8,14 +8,15 @@
 //
 // All float32 contiguous CPU tensors. rms_norm, add_rms_norm and softmax_topk check that in C++ and
 // return None for anything else (the caller then computes with torch): a decode step makes ~50 of
-// these calls, and the same checks in Python cost several times the op. The norm computes as layers/basic.py's torch path does
-// (mean of squares, then the same float multiplies in the same order; the mean is accumulated in
-// double, so it can differ from torch's float reduction in its last bit). row_stats follows
-// torch.max / argmax (first maximum; a NaN wins, the first NaN) / logsumexp / isfinite().all()
-// on every row, finite or not. softmax_topk picks on the logits (softmax is monotone) and says
-// exact=false when a row has a non-finite logit or two of its k+1 best logits so close that
-// torch's rounded probabilities could tie or swap: the caller then computes with torch, so the
-// chosen experts and their order are always torch's.
+// these calls, and the same checks in Python cost several times the op.
+//
+// The norm computes as layers/basic.py's torch path does (mean of squares, then the same float
+// multiplies in the same order; the mean is accumulated in double, so it can differ from torch's
+// float reduction in its last bit). row_stats follows torch.max / argmax (first maximum; a NaN wins,
+// the first NaN) / logsumexp / isfinite().all() on every row, finite or not. softmax_topk picks on
+// the logits (softmax is monotone) and returns None when a row has a non-finite logit or two of its
+// k+1 best logits so close that torch's rounded probabilities could tie or swap: the caller then
+// computes with torch, so the chosen experts and their order are always torch's.
 #include <immintrin.h>
 
 #include <algorithm>
