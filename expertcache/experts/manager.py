@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import hostmem
 from ..cost.model import ExpertCost, default_profile
 from .compute import expert_ffn, moe_ffn
 from .host_routing import to_device, to_host
@@ -100,8 +101,8 @@ class SlotPool:
 
     def __init__(self, parts, layers: int, slots: int, device: torch.device, pin: bool = False):
         self.device = device
-        self.buf = {p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device,
-                                        pin_memory=pin) for p in parts}
+        self.buf = {p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device, pin_memory=True)
+                    if pin else hostmem.empty((layers, slots, *p.shape), p.dtype, device) for p in parts}
         self.inflight: dict[tuple[int, int], InFlight] = {}
         # one dict of views per layer, made once: the same tensor objects every step, so the kernels
         # build their weight specs once per layer (kernels.moe caches them by these objects)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from .. import hostmem, kernels
 from .compute import moe_ffn
 from .layout import ExpertSource
 
@@ -60,7 +60,7 @@ class ResidentExperts(ExpertProvider):
         parts = parts or source.compute_parts(dtype, device)
         self.pools: dict[int, dict[str, torch.Tensor]] = {}
         for layer in source.layers:
-            pool = {p.name: torch.empty((E, *p.shape), dtype=p.dtype, device=device) for p in parts}
+            pool = {p.name: hostmem.empty((E, *p.shape), p.dtype, device) for p in parts}
             for j in range(E):
                 w = source.read(layer, j)
                 if source.check_read(layer, j, w):

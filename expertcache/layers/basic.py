@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from .. import hostmem, kernels
 from ..kernels import small_ops
 from ..quant import make_quant_method
 from ..spec.model_config import ModelConfig, rope_inv_freq
@@ -33,7 +33,7 @@ class QuantizedWeight:
     def __init__(self, w: torch.Tensor, method, rows: int = 16384):
         self.method, self.shape, self.dtype = method, tuple(w.shape), torch.int8
         chunks = [method.pack({"w.weight": w[i:i + rows].float()}) for i in range(0, w.shape[0], rows)]
-        self.parts = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}  # row-wise formats: exact
+        self.parts = {k: hostmem.cat([c[k] for c in chunks]) for k in chunks[0]}  # row-wise formats: exact
         self.nbytes = sum(t.numel() * t.element_size() for t in self.parts.values())
         self.spec = kernels.quant_weight_spec(method, self.parts, "w", self.shape)  # once: the parts never change
 

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from .. import hostmem, kernels
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
 from ..layers.basic import QuantizedWeight, Rotary, add_rms_norm, linear, load_quant_method, rms_norm, swiglu
@@ -288,7 +288,7 @@ def fuse_qkv(a: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if all(has_bias) and len({b.dtype for b in bs}) != 1:
         return a
     out = {k: t for k, t in a.items() if not k.startswith(names)}
-    out["qkv_proj.weight"] = torch.cat(ws)
+    out["qkv_proj.weight"] = hostmem.cat(ws)
     if all(has_bias):
         out["qkv_proj.bias"] = torch.cat(bs)
     return out
