@@ -211,6 +211,17 @@ def attn_block(h: torch.Tensor, mlp: torch.Tensor | None, input_ln: torch.Tensor
                                   top_k, renorm, moe)
 
 
+def attn_stack(h: torch.Tensor, mlp: torch.Tensor | None, layers: list, kv: list, step: tuple, eps: float, start: int,
+               with_moe: bool) -> tuple:
+    """Consecutive layers' attention blocks in one call from layer `start` (csrc/decode_block.cpp), each
+    with its MoE inside, until a layer's MoE needs Python or the last layer -> (stop, sums, s, h2, x2,
+    logits, ids, weights, out) of layer `stop`; sums: the residual sums s of the layers run. layers[i]:
+    (input_ln, post_ln, qkv, o, router, q_norm, k_norm, window, scale, sinks, top_k, renorm, moe args);
+    kv[i]: (k_cache, v_cache); step: the attention's per-step tensors (cos, sin, slot_mapping,
+    block_tables, seq_of_token, positions)."""
+    return extension().attn_stack(h, mlp, layers, kv, step, eps, _math[0], start, with_moe)
+
+
 def _rows(spec: tuple, rows: slice) -> tuple:
     """The spec of some rows of a weight (gate or up out of a fused gate_up)."""
     code, data, scale, zero, n, k, g, bo = spec
@@ -313,4 +324,4 @@ def moe_out(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     return extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
 
 
-__all__ = ["attn_block", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
+__all__ = ["attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]

@@ -74,10 +74,19 @@ class Attention:
         """The attention kernel's arguments besides q/k/v and eps, as kernels.attn_block takes them:
         (q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_of_token,
         positions, window, scale, sinks)."""
+        cos, sin, *tables = self.kernel_step_args(batch)
+        qn, kn, window, scale, sinks = self.kernel_layer_args()
+        return (qn, kn, cos, sin, k_cache, v_cache, *tables, window, scale, sinks)
+
+    def kernel_layer_args(self) -> tuple:
+        """The layer's own part of kernel_args: (q_norm, k_norm, window, scale, sinks)."""
+        return (*self._kernel_norms, self.window or 0, self.scale, self.sinks)
+
+    def kernel_step_args(self, batch: AttnBatch) -> tuple:
+        """The step's part of kernel_args, the same for every layer: (cos, sin, slot_mapping,
+        block_tables, seq_of_token, positions)."""
         cos, sin = self.rotary.tables(batch.positions, torch.float32)
-        qn, kn = self._kernel_norms
-        return (qn, kn, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables, batch.seq_of_token,
-                batch.positions, self.window or 0, self.scale, self.sinks)
+        return cos, sin, batch.slot_mapping, batch.block_tables, batch.seq_of_token, batch.positions
 
     def _project(self, x: torch.Tensor, qkv: torch.Tensor | None):
         """x [T, H] (and its fused qkv projection, when the load fused the weights) -> q [T, h * D] (with

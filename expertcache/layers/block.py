@@ -66,6 +66,50 @@ class AttnBlock:
         s, h2, x2, logits, ids, w, out = kernels.attn_block(
             h, mlp, layer["input_ln"], layer["post_ln"], cfg.rms_norm_eps, self.qkv, self.o, self.router,
             self.attn.kernel_args(batch, k_cache, v_cache), cfg.top_k, cfg.norm_topk_prob, moe)
-        if ids is None:  # the fused top-k declined (a near-tie): the router's torch code decides
-            return s, h2, x2, route_logits(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router, None, x2.dtype), None
-        return s, h2, x2, finish_route(ids, w, cfg.router, x2.dtype), out
+        return s, h2, x2, self.routed(logits, ids, w, x2.dtype), out
+
+    def routed(self, logits: torch.Tensor, ids: torch.Tensor | None, w: torch.Tensor | None, dtype: torch.dtype):
+        """The router's (ids, weights) from the block's results; ids None (the fused top-k declined, a
+        near-tie): the router's torch code decides from the logits."""
+        cfg = self.cfg
+        if ids is None:
+            return route_logits(logits, cfg.top_k, cfg.norm_topk_prob, cfg.router, None, dtype)
+        return finish_route(ids, w, cfg.router, dtype)
+
+    def stack_args(self, moe: tuple | None) -> tuple:
+        """The layer's entry of kernels.attn_stack's `layers` (moe: as __call__'s)."""
+        cfg, layer = self.cfg, self.layer
+        qn, kn, window, scale, sinks = self.attn.kernel_layer_args()
+        return (layer["input_ln"], layer["post_ln"], self.qkv, self.o, self.router, qn, kn, window, scale, sinks,
+                cfg.top_k, cfg.norm_topk_prob, moe)
+
+
+class AttnStack:
+    """Every layer's block in one call a step (kernels.attn_stack): built where every layer has a
+    block. A call runs layers from `start` on, each with its MoE inside, and returns at the first layer
+    whose MoE needs Python (no kernel arguments for it, with_moe false, or a declined top-k) or after
+    the last; the caller runs that layer's MoE and calls again from the next. Bit-identical to the
+    blocks called one by one (the same C++ calls in the same order)."""
+
+    def __init__(self, blocks: list[AttnBlock], moes: list[tuple | None]):
+        self.blocks = blocks
+        self.layers = [b.stack_args(m) for b, m in zip(blocks, moes)]
+
+    @classmethod
+    def build(cls, blocks: list[AttnBlock | None], moes: list[tuple | None]) -> AttnStack | None:
+        return cls(blocks, moes) if blocks and all(b is not None for b in blocks) else None
+
+    def takes(self, batch: AttnBatch, kv: list) -> bool:
+        """The attention kernel takes this step (every layer's cache has the first one's dtype)."""
+        return attention_kernel.takes(batch, kv[0][0])
+
+    def __call__(self, h: torch.Tensor, mlp: torch.Tensor | None, batch: AttnBatch, kv: list, start: int,
+                 with_moe: bool) -> tuple:
+        """kv: every layer's (k_cache, v_cache), for a step the stack takes -> (stop, sums, s, h2, x2,
+        routed, out) of layer `stop` (routed: None when out is given; sums: the residual sums s of the
+        layers run after an mlp)."""
+        first = self.blocks[0]
+        stop, sums, s, h2, x2, logits, ids, w, out = kernels.attn_stack(
+            h, mlp, self.layers, kv, first.attn.kernel_step_args(batch), first.cfg.rms_norm_eps, start, with_moe)
+        routed = None if out is not None else self.blocks[stop].routed(logits, ids, w, x2.dtype)
+        return stop, sums, s, h2, x2, routed, out

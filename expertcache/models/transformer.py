@@ -24,7 +24,7 @@ from .. import hostmem, kernels
 from ..experts.provider import ExpertProvider
 from ..layers.attention import Attention, AttnBatch
 from ..layers.basic import QuantizedWeight, Rotary, add_rms_norm, linear, load_quant_method, rms_norm, swiglu
-from ..layers.block import AttnBlock
+from ..layers.block import AttnBlock, AttnStack
 from ..layers.gated_deltanet import GatedDeltaNet, StateBatch, load_weights as load_linear_attn
 from ..layers.mla import MLAttention, load_mla
 from ..layers.moe import route
@@ -152,6 +152,8 @@ class MoETransformer:
         self._block_moe = [
             experts.kernel_moe_args(i, H) if b is not None and "shared" not in layer and cfg.router.scaling == 1.0
             else None for i, (b, layer) in enumerate(zip(self.blocks, self.layers))]
+        # and, where every layer has a block, the whole stack of them in one call a step
+        self.stack = AttnStack.build(self.blocks, self._block_moe)
 
     def _mha_weights(self, p: str, load, norm) -> dict[str, torch.Tensor]:
         """q/k/v/o projections (+ biases, q/k norms) of layer prefix p; q/k/v fused (fuse_qkv)."""
@@ -213,8 +215,12 @@ class MoETransformer:
             mlp = None  # the previous layer's MLP / MoE output, added into h by the next norm
             blocks = self.blocks if self.fused_blocks else ()
             # the MoE inside the block only when nothing needs the routing in Python this step
-            moes = self._block_moe if self.route_override is None and not self.record_routing else [None] * len(blocks)
-            for i, layer in enumerate(self.layers):
+            with_moe = self.route_override is None and not self.record_routing
+            moes = self._block_moe if with_moe else [None] * len(blocks)
+            stacked = self.stack is not None and self.fused_blocks and self._run_stack(h, batch, kv, with_moe, done)
+            if stacked:
+                h, mlp = stacked
+            for i, layer in enumerate(() if stacked else self.layers):
                 fused = blocks[i](h, mlp, batch, *kv[self.kv_index[i]], moes[i]) if blocks and blocks[i] else None
                 if fused is not None:
                     s, h, x, routed, out = fused
@@ -245,6 +251,22 @@ class MoETransformer:
                 self._finite_after = torch.stack(outs) if outs else None
             h = h.index_select(0, logits_rows)  # (h[rows] runs torch's much longer indexing path)
         return linear(rms_norm(h, self.norm, eps), self.lm_head).float()
+
+    def _run_stack(self, h: torch.Tensor, batch: AttnBatch, kv: list, with_moe: bool, done) -> tuple | None:
+        """Every layer through the stack of blocks (layers/block.py AttnStack), a layer whose MoE needs
+        Python run here between two calls -> (h, mlp) after the last layer, or None: the attention
+        kernel does not take this step (nothing has run)."""
+        kv = [kv[self.kv_index[i]] for i in range(len(self.layers))]
+        if not self.stack.takes(batch, kv):
+            return None
+        mlp, start = None, 0
+        while start < len(self.layers):
+            stop, sums, _, h, x, routed, out = self.stack(h, mlp, batch, kv, start, with_moe)
+            for s in sums:
+                done(s)
+            mlp = out if out is not None else self._moe(stop, self.layers[stop], h, x, routed)
+            start = stop + 1
+        return h, mlp
 
     def _route(self, layer: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
