@@ -84,6 +84,14 @@ def test_sample_batch_logprobs_against_float64(torch_path, monkeypatch):
     stats = tuple(t[torch.tensor([1, 1, 0])] for t in row_stats(logits))
     again = sample_batch(rows, [seqs[1], seqs[1], seqs[0]], set(), stats)
     assert again[1] == [entries[1], entries[1], entries[0]]
+    # an all-greedy batch takes its logprobs from the row max: the same doubles as the general path,
+    # and against float64
+    greedy = [_seq(temperature=0.0), _seq(temperature=0.0), _seq(top_k=1, temperature=0.9)]
+    toks3, entries3 = sample_batch(logits[:3], greedy, set())
+    assert toks3 == logits[:3].argmax(-1).tolist()
+    mixed = sample_batch(logits, greedy + [seqs[3]], set())[1][:3]  # one sampled row: the general path
+    assert [e[1] for e in entries3] == [e[1] for e in mixed]
+    assert all(abs(e[1] - ref[b, e[0]].item()) <= 1e-5 for b, e in enumerate(entries3))
 
 
 def test_engine_fails_exactly_the_nonfinite_rows(qwen3_llm, monkeypatch):

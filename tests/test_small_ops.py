@@ -128,7 +128,8 @@ def test_row_stats_torch_fallback_agrees(monkeypatch):
 
     L = _logit_rows(1000)
     monkeypatch.setattr(build, "_state", {"mod": None, "why": "disabled by the test"})
-    fin, lse, am = row_stats(L)
+    fin, lse, am, top = row_stats(L)
+    assert torch.equal(top[fin], L[fin].amax(-1))
     assert fin.tolist() == [True, False, False, False, False, True, True, True, False, True]
     assert torch.equal(fin, torch.isfinite(L).all(-1))
     assert torch.equal(am, L.argmax(-1))

@@ -134,7 +134,7 @@ class LLMEngine:
             self.counters.decode_seconds += dt
         else:
             self.counters.prefill_seconds += dt
-        stats = row_stats(logits)  # (finite, logsumexp, argmax) [R]: one pass over the final logits
+        stats = row_stats(logits)  # (finite, logsumexp, argmax, max) [R]: one pass over the final logits
         finite = stats[0].tolist()
         ready: list[tuple[Sequence, int]] = []  # (sequence, row of its next-token logits)
         for b, (seq, n) in enumerate(work):

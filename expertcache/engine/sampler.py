@@ -21,12 +21,17 @@ from .structured import apply_grammar
 GREEDY_BELOW = 1e-5
 
 
+def greedy(params: SamplingParams) -> bool:
+    """The row's token is its argmax."""
+    return params.temperature < GREEDY_BELOW or params.top_k == 1
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            argmax: int | None = None) -> int:
     """logits [V] float32, all finite -> token id (argmax: the row's argmax when already known). Safe
     for any finite logits: they are shifted so the largest is 0 before the division, so nothing
     overflows to +inf and softmax has a 1."""
-    if params.temperature < GREEDY_BELOW or params.top_k == 1:
+    if greedy(params):
         return int(torch.argmax(logits)) if argmax is None else argmax
     logits = (logits - logits.max()) / params.temperature
     if params.top_k > 0:
@@ -41,19 +46,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [R, V] -> (finite [R] bool: no NaN, +inf or -inf in the row; logsumexp [R]; argmax [R],
-    the first maximum). One C++ pass on the CPU; else torch, where a row is checked element by element
-    only when its sum is not finite (a NaN or an infinity always makes the sum non-finite; a finite
-    row can too, by overflow)."""
+    the first maximum; max [R], the row's largest logit). One C++ pass on the CPU; else torch, where a
+    row is checked element by element only when its sum is not finite (a NaN or an infinity always
+    makes the sum non-finite; a finite row can too, by overflow)."""
     fused = small_ops.row_stats(logits)
     if fused is not None:
-        _, argmax, lse, finite = fused
-        return finite, lse, argmax
+        top, argmax, lse, finite = fused
+        return finite, lse, argmax, top
     finite = torch.isfinite(logits.sum(-1))
     if not bool(finite.all()):
         finite[~finite] = torch.isfinite(logits[~finite]).all(-1)
-    return finite, torch.logsumexp(logits, -1), torch.argmax(logits, -1)
+    argmax = torch.argmax(logits, -1)
+    return finite, torch.logsumexp(logits, -1), argmax, logits.gather(1, argmax[:, None])[:, 0]
 
 
 def sample_batch(logits: torch.Tensor, seqs: list, eos: set[int], stats: tuple | None = None,
@@ -65,7 +71,7 @@ def sample_batch(logits: torch.Tensor, seqs: list, eos: set[int], stats: tuple |
     temperature. Penalties/biases (logits_processors) and grammar masks (structured) are applied to
     the whole batch at once, then each row is sampled with its own parameters and generator.
     """
-    _, lse, argmax = row_stats(logits) if stats is None else stats
+    _, lse, argmax, top = row_stats(logits) if stats is None else stats
     work = logits
     if any(s.params.penalized for s in seqs):
         work = logits.clone()
@@ -75,11 +81,19 @@ def sample_batch(logits: torch.Tensor, seqs: list, eos: set[int], stats: tuple |
         apply_grammar(work, [s.matcher for s in seqs])
     known = argmax.tolist() if work is logits else [None] * len(seqs)  # the argmax of the rows sampled
     toks = [sample(work[b], s.params, s.generator, known[b]) for b, s in enumerate(seqs)]
-    index = torch.tensor(toks, device=logits.device)[:, None]
-    chosen = (logits.gather(1, index)[:, 0].double() - lse.double()).tolist()
+    index = None
+    if work is logits and all(greedy(s.params) for s in seqs):
+        # every token its row's argmax: its logit is the row's max (the same doubles as the gather below,
+        # without its torch calls, each slow on the caches the weights streamed through)
+        chosen = [m - s for m, s in zip(top.tolist(), lse.tolist())]
+    else:
+        index = torch.tensor(toks, device=logits.device)[:, None]
+        chosen = (logits.gather(1, index)[:, 0].double() - lse.double()).tolist()
     asked = [b for b, s in enumerate(seqs) if s.params.logprobs]
     alts: dict[int, list] = {}
-    if asked:  # top logprobs: the full log-softmax of the rows that ask (their chosen entry from it too)
+    if asked:
+        if index is None:
+            index = torch.tensor(toks, device=logits.device)[:, None]  # top logprobs: the full log-softmax of the rows that ask (their chosen entry from it too)
         rows = torch.tensor(asked, device=logits.device)
         lp = torch.log_softmax(logits if len(asked) == len(seqs) else logits[rows], dim=-1)
         top = torch.topk(lp, max(seqs[b].params.logprobs for b in asked), dim=-1)
