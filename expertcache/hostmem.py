@@ -2,9 +2,9 @@
 
 A decode step streams each weight it reads once from memory. On 4 KiB pages the cores' hardware
 prefetchers stop at every page boundary and every page costs a TLB entry; on Linux's transparent
-huge pages (the `madvise` mode included) a stream runs on. Measured on the yardstick's decode
-shapes, 2 threads, bf16 fast math, 4 KiB and huge-page copies alternating in one process
-(bench/stream_bench.py --pages): a MoE layer's experts +10%, a 3 MB projection +16%, lm_head +3%.
+huge pages (the `madvise` mode included) a stream runs on. On the yardstick (2 threads, bf16,
+`--cpu-math fast`), the checkpoint loaded on each page size in one process and decoded alternately
+(bench/pages_bench.py): decode 1.061x (per-round median 1.096); a MoE layer 892 -> 807 us.
 
     empty(shape, dtype, device=None) -> an uninitialised tensor, as torch.empty. On the CPU, for
         2 MiB or more: its data starts on a 2 MiB boundary of a private anonymous mapping, advised
