@@ -53,8 +53,8 @@ def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     makes the sum non-finite; a finite row can too, by overflow)."""
     fused = small_ops.row_stats(logits)
     if fused is not None:
-        top, argmax, lse, finite = fused
-        return finite, lse, argmax, top
+        row_max, argmax, lse, finite = fused
+        return finite, lse, argmax, row_max
     finite = torch.isfinite(logits.sum(-1))
     if not bool(finite.all()):
         finite[~finite] = torch.isfinite(logits[~finite]).all(-1)
@@ -71,7 +71,7 @@ def sample_batch(logits: torch.Tensor, seqs: list, eos: set[int], stats: tuple |
     temperature. Penalties/biases (logits_processors) and grammar masks (structured) are applied to
     the whole batch at once, then each row is sampled with its own parameters and generator.
     """
-    _, lse, argmax, top = row_stats(logits) if stats is None else stats
+    _, lse, argmax, row_max = row_stats(logits) if stats is None else stats
     work = logits
     if any(s.params.penalized for s in seqs):
         work = logits.clone()
@@ -85,15 +85,15 @@ def sample_batch(logits: torch.Tensor, seqs: list, eos: set[int], stats: tuple |
     if work is logits and all(greedy(s.params) for s in seqs):
         # every token its row's argmax: its logit is the row's max (the same doubles as the gather below,
         # without its torch calls, each slow on the caches the weights streamed through)
-        chosen = [m - s for m, s in zip(top.tolist(), lse.tolist())]
+        chosen = [m - s for m, s in zip(row_max.tolist(), lse.tolist())]
     else:
         index = torch.tensor(toks, device=logits.device)[:, None]
         chosen = (logits.gather(1, index)[:, 0].double() - lse.double()).tolist()
     asked = [b for b, s in enumerate(seqs) if s.params.logprobs]
     alts: dict[int, list] = {}
-    if asked:
+    if asked:  # top logprobs: the full log-softmax of the rows that ask (their chosen entry from it too)
         if index is None:
-            index = torch.tensor(toks, device=logits.device)[:, None]  # top logprobs: the full log-softmax of the rows that ask (their chosen entry from it too)
+            index = torch.tensor(toks, device=logits.device)[:, None]
         rows = torch.tensor(asked, device=logits.device)
         lp = torch.log_softmax(logits if len(asked) == len(seqs) else logits[rows], dim=-1)
         top = torch.topk(lp, max(seqs[b].params.logprobs for b in asked), dim=-1)
