@@ -215,3 +215,21 @@ def test_server_fails_only_the_requests_routed_through_a_bad_expert(broken, tmp_
             assert c.get("/health").status_code == 200
             stats = c.get("/stats").json()["engine"]
             assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_finite_scan_in_chunks_finds_every_position(dtype, monkeypatch):
+    """The dense-weight scan goes a chunk at a time (bounded temporaries); a NaN or inf anywhere, at
+    a chunk's edge included, is found, as torch.isfinite over the whole tensor finds it."""
+    from expertcache.loader import checks
+
+    monkeypatch.setattr(checks, "FINITE_CHUNK", 7)
+    base = torch.linspace(-3, 3, 50).reshape(5, 10)
+    assert checks.is_finite(base.to(dtype))
+    for pos in range(50):
+        for bad in (float("nan"),) if dtype == torch.float8_e4m3fn else (float("nan"), float("inf")):  # e4m3fn has no inf
+            t = base.clone().reshape(-1)
+            t[pos] = bad
+            t = t.reshape(5, 10).to(dtype)
+            want = bool(torch.isfinite(t.float()).all())
+            assert checks.is_finite(t) == want and not want, (pos, bad)

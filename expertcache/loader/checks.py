@@ -29,12 +29,23 @@ def check_layer_count(index: TensorIndex, num_layers: int) -> None:
                           "a config that drops layers would silently run another model")
 
 
+FINITE_CHUNK = 1 << 22  # elements scanned at a time: isfinite's temporaries stay a few MiB, not the tensor's size
+
+
 def is_finite(t: torch.Tensor) -> bool:
+    """t holds no NaN or inf. Scanned in chunks: torch.isfinite of a whole lm_head (311 MB in bf16) made
+    ~600 MB of temporaries, which broke `--low-memory` under a 1.5 GiB memory limit."""
     if not t.is_floating_point() or t.numel() == 0:
         return True
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        t = t.to(torch.float16)  # exact; isfinite has no float8 kernel
-    return bool(torch.isfinite(t).all())
+    flat = t.reshape(-1)
+    fp8 = t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    for i in range(0, flat.numel(), FINITE_CHUNK):
+        part = flat[i:i + FINITE_CHUNK]
+        if fp8:
+            part = part.to(torch.float16)  # exact; isfinite has no float8 kernel
+        if not bool(torch.isfinite(part).all()):
+            return False
+    return True
 
 
 def check_dense(index: TensorIndex, name: str, t: torch.Tensor, check_finite: bool = True) -> None:
