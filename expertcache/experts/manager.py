@@ -32,12 +32,11 @@ slot fill is compared with the checkpoint's bytes (tests).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from .. import hostmem
 from ..cost.model import ExpertCost, default_profile
 from .compute import expert_ffn, moe_ffn
 from .host_routing import to_device, to_host
@@ -45,6 +44,7 @@ from .config import CacheConfig
 from ..loader.disk import DiskReader
 from .layout import ExpertSource
 from .planner import Demotion, HostSource, PlannerConfig, StepPlanner
+from .pool import InFlight, SlotPool
 from .prefetch import resolve_prefetch
 from .provider import ExpertProvider
 from .slots import SlotTable
@@ -69,67 +69,6 @@ def demotable(cuda: bool, dev_parts, source_parts) -> bool:
     exact = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
     return not cuda and all(p.name in src and tuple(p.shape) == tuple(src[p.name].shape) and (
         p.dtype == src[p.name].dtype or (src[p.name].dtype, p.dtype) in exact) for p in dev_parts)
-
-
-class InFlight:
-    """Bytes being written into one slot: a future that completes when they are in (its result: the
-    CUDA event of a host -> device copy, or None)."""
-
-    __slots__ = ("future",)
-
-    def __init__(self, future: Future):
-        self.future = future
-
-    def landed(self) -> None:
-        """Block until the bytes are written (host side)."""
-        self.future.result()
-
-    def wait(self, device: torch.device, host_write: bool = False) -> None:
-        """Before using the slot: the compute stream waits for the copy; `host_write`: before
-        overwriting a host slot, the device copy reading it must be finished too."""
-        ev = self.future.result()
-        if ev is not None:
-            if host_write:
-                ev.synchronize()
-            else:
-                torch.cuda.current_stream(device).wait_event(ev)
-
-
-class SlotPool:
-    """One tier's bytes: per part a [layers, slots, ...] buffer, and the InFlight handle of every
-    slot whose bytes are still being written."""
-
-    def __init__(self, parts, layers: int, slots: int, device: torch.device, pin: bool = False):
-        self.device = device
-        self.buf = {p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device, pin_memory=True)
-                    if pin else hostmem.empty((layers, slots, *p.shape), p.dtype, device) for p in parts}
-        self.inflight: dict[tuple[int, int], InFlight] = {}
-        # one dict of views per layer, made once: the same tensor objects every step, so the kernels
-        # build their weight specs once per layer (kernels.moe caches them by these objects)
-        self._layers = [{n: t[i] for n, t in self.buf.items()} for i in range(layers)]
-
-    def views(self, i: int, s: int) -> dict[str, torch.Tensor]:
-        return {n: t[i, s] for n, t in self.buf.items()}
-
-    def layer(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer i's slots {part: [slots, ...]} (the same dict every call: do not modify it)."""
-        return self._layers[i]
-
-    def take(self, i: int, s: int) -> InFlight | None:
-        return self.inflight.pop((i, s), None)
-
-    def settle(self, i: int, s: int, compute_device: torch.device, host_write: bool = False) -> None:
-        h = self.inflight.pop((i, s), None)
-        if h is not None:
-            h.wait(compute_device, host_write)
-
-    def mark(self, i: int, s: int, h: InFlight | None) -> None:
-        if h is not None:  # None: the bytes are in already (a synchronous read)
-            self.inflight[i, s] = h
-
-    def drain(self) -> None:
-        for h in list(self.inflight.values()):
-            h.landed()
 
 
 class TieredExperts(ExpertProvider):

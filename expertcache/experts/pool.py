@@ -1,0 +1,154 @@
+"""SlotPool: one tier's slot bytes, and the InFlight handle of every slot whose bytes are being written.
+
+Shape legend: L = MoE layers, S = slots per layer, part = one stored tensor of an expert (e.g. gate_up
+[2I, H]); `buf[part]` is [L, S, *part.shape], `views(i, s)[part]` is [*part.shape] (layer i, slot s),
+`layer(i)[part]` is [S, *part.shape].
+
+Memory:
+- a device tier on a GPU: one torch.empty per part on that device;
+- a tier in host RAM (the CPU device tier, and every host tier): ONE region for all its parts
+  (hostmem.empty: 2 MiB pages where the OS offers them), each part starting on a 4 KiB page
+  boundary. `nbytes` = the slot bytes (L * S * bytes per expert), `reserved_bytes` = the region's
+  length = each part's bytes rounded up to 4 KiB: never more than PAGE - 1 bytes per part above
+  `nbytes`, and nothing rounded to a power of two;
+- `pin=True` (the compute device is CUDA): the region is registered with the CUDA runtime
+  (cudaHostRegister) in chunks of at most PIN_CHUNK bytes, so copies from it to the device are
+  asynchronous DMA. PyTorch's own pinned allocator (`pin_memory=True`) rounds every block up to
+  a power of two: 54 GiB of Qwen3-30B-A3B experts would lock 96 GiB; this locks `reserved_bytes`.
+  `pinned_bytes` is what is locked. If a chunk cannot be registered (locked-memory limit, RAM),
+  every registered chunk is released, a note is printed and the tier stays pageable:
+  `pinned` False (a pageable host -> device copy is slower and blocks the host: the cost model
+  may price it so). Registration is released when the pool is collected.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from concurrent.futures import Future
+
+import torch
+
+from .. import hostmem
+from ..units import fmt_bytes
+
+PAGE = 4096  # each part of a host region starts on a page boundary
+PIN_CHUNK = 1 << 30  # bytes registered with the CUDA runtime per call
+
+
+class InFlight:
+    """Bytes being written into one slot: a future that completes when they are in (its result: the
+    CUDA event of a host -> device copy, or None)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future):
+        self.future = future
+
+    def landed(self) -> None:
+        """Block until the bytes are written (host side)."""
+        self.future.result()
+
+    def wait(self, device: torch.device, host_write: bool = False) -> None:
+        """Before using the slot: the compute stream waits for the copy; `host_write`: before
+        overwriting a host slot, the device copy reading it must be finished too."""
+        ev = self.future.result()
+        if ev is not None:
+            if host_write:
+                ev.synchronize()
+            else:
+                torch.cuda.current_stream(device).wait_event(ev)
+
+
+def cuda_host_register(ptr: int, nbytes: int) -> bool:
+    """Page-lock host bytes [ptr, ptr + nbytes) for the CUDA runtime -> whether it worked."""
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+
+
+def cuda_host_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def pin_chunks(nbytes: int) -> list[tuple[int, int]]:
+    """[0, nbytes) as (offset, length) chunks of at most PIN_CHUNK bytes, in order."""
+    chunk = PIN_CHUNK
+    return [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
+
+
+def _release(ptrs: list[int], keep: torch.Tensor) -> None:
+    """Unregister the chunks at `ptrs` (`keep`: the region, alive until they are unregistered)."""
+    for p in ptrs:
+        cuda_host_unregister(p)
+
+
+class SlotPool:
+    """One tier's bytes: per part a [layers, slots, ...] buffer (`buf`), and the InFlight handle of
+    every slot whose bytes are still being written. See the module docstring for memory."""
+
+    def __init__(self, parts, layers: int, slots: int, device: torch.device, pin: bool = False):
+        self.device = device
+        self.pinned = False
+        self.pinned_bytes = 0
+        self.region: torch.Tensor | None = None  # host tiers: the uint8 bytes every part lives in
+        self.offsets: dict[str, int] = {}  # host tiers: part -> its byte offset in the region
+        self.nbytes = layers * slots * sum(p.nbytes for p in parts)
+        if device.type == "cpu":
+            self.buf = self._host_region(parts, layers, slots)
+            self.reserved_bytes = self.region.numel()
+            if pin:
+                self._pin()
+        else:
+            if pin:
+                raise ValueError("SlotPool: pin=True is for a tier in host RAM, not on device " + str(device))
+            self.buf = {p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device) for p in parts}
+            self.reserved_bytes = self.nbytes
+        self.inflight: dict[tuple[int, int], InFlight] = {}
+        # one dict of views per layer, made once: the same tensor objects every step, so the kernels
+        # build their weight specs once per layer (kernels.moe caches them by these objects)
+        self._layers = [{n: t[i] for n, t in self.buf.items()} for i in range(layers)]
+
+    def _host_region(self, parts, layers: int, slots: int) -> dict[str, torch.Tensor]:
+        sizes = [layers * slots * p.nbytes for p in parts]
+        total = 0
+        for p, n in zip(parts, sizes):
+            self.offsets[p.name] = total
+            total += -(-n // PAGE) * PAGE
+        self.region = hostmem.empty((total,), torch.uint8)
+        return {p.name: self.region[self.offsets[p.name]:self.offsets[p.name] + n].view(p.dtype)
+                .view(layers, slots, *p.shape) for p, n in zip(parts, sizes)}
+
+    def _pin(self) -> None:
+        base, done = self.region.data_ptr(), []
+        for off, n in pin_chunks(self.region.numel()):
+            if not cuda_host_register(base + off, n):
+                _release(done, self.region)
+                print(f"note: could not page-lock the host tier ({fmt_bytes(self.region.numel())}, failed at "
+                      f"byte {off}); it stays in pageable memory, so host -> device copies are slower and "
+                      "block the host (raise `ulimit -l` or lower --host-memory to pin it)", file=sys.stderr)
+                return
+            done.append(base + off)
+        self.pinned, self.pinned_bytes = True, self.region.numel()
+        weakref.finalize(self, _release, done, self.region)
+
+    def views(self, i: int, s: int) -> dict[str, torch.Tensor]:
+        return {n: t[i, s] for n, t in self.buf.items()}
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's slots {part: [slots, ...]} (the same dict every call: do not modify it)."""
+        return self._layers[i]
+
+    def take(self, i: int, s: int) -> InFlight | None:
+        return self.inflight.pop((i, s), None)
+
+    def settle(self, i: int, s: int, compute_device: torch.device, host_write: bool = False) -> None:
+        h = self.inflight.pop((i, s), None)
+        if h is not None:
+            h.wait(compute_device, host_write)
+
+    def mark(self, i: int, s: int, h: InFlight | None) -> None:
+        if h is not None:  # None: the bytes are in already (a synchronous read)
+            self.inflight[i, s] = h
+
+    def drain(self) -> None:
+        for h in list(self.inflight.values()):
+            h.landed()

@@ -1,0 +1,134 @@
+"""experts/pool.py: a host tier is one region of exact size; slot views address it byte for byte;
+page-locking goes chunk by chunk and falls back to pageable memory (the CUDA runtime calls are
+replaced by recorders: no GPU needed)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from expertcache.experts import pool as pool_mod
+from expertcache.experts.layout import Part
+from expertcache.experts.pool import PAGE, SlotPool
+
+# odd shapes and mixed dtypes: part sizes that are not multiples of the page or of each other
+PARTS = [Part("gate_up", (6, 5), torch.bfloat16), Part("down", (5, 3), torch.float32), Part("scale", (7,), torch.uint8)]
+L, S = 3, 4
+
+
+def expected_offsets(parts, layers, slots):
+    """Each part's start in the region, from the stated layout: parts in order, each on a 4 KiB boundary."""
+    out, at = {}, 0
+    for p in parts:
+        out[p.name] = at
+        n = layers * slots * p.nbytes
+        at += (n + PAGE - 1) // PAGE * PAGE
+    return out, at
+
+
+def random_bytes(p: Part, gen) -> torch.Tensor:
+    raw = torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=gen)
+    return raw.view(p.dtype).view(p.shape)
+
+
+def test_views_address_each_slot_byte_exact_in_the_region():
+    pool = SlotPool(PARTS, L, S, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    written = {}
+    for i in range(L):
+        for s in range(S):
+            for p in PARTS:
+                written[p.name, i, s] = random_bytes(p, gen)
+                pool.views(i, s)[p.name].copy_(written[p.name, i, s])
+    offsets, total = expected_offsets(PARTS, L, S)
+    assert pool.offsets == offsets
+    # read the region back chunk by chunk (as it is page-locked), compare with the stated layout
+    region = bytes(torch.cat([pool.region[o:o + n] for o, n in _chunks(total, 1000)]).numpy())
+    for (name, i, s), t in written.items():
+        p = next(q for q in PARTS if q.name == name)
+        at = offsets[name] + (i * S + s) * p.nbytes
+        assert region[at:at + p.nbytes] == bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy()), (name, i, s)
+    # the per-layer views are the same memory
+    for (name, i, s), t in written.items():
+        assert torch.equal(pool.layer(i)[name][s].view(torch.uint8), t.view(torch.uint8))
+
+
+def _chunks(total, chunk):
+    return [(o, min(chunk, total - o)) for o in range(0, total, chunk)]
+
+
+def test_byte_accounting_is_exact_and_never_a_power_of_two():
+    pool = SlotPool(PARTS, L, S, torch.device("cpu"))
+    nbytes = L * S * (6 * 5 * 2 + 5 * 3 * 4 + 7)
+    assert pool.nbytes == nbytes
+    assert pool.reserved_bytes == pool.region.numel() == expected_offsets(PARTS, L, S)[1]
+    assert pool.reserved_bytes - nbytes < PAGE * len(PARTS)
+    # one allocation: every part lives in the region's storage
+    base = pool.region.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in pool.buf.values())
+    # a tier just above a power of two (3 MiB + a little) is not rounded to 4 MiB
+    big = [Part("w", (1536 * 1024 + 3,), torch.bfloat16)]
+    p2 = SlotPool(big, 1, 1, torch.device("cpu"))
+    assert p2.nbytes == 3 * 2**20 + 6
+    assert p2.reserved_bytes == 3 * 2**20 + PAGE
+    assert p2.pinned is False and p2.pinned_bytes == 0
+
+
+class FakeRuntime:
+    """Records cudaHostRegister / cudaHostUnregister calls; `fail_at`: the call index that fails."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at, self.registered, self.unregistered = fail_at, [], []
+
+    def register(self, ptr, n):
+        if self.fail_at is not None and len(self.registered) == self.fail_at:
+            return False
+        self.registered.append((ptr, n))
+        return True
+
+    def unregister(self, ptr):
+        self.unregistered.append(ptr)
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    def make(fail_at=None, chunk=8192):
+        rt = FakeRuntime(fail_at)
+        monkeypatch.setattr(pool_mod, "cuda_host_register", rt.register)
+        monkeypatch.setattr(pool_mod, "cuda_host_unregister", rt.unregister)
+        monkeypatch.setattr(pool_mod, "PIN_CHUNK", chunk)
+        return rt
+    return make
+
+
+def test_pinned_region_is_registered_in_bounded_chunks_and_released(runtime):
+    rt = runtime()
+    pool = SlotPool(PARTS, 20, 30, torch.device("cpu"), pin=True)
+    base, total = pool.region.data_ptr(), pool.reserved_bytes
+    assert pool.pinned and pool.pinned_bytes == total
+    # contiguous chunks of at most 8192 bytes covering the region exactly
+    assert all(n <= 8192 for _, n in rt.registered)
+    assert [p for p, _ in rt.registered] == [base + o for o, _ in _chunks(total, 8192)]
+    assert sum(n for _, n in rt.registered) == total
+    assert rt.unregistered == []
+    del pool
+    gc.collect()
+    assert rt.unregistered == [p for p, _ in rt.registered]
+
+
+def test_pinning_failure_falls_back_to_pageable_with_a_note(runtime, capsys):
+    rt = runtime(fail_at=2)
+    pool = SlotPool(PARTS, 20, 30, torch.device("cpu"), pin=True)
+    assert pool.pinned is False and pool.pinned_bytes == 0
+    assert len(rt.registered) == 2 and rt.unregistered == [p for p, _ in rt.registered]
+    assert "could not page-lock the host tier" in capsys.readouterr().err
+    # still a working tier
+    pool.views(19, 29)["down"].fill_(2.5)
+    assert float(pool.buf["down"][19, 29].sum()) == 2.5 * 15
+
+
+def test_pin_is_refused_for_a_device_tier():
+    with pytest.raises(ValueError, match="pin=True is for a tier in host RAM"):
+        SlotPool(PARTS, 1, 1, torch.device("meta"), pin=True)
