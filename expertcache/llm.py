@@ -304,23 +304,34 @@ class LLM:
         tok = self.require_tokenizer()
         return self.generate([tok.encode_chat(c, **template_kwargs) for c in convs], params)
 
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Full-sequence logits [len(token_ids), vocab] in float32 (evaluation, perplexity)."""
+    def logits(self, token_ids: list[int], block_rows: int | None = None) -> torch.Tensor:
+        """Full-sequence logits [len(token_ids), vocab] in float32 on the host (evaluation, perplexity).
+        The prompt is run `block_rows` tokens at a time (at most the scheduler's token budget), each
+        block's logits moved to the host before the next: on a GPU the device never holds more than
+        one block's [rows, vocab]. Default: the budget on the CPU; on a GPU the rows whose model-dtype
+        and float32 logits fit 256 MiB."""
         seq = Sequence(list(token_ids), SamplingParams(max_tokens=1))
         if not token_ids or len(token_ids) > self.max_model_len:
             raise ValueError(f"token_ids must have 1..{self.max_model_len} tokens, got {len(token_ids)}")
+        if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int)
+                                       or block_rows < 1):
+            raise ValueError(f"block_rows must be a positive integer, got {block_rows!r}")
         sched = self.engine.scheduler
-        rows = []
+        if block_rows is None and self.device.type != "cpu":
+            per_row = self.cfg.vocab_size * (self.dtype.itemsize + 4)
+            block_rows = max(1, (256 << 20) // per_row)
+        step = min(sched.budget, block_rows or sched.budget)
+        out = torch.empty(len(token_ids), self.cfg.vocab_size, dtype=torch.float32)
         try:
             while seq.num_computed < len(seq.tokens):
-                n = min(seq.num_uncomputed, sched.budget)
+                n = min(seq.num_uncomputed, step)
                 if not sched.grow(seq, seq.num_computed + n):
                     raise MemoryError("KV cache is busy; call logits() when no generation is running")
-                rows.append(self.engine.runner.run([(seq, n)], all_logits=True))
+                out[seq.num_computed:seq.num_computed + n] = self.engine.runner.run([(seq, n)], all_logits=True)
                 seq.num_computed += n
         finally:
             sched.free(seq)
-        return torch.cat(rows).cpu()
+        return out
 
     @property
     def grammars(self):

@@ -13,6 +13,7 @@ from ..spec.model_config import ModelConfig, rope_inv_freq
 
 
 CONVERT_ROWS = 4096  # rows of a stored-dtype weight converted at a time (bounded scratch memory)
+DEQUANT_BYTES = 64 << 20  # float32 scratch of a quantized weight dequantized on the torch path (CUDA)
 
 
 # formats a dense weight can be quantized to at load (`--lm-head`, `--dense`): QuantMethod name -> parameters
@@ -35,11 +36,32 @@ class QuantizedWeight:
         chunks = [method.pack({"w.weight": w[i:i + rows].float()}) for i in range(0, w.shape[0], rows)]
         self.parts = {k: hostmem.cat([c[k] for c in chunks]) for k in chunks[0]}  # row-wise formats: exact
         self.nbytes = sum(t.numel() * t.element_size() for t in self.parts.values())
+        assert all(t.shape[0] == self.shape[0] for t in self.parts.values()), "linear slices the parts by row"
         self.spec = kernels.quant_weight_spec(method, self.parts, "w", self.shape)  # once: the parts never change
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype: the CPU kernels, else dequantized a block of rows at a
+        time into one reused float32 buffer [rows, in] (DEQUANT_BYTES at most; never the whole matrix)."""
         y = kernels.quant_linear(x, self.spec)
-        return y if y is not None else self.method.linear(x.float(), self.parts, "w").to(x.dtype)
+        if y is not None:
+            return y
+        out_rows, in_dim = self.shape
+        rows = dequant_rows(in_dim)
+        xf = x.float()
+        if out_rows <= rows:
+            return self.method.linear(xf, self.parts, "w").to(x.dtype)
+        out = torch.empty(*x.shape[:-1], out_rows, dtype=x.dtype, device=x.device)
+        buf = torch.empty(rows, in_dim, dtype=torch.float32, device=x.device)
+        for i in range(0, out_rows, rows):
+            n = min(rows, out_rows - i)
+            block = {k: t[i:i + n] for k, t in self.parts.items()}  # row-wise formats: rows i..i+n
+            out[..., i:i + n] = self.method.linear(xf, block, "w", buf=buf[:n])
+        return out
+
+
+def dequant_rows(in_dim: int) -> int:
+    """Rows of a load-time quantized weight dequantized at a time: its float32 block within DEQUANT_BYTES."""
+    return max(1, DEQUANT_BYTES // (4 * in_dim))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
