@@ -1,120 +1,305 @@
-"""The prepared device check: run it once on a machine with a CUDA GPU (budget: under 8 minutes).
+"""The prepared device check: run it once on a machine with a CUDA GPU, after `make setup` (no test extras).
 
-    python bench/gpu_check.py [--out DIR] [--skip-tests] [--tokens 32]
+    python bench/gpu_check.py [--quick] [--out DIR] [--skip-tests] [--tokens 32] [--prompt 128]
+    python bench/gpu_check.py --device cpu      # the dry run CI runs: toy sizes, every line, no GPU
 
-1. the `gpu`-marked tests (tests/test_gpu.py, the families' CUDA parity) and the Triton fused MoE
-   kernel compiled for the device (tests/test_triton_moe.py without the interpreter);
-2. a generated Qwen3-30B-A3B-shaped checkpoint (hidden 2048, moe intermediate 768, 64 experts
-   top-8, 8 layers, bf16: 4.8 GB of experts) with VRAM capped (torch.cuda.set_per_process_memory_fraction
-   plus the expert budget) so the experts need ~4x the cap; decode tok/s, one parseable line each, for:
-     resident      everything in VRAM (uncapped)
-     default       the default cache, 30% of experts in VRAM
-     sync-lru      LRU, one blocking read + copy per miss, no prefetch, no CPU compute (vLLM #37190 v1)
-     cpu-moe       every expert computed on the CPU from RAM, attention on the GPU (llama.cpp --cpu-moe)
-     cpu-compute-off  the default with CPU compute of misses turned off
-   then the ratios the goals name (default/resident, default/sync-lru, default/cpu-moe), and the
-   device-to-host syncs of one batch-1 decode step (torch.cuda.set_sync_debug_mode("warn")).
+1. the `gpu`-marked tests (tests/test_gpu.py and the families' CUDA parity) when pytest is importable
+   (else a line says they were not run);
+2. a random checkpoint of Qwen3-30B-A3B's shape ratios written with safetensors alone (bench/gpu_check_model.py:
+   12 layers x 64 experts of 9.4 MB, 7.2 GB of experts), VRAM capped with
+   torch.cuda.set_per_process_memory_fraction at dense + KV + the cached share of experts + 1 GiB, so the
+   experts need ~3x the cap; then, each configuration in its own process (a failure is a line, not the
+   end), prefill and decode tok/s at batch 1:
+     resident         every expert in VRAM, no cap
+     default          the default cache: `--share` of the experts in VRAM, every expert in pinned RAM
+     sync-lru         LRU, no prefetch, no CPU compute, one synchronous read + blocking copy per miss
+                      (overlap_io off; the host tier one slot per layer short of every expert, so each
+                      fill waits for its copy); every miss admitted: vLLM PR #37190's first mode
+     cpu-moe          every expert computed on the CPU from RAM, attention on the GPU (llama.cpp --cpu-moe):
+                      prefetch off, top_k device slots per layer (the least the plan allows), cpu_compute always
+     cpu-compute-off  the default with CPU compute of misses off (every miss copied to the device)
+   The cached configurations are driven twice: by recorded routing (the trained demo model's routing of
+   its held-out text, replayed through the engine's route_override: hit rates of real text) and by
+   uniform random routing (the worst case). Each line also gives the counters (hit rate, share of misses
+   computed on the CPU, waves, prefetch issued/useful) and host syncs per decode step (torch's
+   sync-debug warnings plus CUDA event/stream/device synchronize calls, counted over the decode steps
+   only).
+3. ratios: default over each baseline, per routing.
+
+Lines: `gpu_check config=NAME routing=R key=value ...` (an `error="..."` line when a configuration fails).
+`--quick`: 6 layers, 16 tokens, recorded routing only, no random: about 2 minutes.
 Nothing here has run on a GPU yet: the first run on a lent machine is its test.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_model as M  # noqa: E402
 from common import hardware_line, timed_generate  # noqa: E402
 
-SHAPE = dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=64,
-             num_experts_per_tok=8, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
-             head_dim=128, vocab_size=32000)
-CONFIGS = {
-    "resident": {},
-    "default": {"device_memory": "30%", "host_memory": "100%"},
-    "sync-lru": {"device_memory": "30%", "host_memory": "100%", "cache_policy": "lru", "prefetch": "off",
-                 "cpu_compute": "never", "overlap_io": False},
-    "cpu-moe": {"device_memory": "30%", "host_memory": "100%", "cpu_compute": "always"},
-    "cpu-compute-off": {"device_memory": "30%", "host_memory": "100%", "cpu_compute": "never"},
-}
+CACHED = ("default", "sync-lru", "cpu-moe", "cpu-compute-off")
+CONFIGS = ("resident", *CACHED)
+LINE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+MARGIN = 1 << 30  # activations, workspace, the CUDA allocator's slack under the cap
 
 
-def build(root: Path) -> Path:
-    import checkpoints
+def parse_line(line: str) -> dict | None:
+    """A `gpu_check config=...` line -> {key: value} (numbers as float, quoted strings unquoted)."""
+    if not line.startswith("gpu_check config="):
+        return None
+    out = {}
+    for k, v in LINE.findall(line):
+        if v.startswith('"'):
+            out[k] = json.loads(v)
+        else:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    return out
 
-    model = root / "model"
-    if not (model / "config.json").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        checkpoints.make_checkpoint(root, "qwen3_moe", name="model", dtype=torch.bfloat16, **SHAPE)
-    return model
+
+def options(name: str, share: float, ctx) -> dict:
+    """The LLM keywords of configuration `name` (ctx: what the plan needs, from the child)."""
+    cache = {"device_memory": f"{share:.0%}", "host_memory": "100%"}
+    if name == "resident":
+        return {}
+    if name == "default":
+        return cache
+    if name == "cpu-compute-off":
+        return {**cache, "cpu_compute": "never"}
+    if name == "sync-lru":
+        E = ctx["num_experts"]
+        return {**cache, "host_memory": ctx["host_slot_bytes"] * (E - 1), "cache_policy": "lru", "prefetch": "off",
+                "cpu_compute": "never", "overlap_io": False, "prefill_admit_tokens": 1 << 30}
+    if name == "cpu-moe":
+        # top_k device slots per layer (+ the staging slot CUDA reserves): the smallest plan there is
+        return {**cache, "device_memory": ctx["dev_slot_bytes"] * ctx["top_k"] + ctx["staging"],
+                "prefetch": "off", "cpu_compute": "always"}
+    raise ValueError(f"unknown configuration {name!r}; choose one of {', '.join(CONFIGS)}")
+
+
+# -- one configuration (child process) -----------------------------------------------------------------
+class SyncCounter:
+    """Host syncs: torch's sync-debug warnings (item, .cpu(), nonzero, blocking copies) plus explicit
+    CUDA event / stream / device synchronize calls (which the debug mode does not see)."""
+
+    def __init__(self):
+        import warnings
+
+        self.n = 0
+        self._warnings = warnings
+        for owner, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                            (torch.cuda, "synchronize")):
+            self._wrap(owner, name)
+
+    def _wrap(self, owner, name):
+        orig = getattr(owner, name)
+
+        def counted(*a, **k):
+            self.n += 1
+            return orig(*a, **k)
+
+        setattr(owner, name, counted)
+
+    def count(self, fn) -> int:
+        with self._warnings.catch_warnings(record=True) as caught:
+            self._warnings.simplefilter("always")
+            before = self.n
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return self.n - before + sum("synchroniz" in str(w.message) for w in caught)
+
+
+def run_one(args) -> int:
+    from expertcache import LLM, SamplingParams
+    from expertcache.experts.layout import ExpertSource
+    from expertcache.llm import default_dtype
+    from expertcache.loader.safetensors_index import TensorIndex
+    from expertcache.models.registry import read_config
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    family, cfg, _ = read_config(args.model)
+    source = ExpertSource(TensorIndex(args.model), cfg, family.names)
+    L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
+    dev_expert = sum(p.nbytes for p in source.compute_parts(default_dtype(device), device))
+    ctx = {"num_experts": E, "top_k": K, "dev_slot_bytes": dev_expert * L, "host_slot_bytes": source.expert_nbytes * L,
+           "staging": dev_expert if cuda else 0}
+    kw = options(args.one, args.share, ctx)
+    experts_bytes = source.total_nbytes
+    cap = 0
+    if cuda and args.one != "resident":
+        from expertcache.experts.budget import dense_compute_bytes
+
+        dense = dense_compute_bytes(source.index, default_dtype(device), device)
+        kv = 2 * L * args.max_model_len * cfg.num_kv_heads * cfg.head_dim * 2
+        cap = dense + kv + int(args.share * experts_bytes) + dev_expert + MARGIN
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    head = f"gpu_check config={args.one} routing={args.routing}"
+    llm = None
+    try:
+        llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, **kw)
+        if args.routing == "recorded":
+            import numpy as np
+
+            z = np.load(args.trace, allow_pickle=False)
+            table, ahead = M.map_trace(z["experts"], z["lookahead"], E, K, L)
+        else:
+            table, ahead = M.random_routing(args.prompt + args.tokens, E, K, L)
+        router = M.TableRouter(table, ahead, cfg.moe_layer_ids, device)
+        llm.model.route_override = router
+        vocab = cfg.vocab_size
+        gen = torch.Generator().manual_seed(0)
+
+        def prompt():
+            return [torch.randint(1, vocab, (args.prompt,), generator=gen).tolist()]
+
+        def generate(n):
+            router.restart()
+            return timed_generate(llm, prompt(), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+
+        generate(args.tokens)  # warm-up: kernels, caches, the host tier's first reads
+        runs = [generate(args.tokens) for _ in range(args.rounds)]
+        decode = statistics.median(r["decode_tok_s"] for r in runs)
+        prefill = statistics.median(r["prefill_tok_s"] for r in runs)
+        syncs = "n/a"
+        if cuda:
+            counter = SyncCounter()
+            only_prefill = counter.count(lambda: generate(1))
+            with_decode = counter.count(lambda: generate(1 + args.sync_steps))
+            syncs = f"{(with_decode - only_prefill) / args.sync_steps:.1f}"
+        s = llm.expert_stats() if kw else {}
+        c = s.get("per_layer", [])
+        waves = sum(x.get("waves", 0) for x in c)
+        pf = s.get("prefetch", {"issued": 0, "useful": 0})
+        reserved = torch.cuda.memory_reserved(device) / 2**30 if cuda else 0.0
+        print(f"{head} decode_tok_s={decode:.2f} prefill_tok_s={prefill:.2f} hit_rate={s.get('hit_rate', 1.0):.3f} "
+              f"cpu_computed_share={s.get('cpu_computed_share', 0.0):.3f} misses={s.get('misses', 0)} waves={waves} "
+              f"prefetch_issued={pf['issued']} prefetch_useful={pf['useful']} syncs_per_decode_step={syncs} "
+              f"device_slots={getattr(llm.experts, 'device_slots', E)} experts_gib={experts_bytes / 2**30:.2f} "
+              f"cap_gib={cap / 2**30:.2f} reserved_gib={reserved:.2f}", flush=True)
+        return 0
+    except Exception as e:  # the parent reads this line; the other configurations still run
+        print(f"{head} error={json.dumps(f'{type(e).__name__}: {e}'[:400])}", flush=True)
+        return 1
+    finally:
+        if llm is not None:
+            llm.close()
+
+
+# -- the whole check (parent) -----------------------------------------------------------------------------
+def run_tests(args) -> None:
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        print("gpu_check tests=not-run reason=\"pytest is not installed (pip install -e '.[test]')\"", flush=True)
+        return
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py",
+                        "tests/test_families.py"], cwd=ROOT, timeout=args.test_timeout)
+    print(f"gpu_check tests=gpu-marked rc={r.returncode} seconds={time.monotonic() - t:.0f}", flush=True)
+    print("gpu_check tests=triton not-run reason=\"the Triton MoE kernel is not wired into the engine; its tests "
+          "run on CPU tensors under TRITON_INTERPRET=1\"", flush=True)
+
+
+def child(args, config: str, routing: str, model: Path, trace: Path) -> dict:
+    cmd = [sys.executable, __file__, "--one", config, "--routing", routing, "--model", str(model),
+           "--trace", str(trace), "--device", args.device, "--tokens", str(args.tokens), "--prompt",
+           str(args.prompt), "--rounds", str(args.rounds), "--share", str(args.share),
+           "--max-model-len", str(args.max_model_len), "--sync-steps", str(args.sync_steps)]
+    head = f"gpu_check config={config} routing={routing}"
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.config_timeout)
+        out, rc = r.stdout, r.returncode
+    except subprocess.TimeoutExpired as e:
+        out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+    line = next((x for x in out.splitlines() if x.startswith(head)), None)
+    if line is None:
+        tail = (r.stderr if rc != "timeout" else "")[-300:] if rc != "timeout" else f"over {args.config_timeout}s"
+        line = f"{head} error={json.dumps(f'process ended rc={rc}: {tail}')}"
+    print(line, flush=True)
+    return parse_line(line)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_check"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_check"), help="checkpoint + trace folder")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for the dry run (toy sizes)")
+    ap.add_argument("--quick", action="store_true", help="6 layers, 16 tokens, recorded routing only")
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=None, help="decode tokens per timed run (default 32; quick 16)")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; cpu 8)")
+    ap.add_argument("--rounds", type=int, default=2, help="timed runs per configuration (median)")
+    ap.add_argument("--share", type=float, default=0.25, help="share of the experts cached in VRAM")
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--sync-steps", type=int, default=4, help="decode steps the host syncs are counted over")
+    ap.add_argument("--config-timeout", type=int, default=240, help="seconds one configuration may take")
+    ap.add_argument("--test-timeout", type=int, default=240)
+    ap.add_argument("--only", nargs="*", default=None, help="a subset of the configurations")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one configuration
+    ap.add_argument("--routing", default="recorded", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--trace", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device", file=sys.stderr)
+    cpu = args.device == "cpu"
+    args.tokens = args.tokens or (4 if cpu else 16 if args.quick else 32)
+    args.prompt = args.prompt or (8 if cpu else 128)
+    if args.one:
+        return run_one(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (use --device cpu for the dry run)", file=sys.stderr)
         return 2
     print(hardware_line(), flush=True)
-    if not args.skip_tests:
-        env = dict(os.environ, TRITON_INTERPRET="0")
-        t = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "gpu", "tests/test_gpu.py",
-                            "tests/test_families.py"], cwd=ROOT, env=env)
-        r2 = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_triton_moe.py"], cwd=ROOT, env=env)
-        print(f"gpu_check tests gpu_marked_rc={r.returncode} triton_rc={r2.returncode} "
-              f"seconds={time.monotonic() - t:.0f}", flush=True)
-    from expertcache import LLM, SamplingParams
-
-    model = build(Path(args.out) / "ckpt")
-    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    prompt = [list(range(100, 164))]
-    results: dict[str, float] = {}
-    for name, opts in CONFIGS.items():
-        if name != "resident":
-            total = torch.cuda.get_device_properties(0).total_memory
-            # experts ~4x the cap: the cap leaves room for dense weights, KV and 30% of the experts
-            torch.cuda.set_per_process_memory_fraction(min(1.0, 3.0e9 / total))
-        try:
-            llm = LLM(str(model), device="cuda", **opts)
-            llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0))  # warm-up
-            runs = [timed_generate(llm, prompt, params)["decode_tok_s"] for _ in range(args.rounds)]
-            results[name] = statistics.median(runs)
-            s = llm.expert_stats()
-            print(f"gpu_check config={name} decode_tok_s={results[name]:.2f} hit_rate={s.get('hit_rate', 1.0):.3f} "
-                  f"cpu_computed_share={s.get('cpu_computed_share', 0.0):.3f} "
-                  f"reserved_gib={torch.cuda.memory_reserved() / 2**30:.2f}", flush=True)
-            if name == "default":
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
-                    llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0))
-                    torch.cuda.set_sync_debug_mode("default")
-                print(f"gpu_check syncs_in_2_token_generate={len(caught)}", flush=True)
-            llm.close()
-        except Exception as e:  # one failing configuration must not hide the others' figures
-            print(f"gpu_check config={name} error={type(e).__name__}: {str(e)[:300]!r}", flush=True)
-        del llm
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    for a, b in (("default", "resident"), ("default", "sync-lru"), ("default", "cpu-moe")):
-        if a in results and b in results and results[b]:
-            print(f"gpu_check ratio {a}/{b}={results[a] / results[b]:.2f}x", flush=True)
-    return 0
+    if not args.skip_tests and not cpu:
+        run_tests(args)
+    out = Path(args.out)
+    shape = dict(M.TINY if cpu else M.BENCH)
+    if args.quick and not cpu:
+        shape["num_hidden_layers"] = 6
+    t = time.monotonic()
+    model = M.write_checkpoint(out / ("ckpt-tiny" if cpu else f"ckpt-{shape['num_hidden_layers']}"), shape)
+    trace = M.record_demo_trace(out / f"demo-trace-{args.prompt}-{args.tokens}.npz", args.prompt, args.tokens)
+    print(f"gpu_check setup checkpoint={model} experts_gib={M.expert_bytes(shape) / 2**30:.2f} "
+          f"seconds={time.monotonic() - t:.0f}", flush=True)
+    configs = [c for c in CONFIGS if args.only is None or c in args.only]
+    routings = ("recorded",) if args.quick else ("recorded", "random")
+    if args.quick:
+        configs = [c for c in configs if c != "cpu-compute-off"]
+    results = {}
+    for routing in routings:
+        for config in configs:
+            if config == "resident" and routing != "recorded":
+                continue  # routing does not change what a resident model moves
+            results[config, routing] = child(args, config, routing, model, trace)
+    for routing in routings:
+        base = results.get(("default", routing)) or {}
+        for other in ("resident", "sync-lru", "cpu-moe", "cpu-compute-off"):
+            b = results.get((other, "recorded" if other == "resident" else routing)) or {}
+            for what in ("decode_tok_s", "prefill_tok_s"):
+                if isinstance(base.get(what), float) and isinstance(b.get(what), float) and b[what] > 0:
+                    print(f"gpu_check ratio routing={routing} {what} default/{other}={base[what] / b[what]:.2f}x",
+                          flush=True)
+    failed = [k for k, v in results.items() if v is None or "error" in v]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
