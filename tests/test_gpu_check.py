@@ -1,0 +1,100 @@
+"""bench/gpu_check.py is not broken: its CPU dry run (toy sizes) goes end to end, every configuration
+line parses and its counters show the switches the label promises; the routing map keeps the
+recorded trace's reuse."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check  # noqa: E402
+import gpu_check_model as M  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--out", str(out),
+                        "--rounds", "1", "--tokens", "3", "--prompt", "6"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    lines = {}
+    for line in r.stdout.splitlines():
+        parsed = gpu_check.parse_line(line)
+        if parsed is not None:
+            lines[parsed["config"], parsed["routing"]] = parsed
+    return r, lines
+
+
+def test_every_configuration_line_parses(dry_run):
+    r, lines = dry_run
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    want = {("resident", "recorded")} | {(c, ro) for c in gpu_check.CACHED for ro in ("recorded", "random")}
+    assert set(lines) == want
+    for key, v in lines.items():
+        assert "error" not in v, (key, v)
+        assert v["decode_tok_s"] > 0 and v["prefill_tok_s"] > 0, (key, v)
+    for routing in ("recorded", "random"):
+        for other in ("resident", "sync-lru", "cpu-moe", "cpu-compute-off"):
+            assert f"gpu_check ratio routing={routing} decode_tok_s default/{other}=" in r.stdout
+
+
+def test_configurations_do_what_their_labels_say(dry_run):
+    _, lines = dry_run
+    res = lines["resident", "recorded"]
+    assert res["misses"] == 0 and res["hit_rate"] == 1.0 and res["device_slots"] == 64
+    for routing in ("recorded", "random"):
+        moe = lines["cpu-moe", routing]  # every miss on the CPU, nothing prefetched, top_k slots
+        assert moe["cpu_computed_share"] == 1.0 and moe["prefetch_issued"] == 0 and moe["device_slots"] == 8
+        assert moe["hit_rate"] == 0.0 and moe["misses"] > 0
+        lru = lines["sync-lru", routing]  # no prefetch, no CPU compute
+        assert lru["prefetch_issued"] == 0 and lru["cpu_computed_share"] == 0.0 and lru["misses"] > 0
+        off = lines["cpu-compute-off", routing]
+        assert off["cpu_computed_share"] == 0.0
+        assert lines["default", routing]["device_slots"] == 16  # 25% of 64
+
+
+def test_a_failing_configuration_is_a_line_not_the_end(tmp_path, capsys):
+    args = argparse.Namespace(
+        device="cpu", tokens=1, prompt=2, rounds=1, share=0.25, max_model_len=64, sync_steps=1, config_timeout=120)
+    got = gpu_check.child(args, "default", "recorded", tmp_path / "missing-model", tmp_path / "missing.npz")
+    assert "error" in got and got["config"] == "default"
+    assert capsys.readouterr().out.startswith("gpu_check config=default routing=recorded error=")
+
+
+def test_mapped_routing_keeps_the_recorded_reuse():
+    gen = torch.Generator().manual_seed(0)
+    N, Ld, Kd, Ed = 40, 6, 4, 32
+    demo = torch.rand(N, Ld, Ed, generator=gen).argsort(-1)[..., :Kd]
+    ahead = torch.rand(N, Ld, Ed, generator=gen).argsort(-1)[..., :Kd]
+    table, pred = M.map_trace(demo.numpy(), ahead.numpy(), num_experts=64, top_k=8, layers=12)
+    assert table.shape == (N, 12, 8) and pred.shape == (N, 12, 8)
+    assert set(table.unique().tolist()) <= set(range(64))
+    for bl in range(12):
+        dl = M.demo_layer(bl, Ld)
+        sets = [set(table[r, bl].tolist()) for r in range(N)]
+        dsets = [set(demo[r, dl].tolist()) for r in range(N)]
+        assert all(len(s) == 8 for s in sets)  # distinct experts per token
+        for r in range(N):  # any two tokens share twice as many bench experts as demo experts
+            for s in range(r + 1, N):
+                assert len(sets[r] & sets[s]) == 2 * len(dsets[r] & dsets[s])
+        if bl > 0:  # the prediction overlaps the truth as the demo router's did
+            for r in range(N):
+                got = len(set(pred[r, bl].tolist()) & sets[r])
+                assert got == 2 * len(set(ahead[r, dl].tolist()) & dsets[r])
+
+
+def test_a_trace_that_cannot_map_is_refused():
+    demo = torch.zeros(3, 2, 4, dtype=torch.int64)
+    demo[0, 0] = torch.tensor([0, 1, 2, 40])  # expert 40 of a top-4 trace: 80+ bench experts needed
+    with pytest.raises(ValueError, match="cannot map onto top-8 of 64"):
+        M.map_trace(demo.numpy(), demo.numpy(), num_experts=64, top_k=8, layers=2)
