@@ -157,6 +157,9 @@ CASES = [
     (dict(device_memory="13%", host_memory="38%", prefetch="host", exclusive=False), True),
     (dict(device_memory="19%", host_memory="38%", prefetch="device", overlap_io=False, exclusive=False), True),
     (dict(device_memory="13%", host_memory="25%", prefetch="off", exclusive=False), False),
+    # every miss computed from its host copy off the device (CUDA's default sends decode misses there);
+    # the stand-in's device is the CPU, so it cannot see that branch's own x -> host copy (a real one on CUDA)
+    (dict(device_memory="25%", prefetch="off", cpu_compute="always"), False),
 ]
 
 
@@ -168,6 +171,8 @@ def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monke
         tiered = llm.experts
         assert isinstance(tiered, TieredExperts) and tiered.wants_prefetch == prefetch
         tiered.dev.buf = {n: dev(t) for n, t in tiered.dev.buf.items()}
+        # the layer computes from the pool's per-layer views: they must be the stand-in's too
+        assert all(isinstance(t, OnDevice) for i in range(len(tiered.layers)) for t in tiered.dev.layer(i).values())
         gen = torch.Generator().manual_seed(0)
         layers, ref = tiered.layers, resident_pools.experts
         # decode steps (the same routing twice in a row: hits), then a prefill of 150 tokens (waves)
@@ -191,8 +196,11 @@ def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monke
         tiered.dev.buf = {n: plain(t) for n, t in tiered.dev.buf.items()}
         tiered.check(contents=True)
         s = llm.expert_stats()
-        assert s["hits"] > 0 and s["misses"] > 0
-        assert sum(layer["waves"] for layer in s["per_layer"]) > 0
+        waves = sum(layer["waves"] for layer in s["per_layer"])
+        if kw.get("cpu_compute") == "always":  # nothing admitted: no hits, no waves, every miss off the device
+            assert s["hits"] == 0 and s["misses"] > 0 and waves == 0 and s["cpu_computed_share"] == 1.0
+        else:
+            assert s["hits"] > 0 and s["misses"] > 0 and waves > 0 and s["cpu_computed_share"] == 0.0
         issued = s["prefetch"]["issued"] + s["per_tier"]["host"]["prefetch_issued"]
         assert (issued > 0) == prefetch
     finally:

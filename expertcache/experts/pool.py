@@ -103,9 +103,8 @@ class SlotPool:
             self.buf = {p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device) for p in parts}
             self.reserved_bytes = self.nbytes
         self.inflight: dict[tuple[int, int], InFlight] = {}
-        # one dict of views per layer, made once: the same tensor objects every step, so the kernels
-        # build their weight specs once per layer (kernels.moe caches them by these objects)
-        self._layers = [{n: t[i] for n, t in self.buf.items()} for i in range(layers)]
+        self._layers_of: dict | None = None  # the `buf` dict the per-layer views were made from
+        self._layers: list[dict[str, torch.Tensor]] = []
 
     def _host_region(self, parts, layers: int, slots: int) -> dict[str, torch.Tensor]:
         sizes = [layers * slots * p.nbytes for p in parts]
@@ -134,7 +133,13 @@ class SlotPool:
         return {n: t[i, s] for n, t in self.buf.items()}
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer i's slots {part: [slots, ...]} (the same dict every call: do not modify it)."""
+        """Layer i's slots {part: [slots, ...]} (the same dict every call: do not modify it).
+        The views are made once per `buf` (the same tensor objects every step, so the kernels build
+        their weight specs once per layer: kernels.moe caches them by these objects); assigning a new
+        `buf` dict makes new ones."""
+        if self._layers_of is not self.buf:
+            self._layers = [{n: t[j] for n, t in self.buf.items()} for j in range(len(next(iter(self.buf.values()))))]
+            self._layers_of = self.buf
         return self._layers[i]
 
     def take(self, i: int, s: int) -> InFlight | None:
