@@ -4,10 +4,10 @@ each against the unblocked computation and an independent reference."""
 
 from __future__ import annotations
 
+import checkpoints as C
 import pytest
 import torch
 
-import checkpoints as C
 from expertcache import kernels
 from expertcache.layers import basic
 from expertcache.layers.basic import QuantizedWeight, load_quant_method
