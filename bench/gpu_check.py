@@ -145,19 +145,20 @@ def run_one(args) -> int:
            "staging": dev_expert if cuda else 0}
     kw = options(args.one, args.share, ctx)
     experts_bytes = source.total_nbytes
+    # the KV cache: two sequences of max_model_len (k and v per layer), given to the engine as its budget
+    kv = 2 * args.max_model_len * 2 * L * cfg.num_kv_heads * cfg.head_dim * default_dtype(device).itemsize
     cap = 0
     if cuda and args.one != "resident":
         from expertcache.experts.budget import dense_compute_bytes
 
         dense = dense_compute_bytes(source.index, default_dtype(device), device)
-        kv = 2 * L * args.max_model_len * cfg.num_kv_heads * cfg.head_dim * 2
         cap = dense + kv + int(args.share * experts_bytes) + dev_expert + MARGIN
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     head = f"gpu_check config={args.one} routing={args.routing}"
     llm = None
     try:
-        llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, **kw)
+        llm = LLM(args.model, device=args.device, max_model_len=args.max_model_len, kv_cache_memory=kv, **kw)
         if args.routing == "recorded":
             import numpy as np
 

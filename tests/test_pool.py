@@ -98,6 +98,7 @@ def runtime(monkeypatch):
         rt = FakeRuntime(fail_at)
         monkeypatch.setattr(pool_mod, "cuda_host_register", rt.register)
         monkeypatch.setattr(pool_mod, "cuda_host_unregister", rt.unregister)
+        monkeypatch.setattr(pool_mod, "clear_cuda_error", lambda: None)
         monkeypatch.setattr(pool_mod, "PIN_CHUNK", chunk)
         return rt
     return make

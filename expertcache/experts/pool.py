@@ -69,6 +69,15 @@ def cuda_host_unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+def clear_cuda_error() -> None:
+    """A failed runtime call (a refused cudaHostRegister) stays the runtime's last error, which torch's
+    next kernel-launch check would raise on an unrelated kernel: one launch here takes it."""
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
+
+
 def pin_chunks(nbytes: int) -> list[tuple[int, int]]:
     """[0, nbytes) as (offset, length) chunks of at most PIN_CHUNK bytes, in order."""
     chunk = PIN_CHUNK
@@ -120,6 +129,7 @@ class SlotPool:
         base, done = self.region.data_ptr(), []
         for off, n in pin_chunks(self.region.numel()):
             if not cuda_host_register(base + off, n):
+                clear_cuda_error()
                 _release(done, self.region)
                 print(f"note: could not page-lock the host tier ({fmt_bytes(self.region.numel())}, failed at "
                       f"byte {off}); it stays in pageable memory, so host -> device copies are slower and "
