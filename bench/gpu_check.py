@@ -215,9 +215,12 @@ def run_tests(args) -> None:
         print("gpu_check tests=not-run reason=\"pytest is not installed (pip install -e '.[test]')\"", flush=True)
         return
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py",
-                        "tests/test_families.py"], cwd=ROOT, timeout=args.test_timeout)
-    print(f"gpu_check tests=gpu-marked rc={r.returncode} seconds={time.monotonic() - t:.0f}", flush=True)
+    try:
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py",
+                             "tests/test_families.py"], cwd=ROOT, timeout=args.test_timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timeout-{args.test_timeout}s"
+    print(f"gpu_check tests=gpu-marked rc={rc} seconds={time.monotonic() - t:.0f}", flush=True)
     print("gpu_check tests=triton not-run reason=\"the Triton MoE kernel is not wired into the engine; its tests "
           "run on CPU tensors under TRITON_INTERPRET=1\"", flush=True)
 
@@ -228,15 +231,19 @@ def child(args, config: str, routing: str, model: Path, trace: Path) -> dict:
            str(args.prompt), "--rounds", str(args.rounds), "--share", str(args.share),
            "--max-model-len", str(args.max_model_len), "--sync-steps", str(args.sync_steps)]
     head = f"gpu_check config={config} routing={routing}"
+    log = Path(args.out) / "logs" / f"{config}-{routing}.log"  # the child's stderr: its memory plan, tracebacks
+    log.parent.mkdir(parents=True, exist_ok=True)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.config_timeout)
-        out, rc = r.stdout, r.returncode
+        out, err, why = r.stdout, r.stderr, f"process ended rc={r.returncode}: {r.stderr[-300:]}"
     except subprocess.TimeoutExpired as e:
-        out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        out, err, why = text(e.stdout), text(e.stderr), f"over {args.config_timeout}s"
+    log.write_text(err)
     line = next((x for x in out.splitlines() if x.startswith(head)), None)
     if line is None:
-        tail = (r.stderr if rc != "timeout" else "")[-300:] if rc != "timeout" else f"over {args.config_timeout}s"
-        line = f"{head} error={json.dumps(f'process ended rc={rc}: {tail}')}"
+        line = f"{head} error={json.dumps(why)}"
     print(line, flush=True)
     return parse_line(line)
 

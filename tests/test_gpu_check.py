@@ -35,6 +35,7 @@ def dry_run(tmp_path_factory):
     return r, lines
 
 
+@pytest.mark.slow  # the dry run: nine processes
 def test_every_configuration_line_parses(dry_run):
     r, lines = dry_run
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -48,6 +49,7 @@ def test_every_configuration_line_parses(dry_run):
             assert f"gpu_check ratio routing={routing} decode_tok_s default/{other}=" in r.stdout
 
 
+@pytest.mark.slow
 def test_configurations_do_what_their_labels_say(dry_run):
     _, lines = dry_run
     res = lines["resident", "recorded"]
@@ -65,10 +67,12 @@ def test_configurations_do_what_their_labels_say(dry_run):
 
 def test_a_failing_configuration_is_a_line_not_the_end(tmp_path, capsys):
     args = argparse.Namespace(
-        device="cpu", tokens=1, prompt=2, rounds=1, share=0.25, max_model_len=64, sync_steps=1, config_timeout=120)
+        device="cpu", tokens=1, prompt=2, rounds=1, share=0.25, max_model_len=64, sync_steps=1, config_timeout=120,
+        out=str(tmp_path))
     got = gpu_check.child(args, "default", "recorded", tmp_path / "missing-model", tmp_path / "missing.npz")
     assert "error" in got and got["config"] == "default"
     assert capsys.readouterr().out.startswith("gpu_check config=default routing=recorded error=")
+    assert "missing-model" in (tmp_path / "logs" / "default-recorded.log").read_text()  # the child's traceback
 
 
 def test_mapped_routing_keeps_the_recorded_reuse():
