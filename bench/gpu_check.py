@@ -7,9 +7,10 @@
    (else a line says they were not run);
 2. a random checkpoint of Qwen3-30B-A3B's shape ratios written with safetensors alone (bench/gpu_check_model.py:
    12 layers x 64 experts of 9.4 MB, 7.2 GB of experts), VRAM capped with
-   torch.cuda.set_per_process_memory_fraction at dense + KV + the cached share of experts + 1 GiB, so the
-   experts need ~3x the cap; then, each configuration in its own process (a failure is a line, not the
-   end), prefill and decode tok/s at batch 1:
+   torch.cuda.set_per_process_memory_fraction at dense + KV + the cached share of experts (`--share`,
+   25%: the experts are 4x their VRAM) + the staging expert + 1 GiB (about 3.6 GB, half the experts);
+   then, each configuration in its own process (a failure is a line, not the end), prefill and decode
+   tok/s at batch 1:
      resident         every expert in VRAM, no cap
      default          the default cache: `--share` of the experts in VRAM, every expert in pinned RAM
      sync-lru         LRU, no prefetch, no CPU compute, one synchronous read + blocking copy per miss
