@@ -23,8 +23,7 @@
    its held-out text, replayed through the engine's route_override: hit rates of real text) and by
    uniform random routing (the worst case). Each line also gives the counters (hit rate, share of misses
    computed on the CPU, waves, prefetch issued/useful) and host syncs per decode step (torch's
-   sync-debug warnings plus CUDA event/stream/device synchronize calls, counted over the decode steps
-   only).
+   sync-debug warnings plus CUDA event synchronize calls, counted over the decode steps only).
 3. ratios: default over each baseline, per routing.
 
 Lines: `gpu_check config=NAME routing=R key=value ...` (an `error="..."` line when a configuration fails).
@@ -96,17 +95,15 @@ def options(name: str, share: float, ctx) -> dict:
 
 # -- one configuration (child process) -----------------------------------------------------------------
 class SyncCounter:
-    """Host syncs: torch's sync-debug warnings (item, .cpu(), nonzero, blocking copies) plus explicit
-    CUDA event / stream / device synchronize calls (which the debug mode does not see)."""
+    """Host syncs: torch's sync-debug warnings (item, .cpu(), nonzero, blocking copies, stream and device
+    synchronize) plus CUDA event synchronize calls, which the debug mode does not see."""
 
     def __init__(self):
         import warnings
 
         self.n = 0
         self._warnings = warnings
-        for owner, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
-                            (torch.cuda, "synchronize")):
-            self._wrap(owner, name)
+        self._wrap(torch.cuda.Event, "synchronize")
 
     def _wrap(self, owner, name):
         orig = getattr(owner, name)
