@@ -27,7 +27,7 @@
 3. ratios: default over each baseline, per routing.
 
 Lines: `gpu_check config=NAME routing=R key=value ...` (an `error="..."` line when a configuration fails).
-`--quick`: 6 layers, 16 tokens, recorded routing only, no random: about 2 minutes.
+`--quick`: 6 layers, 16 tokens, recorded routing only, no cpu-compute-off (sized for about 2 minutes; not yet timed).
 Nothing here has run on a GPU yet: the first run on a lent machine is its test.
 """
 
