@@ -27,7 +27,8 @@
 3. ratios: default over each baseline, per routing.
 
 Lines: `gpu_check config=NAME routing=R key=value ...` (an `error="..."` line when a configuration fails).
-`--quick`: 6 layers, 16 tokens, recorded routing only, no cpu-compute-off (sized for about 2 minutes; not yet timed).
+`--quick`: tests/test_gpu.py only, 6 layers, 16 tokens, recorded routing only, no cpu-compute-off (sized for
+about 2 minutes; not yet timed).
 Nothing here has run on a GPU yet: the first run on a lent machine is its test.
 """
 
@@ -214,8 +215,9 @@ def run_tests(args) -> None:
         return
     t = time.monotonic()
     try:
-        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py",
-                             "tests/test_families.py"], cwd=ROOT, timeout=args.test_timeout).returncode
+        files = ["tests/test_gpu.py"] + ([] if args.quick else ["tests/test_families.py"])
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *files], cwd=ROOT,
+                            timeout=args.test_timeout).returncode
     except subprocess.TimeoutExpired:
         rc = f"timeout-{args.test_timeout}s"
     print(f"gpu_check tests=gpu-marked rc={rc} seconds={time.monotonic() - t:.0f}", flush=True)
