@@ -133,3 +133,20 @@ def test_pinning_failure_falls_back_to_pageable_with_a_note(runtime, capsys):
 def test_pin_is_refused_for_a_device_tier():
     with pytest.raises(ValueError, match="pin=True is for a tier in host RAM"):
         SlotPool(PARTS, 1, 1, torch.device("meta"), pin=True)
+
+
+def test_the_memory_plan_is_what_the_tiers_allocate(cache_checkpoint):
+    from expertcache import LLM
+    from expertcache.experts.budget import plan_memory
+
+    llm = LLM(str(cache_checkpoint), device="cpu", device_memory="25%", host_memory="50%")
+    try:
+        plan = plan_memory(llm.source, llm.device, llm.dtype, "25%", "50%")
+        cache = llm.experts
+        assert 0 < cache.host_slots < 16 and cache.device_slots == plan.device.slots
+        assert cache.host.nbytes == plan.host_used
+        assert cache.dev.nbytes == plan.device_used  # the CPU reserves no staging expert
+        for pool in (cache.host, cache.dev):
+            assert pool.reserved_bytes == pool.region.numel() and 0 <= pool.reserved_bytes - pool.nbytes < 2 * PAGE
+    finally:
+        llm.close()
