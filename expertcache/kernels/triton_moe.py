@@ -285,12 +285,10 @@ def _strides(t: torch.Tensor, out_dim: int = 1, in_dim: int = 2) -> tuple[int, i
 
 
 def _rows(t: torch.Tensor, which: int, interleaved: bool, dim: int = 1) -> torch.Tensor:
-    """Gate (which 0) or up (1) rows of a fused gate_up tensor along `dim`: halves or alternate rows."""
+    """Gate (which 0) or up (1) rows of a fused gate_up tensor along `dim`: halves or alternate rows (a view)."""
     n = t.shape[dim]
-    return t.narrow(dim, which * n // 2, n // 2) if not interleaved else \
-        t.as_strided(t.shape[:dim] + (n // 2,) + t.shape[dim + 1:],
-                     t.stride()[:dim] + (2 * t.stride(dim),) + t.stride()[dim + 1:], t.storage_offset() +
-                     which * t.stride(dim))
+    rows = slice(which, None, 2) if interleaved else slice(which * n // 2, (which + 1) * n // 2)
+    return t[(slice(None),) * dim + (rows,)]
 
 
 def _quant_proj(pool, prefix: str, method, which: int | None, interleaved: bool) -> Proj:
@@ -301,8 +299,7 @@ def _quant_proj(pool, prefix: str, method, which: int | None, interleaved: bool)
     if fmt == MXFP4:  # [S, out, in/32, 16] -> bytes along the row
         if w.stride(2) != 16 * w.stride(3):
             raise ValueError(f"{prefix}.{code}: mxfp4 blocks must be contiguous within a row for the Triton kernel")
-        w = w.flatten(2) if w.is_contiguous() else w.as_strided(w.shape[:2] + (w.shape[2] * 16,),
-                                                                 (w.stride(0), w.stride(1), w.stride(3)))
+        w = w.as_strided(w.shape[:2] + (w.shape[2] * 16,), (w.stride(0), w.stride(1), w.stride(3)))
     scale = pool.get(f"{prefix}.{scale_sfx}") if scale_sfx else None
     zero = pool.get(f"{prefix}.{zero_sfx}") if zero_sfx else None
     if scale is not None and scale.dim() == 1:
@@ -406,7 +403,8 @@ def fused_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool:
     has_bias = gb is not None
     dummy = lut
     if has_bias:
-        gbias, ubias = _rows(gb, 0, bool(ffn.interleaved)), _rows(gb, 1, bool(ffn.interleaved))
+        interleaved = bool(ffn is not None and ffn.interleaved)
+        gbias, ubias = _rows(gb, 0, interleaved), _rows(gb, 1, interleaved)
         db = pool["down_bias"]
         gb_s, db_s = (gbias.stride(0), gbias.stride(1)), (db.stride(0), db.stride(1))
     else:
