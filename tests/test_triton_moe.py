@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from expertcache.experts.compute import ExpertFFN  # noqa: E402
-from expertcache.kernels import triton_moe  # noqa: E402
+from expertcache.kernels import triton_moe, triton_moe_jit, triton_pool  # noqa: E402
 from expertcache.kernels.triton_moe import align_by_slot, fused_moe, num_blocks_bound  # noqa: E402
 from expertcache.quant.method import make_quant_method  # noqa: E402
 
@@ -240,7 +240,7 @@ def test_alignment_reads_nothing_back_to_the_host(monkeypatch):
 
 
 def test_slot_offsets_are_64_bit():
-    """The kernels' slot base (`_slot_base`) of slot 3 with a 2^30-element stride is 3 * 2^30, past int32
+    """The kernels' slot base (`triton_moe_jit.slot_base`) of slot 3 with a 2^30-element stride is 3 * 2^30, past int32
     (in int32 arithmetic it wraps to a negative offset): checked through the same jit function the
     kernels call, without allocating a pool that large."""
     import triton
@@ -248,7 +248,7 @@ def test_slot_offsets_are_64_bit():
 
     @triton.jit
     def probe(slot_ptr, out_ptr, stride):
-        tl.store(out_ptr, triton_moe._slot_base(tl.load(slot_ptr), stride))
+        tl.store(out_ptr, triton_moe_jit.slot_base(tl.load(slot_ptr), stride))
 
     out = torch.zeros(1, dtype=torch.int64, device=DEV)
     probe[(1,)](torch.tensor([3], dtype=torch.int32, device=DEV), out, 2 ** 30)
@@ -285,7 +285,7 @@ def test_unknown_format_is_refused_by_name():
     class Other:
         name = "nf4"
     with pytest.raises(ValueError, match="nf4"):
-        triton_moe.projections({"gate.weight": torch.zeros(1, 2, 2)}, Other(), None)
+        triton_pool.projections({"gate.weight": torch.zeros(1, 2, 2)}, Other(), None)
 
 
 def test_grouped_mm_is_gated_on_compute_capability(monkeypatch):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..errors import ConfigError
 from .config import MOE_KERNELS
-from .host_routing import DeviceGroups, group_by_slot, to_host
+from .host_routing import DeviceGroups, group_by_slot, to_device, to_host
 
 
 def _silu(g: torch.Tensor, u: torch.Tensor, ffn: "ExpertFFN") -> torch.Tensor:
@@ -158,6 +158,8 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     if ffn.kernel == "triton":
         from ..kernels.triton_moe import fused_moe
 
+        if slots.device != x.device:  # the host ids' slots: one non-blocking copy from pinned memory
+            slots = to_device(slots, x.device)
         return fused_moe(x, slots, weights, pool, method, ffn, out=out)
     if out is None:  # the kernel starts from a zeroed output of its own (no torch call per layer)
         out = kernels.moe_out(x, slots, weights, pool, method, ffn)
