@@ -63,8 +63,12 @@ def counted(monkeypatch) -> list:
     return calls
 
 
-def compare(path, monkeypatch, atol, **options):
+def compare(path, monkeypatch, atol, expect: dict, **options):
+    """`expect`: what the checkpoint must exercise (expert format, ExpertFFN fields), so a builder change
+    cannot quietly turn a case into another one."""
     ref = LLM(path, **SMALL, **options)
+    method = ref.source.method.name if ref.source.method is not None else str(ref.source.dtype)
+    assert {"format": method, **{k: getattr(ref.source.ffn, k) for k in expect if k != "format"}} == expect
     want_tokens = ref.generate([PROMPT], GREEDY)[0].token_ids
     want_logits = ref.logits(PROMPT)
     moe_layers = len(ref.source.layers)
@@ -75,7 +79,10 @@ def compare(path, monkeypatch, atol, **options):
     got_tokens = llm.generate([PROMPT], GREEDY)[0].token_ids
     n = len(calls)
     got_logits = llm.logits(PROMPT)
+    stats = llm.expert_stats()
     llm.close()
+    if options:  # the tiered cache really ran: hits and misses
+        assert stats["hits"] > 0 and stats["misses"] > 0, stats
     assert got_tokens == want_tokens
     torch.testing.assert_close(got_logits, want_logits, atol=atol, rtol=0)
     # the prompt's step and each decoded token's step (the last token is sampled, not fed back) per MoE
@@ -84,24 +91,27 @@ def compare(path, monkeypatch, atol, **options):
 
 
 def test_qwen3_moe_bf16(qwen3, monkeypatch):
-    compare(qwen3, monkeypatch, atol=1e-4)
+    compare(qwen3, monkeypatch, 1e-4, {"format": "torch.bfloat16", "act": "silu", "interleaved": False})
 
 
 def test_qwen3_moe_bf16_through_the_expert_cache(qwen3, monkeypatch):
     """A budget: the tiered cache computes hits and fills through the kernel (host slot ids copied over)."""
-    compare(qwen3, monkeypatch, atol=1e-4, device_memory="40%", host_memory="100%", cache_policy="lru")
+    compare(qwen3, monkeypatch, 1e-4, {"format": "torch.bfloat16"}, device_memory="40%", host_memory="100%",
+            cache_policy="lru")
 
 
 def test_gpt_oss_bf16(gpt_oss_bf16, monkeypatch):
-    compare(gpt_oss_bf16, monkeypatch, atol=1e-4)
+    compare(gpt_oss_bf16, monkeypatch, 1e-4, {"format": "torch.bfloat16", "act": "clamped_swiglu",
+                                              "interleaved": True, "transposed": True})
 
 
 def test_gpt_oss_mxfp4(gpt_oss_mxfp4, monkeypatch):
-    compare(gpt_oss_mxfp4, monkeypatch, atol=1e-4)
+    compare(gpt_oss_mxfp4, monkeypatch, 1e-4, {"format": "mxfp4", "act": "clamped_swiglu", "interleaved": True,
+                                               "fused_quant": True})
 
 
 def test_deepseek_v3_block_fp8(deepseek_fp8, monkeypatch):
-    compare(deepseek_fp8, monkeypatch, atol=1e-4)
+    compare(deepseek_fp8, monkeypatch, 1e-4, {"format": "fp8"})
 
 
 def test_auto_is_the_torch_path_on_cpu():
