@@ -152,3 +152,11 @@ def test_cli_flag_reaches_the_keyword():
     assert "moe_kernel" not in engine_kwargs(p.parse_args([]))
     with pytest.raises(SystemExit):
         p.parse_args(["--moe-kernel", "fast"])
+
+
+def test_moe_kernel_is_not_a_cache_only_option():
+    """It chooses what computes resident experts too: accepted without a budget, kept as given."""
+    from expertcache.experts.config import CacheConfig
+
+    cfg = CacheConfig.from_options(moe_kernel="triton")
+    assert not cfg.tiered and cfg.moe_kernel == "triton" and cfg.cache_only_options() == []

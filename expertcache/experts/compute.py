@@ -156,7 +156,7 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     is computed by the fused Triton kernel on the device (no host read; a host `slots` is copied over)."""
     T, K = slots.shape
     if ffn.kernel == "triton":
-        from ..kernels.triton_moe import fused_moe
+        from ..kernels.triton_moe import fused_moe  # at first use: triton is optional and slow to import
 
         if slots.device != x.device:  # the host ids' slots: one non-blocking copy from pinned memory
             slots = to_device(slots, x.device)
