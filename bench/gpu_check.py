@@ -3,8 +3,8 @@
     python bench/gpu_check.py [--quick] [--out DIR] [--skip-tests] [--tokens 32] [--prompt 128]
     python bench/gpu_check.py --device cpu      # the dry run CI runs: toy sizes, every line, no GPU
 
-1. the `gpu`-marked tests (tests/test_gpu.py and the families' CUDA parity) when pytest is importable
-   (else a line says they were not run);
+1. the `gpu`-marked tests (tests/test_gpu.py and the families' CUDA parity) and the Triton MoE tests
+   compiled for the device (the interpreter off) when pytest is importable (else a line says so);
 2. a random checkpoint of Qwen3-30B-A3B's shape ratios written with safetensors alone (bench/gpu_check_model.py:
    12 layers x 64 experts of 9.4 MB, 7.2 GB of experts), VRAM capped with
    torch.cuda.set_per_process_memory_fraction at dense + KV + the cached share of experts (`--share`,
@@ -19,6 +19,8 @@
      cpu-moe          every expert computed on the CPU from RAM, attention on the GPU (llama.cpp --cpu-moe):
                       prefetch off, top_k device slots per layer (the least the plan allows), cpu_compute always
      cpu-compute-off  the default with CPU compute of misses off (every miss copied to the device)
+     torch-moe        the default with the torch MoE code instead of the fused Triton kernel
+                      (`moe_kernel="torch"`; the default picks Triton on CUDA where it reads the format)
    The cached configurations are driven twice: by recorded routing (the trained demo model's routing of
    its held-out text, replayed through the engine's route_override: hit rates of real text) and by
    uniform random routing (the worst case). Each line also gives the counters (hit rate, share of misses
@@ -27,8 +29,8 @@
 3. ratios: default over each baseline, per routing.
 
 Lines: `gpu_check config=NAME routing=R key=value ...` (an `error="..."` line when a configuration fails).
-`--quick`: tests/test_gpu.py only, 6 layers, 16 tokens, recorded routing only, no cpu-compute-off (sized for
-about 2 minutes; not yet timed).
+`--quick`: tests/test_gpu.py and the Triton tests only, 6 layers, 16 tokens, recorded routing only, no
+cpu-compute-off or torch-moe (sized for about 2 minutes; not yet timed).
 Nothing here has run on a GPU yet: the first run on a lent machine is its test.
 """
 
@@ -52,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_model as M  # noqa: E402
 from common import hardware_line, timed_generate  # noqa: E402
 
-CACHED = ("default", "sync-lru", "cpu-moe", "cpu-compute-off")
+CACHED = ("default", "sync-lru", "cpu-moe", "cpu-compute-off", "torch-moe")
 CONFIGS = ("resident", *CACHED)
 LINE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 MARGIN = 1 << 30  # activations, workspace, the CUDA allocator's slack under the cap
@@ -83,6 +85,8 @@ def options(name: str, share: float, ctx) -> dict:
         return cache
     if name == "cpu-compute-off":
         return {**cache, "cpu_compute": "never"}
+    if name == "torch-moe":
+        return {**cache, "moe_kernel": "torch"}
     if name == "sync-lru":
         E = ctx["num_experts"]
         return {**cache, "host_memory": ctx["host_slot_bytes"] * (E - 1), "cache_policy": "lru", "prefetch": "off",
@@ -221,8 +225,15 @@ def run_tests(args) -> None:
     except subprocess.TimeoutExpired:
         rc = f"timeout-{args.test_timeout}s"
     print(f"gpu_check tests=gpu-marked rc={rc} seconds={time.monotonic() - t:.0f}", flush=True)
-    print("gpu_check tests=triton not-run reason=\"the Triton MoE kernel is not wired into the engine; its tests "
-          "run on CPU tensors under TRITON_INTERPRET=1\"", flush=True)
+    # the Triton MoE compiled for the device: its tests take CUDA tensors when the interpreter is off
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    t = time.monotonic()
+    try:
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_triton_moe.py",
+                             "tests/test_triton_models.py"], cwd=ROOT, env=env, timeout=args.test_timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timeout-{args.test_timeout}s"
+    print(f"gpu_check tests=triton-compiled rc={rc} seconds={time.monotonic() - t:.0f}", flush=True)
 
 
 def child(args, config: str, routing: str, model: Path, trace: Path) -> dict:
@@ -291,16 +302,16 @@ def main(argv=None) -> int:
     configs = [c for c in CONFIGS if args.only is None or c in args.only]
     routings = ("recorded",) if args.quick else ("recorded", "random")
     if args.quick:
-        configs = [c for c in configs if c != "cpu-compute-off"]
+        configs = [c for c in configs if c not in ("cpu-compute-off", "torch-moe")]
     results = {}
     for routing in routings:
         for config in configs:
-            if config == "resident" and routing != "recorded":
-                continue  # routing does not change what a resident model moves
+            if config in ("resident", "torch-moe") and routing != "recorded":
+                continue  # routing does not change what a resident model moves; the kernels' ratio needs one
             results[config, routing] = child(args, config, routing, model, trace)
     for routing in routings:
         base = results.get(("default", routing)) or {}
-        for other in ("resident", "sync-lru", "cpu-moe", "cpu-compute-off"):
+        for other in ("resident", *CACHED[1:]):
             b = results.get((other, "recorded" if other == "resident" else routing)) or {}
             for what in ("decode_tok_s", "prefill_tok_s"):
                 if isinstance(base.get(what), float) and isinstance(b.get(what), float) and b[what] > 0:

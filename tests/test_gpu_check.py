@@ -39,7 +39,8 @@ def dry_run(tmp_path_factory):
 def test_every_configuration_line_parses(dry_run):
     r, lines = dry_run
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    want = {("resident", "recorded")} | {(c, ro) for c in gpu_check.CACHED for ro in ("recorded", "random")}
+    want = {("resident", "recorded"), ("torch-moe", "recorded")} | {
+        (c, ro) for c in gpu_check.CACHED if c != "torch-moe" for ro in ("recorded", "random")}
     assert set(lines) == want
     for key, v in lines.items():
         assert "error" not in v, (key, v)
@@ -47,6 +48,7 @@ def test_every_configuration_line_parses(dry_run):
     for routing in ("recorded", "random"):
         for other in ("resident", "sync-lru", "cpu-moe", "cpu-compute-off"):
             assert f"gpu_check ratio routing={routing} decode_tok_s default/{other}=" in r.stdout
+    assert "gpu_check ratio routing=recorded decode_tok_s default/torch-moe=" in r.stdout
 
 
 @pytest.mark.slow
@@ -63,6 +65,8 @@ def test_configurations_do_what_their_labels_say(dry_run):
         off = lines["cpu-compute-off", routing]
         assert off["cpu_computed_share"] == 0.0
         assert lines["default", routing]["device_slots"] == 16  # 25% of 64
+    # the torch MoE code computes what the default computes (on the CPU both are the same code)
+    assert lines["torch-moe", "recorded"]["misses"] == lines["default", "recorded"]["misses"]
 
 
 def test_a_failing_configuration_is_a_line_not_the_end(tmp_path, capsys):
