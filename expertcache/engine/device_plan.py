@@ -258,10 +258,12 @@ def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: 
                              f"({gpu.name})")
             else:
                 budget = parse_bytes(value, "device_memory")
-    label = "device_memory" if cap is None else "the device cap"
+    label = (f"the device cap {fmt_bytes(cap)}" if cap is not None else
+             f"device_memory=auto ({fmt_bytes(budget)})" if budget is not None and str(value).strip().lower() == "auto"
+             else f"device_memory={fmt_bytes(budget or 0)}")
     need = outside + staging + K * L * per_expert  # the smallest plan: top_k slots per layer
     if budget is not None and budget < need:
-        raise BudgetError(_refusal(label, budget, fixed, context, slack, staging, K, L, per_expert, need, cuda))
+        raise BudgetError(_refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda))
     experts = None
     if cache_options.tiered:
         tier_budget = value if (not cuda or _share(value)) else max(0, budget - outside)
@@ -271,7 +273,7 @@ def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: 
         except BudgetError:
             if not cuda:
                 raise
-            raise BudgetError(_refusal(label, budget or 0, fixed, context, slack, staging, K, L, per_expert, need, cuda)) \
+            raise BudgetError(_refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda)) \
                 from None
         lines = experts.lines[:1] + lines + experts.lines[1:]
         slots, staging = experts.device.slots * L * per_expert, experts.staging
@@ -285,7 +287,7 @@ def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: 
         plan.lines.append(f"device memory ({where}): {plan.arithmetic()}"
                           + (f" of {fmt_bytes(budget)}" if budget is not None else ""))
     if budget is not None and plan.total > budget:
-        raise BudgetError(f"{label}={fmt_bytes(budget)} does not fit the engine: {plan.arithmetic()}; give at "
+        raise BudgetError(f"{label} does not fit the engine: {plan.arithmetic()}; give at "
                           f"least {fmt_bytes(plan.total)}, or smaller expert tiers")
     if cuda and gpu is not None and plan.total - gpu.context > gpu.free:
         raise BudgetError(f"device_memory: the plan needs {fmt_bytes(plan.total - gpu.context)} besides the CUDA "
@@ -298,14 +300,14 @@ def _share(value) -> bool:
     return isinstance(value, str) and value.strip().endswith("%")
 
 
-def _refusal(label, budget, fixed, context, slack, staging, K, L, per_expert, need, cuda) -> str:
+def _refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda) -> str:
     terms = {**fixed, "cuda_context": context, "allocator_slack": slack}
     parts = [f"{NAMES[k]} {fmt_bytes(v)}" for k, v in terms.items() if v]
     parts.append(f"top_k={K} expert slots per layer ({K} x {L} layers x {fmt_bytes(per_expert)}) "
                  f"{fmt_bytes(K * L * per_expert)}")
     if staging:
         parts.append(f"staging {fmt_bytes(staging)}")
-    return (f"{label}={fmt_bytes(budget)} does not fit the engine on the {'GPU' if cuda else 'device'}: "
+    return (f"{label} does not fit the engine on the {'GPU' if cuda else 'device'}: "
             f"{' + '.join(parts)} = {fmt_bytes(need)}; give at least {fmt_bytes(need)} (or lower --max-model-len, "
             f"--kv-cache-memory, --max-num-batched-tokens)")
 
