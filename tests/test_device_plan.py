@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import re
 import struct
 
 import pytest
@@ -23,10 +24,13 @@ from expertcache.engine.device_plan import GpuSpec
 from expertcache.cost.profiles import get_profile
 from expertcache.errors import BudgetError
 from expertcache.units import fmt_bytes
+from expertcache.engine.device_plan import EngineShape
 from expertcache.loader.safetensors_index import TensorIndex
+from expertcache.plan.model import device_plan, read_model
 from test_gpt_oss_layout import EXPERT_BYTES as GPT_OSS_EXPERT, write_hub_layout
 
 GiB = 1 << 30
+CUDA = torch.device("cuda")
 
 # Qwen/Qwen3-30B-A3B as published (config.json fields that size it)
 Q = dict(H=2048, I=6144, MOE_I=768, L=48, E=128, K=8, HEADS=32, KV_HEADS=4, D=128, V=151936)
@@ -104,23 +108,30 @@ def qwen3_dense_bytes() -> int:
 # -- plan numbers from headers: an independent count of the published shapes ----------------------
 
 
-def test_qwen3_30b_terms(qwen3_30b, capsys):
-    rc, r = plan_json(capsys, qwen3_30b, "--gpu", "rtx3060-12gb", "--device-memory", "12GiB",
-                      "--max-num-batched-tokens", "512")
-    assert rc == 0, r["plan"]["error"]
-    t, d = r["device_plan"]["terms"], r["device_plan"]
+def card(name: str) -> GpuSpec:
+    return GpuSpec.from_profile(get_profile(name))
+
+
+@pytest.fixture(scope="module")
+def qwen3_info(qwen3_30b):
+    return read_model(qwen3_30b)
+
+
+def test_qwen3_30b_terms(qwen3_info):
+    """(Through plan/model.py's device_plan, the function `plan` calls: the command's speed band replays
+    48 x 128 experts for a minute, so the command itself is run on gpt-oss-20b below.)"""
+    p = device_plan(qwen3_info, CUDA, torch.bfloat16, "12GiB", "auto", EngineShape(4096, max_num_batched_tokens=512),
+                    card("rtx3060-12gb"))
+    t = p.terms
     expert = 3 * Q["MOE_I"] * Q["H"] * 2
-    assert r["bytes"]["expert_fast"] == expert
     assert t["dense"] == qwen3_dense_bytes()
     kv_block = Q["L"] * 16 * 2 * Q["KV_HEADS"] * Q["D"] * 2
     assert t["kv_cache"] == (GiB // kv_block) * kv_block  # auto: 1 GiB of whole blocks (> 4096 tokens)
     assert t["staging"] == expert and t["cuda_context"] == 400 << 20 and t["linear_state"] == 0
-    slots = r["plan"]["device_slots"]
-    assert t["expert_slots"] == slots * Q["L"] * expert
-    assert d["total"] == sum(t.values()) <= 12 * GiB == d["budget"]
-    # the largest slot count that fits: one more slot per layer would not
-    assert d["total"] + Q["L"] * expert > 12 * GiB
-    assert any(line.startswith("device memory (rtx3060-12gb, 12.00 GiB): dense weights") for line in r["plan"]["lines"])
+    assert t["expert_slots"] == p.experts.device.slots * Q["L"] * expert
+    assert p.total == sum(t.values()) <= 12 * GiB == p.budget
+    assert p.total + Q["L"] * expert > 12 * GiB  # the most slots that fit: one more per layer would not
+    assert p.lines[-1].startswith("device memory (rtx3060-12gb, 12.00 GiB): dense weights")
 
 
 def test_gpt_oss_20b_at_8gib(gpt_oss_20b, capsys):
@@ -141,30 +152,36 @@ def test_gpt_oss_20b_at_8gib(gpt_oss_20b, capsys):
 
 
 @pytest.mark.parametrize("which", ["qwen3_30b", "gpt_oss_20b"])
-def test_smallest_budget_is_exact(which, request, capsys):
+def test_smallest_budget_is_exact(which, request):
     """The refusal's smallest budget holds top_k slots per layer; one byte less is refused."""
-    d = request.getfixturevalue(which)
+    info = read_model(request.getfixturevalue(which))
     K, L = (Q["K"], Q["L"]) if which == "qwen3_30b" else (4, 24)
-    rc, r = plan_json(capsys, d, "--gpu", "a100-80gb", "--device-memory", "25%")
-    assert rc == 0
-    t, expert = r["device_plan"]["terms"], r["bytes"]["expert_fast"]
-    need = sum(v for k, v in t.items() if k not in ("expert_slots", "staging")) + K * L * expert + expert
-    rc, r = plan_json(capsys, d, "--gpu", "a100-80gb", "--device-memory", need)
-    assert rc == 0 and r["plan"]["device_slots"] == K and r["device_plan"]["total"] == need
-    rc, r = plan_json(capsys, d, "--gpu", "a100-80gb", "--device-memory", need - 1)
-    assert rc == 1 and f"top_k={K}" in r["plan"]["error"]
+    shape, gpu = EngineShape(4096), card("a100-80gb")
+    p = device_plan(info, CUDA, torch.bfloat16, "25%", "auto", shape, gpu)
+    expert = p.terms["staging"]
+    need = sum(v for k, v in p.terms.items() if k not in ("expert_slots", "staging")) + K * L * expert + expert
+    p = device_plan(info, CUDA, torch.bfloat16, need, "auto", shape, gpu)
+    assert p.experts.device.slots == K and p.total == need
+    with pytest.raises(BudgetError, match=f"top_k={K} .*; give at least {re.escape(fmt_bytes(need))}"):
+        device_plan(info, CUDA, torch.bfloat16, need - 1, "auto", shape, gpu)
 
 
-def test_plan_equals_the_engines(qwen3_30b, capsys, monkeypatch):
-    """LLM(device='cuda') plans with the same function and numbers as `plan` (a card stands in for the
-    GPU; construction is stopped at its first allocation, after the plan)."""
+@pytest.mark.parametrize("which", ["qwen3_30b", "gpt_oss_20b"])
+def test_plan_equals_the_engines(which, request, capsys, monkeypatch):
+    """LLM(device='cuda') plans the numbers and lines `plan` prints (a card stands in for the GPU;
+    construction stops right after the plan)."""
     import expertcache.build as build
     import expertcache.experts.budget as budget
 
+    d = request.getfixturevalue(which)
     monkeypatch.setattr(budget, "available_ram", lambda: 32 * GiB)  # free RAM moves on a shared machine
-    rc, r = plan_json(capsys, qwen3_30b, "--gpu", "rtx4090-24gb", "--device-memory", "16GiB")
-    assert rc == 0
-
+    if which == "gpt_oss_20b":  # the command itself, --json
+        rc, r = plan_json(capsys, d, "--gpu", "rtx4090-24gb", "--device-memory", "16GiB")
+        assert rc == 0
+        terms, lines = r["device_plan"]["terms"], r["plan"]["lines"]
+    else:
+        p = device_plan(read_model(d), CUDA, torch.bfloat16, "16GiB", "auto", EngineShape(4096), card("rtx4090-24gb"))
+        terms, lines = p.terms, p.lines
     seen = []
 
     class Stop(Exception):
@@ -175,12 +192,11 @@ def test_plan_equals_the_engines(qwen3_30b, capsys, monkeypatch):
         raise Stop
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(GpuSpec, "from_device", classmethod(lambda cls, dev: cls.from_profile(
-        get_profile("rtx4090-24gb"))))
+    monkeypatch.setattr(GpuSpec, "from_device", classmethod(lambda cls, dev: card("rtx4090-24gb")))
     monkeypatch.setattr(build, "plan_device", record)
     with pytest.raises(Stop):
-        LLM(str(qwen3_30b), device="cuda", device_memory="16GiB")
-    assert seen[0].terms == r["device_plan"]["terms"] and seen[0].lines == r["plan"]["lines"]
+        LLM(str(d), device="cuda", device_memory="16GiB")
+    assert seen[0].terms == terms and seen[0].lines == lines
 
 
 # -- allocated == plan, on real tiny models (the CPU as the device) --------------------------------
