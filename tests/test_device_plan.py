@@ -199,6 +199,21 @@ def test_plan_equals_the_engines(which, request, capsys, monkeypatch):
     assert seen[0].terms == terms and seen[0].lines == lines
 
 
+def test_auto_is_free_memory_less_the_margin(gpt_oss_20b):
+    """`auto` on a GPU: its free memory plus what this process's context took, less AUTO_MARGIN; a size
+    beyond what is free is refused naming the free bytes."""
+    info = read_model(gpt_oss_20b)
+    gpu = GpuSpec("test-gpu", total=24 * GiB, free=20 * GiB, context=300 << 20, capability=(8, 9))
+    p = device_plan(info, CUDA, torch.bfloat16, "auto", "auto", EngineShape(4096), gpu)
+    assert p.budget == 20 * GiB + (300 << 20) - dp_module.AUTO_MARGIN
+    assert p.total <= p.budget < p.total + 24 * GPT_OSS_EXPERT or p.experts.resident
+    assert p.lines[1].startswith("auto device budget = free 20.00 GiB + CUDA context 300.00 MiB - margin 512.00 MiB")
+    small = GpuSpec("test-gpu", total=16 * GiB, free=12 * GiB, context=300 << 20, capability=(8, 9))
+    for value in ("100%", "14GiB"):  # every expert; a budget beyond what is free
+        with pytest.raises(BudgetError, match="but test-gpu has 12.00 GiB free"):
+            device_plan(info, CUDA, torch.bfloat16, value, "auto", EngineShape(4096), small)
+
+
 # -- allocated == plan, on real tiny models (the CPU as the device) --------------------------------
 
 
@@ -313,3 +328,25 @@ def test_ledger_cap_names_the_term():
     with pytest.raises(BudgetError, match=r"cap 1000 B exceeded by expert_slots \(400 B\) after kv_cache 400 B"):
         ledger.alloc((100,), torch.float32, "expert_slots")
     assert ledger.terms == {"kv_cache": 400, "dense": 400}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [{}, {"device_memory": "50%"}], ids=["resident", "tiered"])
+def test_cuda_allocations_match_the_plan(opts, checkpoint):
+    """On a GPU: the counted tensors are the plan's, torch's allocator holds them, and what it reserved
+    after the load (and a step) stays within the plan's total less the context."""
+    path = checkpoint("qwen3_moe", dtype=torch.bfloat16)
+    torch.cuda.empty_cache()
+    base_alloc, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    llm = LLM(str(path), device="cuda", max_num_batched_tokens=64, **opts)
+    try:
+        plan, ledger = llm.device_plan, llm.ledger
+        assert {k: ledger.terms.get(k, 0) for k in plan.allocated} == plan.allocated
+        assert torch.cuda.memory_allocated() - base_alloc >= ledger.total
+        from expertcache import SamplingParams
+
+        llm.generate([[5, 17, 42, 99]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        reserved = torch.cuda.memory_reserved() - base_reserved
+        assert ledger.total <= reserved <= plan.total - plan.terms["cuda_context"], (reserved, plan.terms)
+    finally:
+        llm.close()

@@ -152,7 +152,7 @@ def test_plan_command(tmp_path, capsys):
     rc = main(["plan", str(d), "--device", "cuda", "--device-memory", "8GiB", "--host-memory", "16GiB",
                "--gpu", "rtx4060-8gb"])
     out = capsys.readouterr().out
-    assert rc == 1 and "does not fit" in out and "give at least 9.01 GiB" in out, out
+    assert rc == 1 and "does not fit" in out and "give at least 9.07 GiB" in out, out
     rc = main(["plan", str(d), "--device", "cuda", "--device-memory", "8GiB", "--host-memory", "16GiB",
                "--gpu", "rtx4060-8gb", "--max-num-batched-tokens", "512"])
     out = capsys.readouterr().out

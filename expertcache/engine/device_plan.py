@@ -17,8 +17,9 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
     expert_slots     the fastest tier: slots per layer x MoE layers x one expert in its format
     staging          one expert in the fastest tier's format (CUDA: waves stream through it)
     cuda_context     what the CUDA context takes (measured on the device, or the card profile's figure)
-    allocator_slack  SLACK x (dense + kv_cache + linear_state + activations + logits): the caching
-                     allocator's rounding and fragmentation
+    allocator_slack  SLACK x (dense + kv_cache + linear_state + activations + logits) + SLACK_FLOOR: the
+                     caching allocator's rounding and fragmentation, its small-block segments and
+                     cuBLAS's workspaces
 `ALLOCATED` terms are persistent tensors the builder counts through devmem.Ledger; the others are
 transient or outside torch's allocator.
 
@@ -52,6 +53,7 @@ NAMES = {"dense": "dense weights", "kv_cache": "KV cache", "linear_state": "line
          "activations": "activations", "logits": "logits", "expert_slots": "expert slots", "staging": "staging",
          "cuda_context": "CUDA context", "allocator_slack": "allocator slack"}
 SLACK = 0.03  # of the non-expert terms: the caching allocator's block rounding and fragmentation
+SLACK_FLOOR = 64 << 20  # 2 MiB small-block segments, cuBLAS workspaces
 AUTO_MARGIN = 512 << 20  # left free by --device-memory auto on CUDA (other processes, cuBLAS workspaces)
 _SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: folded in at load, not kept
 
@@ -235,7 +237,7 @@ def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: 
     fixed = {"dense": dense_bytes(index, cfg, names, dtype, device, shape.low_memory, shape.dense, shape.lm_head),
              "kv_cache": kv.kv_bytes, "linear_state": kv.state_bytes, "activations": act, "logits": logits}
     cuda = device.type == "cuda"
-    slack = int(SLACK * sum(fixed.values())) if cuda else 0
+    slack = int(SLACK * sum(fixed.values())) + SLACK_FLOOR if cuda else 0
     context = gpu.context if cuda and gpu is not None else 0
     outside = sum(fixed.values()) + context + slack  # every term but the experts'
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k

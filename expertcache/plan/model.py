@@ -97,7 +97,7 @@ def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, devic
                 host_memory="auto", dense_bytes: int | None = None) -> MemoryPlan:
     """The tiers build_expert_cache would allocate, and its plan lines (the engine's own function)."""
     src = info.source
-    if dense_bytes is None:  # the engine's estimate (llm.LLM._make_experts)
+    if dense_bytes is None:  # the estimate experts/budget.py prints beside the tiers
         dense_bytes = dense_compute_bytes(info.index, dtype, device)
     return budget_plan(src, device, dtype, device_memory, host_memory, dense_bytes)
 
