@@ -232,7 +232,7 @@ def build_engine(o: EngineOptions, worker_kwargs: dict | None = None, serve_rank
             else:
                 from .experts.build import build_expert_cache
 
-                experts, lines = build_expert_cache(source, device, dtype, cache_config, plan=plan.experts,
+                experts, lines = build_expert_cache(source, device, dtype, cache_config, plan.experts,
                                                     on_plan=lambda lines: show(_with_device(plan, lines)),
                                                     alloc=alloc, load=False)
                 plan_lines += _with_device(plan, lines)
@@ -242,7 +242,7 @@ def build_engine(o: EngineOptions, worker_kwargs: dict | None = None, serve_rank
             from .experts.build import build_expert_cache
 
             model_ = dense_model(_Unbound())
-            experts, lines = build_expert_cache(source, device, dtype, cache_config, plan=plan.experts,
+            experts, lines = build_expert_cache(source, device, dtype, cache_config, plan.experts,
                                                 progress=bar.update, on_plan=lambda lines: show(_with_device(plan, lines)))
             plan_lines += _with_device(plan, lines)
             ledger.charge("expert_slots", experts.dev.buf)
@@ -352,7 +352,7 @@ def _parallel_experts(cfg, group, source, device, dtype, options: CacheConfig, p
     if options.tiered:
         from .experts.build import build_expert_cache
 
-        local, lines = build_expert_cache(source, device, dtype, options, progress=on_bytes, plan=plan.experts,
+        local, lines = build_expert_cache(source, device, dtype, options, plan.experts, progress=on_bytes,
                                           on_plan=lambda lines: show(plan_lines + _with_device(plan, lines)))
         plan_lines += _with_device(plan, lines)
     else:

@@ -40,10 +40,10 @@ import torch
 from .. import kernels
 from ..errors import BudgetError, ConfigError
 from ..experts.budget import MemoryPlan, plan_memory
-from ..layers.basic import LOAD_FORMATS, load_quant_method
+from ..layers.basic import load_quant_method
 from ..spec.model_config import ModelConfig, rope_inv_freq
 from ..units import fmt_bytes, parse_bytes
-from .kv_cache import KVCache, auto_kv_blocks, default_max_model_len
+from .kv_cache import KVCache, auto_kv_blocks
 from .state_cache import StateCache
 
 TERMS = ("dense", "kv_cache", "linear_state", "activations", "logits", "expert_slots", "staging", "cuda_context",
@@ -270,8 +270,8 @@ def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: 
     if cache_options.tiered:
         tier_budget = value if (not cuda or _share(value)) else max(0, budget - outside)
         try:
-            experts = plan_memory(source, device, dtype, tier_budget, cache_options.host_memory, fixed["dense"],
-                                  cache_options.low_memory, kv.kv_bytes + kv.state_bytes)
+            experts = plan_memory(source, device, dtype, tier_budget, cache_options.host_memory,
+                                  cache_options.low_memory)
         except BudgetError:
             if not cuda:
                 raise
@@ -315,4 +315,4 @@ def _refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda
 
 
 __all__ = ["ALLOCATED", "TERMS", "DevicePlan", "EngineShape", "GpuSpec", "KVPlan", "dense_bytes", "plan_device",
-           "plan_kv", "workspace_bytes", "LOAD_FORMATS", "default_max_model_len"]
+           "plan_kv", "workspace_bytes"]

@@ -94,12 +94,10 @@ def model_sizes(info: ModelInfo, dtype: torch.dtype, device: torch.device | None
 
 
 def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
-                host_memory="auto", dense_bytes: int | None = None) -> MemoryPlan:
-    """The tiers build_expert_cache would allocate, and its plan lines (the engine's own function)."""
-    src = info.source
-    if dense_bytes is None:  # the estimate experts/budget.py prints beside the tiers
-        dense_bytes = dense_compute_bytes(info.index, dtype, device)
-    return budget_plan(src, device, dtype, device_memory, host_memory, dense_bytes)
+                host_memory="auto") -> MemoryPlan:
+    """The expert tiers alone for a fastest-tier budget (experts/budget.py, the function the device
+    plan calls; on CUDA the device plan gives it what is left after every other term)."""
+    return budget_plan(info.source, device, dtype, device_memory, host_memory)
 
 
 def device_plan(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
