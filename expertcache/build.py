@@ -30,6 +30,7 @@ from .engine.runner import ModelRunner
 from .engine.state_cache import StateCache
 from .engine.tokenizer import Tokenizer
 from .errors import CheckpointError, ConfigError
+from .experts.compute import with_moe_kernel
 from .experts.config import CacheConfig
 from .experts.layout import ExpertSource
 from .experts.provider import ExpertProvider, ResidentExperts
@@ -149,6 +150,7 @@ def build_engine(o: EngineOptions, worker_kwargs: dict | None = None, serve_rank
     quant = method_from_config(hf_config)
     source = ExpertSource(index, cfg, family.names, quant)
     source.check_finite = o.check_finite  # experts: at their first read into any tier
+    source.ffn = with_moe_kernel(source.ffn, cache_config.moe_kernel, device, quant)
     parallel = group = None
     if o.expert_parallel is not None and cfg.linear_attn is not None:
         raise ConfigError(f"expert_parallel: {family.name} is a hybrid linear-attention model; "
