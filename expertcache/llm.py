@@ -1,4 +1,5 @@
-"""LLM: the Python API. Loads a checkpoint, builds the expert tiers, generates.
+"""LLM: the Python API, a thin facade. build.py constructs the engine (plan -> allocate -> fill); LLM
+generates, evaluates logits, reports expert statistics and closes.
 
     llm = LLM("path/to/Qwen3-30B-A3B", device="cpu")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
