@@ -25,6 +25,8 @@ from expertcache.cost.profiles import get_profile
 from expertcache.errors import BudgetError
 from expertcache.units import fmt_bytes
 from expertcache.engine.device_plan import EngineShape
+from expertcache.experts.layout import ExpertSource
+from expertcache.loader.disk import DiskReader
 from expertcache.loader.safetensors_index import TensorIndex
 from expertcache.plan.model import device_plan, read_model
 from test_gpt_oss_layout import EXPERT_BYTES as GPT_OSS_EXPERT, write_hub_layout
@@ -268,6 +270,15 @@ class _Reads:
         self.calls: list[str] = []
         real_open, real_preadv, real_pread = os.open, os.preadv, os.pread
         real_load, real_builtin_open = TensorIndex.load, builtins.open
+        real_expert, real_parts = ExpertSource.read, DiskReader.read_parts
+
+        def expert(source, layer, e):
+            self.calls.append(f"expert {layer}.{e}")
+            return real_expert(source, layer, e)
+
+        def parts(reader, ranges, dst, *a, **k):
+            self.calls.append("expert (disk tier)")
+            return real_parts(reader, ranges, dst, *a, **k)
 
         def builtin_open(file, mode="r", buffering=-1, *a, **k):
             if str(file).endswith(".safetensors") and buffering == 0:
@@ -296,6 +307,8 @@ class _Reads:
         monkeypatch.setattr(os, "preadv", preadv)
         monkeypatch.setattr(os, "pread", pread)
         monkeypatch.setattr(TensorIndex, "load", load)
+        monkeypatch.setattr(ExpertSource, "read", expert)
+        monkeypatch.setattr(DiskReader, "read_parts", parts)
 
 
 @pytest.mark.parametrize("case", ["resident", "tiered", "hybrid"])
@@ -307,6 +320,12 @@ def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
     llm.close()
     assert any(c.startswith(("preadv", "pread", "read ")) for c in reads.calls) and any(
         c.startswith("load ") for c in reads.calls)
+    # plan -> allocate -> fill: every dense weight is read before the first expert, every device tensor
+    # is counted in order (KV cache and state first)
+    first_expert = next(i for i, c in enumerate(reads.calls) if c.startswith("expert"))
+    assert max(i for i, c in enumerate(reads.calls) if c.startswith("load ")) < first_expert
+    order = list(llm.ledger.terms)
+    assert order[:2 if case == "hybrid" else 1] == (["kv_cache", "linear_state"] if case == "hybrid" else ["kv_cache"])
     need = llm.device_plan.total
     reads.calls.clear()
     with pytest.raises(BudgetError) as e:
