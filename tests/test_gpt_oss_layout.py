@@ -148,8 +148,14 @@ def test_plan_command(tmp_path, capsys):
     """The command on gpt-oss-20b (one model: its speed band replays every layer's experts)."""
     d = tmp_path
     write_hub_layout(d, "openai/gpt-oss-20b")
-    rc = main(["plan", str(d), "--device", "cuda", "--device-memory", "8GiB", "--host-memory", "16GiB"])
+    # 8 GiB is the whole GPU: at the default 2048 batched tokens the logits alone take 2.3 GiB
+    rc = main(["plan", str(d), "--device", "cuda", "--device-memory", "8GiB", "--host-memory", "16GiB",
+               "--gpu", "rtx4060-8gb"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "does not fit" in out and "give at least 9.07 GiB" in out, out
+    rc = main(["plan", str(d), "--device", "cuda", "--device-memory", "8GiB", "--host-memory", "16GiB",
+               "--gpu", "rtx4060-8gb", "--max-num-batched-tokens", "512"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "GptOssForCausalLM" in out and "one expert: 12.62 MiB stored (mxfp4)" in out
-    assert "26 slots/layer x 24 layers" in out
+    assert "7 slots/layer x 24 layers" in out and "of 8.00 GiB" in out

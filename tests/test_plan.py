@@ -131,14 +131,24 @@ def test_slots_equal_the_engines(ckpt, capsys, monkeypatch, device_memory, host_
 
 
 def test_cuda_plan_needs_no_gpu(ckpt, capsys):
-    rc, r = plan_json(capsys, ckpt, "--device", "cuda", "--device-memory", "200KiB")
+    # a share of the experts: the slots are that share; the other terms are added on top
+    rc, r = plan_json(capsys, ckpt, "--device", "cuda", "--device-memory", "25%")
     assert rc == 0 and r["dtype"] == "bfloat16" and r["speed"]["profile"] == "rtx4090-pcie4"
-    b, p = r["bytes"], r["plan"]
+    b, p, d = r["bytes"], r["plan"], r["device_plan"]
     assert b["expert_fast"] == b["expert_stored"]  # bf16 checkpoint, bf16 compute
-    assert p["staging"] == b["expert_fast"]
-    assert p["device_slots"] == ((200 << 10) - p["staging"]) // (b["expert_fast"] * r["model"]["moe_layers"])
-    rc = main(["plan", str(ckpt), "--device", "cuda", "--profile", "cpu-only", "--device-memory", "1MiB"])
+    assert p["staging"] == b["expert_fast"] == d["terms"]["staging"]
+    L, E = r["model"]["moe_layers"], r["model"]["num_experts"]
+    assert p["device_slots"] == (b["experts_stored"] // 4 - p["staging"]) // (b["expert_fast"] * L)
+    assert d["terms"]["expert_slots"] == p["device_slots"] * L * b["expert_fast"]
+    assert d["card"] == "rtx4090-24gb" and d["card_bytes"] == 24 << 30 and d["terms"]["cuda_context"] == 500 << 20
+    assert d["total"] == sum(d["terms"].values())
+    # a size is the GPU total: 200 KiB cannot hold the CUDA context, refused naming it
+    rc, r = plan_json(capsys, ckpt, "--device", "cuda", "--device-memory", "200KiB", "--gpu", "rtx4060-8gb")
+    assert rc == 1 and "CUDA context 400.00 MiB" in r["plan"]["error"] and "give at least" in r["plan"]["error"]
+    rc = main(["plan", str(ckpt), "--device", "cuda", "--profile", "cpu-only", "--device-memory", "25%"])
     assert rc == 2 and "no GPU figures" in capsys.readouterr().err
+    assert main(["plan", str(ckpt), "--device", "cuda", "--gpu", "cpu-only"]) == 2
+    assert "no card fields" in capsys.readouterr().err
 
 
 def test_budget_too_small_exits_1_naming_top_k(ckpt, capsys):
@@ -158,7 +168,10 @@ def test_unsupported_architecture_exits_2(tmp_path, capsys):
 def test_json_keys_are_stable(ckpt, capsys):
     rc, r = plan_json(capsys, ckpt, "--device-memory", "25%")
     assert rc == 0
-    assert list(r) == ["model", "device", "dtype", "bytes", "plan", "kv", "speed"]
+    assert list(r) == ["model", "device", "dtype", "bytes", "plan", "device_plan", "kv", "speed"]
+    assert list(r["device_plan"]) == ["card", "card_bytes", "max_model_len", "budget", "terms", "total"]
+    assert list(r["device_plan"]["terms"]) == ["dense", "kv_cache", "linear_state", "activations", "logits",
+                                               "expert_slots", "staging", "cuda_context", "allocator_slack"]
     assert list(r["model"]) == ["dir", "dir_bytes", "architecture", "layers", "moe_layers", "num_experts", "top_k"]
     assert list(r["bytes"]) == ["dense_stored", "dense_compute", "experts_stored", "expert_stored", "expert_fast",
                                 "stored_format", "fast_format"]

@@ -33,6 +33,10 @@ class Profile:
     # measures its own link once at start)
     peer_gbs: float = 0.0  # rank -> rank bandwidth
     peer_latency_ms: float = 0.0  # fixed cost of one rank -> rank transfer
+    # a card profile (`plan --gpu NAME`): the device-memory plan's figures for a GPU not present here
+    vram_gib: float = 0.0  # total device memory, GiB
+    context_mib: float = 0.0  # what the CUDA context takes on it (driver, runtime, cuBLAS), MiB
+    capability: float = 0.0  # compute capability, e.g. 8.9
 
     @property
     def has_gpu(self) -> bool:
@@ -52,6 +56,18 @@ BUILTIN: dict[str, Profile] = {p.name: p for p in (
             gpu_tflops=160, layer_overhead_ms=0.1),
     Profile("a100-pcie4", link_gbs=25, disk_gbs=6, cpu_mem_gbs=150, cpu_gflops=2000, gpu_mem_gbs=1900,
             gpu_tflops=300, layer_overhead_ms=0.1),
+    # cards (vram_gib, context_mib, capability: the device-memory plan); context figures are typical
+    # CUDA 12 contexts with cuBLAS loaded (about 0.3-0.6 GiB), not measured here
+    Profile("rtx4060-8gb", link_gbs=13, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=272,
+            gpu_tflops=15, layer_overhead_ms=0.1, vram_gib=8, context_mib=400, capability=8.9),
+    Profile("rtx3060-12gb", link_gbs=25, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=360,
+            gpu_tflops=25, layer_overhead_ms=0.1, vram_gib=12, context_mib=400, capability=8.6),
+    Profile("rtx4090-24gb", link_gbs=25, disk_gbs=6, cpu_mem_gbs=70, cpu_gflops=1500, gpu_mem_gbs=1000,
+            gpu_tflops=160, layer_overhead_ms=0.1, vram_gib=24, context_mib=500, capability=8.9),
+    Profile("a100-80gb", link_gbs=25, disk_gbs=6, cpu_mem_gbs=150, cpu_gflops=2000, gpu_mem_gbs=1900,
+            gpu_tflops=300, layer_overhead_ms=0.1, vram_gib=80, context_mib=500, capability=8.0),
+    Profile("h200-141gb", link_gbs=50, disk_gbs=10, cpu_mem_gbs=250, cpu_gflops=3000, gpu_mem_gbs=4800,
+            gpu_tflops=750, layer_overhead_ms=0.1, vram_gib=140, context_mib=550, capability=9.0),
     Profile("h100-pcie5", link_gbs=50, disk_gbs=10, cpu_mem_gbs=250, cpu_gflops=3000, gpu_mem_gbs=2000,
             gpu_tflops=750, layer_overhead_ms=0.1),
 )}

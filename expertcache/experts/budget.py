@@ -1,8 +1,9 @@
 """The memory plan: byte budgets -> slots per layer in each tier, with the arithmetic printed.
 
 Budgets accept bytes ("512MiB"), a share of all routed experts in that tier's format
-("25%"), or "auto" (device: free VRAM after dense weights, KV cache and a 1 GiB
-activation margin on CUDA, half of available RAM on CPU; host: half of available RAM).
+("25%"), or "auto" (device: half of available RAM on CPU; on CUDA the device plan,
+engine/device_plan.py, passes what is left of the GPU after every other term; host: half
+of available RAM).
 Slots are split evenly across MoE layers. A tier that cannot hold top_k experts of a
 layer is an error at startup, never a failure mid-generation.
 """
@@ -85,13 +86,11 @@ def plan_tier(value, name: str, expert_bytes: int, num_layers: int, num_experts:
     return TierPlan(slots, expert_bytes, budget)
 
 
-def auto_device_bytes(device: torch.device, dense_bytes: int, kv_bytes: int = 0) -> tuple[int, str]:
+def auto_device_bytes(device: torch.device) -> tuple[int, str]:
+    """The CPU's 'auto' expert budget (on CUDA the device plan, engine/device_plan.py, resolves 'auto')."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        margin = 1 << 30
-        b = max(0, free - dense_bytes - kv_bytes - margin)
-        return b, (f"auto device budget = free VRAM {fmt_bytes(free)} - dense weights {fmt_bytes(dense_bytes)} "
-                   f"- KV cache {fmt_bytes(kv_bytes)} - activations margin {fmt_bytes(margin)} = {fmt_bytes(b)}")
+        raise ValueError("device_memory 'auto' on cuda is resolved by the device plan (engine/device_plan.py); "
+                         "give the fastest tier's budget in bytes or as a share here")
     b = available_ram() // 2
     return b, f"auto device budget (CPU) = half of available RAM = {fmt_bytes(b)}"
 
@@ -126,7 +125,7 @@ def _is_auto(value) -> bool:
 
 
 def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=None, host_memory=None,
-                dense_bytes: int = 0, low_memory: bool = False, kv_bytes: int = 0) -> MemoryPlan:
+                low_memory: bool = False) -> MemoryPlan:
     """Budgets -> tiers, with the lines the engine prints. Reads headers only (`plan` uses it too).
 
     Low memory on a CPU device: the fastest tier keeps the stored format (converted per use) and
@@ -141,9 +140,7 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
              f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})"]
     auto_dev = 0
     if _is_auto(device_memory):
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device_memory: 'auto' on cuda needs a visible GPU; give a size, e.g. 8GiB")
-        auto_dev, why = auto_device_bytes(device, dense_bytes, kv_bytes)
+        auto_dev, why = auto_device_bytes(device)
         lines.append(why)
     staging = dev_bytes if device.type == "cuda" else 0
     dplan = plan_tier("auto" if device_memory is None else device_memory, "device_memory", dev_bytes, L, E, K,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .budget import plan_memory
+from .budget import MemoryPlan
 from .config import CacheConfig
 from .layout import ExpertSource
 from .manager import TieredExperts, is_direct
@@ -16,12 +16,12 @@ PREFETCH_SAYS = {"device": "next layer's predicted experts into the fastest tier
                  "host": "next layer's predicted experts read ahead from disk into host RAM", "off": "off"}
 
 
-def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.dtype, cfg: CacheConfig, *,
-                       dense_bytes: int = 0, kv_bytes: int = 0, progress=None, on_plan=None):
-    """-> (provider, plan lines). `cfg` is validated already; `on_plan(lines)` is called before any
-    expert is loaded."""
-    plan = plan_memory(source, device, dtype, cfg.device_memory, cfg.host_memory, dense_bytes, cfg.low_memory,
-                       kv_bytes)
+def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.dtype, cfg: CacheConfig,
+                       plan: MemoryPlan, *, progress=None, on_plan=None, alloc=None, load: bool = True):
+    """-> (provider, plan lines). `cfg` is validated already; `plan`: the tiers of the engine's device
+    plan (engine/device_plan.py, experts/budget.py plan_memory); `on_plan(lines)` is called before any
+    expert is loaded; `alloc(shape, dtype)`: how resident pools are allocated; `load` False: a resident
+    provider is returned allocated, not read (its `load()` reads it)."""
     lines = list(plan.lines)
     if plan.resident:  # every expert fits in the fastest tier: load once, no per-step bookkeeping
         moot = cfg.cache_only_options()
@@ -30,7 +30,8 @@ def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.
                          f"{'has' if len(moot) == 1 else 'have'} nothing to act on")
         if on_plan:
             on_plan(lines)
-        return ResidentExperts(source, device, dtype, progress, parts=plan.dev_parts), lines
+        return ResidentExperts(source, device, dtype, progress, parts=plan.dev_parts, alloc=alloc,
+                               load=load), lines
     E = source.cfg.num_experts
     stats = load_stats_file(cfg.load_stats, source.layers, E) if cfg.load_stats else None
     host_slots = None if plan.host.slots >= E else plan.host.slots

@@ -54,14 +54,24 @@ class ExpertProvider:
 class ResidentExperts(ExpertProvider):
     """Every expert loaded once into stacked per-layer pools {part: [E, ...]} (slot = expert id)."""
 
-    def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None, parts=None):
-        self.method, self.ffn = source.method, source.ffn
+    def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None, parts=None,
+                 alloc=None, load: bool = True):
+        """`alloc(shape, dtype)`: how the pools are allocated (default hostmem.empty on `device`); `load`
+        False: allocated only, `load()` reads the experts later."""
+        self.source, self.method, self.ffn = source, source.method, source.ffn
         E = source.cfg.num_experts
         parts = parts or source.compute_parts(dtype, device)
-        self.pools: dict[int, dict[str, torch.Tensor]] = {}
-        for layer in source.layers:
-            pool = {p.name: hostmem.empty((E, *p.shape), p.dtype, device) for p in parts}
-            for j in range(E):
+        alloc = alloc or (lambda shape, dt: hostmem.empty(shape, dt, device))
+        self.pools: dict[int, dict[str, torch.Tensor]] = {
+            layer: {p.name: alloc((E, *p.shape), p.dtype) for p in parts} for layer in source.layers}
+        if load:
+            self.load(progress)
+
+    def load(self, progress=None) -> None:
+        """Every expert read from disk into its slot (slot = expert id)."""
+        source = self.source
+        for layer, pool in self.pools.items():
+            for j in range(source.cfg.num_experts):
                 w = source.read(layer, j)
                 if source.check_read(layer, j, w):
                     raise source.nonfinite_error(layer, j)
@@ -69,7 +79,6 @@ class ResidentExperts(ExpertProvider):
                     t[j].copy_(w[name])
                 if progress:
                     progress(source.expert_nbytes)
-            self.pools[layer] = pool
 
     def forward(self, layer, x, ids, weights):
         return moe_ffn(x, ids, weights, self.pools[layer], self.method, ffn=self.ffn)

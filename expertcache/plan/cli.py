@@ -5,8 +5,14 @@ about a second: sizes by kind, the engine's own memory plan per tier (plan/model
 it fits, room for the KV cache and a predicted decode tok/s band (plan/speed.py).
 
     expertcache plan MODEL_DIR --device-memory 8GiB [--host-memory 32GiB] [--device cuda|cpu]
+                     [--gpu rtx4060-8gb] [--max-model-len N] [--max-num-seqs N]
+                     [--max-num-batched-tokens N] [--kv-cache-memory SIZE] [--dense int8] [--lm-head int8]
                      [--profile NAME|FILE.toml[:NAME]|this-cpu] [--trace TRACE.npz]
                      [--policy adaptive] [--json]
+
+On cuda, --device-memory SIZE is everything the engine takes on the GPU (engine/device_plan.py: dense
+weights, KV cache, activations, logits, expert slots, staging, CUDA context, allocator slack); the
+card comes from --gpu NAME (a card profile), else the visible GPU, else DEFAULT_CARD.
 
 Exit codes: 0 fits, 1 a budget cannot hold top_k experts per layer (the engine's
 BudgetError text), 2 bad input (unsupported architecture, bad config, trace not of this model).
@@ -22,6 +28,7 @@ from ..cost.model import DEFAULT_PROFILE
 from ..errors import BudgetError
 from ..units import fmt_bytes
 
+DEFAULT_CARD = "rtx4090-24gb"  # a cuda plan with neither --gpu nor a visible GPU
 
 
 def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -30,11 +37,23 @@ def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
                    help="model directory, hub id found in the Hugging Face cache (plan never downloads), or "
                         "hub-cache folder (default: the built-in demo model)")
     p.add_argument("--revision", default=None, help="hub id only: branch, tag or commit (default: main)")
-    p.add_argument("--device-memory", default="auto", help="expert budget of the fastest tier, e.g. 8GiB or 25%% "
-                                                           "(default: auto, as the engine computes it)")
+    p.add_argument("--device-memory", default="auto",
+                   help="cuda: everything the engine takes on the GPU, e.g. 8GiB; cpu: the experts' fastest tier; "
+                        "25%%: that share of the experts in the fastest tier (default: auto, as the engine computes it)")
     p.add_argument("--host-memory", default="auto", help="expert budget in host RAM (default: auto)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu); cuda plans need no GPU here")
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--gpu", default=None, metavar="CARD",
+                   help="card profile for a cuda plan without that GPU (rtx4060-8gb, rtx3060-12gb, rtx4090-24gb, "
+                        f"a100-80gb, h200-141gb; default: the visible GPU, else {DEFAULT_CARD}); also the speed "
+                        "band's profile unless --profile is given")
+    p.add_argument("--max-model-len", type=int, default=None, help="as for generate/serve (default: the model's, "
+                                                                   "at most 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="as for generate/serve (default: 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as for generate/serve (default: 2048)")
+    p.add_argument("--kv-cache-memory", default="auto", help="as for generate/serve (default: auto)")
+    p.add_argument("--dense", default=None, help="as for generate/serve: dense projections' load-time format")
+    p.add_argument("--lm-head", default=None, help="as for generate/serve: lm_head's load-time format")
     p.add_argument("--profile", default=None,
                    help="hardware profile: built-in name, FILE.toml[:NAME], or this-cpu (measured now, ~2 s); "
                         f"default {DEFAULT_PROFILE['cpu']} for cpu, {DEFAULT_PROFILE['cuda']} for cuda")
@@ -76,7 +95,9 @@ def _profile(spec: str | None, device: str, model_dir):
 
 def build_report(args: argparse.Namespace) -> dict:
     """Everything `plan` prints, as a JSON-ready dict (keys documented by tests/test_plan.py)."""
-    from .model import model_sizes, plan_memory, read_model, resolve_device
+    from ..engine.device_plan import EngineShape
+    from ..engine.kv_cache import default_max_model_len
+    from .model import device_plan, model_sizes, read_model, resolve_device
 
     model_dir = args.model
     if model_dir is None:
@@ -102,23 +123,47 @@ def build_report(args: argparse.Namespace) -> dict:
         "plan": {"fits": False, "error": None, "resident": None, "device_slots": None, "host_slots": None,
                  "device_budget": None, "host_budget": None, "device_used": None, "host_used": None,
                  "staging": None, "lines": []},
+        "device_plan": None,
         "kv": {"bytes_per_token": sizes.kv_per_token, "device_free": None, "tokens_in_device_free": None,
                "state_bytes_per_sequence": sizes.state_per_sequence, **_auto_kv(cfg, sizes.kv_per_token)},
         "speed": None,
     }
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: an integer >= 1, got {v}")
+    mml = args.max_model_len or default_max_model_len(cfg.max_position_embeddings)
+    shape = EngineShape(mml, args.max_num_seqs, args.max_num_batched_tokens, 16, args.kv_cache_memory,
+                        dense=args.dense, lm_head=args.lm_head)
+    gpu = _card(args.gpu, dev) if dev.type == "cuda" else None
     try:
-        mp = plan_memory(info, dev, dtype, args.device_memory, args.host_memory, sizes.dense_compute)
+        dp = device_plan(info, dev, dtype, args.device_memory, args.host_memory, shape, gpu)
     except BudgetError as e:
         report["plan"]["error"] = str(e)
         return report
-    free = max(0, mp.device.budget - mp.device_used)
+    mp = dp.experts
+    report["device_plan"] = {"card": None if gpu is None else gpu.name, "card_bytes": None if gpu is None else gpu.total,
+                             "max_model_len": mml, "budget": dp.budget, "terms": dict(dp.terms), "total": dp.total}
+    free = max(0, (dp.budget - dp.total) if dp.budget is not None else mp.device.budget - mp.device_used)
     report["plan"].update(fits=True, resident=mp.resident, device_slots=mp.device.slots,
                           host_slots=None if mp.host is None else mp.host.slots, device_budget=mp.device.budget,
                           host_budget=None if mp.host is None else mp.host.budget, device_used=mp.device_used,
-                          host_used=mp.host_used, staging=mp.staging, lines=mp.lines)
+                          host_used=mp.host_used, staging=mp.staging, lines=dp.lines)
     report["kv"].update(device_free=free, tokens_in_device_free=free // sizes.kv_per_token)
     report["speed"] = _speed(args, info, sizes, mp, dev.type, model_dir)
     return report
+
+
+def _card(name: str | None, dev):
+    """The GpuSpec of a cuda plan: --gpu's card profile, else the visible GPU, else DEFAULT_CARD."""
+    import torch
+
+    from ..cost.profiles import get_profile
+    from ..engine.device_plan import GpuSpec
+
+    if name is None and torch.cuda.is_available():
+        return GpuSpec.from_device(dev)
+    return GpuSpec.from_profile(get_profile(name or DEFAULT_CARD))
 
 
 def _auto_kv(cfg, kv_per_token: int, max_num_seqs: int = 16, block_size: int = 16) -> dict:
@@ -137,7 +182,7 @@ def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
     from ..trace.format import load_trace
     from ..trace.simulate import ModelShape
 
-    prof, how = _profile(args.profile, device, model_dir)
+    prof, how = _profile(args.profile or (args.gpu if device == "cuda" else None), device, model_dir)
     trace = load_trace(args.trace, "--trace") if args.trace else None
     cfg = info.cfg
     shape = ModelShape.from_config(info.hf, bytes_per_param=sizes.expert_fast / sizes.expert_params)
@@ -173,11 +218,16 @@ def text_lines(r: dict) -> list[str]:
             "host RAM holds every expert" if p["host_slots"] >= m["num_experts"] else
             f"host RAM holds {p['host_slots']}/layer, the rest is read from disk on a miss")
     out.append(f"fits: yes, {top}; {rest}")
-    where = "GPU memory" if r["device"] == "cuda" else "RAM"
+    if r["device"] == "cuda":
+        d = r["device_plan"]
+        out.append(f"GPU memory: {fmt_bytes(d['total'])} of the {fmt_bytes(d['card_bytes'])} on {d['card']}"
+                   + (f", within --device-memory {fmt_bytes(d['budget'])}" if d["budget"] is not None else "")
+                   + f" (every term in the device memory line above; KV cache for {d['max_model_len']} tokens "
+                     "per sequence)" + ("" if p["resident"] else f"; host tier {fmt_bytes(p['host_used'])} in RAM"))
+        return out + _speed_lines(r)
     tier_total = b["dense_compute"] + p["device_used"]
-    out.append(f"{where} for weights: dense {fmt_bytes(b['dense_compute'])} + experts {fmt_bytes(p['device_used'])}"
-               f" = {fmt_bytes(tier_total)}" + ("" if r["device"] == "cuda" or p["resident"] else
-                                                f" (+ host tier {fmt_bytes(p['host_used'])})"))
+    out.append(f"RAM for weights: dense {fmt_bytes(b['dense_compute'])} + experts {fmt_bytes(p['device_used'])}"
+               f" = {fmt_bytes(tier_total)}" + ("" if p["resident"] else f" (+ host tier {fmt_bytes(p['host_used'])})"))
     out.append(f"KV cache: {fmt_bytes(kv['bytes_per_token'])}/token; --kv-cache-memory auto (generate/serve "
                f"defaults: {kv['auto_max_num_seqs']} sequences x {kv['auto_max_model_len']} tokens, at most 1 GiB) "
                f"= {fmt_bytes(kv['auto_bytes'])} for {kv['auto_tokens']:,} tokens, besides the budgets above; the "
@@ -186,6 +236,11 @@ def text_lines(r: dict) -> list[str]:
     if kv["state_bytes_per_sequence"]:
         out.append(f"linear-attention state: {fmt_bytes(kv['state_bytes_per_sequence'])}/sequence at any context "
                    "length (the engine holds max_num_seqs + 1 of them)")
+    return out + _speed_lines(r)
+
+
+def _speed_lines(r: dict) -> list[str]:
+    out = []
     s = r["speed"]
     lo, hi = s["band_tok_s"]
     out.append(f"decode speed, 1 sequence: {lo:.1f} - {hi:.1f} tok/s on profile {s['profile']} ({s['profile_source']})")

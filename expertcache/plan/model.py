@@ -1,10 +1,10 @@
 """What `expertcache plan` knows about a model without loading it: sizes and the memory plan.
 
 Everything here comes from config.json and the safetensors headers (TensorIndex,
-ExpertSource): no weight byte is read. The tier plan calls the engine's own
-experts.budget.plan_memory with the same arguments build_expert_cache passes, so the
-slot counts are the ones the engine allocates; tests/test_plan.py checks the printed
-lines against a real LLM's.
+ExpertSource): no weight byte is read. `device_plan` is the engine's own plan
+(engine.device_plan.plan_device, which build.py calls), so the terms and slot counts are
+the ones the engine allocates; tests/test_plan.py checks the printed lines against a
+real LLM's and tests/test_device_plan.py the bytes against what the engine allocates.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from .. import kernels
-from ..engine.kv_cache import KVCache
+from ..engine.device_plan import DevicePlan, EngineShape, GpuSpec, plan_device
+from ..engine.kv_cache import KVCache, default_max_model_len
 from ..engine.state_cache import StateCache
 from ..experts.budget import MemoryPlan, dense_compute_bytes
 from ..experts.budget import plan_memory as budget_plan
@@ -35,6 +36,7 @@ class ModelInfo:
     hf: dict
     source: ExpertSource
     dir_bytes: int  # every regular file in the directory
+    names: object = None  # the family's WeightNames
 
     @property
     def cfg(self):
@@ -53,7 +55,7 @@ def read_model(model_dir: str | Path) -> ModelInfo:
     drop_mtp_layers(index, cfg, hf)
     source = ExpertSource(index, cfg, family.names, method_from_config(hf))
     size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
-    return ModelInfo(model_dir, hf, source, size)
+    return ModelInfo(model_dir, hf, source, size, family.names)
 
 
 @dataclass
@@ -92,12 +94,22 @@ def model_sizes(info: ModelInfo, dtype: torch.dtype, device: torch.device | None
 
 
 def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
-                host_memory="auto", dense_bytes: int | None = None) -> MemoryPlan:
-    """The tiers build_expert_cache would allocate, and its plan lines (the engine's own function)."""
-    src = info.source
-    if dense_bytes is None:  # the engine's estimate (llm.LLM._make_experts)
-        dense_bytes = dense_compute_bytes(info.index, dtype, device)
-    return budget_plan(src, device, dtype, device_memory, host_memory, dense_bytes)
+                host_memory="auto") -> MemoryPlan:
+    """The expert tiers alone for a fastest-tier budget (experts/budget.py, the function the device
+    plan calls; on CUDA the device plan gives it what is left after every other term)."""
+    return budget_plan(info.source, device, dtype, device_memory, host_memory)
+
+
+def device_plan(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
+                host_memory="auto", shape: EngineShape | None = None, gpu: GpuSpec | None = None) -> DevicePlan:
+    """Every byte the engine would take on the device, with its expert tiers: the function build.py
+    calls (engine.device_plan.plan_device), for these budgets and engine options."""
+    from ..experts.config import CacheConfig
+
+    shape = shape or EngineShape(default_max_model_len(info.cfg.max_position_embeddings))
+    options = CacheConfig.from_options(device_memory=device_memory, host_memory=host_memory,
+                                       low_memory=shape.low_memory)
+    return plan_device(info.source, info.names, device, dtype, shape, options, gpu)
 
 
 def resolve_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dtype]:

@@ -1,0 +1,318 @@
+"""The device-memory plan: every byte the engine takes on its compute device, decided from config.json,
+the safetensors headers and the device's (or a named card's) properties, before a weight byte is read.
+
+Terms (bytes; TERMS order), for T = max_num_batched_tokens, B = max_num_seqs, M = max_model_len,
+H = hidden size, V = vocab, s = the compute dtype's bytes:
+    dense            the non-expert weights as they will be held there: compute dtype, bf16/fp16 kept as
+                     stored where the CPU kernels read them (kernels.dense_dtype), fp32 routers where the
+                     family keeps them, --dense / --lm-head formats at their packed size, rotary frequencies, the
+                     linear-attention layers' tensors derived at load
+    kv_cache         num_blocks x bytes_per_block (plan_kv: auto, or --kv-cache-memory)
+    linear_state     (B + 1) x the linear-attention state of one sequence (hybrid models)
+    activations      T x (6 H + widest) x 4 + 2 B x M x kv_token x s, where widest = the widest projection
+                     a token makes (q|k|v, the dense or shared MLP's gate|up, top_k x the experts' gate|up)
+                     and kv_token = the KV elements of one token in one layer (the torch attention gathers
+                     each running sequence's padded context)
+    logits           T x V x (s + 4)  (a chunk's logits in the compute dtype, then in float32)
+    expert_slots     the fastest tier: slots per layer x MoE layers x one expert in its format
+    staging          one expert in the fastest tier's format (CUDA: waves stream through it)
+    cuda_context     what the CUDA context takes (measured on the device, or the card profile's figure)
+    allocator_slack  SLACK x (dense + kv_cache + linear_state + activations + logits) + SLACK_FLOOR: the
+                     caching allocator's rounding and fragmentation, its small-block segments and
+                     cuBLAS's workspaces
+`ALLOCATED` terms are persistent tensors the builder counts through devmem.Ledger; the others are
+transient or outside torch's allocator.
+
+On CUDA, --device-memory SIZE is the total of all terms; `auto` is the device's free memory plus what
+this process's context already took, less AUTO_MARGIN; "N%" keeps its meaning (that share of the
+experts in the device tier) and the other terms are added to it. On the CPU the budget stays the
+expert tier's (experts/budget.py), and the other terms are counted beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import kernels
+from ..errors import BudgetError, ConfigError
+from ..experts.budget import MemoryPlan, plan_memory
+from ..layers.basic import load_quant_method
+from ..spec.model_config import ModelConfig, rope_inv_freq
+from ..units import fmt_bytes, parse_bytes
+from .kv_cache import KVCache, auto_kv_blocks
+from .state_cache import StateCache
+
+TERMS = ("dense", "kv_cache", "linear_state", "activations", "logits", "expert_slots", "staging", "cuda_context",
+         "allocator_slack")
+ALLOCATED = ("dense", "kv_cache", "linear_state", "expert_slots", "staging")
+NAMES = {"dense": "dense weights", "kv_cache": "KV cache", "linear_state": "linear-attention state",
+         "activations": "activations", "logits": "logits", "expert_slots": "expert slots", "staging": "staging",
+         "cuda_context": "CUDA context", "allocator_slack": "allocator slack"}
+SLACK = 0.03  # of the non-expert terms: the caching allocator's block rounding and fragmentation
+SLACK_FLOOR = 64 << 20  # 2 MiB small-block segments, cuBLAS workspaces
+AUTO_MARGIN = 512 << 20  # left free by --device-memory auto on CUDA (other processes, cuBLAS workspaces)
+_SCALE = re.compile(r"_scale(_inv)?$|_scales$")  # quantization scales: folded in at load, not kept
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """What the plan needs to know about a CUDA device: its memory, what its context takes, capability."""
+
+    name: str
+    total: int
+    free: int  # free now (a card profile: total less the context)
+    context: int
+    capability: tuple[int, int]
+
+    @classmethod
+    def from_profile(cls, prof) -> "GpuSpec":
+        """A named card profile (cost/profiles.py: vram_gib, context_mib, capability)."""
+        if not prof.vram_gib:
+            raise ConfigError(f"--gpu {prof.name}: this profile has no card fields (vram_gib, context_mib, "
+                              "capability); pick a card profile, e.g. rtx4060-8gb")
+        total, ctx = int(prof.vram_gib * (1 << 30)), int(prof.context_mib * (1 << 20))
+        major, minor = divmod(round(prof.capability * 10), 10)
+        return cls(prof.name, total, total - ctx, ctx, (major, minor))
+
+    @classmethod
+    def from_device(cls, device: torch.device) -> "GpuSpec":
+        """The visible device: memory from cudaMemGetInfo; the context = in use outside torch's allocator."""
+        free, total = torch.cuda.mem_get_info(device)
+        p = torch.cuda.get_device_properties(device)
+        ctx = max(0, total - free - torch.cuda.memory_reserved(device))
+        return cls(p.name, total, free, ctx, (p.major, p.minor))
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    state_slots: int  # hybrid models: one per running sequence, plus one for logits()
+    state_bytes_per_sequence: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def state_bytes(self) -> int:
+        return self.state_slots * self.state_bytes_per_sequence
+
+
+def plan_kv(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int, block_size: int,
+            kv_cache_memory) -> KVPlan:
+    """The paged KV cache (auto, or a --kv-cache-memory budget) and the linear-attention state."""
+    kv_layers = len(cfg.attention_layer_ids)  # hybrid models: linear-attention layers keep no KV
+    per_block = max(1, KVCache.bytes_per_block(kv_layers, block_size, cfg.kv_token_shapes, dtype))
+    state_slots = max_num_seqs + 1 if cfg.linear_attn is not None else 0
+    min_blocks = math.ceil(max_model_len / block_size)
+    budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
+    if budget is None:
+        num_blocks = auto_kv_blocks(max_model_len, max_num_seqs, per_block, block_size)
+    else:
+        num_blocks = budget // per_block
+        if num_blocks < min_blocks:
+            raise ConfigError(
+                f"kv_cache_memory={fmt_bytes(budget)} holds {num_blocks * block_size} tokens, fewer than "
+                f"max_model_len={max_model_len}; raise it or lower max_model_len")
+    return KVPlan(num_blocks, block_size, per_block, state_slots, StateCache.bytes_per_sequence(cfg, dtype))
+
+
+def dense_bytes(index, cfg: ModelConfig, names, dtype: torch.dtype, device: torch.device, low_memory: bool = False,
+                dense: str | None = None, lm_head: str | None = None) -> int:
+    """The dense weights as models/transformer.py holds them, from the headers alone (`names`: the
+    family's WeightNames)."""
+    dense_q = None if dense is None else load_quant_method(dense, "dense")
+    head_q = None if lm_head is None else load_quant_method(lm_head)
+    tied = cfg.tie_word_embeddings and "lm_head.weight" not in index
+    fp32_names = (f".{names.router}.weight", f".{names.router}.bias") if cfg.router.float32_logits else ()
+    total = 0
+    for n, t in index.tensors.items():
+        if ".experts." in n or _SCALE.search(n) or not t.dtype.is_floating_point:
+            continue
+        shape = tuple(t.shape)
+        if n == "model.embed_tokens.weight" and not tied and t.dtype.itemsize < dtype.itemsize:
+            held = t.dtype  # only gathered from: kept as stored
+        elif n.endswith(fp32_names) or n.endswith("e_score_correction_bias"):
+            held = torch.float32
+        else:
+            held = kernels.dense_dtype(t.dtype, len(shape), device, dtype, low_memory)
+        if n == "lm_head.weight" and head_q is not None:
+            total += head_q.nbytes(shape)
+            continue
+        if dense_q is not None and _quantized_by_dense(n, cfg, names):
+            total += dense_q.nbytes(shape)
+            continue
+        total += math.prod(shape) * held.itemsize
+    if tied and head_q is not None:  # the embedding stays; lm_head is its packed copy
+        total += head_q.nbytes((cfg.vocab_size, cfg.hidden_size))
+    la = cfg.linear_attn
+    if la is not None:  # derived at load per linear-attention layer: -exp(A_log) in float32, the conv transposed
+        total += sum(la.layers) * (la.num_v_heads * 4 + la.conv_dim * la.conv_kernel * dtype.itemsize)
+    inv, _ = rope_inv_freq(cfg)
+    return total + inv.numel() * inv.element_size()
+
+
+def _quantized_by_dense(name: str, cfg: ModelConfig, names) -> bool:
+    """The matrices --dense quantizes at load: standard attention's q/k/v/o, shared experts, dense MLPs."""
+    m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name)
+    if not m:
+        return False
+    i, rest = int(m.group(1)), m.group(2)
+    if rest in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"):
+        return cfg.mla is None and not cfg.is_linear(i)
+    if rest in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        return not cfg.moe_layers[i]
+    return cfg.moe_layers[i] and bool(cfg.shared_expert_intermediate_size) and re.search(
+        rf"\.{re.escape(names.shared_expert)}\.(gate|up|down)_proj$", rest) is not None
+
+
+def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int,
+                    max_model_len: int) -> tuple[int, int]:
+    """(activations, logits) of the widest step: the formulas in the module docstring."""
+    T, H = max_num_batched_tokens, cfg.hidden_size
+    q_rows = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+    widest = max(q_rows + 2 * cfg.num_kv_heads * cfg.head_dim, 2 * (cfg.intermediate_size or 0),
+                 2 * (cfg.shared_expert_intermediate_size or 0), cfg.top_k * 2 * cfg.moe_intermediate_size)
+    kv_token = sum(math.prod(s) for s in cfg.kv_token_shapes)
+    gather = 2 * max_num_seqs * max_model_len * kv_token * dtype.itemsize if cfg.attention_layer_ids else 0
+    return T * (6 * H + widest) * 4 + gather, T * cfg.vocab_size * (dtype.itemsize + 4)
+
+
+@dataclass
+class DevicePlan:
+    """The engine's bytes on its device by term, the expert tiers, and the lines printed before the load."""
+
+    device: torch.device
+    budget: int | None  # the total the engine may take there (None: no limit given, CPU)
+    terms: dict[str, int]
+    experts: MemoryPlan | None  # None: every expert resident without a budget (no tiered cache)
+    kv: KVPlan
+    host_bytes: int  # the host tier's experts (0 when none)
+    gpu: GpuSpec | None = None
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def allocated(self) -> dict[str, int]:
+        """The persistent tensors' terms (what devmem.Ledger counts)."""
+        return {k: self.terms[k] for k in ALLOCATED}
+
+    def arithmetic(self) -> str:
+        parts = " + ".join(f"{NAMES[k]} {fmt_bytes(v)}" for k, v in self.terms.items() if v)
+        return f"{parts} = {fmt_bytes(self.total)}"
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine options that size the device terms (LLM's keywords)."""
+
+    max_model_len: int
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: str | int | None = "auto"
+    low_memory: bool = False
+    dense: str | None = None
+    lm_head: str | None = None
+
+
+def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: EngineShape, cache_options,
+                gpu: GpuSpec | None = None, cap: int | None = None) -> DevicePlan:
+    """Every term of the device plan and the expert tiers (experts.budget.plan_memory: the same slot
+    arithmetic on every device). `cache_options`: a CacheConfig; `gpu`: the CUDA device or card (None
+    on the CPU); `cap`: a CPU stand-in's limit (devmem.simulate). Raises BudgetError in one line naming
+    every term and the smallest budget that fits."""
+    cfg, index = source.cfg, source.index
+    kv = plan_kv(cfg, dtype, shape.max_model_len, shape.max_num_seqs, shape.block_size, shape.kv_cache_memory)
+    act, logits = workspace_bytes(cfg, dtype, shape.max_num_batched_tokens, shape.max_num_seqs, shape.max_model_len)
+    fixed = {"dense": dense_bytes(index, cfg, names, dtype, device, shape.low_memory, shape.dense, shape.lm_head),
+             "kv_cache": kv.kv_bytes, "linear_state": kv.state_bytes, "activations": act, "logits": logits}
+    cuda = device.type == "cuda"
+    slack = int(SLACK * sum(fixed.values())) + SLACK_FLOOR if cuda else 0
+    context = gpu.context if cuda and gpu is not None else 0
+    outside = sum(fixed.values()) + context + slack  # every term but the experts'
+    L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
+    low = shape.low_memory and not cuda
+    dev_parts = source.parts if low else source.compute_parts(dtype, device)
+    per_expert = sum(p.nbytes for p in dev_parts)
+    staging = per_expert if cuda else 0
+    lines: list[str] = []
+    value = cache_options.device_memory
+    budget = cap  # the CPU: a stand-in's cap, or none (the expert tier's budget is experts/budget.py's)
+    if cuda:
+        budget = None  # every expert resident (no budget), or a share of the experts
+        if cache_options.tiered and not _share(value):
+            if value is None or str(value).strip().lower() == "auto":
+                if gpu is None:
+                    raise ConfigError("device_memory: 'auto' on cuda needs a visible GPU or a card (--gpu NAME)")
+                budget = max(0, gpu.free + gpu.context - AUTO_MARGIN)
+                lines.append(f"auto device budget = free {fmt_bytes(gpu.free)} + CUDA context "
+                             f"{fmt_bytes(gpu.context)} - margin {fmt_bytes(AUTO_MARGIN)} = {fmt_bytes(budget)} "
+                             f"({gpu.name})")
+            else:
+                budget = parse_bytes(value, "device_memory")
+    label = (f"the device cap {fmt_bytes(cap)}" if cap is not None else
+             f"device_memory=auto ({fmt_bytes(budget)})" if budget is not None and str(value).strip().lower() == "auto"
+             else f"device_memory={fmt_bytes(budget or 0)}")
+    need = outside + staging + K * L * per_expert  # the smallest plan: top_k slots per layer
+    if budget is not None and budget < need:
+        raise BudgetError(_refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda))
+    experts = None
+    if cache_options.tiered:
+        tier_budget = value if (not cuda or _share(value)) else max(0, budget - outside)
+        try:
+            experts = plan_memory(source, device, dtype, tier_budget, cache_options.host_memory,
+                                  cache_options.low_memory)
+        except BudgetError:
+            if not cuda:
+                raise
+            raise BudgetError(_refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda)) \
+                from None
+        lines = experts.lines[:1] + lines + experts.lines[1:]
+        slots, staging = experts.device.slots * L * per_expert, experts.staging
+        host = experts.host_used
+    else:
+        slots, staging, host = L * E * per_expert, 0, 0
+    terms = {**fixed, "expert_slots": slots, "staging": staging, "cuda_context": context, "allocator_slack": slack}
+    plan = DevicePlan(device, budget, terms, experts, kv, host, gpu, lines)
+    if cuda:
+        where = f"{gpu.name}, {fmt_bytes(gpu.total)}" if gpu is not None else "no card given"
+        plan.lines.append(f"device memory ({where}): {plan.arithmetic()}"
+                          + (f" of {fmt_bytes(budget)}" if budget is not None else ""))
+    if budget is not None and plan.total > budget:
+        raise BudgetError(f"{label} does not fit the engine: {plan.arithmetic()}; give at "
+                          f"least {fmt_bytes(plan.total)}, or smaller expert tiers")
+    if cuda and gpu is not None and plan.total - gpu.context > gpu.free:
+        raise BudgetError(f"device_memory: the plan needs {fmt_bytes(plan.total - gpu.context)} besides the CUDA "
+                          f"context but {gpu.name} has {fmt_bytes(gpu.free)} free ({plan.arithmetic()}); "
+                          "give a smaller --device-memory")
+    return plan
+
+
+def _share(value) -> bool:
+    return isinstance(value, str) and value.strip().endswith("%")
+
+
+def _refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda) -> str:
+    terms = {**fixed, "cuda_context": context, "allocator_slack": slack}
+    parts = [f"{NAMES[k]} {fmt_bytes(v)}" for k, v in terms.items() if v]
+    parts.append(f"top_k={K} expert slots per layer ({K} x {L} layers x {fmt_bytes(per_expert)}) "
+                 f"{fmt_bytes(K * L * per_expert)}")
+    if staging:
+        parts.append(f"staging {fmt_bytes(staging)}")
+    return (f"{label} does not fit the engine on the {'GPU' if cuda else 'device'}: "
+            f"{' + '.join(parts)} = {fmt_bytes(need)}; give at least {fmt_bytes(need)} (or lower --max-model-len, "
+            f"--kv-cache-memory, --max-num-batched-tokens)")
+
+
+__all__ = ["ALLOCATED", "TERMS", "DevicePlan", "EngineShape", "GpuSpec", "KVPlan", "dense_bytes", "plan_device",
+           "plan_kv", "workspace_bytes"]
