@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from . import devmem, kernels
-from .engine.device_plan import DevicePlan, EngineShape, GpuSpec, plan_device
+from .engine.device_plan import DevicePlan, EngineShape, GpuSpec, logits_block_rows, plan_device
 from .engine.kv_cache import KVCache, default_max_model_len
 from .engine.llm_engine import LLMEngine
 from .engine.runner import ModelRunner
@@ -287,6 +287,8 @@ def build_engine(o: EngineOptions, worker_kwargs: dict | None = None, serve_rank
         runner = ModelRunner(model_, kv, states)
     eos = eos_ids(cfg, tokenizer)
     engine = LLMEngine(runner, tokenizer, eos, max_model_len, o.max_num_seqs, o.max_num_batched_tokens)
+    # the plan's logits term is a bound: a step computes at most this many prompt tokens' logits
+    engine.scheduler.max_logits_rows = logits_block_rows(cfg.vocab_size, dtype, device, o.max_num_batched_tokens)
     engine.nonfinite_experts, engine.expert_name = source.nonfinite, source.expert_name
     return Built(cache_config, model_dir, device, dtype, family, cfg, hf_config, index, mtp_layers, quant, source,
                  parallel, group, tokenizer, max_model_len, plan, ledger, plan_lines, plan_lines[shown:], experts,

@@ -104,8 +104,8 @@ class LLM:
         """Full-sequence logits [len(token_ids), vocab] in float32 on the host (evaluation, perplexity).
         The prompt is run `block_rows` tokens at a time (at most the scheduler's token budget), each
         block's logits moved to the host before the next: on a GPU the device never holds more than
-        one block's [rows, vocab]. Default: the budget on the CPU; on a GPU the rows whose model-dtype
-        and float32 logits fit 256 MiB."""
+        one block's [rows, vocab]. Default: the scheduler's bound on a step's logits rows (the token
+        budget on the CPU; on a GPU the rows the device plan counts, engine/device_plan.py)."""
         seq = Sequence(list(token_ids), SamplingParams(max_tokens=1))
         if not token_ids or len(token_ids) > self.max_model_len:
             raise ValueError(f"token_ids must have 1..{self.max_model_len} tokens, got {len(token_ids)}")
@@ -113,10 +113,7 @@ class LLM:
                                        or block_rows < 1):
             raise ValueError(f"block_rows must be a positive integer, got {block_rows!r}")
         sched = self.engine.scheduler
-        if block_rows is None and self.device.type != "cpu":
-            per_row = self.cfg.vocab_size * (self.dtype.itemsize + 4)
-            block_rows = max(1, (256 << 20) // per_row)
-        step = min(sched.budget, block_rows or sched.budget)
+        step = min(sched.budget, sched.max_logits_rows, block_rows or sched.budget)
         out = torch.empty(len(token_ids), self.cfg.vocab_size, dtype=torch.float32)
         try:
             while seq.num_computed < len(seq.tokens):

@@ -13,7 +13,9 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
                      a token makes (q|k|v, the dense or shared MLP's gate|up, top_k x the experts' gate|up)
                      and kv_token = the KV elements of one token in one layer (the torch attention gathers
                      each running sequence's padded context)
-    logits           T x V x (s + 4)  (a chunk's logits in the compute dtype, then in float32)
+    logits           R x V x (s + 4)  (a step's logits in the compute dtype, then in float32), R = T on
+                     the CPU; off the CPU R = min(T, B + F), F = logits_block_rows: the rows of prompt
+                     tokens that need logits (prompt logprobs, LLM.logits) are capped at F per step
     expert_slots     the fastest tier: slots per layer x MoE layers x one expert in its format
     staging          one expert in the fastest tier's format (CUDA: waves stream through it)
     cuda_context     what the CUDA context takes (measured on the device, or the card profile's figure)
@@ -172,8 +174,20 @@ def _quantized_by_dense(name: str, cfg: ModelConfig, names) -> bool:
         rf"\.{re.escape(names.shared_expert)}\.(gate|up|down)_proj$", rest) is not None
 
 
+LOGITS_BLOCK_BYTES = 256 << 20  # off the CPU: a step's prompt-token logits (both dtypes) fit this
+
+
+def logits_block_rows(vocab_size: int, dtype: torch.dtype, device: torch.device, max_num_batched_tokens: int) -> int:
+    """F: the prompt tokens whose logits one step may compute (prompt logprobs, LLM.logits). The whole
+    token budget on the CPU; on a GPU the rows whose compute-dtype and float32 logits fit
+    LOGITS_BLOCK_BYTES (the scheduler holds a step to it, so the plan's logits term is a bound)."""
+    if device.type == "cpu":
+        return max_num_batched_tokens
+    return max(1, min(max_num_batched_tokens, LOGITS_BLOCK_BYTES // (vocab_size * (dtype.itemsize + 4))))
+
+
 def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int,
-                    max_model_len: int) -> tuple[int, int]:
+                    max_model_len: int, device: torch.device = torch.device("cpu")) -> tuple[int, int]:
     """(activations, logits) of the widest step: the formulas in the module docstring."""
     T, H = max_num_batched_tokens, cfg.hidden_size
     q_rows = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
@@ -181,7 +195,8 @@ def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens
                  2 * (cfg.shared_expert_intermediate_size or 0), cfg.top_k * 2 * cfg.moe_intermediate_size)
     kv_token = sum(math.prod(s) for s in cfg.kv_token_shapes)
     gather = 2 * max_num_seqs * max_model_len * kv_token * dtype.itemsize if cfg.attention_layer_ids else 0
-    return T * (6 * H + widest) * 4 + gather, T * cfg.vocab_size * (dtype.itemsize + 4)
+    rows = min(T, max_num_seqs + logits_block_rows(cfg.vocab_size, dtype, device, T))
+    return T * (6 * H + widest) * 4 + gather, rows * cfg.vocab_size * (dtype.itemsize + 4)
 
 
 @dataclass
@@ -233,7 +248,8 @@ def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: 
     every term and the smallest budget that fits."""
     cfg, index = source.cfg, source.index
     kv = plan_kv(cfg, dtype, shape.max_model_len, shape.max_num_seqs, shape.block_size, shape.kv_cache_memory)
-    act, logits = workspace_bytes(cfg, dtype, shape.max_num_batched_tokens, shape.max_num_seqs, shape.max_model_len)
+    act, logits = workspace_bytes(cfg, dtype, shape.max_num_batched_tokens, shape.max_num_seqs, shape.max_model_len,
+                                  device)
     fixed = {"dense": dense_bytes(index, cfg, names, dtype, device, shape.low_memory, shape.dense, shape.lm_head),
              "kv_cache": kv.kv_bytes, "linear_state": kv.state_bytes, "activations": act, "logits": logits}
     cuda = device.type == "cuda"

@@ -12,7 +12,8 @@ blocks); it is freed with the blocks, so a preempted sequence recomputes its sta
 A request with n > 1 joins only when its n samples fit under max_num_seqs; its siblings are
 forked by the engine once the prompt is computed and then run like any other sequence.
 A sequence that asks for prompt logprobs skips the prefix cache (its prompt is recomputed, so
-every prompt token has logits).
+every prompt token has logits); the prompt tokens that need logits in one step are at most
+`max_logits_rows` (the device plan's bound on a step's logits; default: the token budget).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from .state_cache import StateCache
 
 class Scheduler:
     def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 states: StateCache | None = None):
+                 states: StateCache | None = None, max_logits_rows: int | None = None):
         self.kv, self.max_num_seqs, self.budget = kv, max_num_seqs, max_num_batched_tokens
+        self.max_logits_rows = max_logits_rows or max_num_batched_tokens
         self.states = states
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -75,11 +77,15 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """-> [(sequence, number of tokens to compute this step)]."""
-        batch, budget = [], self.budget
+        batch, budget, logits_rows = [], self.budget, self.max_logits_rows
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
                 continue
             n = min(seq.num_uncomputed, budget)
+            if self.needs_logits(seq):
+                if logits_rows == 0:
+                    continue
+                n = min(n, logits_rows)
             while not self.grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -88,6 +94,7 @@ class Scheduler:
             if seq in self.running:
                 batch.append((seq, n))
                 budget -= n
+                logits_rows -= n if self.needs_logits(seq) else 0
         while self.waiting and budget > 0 and len(self.running) + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_ids:
@@ -103,6 +110,10 @@ class Scheduler:
                     seq.num_cached = seq.num_computed
                     seq.high_water = min(seq.num_computed, seq.prompt_len)
             n = min(seq.num_uncomputed, budget)
+            if self.needs_logits(seq):
+                if logits_rows == 0:
+                    break
+                n = min(n, logits_rows)
             if not self.grow(seq, seq.num_computed + n):
                 if not self.running and not batch:
                     # nothing else holds blocks: the request can never fit
@@ -115,7 +126,13 @@ class Scheduler:
             self.running.append(seq)
             batch.append((seq, n))
             budget -= n
+            logits_rows -= n if self.needs_logits(seq) else 0
         return batch
+
+    @staticmethod
+    def needs_logits(seq: Sequence) -> bool:
+        """Every new token of this sequence needs its logits (prompt logprobs, still in the prompt)."""
+        return seq.prompt_logprobs is not None and seq.num_computed < seq.prompt_len
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
