@@ -20,7 +20,7 @@ pool of lanes):
 
 Op legend: `waits` are ids of ops issued earlier (an event recorded after each); `slot` the device
 slot an op writes (STAGE: the wave's staging slot), `reads` the device slots a moe op reads,
-`host_slot` the host slot a read writes / an h2d or cpu op reads; `experts`, `tokens` the
+`host_slot` the host slot a read writes / an h2d reads, `host_reads` those the CPU job reads; `experts`, `tokens` the
 experts an op moves or computes and the rows routed to each.
 
 Rules (tests/test_schedule.py asserts each, `check_rules` states them):
@@ -57,7 +57,8 @@ class Op:
     tokens: tuple[int, ...] = ()
     slot: int = -1  # device slot written (h2d, a direct read) or -1
     reads: tuple[int, ...] = ()  # device slots read (moe)
-    host_slot: int = -1  # host slot written (read) or read (h2d, cpu); -1 none / transient
+    host_slot: int = -1  # host slot written (read) or read (h2d); -1 none / transient
+    host_reads: tuple[int, ...] = ()  # host slots the CPU job reads
     tag: str = ""  # moe: hits | fills | wave; h2d/read: demand | prefetch
 
     @property
@@ -80,15 +81,17 @@ class LayerSchedule:
 
 
 class ScheduleBuilder:
-    """Issues op ids and keeps, per (layer, device slot) and (layer, host slot), the last op that
-    read and the last that wrote it: the per-slot events later ops wait on. One per cache; its
+    """Issues op ids and keeps, per (layer, device slot), the last op that read it (its readers are
+    all on the device queue) and the last that wrote it, and per (layer, host slot) its readers
+    since its last write (copies and the CPU job, on two queues) and that write: the per-slot
+    events later ops wait on. One per cache; its
     state spans steps (a copy into a slot may wait on a reader of an earlier step)."""
 
     def __init__(self):
         self.next_id = 0
         self.dev_reader: dict[tuple[int, int], int] = {}
         self.dev_writer: dict[tuple[int, int], int] = {}
-        self.host_reader: dict[tuple[int, int], int] = {}
+        self.host_readers: dict[tuple[int, int], set[int]] = {}  # since its last write (h2d and cpu queues)
         self.host_writer: dict[tuple[int, int], int] = {}
 
     def _op(self, sched: LayerSchedule, kind: str, waits=(), layer: int | None = None, **kw) -> Op:
@@ -106,7 +109,7 @@ class ScheduleBuilder:
             return None, -1
         key = (i, src.slot)
         if src.transient or src.read:
-            waits = [] if src.transient else [self.host_reader.get(key), self.host_writer.get(key)]
+            waits = [] if src.transient else [*self.host_readers.pop(key, ()), self.host_writer.get(key)]
             op = self._op(sched, "read", waits, layer=i, experts=(e,), host_slot=src.slot, tag=tag)
             if not src.transient:
                 self.host_writer[key] = op.id
@@ -124,7 +127,7 @@ class ScheduleBuilder:
             after, hs = self._host_bytes(sched, i, e, src, tag)
             op = self._op(sched, "h2d", [after, *slot_free], layer=i, experts=(e,), slot=slot, host_slot=hs, tag=tag)
             if hs >= 0:
-                self.host_reader[(i, hs)] = op.id
+                self.host_readers.setdefault((i, hs), set()).add(op.id)
         self.dev_writer[key] = op.id
         return op.id
 
@@ -160,10 +163,10 @@ class ScheduleBuilder:
             self._moe(sched, i, plan.hits, n, "hits")
         if cpu:
             job = self._op(sched, "cpu", [rows.id, *(a for a, _ in cpu_src)], experts=tuple(o.expert for o in cpu),
-                           tokens=tuple(n[o.expert] for o in cpu))
+                           tokens=tuple(n[o.expert] for o in cpu), host_reads=tuple(hs for _, hs in cpu_src if hs >= 0))
             for _, hs in cpu_src:
                 if hs >= 0:
-                    self.host_reader[(i, hs)] = job.id
+                    self.host_readers.setdefault((i, hs), set()).add(job.id)
         if plan.fills:
             self._moe(sched, i, [(f.expert, f.slot) for f in plan.fills], n, "fills", fill_ops)
         for o in waves:
@@ -190,6 +193,8 @@ def check_rules(scheds: list[LayerSchedule]) -> None:
     """AssertionError naming the op that breaks a rule of the module doc (ops across `scheds`,
     in issue order)."""
     ops = {o.id: o for s in scheds for o in s.ops}
+    prev = queue_order(ops)
+    readers: dict[tuple[int, int], list[int]] = {}  # host slot -> its copies / CPU jobs so far
     for s in scheds:
         for o in s.ops:
             assert all(w < o.id for w in o.waits), f"op {o.id} waits on a later op"
@@ -202,26 +207,41 @@ def check_rules(scheds: list[LayerSchedule]) -> None:
                     ok = (w.kind == "moe" and o.slot in w.reads) or w.slot == o.slot or (
                         w.kind == "read" and w.host_slot == o.host_slot and w.slot == -1)
                     assert ok, f"op {o.id} writing slot {o.slot} waits on op {w.id} ({w.kind}), not of that slot"
+            key = (o.layer, o.host_slot)
             if o.kind == "read" and o.host_slot >= 0 and o.slot == -1:
-                for w in ops.values():
-                    if w.id < o.id and w.layer == o.layer and w.host_slot == o.host_slot and w.kind in ("h2d", "cpu"):
-                        assert _reaches(ops, o, w.id), f"read {o.id} into host slot {o.host_slot} may overwrite it " \
-                                                       f"while op {w.id} reads it"
+                for r in readers.pop(key, []):
+                    assert reaches(ops, prev, o.id, r), \
+                        f"read {o.id} into host slot {o.host_slot} may overwrite it while op {r} reads it"
+            elif o.kind == "h2d" and o.host_slot >= 0:
+                readers.setdefault(key, []).append(o.id)
+            for hs in o.host_reads:
+                readers.setdefault((o.layer, hs), []).append(o.id)
         assert host_waits(s) == [s.ids] and ops[s.ids].kind == "ids"
 
 
-def _reaches(ops: dict[int, Op], o: Op, target: int) -> bool:
-    """Does op o start after op `target` (through waits, or the FIFO order of a queue)?"""
-    seen, todo = set(), [o.id]
+def queue_order(ops: dict[int, Op]) -> dict[int, int]:
+    """op id -> the op before it on its queue (io lanes: none)."""
+    last: dict[str, int] = {}
+    prev = {}
+    for i in sorted(ops):
+        q = ops[i].queue
+        if q != "io" and q in last:
+            prev[i] = last[q]
+        last[q] = i
+    return prev
+
+
+def reaches(ops: dict[int, Op], prev: dict[int, int], start: int, target: int) -> bool:
+    """Does op `start` begin after op `target` ended (through waits, or a queue's order)?"""
+    seen, todo = set(), [start]
     while todo:
         x = todo.pop()
         if x == target:
             return True
-        if x in seen or x not in ops:
+        if x in seen or x not in ops or x < target:
             continue
         seen.add(x)
         todo.extend(ops[x].waits)
-        prev = [p.id for p in ops.values() if p.id < x and p.queue == ops[x].queue and p.queue != "io"]
-        if prev:
-            todo.append(max(prev))
+        if x in prev:
+            todo.append(prev[x])
     return False
