@@ -198,3 +198,25 @@ def test_tiered_cache_through_the_cpu_backend_equals_the_synchronous_path(cache_
         assert stats["cpu_computed_share"] == 0.0 and stats["per_tier"]["device"]["bytes_in"] > 0
     if kw["device_memory"] == "13%" and kw["cpu_compute"] == "never":  # 2 slots, top-2: batches go through waves
         assert sum(layer["waves"] for layer in stats["per_layer"]) > 0
+
+
+def test_cpu_computed_misses_admitted_beside_the_cpu_job_give_the_same_tokens(cache_checkpoint, reference):
+    """The cost rule as on CUDA (here: one-row uses go to the CPU): decode misses are computed on
+    the CPU queue and copied into their slots beside it; the next use reads the slot."""
+    from dataclasses import replace
+
+    llm = LLM(str(cache_checkpoint), device_memory="27%", prefetch="off")
+    try:
+        cache = llm.experts
+        cache.planner.cfg = replace(cache.planner.cfg, cpu_compute="cost")
+        cache.planner.cpu_faster = lambda rows: rows <= 1
+        cache.use_executor("threads")
+        toks = [o.token_ids for o in llm.generate(reference["prompts"], GREEDY)]
+        cache.check(contents=True)
+        stats = llm.expert_stats()
+    finally:
+        llm.close()
+    assert toks == reference["tokens"]
+    per = stats["per_layer"]
+    assert sum(layer["cpu_admitted"] for layer in per) > 0
+    assert 0 < stats["cpu_admitted_share"] <= stats["cpu_computed_share"] < 1

@@ -398,7 +398,7 @@ class TieredExperts(ExpertProvider):
         slots = lut[step].view(T, K)
         if out is None:
             out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, host=True)
-        elif plan.fills:
+        elif plan.fills:  # (an admitted fill the planner put on the CPU: here the device is the CPU)
             new = torch.zeros(self.E, dtype=torch.bool)
             new[[f.expert for f in plan.fills]] = True
             moe_ffn(x, torch.where(new[step].view(T, K), slots, -1), weights, pool, self.method, ffn=self.ffn,
@@ -654,7 +654,8 @@ class _Bindings:
             slots = self.hit_slots
         elif o.tag == "fills":
             of = torch.full((c.E,), -1, dtype=torch.int64)
-            of[[f.expert for f in self.plan.fills]] = torch.tensor([f.slot for f in self.plan.fills])
+            fills = [f for f in self.plan.fills if not f.on_cpu]
+            of[[f.expert for f in fills]] = torch.tensor([f.slot for f in fills], dtype=torch.int64)
             slots = of[self.step].view(self.T, self.K)
         else:  # a wave through the staging slot
             pair = to_device((self.step == o.experts[0]).nonzero().squeeze(1), x.device)
@@ -666,9 +667,13 @@ class _Bindings:
             return wave
         return lambda: moe_ffn(x, slots, w, pool, c.method, out=out, ffn=c.ffn, host=True)
 
+    def _on_cpu(self):
+        """(expert, host slot or -1) of every expert the CPU job computes (off-slot or admitted)."""
+        return [(f.expert, f.src.slot) for f in self.plan.off_slot + self.plan.fills if f.on_cpu]
+
     def _cpu_pairs(self, o):
         """Host: the R rows routed to the op's experts, and their [R, K] host-slot table."""
-        hs = {f.expert: f.src.slot for f in self.plan.off_slot if f.on_cpu}
+        hs = dict(self._on_cpu())
         table = torch.full((self.c.E,), -1, dtype=torch.int64)
         for e in o.experts:
             table[e] = hs[e] if hs[e] >= 0 else -1
@@ -694,7 +699,7 @@ class _Bindings:
     def cpu(self, o):
         c = self.c
         rows, slots, sel = self.res.setdefault("pairs", self._cpu_pairs(o))
-        transient = [f for f in self.plan.off_slot if f.on_cpu and f.src.slot < 0]
+        transient = [e for e, hs in self._on_cpu() if hs < 0]
         pool = c.host.layer(o.layer)
 
         def run():
@@ -702,10 +707,9 @@ class _Bindings:
             y = torch.zeros_like(xr)
             if (slots >= 0).any():
                 moe_ffn(xr, slots, wr, pool, c.method, out=y, ffn=c.ffn, host=True)
-            for f in transient:  # no host slot could be had: its bytes in a transient buffer
-                e_sel = (self.step.view(self.T, self.K)[rows] == f.expert)
-                r, k = e_sel.nonzero(as_tuple=True)
-                y.index_put_((r,), expert_ffn(xr[r], self.bufs[(o.layer, f.expert)], c.method, c.ffn)
+            for e in transient:  # no host slot could be had: its bytes in a transient buffer
+                r, k = (self.step.view(self.T, self.K)[rows] == e).nonzero(as_tuple=True)
+                y.index_put_((r,), expert_ffn(xr[r], self.bufs[(o.layer, e)], c.method, c.ffn)
                              * wr[r, k, None], accumulate=True)
             return y.pin_memory() if c.cuda else y
         return run

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .planner import HostSource, Prefetch, StepPlan
+from .planner import Fill, HostSource, Prefetch, StepPlan
 
 QUEUES = ("device", "d2h", "h2d", "cpu", "io")
 KINDS = {"dense": "device", "moe": "device", "add": "device", "ids": "d2h", "rows": "d2h", "h2d": "h2d",
@@ -116,15 +116,16 @@ class ScheduleBuilder:
             return op.id, src.slot
         return self.host_writer.get(key), src.slot
 
-    def _into_slot(self, sched, i: int, e: int, slot: int, src: HostSource | None, tag: str) -> int:
+    def _into_slot(self, sched, i: int, e: int, slot: int, src: HostSource | None, tag: str, got=None) -> int:
         """Expert e's bytes into device slot `slot` of layer i (h2d from its host bytes, or disk
-        straight into the slot when src is None) -> the writing op's id."""
+        straight into the slot when src is None) -> the writing op's id. `got`: the host bytes'
+        (op, host slot) already issued (an admitted expert the CPU job reads too)."""
         key = (i, slot)
         slot_free = [self.dev_reader.get(key), self.dev_writer.get(key)]
         if src is None:  # direct: disk -> device slot
             op = self._op(sched, "read", slot_free, layer=i, experts=(e,), slot=slot, tag=tag)
         else:
-            after, hs = self._host_bytes(sched, i, e, src, tag)
+            after, hs = got or self._host_bytes(sched, i, e, src, tag)
             op = self._op(sched, "h2d", [after, *slot_free], layer=i, experts=(e,), slot=slot, host_slot=hs, tag=tag)
             if hs >= 0:
                 self.host_readers.setdefault((i, hs), set()).add(op.id)
@@ -152,13 +153,14 @@ class ScheduleBuilder:
         sched = LayerSchedule(i)
         d = self._op(sched, "dense", tokens=(max(tokens, default=0),)) if dense else None
         sched.ids = self._op(sched, "ids", [d.id if d else None]).id
-        cpu = [o for o in plan.off_slot if o.on_cpu]
+        cpu = [o for o in plan.off_slot + plan.fills if o.on_cpu]  # off-slot, or admitted beside the CPU job
         waves = [o for o in plan.off_slot if not o.on_cpu]
+        fills = [f for f in plan.fills if not f.on_cpu]
         # demand bytes: CPU experts' host copies first (the CPU job waits for them), then fills
         cpu_src = [self._host_bytes(sched, i, o.expert, o.src, "demand") for o in cpu]
         rows = self._op(sched, "rows", experts=tuple(o.expert for o in cpu),
                         tokens=(sum(n[o.expert] for o in cpu),)) if cpu else None
-        fill_ops = [self._into_slot(sched, i, f.expert, f.slot, f.src, "demand") for f in plan.fills]
+        fill_ops = [self._into_slot(sched, i, f.expert, f.slot, f.src, "demand") for f in fills]
         if plan.hits:
             self._moe(sched, i, plan.hits, n, "hits")
         if cpu:
@@ -167,8 +169,11 @@ class ScheduleBuilder:
             for _, hs in cpu_src:
                 if hs >= 0:
                     self.host_readers.setdefault((i, hs), set()).add(job.id)
-        if plan.fills:
-            self._moe(sched, i, [(f.expert, f.slot) for f in plan.fills], n, "fills", fill_ops)
+        if fills:
+            self._moe(sched, i, [(f.expert, f.slot) for f in fills], n, "fills", fill_ops)
+        for o, got in zip(cpu, cpu_src):
+            if isinstance(o, Fill):  # admitted: its copy runs beside the CPU job, the next use is a hit
+                self._into_slot(sched, i, o.expert, o.slot, o.src, "admit", got)
         for o in waves:
             w = self._into_slot(sched, i, o.expert, STAGE, o.src, "wave")
             self._moe(sched, i, [(o.expert, STAGE)], n, "wave", [w])
