@@ -57,6 +57,7 @@ def test_measured_machine_profile_needs_a_cuda_device():
     assert prof.name == "cpu-only" and "default" in how
 
 
+@__import__("pytest").mark.gpu
 def test_cuda_profile_is_measured_once(tmp_path, monkeypatch):
     import pytest
     import torch

@@ -203,3 +203,27 @@ def test_cpu_compute_takes_the_misses_off_the_links_critical_path():
         assert warm
     assert times["never"] == pytest.approx(1e-3 + 10e-6 + 10e-6 + 1e-2 + 1e-4)
     assert times["always"] < times["never"]
+
+
+def test_scheduled_decode_prediction_by_hand():
+    """One layer, one expert of top-1, one slot, two decode rows: a miss then a hit.
+    step 1: dense, ids, h2d (latency + 3 ms), MoE 0.1 ms; step 2: dense, ids, MoE."""
+    import numpy as np
+
+    from expertcache.trace.format import RoutingTrace
+    from expertcache.trace.simulate import ModelShape, simulate_schedule
+
+    prof = Profile("t", link_gbs=100 / 3, disk_gbs=2, cpu_mem_gbs=50, cpu_gflops=100, gpu_mem_gbs=1000,
+                   gpu_tflops=100)
+    shape = ModelShape(expert_params=5 * 10**7, dense_params=5 * 10**8)  # dense: 1 GB / 1 TB/s = 1 ms a step
+    t = RoutingTrace(experts=np.zeros((2, 1, 1), np.int32), num_experts=2, step=np.arange(2), expert_bytes=10**8,
+                     phase=np.ones(2, np.int8))
+    lat = 10e-6
+    r = simulate_schedule(t, shape, prof, "lru", 1, hidden=64, cpu_compute=False)
+    want = (1e-3 + lat + lat + 3e-3 + 1e-4) + (1e-3 + lat + 1e-4)
+    assert r.decode_s == pytest.approx(want, rel=1e-9) and r.tok_s == pytest.approx(2 / want, rel=1e-9)
+    assert r.critical == {"dense": 2, "ids": 2, "h2d": 1, "moe": 2}
+    # the CPU (2 ms) beats the move (3.1 ms): the miss is computed there and admitted beside it
+    r = simulate_schedule(t, shape, prof, "lru", 1, hidden=64, cpu_compute=True)
+    assert (r.misses_on_cpu, r.misses_admitted) == (1, 1)
+    assert r.decode_s < want
