@@ -45,7 +45,10 @@ class Timeline:
 
 
 def evaluate(scheds: list[LayerSchedule], seconds: Callable[[Op], float], io_lanes: int = 4,
-             host_s: float = 0.0) -> Timeline:
+             host_s: float = 0.0, op_s: float = 0.0, issue_s: float = 0.0) -> Timeline:
+    """Start and end of every op (module doc); `op_s` is added to every op: the executor's
+    hand-off from one queue to the next (an event set, a thread woken); `issue_s` is the host's
+    time to issue one op (its clock advances by it per op); both measured by the caller."""
     start, end, held = {}, {}, {}
     queue_free: dict[str, tuple[float, int | None]] = {}
     lanes: list[tuple[float, int | None]] = [(0.0, None)] * max(io_lanes, 1)
@@ -55,6 +58,7 @@ def evaluate(scheds: list[LayerSchedule], seconds: Callable[[Op], float], io_lan
         for o in s.ops:
             if o.kind == "add" and cpu_job is not None:
                 host = max(host, (end[cpu_job], cpu_job))  # the host joins the CPU job, then issues the add
+            host = (host[0] + issue_s, host[1])
             cands = [host] + [(end[w], w) for w in o.waits if w in end]
             if o.queue == "io":
                 lane = min(range(len(lanes)), key=lambda k: lanes[k][0])
@@ -63,7 +67,7 @@ def evaluate(scheds: list[LayerSchedule], seconds: Callable[[Op], float], io_lan
                 cands.append(queue_free.get(o.queue, (0.0, None)))
             t0, by = max(cands, key=lambda c: c[0])
             start[o.id], held[o.id] = t0, (by if t0 > 0 else None)
-            end[o.id] = t0 + seconds(o)
+            end[o.id] = t0 + seconds(o) + op_s
             if o.queue == "io":
                 lanes[lane] = (end[o.id], o.id)
             else:
