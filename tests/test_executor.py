@@ -220,3 +220,30 @@ def test_cpu_computed_misses_admitted_beside_the_cpu_job_give_the_same_tokens(ca
     per = stats["per_layer"]
     assert sum(layer["cpu_admitted"] for layer in per) > 0
     assert 0 < stats["cpu_admitted_share"] <= stats["cpu_computed_share"] < 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cpu_compute", ["auto", "never", "always"])
+def test_cuda_executor_gives_the_resident_tokens(cache_checkpoint, cpu_compute):
+    """On a GPU: the tiered cache runs its steps through the CUDA executor (streams, per-slot
+    events, the CPU job on its worker) and decodes the tokens of every expert resident."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11], [100, 101, 102]]
+    ref = LLM(str(cache_checkpoint), device="cuda", dtype=torch.float32)
+    try:
+        want = [o.token_ids for o in ref.generate(prompts, GREEDY)]
+    finally:
+        ref.close()
+    llm = LLM(str(cache_checkpoint), device="cuda", dtype=torch.float32, device_memory="50%", cpu_compute=cpu_compute)
+    try:
+        assert llm.experts.executor is not None
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        llm.experts.check(contents=True)
+        stats = llm.expert_stats()
+    finally:
+        llm.close()
+    assert got == want
+    assert stats["misses"] > 0
+    if cpu_compute == "always":
+        assert stats["cpu_computed_share"] == 1.0

@@ -262,6 +262,13 @@ class CudaExecutor(Executor):
         super().drain()
         self.torch.cuda.synchronize()
 
+    def prune(self) -> None:
+        """Forget ops the device has finished too (a recorded event is not a finished copy)."""
+        with self.lock:
+            for i in [i for i, d in self.done.items() if d.event.is_set() and d.error is None
+                      and (d.cuda_event is None or d.cuda_event.query())]:
+                del self.done[i]
+
     def close(self) -> None:
         for p in (self.enqueuer, self.cpu, self.io):
             p.shutdown(wait=True)
