@@ -194,13 +194,12 @@ def test_cpu_compute_takes_the_misses_off_the_links_critical_path():
     times = {}
     for mode in ("never", "always"):
         p, b = planner(layers=1, cpu_compute=mode, expert_bytes=10**8), ScheduleBuilder()
-        warm = run(p, b, [(0, [0], [1], 1)], dense=True)
+        run(p, b, [(0, [0], [1], 1)], dense=True)  # expert 0 resident
         s = run(p, b, [(0, [0, 3], [1, 1], 1)], dense=True)[0]
         tl = evaluate([s], sec)
         times[mode] = tl.makespan
         kinds = [next(o for o in s.ops if o.id == i).kind for i in tl.critical_path()]
         assert kinds == (["dense", "ids", "h2d", "moe"] if mode == "never" else ["dense", "ids", "rows", "cpu", "add"])
-        assert warm
     assert times["never"] == pytest.approx(1e-3 + 10e-6 + 10e-6 + 1e-2 + 1e-4)
     assert times["always"] < times["never"]
 

@@ -11,6 +11,10 @@ moves bytes and computes. Per MoE layer and forward step:
          -> fill the device slots -> compute the fills -> the off-slot experts (CPU or waves)
 
 (`overlap_io=False`: one synchronous read and copy per miss, vLLM #37190 v1's behaviour.)
+That is the CPU device's path. On CUDA (and with `use_executor("threads")`, the CPU backend tests
+drive) a step is instead a schedule of ops (experts/schedule.py: copies that wait only on their
+slot's events, the hits' MoE, one CPU job for every CPU-computed expert beside it, the add) run by
+an executor (experts/executor.py); `_Bindings` says what each op does on the cache's buffers.
 The step's expert ids (and the held prediction's) reach the host once per layer, in one small copy
 (experts/host_routing.py `to_host`: on CUDA the layer's only device -> host read, non-blocking
 into pinned memory): the distinct experts, their token counts, the use counts, the prefetch's
