@@ -35,6 +35,7 @@ slot fill is compared with the checkpoint's bytes (tests).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -705,15 +706,18 @@ class _Bindings:
         rows, slots, sel = self.res.setdefault("pairs", self._cpu_pairs(o))
         transient = [e for e, hs in self._on_cpu() if hs < 0]
         pool = c.host.layer(o.layer)
+        ffn = c.ffn  # the host pool is computed on the CPU whatever kernel computes the device's
+        if getattr(ffn, "kernel", "torch") != "torch":
+            ffn = dataclasses.replace(ffn, kernel="torch")
 
         def run():
             xr, wr = self.res["xw"]
             y = torch.zeros_like(xr)
             if (slots >= 0).any():
-                moe_ffn(xr, slots, wr, pool, c.method, out=y, ffn=c.ffn, host=True)
+                moe_ffn(xr, slots, wr, pool, c.method, out=y, ffn=ffn, host=True)
             for e in transient:  # no host slot could be had: its bytes in a transient buffer
                 r, k = (self.step.view(self.T, self.K)[rows] == e).nonzero(as_tuple=True)
-                y.index_put_((r,), expert_ffn(xr[r], self.bufs[(o.layer, e)], c.method, c.ffn)
+                y.index_put_((r,), expert_ffn(xr[r], self.bufs[(o.layer, e)], c.method, ffn)
                              * wr[r, k, None], accumulate=True)
             return y.pin_memory() if c.cuda else y
         return run
