@@ -247,3 +247,22 @@ def test_cuda_executor_gives_the_resident_tokens(cache_checkpoint, cpu_compute):
     assert stats["misses"] > 0
     if cpu_compute == "always":
         assert stats["cpu_computed_share"] == 1.0
+
+
+def test_a_failed_read_fails_the_step_and_close_still_closes(cache_checkpoint, reference):
+    """A disk read on the io queue fails: the step that needed it raises the read's error (not a
+    hang, not garbage), and close() still closes."""
+    llm = LLM(str(cache_checkpoint), device_memory="13%", host_memory="19%", exclusive=False, prefetch="off")
+    cache = llm.experts
+    cache.use_executor("threads")
+
+    def gone(i, e, dst):
+        raise OSError(f"layer index {i} expert {e}: disk gone")
+
+    cache.read_into = gone
+    try:
+        with pytest.raises(OSError, match="disk gone"):
+            llm.logits(list(range(3, 40)))
+    finally:
+        llm.close()
+    assert not any(t.is_alive() for t in cache.executor.threads)

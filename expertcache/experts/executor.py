@@ -87,6 +87,10 @@ class Executor:
                 for w in o.waits:
                     self.join(w)
             self.submit(o, fns.get(o.id))
+        for o in sched.ops:  # an op of this layer that already failed (a read, the CPU job) fails the step
+            d = self.done.get(o.id)
+            if d is not None and d.event.is_set() and d.error is not None:
+                raise d.error
         if len(self.done) > 4096:
             self.prune()
 
@@ -214,6 +218,8 @@ class CudaExecutor(Executor):
                 self.enqueuer.submit(self._enqueue, op, fn, d, deps)
             else:
                 self._enqueue(op, fn, d, deps)
+                if d.error is not None:  # enqueued by this thread: its caller hears of it now
+                    raise d.error
         else:
             pool = self.cpu if op.queue == "cpu" else self.io
             pool.submit(self._host_op, fn, d, deps)

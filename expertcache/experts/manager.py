@@ -607,7 +607,10 @@ class TieredExperts(ExpertProvider):
 
     def close(self) -> None:
         if self.executor is not None:
-            self.executor.drain()
+            try:
+                self.executor.drain()
+            except Exception as e:  # noqa: BLE001 - a step failed with it already; closing goes on
+                log.warning("expert cache: an operation failed before close: %s", e)
             self.executor.close()
         self.mover.shutdown(wait=True)
         self.reader.close()
