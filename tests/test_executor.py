@@ -59,6 +59,38 @@ def test_cpu_job_runs_while_the_hits_are_held():
     assert order.index(("end", job.id)) < order.index(("start", hits.id))
 
 
+def test_a_copy_into_a_free_slot_lands_while_the_device_is_held():
+    """Rule 2: the hits' MoE (reading slot a) is held until a copy into another slot has landed; the
+    copy waits on its slot's events, not on the device queue."""
+    p, b = _planner(device_slots=3), ScheduleBuilder()
+    for t, ex_ in enumerate([[0, 1], [0, 2]], 1):  # step 2: a hit on 0, a fill of 2 into the free slot
+        plan = p.plan_step(0, ex_, [2, 2], 2, t)
+        sched = b.layer(0, plan, ex_, [2, 2])
+        p.end_step(0, plan)
+    hits, copy = sched.of("moe", "hits")[0], sched.of("h2d")[0]
+    assert copy.slot not in hits.reads
+    landed, wrongly_waited = threading.Event(), []
+
+    def on_wait(op, pending):
+        if op.id == copy.id and hits.id in pending:
+            wrongly_waited.append(op.id)
+            landed.set()
+
+    def before(op):
+        if op.id == hits.id:
+            assert landed.wait(LATCH_S)
+
+    ex = ThreadExecutor(before=before, on_wait=on_wait)
+    try:
+        ex.run_layer(sched, {copy.id: landed.set})
+        ex.drain()
+    finally:
+        ex.close()
+    assert not wrongly_waited
+    order = [(kind, i) for kind, i, _ in ex.log]
+    assert order.index(("end", copy.id)) < order.index(("start", hits.id))
+
+
 def test_host_slot_is_not_rewritten_while_its_copy_is_queued():
     """Rule 4: a prefetch copies host slot h to the device; a demand read into h comes next. The
     copy is held until the read is either blocked on it (correct) or running (the race); the
