@@ -91,7 +91,8 @@ class ScheduleBuilder:
         self.next_id = 0
         self.dev_reader: dict[tuple[int, int], int] = {}
         self.dev_writer: dict[tuple[int, int], int] = {}
-        self.host_readers: dict[tuple[int, int], set[int]] = {}  # since its last write (h2d and cpu queues)
+        # since its last write: the last reader on each queue (h2d, cpu; a queue's earlier ones end before it)
+        self.host_readers: dict[tuple[int, int], dict[str, int]] = {}
         self.host_writer: dict[tuple[int, int], int] = {}
 
     def _op(self, sched: LayerSchedule, kind: str, waits=(), layer: int | None = None, **kw) -> Op:
@@ -109,7 +110,7 @@ class ScheduleBuilder:
             return None, -1
         key = (i, src.slot)
         if src.transient or src.read:
-            waits = [] if src.transient else [*self.host_readers.pop(key, ()), self.host_writer.get(key)]
+            waits = [] if src.transient else [*self.host_readers.pop(key, {}).values(), self.host_writer.get(key)]
             op = self._op(sched, "read", waits, layer=i, experts=(e,), host_slot=src.slot, tag=tag)
             if not src.transient:
                 self.host_writer[key] = op.id
@@ -128,7 +129,7 @@ class ScheduleBuilder:
             after, hs = got or self._host_bytes(sched, i, e, src, tag)
             op = self._op(sched, "h2d", [after, *slot_free], layer=i, experts=(e,), slot=slot, host_slot=hs, tag=tag)
             if hs >= 0:
-                self.host_readers.setdefault((i, hs), set()).add(op.id)
+                self.host_readers.setdefault((i, hs), {})["h2d"] = op.id
         self.dev_writer[key] = op.id
         return op.id
 
@@ -168,7 +169,7 @@ class ScheduleBuilder:
                            tokens=tuple(n[o.expert] for o in cpu), host_reads=tuple(hs for _, hs in cpu_src if hs >= 0))
             for _, hs in cpu_src:
                 if hs >= 0:
-                    self.host_readers.setdefault((i, hs), set()).add(job.id)
+                    self.host_readers.setdefault((i, hs), {})["cpu"] = job.id
         if fills:
             self._moe(sched, i, [(f.expert, f.slot) for f in fills], n, "fills", fill_ops)
         for o, got in zip(cpu, cpu_src):
