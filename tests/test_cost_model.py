@@ -32,11 +32,45 @@ def test_planner_and_simulate_make_the_same_choice():
     cfg = PlannerConfig(num_experts=4, device_slots=2, host_slots=None, expert_bytes=10**8, cpu_compute="cost")
     p = StepPlanner(cfg, 1, cpu_faster=COST.cpu_faster)
     plan = p.plan_step(0, [0, 1], [10, 11], rows=11, t=1)
-    assert [(o.expert, o.on_cpu) for o in plan.off_slot] == [(0, True)]
-    assert [f.expert for f in plan.fills] == [1]
+    # 10 rows: computed on the CPU, and admitted beside it (LRU predicts reuse); 11 rows: moved
+    assert plan.off_slot == []
+    assert [(f.expert, f.on_cpu) for f in plan.fills] == [(0, True), (1, False)]
     shape = ModelShape(expert_params=5 * 10**7, dense_params=0)
     for rows, on_cpu in ((10, True), (11, False)):  # one step of `rows` rows, all routed to expert 0
         t = RoutingTrace(experts=np.zeros((rows, 1, 1), np.int32), num_experts=4, step=np.zeros(rows, np.int64),
                          expert_bytes=10**8)
         pred = simulate(replay(t, "lru", 2, with_min=False), shape, PROF)
         assert (pred.misses_on_cpu, pred.misses_transferred) == ((1, 0) if on_cpu else (0, 1))
+
+
+def test_measured_machine_profile_needs_a_cuda_device():
+    import pytest
+    import torch
+
+    from expertcache.cost.measure import resolve_profile
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: test_cuda_profile_is_measured_once covers it")
+    with pytest.raises(ValueError, match="'this-machine' measures a CUDA device"):
+        resolve_profile("this-machine", "cuda")
+    prof, how = resolve_profile(None, "cpu")
+    assert prof.name == "cpu-only" and "default" in how
+
+
+@__import__("pytest").mark.gpu
+def test_cuda_profile_is_measured_once(tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from expertcache.cost import measure
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measure._MEASURED.clear()
+    prof, how = measure.resolve_profile(None, "cuda")
+    assert prof.name == "this-machine" and "measured now" in how
+    assert prof.link_gbs > 0 and prof.gpu_mem_gbs > prof.link_gbs and prof.gpu_tflops > 0 and prof.cpu_gflops > 0
+    measure._MEASURED.clear()
+    again, how2 = measure.resolve_profile(None, "cuda")
+    assert again == prof and "cached" in how2

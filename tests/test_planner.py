@@ -73,3 +73,88 @@ def test_no_expert_fetched_twice_and_no_victim_from_the_step(policy, seed):
         table.check()
         if p.layers[0].host is not None:
             p.layers[0].host.check()
+
+
+# -- CPU compute of misses, and admission beside it, against a brute-force optimum --------------------
+
+def _cost_profile():
+    from expertcache.cost.model import ExpertCost
+    from expertcache.cost.profiles import Profile
+
+    # 100 MB experts of 50 M parameters: CPU max(2 ms, 1 ms * rows); link 3 ms; GPU 0.1 ms
+    prof = Profile("hand", link_gbs=100 / 3, disk_gbs=2, cpu_mem_gbs=50, cpu_gflops=100, gpu_mem_gbs=1000,
+                   gpu_tflops=100)
+    return ExpertCost(prof, 10**8, 5 * 10**7)
+
+
+DENSE_S = 5e-3  # the rest of a step, on the device: a background copy lands within it
+
+
+def realized(cost, trace, choices):
+    """Seconds of a one-slot layer over `trace` [(expert, rows)] with a choice per miss ("cpu",
+    "admit" = CPU + copy beside it, "move"); None when `choices` do not match the misses. The link
+    carries one copy at a time; a hit waits for its copy to land."""
+    clock, link_free, resident, landed, k = 0.0, 0.0, -1, 0.0, 0
+    for e, n in trace:
+        t0 = clock + DENSE_S
+        if e == resident:
+            clock = max(t0, landed) + cost.gpu_use(n)
+            continue
+        if k >= len(choices):
+            return None
+        c = choices[k]
+        k += 1
+        if c in ("move", "admit"):
+            start = max(t0, link_free)
+            landed = link_free = start + cost.transfer()
+            resident = e
+        clock = landed + cost.gpu_use(n) if c == "move" else t0 + cost.cpu_use(n)
+    return clock if k == len(choices) else None
+
+
+def brute_force(cost, trace):
+    import itertools
+
+    best = None
+    for m in range(len(trace) + 1):
+        for choices in itertools.product(("cpu", "admit", "move"), repeat=m):
+            t = realized(cost, trace, list(choices))
+            if t is not None and (best is None or t < best[0] - 1e-12):
+                best = (t, list(choices))
+    return best
+
+
+def planner_choices(cost, trace, cpu_compute="cost"):
+    p = StepPlanner(PlannerConfig(num_experts=8, device_slots=1, host_slots=None, expert_bytes=10**8,
+                                  cpu_compute=cpu_compute), 1, cpu_faster=cost.cpu_faster)
+    out = []
+    for t, (e, n) in enumerate(trace, 1):
+        plan = p.plan_step(0, [e], [n], n, t)
+        out += ["admit" if f.on_cpu else "move" for f in plan.fills] + ["cpu" for o in plan.off_slot if o.on_cpu]
+        p.end_step(0, plan)
+    return out, p.layers[0].counters
+
+
+@pytest.mark.parametrize("trace", [
+    [(0, 1)] * 3 + [(1, 1)] * 3 + [(0, 1)] * 2,  # decode with reuse: CPU now, admitted beside it
+    [(0, 1), (1, 1), (2, 1), (3, 1)],  # no reuse: the CPU; the copy beside it costs nothing here
+    [(0, 10), (0, 1), (1, 12), (2, 1), (2, 1)],  # many rows: moving beats the CPU
+    [(0, 3), (0, 3), (1, 4)],  # both sides of the break-even (3 rows: CPU 3 ms < move 3.1 ms)
+], ids=["reuse", "no-reuse", "prefill-rows", "break-even"])
+def test_cpu_compute_and_admission_reach_the_brute_force_optimum(trace):
+    cost = _cost_profile()
+    best, _ = brute_force(cost, trace)
+    choices, c = planner_choices(cost, trace)
+    assert realized(cost, trace, choices) == pytest.approx(best, rel=1e-12)
+    assert c.cpu_computed == choices.count("cpu") + choices.count("admit")
+    assert c.cpu_admitted == choices.count("admit")
+
+
+def test_never_admitting_cpu_misses_is_what_the_optimum_beats():
+    """The old rule (a miss sent to the CPU is never cached) on a decode trace with reuse."""
+    cost = _cost_profile()
+    trace = [(0, 1)] * 3 + [(1, 1)] * 3 + [(0, 1)] * 2
+    best, _ = brute_force(cost, trace)
+    always, _ = planner_choices(cost, trace, cpu_compute="always")
+    assert always == ["cpu"] * len(trace)
+    assert realized(cost, trace, always) > best * 1.05

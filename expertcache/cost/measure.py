@@ -1,4 +1,6 @@
-"""A `this-cpu` hardware profile from quick micro-measurements (a second or two in all).
+"""A `this-cpu` hardware profile from quick micro-measurements (a second or two in all), and on
+CUDA a `this-machine` one (the engine's default there): the same plus the host -> device link
+(pinned; pageable in its notes), the device's bandwidth at the decode shape and its bf16 TFLOP/s.
 
 - cpu_mem_gbs: a float32 tensor copy much larger than the caches (bytes read + written / s)
 - cpu_gflops:  a float32 matmul (2 * n**3 FLOP / s); `gemv=True` measures one-row products
@@ -103,6 +105,56 @@ def measure_cpu_profile(model_dir: str | Path | None = None, name: str = "this-c
     return Measured(prof, torch.get_num_threads(), direct, notes)
 
 
+def link_gbs(device, mib: int = 64, pinned: bool = True, reps: int = 3) -> float:
+    """Host -> device copy bandwidth (GB/s) of a `mib` MiB buffer, pinned or pageable."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+
+    def copy():
+        dst.copy_(src, non_blocking=pinned)
+        torch.cuda.synchronize(device)
+
+    copy()
+    return src.numel() / _best(copy, reps) / 1e9
+
+
+def gpu_figures(device, hidden: int = 2048, inter: int = 768, experts: int = 64, reps: int = 5) -> tuple[float, float]:
+    """(GB/s, TFLOP/s) of the device: one-row bf16 products against `experts` expert-shaped
+    weights (the decode shape: bandwidth-bound), and a 4096^3 bf16 matmul (compute-bound)."""
+    ws = [torch.randn(2 * inter + hidden, hidden, device=device, dtype=torch.bfloat16) for _ in range(experts)]
+    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+
+    def gemv():
+        for w in ws:
+            x @ w.T
+        torch.cuda.synchronize(device)
+
+    gemv()
+    gbs = sum(w.numel() * 2 for w in ws) / _best(gemv, reps) / 1e9
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+
+    def mm():
+        a @ a
+        torch.cuda.synchronize(device)
+
+    mm()
+    return gbs, 2 * 4096 ** 3 / _best(mm, reps) / 1e12
+
+
+def measure_cuda_profile(device, model_dir=None) -> Measured:
+    """The this-cpu figures plus this device's: link (pinned; the pageable figure in the notes),
+    device memory bandwidth at the decode shape and bf16 TFLOP/s."""
+    m = measure_cpu_profile(model_dir, name="this-machine", gemv=True)
+    pinned, pageable = link_gbs(device), link_gbs(device, pinned=False)
+    gbs, tflops = gpu_figures(device)
+    from dataclasses import replace
+
+    prof = replace(m.profile, link_gbs=round(pinned, 2), gpu_mem_gbs=round(gbs, 1), gpu_tflops=round(tflops, 1),
+                   layer_overhead_ms=BUILTIN["rtx4090-pcie4"].layer_overhead_ms)
+    notes = "; ".join(x for x in (m.notes, f"pageable link {pageable:.1f} GB/s") if x)
+    return Measured(prof, m.threads, m.disk_direct, notes)
+
+
 _MEASURED: dict[tuple, Measured] = {}
 
 
@@ -126,13 +178,16 @@ def _hardware_key(model_dir) -> str:
     return f"{cpu}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}|dev={dev}"
 
 
-def this_cpu(model_dir: str | Path | None = None, refresh: bool = False) -> tuple[Measured, bool]:
-    """The `this-cpu` profile, measured once per machine (hardware key: CPU model, cores, torch
-    threads and version, the model's filesystem) and cached in memory and in
+def this_cpu(model_dir: str | Path | None = None, refresh: bool = False, device=None) -> tuple[Measured, bool]:
+    """The `this-cpu` profile (with a CUDA `device`: `this-machine`, its link and device figures
+    too), measured once per machine (hardware key: CPU model, cores, torch threads and version, the
+    model's filesystem, the device's name) and cached in memory and in
     $XDG_CACHE_HOME/expertcache/this-cpu.json. -> (measurement, True when it came from the cache)."""
     import json
 
     key = _hardware_key(model_dir)
+    if device is not None:
+        key += f"|gpu={torch.cuda.get_device_name(device)}"
     if not refresh and key in _MEASURED:
         return _MEASURED[key], True
     path = _cache_file()
@@ -148,7 +203,7 @@ def this_cpu(model_dir: str | Path | None = None, refresh: bool = False) -> tupl
             return m, True
         except (KeyError, TypeError):
             pass  # an older or damaged entry: measure again
-    m = measure_cpu_profile(model_dir)
+    m = measure_cpu_profile(model_dir) if device is None else measure_cuda_profile(device, model_dir)
     _MEASURED[key] = m
     saved[key] = {"profile": m.profile.__dict__, "threads": m.threads, "disk_direct": m.disk_direct,
                   "notes": m.notes}
@@ -171,9 +226,18 @@ def resolve_profile(spec: str | None, device: str, model_dir=None) -> tuple[Prof
     from .profiles import get_profile
 
     how = "given"
+    if spec is None and device == "cuda" and torch.cuda.is_available():
+        spec = "this-machine"  # measured at start-up, once per machine: no assumed card decides the misses
     if spec is None:
         spec, how = DEFAULT_PROFILE[device], f"default for device {device}"
-    if spec == "this-cpu":
+    if spec == "this-machine":
+        if device != "cuda" or not torch.cuda.is_available():
+            raise ValueError("profile: 'this-machine' measures a CUDA device; none is available here")
+        m, cached = this_cpu(model_dir, device=torch.device("cuda"))
+        prof = m.profile
+        how = (f"measured {'earlier (cached)' if cached else 'now'} with {m.threads} torch threads"
+               + (f"; {m.notes}" if m.notes else ""))
+    elif spec == "this-cpu":
         m, cached = this_cpu(model_dir)
         prof = m.profile
         how = (f"measured {'earlier (cached)' if cached else 'now'} with {m.threads} torch threads"

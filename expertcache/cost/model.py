@@ -9,7 +9,9 @@
 
 (eb = bytes of one expert, Pe = its parameters; bandwidths in bytes/s, throughputs in FLOP/s).
 A miss read from disk pays the disk on both sides, so the per-miss choice does not depend on it.
-The engine asks `cpu_faster(tokens)` for each missing expert (cpu_compute="auto" on CUDA);
+The engine asks `cpu_faster(tokens)` for each missing expert (cpu_compute="auto" on CUDA): it is
+this step's latency only; the step planner still admits an expert computed on the CPU into a device
+slot where the layer's policy predicts reuse (the copy runs beside the CPU job);
 an expert-parallel group asks `peer_faster()` once, for its measured or profiled link;
 trace.simulate prices a replay with the same terms; plan.speed calls simulate.
 """
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 
 from .profiles import BUILTIN, Profile
 
-DEFAULT_PROFILE = {"cpu": "cpu-only", "cuda": "rtx4090-pcie4"}  # used when none is given (engine and plan)
+# used when none is given (plan; the engine on a machine with CUDA measures its own: cost.measure "this-machine")
+DEFAULT_PROFILE = {"cpu": "cpu-only", "cuda": "rtx4090-pcie4"}
 
 GB, TF = 1e9, 1e12
 

@@ -11,6 +11,10 @@ moves bytes and computes. Per MoE layer and forward step:
          -> fill the device slots -> compute the fills -> the off-slot experts (CPU or waves)
 
 (`overlap_io=False`: one synchronous read and copy per miss, vLLM #37190 v1's behaviour.)
+That is the CPU device's path. On CUDA (and with `use_executor("threads")`, the CPU backend tests
+drive) a step is instead a schedule of ops (experts/schedule.py: copies that wait only on their
+slot's events, the hits' MoE, one CPU job for every CPU-computed expert beside it, the add) run by
+an executor (experts/executor.py); `_Bindings` says what each op does on the cache's buffers.
 The step's expert ids (and the held prediction's) reach the host once per layer, in one small copy
 (experts/host_routing.py `to_host`: on CUDA the layer's only device -> host read, non-blocking
 into pinned memory): the distinct experts, their token counts, the use counts, the prefetch's
@@ -31,6 +35,7 @@ slot fill is compared with the checkpoint's bytes (tests).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,6 +43,8 @@ import torch
 
 from ..cost.model import ExpertCost, default_profile
 from .compute import expert_ffn, moe_ffn
+from .executor import make_executor
+from .schedule import STAGE, LayerSchedule, ScheduleBuilder
 from .host_routing import to_device, to_host
 from .config import CacheConfig
 from ..loader.disk import DiskReader
@@ -76,7 +83,10 @@ class TieredExperts(ExpertProvider):
 
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, device_slots: int,
                  host_slots: int | None, options: CacheConfig | None = None, stats: torch.Tensor | None = None,
-                 progress=None, dev_parts=None, cost: ExpertCost | None = None):
+                 progress=None, dev_parts=None, cost: ExpertCost | None = None, executor: str | None = None):
+        """`executor`: how forward carries out a step: None = "cuda" on a CUDA device (the schedule of
+        experts/schedule.py on streams, events and worker threads), else the synchronous path; "threads"
+        = the schedule on the CPU backend (tests of the CUDA path's ordering on a CPU)."""
         options = options or CacheConfig(device_memory="auto")
         abl = options.ablation
         policy, prefetch, cpu_compute = options.policy_name, options.prefetch, options.cpu_compute
@@ -99,6 +109,7 @@ class TieredExperts(ExpertProvider):
         self.overlap_io, self.verify = abl.overlap_io, verify
         self.ahead: tuple[int, torch.Tensor] | None = None  # prefetch waiting for the demand reads
         self.cuda = device.type == "cuda"
+        executor = executor or ("cuda" if self.cuda else None)
         # per missing expert on CUDA (cpu_compute auto): computed on the CPU when that beats moving it
         self.cost = cost or ExpertCost(default_profile(device.type), source.expert_nbytes,
                                        3 * cfg.hidden_size * cfg.moe_intermediate_size)
@@ -132,6 +143,7 @@ class TieredExperts(ExpertProvider):
         self.lut = torch.full((L, self.E), -1, dtype=torch.int64)
         self.stage = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
                       if self.cuda else None)
+        self.executor, self.builder = None, ScheduleBuilder()
         # host tier: stored dtype; all experts (slot = expert id) when host_slots is None
         self.host = SlotPool(source.parts, L, self.host_slots, torch.device("cpu"), pin=self.cuda)
         if self.host_all:
@@ -144,7 +156,24 @@ class TieredExperts(ExpertProvider):
                         progress(source.expert_nbytes)
         if stats is not None:
             self._warm(stats)
+        self.use_executor(executor)
         self.serving = True
+
+    def use_executor(self, kind: str | None) -> None:
+        """Carry out steps through an executor of the schedule ("cuda", "threads") or synchronously
+        (None; CPU devices only). Bytes in flight are landed first, so it may switch between steps."""
+        if kind is None and self.cuda:
+            raise ValueError("executor: a CUDA device runs its steps through the 'cuda' executor")
+        if kind is not None and self.exclusive:
+            raise ValueError("exclusive tiers (demotions) run on the synchronous CPU path only, not with an executor")
+        self.dev.drain()
+        self.host.drain()
+        if self.executor is not None:
+            self.executor.drain()
+            self.executor.close()
+        self.executor = make_executor(kind, self.device) if kind else None
+        if kind is not None and self.stage is None:
+            self.stage = {n: torch.empty(t.shape[2:], dtype=t.dtype, device=self.device) for n, t in self.dev.buf.items()}
 
     @property
     def dev_tables(self) -> list[SlotTable]:
@@ -273,6 +302,8 @@ class TieredExperts(ExpertProvider):
         return experts, [n[e] for e in experts]
 
     def forward(self, layer, x, ids, weights):
+        if self.executor is not None:
+            return self._forward_scheduled(layer, x, ids, weights)
         i = self.li[layer]
         T, K = ids.shape
         step, ahead = self._step_ids(ids)
@@ -310,7 +341,7 @@ class TieredExperts(ExpertProvider):
         slots = lut[step].view(T, K)
         if out is None:
             out = moe_ffn(x, slots, weights, pool, self.method, ffn=self.ffn, host=True)
-        elif plan.fills:
+        elif plan.fills:  # (an admitted fill the planner put on the CPU: here the device is the CPU)
             new = torch.zeros(self.E, dtype=torch.bool)
             new[[f.expert for f in plan.fills]] = True
             moe_ffn(x, torch.where(new[step].view(T, K), slots, -1), weights, pool, self.method, ffn=self.ffn,
@@ -319,6 +350,49 @@ class TieredExperts(ExpertProvider):
             self._off_slot(o.expert, o.on_cpu, x, step, weights, out, self._host_now(layer, o.expert, got[o.expert]))
         self.planner.end_step(i, plan)
         return out
+
+    # -- the scheduled path (CUDA, and the CPU backend of tests): experts/schedule.py's ops -----------
+    def _forward_scheduled(self, layer, x, ids, weights):
+        """The step as a schedule run by the executor: the ids read is the one host wait; copies
+        wait on per-slot events; the CPU experts run in one call on the CPU queue beside the hits."""
+        i = self.li[layer]
+        T, K = ids.shape
+        step, ahead = self._step_ids(ids)
+        experts, tokens = self._distinct(i, step)
+        plan = self.planner.plan_step(i, experts, tokens, T, self.t)
+        lut = self.lut[i]
+        hit_slots = lut[step].view(T, K).clone()  # only the hits are in the lookup now
+        for f in plan.fills:
+            if f.evicted >= 0:
+                lut[f.evicted] = -1
+        pf = None
+        if ahead is not None:
+            j = self.li[ahead[0]]
+            pf = (j, self.planner.plan_prefetch(j, ahead[1].tolist(), ahead[2], self.t))
+        sched = self.builder.layer(i, plan, experts, tokens, pf)
+        out = torch.zeros_like(x)
+        fns = _Bindings(self, i, x, step, weights, out, hit_slots, plan).fns(sched)
+        for f in plan.fills:
+            lut[f.expert] = f.slot
+        for p in pf[1] if pf else []:
+            if p.slot >= 0:
+                if p.evicted >= 0:
+                    self.lut[pf[0], p.evicted] = -1
+                self.lut[pf[0], p.expert] = p.slot
+        self.executor.run_layer(sched, fns)
+        self.planner.end_step(i, plan)
+        last = [o.id for o in sched.ops if o.queue == "device"]
+        if last:
+            self.executor.layer_done(last[-1])
+        if self.verify:
+            self.executor.drain()
+            for f in plan.fills:
+                self._verify(layer, f.expert, self.dev.views(i, f.slot))
+        return out
+
+    def read_into(self, i: int, e: int, dst: dict[str, torch.Tensor]) -> None:
+        """Expert e of MoE layer index i from disk (or a peer rank) into dst (any thread)."""
+        self._read(self.layers[i], e, dst)
 
     def _off_slot(self, e, on_cpu, x, step, weights, out, src) -> None:
         """Compute expert e without caching it: on the CPU from its host copy `src`, or (a wave)
@@ -427,6 +501,8 @@ class TieredExperts(ExpertProvider):
     def stored_bytes(self, layer: int, e: int) -> dict[str, torch.Tensor] | None:
         """Expert e's bytes in the stored format from memory, landed (a peer send); None: only on disk."""
         i = self.li[layer]
+        if self.executor is not None:
+            self.executor.drain()
         if self.host_all:
             return self.host.views(i, e)
         ht = self.host_tables[i] if self.host_tables else None
@@ -446,6 +522,8 @@ class TieredExperts(ExpertProvider):
 
     def check(self, contents: bool = False) -> None:
         """Invariants: tables consistent, lookup = table, (contents) slot bytes = checkpoint bytes."""
+        if self.executor is not None:
+            self.executor.drain()
         self.dev.drain()
         self.host.drain()
         if self.cuda:
@@ -466,5 +544,129 @@ class TieredExperts(ExpertProvider):
                     self._verify(layer, e, self.host.views(i, st.host.slot_of[e]))
 
     def close(self) -> None:
+        if self.executor is not None:
+            try:
+                self.executor.drain()
+            except Exception as e:  # noqa: BLE001 - a step failed with it already; closing goes on
+                log.warning("expert cache: an operation failed before close: %s", e)
+            self.executor.close()
         self.mover.shutdown(wait=True)
         self.reader.close()
+
+
+class _Bindings:
+    """What each op of one layer's schedule does on the cache's buffers (experts/schedule.py legend).
+
+    Shapes: T tokens, K top_k, H hidden, R rows routed to a CPU-computed expert.
+    x [T, H], weights [T, K], step [T*K] host ids, hit_slots [T, K] host (hits only, -1 else)."""
+
+    def __init__(self, cache: TieredExperts, i, x, step, weights, out, hit_slots, plan):
+        self.c, self.i, self.x, self.step, self.w, self.out = cache, i, x, step, weights, out
+        self.hit_slots, self.plan = hit_slots, plan
+        self.T, self.K = hit_slots.shape
+        self.bufs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # transient reads
+        self.res: dict[str, object] = {}
+
+    def fns(self, sched: LayerSchedule) -> dict:
+        return {o.id: getattr(self, o.kind)(o) for o in sched.ops if o.kind not in ("ids", "dense")}
+
+    def _host_views(self, i: int, e: int, hs: int):
+        if hs >= 0:
+            return self.c.host.views(i, hs)
+        return self.bufs.setdefault((i, e), {p.name: torch.empty(p.shape, dtype=p.dtype)
+                                             for p in self.c.source.parts})
+
+    def _dev_views(self, i: int, s: int):
+        return self.c.stage if s == STAGE else self.c.dev.views(i, s)
+
+    def read(self, o):
+        e = o.experts[0]
+        dst = self._dev_views(o.layer, o.slot) if o.slot != -1 else self._host_views(o.layer, e, o.host_slot)
+        return lambda: self.c.read_into(o.layer, e, dst)
+
+    def h2d(self, o):
+        src = self._host_views(o.layer, o.experts[0], o.host_slot)
+        dst, nb = self._dev_views(o.layer, o.slot), self.c.cuda
+
+        def run():
+            for n in dst:
+                dst[n].copy_(src[n], non_blocking=nb)
+        return run
+
+    def moe(self, o):
+        c, x, w, out = self.c, self.x, self.w, self.out
+        pool = c.dev.layer(self.i)
+        if o.tag == "hits":
+            slots = self.hit_slots
+        elif o.tag == "fills":
+            of = torch.full((c.E,), -1, dtype=torch.int64)
+            fills = [f for f in self.plan.fills if not f.on_cpu]
+            of[[f.expert for f in fills]] = torch.tensor([f.slot for f in fills], dtype=torch.int64)
+            slots = of[self.step].view(self.T, self.K)
+        else:  # a wave through the staging slot
+            pair = to_device((self.step == o.experts[0]).nonzero().squeeze(1), x.device)
+            tok, k = pair // self.K, pair % self.K
+
+            def wave():
+                y = expert_ffn(x[tok], c.stage, c.method, c.ffn)
+                out.index_put_((tok,), y * w[tok, k, None], accumulate=True)
+            return wave
+        return lambda: moe_ffn(x, slots, w, pool, c.method, out=out, ffn=c.ffn, host=True)
+
+    def _on_cpu(self):
+        """(expert, host slot or -1) of every expert the CPU job computes (off-slot or admitted)."""
+        return [(f.expert, f.src.slot) for f in self.plan.off_slot + self.plan.fills if f.on_cpu]
+
+    def _cpu_pairs(self, o):
+        """Host: the R rows routed to the op's experts, and their [R, K] host-slot table."""
+        hs = dict(self._on_cpu())
+        table = torch.full((self.c.E,), -1, dtype=torch.int64)
+        for e in o.experts:
+            table[e] = hs[e] if hs[e] >= 0 else -1
+        mine = torch.zeros(self.c.E, dtype=torch.bool)
+        mine[list(o.experts)] = True
+        sel = mine[self.step].view(self.T, self.K)
+        rows = sel.any(1).nonzero().squeeze(1)
+        return rows, table[self.step].view(self.T, self.K)[rows], sel[rows]
+
+    def rows(self, o):
+        rows, _, _ = self.res.setdefault("pairs", self._cpu_pairs(o))
+        x, w, cuda = self.x, self.w, self.c.cuda
+
+        def run():  # on the d2h queue: the row indices go up on it too, so no other queue races them
+            idx = self.res["rows_dev"] = to_device(rows, x.device)
+            xr = torch.empty((rows.shape[0], x.shape[1]), dtype=torch.float32, pin_memory=cuda)
+            wr = torch.empty((rows.shape[0], w.shape[1]), dtype=torch.float32, pin_memory=cuda)
+            xr.copy_(x[idx], non_blocking=cuda)
+            wr.copy_(w[idx], non_blocking=cuda)
+            self.res["xw"] = (xr, wr)
+        return run
+
+    def cpu(self, o):
+        c = self.c
+        rows, slots, sel = self.res.setdefault("pairs", self._cpu_pairs(o))
+        transient = [e for e, hs in self._on_cpu() if hs < 0]
+        pool = c.host.layer(o.layer)
+        ffn = c.ffn  # the host pool is computed on the CPU whatever kernel computes the device's
+        if getattr(ffn, "kernel", "torch") != "torch":
+            ffn = dataclasses.replace(ffn, kernel="torch")
+
+        def run():
+            xr, wr = self.res["xw"]
+            y = torch.zeros_like(xr)
+            if (slots >= 0).any():
+                moe_ffn(xr, slots, wr, pool, c.method, out=y, ffn=ffn, host=True)
+            for e in transient:  # no host slot could be had: its bytes in a transient buffer
+                r, k = (self.step.view(self.T, self.K)[rows] == e).nonzero(as_tuple=True)
+                y.index_put_((r,), expert_ffn(xr[r], self.bufs[(o.layer, e)], c.method, ffn)
+                             * wr[r, k, None], accumulate=True)
+            return y.pin_memory() if c.cuda else y
+        return run
+
+    def add(self, o):
+        out, cuda = self.out, self.c.cuda
+
+        def run():
+            y = self.c.executor.join(o.waits[0])
+            out.index_put_((self.res["rows_dev"],), y.to(out.device, out.dtype, non_blocking=cuda), accumulate=True)
+        return run

@@ -15,6 +15,10 @@ appearance with their token counts:
    (`cpu_compute`), else given a device slot (its victim: an unpinned, i.e. not-this-step,
    expert); a prefill step (more than `prefill_admit_tokens` rows) only takes free slots; a
    miss with no slot (every slot pinned, admission refused, prefill) is an off-slot "wave";
+   with cpu_compute "cost", a miss the cost model sends to the CPU (`cpu_faster(tokens)`: this
+   step's latency) is still admitted into a device slot when the layer's policy predicts reuse
+   (its `admit`, through SlotTable.access): the copy runs beside the CPU job, and the next use is
+   a hit (`Fill.on_cpu`); otherwise it is computed on the CPU and not cached;
 3. host copies of the misses: host-resident ones are pinned first, then the rest get a host
    slot (read from disk), or none when every host slot is pinned (a transient read at use; a
    fill of a `direct` device tier then reads from disk straight into its device slot);
@@ -79,12 +83,15 @@ class HostSource:
 
 @dataclass(frozen=True)
 class Fill:
-    """Miss placed in device slot `slot` (evicting `evicted`, -1 none); src None: disk -> slot directly."""
+    """Miss placed in device slot `slot` (evicting `evicted`, -1 none); src None: disk -> slot directly.
+    on_cpu: admitted but computed on the CPU this step from its host copy (the copy into the slot
+    is off the step's critical path; the next use is a hit)."""
 
     expert: int
     slot: int
     evicted: int
     src: HostSource | None
+    on_cpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -187,32 +194,35 @@ class StepPlanner:
             if cfg.prefetch == "device" and e in st.pf_evicted:
                 st.harm += 1
             cpu = cfg.cpu_compute == "always" or (cfg.cpu_compute == "cost" and self.cpu_faster(n))
-            if cpu or not (admit or table.free):
+            if (cpu and cfg.cpu_compute == "always") or not (admit or table.free):
                 table.bypass(e, t)
                 c.cpu_computed += cpu
                 offs.append((e, cpu))
                 continue
-            a = table.access(e, t)
+            a = table.access(e, t)  # cost: admitted where the policy predicts reuse, even if computed on the CPU
             if a.slot < 0:
-                offs.append((e, False))
+                c.cpu_computed += cpu
+                offs.append((e, cpu))
                 continue
             if a.evicted >= 0:
                 st.prefetched.discard(a.evicted)
-            fills.append((e, a.slot, a.evicted))
-        src = self._host_sources(st, [e for e, _, _ in fills] + [e for e, _ in offs], t)
+            c.cpu_computed += cpu
+            c.cpu_admitted += cpu
+            fills.append((e, a.slot, a.evicted, cpu))
+        src = self._host_sources(st, [f[0] for f in fills] + [e for e, _ in offs], t)
         if cfg.exclusive:  # after the misses pinned their host slots
-            for _, s, ev in fills:
+            for _, s, ev, _ in fills:
                 if ev >= 0:
                     d = self._demote(st, ev, s, t)
                     if d is not None:
                         plan.demotions.append(d)
-        for e, s, ev in fills:
+        for e, s, ev, on_cpu in fills:
             h = src[e]
-            if h.transient and cfg.direct:  # no host slot: disk straight into the device slot
+            if h.transient and cfg.direct and not on_cpu:  # no host slot: disk straight into the device slot
                 h = None
             c.bytes_moved += cfg.expert_bytes
             c.disk_bytes += cfg.expert_bytes * (h is None or h.read or h.transient)
-            plan.fills.append(Fill(e, s, ev, h))
+            plan.fills.append(Fill(e, s, ev, h, on_cpu))
         for e, on_cpu in offs:
             h = src[e]
             c.disk_bytes += cfg.expert_bytes * (h.read or h.transient)

@@ -11,6 +11,7 @@ expert_stats() layout:
     per_layer               [{layer, hits, misses, bytes_moved, prefetch_issued, prefetch_useful,
                               host_prefetch_issued, host_prefetch_useful, cpu_computed, ...}]
     cpu_computed_share      share of misses computed on the CPU from host RAM
+    cpu_admitted_share      share of misses computed on the CPU and also copied into a device slot
     use_counts              [[...]] layers x experts
     residency               [[...]] layers x experts: 2 in a device slot, 1 in host RAM, 0 only on disk
                             (added by TieredExperts.stats)
@@ -37,7 +38,8 @@ class LayerCounters:
     prefetch_useful: int = 0  # prefetched experts later used while still resident
     host_prefetch_issued: int = 0  # disk -> host reads ahead (prefetch "host")
     host_prefetch_useful: int = 0
-    cpu_computed: int = 0
+    cpu_computed: int = 0  # misses computed on the CPU (admitted or not)
+    cpu_admitted: int = 0  # of those, copied into a device slot beside the CPU job (reuse predicted)
     demoted: int = 0  # experts evicted from the device tier whose bytes went to a host slot (exclusive)
     waves: int = 0  # uses computed through the staging slots (no slot could be kept)
 
@@ -54,6 +56,7 @@ def collect(layers: dict[int, LayerCounters], use_counts: torch.Tensor, device_s
         "hit_rate": tot.hits / uses if uses else 0.0,
         "bytes_moved": tot.bytes_moved + tot.disk_bytes,
         "cpu_computed_share": tot.cpu_computed / tot.misses if tot.misses else 0.0,
+        "cpu_admitted_share": tot.cpu_admitted / tot.misses if tot.misses else 0.0,
         "prefetch": {"issued": tot.prefetch_issued, "useful": tot.prefetch_useful},
         "per_tier": {
             "device": {"slots_per_layer": device_slots, "hits": tot.hits, "misses": tot.misses,
@@ -76,7 +79,8 @@ def summary_line(s: dict) -> str:
         parts.append(f"host {host['hits'] / hu:.1%}")
     parts.append(f"moved {s['bytes_moved'] / 1e9:.3f} GB")
     if s["misses"]:
-        parts.append(f"cpu-computed {s['cpu_computed_share']:.0%} of misses")
+        parts.append(f"cpu-computed {s['cpu_computed_share']:.0%} of misses"
+                     + (f" ({s['cpu_admitted_share']:.0%} admitted too)" if s.get("cpu_admitted_share") else ""))
     return ", ".join(parts)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..trace.format import RoutingTrace
 from ..cost.profiles import Profile
 from ..trace.replay import ReplayResult, replay
-from ..trace.simulate import ModelShape, Prediction, simulate
+from ..trace.simulate import ModelShape, Prediction, simulate, simulate_schedule
 from ..trace.synthetic import synth_trace
 
 SYNTH_TOKENS = 256
@@ -122,3 +122,20 @@ def speed_band(shape: ModelShape, profile: Profile, capacity: int, expert_bytes:
         options.append(estimate(hi_trace, policy, capacity, True, **args))
     high = max(options, key=lambda e: e.tok_s)
     return SpeedBand(low, high, source, from_disk)
+
+
+def schedule_estimates(shape: ModelShape, profile: Profile, capacity: int, layer_ids: list[int], num_experts: int,
+                       top_k: int, hidden: int, policy: str = "adaptive", trace: RoutingTrace | None = None
+                       ) -> dict[tuple[bool, bool], float]:
+    """Decode tok/s from the schedule model (trace.simulate.simulate_schedule: copies, device MoE,
+    the CPU job and prefetch overlapping as the executor runs them) for (CPU compute of misses,
+    prefetch) in each combination; the trace, or SYNTH_HIGH's synthetic routing without one."""
+    if trace is None:
+        trace = synth_trace(layers=len(layer_ids), experts=num_experts, top_k=top_k, tokens=SYNTH_TOKENS, seed=0,
+                            **SYNTH_HIGH)
+        trace.layer_ids = list(layer_ids)
+    else:
+        check_trace(trace, layer_ids, num_experts, top_k)
+    return {(cpu, pf): simulate_schedule(trace, shape, profile, policy, capacity, hidden, cpu_compute=cpu,
+                                         prefetch=pf).tok_s
+            for cpu in (True, False) for pf in (True, False)}

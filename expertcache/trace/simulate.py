@@ -134,3 +134,86 @@ def simulate(result: ReplayResult | object, shape: ModelShape, profile: Profile,
     pf = max(0.0, result.prefetch_issued * xfer - (dense + hit_s)) if result.prefetch_issued else 0.0
     total = dense + exp_s + stall + cpu_s + pf + over
     return Prediction(result.rows / total, total, dense, exp_s, stall, cpu_s, pf, n_cpu, n_x, over)
+
+
+@dataclass
+class ScheduledPrediction:
+    """Decode time from the schedule model: every decode step's layers planned by the engine's
+    planner, built into schedules (experts/schedule.py) and evaluated event by event
+    (experts/schedule_time.py); `critical` counts the critical path's ops by kind."""
+
+    tok_s: float
+    decode_s: float
+    decode_rows: int
+    misses_on_cpu: int
+    misses_admitted: int
+    critical: dict[str, int]
+
+
+def simulate_schedule(trace, shape: ModelShape, profile: Profile, policy: str, capacity: int, hidden: int,
+                      cpu_compute: bool = True, prefetch: bool = False, io_lanes: int = 4) -> ScheduledPrediction:
+    """Decode tok/s of `trace` on `profile` with the overlap the executor gives: copies, device
+    MoE, the CPU job and the next layer's prefetch on their own queues, each layer's dense part
+    (attention, router: `dense` per step / layers) on the device queue before it. Every expert is
+    in host RAM (no disk reads). Rows of the trace's prefill phase warm the cache and are not
+    counted. Needs a GPU profile."""
+    from ..experts.planner import PlannerConfig, StepPlanner
+    from ..experts.schedule import ScheduleBuilder
+    from ..experts.schedule_time import evaluate, op_seconds
+    from .replay import schedule
+
+    if not profile.has_gpu:
+        raise ValueError(f"simulate_schedule: profile {profile.name!r} has no GPU figures")
+    cost = ExpertCost(profile, shape.expert_bytes, shape.expert_params)
+    steps = schedule(trace)
+    L = trace.num_layers
+    mode = "device" if prefetch else "off"
+    p = StepPlanner(PlannerConfig(num_experts=trace.num_experts, device_slots=min(capacity, trace.num_experts),
+                                  host_slots=None, expert_bytes=shape.expert_bytes, policy=policy,
+                                  cpu_compute="cost" if cpu_compute else "never", prefetch=mode, staged_waves=True,
+                                  gate_waste=0.25), L, cpu_faster=cost.cpu_faster)
+    b = ScheduleBuilder()
+    bd = shape.dense_params * shape.bytes_per_param
+    phase = trace.phase
+    scheds, cut, rows, dense_sec = [], 0, 0, {}
+    first_row = 0
+    for k in range(len(steps[0]) if L else 0):
+        n_rows = steps[0][k].rows
+        dense_s = max(bd / (profile.gpu_mem_gbs * 1e9), 2 * shape.dense_params * n_rows / (profile.gpu_tflops * 1e12))
+        sec_dense = dense_s / L + profile.layer_overhead_ms / 1e3
+        for i in range(L):
+            st = steps[i][k]
+            plan = p.plan_step(i, st.experts, st.tokens, st.rows, st.t)
+            pf = None
+            if prefetch and i + 1 < L:
+                nxt = steps[i + 1][k]
+                pf = (i + 1, p.plan_prefetch(i + 1, nxt.lookahead, nxt.rows, nxt.t))
+            s = b.layer(i, plan, st.experts, st.tokens, prefetch=pf, dense=True)
+            dense_sec[s.ops[0].id] = sec_dense
+            scheds.append(s)
+            p.end_step(i, plan)
+        prefill = phase is not None and bool((phase[first_row:first_row + n_rows] == 0).any())
+        first_row += n_rows
+        if prefill:
+            cut, rows = len(scheds), 0
+        else:
+            rows += n_rows
+    if rows == 0:
+        raise ValueError("simulate_schedule: the trace has no decode rows after its last prefill row")
+    base = op_seconds(cost, hidden)
+
+    def sec(o):
+        return dense_sec[o.id] if o.kind == "dense" else base(o)
+
+    tl = evaluate(scheds, sec, io_lanes)
+    warm = evaluate(scheds[:cut], sec, io_lanes).makespan if cut else 0.0
+    decode = [o for s in scheds[cut:] for o in s.ops]
+    kinds = {o.id: o.kind for o in decode}
+    crit: dict[str, int] = {}
+    for i in tl.critical_path():
+        if i in kinds:
+            crit[kinds[i]] = crit.get(kinds[i], 0) + 1
+    cpu = sum(len(o.experts) for o in decode if o.kind == "cpu")
+    admitted = sum(1 for o in decode if o.kind == "h2d" and o.tag == "admit")
+    return ScheduledPrediction(rows / (tl.makespan - warm), tl.makespan - warm, rows, cpu, admitted, crit)
+
