@@ -133,6 +133,10 @@ class QuantMethod:
     def _shape_hint(self, shape: Shape) -> str:
         return ""
 
+    def shape_hint(self, shape: Shape) -> str:
+        """What in the checkpoint's config sets the stored shapes of a weight of `shape` ("" if nothing)."""
+        return self._shape_hint(shape)
+
     # ---- public API -------------------------------------------------------
     def layout(self, name: str, shape: Shape) -> dict[str, TensorSpec]:
         """Stored tensors `{"P.suffix": TensorSpec}` for projection `name` of weight `shape` [out, in]."""
