@@ -61,7 +61,7 @@ CASES = {
         dict(bits=8, group_size=16, symmetric=True), "int8"),
 }
 TIERS = {"resident": {}, "tiered": dict(device_memory="13%", host_memory="13%", cache_policy="lru", verify=True),
-         "low-memory": dict(low_memory=True)}
+         "low-memory": dict(low_memory=True, device_memory="13%", host_memory=0, verify=True)}
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from .groups import num_groups
-from .method import QuantMethod, Shape, _proj
+from .method import QuantMethod, Shape, proj_name
 from .methods import Int4, Int8
 from .nibbles import pack_nibbles
 
@@ -58,7 +58,7 @@ class ShippedInt(QuantMethod):
         try:
             return super().dequantize(stored, name, out)
         except BadValues as e:  # a value check of _unpacked: name the tensor
-            raise ValueError(f"{_proj(name)}.{e}") from None
+            raise ValueError(f"{proj_name(name)}.{e}") from None
 
     def weight_shape(self, primary_shape: tuple[int, ...], module: str) -> Shape:
         """[out, in] of module `module` from its primary tensor's shape (ValueError naming it)."""
@@ -95,7 +95,7 @@ class ShippedInt(QuantMethod):
         """Projection `name`'s shipped tensors -> the stored tensors of `tier` (this method's `tier()`),
         {suffix: tensor}, exactly the same weight. Raises ValueError naming a tensor whose values
         do not fit the layout (groups out of order, a symmetric zero point that is not 2^(b-1))."""
-        p = _proj(name)
+        p = proj_name(name)
         parts, shape = self._gather(stored, p)
         try:
             codes, zero, scale, group = self._unpacked(parts, shape)
