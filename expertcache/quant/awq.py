@@ -31,9 +31,9 @@ class AWQ(ShippedInt):
 
     def _check_shape(self, shape, key="weight"):
         s = super()._check_shape(shape, key)
-        if s[0] % 8:
-            raise ValueError(f"{key}: awq packs 8 output columns per int32 word; out dim of {list(shape)} "
-                             "must be a multiple of 8")
+        if s[0] % 8 or s[1] % 2:
+            raise ValueError(f"{key}: awq packs 8 output columns per int32 word (and the project two input "
+                             f"columns per byte); {list(shape)} must be a multiple of 8 by a multiple of 2")
         return s
 
     def _layout(self, shape: Shape) -> dict[str, TensorSpec]:
@@ -48,11 +48,23 @@ class AWQ(ShippedInt):
     def _shape_of(self, primary: torch.Tensor) -> Shape:
         return (primary.shape[1] * 8, primary.shape[0])
 
-    def _unpacked(self, parts, shape):
-        K = shape[1]
-        codes = unpack_int32(parts["qweight"], 4, dim=1, order=AWQ_ORDER).T  # [N, K]
+    def _code_bytes(self, parts, shape):
+        N, K = shape
+        w = parts["qweight"].contiguous().view(K // 2, 2, N // 8)  # rows 2j, 2j+1 of each column block
+        a, b = w[:, 0], w[:, 1]
+        # byte q of `even` pairs position 2q of rows 2j (low nibble) and 2j+1: columns (0, 4, 1, 5)[q];
+        # of `odd`, position 2q+1: columns (2, 6, 3, 7)[q] -- column = 4 * (q % 2) + 2 * odd + q // 2
+        even = (a & 0x0F0F0F0F) | ((b & 0x0F0F0F0F) << 4)
+        odd = ((a >> 4) & 0x0F0F0F0F) | (b & _HIGH_NIBBLES)
+        by = torch.stack((even, odd), dim=-1).view(torch.uint8).view(K // 2, N // 8, 2, 2, 2)  # [j, c, odd, q//2, q%2]
+        return by.permute(1, 4, 2, 3, 0).reshape(N, K // 2)  # [c, q%2, odd, q//2, j] -> [N, K/2]
+
+    def _zero_scale_group(self, parts, shape):
         zero = unpack_int32(parts["qzeros"], 4, dim=1, order=AWQ_ORDER).to(torch.int16).T
-        return codes, zero, parts["scales"].to(torch.float32).T, torch.arange(K) // self.group
+        return zero, parts["scales"].to(torch.float32).T, torch.arange(shape[1]) // self.group
+
+
+_HIGH_NIBBLES = torch.tensor(0xF0F0F0F0 - (1 << 32), dtype=torch.int32)
 
 
 def awq_from_config(q: dict) -> AWQ:

@@ -54,18 +54,20 @@ class PackQuantized(ShippedInt):
     def _shape_of(self, primary: torch.Tensor) -> Shape:
         return (primary.shape[0], primary.shape[1] * codes_per_word(self.bits))
 
-    def _unpacked(self, parts, shape):
+    def _code_bytes(self, parts, shape):
+        return parts["weight_packed"].contiguous().view(torch.uint8)  # words along K, lowest bits first: the project's order
+
+    def _zero_scale_group(self, parts, shape):
         if parts["weight_shape"].tolist() != list(shape):
             raise BadValues(f"weight_shape is {parts['weight_shape'].tolist()} but the packed tensors hold "
                             f"{list(shape)}")
-        codes = unpack_int32(parts["weight_packed"], self.bits, dim=1)
         ng = self._groups(shape)
         if self.symmetric:
             zero = torch.full((shape[0], ng), 1 << (self.bits - 1), dtype=torch.int16)
         else:
             zero = unpack_int32(parts["weight_zero_point"], self.bits, dim=0).to(torch.int16)
         group = torch.arange(shape[1]) // self.group_size(shape[1])
-        return codes, zero, parts["weight_scale"].to(torch.float32), group
+        return zero, parts["weight_scale"].to(torch.float32), group
 
 
 def pack_quantized_from_config(q: dict) -> PackQuantized:

@@ -58,12 +58,15 @@ class GPTQ(ShippedInt):
     def _shape_of(self, primary: torch.Tensor) -> Shape:
         return (primary.shape[1], primary.shape[0] * codes_per_word(self.bits))
 
-    def _unpacked(self, parts, shape):
-        ng = self._groups(shape)
-        codes = unpack_int32(parts["qweight"], self.bits, dim=0).T  # [N, K]
+    def _code_bytes(self, parts, shape):
+        # word [r, n] holds k = r*p .. r*p+p-1 from its lowest bits (little-endian: its bytes in k order, a
+        # 4-bit byte's low nibble the even k): the words transposed are the project's bytes
+        return parts["qweight"].T.contiguous().view(torch.uint8)
+
+    def _zero_scale_group(self, parts, shape):
         zero = unpack_int32(parts["qzeros"], self.bits, dim=1).to(torch.int16).T + self.zero_offset
-        group = check_group_ids(parts["g_idx"], ng)
-        return codes, zero, parts["scales"].to(torch.float32).T, group
+        group = check_group_ids(parts["g_idx"], self._groups(shape))
+        return zero, parts["scales"].to(torch.float32).T, group
 
 
 def gptq_from_config(q: dict) -> GPTQ:

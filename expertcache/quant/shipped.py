@@ -18,6 +18,7 @@ int4 / int8 kernels; otherwise they hold the shipped tensors and compute dequant
 from __future__ import annotations
 
 import re
+import sys
 from typing import ClassVar
 
 import torch
@@ -25,7 +26,10 @@ import torch
 from .groups import num_groups
 from .method import QuantMethod, Shape, proj_name
 from .methods import Int4, Int8
-from .nibbles import pack_nibbles
+from .nibbles import unpack_nibbles
+
+if sys.byteorder != "little":  # int32 words are read as their bytes
+    raise ImportError("expertcache.quant.shipped reads int32-packed checkpoints on little-endian machines only")
 
 
 class ShippedInt(QuantMethod):
@@ -33,16 +37,29 @@ class ShippedInt(QuantMethod):
 
     bits: int
     group: int  # columns per group; -1: one group per row
+    symmetric: bool = True  # zero points all 2^(b-1)
+    exact_groups: bool = True  # groups are contiguous runs of G columns (GPTQ: only without act-order)
+    zero_name: ClassVar[str] = "qzeros"  # the stored zero points' suffix (errors)
     rules: "ModuleRules | None" = None  # set by the config parser: other modules' parameters
-    exact_groups: ClassVar[bool] = True  # groups are contiguous by construction (GPTQ: only without act-order)
 
     def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         raise ValueError(f"{self.name} checkpoints are read as shipped, not written; "
                          "`expertcache quantize` writes the int4 / int8 formats")
 
+    def _code_bytes(self, parts: dict[str, torch.Tensor], shape: Shape) -> torch.Tensor:
+        """The codes as the project stores them: uint8 [N, K/2] two per byte, low nibble first along K
+        (4-bit), or uint8 [N, K] (8-bit); unsigned."""
+        raise NotImplementedError
+
+    def _zero_scale_group(self, parts: dict[str, torch.Tensor], shape: Shape):
+        """-> (zero int16 [N, ng], scale float32 [N, ng], group int64 [K])."""
+        raise NotImplementedError
+
     def _unpacked(self, parts: dict[str, torch.Tensor], shape: Shape):
         """-> (codes uint8 [N, K], zero int16 [N, ng], scale float32 [N, ng], group int64 [K])."""
-        raise NotImplementedError
+        zero, scale, group = self._zero_scale_group(parts, shape)
+        codes = self._code_bytes(parts, shape)
+        return (unpack_nibbles(codes) if self.bits == 4 else codes), zero, scale, group
 
     def group_size(self, k: int) -> int:
         return k if self.group == -1 else self.group
@@ -98,22 +115,20 @@ class ShippedInt(QuantMethod):
         p = proj_name(name)
         parts, shape = self._gather(stored, p)
         try:
-            codes, zero, scale, group = self._unpacked(parts, shape)
+            zero, scale, group = self._zero_scale_group(parts, shape)
         except BadValues as e:
             raise ValueError(f"{p}.{e}") from None
         K = shape[1]
         if not torch.equal(group, torch.arange(K) // tier.group):
             raise ValueError(f"{p}.g_idx does not put column k in group k // {self.group_size(K)} "
                              "although the config says desc_act false")
+        codes = self._code_bytes(parts, shape)
         if isinstance(tier, Int4):
-            return {"weight": pack_nibbles(codes), "weight_scale": scale, "weight_zero": zero.to(torch.uint8)}
+            return {"weight": codes, "weight_scale": scale, "weight_zero": zero.to(torch.uint8)}
         mid = 1 << (self.bits - 1)
         if not bool((zero == mid).all()):
             raise ValueError(f"{p}.{self.zero_name}: symmetric {self.bits}-bit zero points must all be {mid}")
-        return {"weight": (codes.to(torch.int16) - mid).to(torch.int8), "weight_scale": scale}
-
-    zero_name: ClassVar[str] = "qzeros"
-    symmetric: bool = True
+        return {"weight": (codes ^ mid).view(torch.int8), "weight_scale": scale}  # u - 128 as int8
 
 
 class BadValues(ValueError):
