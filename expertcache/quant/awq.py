@@ -55,13 +55,13 @@ class AWQ(ShippedInt):
         # byte q of `even` pairs position 2q of rows 2j (low nibble) and 2j+1: columns (0, 4, 1, 5)[q];
         # of `odd`, position 2q+1: columns (2, 6, 3, 7)[q] -- column = 4 * (q % 2) + 2 * odd + q // 2
         even = (a & 0x0F0F0F0F) | ((b & 0x0F0F0F0F) << 4)
-        odd = ((a >> 4) & 0x0F0F0F0F) | (b & _HIGH_NIBBLES)
+        odd = ((a >> 4) & 0x0F0F0F0F) | (b & _HIGH_NIBBLES.to(b.device))
         by = torch.stack((even, odd), dim=-1).view(torch.uint8).view(K // 2, N // 8, 2, 2, 2)  # [j, c, odd, q//2, q%2]
         return by.permute(1, 4, 2, 3, 0).reshape(N, K // 2)  # [c, q%2, odd, q//2, j] -> [N, K/2]
 
     def _zero_scale_group(self, parts, shape):
         zero = unpack_int32(parts["qzeros"], 4, dim=1, order=AWQ_ORDER).to(torch.int16).T
-        return zero, parts["scales"].to(torch.float32).T, torch.arange(shape[1]) // self.group
+        return zero, parts["scales"].to(torch.float32).T, torch.arange(shape[1], device=zero.device) // self.group
 
 
 _HIGH_NIBBLES = torch.tensor(0xF0F0F0F0 - (1 << 32), dtype=torch.int32)

@@ -61,12 +61,12 @@ class PackQuantized(ShippedInt):
         if parts["weight_shape"].tolist() != list(shape):
             raise BadValues(f"weight_shape is {parts['weight_shape'].tolist()} but the packed tensors hold "
                             f"{list(shape)}")
-        ng = self._groups(shape)
+        ng, device = self._groups(shape), parts["weight_scale"].device
         if self.symmetric:
-            zero = torch.full((shape[0], ng), 1 << (self.bits - 1), dtype=torch.int16)
+            zero = torch.full((shape[0], ng), 1 << (self.bits - 1), dtype=torch.int16, device=device)
         else:
             zero = unpack_int32(parts["weight_zero_point"], self.bits, dim=0).to(torch.int16)
-        group = torch.arange(shape[1]) // self.group_size(shape[1])
+        group = torch.arange(shape[1], device=device) // self.group_size(shape[1])
         return zero, parts["weight_scale"].to(torch.float32), group
 
 

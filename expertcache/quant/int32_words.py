@@ -30,5 +30,5 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=w.device)
     codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., m, per]; the mask drops sign bits
     if order is not None:
-        codes = codes[..., torch.argsort(torch.tensor(order))]  # element c sits at position order.index(c)
+        codes = codes[..., torch.argsort(torch.tensor(order, device=w.device))]  # element c sits at position order.index(c)
     return codes.to(torch.uint8).flatten(-2).movedim(-1, dim)

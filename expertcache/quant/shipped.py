@@ -119,7 +119,7 @@ class ShippedInt(QuantMethod):
         except BadValues as e:
             raise ValueError(f"{p}.{e}") from None
         K = shape[1]
-        if not torch.equal(group, torch.arange(K) // tier.group):
+        if not torch.equal(group, torch.arange(K, device=group.device) // tier.group):
             raise ValueError(f"{p}.g_idx does not put column k in group k // {self.group_size(K)} "
                              "although the config says desc_act false")
         codes = self._code_bytes(parts, shape)
