@@ -20,7 +20,7 @@ import torch
 
 import checkpoints
 import int4_packers as packers
-from expertcache import LLM, SamplingParams
+from expertcache import LLM, SamplingParams, kernels
 from expertcache.errors import CheckpointError, ConfigError
 from expertcache.plan.model import model_sizes, read_model
 
@@ -38,6 +38,11 @@ CASES = {
     "gptq4-channel-sym-v2": ("gptq", dict(quant_method="gptq", bits=4, group_size=-1, sym=True, desc_act=False,
                                           checkpoint_format="gptq_v2"),
                              dict(bits=4, group_size=-1, sym=True, v2=True), "int4"),
+    "gptq4-g32-ragged": ("gptq", dict(quant_method="gptq", bits=4, group_size=32, sym=False, desc_act=False),
+                         dict(bits=4, group_size=32, sym=False), "int4"),  # down_proj: 48 columns, 2 groups
+    "gptq8-asym-v2": ("gptq", dict(quant_method="gptq", bits=8, group_size=16, sym=False, desc_act=False,
+                                   checkpoint_format="gptq_v2"),
+                      dict(bits=8, group_size=16, sym=False, v2=True), "gptq"),  # no exact int8: kept as shipped
     "gptq8-g16-sym": ("gptq", dict(quant_method="gptq", bits=8, group_size=16, sym=True, desc_act=False),
                       dict(bits=8, group_size=16, sym=True), "int8"),
     "gptq4-act-order": ("gptq", dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=True),
@@ -115,12 +120,15 @@ def test_matches_dequantized_twin(case, tier, written, twin_results):
         # every tier holds the compact layout: int4 codes two per byte / int8 / the shipped int32 words
         pools = ([llm.experts.dev.buf, llm.experts.host.buf] if tier != "resident"
                  else [llm.experts.pools[layer] for layer in llm.source.layers])
+        bits = CASES[case][2].get("bits", 4)
         want = {"int4": (torch.uint8, (E, I, H // 2)), "int8": (torch.int8, (E, I, H)),
-                "gptq": (torch.int32, (E, H // 8, I))}[CASES[case][3]]
+                "gptq": (torch.int32, (E, H * bits // 32, I))}[CASES[case][3]]  # qweight [K/p, N]
         key = "gate.qweight" if CASES[case][3] == "gptq" else "gate.weight"
         for pool in pools:
             t = pool[key]
             assert (t.dtype, tuple(t.shape[-2:])) == (want[0], want[1][1:])
+        if tier == "resident" and kernels.backend() == "cpp":  # repacked experts run on the int4/int8 kernels
+            assert (llm.experts.kernel_moe_args(0, H) is not None) == (CASES[case][3] != "gptq")
         logits = llm.logits(SEQ)
         torch.testing.assert_close(logits, twin_logits, atol=2e-5 * twin_logits.abs().max().item(), rtol=0)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == twin_tokens
@@ -185,8 +193,6 @@ def test_exclusions_and_per_module_overrides(base, tmp_path):
                       num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)}})
     for fmt, qconfig, params_for in (("gptq", gq, gptq_params), ("compressed-tensors", cq, ct_params)):
         qdir, twin = packers.write(base, tmp_path / fmt, fmt, qconfig, None, params_for=params_for)
-        tensors = checkpoints.read_tensors(qdir)
-        assert "model.layers.1.self_attn.v_proj.qweight" in tensors or fmt != "gptq"
         llm, ref = LLM(str(qdir)), LLM(str(twin))
         torch.testing.assert_close(llm.logits(SEQ), ref.logits(SEQ), atol=1e-4, rtol=0)
 
@@ -239,6 +245,16 @@ def test_layouts_that_lie_are_errors_naming_the_tensor(written, tmp_path):
         return t
     with pytest.raises(CheckpointError, match=rf"{EXPERT0}\.down_proj\.weight_shape is \[64, 40\]"):
         LLM(str(_edit(ct, tmp_path, "wshape", wrong_shape)))
+
+
+def test_exclusions_must_match_the_tensors(written, tmp_path):
+    qdir, _ = written("gptq4-g16-asym")
+    # the config says a module is left unquantized, the checkpoint holds it quantized
+    with pytest.raises(CheckpointError, match=r"self_attn\.k_proj\.qweight is quantized but .* leaves module"):
+        LLM(str(_edit(qdir, tmp_path, "excl", modules_to_not_convert=["model.layers.1.self_attn.k_proj"])))
+    # routed experts under a per-module override: refused (one layout for every expert)
+    with pytest.raises(ConfigError, match=r"routed expert module model\.layers\.0\.mlp\.experts\.0\.down_proj"):
+        LLM(str(_edit(qdir, tmp_path, "dyn", dynamic={r"+:.*experts.*down_proj": {"bits": 8}})))
 
 
 def test_unsupported_settings_are_refused(written, tmp_path):
