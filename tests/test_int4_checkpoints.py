@@ -166,6 +166,15 @@ def test_plan_counts_the_shipped_bytes(case, written):
     total = sum(t.nbytes for t in checkpoints.read_tensors(qdir).values())
     assert sizes.dense_stored == total - one * L * E
     assert sizes.stored_dtype == CASES[case][0]
+    # the fastest tier: int4 by the layout legend (codes N*K/2, fp32 scale + uint8 zero per row and group)
+    # for the repacked layouts, the shipped bytes for act-order GPTQ
+    if CASES[case][3] == "int4":
+        G = CASES[case][2].get("group_size", -1)
+        one_proj = lambda N, K: N * K // 2 + N * (1 if G == -1 else -(-K // G)) * 5  # noqa: E731
+        assert sizes.expert_fast == 2 * one_proj(I, H) + one_proj(H, I)
+        assert sizes.fast_format == f"int4, repacked from {CASES[case][0]}"
+    else:
+        assert sizes.expert_fast == one
 
 
 def test_exclusions_and_per_module_overrides(base, tmp_path):
