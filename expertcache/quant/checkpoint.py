@@ -111,7 +111,8 @@ def _read(t: TensorInfo) -> torch.Tensor:
 @dataclass(frozen=True)
 class PackedInfo(TensorInfo):
     """A dense module stored in a shipped integer layout, seen as its float weight [out, in]: dtype
-    the scales' float dtype, nbytes the stored tensors' bytes; `load_dense` dequantizes it."""
+    float32 (what `load_dense` dequantizes it to, so the engine's dense estimate holds), nbytes the
+    stored tensors' bytes."""
 
     module: str = ""
     method: QuantMethod | None = None
@@ -139,7 +140,6 @@ def index_quantized_dense(index: TensorIndex, method: QuantMethod | None, skip: 
             m.check_stored(module, shape, {k: (t.shape, t.dtype) for k, t in parts.items()})
         except ValueError as e:
             raise CheckpointError(f"{p.file.name}: {e}") from None
-        dtype = parts[next(k for k in parts if "scale" in k)].dtype
         index.drop(parts[k].name for k in parts)
-        index.tensors[f"{module}.weight"] = PackedInfo(f"{module}.weight", p.file, dtype, shape, p.offset,
+        index.tensors[f"{module}.weight"] = PackedInfo(f"{module}.weight", p.file, torch.float32, shape, p.offset,
                                                        sum(t.nbytes for t in parts.values()), module, m, parts)
