@@ -33,7 +33,8 @@ if sys.byteorder != "little":  # int32 words are read as their bytes
 
 
 class ShippedInt(QuantMethod):
-    """Base of the shipped integer layouts; subclasses define `_layout`, `_shape_of`, `_unpacked`."""
+    """Base of the shipped integer layouts; subclasses define `_layout`, `_shape_of`, `_code_bytes` and
+    `_zero_scale_group` (the unpacked form of the module legend, split in the codes and the rest)."""
 
     bits: int
     group: int  # columns per group; -1: one group per row
