@@ -179,7 +179,8 @@ def test_plan_counts_the_shipped_bytes(case, written):
 
 def test_exclusions_and_per_module_overrides(base, tmp_path):
     """GPTQ: modules_to_not_convert leaves layer 0's q_proj bf16, GPTQModel's dynamic makes every v_proj
-    8-bit; compressed-tensors: a second config group gives o_proj 8 bits, `ignore` leaves k_proj."""
+    8-bit; compressed-tensors: two config groups by regex (o_proj 8-bit first, then experts and
+    attention 4-bit; the router and lm_head match none), `ignore` leaves k_proj."""
     def gptq_params(module):
         if module == "model.layers.0.self_attn.q_proj":
             return None
@@ -198,7 +199,7 @@ def test_exclusions_and_per_module_overrides(base, tmp_path):
                                                                                  "re:.*k_proj$"],
               config_groups={"g8": {"targets": ["re:.*o_proj$"], "weights": dict(
                   num_bits=8, type="int", symmetric=True, strategy="group", group_size=16)},
-                  "g4": {"targets": ["Linear"], "weights": dict(
+                  "g4": {"targets": ["re:.*experts.*", "re:.*self_attn.*"], "weights": dict(
                       num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)}})
     for fmt, qconfig, params_for in (("gptq", gq, gptq_params), ("compressed-tensors", cq, ct_params)):
         qdir, twin = packers.write(base, tmp_path / fmt, fmt, qconfig, None, params_for=params_for)

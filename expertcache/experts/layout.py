@@ -186,6 +186,12 @@ class ExpertSource:
         cfg, m = self.cfg, self.method
         H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         shapes = {"gate": (I, H), "up": (I, H), "down": (H, I), "gate_up": (2 * I, H)}
+        if isinstance(m, ShippedInt):  # the config's rules say which parameters the experts have
+            module = f"{self.moe_prefix(self.layers[0], names)}.experts.0.{names.expert_projs[0]}"
+            m = self.method = self.stored_method = m.method_for(module)
+            if m is None:
+                raise ConfigError(f"config.json: quantization_config leaves routed expert module {module} "
+                                  "unquantized; unquantized experts in a quantized checkpoint are not supported")
         parts: dict[str, Part] = {}
         used: set[str] = set()  # the experts' tensors (the rest of a shipped layout is dense)
         fused_any = False
@@ -255,7 +261,7 @@ class ExpertSource:
                 for proj in (g, u, d):
                     if m.method_for(f"{base}.{j}.{proj}") is not m:
                         raise ConfigError(f"config.json: quantization_config gives routed expert module "
-                                          f"{base}.{j}.{proj} other parameters than the default (an exclusion or "
+                                          f"{base}.{j}.{proj} other parameters than {base}.0.{g} (an exclusion or "
                                           "per-module override); routed experts must share one layout")
         tier = m.tier(max(self.cfg.hidden_size, self.cfg.moe_intermediate_size))
         if tier is None:

@@ -96,10 +96,5 @@ def pack_quantized_from_config(q: dict) -> PackQuantized:
     # a layer-class target ("Linear") matches every module; names and regexes are matched first
     named = [(t, m) for t, m in methods if t != "Linear"]
     default = next((m for t, m in methods if t == "Linear"), None)
-    if default is None:
-        default = named[0][1]
-        ModuleRules(default, excluded=q.get("ignore") or [], overrides=named)
-        default.rules.default = None  # no class-wide group: an unmatched module is unquantized
-    else:
-        ModuleRules(default, excluded=q.get("ignore") or [], overrides=named)
-    return default
+    ModuleRules(default, excluded=q.get("ignore") or [], overrides=named)
+    return default or named[0][1]  # any of them: each answers method_for for every module

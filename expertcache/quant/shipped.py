@@ -149,9 +149,12 @@ class ModuleRules:
     match wins); patterns are regular expressions (re.match) or plain names (the module or its
     last components)."""
 
-    def __init__(self, default: ShippedInt, excluded=(), overrides=()):
+    def __init__(self, default: ShippedInt | None, excluded=(), overrides=()):
+        """default None: a module no override matches is unquantized."""
         self.default, self.excluded, self.overrides = default, list(excluded), list(overrides)
-        default.rules = self
+        for m in [default] + [m for _, m in self.overrides]:
+            if m is not None:
+                m.rules = self  # every method answers method_for for the whole checkpoint
 
     @staticmethod
     def matches(pattern: str, module: str) -> bool:
