@@ -279,3 +279,17 @@ def test_unsupported_settings_are_refused(written, tmp_path):
     gq, _ = written("gptq4-g16-asym")
     with pytest.raises(ConfigError, match="gptq bits=3 is not supported"):
         LLM(str(_edit(gq, tmp_path, "bits3", bits=3)))
+
+
+def test_format_per_config_group(written, twin_results, tmp_path):
+    """Newer compressed-tensors write `format: mixed-precision` and the format in each config group."""
+    ct, _ = written("ct-w4a16-g16")
+    groups = json.loads((ct / "config.json").read_text())["quantization_config"]["config_groups"]
+    groups["group_0"]["format"] = "pack-quantized"
+    llm = LLM(str(_edit(ct, tmp_path, "mixed", format="mixed-precision", config_groups=groups)))
+    twin_logits = twin_results("ct-w4a16-g16")[0]
+    torch.testing.assert_close(llm.logits(SEQ), twin_logits, atol=2e-5 * twin_logits.abs().max().item(), rtol=0)
+    groups["group_1"] = {"targets": ["re:.*o_proj$"], "format": "float-quantized",
+                         "weights": dict(num_bits=8, type="float", strategy="channel")}
+    with pytest.raises(ConfigError, match="compressed-tensors mixes the formats"):
+        LLM(str(_edit(ct, tmp_path, "mixed2", format="mixed-precision", config_groups=groups)))

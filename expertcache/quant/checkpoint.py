@@ -40,7 +40,7 @@ def method_from_config(hf: dict) -> QuantMethod | None:
         return gptq_from_config(q)
     if kind == "awq":
         return awq_from_config(q)
-    if kind == "compressed-tensors" and q.get("format") == "pack-quantized":
+    if kind == "compressed-tensors" and _pack_quantized(q):
         return pack_quantized_from_config(q)
     try:
         if kind == "fp8":
@@ -64,6 +64,17 @@ def method_from_config(hf: dict) -> QuantMethod | None:
         raise ConfigError(f"config.json: quantization_config {q}: {e}") from None
     raise ConfigError(f"config.json: quantization_config.quant_method={kind!r} is not supported "
                       "(supported: fp8, compressed-tensors, mxfp4, expertcache, gptq, awq)")
+
+
+def _pack_quantized(q: dict) -> bool:
+    """compressed-tensors `format` pack-quantized, at the top or (format mixed-precision) in every group."""
+    if q.get("format") != "mixed-precision":
+        return q.get("format") == "pack-quantized"
+    formats = {g.get("format") for g in (q.get("config_groups") or {}).values()}
+    if "pack-quantized" in formats and formats != {"pack-quantized"}:
+        raise ConfigError(f"config.json: compressed-tensors mixes the formats {sorted(map(str, formats))}; "
+                          "supported: pack-quantized in every group")
+    return formats == {"pack-quantized"}
 
 
 def load_dense(index: TensorIndex, name: str, shape: tuple[int, ...], method: QuantMethod | None) -> torch.Tensor:
