@@ -47,6 +47,9 @@ CASES = {
                       dict(bits=8, group_size=16, sym=True), "int8"),
     "gptq4-act-order": ("gptq", dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=True),
                         dict(bits=4, group_size=16, sym=False, desc_act=True), "gptq"),
+    "gptq4-static-groups": ("gptq", dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=True,
+                                         static_groups=True),
+                            dict(bits=4, group_size=16, sym=False), "int4"),  # act-order, groups in order
     "awq-g16": ("awq", dict(quant_method="awq", bits=4, group_size=16, zero_point=True, version="gemm"),
                 dict(group_size=16), "int4"),
     "ct-w4a16-g16": ("compressed-tensors", dict(

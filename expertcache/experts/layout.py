@@ -263,7 +263,14 @@ class ExpertSource:
                         raise ConfigError(f"config.json: quantization_config gives routed expert module "
                                           f"{base}.{j}.{proj} other parameters than {base}.0.{g} (an exclusion or "
                                           "per-module override); routed experts must share one layout")
-        tier = m.tier(max(self.cfg.hidden_size, self.cfg.moe_intermediate_size))
+        # act-order in the config: the first expert's g_idx says whether the groups are contiguous anyway
+        # (GPTQ's static groups); every later read checks its own
+        first = f"{self.moe_prefix(self.layers[0], names)}.experts.0"
+        in_order = None if m.exact_groups else all(
+            torch.equal(self.index.load(f"{first}.{proj}.g_idx").long(),
+                        torch.arange(shapes[canon][1]) // m.group_size(shapes[canon][1]))
+            for canon, proj in zip(("gate", "up", "down"), (g, u, d)))
+        tier = m.tier(max(self.cfg.hidden_size, self.cfg.moe_intermediate_size), in_order)
         if tier is None:
             return
         self.method = tier

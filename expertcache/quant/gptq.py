@@ -10,7 +10,9 @@ G = group_size, K when -1; ng = ceil(K/G)):
 `checkpoint_format` "gptq" (v1, the common one) stores every zero point minus one; "gptq_v2"
 stores it as is. Symmetric checkpoints have zero 2^(b-1). Without act-order (desc_act false)
 g_idx must be k // G, and the weight repacks into the project's int4 / int8 layout; with it,
-the tiers keep these tensors and compute dequantizes through g_idx.
+the tiers keep these tensors and compute dequantizes through g_idx, unless the first expert's
+g_idx is k // G anyway (act-order with static groups): then experts repack too
+(experts/layout.py, `ShippedInt.tier`).
 """
 
 from __future__ import annotations

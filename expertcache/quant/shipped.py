@@ -97,10 +97,11 @@ class ShippedInt(QuantMethod):
         return self if self.rules is None else self.rules.method_for(module)
 
     # ---- the project's layout --------------------------------------------------------------
-    def tier(self, max_in: int) -> QuantMethod | None:
+    def tier(self, max_in: int, in_order: bool | None = None) -> QuantMethod | None:
         """The project method an expert of this layout repacks into exactly (experts' input dims up to
-        `max_in`), or None: the tiers keep the shipped tensors."""
-        if not self.exact_groups:
+        `max_in`), or None: the tiers keep the shipped tensors. `in_order`: whether the groups were
+        found contiguous (act-order checkpoints quantized with static groups are), default: the config's word."""
+        if not (self.exact_groups if in_order is None else in_order):
             return None
         g = self.group if self.group != -1 else max_in + max_in % 2  # one group per row: G >= every K
         if self.bits == 4:
@@ -121,8 +122,8 @@ class ShippedInt(QuantMethod):
             raise ValueError(f"{p}.{e}") from None
         K = shape[1]
         if not torch.equal(group, torch.arange(K, device=group.device) // tier.group):
-            raise ValueError(f"{p}.g_idx does not put column k in group k // {self.group_size(K)} "
-                             "although the config says desc_act false")
+            raise ValueError(f"{p}.g_idx does not put column k in group k // {self.group_size(K)} although the "
+                             "config says desc_act false (or the first expert's groups were in that order)")
         codes = self._code_bytes(parts, shape)
         if isinstance(tier, Int4):
             return {"weight": codes, "weight_scale": scale, "weight_zero": zero.to(torch.uint8)}
