@@ -293,8 +293,15 @@ def test_block_size_in_config_vs_scale_shape(fp8_shipped, tmp_path):
 
 
 def test_unknown_quant_method(fp8_shipped, tmp_path):
+    path = broken(fp8_shipped, tmp_path, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ConfigError, match=r"quant_method.*'bitsandbytes'"):
+        LLM(str(path))
+
+
+def test_config_layout_without_its_tensors(fp8_shipped, tmp_path):
+    """A config naming GPTQ over fp8 tensors: the first expert tensor GPTQ needs is named as missing."""
     path = broken(fp8_shipped, tmp_path, quantization_config={"quant_method": "gptq", "bits": 4})
-    with pytest.raises(ConfigError, match=r"quant_method.*'gptq'"):
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.0\.mlp\.experts\.0\.gate_proj\.qweight"):
         LLM(str(path))
 
 
@@ -303,7 +310,7 @@ def test_unsupported_compressed_tensors_scheme(ragged, tmp_path):
     qcfg = json.loads((shipped / "config.json").read_text())["quantization_config"]
     qcfg["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4, strategy="group", group_size=128)
     checkpoints.edit_config(shipped, quantization_config=qcfg)
-    with pytest.raises(ConfigError, match="compressed-tensors weights"):
+    with pytest.raises(ConfigError, match="compressed-tensors format .* weights .* not supported"):
         LLM(str(shipped))
 
 

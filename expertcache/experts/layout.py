@@ -6,7 +6,11 @@ Shapes (I = moe intermediate size, H = hidden size):
 
 Quantized experts (a QuantMethod from expertcache.quant) are kept as stored: one part per
 stored tensor, named "<gate|up|down>.<suffix>" (e.g. "gate.weight", "gate.weight_scale"),
-and every tier holds those bytes; compute dequantizes (see compute.expert_ffn).
+and every tier holds those bytes; compute dequantizes (see compute.expert_ffn). A shipped
+integer layout (GPTQ, AWQ, compressed-tensors pack-quantized) that repacks exactly into the
+project's int4/int8 layout is repacked per expert as it is read (`StoredRanges`: the reader reads
+the shipped bytes, `convert` writes the tier's parts), so the tiers and the kernels see int4/int8
+and the disk keeps the one shipped copy; `stored_parts` / `stored_nbytes` are the shipped tensors.
 
 Both checkpoint layouts reduce to at most three contiguous byte ranges per expert:
   hub:   layers.{l}.mlp.experts.{j}.gate_proj.weight / up_proj / down_proj (one tensor each)
@@ -30,6 +34,8 @@ from .. import kernels
 from ..errors import CheckpointError, ConfigError
 from ..loader.safetensors_index import TensorIndex
 from ..loader.checks import SKIP_HINT, nonfinite_parts
+from ..quant.checkpoint import index_quantized_dense
+from ..quant.shipped import ShippedInt
 from ..spec.model_config import ModelConfig
 from ..spec.weights import WeightNames
 from .compute import ExpertFFN
@@ -68,6 +74,24 @@ def _slice(t, j: int, n: int) -> Range:
     return (t.file, t.offset + j * t.nbytes // n, t.nbytes // n)
 
 
+class StoredRanges(dict):
+    """One expert's byte ranges {stored part: [Range]} when the tiers hold another layout: the reader
+    (loader.disk.DiskReader.read_parts) reads them into `scratch()`, then `convert(raw, dst)` writes
+    the tier's parts."""
+
+    __slots__ = ("source", "key")
+
+    def __init__(self, ranges: dict, source: "ExpertSource", key: tuple[int, int]):
+        super().__init__(ranges)
+        self.source, self.key = source, key
+
+    def scratch(self) -> dict[str, torch.Tensor]:
+        return {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.source.stored_parts}
+
+    def convert(self, raw: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> None:
+        self.source.convert(*self.key, raw, dst)
+
+
 class ExpertSource:
     """Byte ranges of every routed expert of a checkpoint (from the headers alone)."""
 
@@ -83,6 +107,7 @@ class ExpertSource:
         self._checked: set[tuple[int, int]] = set()
         dtype = None
         self.bias_parts: tuple[Part, ...] = ()
+        self.stored_method = method  # the checkpoint's layout (self.method: the tiers', after a repack)
         if method is not None:
             self._quantized(names)
             return
@@ -131,6 +156,7 @@ class ExpertSource:
         self.dtype = dtype or torch.float32
         self.parts = (Part("gate_up", gu_shape, self.dtype), Part("down", dn_shape, self.dtype)) + self.bias_parts
         self.expert_nbytes = sum(p.nbytes for p in self.parts)
+        self.stored_parts, self.stored_nbytes = self.parts, self.expert_nbytes
         self.ffn = self._ffn(names, transposed=tr, fused_quant=False)
 
     def _ffn(self, names: WeightNames, transposed: bool, fused_quant: bool) -> ExpertFFN:
@@ -160,7 +186,14 @@ class ExpertSource:
         cfg, m = self.cfg, self.method
         H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         shapes = {"gate": (I, H), "up": (I, H), "down": (H, I), "gate_up": (2 * I, H)}
+        if isinstance(m, ShippedInt):  # the config's rules say which parameters the experts have
+            module = f"{self.moe_prefix(self.layers[0], names)}.experts.0.{names.expert_projs[0]}"
+            m = self.method = self.stored_method = m.method_for(module)
+            if m is None:
+                raise ConfigError(f"config.json: quantization_config leaves routed expert module {module} "
+                                  "unquantized; unquantized experts in a quantized checkpoint are not supported")
         parts: dict[str, Part] = {}
+        used: set[str] = set()  # the experts' tensors (the rest of a shipped layout is dense)
         fused_any = False
         for layer in self.layers:
             prefix = self.moe_prefix(layer, names)
@@ -190,7 +223,9 @@ class ExpertSource:
                         if not _fits(shape, t.dtype, spec):
                             raise CheckpointError(
                                 f"{t.file.name}: tensor {name} is {t.dtype} {list(t.shape)}, but {m.name} experts "
-                                f"need {spec.dtype} {list(spec.shape)}{' per expert' if fused else ''}")
+                                f"need {spec.dtype} {list(spec.shape)}{' per expert' if fused else ''}"
+                                f"{m.shape_hint(shapes[canon])}")
+                        used.add(name)
                         part = Part(key, spec.shape, t.dtype)
                         if parts.setdefault(key, part) != part:
                             raise CheckpointError(f"tensor {name}: {t.dtype} differs from other experts' {parts[key].dtype}")
@@ -206,9 +241,55 @@ class ExpertSource:
         if fused_any and any(k.split(".")[0] in ("gate", "up") for k in parts):
             raise CheckpointError(f"{self.index.model_dir}: layers mix the fused and per-expert quantized layouts")
         self.parts = tuple(parts.values()) + self.bias_parts
+        self.stored_parts = self.parts
+        self.stored_nbytes = sum(p.nbytes for p in self.parts)
+        if isinstance(m, ShippedInt):
+            self._shipped(names, m, shapes)
+        index_quantized_dense(self.index, m, used)
         self.dtype = self.parts[0].dtype
         self.expert_nbytes = sum(p.nbytes for p in self.parts)
         self.ffn = self._ffn(names, transposed=False, fused_quant=fused_any)
+
+    def _shipped(self, names: WeightNames, m: ShippedInt, shapes: dict) -> None:
+        """A shipped integer layout: every routed expert module under the default parameters (the config's
+        exclusions and per-module overrides must leave them alone), then the repack into the project
+        layout where it is exact (the tiers' parts become that layout's)."""
+        g, u, d = names.expert_projs
+        for layer in self.layers:
+            base = f"{self.moe_prefix(layer, names)}.experts"
+            for j in range(self.cfg.num_experts):
+                for proj in (g, u, d):
+                    if m.method_for(f"{base}.{j}.{proj}") is not m:
+                        raise ConfigError(f"config.json: quantization_config gives routed expert module "
+                                          f"{base}.{j}.{proj} other parameters than {base}.0.{g} (an exclusion or "
+                                          "per-module override); routed experts must share one layout")
+        # act-order in the config: the first expert's g_idx says whether the groups are contiguous anyway
+        # (GPTQ's static groups); every later read checks its own
+        first = f"{self.moe_prefix(self.layers[0], names)}.experts.0"
+        in_order = None if m.exact_groups else all(
+            torch.equal(self.index.load(f"{first}.{proj}.g_idx").long(),
+                        torch.arange(shapes[canon][1]) // m.group_size(shapes[canon][1]))
+            for canon, proj in zip(("gate", "up", "down"), (g, u, d)))
+        tier = m.tier(max(self.cfg.hidden_size, self.cfg.moe_intermediate_size), in_order)
+        if tier is None:
+            return
+        self.method = tier
+        self._projs = dict(zip(("gate", "up", "down"), (g, u, d)))
+        self.parts = tuple(Part(key, spec.shape, spec.dtype) for canon in ("gate", "up", "down")
+                           for key, spec in tier.layout(canon, shapes[canon]).items())
+        for key, ranges in self._ranges.items():
+            self._ranges[key] = StoredRanges(ranges, self, key)
+
+    def convert(self, layer: int, expert: int, raw: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> None:
+        """Expert (layer, expert)'s shipped tensors `raw` -> its tier parts, written into `dst` (exact)."""
+        for canon, proj in self._projs.items():
+            try:
+                parts = self.stored_method.repack(raw, canon, self.method)
+            except ValueError as e:
+                prefix = self._names[layer, expert].split("{", 1)[0]
+                raise CheckpointError(f"{self.index.model_dir}: tensor {prefix}{proj}{str(e)[len(canon):]}") from None
+            for suffix, t in parts.items():
+                dst[f"{canon}.{suffix}"].copy_(t)
 
     def compute_parts(self, dtype: torch.dtype, device: torch.device | str | None = None) -> tuple[Part, ...]:
         """Parts as the fastest tier holds them: quantized as stored; plain weights as stored where the
@@ -251,9 +332,9 @@ class ExpertSource:
         return self._ranges[layer, expert]
 
     def read(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Read one expert with buffered preads (stored dtype, CPU). The disk tier has the fast path."""
+        """Read one expert with buffered preads (the tiers' parts, CPU). The disk tier has the fast path."""
         out = {}
-        for part in self.parts:
+        for part in self.stored_parts:
             buf = bytearray(part.nbytes)
             pos = 0
             for path, off, n in self.ranges(layer, expert)[part.name]:
@@ -262,8 +343,13 @@ class ExpertSource:
                     f.readinto(memoryview(buf)[pos:pos + n])
                 pos += n
             out[part.name] = torch.frombuffer(buf, dtype=torch.uint8).view(part.dtype).view(part.shape)
-        return out
+        if self.stored_parts is self.parts:
+            return out
+        dst = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.parts}
+        self.convert(layer, expert, out, dst)
+        return dst
 
     @property
     def total_nbytes(self) -> int:
-        return self.expert_nbytes * len(self.layers) * self.cfg.num_experts
+        """Every routed expert's bytes on disk (the shipped tensors)."""
+        return self.stored_nbytes * len(self.layers) * self.cfg.num_experts

@@ -102,7 +102,16 @@ class DiskReader:
         return self.pool.submit(self.read_into, ranges, dst)
 
     def read_parts(self, ranges: dict[str, list], dst: dict[str, torch.Tensor]) -> None:
-        """One expert: every part `name` of dst from ranges[name]."""
+        """One expert: every part `name` of dst from ranges[name]. Ranges of another layout than dst's
+        (they have `convert`, e.g. experts.layout.StoredRanges) are read into their `scratch()` tensors,
+        then converted into dst."""
+        convert = getattr(ranges, "convert", None)
+        if convert is not None:
+            raw = ranges.scratch()
+            for name, t in raw.items():
+                self.read_into(ranges[name], t)
+            convert(raw, dst)
+            return
         for name, t in dst.items():
             self.read_into(ranges[name], t)
 

@@ -82,11 +82,13 @@ def model_sizes(info: ModelInfo, dtype: torch.dtype, device: torch.device | None
     fast_parts = src.compute_parts(dtype, device)
     fast = sum(p.nbytes for p in fast_parts)
     method = src.method.name if src.method is not None else None
+    stored = src.stored_method.name if src.stored_method is not None else None  # a shipped layout's own name
     return Sizes(dense_stored=dense_stored, dense_compute=int(dense_compute), experts_stored=src.total_nbytes,
-                 expert_stored=src.expert_nbytes, expert_fast=fast,
+                 expert_stored=src.stored_nbytes, expert_fast=fast,
                  expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
-                 stored_dtype=method or str(src.dtype).removeprefix("torch."),
-                 fast_format=f"{method}, as stored" if method else str(fast_parts[0].dtype).removeprefix("torch.")
+                 stored_dtype=stored or str(src.dtype).removeprefix("torch."),
+                 fast_format=(f"{method}, as stored" if method == stored else f"{method}, repacked from {stored}")
+                 if method else str(fast_parts[0].dtype).removeprefix("torch.")
                  + (", as stored" if fast_parts[0].dtype != dtype else ""),
                  quantized=method,
                  kv_per_token=KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.kv_token_shapes, dtype),

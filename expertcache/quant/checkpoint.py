@@ -7,17 +7,28 @@ Recognised `quantization_config.quant_method` values:
                       {type: float, num_bits: 8, strategy: tensor | channel})
   mxfp4               per-expert `*.weight_blocks` / `*.weight_scales` (OCP MX, GPT-OSS encoding)
   expertcache         written by `expertcache quantize`: {"experts": format, "group_size"?, "block_size"?}
-Routed experts stay quantized in every tier. Dense weights that are stored as fp8 are
-dequantized once at load with their own scale tensor.
+  gptq                GPTQ int32-packed 4/8-bit (quant/gptq.py), act-order included
+  awq                 AWQ GEMM 4-bit (quant/awq.py)
+  compressed-tensors  format pack-quantized: int 4/8-bit, strategy group or channel (quant/compressed.py)
+Routed experts stay quantized in every tier (the shipped integer layouts repacked into the
+project's int4/int8 layout where exact: quant/shipped.py). Dense weights that are stored
+quantized are dequantized once at load: fp8 with its own scale tensor; a shipped integer
+module appears in the index as one float tensor `<module>.weight` (`index_quantized_dense`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..loader.safetensors_index import TensorIndex
+from ..loader.safetensors_index import TensorIndex, TensorInfo
+from .awq import awq_from_config
+from .compressed import pack_quantized_from_config
+from .gptq import gptq_from_config
 from .method import QuantMethod, make_quant_method
+from .shipped import ShippedInt
 
 
 def method_from_config(hf: dict) -> QuantMethod | None:
@@ -25,6 +36,12 @@ def method_from_config(hf: dict) -> QuantMethod | None:
     if not q:
         return None
     kind = q.get("quant_method")
+    if kind == "gptq":
+        return gptq_from_config(q)
+    if kind == "awq":
+        return awq_from_config(q)
+    if kind == "compressed-tensors" and _pack_quantized(q):
+        return pack_quantized_from_config(q)
     try:
         if kind == "fp8":
             return make_quant_method("fp8", block_size=list(q.get("weight_block_size") or [128, 128]))
@@ -32,8 +49,9 @@ def method_from_config(hf: dict) -> QuantMethod | None:
             groups = list((q.get("config_groups") or {}).values())
             w = (groups[0] if groups else {}).get("weights") or {}
             if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") not in ("tensor", "channel"):
-                raise ConfigError(f"config.json: compressed-tensors weights {w} are not supported "
-                                  "(supported: float 8-bit, strategy tensor or channel)")
+                raise ConfigError(f"config.json: compressed-tensors format {q.get('format')!r} weights {w} are not "
+                                  "supported (supported: float 8-bit, strategy tensor or channel; format "
+                                  "pack-quantized int 4/8-bit)")
             return make_quant_method(f"fp8-{w['strategy']}")
         if kind == "mxfp4":
             return make_quant_method("mxfp4")
@@ -45,7 +63,18 @@ def method_from_config(hf: dict) -> QuantMethod | None:
             raise
         raise ConfigError(f"config.json: quantization_config {q}: {e}") from None
     raise ConfigError(f"config.json: quantization_config.quant_method={kind!r} is not supported "
-                      "(supported: fp8, compressed-tensors, mxfp4, expertcache)")
+                      "(supported: fp8, compressed-tensors, mxfp4, expertcache, gptq, awq)")
+
+
+def _pack_quantized(q: dict) -> bool:
+    """compressed-tensors `format` pack-quantized, at the top or (format mixed-precision) in every group."""
+    if q.get("format") != "mixed-precision":
+        return q.get("format") == "pack-quantized"
+    formats = {g.get("format") for g in (q.get("config_groups") or {}).values()}
+    if "pack-quantized" in formats and formats != {"pack-quantized"}:
+        raise ConfigError(f"config.json: compressed-tensors mixes the formats {sorted(map(str, formats))}; "
+                          "supported: pack-quantized in every group")
+    return formats == {"pack-quantized"}
 
 
 def load_dense(index: TensorIndex, name: str, shape: tuple[int, ...], method: QuantMethod | None) -> torch.Tensor:
@@ -55,6 +84,12 @@ def load_dense(index: TensorIndex, name: str, shape: tuple[int, ...], method: Qu
     and errors name those tensors and their file.
     """
     t = index.info(name, shape)
+    if isinstance(t, PackedInfo):
+        stored = {f"{t.module}.{suffix}": _read(part) for suffix, part in t.parts.items()}
+        try:
+            return t.method.dequantize(stored, t.module)
+        except ValueError as e:
+            raise CheckpointError(f"{t.file.name}: {e}") from None
     if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return index.load(name, shape)
     if method is None or method.name not in ("fp8", "fp8-channel", "fp8-tensor"):
@@ -71,3 +106,51 @@ def load_dense(index: TensorIndex, name: str, shape: tuple[int, ...], method: Qu
         return method.dequantize(stored, base)
     except ValueError as e:
         raise CheckpointError(f"{t.file.name}: {e}") from None
+
+
+def _read(t: TensorInfo) -> torch.Tensor:
+    """One stored tensor of a PackedInfo (no longer in the index under its own name)."""
+    buf = bytearray(t.nbytes)
+    with open(t.file, "rb", buffering=0) as f:
+        f.seek(t.offset)
+        if f.readinto(buf) != t.nbytes:
+            raise CheckpointError(f"{t.file}: short read of tensor {t.name}: file truncated?")
+    return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(t.shape) if t.nbytes else \
+        torch.empty(t.shape, dtype=t.dtype)
+
+
+@dataclass(frozen=True)
+class PackedInfo(TensorInfo):
+    """A dense module stored in a shipped integer layout, seen as its float weight [out, in]: dtype
+    float32 (what `load_dense` dequantizes it to, so the engine's dense estimate holds), nbytes the
+    stored tensors' bytes."""
+
+    module: str = ""
+    method: QuantMethod | None = None
+    parts: dict | None = None  # suffix -> TensorInfo of the stored tensor
+
+
+def index_quantized_dense(index: TensorIndex, method: QuantMethod | None, skip: set[str]) -> None:
+    """Every quantized dense module of a shipped integer layout (a `<module>.<primary>` tensor not in
+    `skip`, the routed experts' tensors) replaces its stored tensors in `index` by one PackedInfo
+    `<module>.weight` (bytes counted once, as stored). A module the config excludes, or one whose
+    tensors do not match its layout, is an error naming the tensor."""
+    if not isinstance(method, ShippedInt):
+        return
+    primary = f".{method.primary}"
+    for name in [n for n in index.tensors if n.endswith(primary) and n not in skip]:
+        module = name[: -len(primary)]
+        m = method.method_for(module)
+        p = index.info(name)
+        if m is None:
+            raise CheckpointError(f"{p.file.name}: tensor {name} is quantized but config.json's quantization_config "
+                                  f"leaves module {module} unquantized")
+        try:
+            shape = m.weight_shape(p.shape, module)
+            parts = {key.rsplit(".", 1)[1]: index.info(key) for key in m.layout(module, shape)}
+            m.check_stored(module, shape, {k: (t.shape, t.dtype) for k, t in parts.items()})
+        except ValueError as e:
+            raise CheckpointError(f"{p.file.name}: {e}") from None
+        index.drop(parts[k].name for k in parts)
+        index.tensors[f"{module}.weight"] = PackedInfo(f"{module}.weight", p.file, torch.float32, shape, p.offset,
+                                                       sum(t.nbytes for t in parts.values()), module, m, parts)

@@ -92,7 +92,7 @@ def make_quant_method(name: str, **params: Any) -> "QuantMethod":
     return cls(**params)
 
 
-def _proj(name: str) -> str:
+def proj_name(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
@@ -133,10 +133,14 @@ class QuantMethod:
     def _shape_hint(self, shape: Shape) -> str:
         return ""
 
+    def shape_hint(self, shape: Shape) -> str:
+        """What in the checkpoint's config sets the stored shapes of a weight of `shape` ("" if nothing)."""
+        return self._shape_hint(shape)
+
     # ---- public API -------------------------------------------------------
     def layout(self, name: str, shape: Shape) -> dict[str, TensorSpec]:
         """Stored tensors `{"P.suffix": TensorSpec}` for projection `name` of weight `shape` [out, in]."""
-        p = _proj(name)
+        p = proj_name(name)
         return {f"{p}.{k}": v for k, v in self._layout(self._check_shape(shape)).items()}
 
     def nbytes(self, shape: Shape) -> int:
@@ -157,7 +161,7 @@ class QuantMethod:
             self._check_shape(tuple(w.shape), key)
             if not bool(torch.isfinite(w).all()):
                 raise ValueError(f"{key}: weight has NaN or inf values; refusing to quantize it to {self.name}")
-            p = _proj(key)
+            p = proj_name(key)
             for suffix, t in self._quantize(w.detach().to(torch.float32)).items():
                 stored[f"{p}.{suffix}"] = t.contiguous()
         return stored
@@ -170,13 +174,13 @@ class QuantMethod:
         With `out` (contiguous float32 [out, in], e.g. a reusable buffer) the
         result is written there and `out` is returned.
         """
-        parts, shape = self._gather(stored, _proj(name))
+        parts, shape = self._gather(stored, proj_name(name))
         if out is None:
             device = parts[self.primary].device
             out = torch.empty(shape, dtype=torch.float32, device=device)
         elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(
-                f"out buffer for {_proj(name)} must be contiguous float32 {list(shape)}, "
+                f"out buffer for {proj_name(name)} must be contiguous float32 {list(shape)}, "
                 f"got {out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ' (non-contiguous)'}"
             )
         return self._dequant(parts, out)
@@ -187,7 +191,7 @@ class QuantMethod:
         """x float32 [T, in] -> x @ W^T float32 [T, out] (dequantize into `buf`, then matmul)."""
         w = self.dequantize(stored, name, out=buf)
         if x.shape[-1] != w.shape[1]:
-            raise ValueError(f"{_proj(name)}: input has {x.shape[-1]} features, weight expects {w.shape[1]}")
+            raise ValueError(f"{proj_name(name)}: input has {x.shape[-1]} features, weight expects {w.shape[1]}")
         return torch.nn.functional.linear(x.to(torch.float32), w)
 
     # ---- validation -------------------------------------------------------
