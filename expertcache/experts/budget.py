@@ -135,7 +135,7 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
     dev_parts = source.parts if low_memory and device.type == "cpu" else source.compute_parts(dtype, device)
     dev_bytes = sum(p.nbytes for p in dev_parts)
-    lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(source.expert_nbytes)} = "
+    lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(source.stored_nbytes)} = "
              f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "
              f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})"]
     auto_dev = 0
