@@ -57,7 +57,7 @@ from common import hardware_line, timed_generate  # noqa: E402
 CACHED = ("default", "sync-lru", "cpu-moe", "cpu-compute-off", "torch-moe")
 CONFIGS = ("resident", *CACHED)
 LINE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
-MARGIN = 1 << 30  # activations, workspace, the CUDA allocator's slack under the cap
+MARGIN = 256 << 20  # above the engine's device plan (which counts activations, context and slack)
 
 
 def parse_line(line: str) -> dict | None:
@@ -92,8 +92,8 @@ def options(name: str, share: float, ctx) -> dict:
         return {**cache, "host_memory": ctx["host_slot_bytes"] * (E - 1), "cache_policy": "lru", "prefetch": "off",
                 "cpu_compute": "never", "overlap_io": False, "prefill_admit_tokens": 1 << 30}
     if name == "cpu-moe":
-        # top_k device slots per layer (+ the staging slot CUDA reserves): the smallest plan there is
-        return {**cache, "device_memory": ctx["dev_slot_bytes"] * ctx["top_k"] + ctx["staging"],
+        # top_k device slots per layer: the smallest plan there is (plan.model.budget_for_slots)
+        return {**cache, "device_memory": ctx["top_k_budget"],
                 "prefetch": "off", "cpu_compute": "always"}
     raise ValueError(f"unknown configuration {name!r}; choose one of {', '.join(CONFIGS)}")
 
@@ -133,29 +133,30 @@ class SyncCounter:
 
 def run_one(args) -> int:
     from expertcache import LLM, SamplingParams
-    from expertcache.experts.layout import ExpertSource
     from expertcache.llm import default_dtype
-    from expertcache.loader.safetensors_index import TensorIndex
-    from expertcache.models.registry import read_config
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    family, cfg, _ = read_config(args.model)
-    source = ExpertSource(TensorIndex(args.model), cfg, family.names)
+    from expertcache.engine.device_plan import EngineShape, GpuSpec
+    from expertcache.plan.model import budget_for_slots, device_plan, read_model
+
+    info = read_model(args.model)
+    cfg, source = info.cfg, info.source
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
-    dev_expert = sum(p.nbytes for p in source.compute_parts(default_dtype(device), device))
-    ctx = {"num_experts": E, "top_k": K, "dev_slot_bytes": dev_expert * L, "host_slot_bytes": source.expert_nbytes * L,
-           "staging": dev_expert if cuda else 0}
+    dtype = default_dtype(device)
+    # the KV cache: two sequences of max_model_len (k and v per layer), given to the engine as its budget
+    kv = 2 * args.max_model_len * 2 * L * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    shape = EngineShape(args.max_model_len, kv_cache_memory=kv)
+    gpu = GpuSpec.from_device(device) if cuda else None
+    ctx = {"num_experts": E, "top_k": K, "host_slot_bytes": source.stored_nbytes * L,
+           "top_k_budget": budget_for_slots(info, device, dtype, K, shape, gpu)}
     kw = options(args.one, args.share, ctx)
     experts_bytes = source.total_nbytes
-    # the KV cache: two sequences of max_model_len (k and v per layer), given to the engine as its budget
-    kv = 2 * args.max_model_len * 2 * L * cfg.num_kv_heads * cfg.head_dim * default_dtype(device).itemsize
     cap = 0
     if cuda and args.one != "resident":
-        from expertcache.experts.budget import dense_compute_bytes
-
-        dense = dense_compute_bytes(source.index, default_dtype(device), device)
-        cap = dense + kv + int(args.share * experts_bytes) + dev_expert + MARGIN
+        # the engine's own device plan for this configuration is the cap (every term counted there)
+        plan = device_plan(info, device, dtype, kw["device_memory"], kw.get("host_memory", "auto"), shape, gpu)
+        cap = plan.total + MARGIN
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     head = f"gpu_check config={args.one} routing={args.routing}"

@@ -61,9 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="write the routing trace (.npz, see `expertcache trace`) when the command ends")
     g = p.add_argument_group("expert cache")
     g.add_argument("--device-memory", default=None,
-                   help="budget for experts in the fastest tier (device slots), e.g. 512MiB, 25%% (of all the "
-                        "routed experts' bytes), or 'auto'; "
-                        "omit all cache flags to keep every expert resident")
+                   help="on cuda: everything the engine takes on the GPU (dense weights, KV cache, activations, "
+                        "logits, expert slots, context), e.g. 8GiB, or 'auto' (free VRAM less 512 MiB); on cpu: "
+                        "the fastest expert tier, e.g. 512MiB; 25%% = that share of the routed experts' bytes in "
+                        "the fastest tier; omit all cache flags to keep every expert resident")
     g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, 50%%, or 'auto'; "
                                                        "0 needs --low-memory")
     g.add_argument("--cache-policy", default=None, choices=ONLINE,

@@ -28,7 +28,7 @@ from expertcache.engine.device_plan import EngineShape
 from expertcache.experts.layout import ExpertSource
 from expertcache.loader.disk import DiskReader
 from expertcache.loader.safetensors_index import TensorIndex
-from expertcache.plan.model import device_plan, read_model
+from expertcache.plan.model import budget_for_slots, device_plan, read_model
 from test_gpt_oss_layout import EXPERT_BYTES as GPT_OSS_EXPERT, write_hub_layout
 
 GiB = 1 << 30
@@ -374,3 +374,18 @@ def test_cuda_allocations_match_the_plan(opts, checkpoint):
         assert ledger.total <= reserved <= plan.total - plan.terms["cuda_context"], (reserved, plan.terms)
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("slots", [4, 5, 11])
+def test_budget_for_slots_gives_exactly_that_many(gpt_oss_20b, slots):
+    """The whole-engine budget for N slots per layer (used by the GPU tests and the device check)."""
+    info = read_model(gpt_oss_20b)
+    gpu = card("a100-80gb")
+    b = budget_for_slots(info, CUDA, torch.bfloat16, slots, gpu=gpu)
+    p = device_plan(info, CUDA, torch.bfloat16, b, "auto", gpu=gpu)
+    assert p.experts.device.slots == slots and p.total <= b
+    # on the CPU the budget is the expert tier alone: the slots and the half-slot margin, nothing else
+    cpu = torch.device("cpu")
+    b = budget_for_slots(info, cpu, torch.float32, slots)
+    assert device_plan(info, cpu, torch.float32, b, "auto").experts.device.slots == slots
+    assert b < (slots + 1) * 24 * device_plan(info, cpu, torch.float32, b, "auto").experts.device.expert_bytes

@@ -114,6 +114,18 @@ def device_plan(info: ModelInfo, device: torch.device, dtype: torch.dtype, devic
     return plan_device(info.source, info.names, device, dtype, shape, options, gpu)
 
 
+def budget_for_slots(info: ModelInfo, device: torch.device, dtype: torch.dtype, slots: int,
+                     shape: EngineShape | None = None, gpu: GpuSpec | None = None, host_memory="auto") -> int:
+    """The --device-memory that gives exactly `slots` expert slots per layer for these options: on CUDA
+    (the engine's total) every other term of the plan plus the slots, on the CPU (the expert tier alone)
+    the slots; plus half a layer's worth of one more slot as margin for a CUDA context measured a
+    little differently at start-up."""
+    p = device_plan(info, device, dtype, "100%", host_memory, shape, gpu)
+    layer_slot = len(info.source.layers) * p.experts.device.expert_bytes
+    others = sum(v for k, v in p.terms.items() if k != "expert_slots") if device.type == "cuda" else 0
+    return others + slots * layer_slot + layer_slot // 2
+
+
 def resolve_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dtype]:
     """Device and compute dtype as LLM picks them (float32 on CPU, bfloat16 on CUDA by default)."""
     dev = torch.device(device)
