@@ -180,7 +180,12 @@ def test_json_keys_are_stable(ckpt, capsys):
     assert list(r["kv"]) == ["bytes_per_token", "device_free", "tokens_in_device_free", "state_bytes_per_sequence",
                              "auto_max_model_len", "auto_max_num_seqs", "auto_tokens", "auto_bytes"]
     assert list(r["speed"]) == ["profile", "profile_source", "step_overhead_ms", "layer_overhead_ms", "source", "synthetic", "from_disk", "low", "high",
-                                "band_tok_s"]
+                                "band_tok_s", "schedule"]
+    if r["device"] == "cuda" and not r["plan"]["resident"]:  # the schedule model's four combinations
+        assert sorted((e["cpu_compute"], e["prefetch"]) for e in r["speed"]["schedule"]) == [
+            (False, False), (False, True), (True, False), (True, True)]
+    else:
+        assert r["speed"]["schedule"] is None
     assert list(r["speed"]["low"]) == ["policy", "prefetch", "hit_rate", "tok_s"]
     lo, hi = r["speed"]["band_tok_s"]
     assert 0 < lo <= hi
