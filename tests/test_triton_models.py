@@ -160,3 +160,35 @@ def test_moe_kernel_is_not_a_cache_only_option():
 
     cfg = CacheConfig.from_options(moe_kernel="triton")
     assert not cfg.tiered and cfg.moe_kernel == "triton" and cfg.cache_only_options() == []
+
+
+def test_auto_chosen_triton_falls_back_to_torch_on_failure(monkeypatch, capsys):
+    """An auto-chosen Triton kernel that fails (say, a compile error on a GPU it was never built for)
+    hands the layer to the torch code with one note; an explicit choice raises."""
+    import dataclasses
+
+    from expertcache.experts import compute
+    from expertcache.kernels import triton_moe
+
+    torch.manual_seed(0)
+    E, H, I, T, K = 4, 16, 8, 5, 2
+    pool = {"gate_up": torch.randn(E, 2 * I, H), "down": torch.randn(E, H, I)}
+    x, slots = torch.randn(T, H), torch.randint(0, E, (T, K))
+    w = torch.rand(T, K)
+    expected = compute.moe_ffn(x, slots, w, pool, ffn=compute.SWIGLU)
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX assembly failed\ndetails")
+
+    monkeypatch.setattr(triton_moe, "fused_moe", broken)
+    monkeypatch.setattr(compute, "TRITON_FAILED", [])
+    explicit = dataclasses.replace(compute.SWIGLU, kernel="triton")
+    with pytest.raises(RuntimeError, match="PTX"):
+        compute.moe_ffn(x, slots, w, pool, ffn=explicit)
+    auto = dataclasses.replace(explicit, kernel_fallback=True)
+    got = compute.moe_ffn(x, slots, w, pool, ffn=auto)
+    assert torch.equal(got, expected)
+    assert compute.TRITON_FAILED == ["RuntimeError: PTX assembly failed"]
+    assert capsys.readouterr().err.count("fused Triton MoE kernel failed") == 1
+    assert torch.equal(compute.moe_ffn(x, slots, w, pool, ffn=auto), expected)  # no second try, no second note
+    assert "failed" not in capsys.readouterr().err

@@ -27,6 +27,7 @@ GPT-OSS variant in two launches, no host read; on CUDA, or on the CPU under TRIT
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -58,7 +59,9 @@ class ExpertFFN:
     than all gate rows then all up rows. transposed: plain parts stored [in, out] (gate_up [H, 2I],
     down [I, H]). fused_quant: quantized parts are "gate_up.*" and "down.*" (not "gate.*", "up.*").
     alpha, limit: clamped_swiglu's parameters. kernel: "torch" or "triton", what moe_ffn computes a
-    pool with (a resolved MOE_KERNELS choice)."""
+    pool with (a resolved MOE_KERNELS choice); kernel_fallback: the triton kernel was chosen by `auto`, so
+    a failure of it (a compile error on a GPU it was never built for) falls back to torch with a note
+    for the rest of the process instead of ending the request."""
 
     act: str = "silu"
     interleaved: bool = False
@@ -67,6 +70,7 @@ class ExpertFFN:
     alpha: float = 1.0
     limit: float = float("inf")
     kernel: str = "torch"
+    kernel_fallback: bool = False
 
     def __post_init__(self):
         if self.act not in ACTIVATIONS:
@@ -99,7 +103,7 @@ def with_moe_kernel(ffn: ExpertFFN, choice: str, device: torch.device | str, met
 
     why = triton_moe.unavailable_reason(device) or triton_moe.supported(method)
     if why is None:
-        return replace(ffn, kernel="triton")
+        return replace(ffn, kernel="triton", kernel_fallback=choice == "auto")
     if choice == "auto":
         return replace(ffn, kernel="torch")
     raise ConfigError(f"moe_kernel='triton': {why}")
@@ -146,6 +150,9 @@ def grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0) and dtype in (torch.bfloat16, torch.float32)
 
 
+TRITON_FAILED: list[str] = []  # the first failure of an auto-chosen Triton kernel in this process
+
+
 def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
             method=None, out: torch.Tensor | None = None, ffn: ExpertFFN = SWIGLU,
             host: bool = False) -> torch.Tensor:
@@ -155,12 +162,18 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     (experts/host_routing.py: the only device -> host read here). With ffn.kernel "triton" the pool
     is computed by the fused Triton kernel on the device (no host read; a host `slots` is copied over)."""
     T, K = slots.shape
-    if ffn.kernel == "triton":
+    if ffn.kernel == "triton" and not (ffn.kernel_fallback and TRITON_FAILED):
         from ..kernels.triton_moe import fused_moe  # at first use: triton is optional and slow to import
 
-        if slots.device != x.device:  # the host ids' slots: one non-blocking copy from pinned memory
-            slots = to_device(slots, x.device)
-        return fused_moe(x, slots, weights, pool, method, ffn, out=out)
+        try:  # the host ids' slots: one non-blocking copy from pinned memory
+            return fused_moe(x, to_device(slots, x.device) if slots.device != x.device else slots, weights, pool,
+                             method, ffn, out=out)
+        except Exception as e:  # noqa: BLE001 - any failure of an auto-chosen kernel: torch computes instead
+            if not ffn.kernel_fallback or isinstance(e, torch.OutOfMemoryError):
+                raise
+            TRITON_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            print(f"note: the fused Triton MoE kernel failed ({TRITON_FAILED[0]}); computing experts with the "
+                  "torch code for the rest of this process (--moe-kernel torch chooses it up front)", file=sys.stderr)
     if out is None:  # the kernel starts from a zeroed output of its own (no torch call per layer)
         out = kernels.moe_out(x, slots, weights, pool, method, ffn)
         if out is not None:
