@@ -8,7 +8,7 @@
     trace synth OUT --layers --experts --top-k --tokens [--seqs] --zipf --reuse [--shift-every] [--seed]
     trace import JSONL OUT.npz --num-experts E [--model NAME] [--expert-bytes BYTES]
     trace export TRACE OUT.jsonl
-    trace simulate TRACE --capacity K --profile NAME|FILE.toml[:NAME] [--policy P]
+    trace simulate TRACE --capacity K --profile NAME|FILE.toml[:NAME] [--policy P] [--schedule]
                    [--model-config config.json] [--prefetch] [--no-cpu-compute] [--from-disk] [--json]
 
 --budget is the device budget for all MoE layers together:
@@ -146,6 +146,8 @@ def _cmd_simulate(args) -> int:
             raise ValueError("simulate: the trace has no expert_bytes; pass --model-config")
         shape = ModelShape(expert_params=trace.expert_bytes // 2, dense_params=0)
         print("note: no --model-config, dense compute ignored", file=sys.stderr)
+    if args.schedule:
+        return _print_schedule(args, trace, shape, prof)
     res = replay(trace, args.policy, args.capacity, prefetch=args.prefetch, with_min=False)
     pred = simulate(res, shape, prof, cpu_compute=not args.no_cpu_compute, from_disk=args.from_disk)
     if args.json:
@@ -154,6 +156,32 @@ def _cmd_simulate(args) -> int:
         print(f"{prof.name}: {pred.tok_s:.1f} tok/s (hit rate {res.hit_rate:.3f})")
         for k, v in pred.to_dict().items():
             print(f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}")
+    return 0
+
+
+def _print_schedule(args, trace, shape, prof) -> int:
+    """`simulate --schedule`: the schedule model (copies, device MoE, the CPU job and prefetch on their
+    own queues, as the CUDA executor runs them) instead of the first-order sum."""
+    from .simulate import simulate_schedule
+
+    if args.from_disk:
+        raise ValueError("simulate --schedule: the schedule model keeps every expert in host RAM; drop --from-disk")
+    if not args.model_config:
+        raise ValueError("simulate --schedule: pass --model-config (the schedule model needs the hidden size)")
+    hidden = json.loads(Path(args.model_config).read_text()).get("hidden_size")
+    if not isinstance(hidden, int):
+        raise ValueError(f"simulate --schedule: {args.model_config} has no integer hidden_size")
+    pred = simulate_schedule(trace, shape, prof, args.policy, args.capacity, hidden,
+                             cpu_compute=not args.no_cpu_compute, prefetch=args.prefetch)
+    out = {"profile": prof.name, "tok_s": pred.tok_s, "decode_s": pred.decode_s, "decode_rows": pred.decode_rows,
+           "misses_on_cpu": pred.misses_on_cpu, "misses_admitted": pred.misses_admitted, "critical": pred.critical}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{prof.name}: {pred.tok_s:.1f} tok/s (schedule model)")
+        for k, v in out.items():
+            if k not in ("profile", "tok_s"):
+                print(f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}")
     return 0
 
 
@@ -231,6 +259,9 @@ def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefetch", action="store_true")
     p.add_argument("--no-cpu-compute", action="store_true")
     p.add_argument("--from-disk", action="store_true", help="experts not held in host RAM")
+    p.add_argument("--schedule", action="store_true",
+                   help="the schedule model (copies, device MoE, the CPU job, prefetch overlapping as the CUDA "
+                        "executor runs them; needs a GPU profile and --model-config)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_wrap(_cmd_simulate))
     return tp
