@@ -63,8 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-memory", default=None,
                    help="on cuda: everything the engine takes on the GPU (dense weights, KV cache, activations, "
                         "logits, expert slots, context), e.g. 8GiB, or 'auto' (free VRAM less 512 MiB); on cpu: "
-                        "the fastest expert tier, e.g. 512MiB; 25%% = that share of the routed experts' bytes in "
-                        "the fastest tier; omit all cache flags to keep every expert resident")
+                        "the fastest expert tier, e.g. 512MiB; 25%% (of all the routed experts' bytes) puts that "
+                        "share in the fastest tier; omit all cache flags to keep every expert resident")
     g.add_argument("--host-memory", default=None, help="budget for experts in host RAM, e.g. 2GiB, 50%%, or 'auto'; "
                                                        "0 needs --low-memory")
     g.add_argument("--cache-policy", default=None, choices=ONLINE,
