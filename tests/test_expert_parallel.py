@@ -188,16 +188,45 @@ def _check_equal(llm, single):
     assert _samples(llm) == single["samples"]
 
 
+def _listening_sockets(pids) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp{,6} write them) of the TCP sockets `pids` listen on."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # state LISTEN
+                out.append(f[1])
+    return out
+
+
+LOOPBACK = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1 and ::1
+
+
 @pytest.mark.parametrize("world", [2, 3])  # 3 does not divide the 16 experts
 def test_ranks_equal_single_process(ep_checkpoint, single, world):
     llm = LLM(str(ep_checkpoint), expert_parallel=world)
     try:
+        # the rendezvous is a file store in a private directory, and every rank listens on loopback only
+        store = llm.group.store_dir
+        assert store.is_dir() and store.stat().st_mode & 0o777 == 0o700 and store.stat().st_uid == os.getuid()
+        listening = _listening_sockets([os.getpid()] + [p.pid for p in llm.group.procs])
+        assert listening and all(a.startswith(LOOPBACK) for a in listening), listening
         _check_equal(llm, single)
         ep = llm.expert_stats()["expert_parallel"]
         assert ep["world_size"] == world and sum(ep["pairs_per_rank_last_step"]) > 0
         assert {r["rank"] for r in ep["ranks"]} == set(range(world))
     finally:
         llm.close()
+    assert not store.exists()  # removed at close
 
 
 def _generate_switching_at_step_6(llm, placement) -> list[int]:
@@ -295,7 +324,10 @@ def test_peer_tier_serves_misses_and_equals_single_process(ep_checkpoint, single
         assert ep["peer_bytes_in"] == ep["peer_bytes_out"] > 0  # every byte received was sent by a rank
         per_rank = [r["cache"]["per_tier"]["peer"]["hits"] for r in ep["ranks"]]
         assert sum(per_rank) == ep["peer_hits"] and s["per_tier"]["peer"]["hits"] == per_rank[0]
-        assert all(r["cache"]["per_tier"]["disk"]["bytes_read"] >= 0 for r in ep["ranks"])
+        # tiny budgets: every rank also read from its disk, whole experts (peer hits taken off)
+        nbytes = llm.source.expert_nbytes
+        assert all(r["cache"]["per_tier"]["disk"]["bytes_read"] > 0 for r in ep["ranks"])
+        assert all(r["cache"]["per_tier"]["disk"]["bytes_read"] % nbytes == 0 for r in ep["ranks"])
         assert per_rank[0] > 0 and _slot_bytes_equal_checkpoint(llm, llm.experts.peer.received) > 0
     finally:
         llm.close()
