@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -22,8 +23,9 @@ from serving import free_port
 from expertcache import LLM, SamplingParams
 from expertcache.parallel import ExpertParallelError, ParallelConfig, balanced_placement, static_placement
 from expertcache.parallel.peer import plan_transfers
-from expertcache.parallel.placement import (assign_ranks, balanced_layer, capacities, coactivation, rank_loads,
-                                            worth_moving)
+from expertcache.parallel.experts import ExpertParallelExperts
+from expertcache.parallel.placement import (Placement, assign_ranks, balanced_layer, capacities, coactivation,
+                                            expected_balance, rank_loads, worth_moving)
 
 PROMPTS = [list(range(5, 25)), [7, 3, 9, 11, 40, 41, 42], list(range(60, 97))]
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -98,6 +100,43 @@ def test_replicas_split_tokens_evenly():
     t, c = p.rank_table(0)
     ids = torch.zeros(10, 1, dtype=torch.int64)  # every token to expert 0, held by both ranks
     assert assign_ranks(ids, t, c).reshape(-1).bincount(minlength=2).tolist() == [5, 5]
+
+
+def test_worth_moving_takes_a_placement_only_past_a_5_percent_gain():
+    """Hand loads on 2 ranks x 4 experts: current {0,1}|{2,3} has max/mean 150/100 = 1.5; the new
+    {0,2}|{1,3} lowers it by 4.9% (1.4265: kept) or 5.1% (1.4235: moved)."""
+    cur = Placement(2, {0: ((0,), (0,), (1,), (1,))})
+    new = Placement(2, {0: ((0,), (1,), (0,), (1,))})
+    for c, gain in ((42.65, 0.049), (42.35, 0.051)):
+        load = torch.tensor([[100.0, 50.0, c, 50.0 - c]])
+        assert expected_balance(cur, load, [0]) == pytest.approx(1.5)
+        assert expected_balance(new, load, [0]) == pytest.approx(1.5 * (1 - gain))
+        assert worth_moving(cur, new, load, [0]) is (gain > 0.05)
+    # a uniform load: the static split is already perfect, so EPLB's own proposal is never taken
+    uniform = torch.full((2, 16), 7.0)
+    static = static_placement([0, 1], 16, 2)
+    assert not worth_moving(static, balanced_placement(uniform, [0, 1], 2, 2, version=1), uniform, [0, 1])
+
+
+def _eplb_provider(window_load):
+    """Rank 0's ExpertParallelExperts on 2 ranks (no processes: control() only reads its own state)
+    with `window_load` [L, E] in its load window and EPLB due at this step."""
+    group = types.SimpleNamespace(rank=0, world_size=2)
+    local = types.SimpleNamespace(wants_prefetch=False)
+    cfg = ParallelConfig(2, num_redundant_experts=2, eplb=True, eplb_window_size=4, eplb_step_interval=5)
+    ep = ExpertParallelExperts(group, local, static_placement([0, 1], 16, 2), cfg, [0, 1], 16)
+    ep.window.append(window_load)
+    ep.steps = 5
+    return ep
+
+
+def test_eplb_control_moves_under_skew_and_stays_under_uniform_load():
+    assert _eplb_provider(torch.full((2, 16), 7, dtype=torch.int64)).control() == {}
+    skew = torch.ones(2, 16, dtype=torch.int64)
+    skew[:, 0] = 200  # expert 0 of each layer on rank 0 gets most of the pairs
+    ctl = _eplb_provider(skew).control()
+    new = ctl["placement"]
+    assert new.version == 1 and len(new.replicas[0][0]) == 2  # the hot expert replicated on both ranks
 
 
 def test_bad_parallel_options_are_refused():
@@ -333,18 +372,17 @@ def test_peer_tier_serves_misses_and_equals_single_process(ep_checkpoint, single
         llm.close()
 
 
-def test_killed_rank_is_named_within_the_timeout(ep_checkpoint):
+def test_killed_rank_is_named_not_waited_out(ep_checkpoint):
     """The death is detected (the lost connection, the exited process), not waited out: the error names
-    the rank well before the step timeout. (The timeout itself is generous so that a rank starved by a
-    loaded machine during the first generation is not mistaken for a hung one.)"""
-    llm = LLM(str(ep_checkpoint), expert_parallel=ParallelConfig(2, timeout_s=60))
+    the rank and its exit code, which only the process watch knows (a timeout would say that a rank did
+    not answer within 600 s, and this test would take ten minutes)."""
+    llm = LLM(str(ep_checkpoint), expert_parallel=ParallelConfig(2, timeout_s=600))
     try:
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0))
         os.kill(llm.group.procs[0].pid, signal.SIGKILL)
-        t = time.monotonic()
-        with pytest.raises(ExpertParallelError, match="rank 1 exited with code -9"):
+        with pytest.raises(ExpertParallelError, match="rank 1 exited with code -9") as info:
             llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0))
-        assert time.monotonic() - t < 20
+        assert "did not answer" not in str(info.value)
     finally:
         llm.close()
 
