@@ -18,6 +18,7 @@ import types
 import pytest
 import torch
 
+from safetensors_reference import checkpoint_experts, independent_slot_checks, same_bytes
 from serving import free_port
 
 from expertcache import LLM, SamplingParams
@@ -199,6 +200,12 @@ def test_zero_row_lm_head_on_the_kernels():
 
 
 # -- engines ----------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _slot_checks_read_safetensors(monkeypatch):
+    """Rank 0's verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
+    independent_slot_checks(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def ep_checkpoint(checkpoint):
     return checkpoint("qwen3_moe", num_experts=16, num_experts_per_tok=2, num_hidden_layers=3)
@@ -301,12 +308,13 @@ def test_rearrangement_mid_generation_with_replicas(ep_checkpoint, single, peer)
             assert ep["bytes_rearranged_peer"] > 0 and ep["bytes_rearranged"] == 0
         else:
             assert ep["bytes_rearranged"] > 0 and ep["bytes_rearranged_peer"] == 0
-        local = llm.experts.local  # rank 0's pools after the moves: the checkpoint's bytes
+        local = llm.experts.local  # rank 0's pools after the moves: the checkpoint's bytes (safetensors)
+        ckpt = checkpoint_experts(str(ep_checkpoint))
         for layer, experts in llm.experts.placement.owned(0).items():
             for e in experts:
-                ref = llm.source.read(layer, e)
+                ref = ckpt.read(layer, e, list(local.pools[layer]))
                 for name, t in local.pools[layer].items():
-                    assert torch.equal(t[int(local.slot_of[layer][e])], ref[name]), (layer, e, name)
+                    assert same_bytes(t[int(local.slot_of[layer][e])], ref[name]), (layer, e, name)
     finally:
         llm.close()
 
@@ -334,9 +342,9 @@ def _slot_bytes_equal_checkpoint(llm, received) -> int:
         got = cache.stored_bytes(layer, e)
         if got is None:
             continue
-        ref = llm.source.read(layer, e)
+        ref = checkpoint_experts(str(llm.model_dir)).read(layer, e, list(got))
         for name, t in got.items():
-            assert torch.equal(t.cpu().view(torch.uint8), ref[name].view(torch.uint8)), (layer, e, name)
+            assert same_bytes(t, ref[name]), (layer, e, name)
         checked += 1
     cache.check(contents=True)  # and every slot of both tiers
     return checked

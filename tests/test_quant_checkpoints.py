@@ -35,6 +35,13 @@ from expertcache.quant.fp8_channel import quantize_fp8_channel
 from expertcache.quant.mxfp4 import quantize_mxfp4
 from expertcache.quantize.rewrite import quantize_checkpoint
 from test_quant_e2e import dequantized_dense_checkpoint
+from safetensors_reference import independent_slot_checks
+
+
+@pytest.fixture(autouse=True)
+def _slot_checks_read_safetensors(monkeypatch):
+    """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
+    independent_slot_checks(monkeypatch)
 
 B = 32
 RAGGED = dict(hidden_size=80, head_dim=20, num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=48,
