@@ -58,6 +58,24 @@ def test_logprobs_equal_log_softmax_of_logits(qwen3_llm):
         _check_entry(cached.logprobs[j], ref[len(prompt) - 1 + j], tok, 1)
 
 
+def test_logprobs_come_before_penalties_biases_and_temperature(qwen3_llm):
+    """With a frequency penalty, a large logit bias and a sampling temperature, each chosen token's
+    logprob (and the top alternatives) is still the model's own log_softmax of the unmodified logits
+    (README: "before penalties, biases, grammar masks and temperature"), while the choice itself is
+    steered: the biased token is the first one chosen."""
+    llm = qwen3_llm
+    prompt = _prompt(20, seed=5)
+    plain = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    biased_tok = next(t for t in range(3, 300) if t != plain)
+    p = SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=2, ignore_eos=True, frequency_penalty=1.5,
+                       presence_penalty=0.5, logit_bias={biased_tok: 100.0})
+    out = llm.generate([prompt], p)[0]
+    assert out.token_ids[0] == biased_tok  # the bias reached the choice ...
+    ref = torch.log_softmax(llm.logits(prompt + out.token_ids), dim=-1)
+    for j, tok in enumerate(out.token_ids):  # ... but not the reported logprobs
+        _check_entry(out.logprobs[j], ref[len(prompt) - 1 + j], tok, 2)
+
+
 def test_prompt_logprobs_across_prefill_chunks(qwen3_checkpoint):
     llm = LLM(str(qwen3_checkpoint), max_num_batched_tokens=16, max_model_len=128)
     prompt = _prompt(45, seed=3)
