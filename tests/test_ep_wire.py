@@ -47,6 +47,13 @@ def test_step_message_round_trips_exactly():
     assert ctl["empty"].shape == (0, 7) and torch.equal(ctl["mask"], msg[3]["mask"])
 
 
+def test_numpy_counters_arrive_as_numbers():
+    import numpy as np
+
+    got = decode(encode({"hits": np.int64(7), "rate": np.float64(0.5), "per_layer": np.arange(3)}))
+    assert got == {"hits": 7, "rate": 0.5, "per_layer": [0, 1, 2]} and type(got["hits"]) is int
+
+
 def test_dtype_keys_are_not_a_way_in():
     # a dtype is not plain data: refused like any other object
     with pytest.raises(WireError, match="cannot send a dtype"):

@@ -6,7 +6,8 @@ bytes of every tensor the message holds. Decoding runs `json.loads` and rebuilds
 an `ExpertParallelError`, never code run in the receiver (pickle would run any callable it names).
 
 Encodable: None, bool, int, float, str, list, tuple, dict (any encodable keys), torch.Tensor
-(any device; decoded on the CPU), and the registered NamedTuples / dataclasses of `TYPES`.
+(any device; decoded on the CPU), and the registered NamedTuples / dataclasses of `TYPES`; numpy
+scalars and arrays (counters) arrive as Python numbers and lists.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import torch
 
 from ..errors import ExpertCacheError
@@ -58,6 +60,8 @@ def decode(buf: torch.Tensor):
 def _pack(x, tensors: list):
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
+    if isinstance(x, (np.generic, np.ndarray)):
+        return x.tolist()
     if isinstance(x, torch.Tensor):
         tensors.append(x)
         offset = sum(t.numel() * t.element_size() for t in tensors[:-1])
