@@ -76,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off", help="turn prefetch off")
     g.add_argument("--cpu-compute", choices=["auto", "always", "never"], default=None,
                    help="compute missing experts on the CPU from host RAM: auto (cost model), always, never")
+    g.add_argument("--moe-kernel", choices=["auto", "triton", "torch"], default=None,
+                   help="what computes the experts in device memory (with or without a budget): triton = the fused "
+                        "Triton MoE (CUDA; on --device cpu only under TRITON_INTERPRET=1, for tests), torch = "
+                        "torch/C++ kernels, auto = triton on CUDA where it is installed (default)")
     g.add_argument("--load-expert-stats", default=None, metavar="FILE", help="warm start from saved expert statistics")
     g.add_argument("--save-expert-stats", default=None, metavar="FILE", help="save expert use statistics at exit")
     add_parallel_args(p)
@@ -130,7 +134,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               low_memory=args.low_memory, record_routing=args.record_routing, check_finite=args.check_finite,
               lm_head=args.lm_head, cpu_math=args.cpu_math, dense=args.dense)
     cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
-             "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats}
+             "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats, "moe_kernel": args.moe_kernel}
     if args.prefetch is not None:
         cache["prefetch"] = args.prefetch
     kw.update({k: v for k, v in cache.items() if v is not None})

@@ -23,6 +23,7 @@ from .engine.sequence import Sequence
 from .engine.state_cache import StateCache
 from .engine.tokenizer import Tokenizer
 from .errors import CheckpointError, ConfigError
+from .experts.compute import with_moe_kernel
 from .experts.config import CacheConfig
 from .experts.layout import ExpertSource
 from .experts.provider import ResidentExperts
@@ -90,6 +91,7 @@ class LLM:
         self.quant = method_from_config(self.hf_config)
         self.source = ExpertSource(self.index, self.cfg, self.family.names, self.quant)
         self.source.check_finite = check_finite  # experts: at their first read into any tier
+        self.source.ffn = with_moe_kernel(self.source.ffn, self.cache_config.moe_kernel, self.device, self.quant)
         self.parallel = self.group = None
         if expert_parallel is not None and self.cfg.linear_attn is not None:
             raise ConfigError(f"expert_parallel: {self.family.name} is a hybrid linear-attention model; "

@@ -1,6 +1,9 @@
-"""The Triton fused MoE kernel under TRITON_INTERPRET=1 (CPU tensors) against a per-pair reference:
-every slot format (fp32, bf16, fp8 per-channel, mxfp4), ragged token counts, empty and repeated
-slots, and non-resident experts (slot -1, which must contribute nothing)."""
+"""The Triton fused MoE kernel under TRITON_INTERPRET=1 (CPU tensors) against a float64 reference written
+here from the formula (not through experts/compute.py): every slot format (fp32/bf16/fp16 plain parts,
+fp8 per-tensor, per-channel and block, int8 and int4 groups, mxfp4), the GPT-OSS expert variant
+(interleaved and transposed gate_up, expert biases, clamped SwiGLU), ragged token counts, empty and
+repeated slots, non-resident experts (slot -1, which must contribute nothing), 64-bit slot offsets, and an
+alignment with no host read."""
 
 from __future__ import annotations
 
@@ -12,109 +15,281 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from expertcache.experts.compute import expert_ffn  # noqa: E402
-from expertcache.kernels.triton_moe import align_by_slot, fused_moe  # noqa: E402
+from expertcache.experts.compute import ExpertFFN  # noqa: E402
+from expertcache.kernels import triton_moe, triton_moe_jit, triton_pool  # noqa: E402
+from expertcache.kernels.triton_moe import align_by_slot, fused_moe, num_blocks_bound  # noqa: E402
 from expertcache.quant.method import make_quant_method  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="needs CUDA or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(not (triton_moe.interpreted() or torch.cuda.is_available()),
+                                reason="needs CUDA or TRITON_INTERPRET=1 before expertcache.kernels.triton_moe loads")
+DEV = "cpu" if triton_moe.interpreted() else "cuda"
+GPT_OSS = ExpertFFN(act="clamped_swiglu", interleaved=True, transposed=True, alpha=1.702, limit=1.5)
 
 
-def reference(x, ids, weights, slot_of, experts, method=None):
-    """float64 sum over resident pairs of w * FFN(x) with the expert's dequantized weights."""
+def act64(g, u, ffn):
+    if ffn.act == "clamped_swiglu":
+        g, u = g.clamp(max=ffn.limit), u.clamp(-ffn.limit, ffn.limit)
+        return (u + 1) * g * torch.sigmoid(ffn.alpha * g)
+    return g * torch.sigmoid(g) * u
+
+
+def reference(x, slots, weights, experts, ffn=ExpertFFN()):
+    """float64: sum over pairs with a slot of w * (act(x gate^T + bg, x up^T + bu) down^T + bd)."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            if int(slot_of[e]) < 0:
+        for k in range(slots.shape[1]):
+            s = int(slots[t, k])
+            if s < 0:
                 continue
-            y = expert_ffn(x[t:t + 1].double(), {n: v.double() for n, v in experts[e].items()})
-            out[t] += float(weights[t, k]) * y[0]
+            e = experts[s]
+            xt = x[t].double()
+            h = act64(e["gate"] @ xt + e["bg"], e["up"] @ xt + e["bu"], ffn)
+            out[t] += float(weights[t, k]) * (e["down"] @ h + e["bd"])
     return out
 
 
-def make_case(T, K, E, S, H, I, seed=0):
+def canonical(S, H, I, seed, bias=False):
+    """S experts as float64 gate [I, H], up [I, H], down [H, I] and biases (zero without `bias`)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    weights = torch.rand(T, K, generator=g)
-    resident = torch.randperm(E, generator=g)[:S]
-    slot_of = torch.full((E,), -1, dtype=torch.int64)
-    slot_of[resident] = torch.randperm(S, generator=g)
-    experts = [{"gate_up": torch.randn(2 * I, H, generator=g) / H ** 0.5,
-                "down": torch.randn(H, I, generator=g) / I ** 0.5} for _ in range(E)]
-    return x, ids, weights, slot_of, experts
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).double()
+    return [{"gate": r(I, H, scale=H ** -0.5), "up": r(I, H, scale=H ** -0.5), "down": r(H, I, scale=I ** -0.5),
+             "bg": r(I, scale=0.3 * bias), "bu": r(I, scale=0.3 * bias), "bd": r(H, scale=0.3 * bias)}
+            for _ in range(S)]
 
 
-def float_pool(experts, slot_of, S, dtype):
-    pool = {n: torch.zeros((S, *experts[0][n].shape), dtype=dtype) for n in ("gate_up", "down")}
-    for e, s in enumerate(slot_of.tolist()):
-        if s >= 0:
-            for n in pool:
-                pool[n][s] = experts[e][n].to(dtype)
-    return pool
+def fused_rows(e, interleaved):
+    """gate_up [2I, H] of an expert: gate rows then up rows, or alternating (gate = even rows)."""
+    if interleaved:
+        return torch.stack([e["gate"], e["up"]], 1).flatten(0, 1), torch.stack([e["bg"], e["bu"]], 1).flatten()
+    return torch.cat([e["gate"], e["up"]]), torch.cat([e["bg"], e["bu"]])
 
 
-def quant_pool(experts, slot_of, S, method):
-    """Pack every resident expert with the project's QuantMethod; -> (pool, dequantized experts)."""
-    I = experts[0]["down"].shape[1]
-    packed, deq = {}, []
-    for e, w in enumerate(experts):
-        parts = method.pack({"gate.weight": w["gate_up"][:I], "up.weight": w["gate_up"][I:],
-                             "down.weight": w["down"]})
-        deq.append({"gate_up": torch.cat([method.dequantize(parts, "gate"), method.dequantize(parts, "up")]),
-                    "down": method.dequantize(parts, "down")})
-        s = int(slot_of[e])
-        if s >= 0:
-            for n, t in parts.items():
-                packed.setdefault(n, torch.zeros((S, *t.shape), dtype=t.dtype))[s] = t
-    return packed, deq
+def float_pool(experts, dtype, ffn=ExpertFFN(), bias=False):
+    """Plain parts as the slot pool holds them for `ffn` (orientation, row order, biases)."""
+    gu, bgu = zip(*(fused_rows(e, ffn.interleaved) for e in experts))
+    pool = {"gate_up": torch.stack(gu), "down": torch.stack([e["down"] for e in experts])}
+    if ffn.transposed:
+        pool = {n: t.transpose(1, 2).contiguous() for n, t in pool.items()}
+    if bias:
+        pool["gate_up_bias"], pool["down_bias"] = torch.stack(bgu), torch.stack([e["bd"] for e in experts])
+    stored = [{**e, **{n: e[n].to(dtype).double() for n in ("gate", "up", "down", "bg", "bu", "bd")}}
+              for e in experts]
+    return {n: t.to(dtype) for n, t in pool.items()}, stored
 
 
-@pytest.mark.parametrize("T,K", [(1, 2), (7, 2), (16, 4), (37, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_float_slots(T, K, dtype):
-    x, ids, w, slot_of, experts = make_case(T, K, E=12, S=7, H=48, I=40)  # dims not multiples of the blocks
-    pool = float_pool(experts, slot_of, 7, dtype)
-    stored = [{n: v.to(dtype).float() for n, v in ex.items()} for ex in experts]
-    got = fused_moe(x, ids, w, slot_of, pool)
-    torch.testing.assert_close(got.double(), reference(x, ids, w, slot_of, stored), atol=2e-4, rtol=2e-4)
+def quant_pool(experts, method, ffn=ExpertFFN(), bias=False):
+    """Every expert packed with the project's QuantMethod (per projection, or gate_up fused as
+    ffn.fused_quant says); -> (pool, the experts as the stored bytes decode)."""
+    pool, deq = {}, []
+    I = experts[0]["gate"].shape[0]
+    for e in experts:
+        if ffn.fused_quant:
+            gu, bgu = fused_rows(e, ffn.interleaved)
+            parts = method.pack({"gate_up.weight": gu.float(), "down.weight": e["down"].float()})
+            d = method.dequantize(parts, "gate_up").double()
+            gate, up = (d[0::2], d[1::2]) if ffn.interleaved else (d[:I], d[I:])
+            if bias:
+                parts["gate_up_bias"], parts["down_bias"] = bgu.float(), e["bd"].float()
+        else:
+            parts = method.pack({f"{p}.weight": e[p].float() for p in ("gate", "up", "down")})
+            gate, up = method.dequantize(parts, "gate").double(), method.dequantize(parts, "up").double()
+        deq.append({**e, "gate": gate, "up": up, "down": method.dequantize(parts, "down").double()})
+        for n, t in parts.items():
+            pool.setdefault(n, []).append(t)
+    return {n: torch.stack(ts) for n, ts in pool.items()}, deq
 
 
-@pytest.mark.parametrize("fmt", ["fp8-channel", "mxfp4"])
-def test_quantized_slots(fmt):
-    x, ids, w, slot_of, experts = make_case(9, 2, E=10, S=6, H=64, I=32, seed=1)
-    method = make_quant_method(fmt)
-    pool, deq = quant_pool(experts, slot_of, 6, method)
-    got = fused_moe(x, ids, w, slot_of, pool)
-    torch.testing.assert_close(got.double(), reference(x, ids, w, slot_of, deq), atol=2e-4, rtol=2e-4)
+def routing(T, K, S, seed, missing=0.2):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
+    slots[torch.rand(T, K, generator=g) < missing] = -1  # pairs whose expert is not in this pool
+    return slots, torch.rand(T, K, generator=g)
+
+
+def run(x, slots, w, pool, method=None, ffn=None, **blocks):
+    on = {n: t.to(DEV) for n, t in pool.items()}
+    return fused_moe(x.to(DEV), slots.to(DEV), w.to(DEV), on, method, ffn, **blocks).cpu()
+
+
+def case(T, K, S, H, seed):
+    g = torch.Generator().manual_seed(seed + 100)
+    slots, w = routing(T, K, S, seed)
+    return torch.randn(T, H, generator=g), slots, w
+
+
+FORMATS = {  # name -> (QuantMethod or None with the plain dtype, atol)
+    "fp32": (None, torch.float32, 2e-4), "bf16": (None, torch.bfloat16, 2e-4), "fp16": (None, torch.float16, 2e-4),
+    "fp8": (make_quant_method("fp8", block_size=[16, 32]), None, 2e-4),
+    "fp8-channel": (make_quant_method("fp8-channel"), None, 2e-4),
+    "fp8-tensor": (make_quant_method("fp8-tensor"), None, 2e-4),
+    "int8": (make_quant_method("int8", group_size=32), None, 2e-4),
+    "int4": (make_quant_method("int4", group_size=32), None, 2e-4),
+    "mxfp4": (make_quant_method("mxfp4"), None, 2e-4),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("T", [1, 2, 7, 16, 64])
+def test_every_format_against_float64(fmt, T):
+    """H, I are not multiples of the 64-wide tiles; activations float32, so the dot is IEEE float32."""
+    method, dtype, atol = FORMATS[fmt]
+    S, H, I, K = 5, 96, 64, 2
+    experts = canonical(S, H, I, seed=T)
+    pool, stored = float_pool(experts, dtype) if method is None else quant_pool(experts, method)
+    x, slots, w = case(T, K, S, H, seed=T)
+    got = run(x, slots, w, pool, method)
+    torch.testing.assert_close(got.double(), reference(x, slots, w, stored), atol=atol, rtol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpt_oss_plain_experts(dtype):
+    """Transposed interleaved gate_up with biases and the clamped SwiGLU (alpha, limit small enough to bite)."""
+    S, H, I = 4, 64, 32
+    experts = canonical(S, H, I, seed=3, bias=True)
+    pool, stored = float_pool(experts, dtype, GPT_OSS, bias=True)
+    x, slots, w = case(9, 2, S, H, seed=3)
+    got = run(x, slots, w, pool, None, GPT_OSS)
+    torch.testing.assert_close(got.double(), reference(x, slots, w, stored, GPT_OSS), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_fused_mxfp4_with_biases(interleaved):
+    """GPT-OSS as shipped: gate_up.weight_blocks [S, 2I, H/32, 16] (rows interleaved), biases, clamped SwiGLU."""
+    ffn = ExpertFFN(act="clamped_swiglu", interleaved=interleaved, fused_quant=True, alpha=1.702, limit=1.5)
+    S, H, I = 4, 64, 64
+    experts = canonical(S, H, I, seed=4, bias=True)
+    pool, deq = quant_pool(experts, make_quant_method("mxfp4"), ffn, bias=True)
+    x, slots, w = case(7, 3, S, H, seed=4)
+    got = run(x, slots, w, pool, make_quant_method("mxfp4"), ffn)
+    torch.testing.assert_close(got.double(), reference(x, slots, w, deq, ffn), atol=2e-4, rtol=2e-4)
+
+
+def test_bf16_activations_dot_in_bf16():
+    """x bf16: on CUDA x and the dequantised tile go to tl.dot in bf16 (float32 accumulate) and the
+    intermediate is stored in bf16 (the interpreter multiplies in float32: its bf16 dot is broken); the
+    result is bf16 and within bf16 rounding of the float64 value."""
+    S, H, I = 4, 64, 32
+    experts = canonical(S, H, I, seed=5)
+    pool, stored = float_pool(experts, torch.bfloat16)
+    x, slots, w = case(16, 2, S, H, seed=5)
+    x = x.bfloat16()
+    got = run(x, slots, w, pool)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), reference(x.double(), slots, w, stored), atol=3e-2, rtol=2e-2)
 
 
 def test_empty_repeated_and_missing_slots():
-    x, ids, w, slot_of, experts = make_case(20, 2, E=8, S=5, H=32, I=32, seed=2)
-    ids[:, 0] = int((slot_of >= 0).nonzero()[0])  # one slot repeated by every token
-    ids[:3, 1] = int((slot_of < 0).nonzero()[0])  # and some pairs whose expert is not resident
-    pool = float_pool(experts, slot_of, 5, torch.float32)
-    got = fused_moe(x, ids, w, slot_of, pool)
-    torch.testing.assert_close(got.double(), reference(x, ids, w, slot_of, experts), atol=2e-4, rtol=2e-4)
-    none = torch.full_like(slot_of, -1)
-    assert fused_moe(x, ids, w, none, pool).abs().max() == 0
+    S, H, I = 6, 32, 32
+    experts = canonical(S, H, I, seed=2)
+    pool, stored = float_pool(experts, torch.float32)
+    x, slots, w = case(20, 2, S, H, seed=2)
+    slots[:, 0] = 3  # one slot repeated by every token; slots 0 and 5 used by no pair
+    slots[:, 1] = torch.where(torch.arange(20) % 3 == 0, -1, 1 + torch.arange(20) % 2)
+    got = run(x, slots, w, pool)
+    torch.testing.assert_close(got.double(), reference(x, slots, w, stored), atol=2e-4, rtol=2e-4)
+    assert run(x, torch.full_like(slots, -1), w, pool).abs().max() == 0  # nothing resident: nothing added
 
 
-def test_align_by_slot_is_a_padded_permutation():
-    slots = torch.tensor([3, 0, 3, -1, 3, 1, 0, -1, 3])
-    sorted_ids, bslot = align_by_slot(slots, num_slots=5, block_m=2)
-    P = slots.numel()
-    blocks = sorted_ids.view(-1, 2)
+def test_adds_into_the_given_output():
+    S, H, I = 3, 32, 32
+    pool, stored = float_pool(canonical(S, H, I, seed=6), torch.float32)
+    x, slots, w = case(5, 2, S, H, seed=6)
+    base = torch.randn(5, H)
+    got = fused_moe(x, slots, w, pool, out=base.clone()) if DEV == "cpu" else run(x, slots, w, pool) + base
+    torch.testing.assert_close(got.double(), base.double() + reference(x, slots, w, stored), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_align_by_slot_is_a_padded_permutation(block_m):
+    slots = torch.tensor([3, 0, 3, -1, 3, 1, 0, -1, 3] * 5)
+    P, S = slots.numel(), 5
+    sorted_ids, bslot = align_by_slot(slots, num_slots=S, block_m=block_m)
+    assert bslot.numel() == num_blocks_bound(P, S, block_m) and sorted_ids.numel() == bslot.numel() * block_m
     seen = []
     for b, s in enumerate(bslot.tolist()):
-        rows = [r for r in blocks[b].tolist() if r < P]
+        rows = [r for r in sorted_ids.view(-1, block_m)[b].tolist() if r < P]
         if s < 0:
             assert rows == []
         else:
             assert rows and all(int(slots[r]) == s for r in rows)
             seen += rows
     assert sorted(seen) == [i for i in range(P) if slots[i] >= 0]
+    assert len([s for s in bslot.tolist() if s >= 0]) == sum(-(-int((slots == s).sum()) // block_m) for s in range(S))
+
+
+def test_no_host_read(monkeypatch):
+    """Every value the alignment and the launches need stays on the device: reading one (item, tolist,
+    cpu, numpy, bool, int, float of a tensor) raises during fused_moe. On CUDA the sync debug mode also
+    turns a sync hidden inside an op (as torch.bincount has) into an error."""
+    S, H, I = 8, 32, 32
+    pool, stored = float_pool(canonical(S, H, I, seed=9), torch.float32)
+    x, slots, w = case(37, 2, S, H, seed=9)
+    args = (x.to(DEV), slots.to(DEV), w.to(DEV), {n: t.to(DEV) for n, t in pool.items()})
+
+    def refuse(*a, **k):
+        raise AssertionError("host read during fused_moe")
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    if DEV == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fused_moe(*args)
+    finally:
+        if DEV == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.undo()
+    torch.testing.assert_close(got.cpu().double(), reference(x, slots, w, stored), atol=2e-4, rtol=2e-4)
+
+
+def test_slot_offsets_are_64_bit():
+    """The kernels' slot base (`triton_moe_jit.slot_base`) of slot 3 with a 2^30-element stride is 3 * 2^30, past int32
+    (in int32 arithmetic it wraps to a negative offset): checked through the same jit function the
+    kernels call, without allocating a pool that large."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(slot_ptr, out_ptr, stride):
+        tl.store(out_ptr, triton_moe_jit.slot_base(tl.load(slot_ptr), stride))
+
+    out = torch.zeros(1, dtype=torch.int64, device=DEV)
+    probe[(1,)](torch.tensor([3], dtype=torch.int32, device=DEV), out, 2 ** 30)
+    assert int(out) == 3 * 2 ** 30
+
+
+def test_strided_pool_view_is_addressed_through_its_strides():
+    """A pool that is a view into a larger buffer (slot stride bigger than one expert) reads the right bytes."""
+    S, H, I = 3, 32, 32
+    pool, stored = float_pool(canonical(S, H, I, seed=7), torch.float32)
+    wide = {n: torch.zeros((S, 2, *t.shape[1:]), dtype=t.dtype) for n, t in pool.items()}
+    for n, t in pool.items():
+        wide[n][:, 1] = t
+    x, slots, w = case(6, 2, S, H, seed=7)
+    views = {n: t.to(DEV)[:, 1] for n, t in wide.items()}
+    got = fused_moe(x.to(DEV), slots.to(DEV), w.to(DEV), views).cpu()
+    torch.testing.assert_close(got.double(), reference(x, slots, w, stored), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("bad", [8, 24, 0, True, 16.0])
+def test_block_sizes_are_checked(bad):
+    pool, _ = float_pool(canonical(2, 32, 32, seed=8), torch.float32)
+    x, slots, w = case(2, 1, 2, 32, seed=8)
+    with pytest.raises(ValueError, match="block_n"):
+        run(x, slots, w, pool, block_n=bad)
+
+
+def test_config_table_by_shape():
+    assert triton_moe.pick_config(8, 128) is triton_moe.CONFIGS["decode"]
+    assert triton_moe.pick_config(8 * 4096, 128) is triton_moe.CONFIGS["prefill"]
+
+
+def test_unknown_format_is_refused_by_name():
+    class Other:
+        name = "nf4"
+    with pytest.raises(ValueError, match="nf4"):
+        triton_pool.projections({"gate.weight": torch.zeros(1, 2, 2)}, Other(), None)
 
 
 def test_grouped_mm_is_gated_on_compute_capability(monkeypatch):
@@ -129,4 +304,3 @@ def test_grouped_mm_is_gated_on_compute_capability(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
         assert compute.grouped_mm_ok(cuda, dtype) is ok, (cap, dtype)
     assert compute.grouped_mm_ok(torch.device("cpu"), torch.float32)
-

@@ -19,17 +19,23 @@ which dequantizes into float32 and multiplies.
 ACTIVATIONS), the gate/up row order, the orientation of plain weights, and optional biases (parts
 "gate_up_bias" [2I] and "down_bias" [H], added after each projection). The default is the
 Llama-style SwiGLU: silu(gate) * up, gate rows first, weights [out, in], no biases.
+
+`ExpertFFN.kernel` is the MoE kernel that computes a pool (`--moe-kernel`, resolved once by
+`with_moe_kernel`): "torch" (the paths above) or "triton" (kernels/triton_moe.py: every format and the
+GPT-OSS variant in two launches, no host read; on CUDA, or on the CPU under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from .host_routing import DeviceGroups, group_by_slot, to_host
+from ..errors import ConfigError
+from .config import MOE_KERNELS
+from .host_routing import DeviceGroups, group_by_slot, to_device, to_host
 
 
 def _silu(g: torch.Tensor, u: torch.Tensor, ffn: "ExpertFFN") -> torch.Tensor:
@@ -51,7 +57,8 @@ class ExpertFFN:
     """act: ACTIVATIONS name. interleaved: gate_up rows alternate gate, up (gate = even rows) rather
     than all gate rows then all up rows. transposed: plain parts stored [in, out] (gate_up [H, 2I],
     down [I, H]). fused_quant: quantized parts are "gate_up.*" and "down.*" (not "gate.*", "up.*").
-    alpha, limit: clamped_swiglu's parameters."""
+    alpha, limit: clamped_swiglu's parameters. kernel: "torch" or "triton", what moe_ffn computes a
+    pool with (a resolved MOE_KERNELS choice)."""
 
     act: str = "silu"
     interleaved: bool = False
@@ -59,10 +66,13 @@ class ExpertFFN:
     fused_quant: bool = False
     alpha: float = 1.0
     limit: float = float("inf")
+    kernel: str = "torch"
 
     def __post_init__(self):
         if self.act not in ACTIVATIONS:
             raise ValueError(f"unknown expert activation {self.act!r}; choose one of {sorted(ACTIVATIONS)}")
+        if self.kernel not in ("torch", "triton"):
+            raise ValueError(f"ExpertFFN.kernel: 'torch' or 'triton', got {self.kernel!r}")
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[n, 2I] (after the gate_up projection and bias) -> [n, I]."""
@@ -74,6 +84,25 @@ class ExpertFFN:
 
 
 SWIGLU = ExpertFFN()
+
+
+def with_moe_kernel(ffn: ExpertFFN, choice: str, device: torch.device | str, method=None) -> ExpertFFN:
+    """`ffn` computing through the MoE kernel `choice` (MOE_KERNELS) on `device` for experts stored by
+    `method`: auto is triton on CUDA where triton is importable and reads the format, else torch; an
+    explicit triton that cannot run there is a ConfigError saying why."""
+    if choice not in MOE_KERNELS:
+        raise ConfigError(f"moe_kernel: must be one of {', '.join(MOE_KERNELS)}, got {choice!r}")
+    device = torch.device(device)
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return replace(ffn, kernel="torch")
+    from ..kernels import triton_moe
+
+    why = triton_moe.unavailable_reason(device) or triton_moe.supported(method)
+    if why is None:
+        return replace(ffn, kernel="triton")
+    if choice == "auto":
+        return replace(ffn, kernel="torch")
+    raise ConfigError(f"moe_kernel='triton': {why}")
 
 
 def _add_bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -123,8 +152,15 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     """Grouped expert FFN from pool tensors {part: [S, ...]}; pairs with slot -1 are skipped.
     `host`: `slots` is a host tensor (derived from the layer's host copy of its ids, as TieredExperts
     does), so the torch paths group it with no device read; else they group one host copy of it
-    (experts/host_routing.py: the only device -> host read here)."""
+    (experts/host_routing.py: the only device -> host read here). With ffn.kernel "triton" the pool
+    is computed by the fused Triton kernel on the device (no host read; a host `slots` is copied over)."""
     T, K = slots.shape
+    if ffn.kernel == "triton":
+        from ..kernels.triton_moe import fused_moe  # at first use: triton is optional and slow to import
+
+        if slots.device != x.device:  # the host ids' slots: one non-blocking copy from pinned memory
+            slots = to_device(slots, x.device)
+        return fused_moe(x, slots, weights, pool, method, ffn, out=out)
     if out is None:  # the kernel starts from a zeroed output of its own (no torch call per layer)
         out = kernels.moe_out(x, slots, weights, pool, method, ffn)
         if out is not None:

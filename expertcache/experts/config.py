@@ -4,7 +4,8 @@ Built from `LLM(...)` keywords (`CacheConfig.from_options`) or the CLI flags (cl
 passes the same keywords). Invariants once constructed:
 - budgets parse (bytes like "512MiB", a share "25%" in (0, 100], "auto", or None) and are >= 0;
 - `policy` is an online policy of the registry (None = the default), `prefetch` a mode,
-  `cpu_compute` one of auto | always | never, `prefill_admit_tokens` >= 0, `load_stats` a file;
+  `cpu_compute` one of auto | always | never, `prefill_admit_tokens` >= 0, `load_stats` a file,
+  `moe_kernel` one of auto | triton | torch (whether triton runs on the device: compute.with_moe_kernel);
 - options that only mean something to the tiered cache are refused when every expert is resident
   (no budget given), never silently dropped; `resident_notes` names those that a budget large
   enough for every expert makes moot (printed with the memory plan).
@@ -23,6 +24,7 @@ from .policy import DEFAULT_POLICY, ONLINE
 from .prefetch import PREFETCH_MODES
 
 CPU_COMPUTE = ("auto", "always", "never")
+MOE_KERNELS = ("auto", "triton", "torch")  # auto: triton on CUDA where it runs, else torch (experts/compute.py)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class CacheConfig:
     prefill_admit_tokens: int = 64
     low_memory: bool = False
     cost_profile: str | None = None  # the per-miss choice's hardware profile (CUDA); None: the default
+    moe_kernel: str = "auto"  # what computes the experts in device memory (resident or cached)
     ablation: CacheAblation = field(default_factory=CacheAblation)
 
     def __post_init__(self):
@@ -97,6 +100,8 @@ class CacheConfig:
             raise ConfigError(f"prefetch: must be one of {', '.join(PREFETCH_MODES)} or a bool, got {self.prefetch!r}")
         if self.cpu_compute not in CPU_COMPUTE:
             raise ConfigError(f"cpu_compute: must be auto, always or never, got {self.cpu_compute!r}")
+        if self.moe_kernel not in MOE_KERNELS:
+            raise ConfigError(f"moe_kernel: must be one of {', '.join(MOE_KERNELS)}, got {self.moe_kernel!r}")
         n = self.prefill_admit_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"prefill_admit_tokens: an integer >= 0, got {n!r}")
@@ -139,7 +144,8 @@ class CacheConfig:
     @classmethod
     def from_options(cls, **options) -> "CacheConfig":
         """From LLM(...) keywords: device_memory, host_memory, cache_policy, prefetch (a mode or a bool),
-        cpu_compute, load_stats, prefill_admit_tokens, low_memory, cost_profile and the CacheAblation switches."""
+        cpu_compute, load_stats, prefill_admit_tokens, low_memory, cost_profile, moe_kernel and the CacheAblation
+        switches."""
         abl = {f.name for f in fields(CacheAblation)}
         known = set(KEYWORDS) | {f.name for f in fields(cls)} - {"policy", "ablation"} | abl
         unknown = sorted(set(options) - known)

@@ -75,4 +75,6 @@ class ResidentExperts(ExpertProvider):
         return moe_ffn(x, ids, weights, self.pools[layer], self.method, ffn=self.ffn)
 
     def kernel_moe_args(self, layer: int, H: int) -> tuple | None:
+        if self.ffn.kernel != "torch":  # the chosen MoE kernel computes every layer, never the CPU block call
+            return None
         return kernels.moe_args(self.pools[layer], self.method, H, self.ffn)

@@ -1,0 +1,142 @@
+"""The Triton jit functions of the fused MoE (host side: triton_moe.py; the pool's parts: triton_pool.py).
+
+Shape legend (as triton_moe.py): BM pairs x BN outputs per program, BK inputs per step; P routed pairs,
+H hidden, I moe intermediate. `gate_up_kernel`: inter[pair, n] = act(x[tok] W_gate[n]^T + bg, x[tok]
+W_up[n]^T + bu); `down_kernel`: out_pairs[pair, n] = w_pair * (inter[pair] W_down[n]^T + bd). A program
+whose block reads slot -1 (past the padded runs) exits. Constexpr FMT picks the tile decoder
+(`_tile`), ACT the activation, DOT the dot's input dtype.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional: the CUDA install's extra
+    triton = None
+
+FLOAT, FP8, INT8, INT4, MXFP4 = range(5)  # FMT: how a weight tile is decoded
+SILU, CLAMPED_SWIGLU = 0, 1  # ACT
+DOT_FP32, DOT_BF16, DOT_FP16 = 0, 1, 2
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+if triton is not None:
+
+    @triton.jit
+    def slot_base(slot, stride):
+        """Element offset of a slot: 64-bit, since a layer's pool part can pass 2^31 elements."""
+        return slot.to(tl.int64) * stride
+
+    @triton.jit
+    def _tile(w_ptr, s_ptr, z_ptr, lut_ptr, wbase, sbase, offs_n, offs_k, nmask, kmask,
+              w_n, w_k, s_n, s_k, S_BN, S_BK, FMT: tl.constexpr):
+        """Dequantised weight tile W[n, k] as float32 [BK, BN] (transposed for the dot)."""
+        m = kmask[:, None] & nmask[None, :]
+        if FMT == 0:
+            w = tl.load(w_ptr + wbase + offs_n[None, :] * w_n + offs_k[:, None] * w_k, mask=m, other=0.0)
+            return w.to(tl.float32)
+        sidx = sbase + (offs_n[None, :] // S_BN) * s_n + (offs_k[:, None] // S_BK) * s_k
+        if FMT == 1:  # fp8 e4m3fn bytes through the 256-entry table
+            byte = tl.load(w_ptr + wbase + offs_n[None, :] * w_n + offs_k[:, None] * w_k, mask=m, other=0)
+            scale = tl.load(s_ptr + sidx, mask=m, other=0.0).to(tl.float32)
+            return tl.load(lut_ptr + byte.to(tl.int32), mask=m, other=0.0) * scale
+        if FMT == 2:  # int8 codes
+            code = tl.load(w_ptr + wbase + offs_n[None, :] * w_n + offs_k[:, None] * w_k, mask=m, other=0)
+            scale = tl.load(s_ptr + sidx, mask=m, other=0.0).to(tl.float32)
+            return code.to(tl.float32) * scale
+        # int4 / mxfp4: byte k // 2 of row n, low nibble first
+        byte = tl.load(w_ptr + wbase + offs_n[None, :] * w_n + (offs_k[:, None] // 2) * w_k, mask=m, other=0)
+        code = (byte.to(tl.int32) >> ((offs_k[:, None] % 2) * 4)) & 0xF
+        if FMT == 3:  # asymmetric int4: (code - zero) * scale
+            scale = tl.load(s_ptr + sidx, mask=m, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + sidx, mask=m, other=0).to(tl.float32)
+            return (code.to(tl.float32) - zero) * scale
+        e = tl.load(s_ptr + sidx, mask=m, other=127).to(tl.float32)  # mxfp4: e2m1 times 2^(e8m0 - 127)
+        return tl.load(lut_ptr + code, mask=m, other=0.0) * tl.exp2(e - 127.0)
+
+    @triton.jit
+    def _to_dot(t, DOT: tl.constexpr):
+        if DOT == 1:
+            return t.to(tl.bfloat16)
+        if DOT == 2:
+            return t.to(tl.float16)
+        return t.to(tl.float32)
+
+    @triton.jit
+    def _dot(a, b, acc, DOT: tl.constexpr):
+        if DOT == 0:
+            return acc + tl.dot(a, b, input_precision="ieee")
+        return acc + tl.dot(a, b)
+
+    @triton.jit
+    def gate_up_kernel(x_ptr, gw_ptr, gs_ptr, gz_ptr, uw_ptr, us_ptr, uz_ptr, gb_ptr, ub_ptr, lut_ptr,
+                        inter_ptr, sorted_ptr, bslot_ptr,
+                        H, I, TOPK, P, sx_t, w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n, alpha, limit,
+                        FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        b, nb = tl.program_id(0), tl.program_id(1)
+        slot = tl.load(bslot_ptr + b)
+        if slot >= 0:
+            rows = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))  # int64 pair ids, P = padding
+            valid = rows < P
+            tok = rows // TOPK
+            offs_n = nb * BN + tl.arange(0, BN)
+            nmask = offs_n < I
+            wbase, sbase = slot_base(slot, w_s), slot_base(slot, s_s)
+            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                offs_k = k0 + tl.arange(0, BK)
+                kmask = offs_k < H
+                a = tl.load(x_ptr + tok[:, None] * sx_t + offs_k[None, :], mask=valid[:, None] & kmask[None, :],
+                            other=0.0)
+                a = _to_dot(a, DOT)
+                wg = _tile(gw_ptr, gs_ptr, gz_ptr, lut_ptr, wbase, sbase, offs_n, offs_k, nmask, kmask,
+                           w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
+                wu = _tile(uw_ptr, us_ptr, uz_ptr, lut_ptr, wbase, sbase, offs_n, offs_k, nmask, kmask,
+                           w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
+                acc_g = _dot(a, _to_dot(wg, DOT), acc_g, DOT)
+                acc_u = _dot(a, _to_dot(wu, DOT), acc_u, DOT)
+            if HAS_BIAS:
+                bbase = slot_base(slot, b_s)
+                acc_g += tl.load(gb_ptr + bbase + offs_n * b_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                acc_u += tl.load(ub_ptr + bbase + offs_n * b_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            if ACT == 1:  # GPT-OSS: (up + 1) * g * sigmoid(alpha * g), g <= limit, up in [-limit, limit]
+                g = tl.minimum(acc_g, limit)
+                u = tl.maximum(tl.minimum(acc_u, limit), -limit)
+                h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+            else:
+                h = acc_g * tl.sigmoid(acc_g) * acc_u
+            tl.store(inter_ptr + rows[:, None] * I + offs_n[None, :], _to_dot(h, DOT),
+                     mask=valid[:, None] & nmask[None, :])
+
+    @triton.jit
+    def down_kernel(inter_ptr, dw_ptr, ds_ptr, dz_ptr, db_ptr, lut_ptr, rw_ptr, out_ptr, sorted_ptr, bslot_ptr,
+                     H, I, P, w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n,
+                     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        b, nb = tl.program_id(0), tl.program_id(1)
+        slot = tl.load(bslot_ptr + b)
+        if slot >= 0:
+            rows = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
+            valid = rows < P
+            offs_n = nb * BN + tl.arange(0, BN)
+            nmask = offs_n < H
+            wbase, sbase = slot_base(slot, w_s), slot_base(slot, s_s)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                offs_k = k0 + tl.arange(0, BK)
+                kmask = offs_k < I
+                a = tl.load(inter_ptr + rows[:, None] * I + offs_k[None, :], mask=valid[:, None] & kmask[None, :],
+                            other=0.0)
+                wd = _tile(dw_ptr, ds_ptr, dz_ptr, lut_ptr, wbase, sbase, offs_n, offs_k, nmask, kmask,
+                           w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
+                acc = _dot(a, _to_dot(wd, DOT), acc, DOT)
+            if HAS_BIAS:
+                acc += tl.load(db_ptr + slot_base(slot, b_s) + offs_n * b_n, mask=nmask,
+                               other=0.0).to(tl.float32)[None, :]
+            acc *= tl.load(rw_ptr + rows, mask=valid, other=0.0)[:, None]  # the routing weight
+            tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc, mask=valid[:, None] & nmask[None, :])
+else:
+    slot_base = gate_up_kernel = down_kernel = None
