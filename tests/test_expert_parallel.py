@@ -381,6 +381,28 @@ def test_peer_tier_serves_misses_and_equals_single_process(ep_checkpoint, single
         llm.close()
 
 
+def test_peer_hits_replace_exactly_their_disk_reads(ep_checkpoint):
+    """The same generation with the peer tier off and on (no prefetch: every read is a demand miss the
+    planner makes alike in both runs): per rank, the disk bytes of the peer-off run equal the disk
+    bytes of the peer-on run plus one expert per peer hit."""
+    def run(peer):
+        cfg = ParallelConfig(2, num_redundant_experts=2, peer_tier=peer)
+        llm = LLM(str(ep_checkpoint), expert_parallel=cfg, device_memory="20%", host_memory="30%", prefetch="off")
+        try:
+            llm.generate(PROMPTS, GREEDY)
+            ep = llm.expert_stats()["expert_parallel"]
+            return ({r["rank"]: r["cache"]["per_tier"]["disk"]["bytes_read"] for r in ep["ranks"]},
+                    {r["rank"]: (r["peer"] or {}).get("hits", 0) for r in ep["ranks"]}, llm.source.expert_nbytes)
+        finally:
+            llm.close()
+
+    off, off_hits, nbytes = run("off")
+    on, on_hits, _ = run("on")
+    assert sum(on_hits.values()) > 0 and not any(off_hits.values())
+    for rank in (0, 1):
+        assert off[rank] == on[rank] + on_hits[rank] * nbytes, (rank, off, on, on_hits)
+
+
 def test_killed_rank_is_named_not_waited_out(ep_checkpoint):
     """The death is detected (the lost connection, the exited process), not waited out: the error names
     the rank and its exit code, which only the process watch knows (a timeout would say that a rank did
