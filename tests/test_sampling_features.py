@@ -219,6 +219,24 @@ def test_regex_and_choice_grammars(qwen3_llm):
         qwen3_llm.grammars.lark("start: (")
 
 
+def test_logprobs_come_before_the_grammar_mask(qwen3_llm):
+    """Under a regex grammar the chosen tokens follow the grammar, and their logprobs are still the
+    model's log_softmax of the unmasked logits (a masked row would give the allowed tokens more mass)."""
+    pytest.importorskip("llguidance")
+    import re
+
+    prompt = _prompt(6, seed=9)
+    g = qwen3_llm.grammars.regex(r"[a-c]{3}-[0-9]{2}")
+    out = qwen3_llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, logprobs=2, structured=g))[0]
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", out.text), out.text
+    ref = torch.log_softmax(qwen3_llm.logits(prompt + out.token_ids), dim=-1)
+    masked = 0
+    for j, tok in enumerate(out.token_ids):
+        _check_entry(out.logprobs[j], ref[len(prompt) - 1 + j], tok, 2)
+        masked += tok != int(ref[len(prompt) - 1 + j].argmax())
+    assert masked > 0  # the grammar overrode the model's own choice at least once: the mask was active
+
+
 def test_json_object_output_parses(qwen3_llm):
     pytest.importorskip("llguidance")
     g = qwen3_llm.grammars.json_object()
