@@ -258,7 +258,11 @@ LOOPBACK = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1 and :
 
 
 @pytest.mark.parametrize("world", [2, 3])  # 3 does not divide the 16 experts
-def test_ranks_equal_single_process(ep_checkpoint, single, world):
+def test_ranks_equal_single_process(ep_checkpoint, single, world, monkeypatch):
+    import torch.distributed as dist
+
+    for name in ("broadcast_object_list", "gather_object", "all_gather_object", "scatter_object_list"):
+        monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: pytest.fail(f"rank 0 sent a pickle ({_n})"))
     llm = LLM(str(ep_checkpoint), expert_parallel=world)
     try:
         # the rendezvous is a file store in a private directory, and every rank listens on loopback only
