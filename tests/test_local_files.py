@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import threading
 
@@ -106,6 +107,16 @@ def test_weight_map_of_the_wrong_type_is_refused(sharded):
     index = sharded / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": ["model-00001.safetensors"]}))
     with pytest.raises(CheckpointError, match="weight_map must be an object"):
+        TensorIndex(sharded)
+
+
+def test_a_shard_name_that_is_not_a_string_is_refused(sharded):
+    index = sharded / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = None
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=re.escape(f"weight_map[{first!r}] is None, not a shard file name")):
         TensorIndex(sharded)
 
 

@@ -102,7 +102,10 @@ class TensorIndex:
                 raise CheckpointError(f"{index}: invalid shard index ({e!r})") from None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: weight_map must be an object of tensor name -> shard file")
-            return [self.model_dir / shard_name(index, f) for f in sorted(set(map(str, weight_map.values())))]
+            bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+            if bad is not None:
+                raise CheckpointError(f"{index}: weight_map[{bad!r}] is {weight_map[bad]!r}, not a shard file name")
+            return [self.model_dir / shard_name(index, f) for f in sorted(set(weight_map.values()))]
         single = self.model_dir / "model.safetensors"
         if single.exists():
             return [single]
