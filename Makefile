@@ -12,6 +12,8 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 MODEL ?=
 ARGS ?=
+# the test run's junit report (every skip and its reason; .ci/run fails on a skip it does not allow)
+TEST_REPORT ?= .pytest_cache/junit.xml
 
 .PHONY: setup setup-test demo test bench clean
 
@@ -33,7 +35,7 @@ demo: setup
 	$(VENV)/bin/expertcache demo $(MODEL) $(ARGS)
 
 test: setup-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs --junitxml=$(TEST_REPORT)
 
 clean:
 	rm -rf $(VENV)

@@ -143,8 +143,11 @@ class Tally:
 
 
 async def _client(c: httpx.AsyncClient, rng: random.Random, deadline: float, reference: dict,
-                  tally: Tally) -> None:
-    while time.monotonic() < deadline:
+                  tally: Tally, requests: int | None = None) -> None:
+    """Requests until the deadline, or (`requests`) exactly that many, the deadline then only a bound."""
+    done = 0
+    while time.monotonic() < deadline and (requests is None or done < requests):
+        done += 1
         kind = rng.random()
         if kind < 0.15:  # greedy probe
             p = rng.choice(PROBES)
@@ -208,7 +211,7 @@ async def _poll_health(c: httpx.AsyncClient, stop: asyncio.Event, out: list[floa
 
 
 async def _load(url: str, clients: int, seconds: float, seed: int, reference: dict, tally: Tally,
-                health: list[float]) -> None:
+                health: list[float], requests: int | None = None) -> None:
     # clients are made first: making one costs ~0.1 s of this loop (its SSL context), which the
     # poller would otherwise count as /health latency
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -217,23 +220,27 @@ async def _load(url: str, clients: int, seconds: float, seed: int, reference: di
         deadline = time.monotonic() + seconds
         stop = asyncio.Event()
         poller = asyncio.ensure_future(_poll_health(h, stop, health))
-        await asyncio.gather(*(_client(c, random.Random(seed * 1000 + i), deadline, reference, tally)
+        await asyncio.gather(*(_client(c, random.Random(seed * 1000 + i), deadline, reference, tally, requests)
                                for i in range(clients)))
         stop.set()
         await poller
 
 
-def client_main(url: str, clients: int, seconds: float, seed: int, reference: dict) -> dict:
+def client_main(url: str, clients: int, seconds: float, seed: int, reference: dict,
+                requests: int | None = None) -> dict:
     """The clients and the /health poller (a process of their own: their work must not share the
     server's GIL, or /health would time the clients too) -> the tally as a dict."""
     tally, health = Tally(), []
-    asyncio.run(_load(url, clients, seconds, seed, reference, tally, health))
+    asyncio.run(_load(url, clients, seconds, seed, reference, tally, health, requests))
     return {**vars(tally), "health": health}
 
 
-def _run_clients(url: str, clients: int, seconds: float, seed: int, reference: dict) -> dict:
+def _run_clients(url: str, clients: int, seconds: float, seed: int, reference: dict,
+                 requests: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--client", url, "--clients", str(clients), "--seconds", str(seconds),
            "--seed", str(seed), "--reference", json.dumps(reference)]
+    if requests is not None:
+        cmd += ["--requests-per-client", str(requests)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 600)
     if out.returncode != 0:
         raise SystemExit(f"the client process failed:\n{out.stderr[-3000:]}")
@@ -292,19 +299,26 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run(llm_kwargs: dict, clients: int = 32, seconds: float = 120.0, seed: int = 0,
-        rss_growth_limit_mb: float = 64.0) -> dict:
-    """The whole soak; -> figures and checks (`failures` lists what did not hold)."""
+        rss_growth_limit_mb: float = 64.0, requests_per_client: int | None = None) -> dict:
+    """The whole soak; -> figures and checks (`failures` lists what did not hold). With
+    `requests_per_client` each client sends exactly that many requests (`seconds` is then only an upper
+    bound), so what runs does not depend on the machine's speed."""
     url, state, server, thread = start_server(llm_kwargs)
     try:
         reference = _greedy(url)
         _warm_up(url, seed + 1)  # and the first answers' allocations are not growth
         rss = []
-        timer = threading.Timer(seconds / 5, lambda: rss.append(rss_mb()))  # after the warm-up fifth
-        timer.start()
+        # the RSS baseline: after the first fifth of a timed run; right after the warm-up of a counted one
+        timer = threading.Timer(seconds / 5, lambda: rss.append(rss_mb())) if requests_per_client is None else None
+        if timer is None:
+            rss.append(rss_mb())
+        else:
+            timer.start()
         t0 = time.perf_counter()
-        t = _run_clients(url, clients, seconds, seed, reference)
+        t = _run_clients(url, clients, seconds, seed, reference, requests_per_client)
         wall = time.perf_counter() - t0
-        timer.join()
+        if timer is not None:
+            timer.join()
         checks = idle_checks(state)
         after = _greedy(url)
         rss.append(rss_mb())
@@ -347,11 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rss-growth-limit-mb", type=float, default=64.0)
+    ap.add_argument("--requests-per-client", type=int, default=None,
+                    help="each client sends exactly this many requests (--seconds: an upper bound)")
     ap.add_argument("--client", default=None, metavar="URL", help=argparse.SUPPRESS)  # the client process
     ap.add_argument("--reference", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
-        print(json.dumps(client_main(args.client, args.clients, args.seconds, args.seed, json.loads(args.reference))))
+        print(json.dumps(client_main(args.client, args.clients, args.seconds, args.seed, json.loads(args.reference),
+                                     args.requests_per_client)))
         return 0
     import torch
 
@@ -361,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     kw = dict(model=args.model, device="cpu", max_num_seqs=args.max_num_seqs, device_memory=args.device_memory,
               host_memory=args.host_memory)
-    res = run(kw, args.clients, args.seconds, args.seed, args.rss_growth_limit_mb)
+    res = run(kw, args.clients, args.seconds, args.seed, args.rss_growth_limit_mb, args.requests_per_client)
     failures = res.pop("failures")
     print("soak " + " ".join(f"{k}={v}" for k, v in res.items()))
     print(hardware_line())

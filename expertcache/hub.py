@@ -67,13 +67,31 @@ def _is_cache_repo(path: Path) -> bool:
     return (path / "snapshots").is_dir()
 
 
+COMMIT = re.compile(r"[0-9a-f]{40}")
+REVISION = re.compile(r"[\w.-]+(/[\w.-]+)*")  # a branch, tag, commit or refs/pr/N: no empty or absolute parts
+
+
+def _check_revision(revision: str) -> str:
+    """A revision must name something inside the repo's refs/ or snapshots/: no `..`, no absolute path."""
+    if not REVISION.fullmatch(revision) or ".." in revision.split("/"):
+        raise CheckpointError(f"--revision {revision!r} is not a branch, tag or commit name (letters, digits, "
+                              "'_', '-', '.' and '/' between parts; no '..'): it must stay inside the hub "
+                              "cache's refs/")
+    return revision
+
+
 def _snapshot(repo: Path, revision: str | None, spec: str) -> Path | None:
-    """The snapshot folder of a hub-cache repo for `revision`, None if that revision is not cached."""
-    rev = revision or "main"
+    """The snapshot folder of a hub-cache repo for `revision`, None if that revision is not cached.
+    The revision and what refs/<revision> holds are confined to the repo folder: a name with `..` or a
+    ref that is not a commit hash is a CheckpointError, never a path elsewhere."""
+    rev = _check_revision(revision or "main")
     ref = repo / "refs" / rev
     if ref.is_file():
-        commit = ref.read_text(encoding="utf-8").strip()
-    elif re.fullmatch(r"[0-9a-f]{40}", rev):
+        commit = ref.read_text(encoding="utf-8", errors="replace").strip()
+        if not COMMIT.fullmatch(commit):
+            raise CheckpointError(f"model {spec}: {ref} holds {commit[:80]!r}, not a 40-hex commit hash "
+                                  "(a damaged hub cache?)")
+    elif COMMIT.fullmatch(rev):
         commit = rev
     else:
         return None

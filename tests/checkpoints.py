@@ -30,10 +30,6 @@ import torch
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet + gated attention
 
-# ../shared beside the checkout (CI lays a copy there); tests that need it skip when absent
-SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
-TINYMOE_DIR = SHARED_DIR / "models" / "tinymoe-py16"
-
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # A ChatML template in the style real checkpoints carry: a default system message,

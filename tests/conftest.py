@@ -18,8 +18,7 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 import checkpoints  # noqa: E402
-
-QWEN3_TOKENIZER_DIR = checkpoints.SHARED_DIR / "tokenizers" / "qwen3"
+from fixture_paths import QWEN3_TOKENIZER_DIR  # noqa: E402
 
 # The test models are tiny: extra intra-op threads only add OpenMP synchronisation, which on a
 # shared 2-core machine made a 24-token generation ~50x slower (index_add_ spin-waits).
@@ -28,6 +27,16 @@ torch.set_num_threads(1)
 
 # ---------------------------------------------------------------------------
 # markers
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true",
+                     help="run the collected tests in reverse order (every test must pass in any order)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()
 
 
 def pytest_runtest_setup(item):
@@ -66,9 +75,7 @@ def qwen3_checkpoint(checkpoint) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir() -> Path:
-    """The real Qwen3 tokenizer + chat template; skips when the shared folder is absent."""
-    if not (QWEN3_TOKENIZER_DIR / "tokenizer.json").exists():
-        pytest.skip(f"{QWEN3_TOKENIZER_DIR} is absent")
+    """The real Qwen3 tokenizer + chat template (tests/fixtures/qwen3-tokenizer, in the repository)."""
     return QWEN3_TOKENIZER_DIR
 
 

@@ -1,8 +1,8 @@
 """Tokenizer and chat template: the engine renders exactly what transformers renders.
 
 Two tokenizers: the tiny BPE + ChatML template of the test checkpoints, and the real Qwen3
-tokenizer/template (/work/shared/tokenizers/qwen3, paired with a 1-layer random Qwen3-MoE of
-vocab 151936; skipped when the folder is absent).
+tokenizer/template (tests/fixtures/qwen3-tokenizer, paired with a 1-layer random Qwen3-MoE of
+vocab 151936).
 """
 
 from __future__ import annotations

@@ -202,6 +202,10 @@ def test_server_fails_only_the_requests_routed_through_a_bad_expert(broken, tmp_
                 else:
                     ok += 1
                     assert got.rstrip().endswith("data: [DONE]")
+                    events = [json.loads(line[6:]) for line in got.splitlines()
+                              if line.startswith("data: ") and line != "data: [DONE]"]
+                    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+                    assert text == qwen3_llm.tokenizer.decode(clean[i]), (i, text)
             elif status == 200:
                 ok += 1
                 assert got["usage"]["completion_tokens"] == 24

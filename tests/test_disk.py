@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 from pathlib import Path
@@ -35,10 +36,36 @@ def test_random_ranges_are_byte_exact(blob, o_direct):
         dst = torch.empty(sum(n for _, _, n in ranges), dtype=torch.uint8)
         reader.submit(ranges, dst).result()
         assert bytes(dst.numpy()) == b"".join(data[o:o + n] for _, o, n in ranges)
-    if o_direct and hasattr(os, "O_DIRECT"):
-        # ext4/xfs accept O_DIRECT; tmpfs refuses it and the reader falls back (both are correct)
-        assert isinstance(reader.direct_used, bool)
+    # O_DIRECT is taken exactly where this filesystem supports it (ext4/xfs do; some tmpfs and overlay
+    # filesystems refuse it and the reader falls back), and the open descriptor really carries the flag
+    supported = o_direct_supported(path)
+    assert reader.direct_used == (o_direct and supported)
+    flags = [fd_flags(fd) for fd in reader.fds.values()]
+    assert flags and all(bool(f & os.O_DIRECT) == (o_direct and supported) for f in flags), flags
     reader.close()
+
+
+def o_direct_supported(path: Path) -> bool:
+    """Independently of DiskReader: open with O_DIRECT and read one aligned block."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        buf = mmap.mmap(-1, 4096)  # page aligned
+        return os.preadv(fd, [buf], 0) == 4096
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def fd_flags(fd: int) -> int:
+    """The open flags of this process's descriptor `fd`, as the kernel reports them."""
+    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+        if line.startswith("flags:"):
+            return int(line.split()[1], 8)
+    raise AssertionError(f"no flags line in /proc/self/fdinfo/{fd}")
 
 
 def test_reads_an_expert_into_a_typed_slot(checkpoint):

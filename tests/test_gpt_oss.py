@@ -21,6 +21,13 @@ import gpt_oss_checkpoints as G
 from expertcache import LLM, SamplingParams
 from expertcache.errors import CheckpointError, ConfigError
 from expertcache.experts.policy import POLICIES
+from safetensors_reference import independent_slot_checks
+
+
+@pytest.fixture(autouse=True)
+def _slot_checks_read_safetensors(monkeypatch):
+    """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
+    independent_slot_checks(monkeypatch)
 
 ATOL = RTOL = 1e-4
 NEW_TOKENS = 24

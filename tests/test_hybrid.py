@@ -21,6 +21,13 @@ from expertcache.engine.kv_cache import KVCache
 from expertcache.engine.state_cache import StateCache
 from expertcache.errors import ConfigError
 from expertcache.layers.gated_deltanet import chunked_delta_rule, l2norm, recurrent_step
+from safetensors_reference import independent_slot_checks
+
+
+@pytest.fixture(autouse=True)
+def _slot_checks_read_safetensors(monkeypatch):
+    """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
+    independent_slot_checks(monkeypatch)
 
 ATOL = RTOL = 1e-4
 NEW_TOKENS = 24

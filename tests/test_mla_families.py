@@ -21,6 +21,13 @@ from expertcache.errors import ConfigError
 from expertcache.experts.policy import POLICIES
 from expertcache.layers.mla import MLAttention
 from expertcache.models.registry import FAMILIES, read_config
+from safetensors_reference import independent_slot_checks
+
+
+@pytest.fixture(autouse=True)
+def _slot_checks_read_safetensors(monkeypatch):
+    """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
+    independent_slot_checks(monkeypatch)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEQ = [(i * 29 + 7) % 300 + 3 for i in range(40)]

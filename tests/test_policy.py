@@ -78,12 +78,38 @@ def test_lfru_admit_refuses_one_off():
     assert p.admit(5, 7, prefetch=True)
 
 
+def test_lfu_hand_count():
+    """Whole-history counts decide, ties go to the least recent; lru on the same steps differs."""
+    steps = [[0], [0], [0], [1], [1], [2], [1], [0], [3], [1]]
+    hits, table = drive("lfu", steps)
+    # counts kept across evictions: t5 2 evicts 1 (2 uses < 0's 3); t6 1 evicts 2 (1 use); t7 0 hits;
+    # t8 3 evicts 1 (3 < 4); t9 1 evicts 3 (1 use)
+    assert hits == [False, True, True, False, True, False, False, True, False, False]
+    assert sorted(table.resident()) == [0, 1]
+    assert drive("lru", steps)[0][5:8] == [False, True, False]  # lru drops 0 at t5 instead
+    _, tie = drive("lfu", [[0], [1], [2]])  # one use each: the least recent (0) goes
+    assert sorted(tie.resident()) == [1, 2]
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_never_evicts_pinned(policy):
+    """No miss evicts an expert the same step already used (they stay pinned until the step ends)."""
     rng = random.Random(1)
     steps = [rng.sample(range(8), rng.randint(1, 4)) for _ in range(200)]
-    _, table = drive(policy, steps, capacity=3, num_experts=8,
-                     stats=np.arange(8)[None].repeat(1, 0))  # check() runs every step
+    oracle = NextUse(8, enumerate(steps)) if policy == "min" else None
+    table = SlotTable(8, 3, make_policy(policy, 8, 3, oracle=oracle, stats=np.arange(8)[None]))
+    evictions = 0
+    for t, ex in enumerate(steps):
+        used = set()
+        for e in ex:
+            r = table.access(e, t)
+            assert r.evicted not in used, (t, ex, r)
+            assert r.slot == -1 or table.slot_of[e] == r.slot
+            evictions += r.evicted >= 0
+            used.add(e)
+        assert set(table.pinned) == {e for e in used if table.slot_of[e] >= 0}
+        table.unpin_all()
+    assert evictions > 0 or policy == "static"  # the pinning was tested under pressure
 
 
 def brute_force_hits(steps, capacity):

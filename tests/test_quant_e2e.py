@@ -31,6 +31,13 @@ import checkpoints
 from expertcache import LLM, SamplingParams
 from expertcache.quant.checkpoint import method_from_config
 from expertcache.quantize.rewrite import quantize_checkpoint
+from safetensors_reference import independent_slot_checks
+
+
+@pytest.fixture(autouse=True)
+def _slot_checks_read_safetensors(monkeypatch):
+    """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
+    independent_slot_checks(monkeypatch)
 
 H, I, E, L, K = 64, 64, 16, 2, 2
 TINY = dict(dtype=torch.bfloat16, hidden_size=H, moe_intermediate_size=I, num_experts=E, num_hidden_layers=L,

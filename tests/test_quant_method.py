@@ -68,7 +68,12 @@ def test_ragged_shapes_nbytes_buffer_and_linear(name, params, shape):
     assert m.dequantize(stored, "w1.weight", out=buf) is buf
     assert torch.equal(buf, fresh)
     x = torch.randn(5, shape[1])
-    torch.testing.assert_close(m.linear(x, stored, "w1", buf=buf), x @ fresh.t())
+    y = m.linear(x, stored, "w1", buf=buf)
+    torch.testing.assert_close(y, x @ fresh.t())
+    # and against the original weight in float64: |x (w - w_q)^T| <= sum|x| * max|w - w_q| <= sum|x| * TOL
+    exact = x.double() @ w["w1.weight"].double().T
+    bound = x.double().abs().sum(1, keepdim=True) * TOL[name] + 1e-5
+    assert bool(((y.double() - exact).abs() <= bound).all())
 
 
 def test_bias_passes_through_and_bad_keys():

@@ -58,6 +58,24 @@ def test_logprobs_equal_log_softmax_of_logits(qwen3_llm):
         _check_entry(cached.logprobs[j], ref[len(prompt) - 1 + j], tok, 1)
 
 
+def test_logprobs_come_before_penalties_biases_and_temperature(qwen3_llm):
+    """With a frequency penalty, a large logit bias and a sampling temperature, each chosen token's
+    logprob (and the top alternatives) is still the model's own log_softmax of the unmodified logits
+    (README: "before penalties, biases, grammar masks and temperature"), while the choice itself is
+    steered: the biased token is the first one chosen."""
+    llm = qwen3_llm
+    prompt = _prompt(20, seed=5)
+    plain = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    biased_tok = next(t for t in range(3, 300) if t != plain)
+    p = SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=2, ignore_eos=True, frequency_penalty=1.5,
+                       presence_penalty=0.5, logit_bias={biased_tok: 100.0})
+    out = llm.generate([prompt], p)[0]
+    assert out.token_ids[0] == biased_tok  # the bias reached the choice ...
+    ref = torch.log_softmax(llm.logits(prompt + out.token_ids), dim=-1)
+    for j, tok in enumerate(out.token_ids):  # ... but not the reported logprobs
+        _check_entry(out.logprobs[j], ref[len(prompt) - 1 + j], tok, 2)
+
+
 def test_prompt_logprobs_across_prefill_chunks(qwen3_checkpoint):
     llm = LLM(str(qwen3_checkpoint), max_num_batched_tokens=16, max_model_len=128)
     prompt = _prompt(45, seed=3)
@@ -199,6 +217,24 @@ def test_regex_and_choice_grammars(qwen3_llm):
     assert out.text in ("yes", "no", "maybe")
     with pytest.raises(ValueError):
         qwen3_llm.grammars.lark("start: (")
+
+
+def test_logprobs_come_before_the_grammar_mask(qwen3_llm):
+    """Under a regex grammar the chosen tokens follow the grammar, and their logprobs are still the
+    model's log_softmax of the unmasked logits (a masked row would give the allowed tokens more mass)."""
+    pytest.importorskip("llguidance")
+    import re
+
+    prompt = _prompt(6, seed=9)
+    g = qwen3_llm.grammars.regex(r"[a-c]{3}-[0-9]{2}")
+    out = qwen3_llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, logprobs=2, structured=g))[0]
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", out.text), out.text
+    ref = torch.log_softmax(qwen3_llm.logits(prompt + out.token_ids), dim=-1)
+    masked = 0
+    for j, tok in enumerate(out.token_ids):
+        _check_entry(out.logprobs[j], ref[len(prompt) - 1 + j], tok, 2)
+        masked += tok != int(ref[len(prompt) - 1 + j].argmax())
+    assert masked > 0  # the grammar overrode the model's own choice at least once: the mask was active
 
 
 def test_json_object_output_parses(qwen3_llm):

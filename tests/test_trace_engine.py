@@ -11,6 +11,13 @@ from expertcache import LLM, SamplingParams
 from expertcache.trace.format import RoutingTrace
 from expertcache.trace.recorder import RoutingRecorder
 from expertcache.trace.replay import replay, replay_config
+from safetensors_reference import independent_slot_checks
+
+
+@pytest.fixture(autouse=True)
+def _slot_checks_read_safetensors(monkeypatch):
+    """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
+    independent_slot_checks(monkeypatch)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfru", "lfru-admit"])

@@ -20,6 +20,16 @@ def test_hand_counted_lru_one_layer():
     assert replay(t, "min", 3).hits == 3
 
 
+def test_hand_counted_lfru_and_lfu_one_layer():
+    # 0 0 0 1 2 0 with 2 slots. lfru (decay 0.9): scores 0 -> 1, 1.9, 2.71; at step 4 the decayed scores
+    # are 2.71 * 0.81 = 2.20 (expert 0) and 1 * 0.9 = 0.9 (expert 1): 2 evicts 1, and 0 hits at step 5.
+    # lfu (counts 3 vs 1) makes the same choice; lru evicts 0 (least recent) and misses it at step 5.
+    t = RoutingTrace(experts=np.array([0, 0, 0, 1, 2, 0])[:, None, None], num_experts=4, expert_bytes=10)
+    for policy, hits in (("lfru", 3), ("lfu", 3), ("lru", 2)):
+        r = replay(t, policy, 2, with_min=False)
+        assert (r.hits, r.misses, r.bytes_moved) == (hits, 6 - hits, 10 * (6 - hits)), policy
+
+
 def test_rows_of_one_step_are_deduplicated_and_pinned():
     # two rows share step 0 and both route to expert 0 -> one use; step 1 uses 3 experts with 2 slots
     ex = np.array([[[0, 1]], [[0, 2]], [[3, 1]]])

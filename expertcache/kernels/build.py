@@ -2,9 +2,13 @@
 
 The extension is compiled by torch.utils.cpp_extension (ninja + the system C++ compiler) into
 <cache root>/kernels/<hash of the source and flags>/ (expertcache/paths.py: $EXPERTCACHE_CACHE_DIR or
-~/.cache/expertcache), so a changed source never loads a
-stale build and concurrent processes share one build (torch's file lock). `make setup` runs
-`python -m expertcache.kernels` once, so the first model load does not pay the compile.
+~/.cache/expertcache), so a changed source never loads a stale build. Those directories are created
+0700 and, like the built `.so`, refused (the torch path computes instead, with a note saying why)
+when another user owns them or group/others can write them: a shared cache could hold someone
+else's code. Concurrent processes share one build: the build runs under an exclusive `flock` on
+`build.lock` (released by the kernel when a builder dies, so nothing goes stale), and a finished
+build (the `built` marker) loads without any lock. `make setup` runs `python -m expertcache.kernels`
+once, so the first model load does not pay the compile.
 
 EXPERTCACHE_KERNELS=torch skips the extension (the pure-torch path); anything else uses it when
 it builds and the CPU has AVX2, FMA and F16C.
@@ -12,11 +16,15 @@ it builds and the CPU has AVX2, FMA and F16C.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
 from pathlib import Path
+
+from ..paths import UnsafeDirectoryError, check_private, private_dir
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(CSRC.glob("*.cpp"))  # one module: module.cpp calls each source's register_* (registry.h)
@@ -43,12 +51,11 @@ def _compile():
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"the C++ kernels are written for x86-64 AVX2, this CPU is {platform.machine()}"
     out = cache_dir()
-    out.mkdir(parents=True, exist_ok=True)
     try:
-        mod = _load_built(out)
-    except Exception:  # noqa: BLE001 - a damaged build directory: build it again
-        (out / BUILT).unlink(missing_ok=True)
-        mod = None
+        private_dir(out, below=out.parent.parent)  # <cache root>/kernels/<hash>, each 0700 and ours
+        mod = _load_checked(out)
+    except UnsafeDirectoryError as e:
+        return None, str(e)
     if mod is not None:
         return (mod, "") if mod.cpu_supported() else (None, "this CPU lacks AVX2/FMA/F16C")
     if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
@@ -64,7 +71,12 @@ def _compile():
     except ImportError:
         pass
     try:
-        mod = _build(out)
+        with build_lock(out):
+            mod = _load_checked(out)  # another process finished the build while this one waited
+            if mod is None:
+                mod = _build(out)
+    except UnsafeDirectoryError as e:
+        return None, str(e)
     except Exception as e:  # a failed build must not stop the engine: the torch path computes the same
         return None, f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
     if not mod.cpu_supported():
@@ -73,6 +85,30 @@ def _compile():
 
 
 BUILT = "built"  # written after a build loaded: the directory's .so is complete
+LOCK = "build.lock"  # flock'ed while building
+
+
+@contextlib.contextmanager
+def build_lock(out: Path):
+    """Hold an exclusive flock on out/build.lock (blocks while another process builds)."""
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _load_checked(out: Path):
+    """_load_built, the built .so first checked (ours, not writable by others); a damaged build -> None."""
+    so = out / "expertcache_kernels.so"
+    if (out / BUILT).exists() and so.exists():
+        check_private(so, "file")
+    try:
+        return _load_built(out)
+    except Exception:  # noqa: BLE001 - a damaged build directory: build it again
+        (out / BUILT).unlink(missing_ok=True)
+        return None
 
 
 def _load_built(out: Path):
@@ -92,32 +128,17 @@ def _load_built(out: Path):
 
 
 def _build(out: Path):
+    """Compile into `out`; the caller holds build_lock(out), so no other process is building there."""
     from torch.utils import cpp_extension
 
-    _drop_stale_lock(out)
+    # torch's own build lock (out/lock) is left behind by a process killed while compiling, and would
+    # make this build wait forever; under build_lock no other build is running, so any is stale
+    (out / "lock").unlink(missing_ok=True)
     print(f"expertcache: building the C++ CPU kernels once into {out} (about a minute)", file=sys.stderr, flush=True)
     mod = cpp_extension.load(name="expertcache_kernels", sources=[str(f) for f in SOURCES], extra_cflags=FLAGS,
                              extra_ldflags=["-pthread"], build_directory=str(out), verbose=False)
     (out / BUILT).touch()
     return mod
-
-
-STALE_LOCK_S = 600  # a build takes ~1 min; an older lock was left by a process killed mid-compile
-
-
-def _drop_stale_lock(out: Path) -> None:
-    """torch's build lock (`out/lock`) outlives a process killed while compiling, and every later load
-    would wait on it forever: remove it when it is older than any real build."""
-    import time
-
-    lock = out / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        print(f"expertcache: removing a stale kernel build lock ({lock}, {age / 60:.0f} min old)", file=sys.stderr)
-        lock.unlink(missing_ok=True)
 
 
 def extension():

@@ -59,6 +59,17 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def shard_name(index: Path, name: str) -> str:
+    """A shard file named by model.safetensors.index.json: a relative path inside the checkpoint
+    directory (no absolute path, no `..`), so an index cannot make the engine read a file elsewhere.
+    (Not resolved through symlinks: a hub-cache snapshot's shards are links into its blobs/.)"""
+    parts = Path(name).parts
+    if not name or Path(name).is_absolute() or ".." in parts or "\0" in name:
+        raise CheckpointError(f"{index}: shard file {name!r} is outside the checkpoint directory "
+                              "(shard names must be relative paths inside it)")
+    return name
+
+
 class TensorIndex:
     def __init__(self, model_dir: str | os.PathLike):
         self.model_dir = Path(model_dir)
@@ -87,9 +98,14 @@ class TensorIndex:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: invalid shard index ({e})") from None
-            return [self.model_dir / f for f in sorted(set(weight_map.values()))]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: invalid shard index ({e!r})") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: weight_map must be an object of tensor name -> shard file")
+            bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+            if bad is not None:
+                raise CheckpointError(f"{index}: weight_map[{bad!r}] is {weight_map[bad]!r}, not a shard file name")
+            return [self.model_dir / shard_name(index, f) for f in sorted(set(weight_map.values()))]
         single = self.model_dir / "model.safetensors"
         if single.exists():
             return [single]

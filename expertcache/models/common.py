@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ..spec.model_config import ModelConfig, as_int, check_value, get_int, require_int, rope_parameters
 
 
@@ -21,14 +23,38 @@ def base_fields(hf: dict, family: str, partial_rotary: bool = False) -> dict:
         num_heads=heads,
         num_kv_heads=get_int(hf, "num_key_value_heads", heads, 1),
         head_dim=get_int(hf, "head_dim", hidden // heads, 1),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=get_float(hf, "rms_norm_eps", 1e-6, positive=True),
         max_position_embeddings=get_int(hf, "max_position_embeddings", 32768, 1),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=get_bool(hf, "tie_word_embeddings", False),
         top_k=require_int(hf, "num_experts_per_tok"),
         rope=rope_parameters(hf, partial_rotary),
         eos_token_ids=eos,
         bos_token_id=hf.get("bos_token_id"),
     )
+
+
+def get_float(hf: dict, key: str, default: float, positive: bool = False) -> float:
+    """hf[key] as a finite float (an int passes; absent or null: default); ConfigError naming the field
+    and config.json otherwise (a string such as "tiny", a bool, NaN/inf, or <= 0 where `positive`)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise_cfg(f"{key} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise_cfg(f"{key} must be > 0, got {value!r}")
+    return float(value)
+
+
+def get_bool(hf: dict, key: str, default: bool) -> bool:
+    """hf[key] as a JSON boolean (absent or null: default); ConfigError naming the field otherwise
+    (the string "false" is not False)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise_cfg(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def sparse_layers(hf: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:

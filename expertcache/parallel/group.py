@@ -2,11 +2,13 @@
 
 Rank 0 runs the scheduler (and the HTTP server); ranks 1..N-1 are workers that mirror every
 model forward. Two ways in:
-- `launch(world_size, device, serve, worker_kwargs)` on one machine: picks a loopback port, spawns the
-  workers (fresh interpreters, `multiprocessing` spawn; each calls `serve(worker_kwargs, group)`) and
-  joins as rank 0;
+- `launch(world_size, device, serve, worker_kwargs)` on one machine: the ranks rendezvous through a
+  file store in a private directory (mode 0700, removed at close: no TCP store listening anywhere)
+  and their gloo/NCCL sockets are bound to the loopback interface; spawns the workers (fresh
+  interpreters, `multiprocessing` spawn; each calls `serve(worker_kwargs, group)`) and joins as rank 0;
 - `from_env()` under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by it), any number
-  of machines.
+  of machines: torchrun's TCP store and the ranks' links trust the network (docs/parallel.md).
+Every message between ranks is plain data and tensors (parallel/wire.py), never a pickle.
 Backend: NCCL when the device is CUDA, gloo otherwise. Two timeouts: the start (forming the
 group, the checkpoint check, every rank loading its model: `STARTUP_TIMEOUT_S`, or the step
 timeout when longer) and the steps (every collective of serving: the group's `timeout_s`). A
@@ -19,8 +21,10 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ExpertCacheError
+from . import wire
 
 DEFAULT_TIMEOUT_S = 120.0
 # group formation, checkpoint check and model load on every rank: a fresh interpreter importing torch
@@ -43,10 +48,16 @@ class ExpertParallelError(ExpertCacheError, RuntimeError):
     """A rank died, hung past the timeout, or disagrees with rank 0 about the checkpoint."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_interface() -> str:
+    """The loopback interface's name (lo on Linux, lo0 on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), next((n for n in names if n.startswith("lo")), "lo"))
+
+
+def private_rendezvous() -> tuple[str, Path]:
+    """-> (init_method, directory): a torch FileStore in a fresh directory only this user can enter."""
+    d = Path(tempfile.mkdtemp(prefix="expertcache-ep-"))  # mkdtemp: mode 0700, owned by us
+    return f"file://{d / 'store'}", d
 
 
 def checkpoint_fingerprint(model_dir: str | Path) -> str:
@@ -62,8 +73,9 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
 
 class EPGroup:
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float,
-                 procs: list | None = None, exit_on_failure: bool = False):
+                 procs: list | None = None, exit_on_failure: bool = False, store_dir: Path | None = None):
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
+        self.store_dir = store_dir  # rank 0 of a spawned group: the rendezvous directory, removed at close
         self.exit_on_failure = exit_on_failure
         self.procs = procs or []  # rank 0 only: the spawned workers (ranks 1..N-1)
         self.failed: str | None = None
@@ -109,7 +121,10 @@ class EPGroup:
         if dist.is_initialized():
             raise ExpertParallelError("this process already belongs to a torch.distributed group (one "
                                       "expert-parallel LLM per process: close() the other one first)")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init, store_dir = private_rendezvous()
+        # the ranks' data links on loopback only (read when each process creates its gloo/NCCL
+        # sockets; the spawned workers inherit it)
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = _loopback_interface()
         ctx = multiprocessing.get_context("spawn")
         procs = []
         for r in range(1, world_size):
@@ -138,9 +153,10 @@ class EPGroup:
         if why is not None or failed:
             for p in procs:
                 p.kill()
+            shutil.rmtree(store_dir, ignore_errors=True)
             raise ExpertParallelError(f"expert-parallel group of {world_size} did not form: "
                                       f"{why or failed[0]}") from None
-        return cls(0, world_size, device, timeout_s, procs, exit_on_failure)
+        return cls(0, world_size, device, timeout_s, procs, exit_on_failure, store_dir)
 
     # -- failures --------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -187,11 +203,42 @@ class EPGroup:
 
     # -- collectives (called from the engine thread only) ------------------------------------------
     def broadcast(self, obj=None, startup: bool = False):
-        """Rank 0's `obj` to every rank (pickled; tensors travel on the CPU). `startup`: with the
-        start's timeout (while ranks may still be loading)."""
-        box = [obj]
-        self._call("broadcast", dist.broadcast_object_list, box, 0, None if startup else self.pg)
-        return box[0]
+        """Rank 0's `obj` to every rank (parallel/wire.py: plain data and tensors; tensors arrive on the
+        CPU). `startup`: with the start's timeout (while ranks may still be loading)."""
+        group = None if startup else self.pg
+
+        def run():
+            buf = wire.encode(obj).to(self.device) if self.rank == 0 else None
+            size = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64, device=self.device)
+            dist.broadcast(size, 0, group)
+            if buf is None:
+                buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+            dist.broadcast(buf, 0, group)
+            return buf
+
+        return self._decode(self._call("broadcast", run))
+
+    def _all_gather(self, what: str, obj, group) -> list:
+        """Every rank's `obj` on every rank, as wire messages padded to the longest."""
+        buf = wire.encode(obj).to(self.device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+
+        def run():
+            dist.all_gather(sizes, torch.tensor([buf.numel()], dtype=torch.int64, device=self.device), group)
+            longest = max(int(s.item()) for s in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+            padded[: buf.numel()] = buf
+            out = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+            dist.all_gather(out, padded, group)
+            return [o[: int(s.item())] for o, s in zip(out, sizes)]
+
+        return [self._decode(b) for b in self._call(what, run)]
+
+    def _decode(self, buf: torch.Tensor):
+        try:
+            return wire.decode(buf)
+        except wire.WireError as e:
+            raise ExpertParallelError(f"a malformed message between expert-parallel ranks: {e}") from None
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         self._call("all_reduce", dist.all_reduce, t, dist.ReduceOp.SUM, self.pg)
@@ -219,13 +266,11 @@ class EPGroup:
 
     def gather(self, obj) -> list | None:
         """Every rank's `obj` on rank 0 (None elsewhere)."""
-        out = [None] * self.world_size if self.rank == 0 else None
-        self._call("gather", dist.gather_object, obj, out, 0, self.pg)
-        return out
+        got = self._all_gather("gather", obj, self.pg)
+        return got if self.rank == 0 else None
 
     def check_same(self, what: str, value: str) -> None:
-        values = [None] * self.world_size
-        self._call("all_gather", dist.all_gather_object, values, value)
+        values = self._all_gather("all_gather", value, None)
         bad = [r for r, v in enumerate(values) if v != values[0]]
         if bad:
             raise ExpertParallelError(f"ranks {bad} see a different {what} than rank 0 "
@@ -241,3 +286,5 @@ class EPGroup:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
