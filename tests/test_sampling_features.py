@@ -193,7 +193,6 @@ SCHEMA = {
 
 
 def test_json_schema_output_valid_on_random_model(qwen3_llm):
-    pytest.importorskip("llguidance")
     g = qwen3_llm.grammars.json_schema(SCHEMA)
     outs = qwen3_llm.generate([_prompt(5, seed=s) for s in range(3)],
                               SamplingParams(max_tokens=60, temperature=1.0, seed=1, structured=g))
@@ -206,7 +205,6 @@ def test_json_schema_output_valid_on_random_model(qwen3_llm):
 
 
 def test_regex_and_choice_grammars(qwen3_llm):
-    pytest.importorskip("llguidance")
     import re
 
     g = qwen3_llm.grammars.regex(r"[a-c]{3}-[0-9]{2}")
@@ -222,7 +220,6 @@ def test_regex_and_choice_grammars(qwen3_llm):
 def test_logprobs_come_before_the_grammar_mask(qwen3_llm):
     """Under a regex grammar the chosen tokens follow the grammar, and their logprobs are still the
     model's log_softmax of the unmasked logits (a masked row would give the allowed tokens more mass)."""
-    pytest.importorskip("llguidance")
     import re
 
     prompt = _prompt(6, seed=9)
@@ -238,7 +235,6 @@ def test_logprobs_come_before_the_grammar_mask(qwen3_llm):
 
 
 def test_json_object_output_parses(qwen3_llm):
-    pytest.importorskip("llguidance")
     g = qwen3_llm.grammars.json_object()
     outs = qwen3_llm.generate([_prompt(5, seed=s) for s in range(4)],
                               SamplingParams(max_tokens=100, temperature=1.0, seed=2, structured=g))
