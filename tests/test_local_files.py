@@ -186,3 +186,18 @@ def test_integer_eps_is_a_number(qwen3_checkpoint, tmp_path):
     broken = C.copy_checkpoint(qwen3_checkpoint, tmp_path / "model")
     C.edit_config(broken, rms_norm_eps=1)
     assert read_config(broken)[1].rms_norm_eps == 1.0
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("routed_scaling_factor", "2.5x", "routed_scaling_factor must be a finite number, got '2.5x'"),
+    ("routed_scaling_factor", 0, "routed_scaling_factor must be > 0"),
+])
+def test_bad_deepseek_numbers_name_the_field(tmp_path, field, value, needle):
+    from expertcache.models.registry import read_config
+
+    ckpt = C.make_checkpoint(tmp_path / "src", "deepseek_v3")
+    broken = C.copy_checkpoint(ckpt, tmp_path / "model")
+    C.edit_config(broken, **{field: value})
+    with pytest.raises(ConfigError) as info:
+        read_config(broken)
+    assert needle in str(info.value) and "config.json" in str(info.value)

@@ -8,7 +8,7 @@ The MLA and router fields are shared with GLM-4.7-Flash (models/glm4_moe.py).
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .common import base_fields, finish
+from .common import base_fields, finish, get_float
 from ..spec.model_config import MLA, ModelConfig, RouterSpec, check_value, require, yarn_mscale
 from .registry import Family, WeightNames, register
 
@@ -31,7 +31,7 @@ def mla_fields(hf: dict, f: dict) -> dict:
         raise ConfigError("config.json: partial_rotary_factor != 1 is not supported with multi-head latent attention")
     scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
     if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
-        scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+        scale *= yarn_mscale(get_float(rope, "factor", 1.0, positive=True), get_float(rope, "mscale_all_dim", 0.0)) ** 2
     return dict(mla=m, head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, rotary_dim=m.qk_rope_head_dim,
                 attn_scale=scale, qkv_bias=bool(hf.get("attention_bias", False)),
                 o_bias=bool(hf.get("attention_bias", False)))
@@ -55,7 +55,7 @@ def router_fields(hf: dict, methods: dict[str, str], scoring: str, num_experts: 
     if kind == "noaux_tc" and num_experts // n_group < 2:
         raise ConfigError(f"config.json: noaux_tc routing needs at least 2 experts per group (n_group={n_group})")
     spec = RouterSpec(kind=kind, n_group=n_group, topk_group=topk_group,
-                      scaling=float(hf.get("routed_scaling_factor", 1.0)), float32_logits=True)
+                      scaling=get_float(hf, "routed_scaling_factor", 1.0, positive=True), float32_logits=True)
     return dict(router=spec, norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 

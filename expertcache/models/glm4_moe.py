@@ -11,7 +11,7 @@ choosing dense or sparse per layer.
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .common import base_fields, finish
+from .common import base_fields, finish, get_float
 from .deepseek import NAMES, mla_fields, moe_fields, router_fields
 from .registry import Family, register
 
@@ -24,7 +24,7 @@ def parse(hf: dict):
     f = base_fields(hf, "glm4_moe", partial_rotary=True)
     e, n = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0), f["num_layers"]
     first = int(hf.get("first_k_dense_replace", 1) or 0)
-    rotary = int(f["head_dim"] * float(f["rope"]["partial_rotary_factor"]))
+    rotary = int(f["head_dim"] * get_float(f["rope"], "partial_rotary_factor", 1.0, positive=True))
     if rotary % 2 or not 0 < rotary <= f["head_dim"]:
         raise ConfigError(f"config.json: partial_rotary_factor={f['rope']['partial_rotary_factor']} of head_dim="
                           f"{f['head_dim']} gives {rotary} rotary dims (must be even and positive)")

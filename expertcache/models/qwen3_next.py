@@ -14,7 +14,7 @@ reads either. Qwen3.5-MoE always renormalises the top-k weights and has no dense
 tower (`model.visual.*`) is not (prompts are text only).
 """
 
-from .common import base_fields, finish, raise_cfg, sparse_layers
+from .common import base_fields, finish, get_float, raise_cfg, sparse_layers
 from ..spec.model_config import LinearAttnConfig, require
 from .registry import Family, WeightNames, register
 
@@ -48,7 +48,7 @@ def _parse(hf: dict, family: str, moe_layers) -> dict:
     e = int(require(hf, "num_experts"))
     n = f["num_layers"]
     bias = bool(hf.get("attention_bias", False))
-    rotary = int(f["head_dim"] * float(f["rope"].get("partial_rotary_factor", 1.0)))
+    rotary = int(f["head_dim"] * get_float(f["rope"], "partial_rotary_factor", 1.0, positive=True))
     if rotary % 2 or not 0 < rotary <= f["head_dim"]:
         raise_cfg(f"partial_rotary_factor of head_dim={f['head_dim']} gives {rotary} rotary dims "
                   "(must be even and positive)")
