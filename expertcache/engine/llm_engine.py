@@ -58,6 +58,8 @@ class LLMEngine:
         self.seqs: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.counters = EngineCounters()
         self.recorder = recorder
+        self.record_max_steps: int | None = None  # steps the recorder keeps; then recording stops (logged once)
+        self.record_stopped = False
         # (layer, expert) -> parts found non-finite at first read (ExpertSource.nonfinite, live)
         self.nonfinite_experts: dict[tuple[int, int], list[str]] = {}
         self.expert_name = None  # (layer, expert) -> the checkpoint's tensor names, for messages
@@ -118,7 +120,8 @@ class LLMEngine:
         if not work:
             return outs
         t0 = time.perf_counter()
-        self.runner.model.record_routing = self.recorder is not None
+        recording = self._recording()
+        self.runner.model.record_routing = recording
         full = [seq.prompt_logprobs is not None and seq.num_computed < seq.prompt_len for seq, _ in work]
         try:
             logits, spans = self.runner.run_rows(work, full)
@@ -129,7 +132,7 @@ class LLMEngine:
             return outs + self._isolate_step_failure(work, e)
         logits = logits.cpu()  # sampling (and per-request CPU generators) on the host
         dt = time.perf_counter() - t0
-        if self.recorder is not None:
+        if recording:
             self.recorder.record(self.counters.steps, work, self.runner.model.routing)
         self.counters.steps += 1
         decode = all(seq.phase == "decode" for seq, _ in work)
@@ -182,6 +185,19 @@ class LLMEngine:
                 log.exception("request %s failed in its step", seq.request_id)
                 outs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
         return outs
+
+    def _recording(self) -> bool:
+        """Whether this step's routing goes to the recorder: until record_max_steps steps (then a
+        warning, once; the trace keeps the steps recorded)."""
+        if self.recorder is None:
+            return False
+        if self.record_max_steps is None or self.counters.steps < self.record_max_steps:
+            return True
+        if not self.record_stopped:
+            self.record_stopped = True
+            log.warning("routing recording stopped after %d engine steps (--record-routing-max-steps); the trace "
+                        "keeps those steps", self.record_max_steps)
+        return False
 
     def _accept(self, seq: Sequence, tok: int, entry) -> StepOutput:
         seq.tokens.append(tok)
