@@ -108,28 +108,37 @@ def _path(parts: tuple) -> str:
 
 def check_shape(obj) -> None:
     """Depth and strings of a parsed body, iteratively (no recursion to exhaust)."""
+    if isinstance(obj, str):
+        _check_text(obj, ())
+        return
     stack = [(obj, 1, ())]
     while stack:
         v, depth, path = stack.pop()
-        if isinstance(v, str):
-            if not v.isascii():
-                try:
-                    v.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    param = _path(path) or None
-                    raise ApiError(f"'{param or 'body'}' holds a lone surrogate ({v[e.start]!r} at character "
-                                   f"{e.start}): not valid Unicode text", param) from None
+        if not isinstance(v, (dict, list)):
             continue
-        if isinstance(v, (dict, list)):
-            if depth > MAX_DEPTH:
-                raise ApiError(f"the request body nests deeper than {MAX_DEPTH} levels", _path(path[:1]) or None)
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            for k, child in items:
-                if isinstance(k, str) and not k.isascii():
-                    check_shape(k)
+        if depth > MAX_DEPTH:
+            raise ApiError(f"the request body nests deeper than {MAX_DEPTH} levels", _path(path[:1]) or None)
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, child in items:
+            if type(k) is str and not k.isascii():
+                _check_text(k, path)
+            if type(child) is str:  # the common leaf checked here: no stack entry per string
+                if not child.isascii():
+                    _check_text(child, path + (k,))
+            elif isinstance(child, (dict, list)):
                 stack.append((child, depth + 1, path + (k,)))
 
 
+def _check_text(v: str, path: tuple) -> None:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = _path(path) or None
+        raise ApiError(f"'{param or 'body'}' holds a lone surrogate ({v[e.start]!r} at character "
+                       f"{e.start}): not valid Unicode text", param) from None
+
+
+_DIGIT_RUN = re.compile(rb"\d{%d}" % (MAX_INT_DIGITS + 1))  # the shortest number _int or _float could refuse
 # the key in front of what the parser refused, found in the raw bytes (error path only)
 _LONG_NUMBER = re.compile(rb'"([^"\\]{1,64})"\s*:\s*(?=[-+.\deE]{%d})' % (MAX_INT_DIGITS + 1))
 _DEEP = re.compile(rb'"([^"\\]{1,64})"\s*:\s*(?=(?:[\[{]\s*){%d})' % MAX_DEPTH)
@@ -146,7 +155,10 @@ def _named(e: ApiError, raw: bytes, pattern: re.Pattern) -> ApiError:
 def parse_body(raw: bytes) -> dict:
     """Bytes -> the JSON object of a request, or ApiError (400). Run it off the event loop."""
     try:
-        obj = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        if _DIGIT_RUN.search(raw) is None:  # no number can be too long: C parsing of numbers, no hook per number
+            obj = json.loads(raw, parse_constant=_constant)
+        else:
+            obj = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except RecursionError:
         raise _named(ApiError(f"the request body nests deeper than {MAX_DEPTH} levels"), raw, _DEEP) from None
     except ApiError as e:  # a number too long
