@@ -68,9 +68,9 @@ def test_each_step_decodes_a_bounded_window(tok):
     seen = []
 
     class Counting:
-        def decode(self, ids):
+        def decode(self, ids, **kw):
             seen.append(len(ids))
-            return tok.decode(ids)
+            return tok.decode(ids, **kw)
 
     ids = tok.encode(TEXT * 20, add_special_tokens=False)
     text = StopText(Counting(), ["zzz"])

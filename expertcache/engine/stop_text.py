@@ -19,8 +19,8 @@ MAX_PENDING_TOKENS = 4  # a UTF-8 character has at most 4 bytes, a token at leas
 
 
 class StopText:
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True):
+        self.tokenizer, self.stop, self.skip_special = tokenizer, stop, skip_special_tokens
         self.hold = max((len(s) - 1 for s in stop), default=0)  # characters that could start a stop string
         self.ids: list[int] = []
         self.prefix = self.read = 0  # token offsets: ids[prefix:read] decoded already, ids[read:] not yet
@@ -31,7 +31,9 @@ class StopText:
         (unless `force`)."""
         if self.read == len(self.ids):
             return ""
-        dec = self.tokenizer.decode
+        def dec(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
         before = dec(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
         after = dec(self.ids[self.prefix:])
         if not force and after.endswith("\ufffd") and len(self.ids) - self.read < MAX_PENDING_TOKENS:
