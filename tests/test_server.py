@@ -392,3 +392,43 @@ def test_tiered_expert_cache_reports_stats_in_process(qwen3_checkpoint):
         text = c.get("/metrics").text
         assert 'expertcache:expert_cache_misses_total{tier="device"}' in text
         assert "expertcache:model_load_progress 1.0" in text
+
+
+def test_public_metrics_api_docs_and_allowed_hosts_in_process(qwen3_checkpoint):
+    """--public-metrics opens /metrics only; --api-docs adds the docs behind the key; a server bound
+    elsewhere answers only the --allowed-hosts names."""
+    from fastapi.testclient import TestClient
+
+    from expertcache.server.app import ServerConfig, create_app
+    from expertcache.server.gate import Access
+
+    access = Access.for_bind("0.0.0.0", ["models.lan"], api_key="k", public_metrics=True, api_docs=True)
+    app = create_app(ServerConfig("tiny", {"model": str(qwen3_checkpoint)}, access=access))
+    with TestClient(app, base_url="http://models.lan:8000") as c:
+        assert c.get("/metrics").status_code == 200
+        assert c.get("/stats").status_code == 401
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert c.get(path).status_code == 401
+            assert c.get(path, headers={"Authorization": "Bearer k"}).status_code == 200, path
+        r = c.get("/health", headers={"host": "localhost:8000"})  # a name not in --allowed-hosts
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--host", "0.0.0.0"], "--allowed-hosts"),
+    (["--max-stop-strings", "65"], "--max-stop-strings"),
+    (["--max-logit-bias", "-1"], "--max-logit-bias"),
+    (["--record-routing-max-steps", "0"], "--record-routing-max-steps"),
+])
+def test_serve_flags_are_checked_before_loading(flags, needle):
+    import argparse
+
+    from expertcache.errors import ConfigError
+    from expertcache.server.cli import _server_config, add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(flags)
+    args.model, args.api_key = None, None
+    with pytest.raises(ConfigError, match=needle):
+        _server_config(args)
