@@ -17,7 +17,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from serving import start_server  # noqa: E402
+from serving import start_server, wait_until  # noqa: E402
 
 KEY = "test-key-123"
 
@@ -108,19 +108,25 @@ def test_raw_stream_ends_with_done(server):
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
 
 
-def test_completions_text_ids_and_stream(server):
+def test_completions_text_ids_and_stream(server, qwen3_llm):
+    from expertcache import SamplingParams
+
     client = server.client()
-    a = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0)
+    a = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
     assert a.object == "text_completion"
-    assert a.usage.completion_tokens == 8 or a.choices[0].finish_reason == "stop"
+    want = qwen3_llm.generate("The quick brown fox", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert a.usage.completion_tokens == 8 and a.choices[0].finish_reason == "length"
+    assert a.choices[0].text == want.text
     streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0, stream=True))
+        model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
     assert streamed == a.choices[0].text
     ids = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
     assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens >= 1
 
 
-def test_stop_string_and_seed(server):
+def test_stop_string_and_seed(server, qwen3_llm):
     client = server.client()
     full = client.completions.create(model="tiny", prompt="Hello world", max_tokens=16, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
@@ -129,8 +135,18 @@ def test_stop_string_and_seed(server):
                                     extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[: full.find(stop)]
     s1, s2 = (chat(client, "seeded", temperature=1.0, top_p=0.9, seed=7, max_tokens=6,
-                   extra_body={"top_k": 50}).choices[0].message.content for _ in range(2))
+                   extra_body={"top_k": 50, "ignore_eos": True}).choices[0].message.content for _ in range(2))
     assert s1 == s2
+    from expertcache import SamplingParams
+
+    # the same sampling in process: temperature, top_p, top_k and the seed all reached the engine
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    assert s1 == qwen3_llm.chat([{"role": "user", "content": "seeded"}], params)[0].text
+    other = chat(client, "seeded", temperature=1.0, top_p=0.9, seed=8, max_tokens=6,
+                 extra_body={"top_k": 50, "ignore_eos": True}).choices[0].message.content
+    assert other == qwen3_llm.chat([{"role": "user", "content": "seeded"}],
+                                   SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=8,
+                                                  ignore_eos=True))[0].text
 
 
 def test_concurrent_greedy_equals_sequential(server):
@@ -283,11 +299,11 @@ def test_client_disconnect_aborts_request(server):
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 4:
                     break  # leave mid-stream: the connection closes with the context
-        for _ in range(100):
+        def idle():
             eng = c.get("/stats").json()["engine"]
-            if eng["running"] == 0 and eng["waiting"] == 0:
-                break
-            time.sleep(0.1)
+            return eng if eng["running"] == 0 and eng["waiting"] == 0 else None
+
+        eng = wait_until(idle) or c.get("/stats").json()["engine"]
     assert eng["running"] == 0 and eng["kv_cache_usage"] == 0.0
     assert eng["engine_counters"]["generated_tokens"] > 0
     assert server.metric("expertcache:request_success_total", 'finished_reason="abort"') == aborted0 + 1

@@ -12,7 +12,7 @@ from typing import Callable
 
 import pytest
 
-from serving import start_server
+from serving import start_server, wait_until
 
 KEYS = ("key-one-111", "key-two-222")
 JSON = {"content-type": "application/json"}
@@ -110,6 +110,20 @@ def test_huge_bodies_are_413_while_health_answers(server):
           f"median {sorted(lat)[len(lat) // 2] * 1e3:.1f} ms")
 
 
+def test_declared_oversize_body_is_refused_before_it_is_sent(server):
+    """Content-Length over the limit: the 413 arrives after the headers and 1 KiB of the body, the
+    other 10 MB never sent."""
+    import socket
+
+    host, port = server.url.rsplit("//", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 10000000\r\n\r\n".encode() + b" " * 1024)
+        head = s.recv(65536).decode("latin-1")
+    assert head.startswith("HTTP/1.1 413"), head[:200]
+    assert "request_too_large" in head or "Content-Length" in head
+
+
 def test_nulls_are_accepted_where_openai_allows(server):
     with server.http() as c:
         body = {"prompt": "hi", "n": None, "stream": None, "temperature": None, "top_p": None, "max_tokens": 2,
@@ -183,12 +197,9 @@ def test_concurrency_limit_per_key(server):
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
-        for _ in range(100):  # the closed streams release their places
-            if a.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the key's places were not released after its streams closed")
+        # the closed streams release their places
+        assert wait_until(lambda: a.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code
+                          == 200), "the key's places were not released after its streams closed"
         assert is_error_object(a.post("/v1/completions", json={"prompt": "hi"},
                                       headers={"Authorization": "Bearer wrong"}), 401)
 
@@ -384,10 +395,9 @@ def test_fuzz_request_schema_never_5xx(server, path, schema):
         one()
         assert c.get("/health").status_code == 200
         assert c.post("/v1/completions", json=probe).json()["choices"][0]["text"] == before
-        stats = c.get("/stats").json()["engine"]
-        for _ in range(100):
-            if stats["running"] == 0 and stats["waiting"] == 0:
-                break
-            time.sleep(0.05)
-            stats = c.get("/stats").json()["engine"]
+        def idle():
+            eng = c.get("/stats").json()["engine"]
+            return eng if eng["running"] == 0 and eng["waiting"] == 0 else None
+
+        stats = wait_until(idle) or c.get("/stats").json()["engine"]
         assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_usage"] == 0.0
