@@ -91,6 +91,28 @@ def test_chat_logprobs_equal_model_log_softmax(url, client, ref):
             assert [bytes(a.bytes) for a in e.top_logprobs] == [ref.tokenizer.token_bytes(t) for t in top.indices]
 
 
+def test_logprobs_are_the_model_s_before_penalties_bias_and_grammar(url, ref):
+    """Logprobs report the model's own log-softmax: with a frequency penalty, a logit_bias and a
+    regex grammar shaping the choice, each token's logprob is the unpenalised row's."""
+    body = {"prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2,
+            "frequency_penalty": 1.5, "logit_bias": {"77": 3}, "guided_regex": "[a-z]+"}
+    got = post(url, "/v1/completions", body)["choices"][0]
+    grammar = ref.grammars.regex("[a-z]+")
+    gen = ref.generate(PROMPT_IDS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, frequency_penalty=1.5,
+                                                  logit_bias={77: 3}, structured=grammar))[0].token_ids
+    plain = ref.generate(PROMPT_IDS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    assert gen != plain  # the penalty, bias and grammar did shape the choice
+    lp = ref_logprobs(ref, PROMPT_IDS + gen)
+    values = got["logprobs"]["token_logprobs"]
+    assert len(values) == len(gen)
+    for j, tok in enumerate(gen):
+        row = lp[len(PROMPT_IDS) - 1 + j]
+        assert abs(values[j] - float(row[tok])) < ATOL
+        # the two best alternatives (the chosen token is listed too when it is not among them)
+        assert sorted(got["logprobs"]["top_logprobs"][j].values(), reverse=True)[:2] == pytest.approx(
+            torch.topk(row, 2).values.tolist(), abs=ATOL)
+
+
 # lm-eval 0.4 local-completions, loglikelihood with --batch_size 2: the body it posts (token ids
 # of context + continuation per request; recorded from lm_eval.models.openai_completions)
 def lm_eval_body(prompts: list[list[int]]) -> dict:
