@@ -316,7 +316,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             ids = await run_in_threadpool(llm.tokenizer.encode, req.prompt, req.add_special_tokens is not False)
         else:
             ids = await run_in_threadpool(chat_ids, llm, req.messages, req.add_generation_prompt)
-        strs = [llm.tokenizer.tok.id_to_token(i) for i in ids] if req.return_token_strs else None
+        strs = None
+        if req.return_token_strs:
+            strs = await run_in_threadpool(lambda: [llm.tokenizer.tok.id_to_token(i) for i in ids])
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
