@@ -448,3 +448,23 @@ def test_serve_flags_are_checked_before_loading(flags, needle):
     args.model, args.api_key = None, None
     with pytest.raises(ConfigError, match=needle):
         _server_config(args)
+
+
+def test_record_routing_stops_at_its_step_cap(qwen3_checkpoint, tmp_path, caplog):
+    """serve --record-routing-max-steps: the trace keeps the first steps, then recording stops with
+    one warning; generation goes on unchanged."""
+    import numpy as np
+
+    from expertcache import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    plain = LLM(str(qwen3_checkpoint)).generate([5, 6, 7], params)[0].token_ids
+    llm = LLM(str(qwen3_checkpoint), record_routing=str(tmp_path / "trace.npz"))
+    llm.engine.record_max_steps = 3
+    with caplog.at_level("WARNING", logger="expertcache"):
+        out = llm.generate([5, 6, 7], params)[0].token_ids
+    assert out == plain
+    steps = np.concatenate(llm.engine.recorder.rows["step"])
+    assert sorted(set(steps.tolist())) == [0, 1, 2]  # the first three engine steps, none after
+    warnings = [r for r in caplog.records if "--record-routing-max-steps" in r.getMessage()]
+    assert len(warnings) == 1

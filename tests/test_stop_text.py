@@ -77,3 +77,16 @@ def test_each_step_decodes_a_bounded_window(tok):
     for t in ids:
         text.add(t, finished=False)
     assert len(ids) > 500 and max(seen) <= 8
+
+
+def test_invalid_utf8_joins_like_the_whole_decode(tok):
+    """Random byte tokens (lone continuation bytes, cut characters, lead bytes never completed):
+    the pieces still join to exactly what decoding every id at once gives."""
+    import random
+
+    rng = random.Random(0)
+    emoji = tok.encode("🙂é€", add_special_tokens=False)
+    for _ in range(200):
+        ids = [rng.choice([rng.randrange(256), rng.choice(emoji)]) for _ in range(rng.randint(1, 30))]
+        got, stopped = feed(tok, ids, [])
+        assert got == tok.decode(ids), ids

@@ -7,7 +7,8 @@ incremental detokenisation of vLLM and TGI, which keeps the spaces and merges a 
 would give), and each stop string is searched for in the text not yet emitted, which is never
 longer than the longest stop string minus one plus the new piece. Invariants:
 - `emitted + held` == the decode of every token seen so far (up to an unfinished UTF-8 character
-  at the end, held back until its next token completes it, at most MAX_PENDING_TOKENS tokens);
+  at the end, held back while more bytes can still complete it, at most MAX_PENDING_TOKENS tokens;
+  bytes that can never become valid are emitted as the whole decode replaces them);
 - no stop string occurs in `emitted + held` except, when `stopped`, once at the end of the
   held text (cut there): a match can only end in the new piece, and it starts at most
   len(stop) - 1 characters before it, inside `held`.
@@ -15,7 +16,9 @@ longer than the longest stop string minus one plus the new piece. Invariants:
 
 from __future__ import annotations
 
-MAX_PENDING_TOKENS = 4  # a UTF-8 character has at most 4 bytes, a token at least one
+import codecs
+
+MAX_PENDING_TOKENS = 8  # a UTF-8 character has at most 4 bytes; tokens without bytes (skipped) are rare
 
 
 class StopText:
@@ -36,10 +39,23 @@ class StopText:
 
         before = dec(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
         after = dec(self.ids[self.prefix:])
-        if not force and after.endswith("\ufffd") and len(self.ids) - self.read < MAX_PENDING_TOKENS:
+        if not force and after.endswith("\ufffd") and self._incomplete() \
+                and len(self.ids) - self.read < MAX_PENDING_TOKENS:
             return ""  # an incomplete UTF-8 character: wait for the next token
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before):]
+
+    def _incomplete(self) -> bool:
+        """Whether the text ends inside a UTF-8 character that more bytes can still complete (then
+        wait), rather than with bytes no continuation can make valid (then emit: the whole decode
+        replaces them the same way). Without the tokenizer's token bytes: assume it can."""
+        token_bytes = getattr(self.tokenizer, "token_bytes", None)
+        if token_bytes is None:
+            return True
+        tail = b"".join(token_bytes(t) for t in self.ids[-3:])[-3:]  # an unfinished character has <= 3 bytes
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        dec.decode(tail, final=False)
+        return bool(dec.getstate()[0])
 
     def add(self, token: int | None, finished: bool) -> tuple[str, bool]:
         """Take the next token (None: nothing to decode, e.g. a stop token) -> (text to emit, whether a
