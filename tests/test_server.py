@@ -326,7 +326,10 @@ def test_metrics_and_stats(server):
     assert server.metric("expertcache:generation_tokens_total") >= 3
     assert stats["status"] == "ok" and isinstance(stats["expert_stats"], dict)
     assert stats["engine"]["engine_counters"]["generated_tokens"] >= 3
-    assert "Avg generation throughput" in server.log_tail()
+    # the periodic status line (--log-interval 1) appears while the engine works: keep it busy until it does
+    client = server.client()
+    assert wait_until(lambda: chat(client, "keep busy", max_tokens=32, extra_body={"ignore_eos": True}) and
+                      "Avg generation throughput" in server.log_path.read_text(errors="replace"))
 
 
 def test_server_log_has_no_tracebacks(server):
