@@ -471,3 +471,15 @@ def test_record_routing_stops_at_its_step_cap(qwen3_checkpoint, tmp_path, caplog
     assert sorted(set(steps.tolist())) == [0, 1, 2]  # the first three engine steps, none after
     warnings = [r for r in caplog.records if "--record-routing-max-steps" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_allowed_hosts_flag_is_a_comma_separated_list():
+    import argparse
+
+    from expertcache.server.cli import _server_config, add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--host", "0.0.0.0", "--allowed-hosts", "models.lan, 10.0.0.5"])
+    args.model, args.api_key = None, None
+    assert _server_config(args).access.allowed_hosts == ("models.lan", "10.0.0.5")

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from .gate import LOOPBACK_BIND
-from .limits import (MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_STRINGS_CEILING,
-                     RECORD_ROUTING_MAX_STEPS)
+from .limits import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_CEILING, MAX_STOP_CHARS, MAX_STOP_CHARS_CEILING,
+                     MAX_STOP_STRINGS, MAX_STOP_STRINGS_CEILING, RECORD_ROUTING_MAX_STEPS)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -41,15 +41,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"'stop' strings per request, at most {MAX_STOP_STRINGS_CEILING} (default: "
                         f"{MAX_STOP_STRINGS}, OpenAI's limit)")
     s.add_argument("--max-stop-chars", type=int, default=MAX_STOP_CHARS,
-                   help=f"characters per 'stop' string (default: {MAX_STOP_CHARS})")
+                   help=f"characters per 'stop' string, at most {MAX_STOP_CHARS_CEILING} (default: {MAX_STOP_CHARS})")
     s.add_argument("--max-logit-bias", type=int, default=MAX_LOGIT_BIAS,
-                   help=f"'logit_bias' entries per request (default: {MAX_LOGIT_BIAS}, OpenAI's limit)")
+                   help=f"'logit_bias' entries per request, at most {MAX_LOGIT_BIAS_CEILING} (default: "
+                        f"{MAX_LOGIT_BIAS}, OpenAI's limit)")
     s.add_argument("--record-routing-max-steps", type=int, default=RECORD_ROUTING_MAX_STEPS,
                    help="with --record-routing: engine steps the trace keeps; recording then stops with a "
                         f"warning (default: {RECORD_ROUTING_MAX_STEPS})")
-    s.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
-                   help="Host header names the server answers to, others get 400 (default: localhost, 127.0.0.1, "
-                        "::1 when bound to loopback; required otherwise; '*' = any)")
+    s.add_argument("--allowed-hosts", default=None, metavar="NAME,...",
+                   help="comma-separated Host header names the server answers to, others get 400 (default: "
+                        "localhost, 127.0.0.1, ::1 when bound to loopback; required otherwise; '*' = any)")
     s.add_argument("--public-metrics", action="store_true",
                    help="serve /metrics without the API key (a scraper without credentials)")
     s.add_argument("--api-docs", action="store_true",
@@ -85,6 +86,13 @@ def api_key(args: argparse.Namespace) -> str | tuple[str, ...] | None:
     return args.api_key or os.environ.get("EXPERTCACHE_API_KEY") or None
 
 
+def _names(value: str | None) -> list[str] | None:
+    """--allowed-hosts 'a, b' -> ['a', 'b'] (None when not given)."""
+    if value is None:
+        return None
+    return [n.strip() for n in value.split(",") if n.strip()]
+
+
 def _server_config(args: argparse.Namespace):
     from ..cli_common import engine_kwargs
     from .app import ServerConfig
@@ -109,7 +117,7 @@ def _server_config(args: argparse.Namespace):
                         save_expert_stats=args.save_expert_stats,
                         limits=Limits(args.max_request_bytes, args.max_concurrent_per_key, args.max_stop_strings,
                                       args.max_stop_chars, args.max_logit_bias, args.record_routing_max_steps),
-                        access=Access.for_bind(args.host, args.allowed_hosts, api_key=args.api_key,
+                        access=Access.for_bind(args.host, _names(args.allowed_hosts), api_key=args.api_key,
                                                public_metrics=args.public_metrics, api_docs=args.api_docs))
 
 

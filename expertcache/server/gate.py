@@ -56,7 +56,7 @@ class Access:
         if host in LOOPBACK_BIND:
             return cls(**kw)
         raise ConfigError(f"--host {host} is not loopback: name the host names clients use with --allowed-hosts "
-                          "(e.g. --allowed-hosts myserver.lan 10.0.0.5, or '*' for any)")
+                          "(e.g. --allowed-hosts myserver.lan,10.0.0.5, or '*' for any)")
 
     def is_public(self, path: str) -> bool:
         return path in self.public_paths or path in UI_PATHS or path.startswith(UI_PREFIX)
