@@ -401,3 +401,38 @@ def test_lm_eval_multiple_choice_end_to_end(url, ref, tool_checkpoint, tmp_path)
             lls.append(want)
         right += int(max(range(len(lls)), key=lls.__getitem__) == doc["answer"])
     assert acc == pytest.approx(right / len(docs))
+
+
+def test_streamed_output_full_of_open_tool_markers(url, ref):
+    """A completion steered into 100 unclosed `<tool_call>` markers, streamed with tools on: no call
+    is reported, the whole text arrives as content (held until the end: a marker is open), and a
+    request sent meanwhile gets the same answer as alone."""
+    import threading
+
+    forced = "<tool_call> x" * 100
+    body = {"model": "tiny", "messages": MSG, "tools": [WEATHER], "max_tokens": 1200, "temperature": 0,
+            "stream": True, "guided_regex": "(<tool_call> x){100}"}
+    good = {"prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    alone = post(url, "/v1/completions", good)["choices"][0]["text"]
+    events, started = [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                events.append({"error": r.read().decode()})
+            for line in r.iter_lines():
+                started.set()
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+        started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(120), events
+    assert post(url, "/v1/completions", good)["choices"][0]["text"] == alone
+    t.join(600)
+    assert events and all("error" not in e for e in events), events[:2]
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == forced
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
