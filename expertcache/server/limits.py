@@ -222,12 +222,9 @@ class ConcurrencyLimit:
         self.limit = limit
         self.active: dict[str, int] = {}
 
-    def acquire(self, who: str, n: int = 1, param: str | None = None) -> None:
+    def acquire(self, who: str, n: int = 1) -> None:
         if not self.limit or n <= 0:
             return
-        if n > self.limit:
-            raise ApiError(f"this request runs {n} sequences (prompts x n), more than the server's limit of "
-                           f"{self.limit} per API key (--max-concurrent-per-key)", param)
         have = self.active.get(who, 0)
         if have + n > self.limit:
             raise ApiError(f"this client already has {have} sequences in flight; {n} more would pass the server's "
@@ -259,7 +256,7 @@ class Lease:
             if total > self.limit.limit > 0:
                 raise ApiError(f"this request runs {total} sequences (prompts x n), more than the server's limit "
                                f"of {self.limit.limit} per API key (--max-concurrent-per-key)", param)
-            self.limit.acquire(self.who, total - self.held, param)
+            self.limit.acquire(self.who, total - self.held)
             self.held = total
 
     def release(self) -> None:
