@@ -110,6 +110,25 @@ def test_huge_bodies_are_413_while_health_answers(server):
           f"median {sorted(lat)[len(lat) // 2] * 1e3:.1f} ms")
 
 
+def test_over_long_text_is_judged_on_a_prefix():
+    """A 2-million-character prompt for a 256-token context is refused after tokenizing a prefix of
+    16 characters per context token, not the whole text."""
+    from expertcache.server.errors import ApiError
+    from expertcache.server.limits import CHARS_PER_TOKEN_BOUND, encode_bounded
+
+    seen = []
+
+    class TwoCharsPerToken:
+        def encode(self, text, add_special_tokens=True):
+            seen.append(len(text))
+            return list(range(len(text) // 2))
+
+    with pytest.raises(ApiError) as e:
+        encode_bounded(TwoCharsPerToken(), "ab" * 1_000_000, MAX_MODEL_LEN, "prompt")
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    assert seen == [CHARS_PER_TOKEN_BOUND * MAX_MODEL_LEN]
+
+
 def test_declared_oversize_body_is_refused_before_it_is_sent(server):
     """Content-Length over the limit: the 413 arrives after the headers and 1 KiB of the body, the
     other 10 MB never sent."""
