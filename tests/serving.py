@@ -1,7 +1,8 @@
 """The real `expertcache serve` in a subprocess on a free loopback port, for the server tests.
 
 `start_server(checkpoint, log_path, *flags, key=...)` is a context manager: it waits (bounded)
-until /health says ok, yields a `Server`, and kills the process on exit.
+until /health says ok, yields a `Server`, and kills the process on exit. `wait_until` polls a
+condition with a generous bound (no sleep stands in for an event).
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ import httpx
 import pytest
 
 START_TIMEOUT_S = 180  # an upper bound for a loaded machine, not a measured time
+
+
+def wait_until(condition, timeout_s: float = 60.0, interval_s: float = 0.05):
+    """Poll `condition()` until it returns something true (returned) or `timeout_s` passes (its last
+    value returned): a generous upper bound for a loaded machine, not a measured time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval_s)
 
 
 def free_port() -> int:

@@ -91,6 +91,28 @@ def test_chat_logprobs_equal_model_log_softmax(url, client, ref):
             assert [bytes(a.bytes) for a in e.top_logprobs] == [ref.tokenizer.token_bytes(t) for t in top.indices]
 
 
+def test_logprobs_are_the_model_s_before_penalties_bias_and_grammar(url, ref):
+    """Logprobs report the model's own log-softmax: with a frequency penalty, a logit_bias and a
+    regex grammar shaping the choice, each token's logprob is the unpenalised row's."""
+    body = {"prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2,
+            "frequency_penalty": 1.5, "logit_bias": {"77": 3}, "guided_regex": "[a-z]+"}
+    got = post(url, "/v1/completions", body)["choices"][0]
+    grammar = ref.grammars.regex("[a-z]+")
+    gen = ref.generate(PROMPT_IDS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, frequency_penalty=1.5,
+                                                  logit_bias={77: 3}, structured=grammar))[0].token_ids
+    plain = ref.generate(PROMPT_IDS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    assert gen != plain  # the penalty, bias and grammar did shape the choice
+    lp = ref_logprobs(ref, PROMPT_IDS + gen)
+    values = got["logprobs"]["token_logprobs"]
+    assert len(values) == len(gen)
+    for j, tok in enumerate(gen):
+        row = lp[len(PROMPT_IDS) - 1 + j]
+        assert abs(values[j] - float(row[tok])) < ATOL
+        # the two best alternatives (the chosen token is listed too when it is not among them)
+        assert sorted(got["logprobs"]["top_logprobs"][j].values(), reverse=True)[:2] == pytest.approx(
+            torch.topk(row, 2).values.tolist(), abs=ATOL)
+
+
 # lm-eval 0.4 local-completions, loglikelihood with --batch_size 2: the body it posts (token ids
 # of context + continuation per request; recorded from lm_eval.models.openai_completions)
 def lm_eval_body(prompts: list[list[int]]) -> dict:
@@ -175,15 +197,55 @@ def test_batched_prompts_number_choices_prompt_major(url):
     assert out["usage"]["prompt_tokens"] == 7
 
 
-def test_penalties_and_logit_bias_reach_the_sampler(url):
-    body = {"prompt": [51, 52, 53], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    plain = post(url, "/v1/completions", {**body, "logprobs": 0})["choices"][0]
-    banned = plain["logprobs"]["tokens"][0]
-    tok_id = post(url, "/tokenize", {"prompt": banned, "add_special_tokens": False})["tokens"]
-    biased = post(url, "/v1/completions", {**body, "logit_bias": {str(tok_id[0]): -100}})["choices"][0]
-    assert not biased["text"].startswith(banned) or len(tok_id) > 1
-    forced = post(url, "/v1/completions", {**body, "logit_bias": {"77": 100}})["choices"][0]
-    assert post(url, "/tokenize", {"prompt": forced["text"], "add_special_tokens": False})["tokens"] == [77] * 4
+# each sampling field the server maps onto SamplingParams, at temperature 0: the server's completion
+# equals LLM.generate's with the same SamplingParams, and differs from the plain one (so the field
+# was not dropped on the way)
+PROMPT_IDS = [51, 52, 53, 54, 55, 56]
+SAMPLING_CASES = [
+    # a bias makes the random model repeat a token (77; 53 of the prompt), which the penalty then acts on
+    ("presence_penalty", {"logit_bias": {"77": 3}, "presence_penalty": 2.0}, dict(presence_penalty=2.0)),
+    ("frequency_penalty", {"logit_bias": {"77": 3}, "frequency_penalty": 2.0}, dict(frequency_penalty=2.0)),
+    ("repetition_penalty", {"logit_bias": {"53": 6}, "repetition_penalty": 3.0}, dict(repetition_penalty=3.0)),
+    ("logit_bias", {"logit_bias": {"77": 100}}, {}),
+    ("guided_choice", {"guided_choice": ["Paris", "Oslo"]}, lambda g: g.choice(["Paris", "Oslo"])),
+    ("guided_regex", {"guided_regex": "[0-9]{3}"}, lambda g: g.regex("[0-9]{3}")),
+    ("guided_json", {"guided_json": SCHEMA_FOR_SAMPLING}, lambda g: g.json_schema(SCHEMA_FOR_SAMPLING)),
+    ("guided_grammar", {"guided_grammar": 'start: "yes" | "no"'}, lambda g: g.lark('start: "yes" | "no"')),
+    ("response_format", {"response_format": {"type": "json_object"}}, lambda g: g.json_object()),
+] if (SCHEMA_FOR_SAMPLING := {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                              "additionalProperties": False}) else []
+
+
+def _ref_params(ref: LLM, body: dict, extra, max_tokens: int) -> SamplingParams:
+    kw = {"structured": extra(ref.grammars)} if callable(extra) else dict(extra)
+    bias = {int(k): v for k, v in body.get("logit_bias", {}).items()}
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logit_bias=bias, **kw)
+
+
+@pytest.mark.parametrize("name,body,extra", SAMPLING_CASES, ids=[c[0] for c in SAMPLING_CASES])
+def test_sampling_fields_reach_the_engine(url, ref, name, body, extra):
+    max_tokens = 12
+    got = post(url, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": max_tokens, "temperature": 0,
+                                        "ignore_eos": True, **body})
+    want = ref.generate(PROMPT_IDS, _ref_params(ref, body, extra, max_tokens))[0]
+    # the same without the field under test (a bias that only sets up a penalty stays)
+    plain = ref.generate(PROMPT_IDS, _ref_params(ref, body if name.endswith("penalty") else {}, {}, max_tokens))[0]
+    assert want.token_ids != plain.token_ids, f"{name} changes nothing here: the test would not see it dropped"
+    assert got["choices"][0]["text"] == want.text
+    assert got["usage"]["completion_tokens"] == len(want.token_ids)
+
+
+def test_min_tokens_reaches_the_engine(url, ref):
+    """EOS pushed up by logit_bias ends the plain completion at once; min_tokens=5 holds it off."""
+    eos = ref.tokenizer.eos_token_id
+    bias = {str(eos): 100}
+    got = post(url, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "logit_bias": bias,
+                                        "min_tokens": 5})
+    want = ref.generate(PROMPT_IDS, SamplingParams(max_tokens=12, temperature=0, logit_bias={eos: 100},
+                                                   min_tokens=5))[0]
+    plain = ref.generate(PROMPT_IDS, SamplingParams(max_tokens=12, temperature=0, logit_bias={eos: 100}))[0]
+    assert len(plain.token_ids) <= 1 and len(want.token_ids) == 6 and want.token_ids[-1] == eos
+    assert got["choices"][0]["text"] == want.text and got["usage"]["completion_tokens"] == 6
 
 
 # -- structured output and tools ---------------------------------------------------------------------
@@ -241,12 +303,30 @@ def test_tool_choice_required_end_to_end(client, url):
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text and '"name": "get_weather"' in text
 
 
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+
+
 def test_tools_none_and_auto(client):
-    r = client.chat.completions.create(model="tiny", messages=MSG, tools=[WEATHER], tool_choice="none",
-                                       max_tokens=5, temperature=0)
-    assert r.choices[0].message.tool_calls is None
-    r = client.chat.completions.create(model="tiny", messages=MSG, tools=[WEATHER], max_tokens=5, temperature=0)
-    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    """The output is steered into a complete Qwen tool call (guided_regex; tool_choice 'auto' is no
+    constraint): with 'auto' it is reported as a call, with 'none' as plain content."""
+    import re
+
+    regex = re.escape(CALL_TEXT)
+    kw = dict(model="tiny", messages=MSG, tools=[WEATHER], max_tokens=400, temperature=0,
+              extra_body={"guided_regex": regex})
+    auto = client.chat.completions.create(tool_choice="auto", **kw).choices[0]
+    assert auto.finish_reason == "tool_calls" and len(auto.message.tool_calls) == 1, auto
+    assert auto.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(auto.message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 2}
+    assert not auto.message.content
+    streamed = [c.choices[0] for c in client.chat.completions.create(tool_choice="auto", stream=True, **kw)
+                if c.choices]
+    calls = [t for c in streamed for t in (c.delta.tool_calls or [])]
+    assert len(calls) == 1 and json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 2}
+    assert streamed[-1].finish_reason == "tool_calls"
+    none = client.chat.completions.create(tool_choice="none", **kw).choices[0]
+    assert none.message.tool_calls is None and none.finish_reason == "stop"
+    assert '"name": "get_weather"' in none.message.content
 
 
 # -- small endpoints -------------------------------------------------------------------------------
@@ -321,3 +401,38 @@ def test_lm_eval_multiple_choice_end_to_end(url, ref, tool_checkpoint, tmp_path)
             lls.append(want)
         right += int(max(range(len(lls)), key=lls.__getitem__) == doc["answer"])
     assert acc == pytest.approx(right / len(docs))
+
+
+def test_streamed_output_full_of_open_tool_markers(url, ref):
+    """A completion steered into 100 unclosed `<tool_call>` markers, streamed with tools on: no call
+    is reported, the whole text arrives as content (held until the end: a marker is open), and a
+    request sent meanwhile gets the same answer as alone."""
+    import threading
+
+    forced = "<tool_call> x" * 100
+    body = {"model": "tiny", "messages": MSG, "tools": [WEATHER], "max_tokens": 1200, "temperature": 0,
+            "stream": True, "guided_regex": "(<tool_call> x){100}"}
+    good = {"prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    alone = post(url, "/v1/completions", good)["choices"][0]["text"]
+    events, started = [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                events.append({"error": r.read().decode()})
+            for line in r.iter_lines():
+                started.set()
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+        started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(120), events
+    assert post(url, "/v1/completions", good)["choices"][0]["text"] == alone
+    t.join(600)
+    assert events and all("error" not in e for e in events), events[:2]
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == forced
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"

@@ -124,3 +124,55 @@ def test_real_templates_detect_their_format(qwen3_tokenizer_dir):
     assert isinstance(format_for((fixtures / "deepseek_v3_chat_template.jinja").read_text()), DeepSeekFormat)
     qwen3 = json.loads((qwen3_tokenizer_dir / "tokenizer_config.json").read_text())["chat_template"]
     assert isinstance(format_for(qwen3), QwenFormat)
+
+
+# formats that settle after each complete call or message (DeepSeek's one calls block is parsed whole, in linear time)
+SETTLING = [c for c in CANNED if c[4] and not isinstance(c[0], DeepSeekFormat)]
+
+
+@pytest.mark.parametrize("fmt,text,content,reasoning,calls", SETTLING, ids=lambda x: getattr(x, "name", None))
+def test_stream_parses_only_the_unsettled_text(fmt, text, content, reasoning, calls):
+    """After many complete calls (or messages), a streamed step parses the text after the last one
+    only: the parse cost per token does not grow with the completion. Deltas still add up to the
+    whole parse."""
+    seen = []
+
+    class Recording(type(fmt)):
+        def parse(self, t, final, strip=True):
+            seen.append(len(t))
+            return super().parse(t, final, strip)
+
+    long = text * 20
+    diff = StreamDiff(Recording())
+    deltas = []
+    for end in range(1, len(long) + 1):
+        deltas += diff.step(long[:end], final=False)
+    deltas += diff.step(long, final=True)
+    assert max(seen) <= len(text) + 1, (max(seen), len(text))
+    whole = fmt.parse(long, final=True)
+    got_calls = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
+    assert [(c["name"], c["arguments"]) for c in got_calls] == [(c.name, c.arguments) for c in whole.calls]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole.reasoning
+
+
+@pytest.mark.parametrize("fmt", [QwenFormat(), GlmFormat(), DeepSeekFormat()], ids=lambda f: f.name)
+def test_many_open_markers_parse_like_the_regex(fmt):
+    """Thousands of open markers without a close, then one complete call: the find-based parse gives
+    what the lazy regex of the format's markers gives (reference: re.finditer)."""
+    import re
+
+    if isinstance(fmt, DeepSeekFormat):
+        op, cl = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+        call = '<｜tool▁calls▁begin｜>' + op + 'get_time<｜tool▁sep｜>{"tz": "CET"}' + cl
+        text = call + (op + "x") * 4000
+    else:
+        op, cl = "<tool_call>", "</tool_call>"
+        body = '\n{"name": "get_time", "arguments": {"tz": "CET"}}\n' if isinstance(fmt, QwenFormat) else \
+            "get_time\n<arg_key>tz</arg_key>\n<arg_value>CET</arg_value>\n"
+        text = "hi " + op + body + cl + (op + " x") * 4000
+    from expertcache.server.tool_calls.base import blocks
+
+    want = [(m.start(), m.end(), m.group(1)) for m in re.finditer(re.escape(op) + "(.*?)" + re.escape(cl), text, re.S)]
+    assert list(blocks(text, op, cl)) == want and len(want) == 1
+    p = fmt.parse(text, final=True)
+    assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [("get_time", {"tz": "CET"})]

@@ -21,6 +21,7 @@ from .runner import ModelRunner
 from .sampler import prompt_logprobs, row_stats, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .stop_text import StopText
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("expertcache")
@@ -57,9 +58,12 @@ class LLMEngine:
         self.seqs: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.counters = EngineCounters()
         self.recorder = recorder
+        self.record_max_steps: int | None = None  # steps the recorder keeps; then recording stops (logged once)
+        self.record_stopped = False
         # (layer, expert) -> parts found non-finite at first read (ExpertSource.nonfinite, live)
         self.nonfinite_experts: dict[tuple[int, int], list[str]] = {}
         self.expert_name = None  # (layer, expert) -> the checkpoint's tensor names, for messages
+        self.texts: dict[int, StopText] = {}  # seq_id -> its text and stop-string state (unfinished samples)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         if not prompt_ids:
@@ -88,6 +92,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         for seq in self.seqs.pop(request_id, []):
+            self.texts.pop(seq.seq_id, None)
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
@@ -115,7 +120,8 @@ class LLMEngine:
         if not work:
             return outs
         t0 = time.perf_counter()
-        self.runner.model.record_routing = self.recorder is not None
+        recording = self._recording()
+        self.runner.model.record_routing = recording
         full = [seq.prompt_logprobs is not None and seq.num_computed < seq.prompt_len for seq, _ in work]
         try:
             logits, spans = self.runner.run_rows(work, full)
@@ -126,7 +132,7 @@ class LLMEngine:
             return outs + self._isolate_step_failure(work, e)
         logits = logits.cpu()  # sampling (and per-request CPU generators) on the host
         dt = time.perf_counter() - t0
-        if self.recorder is not None:
+        if recording:
             self.recorder.record(self.counters.steps, work, self.runner.model.routing)
         self.counters.steps += 1
         decode = all(seq.phase == "decode" for seq, _ in work)
@@ -179,6 +185,19 @@ class LLMEngine:
                 log.exception("request %s failed in its step", seq.request_id)
                 outs.append(self._fail(seq, f"{type(e).__name__}: {e}"))
         return outs
+
+    def _recording(self) -> bool:
+        """Whether this step's routing goes to the recorder: until record_max_steps steps (then a
+        warning, once; the trace keeps the steps recorded)."""
+        if self.recorder is None:
+            return False
+        if self.record_max_steps is None or self.counters.steps < self.record_max_steps:
+            return True
+        if not self.record_stopped:
+            self.record_stopped = True
+            log.warning("routing recording stopped after %d engine steps (--record-routing-max-steps); the trace "
+                        "keeps those steps", self.record_max_steps)
+        return False
 
     def _accept(self, seq: Sequence, tok: int, entry) -> StepOutput:
         seq.tokens.append(tok)
@@ -267,18 +286,13 @@ class LLMEngine:
             reason = "length"
         delta = ""
         if self.tokenizer is not None:
-            ids = seq.generated[:-1] if stop_token else seq.generated
-            text = self.tokenizer.decode(ids)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                text, reason = text[: min(hits)], "stop"
-            if reason is not None:
-                upto = len(text)
-            elif text.endswith("\ufffd"):  # incomplete UTF-8 sequence: wait for the next token
-                upto = len(seq.text)
-            else:  # hold back what could still become a stop string
-                upto = max(len(seq.text), len(text) - max((len(s) - 1 for s in p.stop), default=0))
-            delta, seq.text = text[len(seq.text):upto], text[:upto]
+            text = self.texts.get(seq.seq_id)
+            if text is None:
+                text = self.texts[seq.seq_id] = StopText(self.tokenizer, p.stop)
+            delta, stopped = text.add(None if stop_token else tok, finished=reason is not None)
+            if stopped:
+                reason = "stop"
+            seq.text += delta
         if reason is not None:
             self._finish(seq, reason)
         lps = [seq.logprobs[-1]] if seq.logprobs is not None else None
@@ -286,6 +300,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> StepOutput:
         seq.finish_reason = reason
+        self.texts.pop(seq.seq_id, None)
         self.scheduler.finish(seq)
         group = self.seqs.get(seq.request_id, [])
         if seq in group:

@@ -105,16 +105,22 @@ def sample_batch(logits: torch.Tensor, seqs: list, eos: set[int], stats: tuple |
     return toks, [(toks[b], chosen[b], alts.get(b, [])) for b in range(len(seqs))]
 
 
+PROMPT_LOGPROB_ROWS = 64  # prompt positions whose log-softmax is computed at once
+
+
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
     """logits [n, V] at positions p..p+n-1, targets = the tokens at p+1..p+m (m <= n) ->
     one entry per target: its logprob under the model and the top-k alternatives."""
-    if not targets:
-        return []
-    lp = torch.log_softmax(logits[: len(targets)], dim=-1)
-    t = torch.tensor(targets, device=logits.device)
-    chosen = lp.gather(1, t[:, None])[:, 0].tolist()
-    if k:
-        top = torch.topk(lp, k, dim=-1)
-        idx, val = top.indices.tolist(), top.values.tolist()
-        return [(targets[i], chosen[i], list(zip(idx[i], val[i]))) for i in range(len(targets))]
-    return [(targets[i], chosen[i], []) for i in range(len(targets))]
+    out: list[TokenLogprob] = []
+    for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):  # row blocks: temporaries [rows, V], not [n, V]
+        block = targets[start:start + PROMPT_LOGPROB_ROWS]
+        lp = torch.log_softmax(logits[start:start + len(block)].float(), dim=-1)
+        t = torch.tensor(block, device=logits.device)
+        chosen = lp.gather(1, t[:, None])[:, 0].tolist()
+        if k:
+            top = torch.topk(lp, k, dim=-1)
+            idx, val = top.indices.tolist(), top.values.tolist()
+            out += [(block[i], chosen[i], list(zip(idx[i], val[i]))) for i in range(len(block))]
+        else:
+            out += [(block[i], chosen[i], []) for i in range(len(block))]
+    return out

@@ -8,8 +8,10 @@ dependencies (xgrammar needs transformers and triton), and Lark grammars that ca
 tokens, which the tool-call formats of GPT-OSS and DeepSeek need.
 
 Invariants:
-- a `Grammar` is immutable and shared by the samples of a request; a `Matcher` holds one sample's
-  parse state and sees every token that sample generates, in order;
+- a `Grammar` is compiled once, where it is built (the server: on a worker thread, off the engine
+  thread), and shared by the samples of a request; each sample's `Matcher` is a copy of the compiled
+  start state (no compile on the engine thread); a `Matcher` holds one sample's parse state and sees
+  every token that sample generates, in order;
 - the mask covers the model's vocabulary V (ids the tokenizer lacks are never allowed); once a
   grammar is complete only EOS is allowed, and a stopped matcher ends the sequence ("stop").
 """
@@ -38,13 +40,14 @@ def _llguidance():
 
 
 class Grammar:
-    """A validated grammar for one request; `matcher()` starts a sample's parse."""
+    """A compiled grammar for one request; `matcher()` starts a sample's parse (a copy of the start state)."""
 
-    def __init__(self, owner: "Grammars", spec: str, description: str):
+    def __init__(self, owner: "Grammars", spec: str, description: str, start):
         self.owner, self.spec, self.description = owner, spec, description
+        self._start = start  # llguidance.LLMatcher at the start of the output, never advanced
 
     def matcher(self) -> "Matcher":
-        return Matcher(self.owner.ll.LLMatcher(self.owner.tokenizer, self.spec, log_level=0), self.owner.n_vocab)
+        return Matcher(self._start.deep_copy(), self.owner.n_vocab)
 
 
 class Matcher:
@@ -77,10 +80,12 @@ class Grammars:
         self.tokenizer = self.ll.LLTokenizer(tokenizer_json, n_vocab=self.n_vocab, eos_token=list(eos_ids) or None)
 
     def _checked(self, spec: str, description: str) -> Grammar:
-        err = self.ll.LLMatcher.validate_grammar(spec, self.tokenizer)
-        if err:
+        """Compile `spec` (the one compile of a request's grammar) or ValueError naming what is wrong."""
+        start = self.ll.LLMatcher(self.tokenizer, spec, log_level=0)
+        if start.is_error():
+            err = start.get_error() or self.ll.LLMatcher.validate_grammar(spec, self.tokenizer) or "invalid grammar"
             raise ValueError(f"{description}: {err.strip().splitlines()[0]}")
-        return Grammar(self, spec, description)
+        return Grammar(self, spec, description, start)
 
     def json_schema(self, schema: dict, description: str = "json_schema") -> Grammar:
         if not isinstance(schema, dict):

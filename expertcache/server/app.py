@@ -4,8 +4,9 @@ Invariants:
 - Handlers run on the event loop thread and never touch the engine: they validate and tokenize
   (on worker threads, see limits.py: the loop never waits on a big body) then go through
   AsyncEngine (queues). The engine exists only once the loader finished.
+- Every request passes gate.py first (Host, Origin, API key, content type) and BodyLimit (size).
 - Anything a client sends that is wrong ends as an ApiError -> OpenAI error object
-  (400/401/404/405/413/429/503), unknown routes and methods included; an unexpected exception in a
+  (400/401/403/404/405/413/415/429/503), unknown routes and methods included; an unexpected exception in a
   handler becomes a 500 error object, and the server keeps serving.
 - A request whose client goes away (stream closed or socket gone) is aborted in the engine,
   which frees its KV blocks.
@@ -13,7 +14,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 import uuid
@@ -28,13 +28,16 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from pydantic import ValidationError
 
 from .async_engine import AsyncEngine
 from .constraints import request_grammar
 from .errors import ApiError, from_validation_error
+from .field_limits import check_fields
+from .gate import Access, Gate
 from .generation import Job, Runner
-from .limits import BodyLimit, ConcurrencyLimit, Limits, parse_body
+from .limits import BodyLimit, ConcurrencyLimit, Lease, Limits, parse_body
 from .loader import ModelLoader
 from .metrics import ServerMetrics
 from .openai_format import Shape
@@ -55,7 +58,14 @@ class ServerConfig:
     aliases: set[str] = field(default_factory=set)  # other names accepted in 'model'
     on_load_error: Callable[[str], None] | None = None  # e.g. make uvicorn exit
     save_expert_stats: str | None = None  # written at shutdown, after the engine thread stopped
-    limits: Limits = field(default_factory=Limits)  # body size, requests in flight per key
+    limits: Limits = field(default_factory=Limits)  # body size, sequences in flight per key, field limits
+    access: Access | None = None  # Host names, public routes, API docs (None: loopback, nothing public)
+
+    def __post_init__(self):
+        if self.access is None:
+            self.access = Access(api_key=self.api_key)
+        elif self.api_key is not None and self.access.api_key is None:
+            self.access.api_key = self.api_key
 
 
 class ServerState:
@@ -72,6 +82,8 @@ class ServerState:
 
     def _loaded(self, llm, error: str | None) -> None:  # loader thread
         if llm is not None:
+            if llm.engine.recorder is not None:  # serve --record-routing: a bounded trace
+                llm.engine.record_max_steps = self.cfg.limits.record_routing_max_steps
             engine = AsyncEngine(llm, self.metrics, self.cfg.log_interval)
             engine.start()
             self.engine = engine
@@ -86,21 +98,10 @@ class ServerState:
                            status=503, type="server_error", code="model_loading")
         return self.engine
 
-    def check_auth(self, request: Request) -> str:
-        """-> who is asking: the API key given (one of several when --api-key-file lists more), or the
-        client's address on a server without a key; ApiError 401 for a wrong or missing key."""
-        key = self.cfg.api_key
-        if not key:
-            return request.client.host if request.client else "?"
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        token = token.strip().encode()
-        # every key compared (constant time each): no early exit that times which one matched
-        matches = [k for k in ((key,) if isinstance(key, str) else key) if hmac.compare_digest(token, k.encode())]
-        if scheme.lower() != "bearer" or not matches:
-            raise ApiError("missing or invalid API key: send 'Authorization: Bearer <key>'", status=401,
-                           code="invalid_api_key")
-        return matches[0]
+    @staticmethod
+    def who(request: Request) -> str:
+        """The caller's identity (its API key, else its address), as gate.py found it."""
+        return request.scope["expertcache.who"]
 
     def body_limit(self) -> int:
         return self.cfg.limits.body_limit(self.engine.llm.max_model_len if self.engine else None)
@@ -181,17 +182,18 @@ async def _respond(state: ServerState, request: Request, job: Job):
     return await runner.collect(request)
 
 
-async def _limited(state: ServerState, who: str, run):
-    """run() -> its response, counted against `who`'s requests in flight until the response (a
-    stream: its last chunk, or the client going away) is done."""
-    state.in_flight.acquire(who)
+async def _limited(state: ServerState, request: Request, run):
+    """run(lease) -> its response, counted against the caller's sequences in flight (one until
+    run grows the lease to the request's prompts x samples) until the response (a stream: its last
+    chunk, or the client going away) is done."""
+    lease = Lease(state.in_flight, state.who(request))
     try:
-        response = await run()
+        response = await run(lease)
     except BaseException:
-        state.in_flight.release(who)
+        lease.release()
         raise
     if not isinstance(response, StreamingResponse):
-        state.in_flight.release(who)
+        lease.release()
         return response
     body = response.body_iterator
 
@@ -200,7 +202,7 @@ async def _limited(state: ServerState, who: str, run):
             async for chunk in body:
                 yield chunk
         finally:
-            state.in_flight.release(who)
+            lease.release()
 
     response.body_iterator = counted()
     return response
@@ -215,9 +217,12 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         yield
         state.close()
 
-    app = FastAPI(title="expertcache", lifespan=lifespan)
+    docs = cfg.access.api_docs  # /docs, /redoc, /openapi.json only when asked for (then behind the key)
+    app = FastAPI(title="expertcache", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = state
     app.add_middleware(BodyLimit, limit=state.body_limit)
+    app.add_middleware(Gate, access=cfg.access)  # added last: runs first, before any body byte is read
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -236,6 +241,11 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def _invalid(request: Request, e: RequestValidationError):  # a route's declared parameters
         return from_validation_error(e).response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, e: ClientDisconnect):  # the client left while sending its body
+        log.info("%s %s: the client disconnected before its body was complete", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
@@ -250,16 +260,16 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """Public: the status (ok, loading with its progress, error) and nothing else (the load error's
+        text, which names files, goes to the server's log)."""
         if state.engine is not None:
             return {"status": "ok"}
-        body = {"status": state.loader.state, "progress": round(state.loader.progress, 4)}
-        if state.loader.error:
-            body["message"] = state.loader.error
-        return JSONResponse(body, status_code=503)
+        if state.loader.state == "error":
+            return JSONResponse({"status": "error"}, status_code=503)
+        return JSONResponse({"status": "loading", "progress": round(state.loader.progress, 4)}, status_code=503)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        state.check_auth(request)
         card = {"id": cfg.model_name, "object": "model", "created": state.started, "owned_by": "expertcache"}
         if state.engine is not None:
             card["max_model_len"] = state.engine.llm.max_model_len
@@ -267,24 +277,25 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str, request: Request):
-        state.check_auth(request)
         if model_id != cfg.model_name and model_id not in cfg.aliases:
             raise ApiError(f"model {model_id!r} does not exist; this server serves {cfg.model_name!r}", "model",
                            status=404, code="model_not_found")
         return (await models(request))["data"][0]
 
     async def generate(request: Request, chat: bool):
-        async def run():
+        async def run(lease: Lease):
             req = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
             state.check_model(req.model)
             llm = state.ready().llm
+            count, param = check_fields(req, cfg.limits, llm.engine.scheduler.max_num_seqs)
+            lease.grow(count, param)  # prompts x samples against --max-concurrent-per-key
             shape = Shape(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", cfg.model_name, chat=chat,
                           include_usage=req.include_usage)
             # tokenizing (GIL released) and grammar compiling on a worker thread: the loop stays free
             job = await run_in_threadpool(_chat_job if chat else _completion_job, llm, req, shape)
             return await _respond(state, request, job)
 
-        return await _limited(state, state.check_auth(request), run)
+        return await _limited(state, request, run)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -296,7 +307,6 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        state.check_auth(request)
         req = await _parse(request, TokenizeRequest)
         state.check_model(req.model)
         llm = state.ready().llm
@@ -306,12 +316,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             ids = await run_in_threadpool(llm.tokenizer.encode, req.prompt, req.add_special_tokens is not False)
         else:
             ids = await run_in_threadpool(chat_ids, llm, req.messages, req.add_generation_prompt)
-        strs = [llm.tokenizer.tok.id_to_token(i) for i in ids] if req.return_token_strs else None
+        strs = None
+        if req.return_token_strs:
+            strs = await run_in_threadpool(lambda: [llm.tokenizer.tok.id_to_token(i) for i in ids])
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        state.check_auth(request)
         req = await _parse(request, DetokenizeRequest)
         state.check_model(req.model)
         llm = state.ready().llm
@@ -321,7 +332,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise ApiError(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": llm.tokenizer.decode(req.tokens)}
+        return {"prompt": await run_in_threadpool(llm.tokenizer.decode, req.tokens)}
 
     @app.get("/metrics")
     async def metrics():

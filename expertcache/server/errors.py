@@ -7,8 +7,11 @@ client sends may raise anything else out of a handler.
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # errors.py stays light: `serve`'s flags import limits.py and gate.py, which import it
+    from fastapi.responses import JSONResponse
+    from pydantic import ValidationError
 
 
 class ApiError(Exception):
@@ -20,7 +23,9 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def response(self) -> "JSONResponse":
+        from fastapi.responses import JSONResponse
+
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
@@ -38,7 +43,7 @@ def _loc_to_param(loc: tuple) -> str:
     return out
 
 
-def from_validation_error(e: ValidationError) -> ApiError:
+def from_validation_error(e: "ValidationError") -> ApiError:
     """The first problem pydantic found, phrased with the parameter's name first."""
     err = e.errors()[0]
     param = _loc_to_param(tuple(err.get("loc", ())))

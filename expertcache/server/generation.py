@@ -8,6 +8,8 @@ Invariants:
 - when the chat format parses its output (tools given and tool_choice not 'none', or a format
   whose channels always need parsing, GPT-OSS harmony), the text is the completion decoded with
   special tokens and split into content / reasoning_content / tool_calls (server/tool_calls);
+  streamed, that text is decoded a few tokens at a time (engine/stop_text.py) and parsed from the
+  last settled call, on a worker thread: the event loop never parses;
 - a client that goes away aborts every engine request of the job.
 """
 
@@ -20,7 +22,10 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from starlette.concurrency import run_in_threadpool
+
 from ..engine.params import SamplingParams
+from ..engine.stop_text import StopText
 from .async_engine import AsyncEngine, Delta, Final
 from .errors import ApiError
 from .logprobs_format import TokenText, chat_content, chat_logprobs, completion_logprobs
@@ -57,6 +62,8 @@ class _Choice:
     finish_reason: str | None = None
     final: Final | None = None
     diff: StreamDiff | None = None
+    special: StopText | None = None  # streamed: the completion decoded with special tokens, incrementally
+    special_text: str = ""
 
     def add(self, d: Delta) -> None:
         self.parts.append(d.text)
@@ -103,6 +110,18 @@ class Runner:
         text = self.llm.tokenizer.decode(ids, skip_special_tokens=False)
         hits = [i for i in (text.find(s) for s in self.job.params.stop) if i >= 0]
         return text[: min(hits)] if hits else text
+
+    def _special_step(self, c: _Choice, d: Delta) -> list[dict]:
+        """Streamed: the delta's tokens added to the choice's special-token text (EOS dropped, cut at a
+        stop string), then the stream deltas of its parse. Runs on a worker thread."""
+        done = d.finish_reason is not None
+        toks = [t for t in d.token_ids if t not in self.llm.engine.eos]
+        for i, t in enumerate(toks or [None]):
+            piece, stopped = c.special.add(t, finished=done and i == max(len(toks) - 1, 0))
+            c.special_text += piece
+            if stopped:
+                break
+        return c.diff.step(c.special_text, final=done)
 
     def _parses(self) -> bool:
         fmt = self.job.tool_format
@@ -158,6 +177,9 @@ class Runner:
         if isinstance(got, str):
             fits = "does not fit" in got
             raise ApiError(got, status=400 if fits else 500, type="invalid_request_error" if fits else "server_error")
+        return JSONResponse(await run_in_threadpool(self._whole, got))  # decoding and parsing off the loop
+
+    def _whole(self, got: dict[tuple[int, int], _Choice]) -> dict:
         choices, prompt_finals, finals = [], [], []
         for i in range(len(self.job.prompts)):
             samples = [got[(i, j)] for j in range(self.job.params.n)]
@@ -166,7 +188,7 @@ class Runner:
             if len(samples) > self.job.n:  # best_of
                 samples = sorted(samples, key=lambda s: -s.final.cumulative_logprob)[: self.job.n]
             choices += [self._choice(s, i * self.job.n + j, i) for j, s in enumerate(samples)]
-        return JSONResponse(self.job.shape.full(choices, usage(prompt_finals, finals), prompt_finals[0].timings))
+        return self.job.shape.full(choices, usage(prompt_finals, finals), prompt_finals[0].timings)
 
     async def _gather(self) -> dict[tuple[int, int], _Choice] | str:
         choices: dict[tuple[int, int], _Choice] = {}
@@ -205,15 +227,21 @@ class Runner:
                 prompt = self.prompt_of[d.request_id]
                 k = prompt * job.n + d.index
                 first = k not in choices
-                c = choices.setdefault(k, _Choice(diff=StreamDiff(job.tool_format) if self._parses() else None))
+                c = choices.get(k)
+                if c is None:
+                    c = choices[k] = _Choice()
+                    if self._parses():
+                        c.diff = StreamDiff(job.tool_format)
+                        c.special = StopText(self.llm.tokenizer, job.params.stop, skip_special_tokens=False)
                 c.add(d)
+                parsed = await run_in_threadpool(self._special_step, c, d) if c.diff is not None else None
                 if first and job.echo and not shape.chat:
                     lps = None
                     if job.params.logprobs is not None:
                         lps = completion_logprobs(c.prompt_logprobs or [], self.text, job.prompts[prompt][0])
                     yield shape.chunk({"index": k, "text": job.prompt_texts[prompt], "logprobs": lps,
                                        "finish_reason": None})
-                for event in self._delta_events(c, d, k):
+                for event in self._delta_events(c, d, k, parsed):
                     yield event
                 if d.finish_reason is not None:
                     left -= 1
@@ -229,7 +257,7 @@ class Runner:
                 self.abort()
                 log.info("request %s aborted: client disconnected", shape.request_id)
 
-    def _delta_events(self, c: _Choice, d: Delta, k: int):
+    def _delta_events(self, c: _Choice, d: Delta, k: int, parsed: list[dict] | None):
         shape, p = self.job.shape, self.job.params
         done = d.finish_reason is not None
         if not shape.chat:
@@ -240,9 +268,8 @@ class Runner:
             return
         lps = {"content": chat_content(d.logprobs, self.text), "refusal": None} if p.logprobs is not None and \
             d.logprobs else None
-        if c.diff is not None:
-            deltas = c.diff.step(self._special_text(c), final=done)
-            deltas = [x for x in deltas if "tool_calls" not in x or (
+        if parsed is not None:
+            deltas = [x for x in parsed if "tool_calls" not in x or (
                 self.job.tools_on and (self.job.parallel_tool_calls or x["tool_calls"][0]["index"] == 0))]
         else:
             deltas = [{"content": d.text}] if d.text else []

@@ -34,10 +34,25 @@ def default_body_limit(max_model_len: int) -> int:
     return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_STRINGS_CEILING = 64  # the most --max-stop-strings may allow (each token checks every stop string)
+MAX_STOP_CHARS = 256  # characters per stop string (the text held back while it could still match)
+MAX_STOP_CHARS_CEILING = 4096
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_LOGIT_BIAS_CEILING = 4096
+RECORD_ROUTING_MAX_STEPS = 100_000  # serve --record-routing: engine steps kept in the trace
+
+
 @dataclass
 class Limits:
+    """Every per-request limit of the server, with its `expertcache serve` flag (docs/limits.md)."""
+
     max_body_bytes: int | None = None  # None: default_body_limit(max_model_len) once the model is known
-    max_concurrent_per_key: int = 0  # requests in flight per API key (or per client without a key); 0 = off
+    max_concurrent_per_key: int = 0  # sequences in flight per API key (or per client without a key); 0 = off
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_logit_bias: int = MAX_LOGIT_BIAS
+    record_routing_max_steps: int = RECORD_ROUTING_MAX_STEPS
 
     def __post_init__(self):
         from ..errors import ConfigError
@@ -46,6 +61,13 @@ class Limits:
             raise ConfigError(f"--max-request-bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_concurrent_per_key < 0:
             raise ConfigError(f"--max-concurrent-per-key must be >= 0, got {self.max_concurrent_per_key}")
+        for flag, value, ceiling in (("--max-stop-strings", self.max_stop_strings, MAX_STOP_STRINGS_CEILING),
+                                     ("--max-stop-chars", self.max_stop_chars, MAX_STOP_CHARS_CEILING),
+                                     ("--max-logit-bias", self.max_logit_bias, MAX_LOGIT_BIAS_CEILING)):
+            if not 0 <= value <= ceiling:
+                raise ConfigError(f"{flag} must be in [0, {ceiling}], got {value}")
+        if self.record_routing_max_steps < 1:
+            raise ConfigError(f"--record-routing-max-steps must be >= 1, got {self.record_routing_max_steps}")
 
     def body_limit(self, max_model_len: int | None) -> int:
         if self.max_body_bytes is not None:
@@ -86,28 +108,37 @@ def _path(parts: tuple) -> str:
 
 def check_shape(obj) -> None:
     """Depth and strings of a parsed body, iteratively (no recursion to exhaust)."""
+    if isinstance(obj, str):
+        _check_text(obj, ())
+        return
     stack = [(obj, 1, ())]
     while stack:
         v, depth, path = stack.pop()
-        if isinstance(v, str):
-            if not v.isascii():
-                try:
-                    v.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    param = _path(path) or None
-                    raise ApiError(f"'{param or 'body'}' holds a lone surrogate ({v[e.start]!r} at character "
-                                   f"{e.start}): not valid Unicode text", param) from None
+        if not isinstance(v, (dict, list)):
             continue
-        if isinstance(v, (dict, list)):
-            if depth > MAX_DEPTH:
-                raise ApiError(f"the request body nests deeper than {MAX_DEPTH} levels", _path(path[:1]) or None)
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            for k, child in items:
-                if isinstance(k, str) and not k.isascii():
-                    check_shape(k)
+        if depth > MAX_DEPTH:
+            raise ApiError(f"the request body nests deeper than {MAX_DEPTH} levels", _path(path[:1]) or None)
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, child in items:
+            if type(k) is str and not k.isascii():
+                _check_text(k, path)
+            if type(child) is str:  # the common leaf checked here: no stack entry per string
+                if not child.isascii():
+                    _check_text(child, path + (k,))
+            elif isinstance(child, (dict, list)):
                 stack.append((child, depth + 1, path + (k,)))
 
 
+def _check_text(v: str, path: tuple) -> None:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = _path(path) or None
+        raise ApiError(f"'{param or 'body'}' holds a lone surrogate ({v[e.start]!r} at character "
+                       f"{e.start}): not valid Unicode text", param) from None
+
+
+_DIGIT_RUN = re.compile(rb"\d{%d}" % (MAX_INT_DIGITS + 1))  # the shortest number _int or _float could refuse
 # the key in front of what the parser refused, found in the raw bytes (error path only)
 _LONG_NUMBER = re.compile(rb'"([^"\\]{1,64})"\s*:\s*(?=[-+.\deE]{%d})' % (MAX_INT_DIGITS + 1))
 _DEEP = re.compile(rb'"([^"\\]{1,64})"\s*:\s*(?=(?:[\[{]\s*){%d})' % MAX_DEPTH)
@@ -124,7 +155,10 @@ def _named(e: ApiError, raw: bytes, pattern: re.Pattern) -> ApiError:
 def parse_body(raw: bytes) -> dict:
     """Bytes -> the JSON object of a request, or ApiError (400). Run it off the event loop."""
     try:
-        obj = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        if _DIGIT_RUN.search(raw) is None:  # no number can be too long: C parsing of numbers, no hook per number
+            obj = json.loads(raw, parse_constant=_constant)
+        else:
+            obj = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except RecursionError:
         raise _named(ApiError(f"the request body nests deeper than {MAX_DEPTH} levels"), raw, _DEEP) from None
     except ApiError as e:  # a number too long
@@ -180,28 +214,51 @@ class BodyLimit:
 
 
 class ConcurrencyLimit:
-    """At most `limit` requests in flight per client identity (its API key, else its address);
-    the one over it gets 429. Event-loop only (no lock needed)."""
+    """At most `limit` sequences in flight per client identity (its API key, else its address): a
+    request counts its prompts x samples (`Lease.grow`). Over the limit: 429 (retry later), or 400
+    for one request that alone is larger than the limit. Event-loop only (no lock needed)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.active: dict[str, int] = {}
 
-    def acquire(self, who: str) -> None:
-        if not self.limit:
+    def acquire(self, who: str, n: int = 1) -> None:
+        if not self.limit or n <= 0:
             return
-        n = self.active.get(who, 0)
-        if n >= self.limit:
-            raise ApiError(f"this client already has {n} requests in flight, the server's limit per API key "
-                           "(--max-concurrent-per-key); retry when one finishes", status=429,
-                           type="rate_limit_error", code="rate_limit_exceeded")
-        self.active[who] = n + 1
+        have = self.active.get(who, 0)
+        if have + n > self.limit:
+            raise ApiError(f"this client already has {have} sequences in flight; {n} more would pass the server's "
+                           f"limit of {self.limit} per API key (--max-concurrent-per-key); retry when one finishes",
+                           status=429, type="rate_limit_error", code="rate_limit_exceeded")
+        self.active[who] = have + n
 
-    def release(self, who: str) -> None:
-        if not self.limit:
+    def release(self, who: str, n: int = 1) -> None:
+        if not self.limit or n <= 0:
             return
-        n = self.active.get(who, 0) - 1
-        if n > 0:
-            self.active[who] = n
+        left = self.active.get(who, 0) - n
+        if left > 0:
+            self.active[who] = left
         else:
             self.active.pop(who, None)
+
+
+class Lease:
+    """One request's share of a ConcurrencyLimit: one sequence when it arrives, grown to its real
+    count once the body is read; `release` returns all of it (once)."""
+
+    def __init__(self, limit: ConcurrencyLimit, who: str):
+        self.limit, self.who, self.held = limit, who, 0
+        limit.acquire(who)
+        self.held = 1
+
+    def grow(self, total: int, param: str | None = None) -> None:
+        if total > self.held:
+            if total > self.limit.limit > 0:
+                raise ApiError(f"this request runs {total} sequences (prompts x n), more than the server's limit "
+                               f"of {self.limit.limit} per API key (--max-concurrent-per-key)", param)
+            self.limit.acquire(self.who, total - self.held)
+            self.held = total
+
+    def release(self) -> None:
+        self.limit.release(self.who, self.held)
+        self.held = 0

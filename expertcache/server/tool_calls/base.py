@@ -2,11 +2,14 @@
 content / reasoning / tool calls, and (for tool_choice 'required' or a named function) the Lark
 grammar that forces a call.
 
-A format's `parse(text, final)` sees the whole completion so far, decoded *with* special tokens.
-With final=False it returns only what can no longer change: content that cannot be the start of
-a tool-call marker, and calls whose closing marker has arrived; `StreamDiff` turns successive
-parses into OpenAI stream deltas (a call is sent whole, name and arguments in one delta, once
-it is complete).
+A format's `parse(text, final)` sees the completion (or, streaming, its part after the last settled
+point), decoded *with* special tokens, in time linear in the text (markers found with str.find, no
+lazy regex run from every open marker). With final=False it returns only what can no longer
+change: content that cannot be the start of a tool-call marker, and calls whose closing marker
+has arrived, and `settled`: an offset after which a fresh parse can start (the end of the last
+complete call or message), with how much of its content / reasoning / calls lie before it.
+`StreamDiff` turns successive parses into OpenAI stream deltas, parsing only the text after the
+settled point (a call is sent whole, name and arguments in one delta, once it is complete).
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ class Parsed:
     content: str = ""
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    settled: int = 0  # text[:settled] parses the same whatever follows; a parse may restart there
+    settled_content: int = 0  # len of content, reasoning, calls that come from text[:settled]
+    settled_reasoning: int = 0
+    settled_calls: int = 0
+
+    def settle(self, at: int) -> None:
+        self.settled, self.settled_content = at, len(self.content)
+        self.settled_reasoning, self.settled_calls = len(self.reasoning), len(self.calls)
 
 
 class ToolFormat:
@@ -39,7 +50,8 @@ class ToolFormat:
     def detect(self, template: str) -> bool:
         raise NotImplementedError
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, strip: bool = True) -> Parsed:
+        """strip=False (streaming): content around calls is not stripped, so it only grows."""
         raise NotImplementedError
 
     def grammar(self, tools: list[dict], parallel: bool, marker) -> str:
@@ -77,34 +89,59 @@ def held_back(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
+def blocks(text: str, open_marker: str, close_marker: str, start: int = 0):
+    """-> (start, end, body) of each open_marker ... close_marker block from `start`, the first close
+    after each open (as a lazy regex would match), in one pass over the text: no block can follow an
+    open marker with no close after it, so the search ends there."""
+    while True:
+        o = text.find(open_marker, start)
+        if o < 0:
+            return
+        c = text.find(close_marker, o + len(open_marker))
+        if c < 0:
+            return
+        start = c + len(close_marker)
+        yield o, start, text[o + len(open_marker):c]
+
+
 def json_args(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
 class StreamDiff:
-    """Successive parses of a growing completion -> delta dicts for chat.completion.chunk."""
+    """Successive parses of a growing completion -> delta dicts for chat.completion.chunk. Each step
+    parses only the text after the settled point of the previous ones."""
 
     def __init__(self, fmt: ToolFormat):
         self.fmt = fmt
-        self.content = ""
+        self.content = ""  # sent so far
         self.reasoning = ""
         self.calls = 0
         self.ids: list[str] = []
+        self.base = 0  # offset of the unsettled text
+        self.done = Parsed()  # what text[:base] parsed to
 
     def step(self, text: str, final: bool) -> list[dict]:
-        p = self.fmt.parse(text, final)
+        p = self.fmt.parse(text[self.base:], final, strip=False)
+        d = self.done
+        content, reasoning, calls = d.content + p.content, d.reasoning + p.reasoning, d.calls + p.calls
         out = []
-        if p.reasoning.startswith(self.reasoning) and len(p.reasoning) > len(self.reasoning):
-            out.append({"reasoning_content": p.reasoning[len(self.reasoning):]})
-            self.reasoning = p.reasoning
-        if p.content.startswith(self.content) and len(p.content) > len(self.content):
-            out.append({"content": p.content[len(self.content):]})
-            self.content = p.content
-        for i in range(self.calls, len(p.calls)):
+        if reasoning.startswith(self.reasoning) and len(reasoning) > len(self.reasoning):
+            out.append({"reasoning_content": reasoning[len(self.reasoning):]})
+            self.reasoning = reasoning
+        if content.startswith(self.content) and len(content) > len(self.content):
+            out.append({"content": content[len(self.content):]})
+            self.content = content
+        for i in range(self.calls, len(calls)):
             self.ids.append(new_call_id())
-            call = p.calls[i].openai(self.ids[-1])
+            call = calls[i].openai(self.ids[-1])
             out.append({"tool_calls": [{"index": i, **call}]})
-        self.calls = len(p.calls)
+        self.calls = len(calls)
+        if p.settled:
+            d.content += p.content[:p.settled_content]
+            d.reasoning += p.reasoning[:p.settled_reasoning]
+            d.calls += p.calls[:p.settled_calls]
+            self.base += p.settled
         return out
 
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import re
 
-from .base import Parsed, ToolCall, ToolFormat, arguments_schema, held_back, json_args, lark_json
+from .base import Parsed, ToolCall, ToolFormat, arguments_schema, blocks, held_back, json_args, lark_json
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
-CALL = re.compile(re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(SEP) + r"(.*?)" + re.escape(CALL_END), re.S)
 FENCED = re.compile(r"^\s*(\S+)\s*\n```(?:json)?\s*\n?(.*?)\n?```\s*$", re.S)
 
 
@@ -23,14 +22,17 @@ class DeepSeekFormat(ToolFormat):
     def detect(self, template: str) -> bool:
         return "tool▁calls▁begin" in template
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, strip: bool = True) -> Parsed:
         out = Parsed()
         start = text.find(CALLS_BEGIN)
         if start < 0:
             out.content = text if final else text[: len(text) - held_back(text, (CALLS_BEGIN,))]
             return out
         out.content = text[:start].strip()
-        for kind, rest in CALL.findall(text[start:]):
+        for _, _, body in blocks(text, CALL_BEGIN, CALL_END, start):
+            kind, sep, rest = body.partition(SEP)
+            if not sep:
+                continue
             call = _call(kind.strip(), rest)
             if call is not None:
                 out.calls.append(call)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import re
 
-from .base import Parsed, ToolCall, ToolFormat, arguments_schema, held_back, json_args
+from .base import Parsed, ToolCall, ToolFormat, arguments_schema, blocks, held_back, json_args
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
@@ -19,11 +18,10 @@ class GlmFormat(ToolFormat):
     def detect(self, template: str) -> bool:
         return "<arg_key>" in template
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, strip: bool = True) -> Parsed:
         out = Parsed()
         pos = 0
-        for m in BLOCK.finditer(text):
-            body = m.group(1)
+        for start, end, body in blocks(text, OPEN, CLOSE):
             name = body.split("<arg_key>", 1)[0].strip()
             if not name:
                 continue
@@ -33,15 +31,16 @@ class GlmFormat(ToolFormat):
                     args[k.strip()] = json.loads(v)
                 except json.JSONDecodeError:
                     args[k.strip()] = v
-            out.content += text[pos:m.start()]
+            out.content += text[pos:start]
             out.calls.append(ToolCall(name, json_args(args)))
-            pos = m.end()
+            pos = end
+            out.settle(pos)
         rest = text[pos:]
         if not final:
             start = rest.find(OPEN)
             rest = rest[:start] if start >= 0 else rest[: len(rest) - held_back(rest, (OPEN,))]
         out.content += rest
-        if out.calls:
+        if out.calls and strip:
             out.content = out.content.strip()
         return out
 

@@ -24,7 +24,7 @@ class HarmonyFormat(ToolFormat):
     def detect(self, template: str) -> bool:
         return CHANNEL in template and MESSAGE in template
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, strip: bool = True) -> Parsed:
         out = Parsed()
         pos = 0
         while pos < len(text):
@@ -53,6 +53,8 @@ class HarmonyFormat(ToolFormat):
                 out.reasoning += body
             elif recipient is None:
                 out.content += body
+            if closed:
+                out.settle(pos)
         return out
 
     def grammar(self, tools: list[dict], parallel: bool, marker) -> str:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import re
 
-from .base import Parsed, ToolCall, ToolFormat, call_schema, held_back, json_args, lark_json
+from .base import Parsed, ToolCall, ToolFormat, blocks, call_schema, held_back, json_args, lark_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 class QwenFormat(ToolFormat):
@@ -17,16 +15,17 @@ class QwenFormat(ToolFormat):
     def detect(self, template: str) -> bool:
         return OPEN in template and "<arg_key>" not in template
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, strip: bool = True) -> Parsed:
         out = Parsed()
         pos = 0
-        for m in BLOCK.finditer(text):
-            call = _call(m.group(1))
+        for start, end, body in blocks(text, OPEN, CLOSE):
+            call = _call(body.strip())
             if call is None:  # not a valid call: leave it as text
                 continue
-            out.content += text[pos:m.start()]
+            out.content += text[pos:start]
             out.calls.append(call)
-            pos = m.end()
+            pos = end
+            out.settle(pos)
         rest = text[pos:]
         if not final:
             start = rest.find(OPEN)
@@ -35,7 +34,7 @@ class QwenFormat(ToolFormat):
             else:
                 rest = rest[: len(rest) - held_back(rest, (OPEN,))]
         out.content += rest
-        if out.calls:
+        if out.calls and strip:
             out.content = out.content.strip()
         return out
 
