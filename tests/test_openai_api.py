@@ -20,7 +20,6 @@ from expertcache import LLM, SamplingParams
 from serving import start_server
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("llguidance")
 
 ATOL = 2e-4
 WEATHER = {"type": "function", "function": {

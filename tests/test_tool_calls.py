@@ -96,7 +96,6 @@ def _accepts(grammars, lark: str, text: str) -> bool:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_forcing_grammar_accepts_the_canned_call(fmt, qwen3_llm):
-    pytest.importorskip("llguidance")
     grammars = qwen3_llm.grammars
 
     def marker(s):

@@ -1,9 +1,9 @@
 """Constrained decoding: grammars (JSON schema, regex, choice, Lark) compiled by llguidance, one
 matcher per sample, and the batched token mask the sampler applies.
 
-llguidance is optional (`pip install expertcache[structured]`); without it `Grammars` raises
+llguidance is a core dependency; an install that lost it makes `Grammars` raise
 StructuredUnavailable, which the server turns into a 400. It was picked over xgrammar by
-bench/grammar_mask.py (README): comparable per-token mask cost, ~100x faster compiles, no
+bench/grammar_mask.py (docs/results.md): comparable per-token mask cost, ~100x faster compiles, no
 dependencies (xgrammar needs transformers and triton), and Lark grammars that can name special
 tokens, which the tool-call formats of GPT-OSS and DeepSeek need.
 
@@ -35,7 +35,8 @@ def _llguidance():
     except ImportError:
         raise StructuredUnavailable(
             "structured output (response_format, guided decoding, tool_choice 'required' or a named "
-            "function) needs llguidance: pip install 'expertcache[structured]'") from None
+            "function) needs llguidance, a dependency of expertcache that is missing from this install: "
+            "pip install 'llguidance>=1.0'") from None
     return llguidance
 
 
