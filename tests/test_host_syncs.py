@@ -21,6 +21,7 @@ import torch
 from expertcache import LLM, kernels
 from expertcache.experts.manager import TieredExperts
 from expertcache.experts.provider import ResidentExperts
+from safetensors_reference import independent_slot_checks
 
 # methods and functions that read a tensor's values on the host
 READS = {"tolist", "item", "cpu", "numpy", "nonzero", "argwhere", "__bool__", "__int__", "__float__",
@@ -194,7 +195,10 @@ def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monke
                 torch.testing.assert_close(out, brute_force(ref.pools[layer], x, ids, w), atol=1e-5, rtol=1e-5)
             tiered.end_step()
         tiered.dev.buf = {n: plain(t) for n, t in tiered.dev.buf.items()}
+        independent_slot_checks(monkeypatch)  # the reference read with safetensors, not the engine's reader
         tiered.check(contents=True)
+        # every slot that holds an expert was compared (with cpu_compute=always no slot is ever filled)
+        assert getattr(tiered, "independent_checks", 0) > 0 or kw.get("cpu_compute") == "always"
         s = llm.expert_stats()
         waves = sum(layer["waves"] for layer in s["per_layer"])
         if kw.get("cpu_compute") == "always":  # nothing admitted: no hits, no waves, every miss off the device

@@ -225,7 +225,8 @@ def test_decode_replay_counts_only_decode_rows(recorded):
     t = RoutingTrace.load(recorded)
     r = decode_replay(t, "lru", 4, prefetch=False)
     assert r.rows == int((t.phase == 1).sum()) == 15
-    assert r.hits + r.misses <= r.rows * t.num_layers * t.top_k
+    decode = t.experts[t.phase == 1]  # [rows, layers, top_k]; one sequence: one row a step
+    assert r.hits + r.misses == sum(len(set(layer.tolist())) for row in decode for layer in row)
 
 
 def test_trace_of_another_model_is_rejected(ckpt, tmp_path, capsys):
