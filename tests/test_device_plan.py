@@ -12,7 +12,6 @@ import builtins
 import json
 import os
 import re
-import struct
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from expertcache.experts.layout import ExpertSource
 from expertcache.loader.disk import DiskReader
 from expertcache.loader.safetensors_index import TensorIndex
 from expertcache.plan.model import budget_for_slots, device_plan, read_model
-from test_gpt_oss_layout import EXPERT_BYTES as GPT_OSS_EXPERT, write_hub_layout
+from test_gpt_oss_layout import EXPERT_BYTES as GPT_OSS_EXPERT, write_hub_layout, write_sparse_safetensors
 
 GiB = 1 << 30
 CUDA = torch.device("cuda")
@@ -65,26 +64,11 @@ def qwen3_30b_tensors() -> dict[str, list[int]]:
     return t
 
 
-def write_sparse_bf16(path, tensors: dict[str, list[int]]) -> None:
-    header, off = {}, 0
-    for name, shape in sorted(tensors.items()):
-        n = 2 * int(torch.tensor(shape).prod())
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
-        off += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + off)
-    if os.stat(path).st_blocks * 512 > 64 << 20:
-        pytest.skip("this filesystem has no sparse files")
-
-
 @pytest.fixture(scope="module")
 def qwen3_30b(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen3-30b-a3b")
     (d / "config.json").write_text(json.dumps(qwen3_30b_config()))
-    write_sparse_bf16(d / "model.safetensors", qwen3_30b_tensors())
+    write_sparse_safetensors(d / "model.safetensors", {n: ("BF16", s) for n, s in qwen3_30b_tensors().items()})
     return d
 
 

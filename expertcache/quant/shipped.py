@@ -163,19 +163,6 @@ class ModuleRules:
             return re.match(pattern[3:], module) is not None
         return module == pattern or module.endswith("." + pattern)
 
-    def weight_shape(self, primary_shape: tuple[int, ...], module: str) -> Shape:
-        """[out, in] of module `module` from its primary tensor's shape (ValueError naming it)."""
-        return self._check_shape(self._shape_of_checked(torch.empty(primary_shape, device="meta"), module), module)
-
-    def check_stored(self, module: str, shape: Shape, stored: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-        """ValueError naming the first of `stored` {suffix: (shape, dtype)} that does not fit a weight of `shape`."""
-        for suffix, spec in self._layout(shape).items():
-            got_shape, dtype = stored[suffix]
-            if not self._accepts(suffix, spec, torch.empty(got_shape, dtype=dtype, device="meta"), shape):
-                raise ValueError(f"tensor {module}.{suffix} is {dtype} {list(got_shape)}, but {self.name} needs "
-                                 f"{spec.dtype} {list(spec.shape)} for a weight of shape {list(shape)}"
-                                 f"{self._shape_hint(shape)}")
-
     def method_for(self, module: str) -> ShippedInt | None:
         if any(self.matches(p, module) for p in self.excluded):
             return None
