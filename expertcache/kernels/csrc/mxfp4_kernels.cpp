@@ -1,0 +1,276 @@
+// MXFP4 at memory speed (mxfp4_kernels.h): codes decoded through a table held in a register.
+//
+// As in fast_kernels.cpp, everything below the target pragma is AVX-512 code reached only through the
+// entry points at the bottom, called only when supported(); no inline function of a header is
+// used there (a copy compiled here could be the one the linker keeps for the whole module).
+//
+// Loop shapes: fewer than 4 tokens, one row at a time (one sequential stream; in exact math several
+// independent accumulators per token hide the FMA latency); more, pairs of rows kept in L1 while
+// chunks of 6 tokens pass over them (2 x 6 accumulators).
+
+#include "mxfp4_kernels.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace mxk {
+
+bool supported() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+
+namespace {
+
+inline int64_t lo(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// e8m0 byte -> 2^(e - 127) (0: 2^-127, a subnormal; 255: NaN), as formats.py / quant/fp4.py decode it
+inline float e8m0(uint8_t e) {
+  const uint32_t bits = e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : uint32_t(e) << 23;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1); }
+inline __mmask64 mask64(int64_t n) { return n >= 64 ? ~__mmask64(0) : n <= 0 ? __mmask64(0) : (__mmask64(1) << n) - 1; }
+
+// the 16 e2m1 values, indexed by code (sign in bit 3)
+inline __m512 e2m1_table() {
+  return _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+}
+
+template <int U>
+struct Slot {
+  static constexpr int value = U;
+};
+
+// ---- exact: float32 activations ----------------------------------------------------------------
+// R rows x TT tokens; NA accumulators per (row, token): a block's even products go to one, its odd
+// products to the next, so that NA = 4 keeps 4 FMA chains in flight for a single row and token.
+template <int R, int TT, int NA>
+void f32_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t K, const float* const* xf,
+               float* y, int64_t ldy) {
+  static_assert(NA == 1 || NA == 2 || NA == 4, "accumulators per (row, token)");
+  constexpr int UB = NA >= 2 ? NA / 2 : 1;  // blocks per loop step
+  const __m512 tab = e2m1_table();
+  __m512 acc[R][TT][NA];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t)
+      for (int a = 0; a < NA; ++a) acc[r][t][a] = _mm512_setzero_ps();
+  const int64_t nbytes = K / 2, nb = (K + BLOCK - 1) / BLOCK;
+  auto step = [&](int64_t b, auto uc) __attribute__((always_inline)) {  // uc: Slot<u>, u < UB
+    const int64_t off = 16 * b;
+    const __mmask16 m = mask16(nbytes - off);
+    __m512 we[R], wo[R];
+    for (int r = 0; r < R; ++r) {  // dword i holds byte i: codes 2i (low nibble) and 2i + 1 (high)
+      const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, w + r * w_row + off));
+      const __m512 s = _mm512_set1_ps(e8m0(z[r * z_row + b]));
+      we[r] = _mm512_mul_ps(_mm512_permutexvar_ps(c, tab), s);  // vpermps reads the index's low 4 bits
+      wo[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), tab), s);
+    }
+    constexpr int u = decltype(uc)::value, ie = (2 * u) % NA, io = (2 * u + 1) % NA;
+    for (int t = 0; t < TT; ++t) {
+      const __m512 xe = _mm512_loadu_ps(xf[t] + 32 * b), xo = _mm512_loadu_ps(xf[t] + 32 * b + 16);
+      for (int r = 0; r < R; ++r) {
+        acc[r][t][ie] = _mm512_fmadd_ps(we[r], xe, acc[r][t][ie]);
+        acc[r][t][io] = _mm512_fmadd_ps(wo[r], xo, acc[r][t][io]);
+      }
+    }
+  };
+  int64_t b = 0;
+  for (; b + UB <= nb; b += UB) {
+    step(b, Slot<0>{});
+    if constexpr (UB == 2) step(b + 1, Slot<1>{});
+  }
+  for (; b < nb; ++b) step(b, Slot<0>{});
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) {
+      __m512 s = acc[r][t][0];
+      for (int a = 1; a < NA; ++a) s = _mm512_add_ps(s, acc[r][t][a]);
+      y[t * ldy + r] = _mm512_reduce_add_ps(s);
+    }
+}
+
+// ---- fast: int8 activations per block of 32 -----------------------------------------------------
+// lanes 4j..4j+3 of a group's vector: the e8m0 scale of the group's block j (blocks past nz: 2^-127,
+// multiplied by the zero activations there)
+inline __m512 group_scales(const uint8_t* z, int64_t nz) {
+  const int32_t e4 = _mm_cvtsi128_si32(_mm_maskz_loadu_epi8(mask16(nz < 4 ? nz : 4), z));
+  const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+  const __m512i e = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(e4), sh), _mm512_set1_epi32(0xFF));
+  __m512i bits = _mm512_slli_epi32(e, 23);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(bits);
+}
+
+template <int R, int TT>
+void q8_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t K, const int8_t* const* xq,
+              const float* const* xs, const int32_t* const* xc, float* y, int64_t ldy) {
+  // 2 x e2m1 + 12 by code: an unsigned byte for vpdpbusd (the activations are the signed side)
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t nbytes = K / 2, nb = (K + BLOCK - 1) / BLOCK, ng = (K + GROUP - 1) / GROUP;
+  for (int64_t g = 0; g < ng; ++g) {
+    const __mmask64 m = mask64(nbytes - 64 * g);
+    __m512i wl[R], wh[R];
+    __m512 ws[R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_maskz_loadu_epi8(m, w + r * w_row + 64 * g);
+      wl[r] = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, nib));
+      wh[r] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+      ws[r] = group_scales(z + r * z_row + 4 * g, nb - 4 * g);
+    }
+    for (int t = 0; t < TT; ++t) {
+      const __m512i xe = _mm512_loadu_si512(xq[t] + GROUP * g), xo = _mm512_loadu_si512(xq[t] + GROUP * g + 64);
+      const __m512i c = _mm512_loadu_si512(xc[t] + 16 * g);
+      const __m512 sx = _mm512_loadu_ps(xs[t] + 16 * g);
+      for (int r = 0; r < R; ++r) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, wl[r], xe), wh[r], xo);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], sx), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+constexpr int64_t TB = 6;  // tokens per register block when rows go in pairs
+
+}  // namespace
+
+// ---- entry points --------------------------------------------------------------------------------
+void prep_f32(const float* x, int64_t K, float* out) {
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+  for (int64_t k = 0; k < padded(K); k += BLOCK) {
+    const __m512 a = _mm512_maskz_loadu_ps(mask16(K - k), x + k), b = _mm512_maskz_loadu_ps(mask16(K - k - 16), x + k + 16);
+    _mm512_storeu_ps(out + k, _mm512_permutex2var_ps(a, ev, b));
+    _mm512_storeu_ps(out + k + 16, _mm512_permutex2var_ps(a, od, b));
+  }
+}
+
+void prep_q8(const float* x, int64_t K, int8_t* q, float* scales, int32_t* corr) {
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+  for (int64_t g = 0; g < padded(K) / GROUP; ++g) {
+    alignas(64) float sc[16];
+    alignas(64) int32_t cr[16];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t k = GROUP * g + BLOCK * j;
+      const __m512 a = _mm512_maskz_loadu_ps(mask16(K - k), x + k), b = _mm512_maskz_loadu_ps(mask16(K - k - 16), x + k + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      // x - x is 0 for a finite x, NaN for NaN and +-inf
+      const bool finite = _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), _mm512_setzero_ps(), _CMP_EQ_OQ) == 0xFFFF &&
+                          _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), _mm512_setzero_ps(), _CMP_EQ_OQ) == 0xFFFF;
+      const float s = finite ? amax / 127.f : __builtin_nanf("");
+      __m512i ca = _mm512_setzero_si512(), cb = _mm512_setzero_si512();
+      if (finite && amax > 0.f) {  // nearest even
+        ca = _mm512_cvtps_epi32(_mm512_div_ps(a, _mm512_set1_ps(s)));
+        cb = _mm512_cvtps_epi32(_mm512_div_ps(b, _mm512_set1_ps(s)));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + GROUP * g + 16 * j),
+                       _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(ca, ev, cb)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + GROUP * g + 64 + 16 * j),
+                       _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(ca, od, cb)));
+      for (int l = 0; l < 4; ++l) {
+        sc[4 * j + l] = s * 0.5f;  // the table holds 2 x e2m1
+        cr[4 * j + l] = 0;
+      }
+      cr[4 * j] = -12 * _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
+    }
+    _mm512_storeu_ps(scales + 16 * g, _mm512_load_ps(sc));
+    _mm512_storeu_si512(corr + 16 * g, _mm512_load_si512(cr));
+  }
+}
+
+void rows_f32(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t N, int64_t K,
+              const float* const* xf, int64_t T, float* y, int64_t ldy) {
+  if (T < 4) {
+    for (int64_t n = 0; n < N; ++n) {
+      const uint8_t *wn = w + n * w_row, *zn = z + n * z_row;
+      switch (T) {
+        case 1: f32_block<1, 1, 4>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
+        case 2: f32_block<1, 2, 2>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
+        default: f32_block<1, 3, 2>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
+      }
+    }
+    return;
+  }
+  for (int64_t a = 0; a < N; a += 2) {
+    const uint8_t *wn = w + a * w_row, *zn = z + a * z_row;
+    for (int64_t t0 = 0; t0 < T; t0 += TB) {
+      const int tt = int(lo(TB, T - t0));
+      float* yt = y + t0 * ldy + a;
+      const float* const* xt = xf + t0;
+#define MXK_F32(R)                                                             \
+  switch (tt) {                                                                \
+    case 1: f32_block<R, 1, 2>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    case 2: f32_block<R, 2, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    case 3: f32_block<R, 3, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    case 4: f32_block<R, 4, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    case 5: f32_block<R, 5, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    default: f32_block<R, 6, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+  }
+      if (a + 2 <= N) {
+        MXK_F32(2)
+      } else {
+        MXK_F32(1)
+      }
+#undef MXK_F32
+    }
+  }
+}
+
+void rows_q8(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t N, int64_t K,
+             const int8_t* const* xq, const float* const* xs, const int32_t* const* xc, int64_t T, float* y,
+             int64_t ldy) {
+  if (T < 4) {
+    for (int64_t n = 0; n < N; ++n) {
+      const uint8_t *wn = w + n * w_row, *zn = z + n * z_row;
+      switch (T) {
+        case 1: q8_block<1, 1>(wn, w_row, zn, z_row, K, xq, xs, xc, y + n, ldy); break;
+        case 2: q8_block<1, 2>(wn, w_row, zn, z_row, K, xq, xs, xc, y + n, ldy); break;
+        default: q8_block<1, 3>(wn, w_row, zn, z_row, K, xq, xs, xc, y + n, ldy); break;
+      }
+    }
+    return;
+  }
+  for (int64_t a = 0; a < N; a += 2) {
+    const uint8_t *wn = w + a * w_row, *zn = z + a * z_row;
+    for (int64_t t0 = 0; t0 < T; t0 += TB) {
+      const int tt = int(lo(TB, T - t0));
+      float* yt = y + t0 * ldy + a;
+      const int8_t* const* qt = xq + t0;
+      const float* const* st = xs + t0;
+      const int32_t* const* ct = xc + t0;
+#define MXK_Q8(R)                                                                  \
+  switch (tt) {                                                                    \
+    case 1: q8_block<R, 1>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
+    case 2: q8_block<R, 2>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
+    case 3: q8_block<R, 3>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
+    case 4: q8_block<R, 4>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
+    case 5: q8_block<R, 5>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
+    default: q8_block<R, 6>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
+  }
+      if (a + 2 <= N) {
+        MXK_Q8(2)
+      } else {
+        MXK_Q8(1)
+      }
+#undef MXK_Q8
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace mxk
