@@ -28,14 +28,6 @@ namespace {
 
 inline int64_t lo(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// e8m0 byte -> 2^(e - 127) (0: 2^-127, a subnormal; 255: NaN), as formats.py / quant/fp4.py decode it
-inline float e8m0(uint8_t e) {
-  const uint32_t bits = e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : uint32_t(e) << 23;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
-
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1); }
 inline __mmask64 mask64(int64_t n) { return n >= 64 ? ~__mmask64(0) : n <= 0 ? __mmask64(0) : (__mmask64(1) << n) - 1; }
 
@@ -44,71 +36,95 @@ inline __m512 e2m1_table() {
   return _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
 }
 
-template <int U>
-struct Slot {
-  static constexpr int value = U;
-};
-
-// ---- exact: float32 activations ----------------------------------------------------------------
-// R rows x TT tokens; NA accumulators per (row, token): a block's even products go to one, its odd
-// products to the next, so that NA = 4 keeps 4 FMA chains in flight for a single row and token.
-template <int R, int TT, int NA>
-void f32_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t K, const float* const* xf,
-               float* y, int64_t ldy) {
-  static_assert(NA == 1 || NA == 2 || NA == 4, "accumulators per (row, token)");
-  constexpr int UB = NA >= 2 ? NA / 2 : 1;  // blocks per loop step
-  const __m512 tab = e2m1_table();
-  __m512 acc[R][TT][NA];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t)
-      for (int a = 0; a < NA; ++a) acc[r][t][a] = _mm512_setzero_ps();
-  const int64_t nbytes = K / 2, nb = (K + BLOCK - 1) / BLOCK;
-  auto step = [&](int64_t b, auto uc) __attribute__((always_inline)) {  // uc: Slot<u>, u < UB
-    const int64_t off = 16 * b;
-    const __mmask16 m = mask16(nbytes - off);
-    __m512 we[R], wo[R];
-    for (int r = 0; r < R; ++r) {  // dword i holds byte i: codes 2i (low nibble) and 2i + 1 (high)
-      const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, w + r * w_row + off));
-      const __m512 s = _mm512_set1_ps(e8m0(z[r * z_row + b]));
-      we[r] = _mm512_mul_ps(_mm512_permutexvar_ps(c, tab), s);  // vpermps reads the index's low 4 bits
-      wo[r] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), tab), s);
-    }
-    constexpr int u = decltype(uc)::value, ie = (2 * u) % NA, io = (2 * u + 1) % NA;
-    for (int t = 0; t < TT; ++t) {
-      const __m512 xe = _mm512_loadu_ps(xf[t] + 32 * b), xo = _mm512_loadu_ps(xf[t] + 32 * b + 16);
-      for (int r = 0; r < R; ++r) {
-        acc[r][t][ie] = _mm512_fmadd_ps(we[r], xe, acc[r][t][ie]);
-        acc[r][t][io] = _mm512_fmadd_ps(wo[r], xo, acc[r][t][io]);
-      }
-    }
-  };
-  int64_t b = 0;
-  for (; b + UB <= nb; b += UB) {
-    step(b, Slot<0>{});
-    if constexpr (UB == 2) step(b + 1, Slot<1>{});
-  }
-  for (; b < nb; ++b) step(b, Slot<0>{});
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) {
-      __m512 s = acc[r][t][0];
-      for (int a = 1; a < NA; ++a) s = _mm512_add_ps(s, acc[r][t][a]);
-      y[t * ldy + r] = _mm512_reduce_add_ps(s);
-    }
-}
-
-// ---- fast: int8 activations per block of 32 -----------------------------------------------------
-// lanes 4j..4j+3 of a group's vector: the e8m0 scale of the group's block j (blocks past nz: 2^-127,
-// multiplied by the zero activations there)
-inline __m512 group_scales(const uint8_t* z, int64_t nz) {
-  const int32_t e4 = _mm_cvtsi128_si32(_mm_maskz_loadu_epi8(mask16(nz < 4 ? nz : 4), z));
+// lanes 4j..4j+3: 2^(e_j - 127) for the 4 e8m0 bytes of e4 (byte j: the group's block j)
+__attribute__((noinline)) __m512 scales4_special(uint32_t e4) {  // a byte 0 (2^-127) or 255 (NaN)
   const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
-  const __m512i e = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(e4), sh), _mm512_set1_epi32(0xFF));
+  const __m512i e = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(int(e4)), sh), _mm512_set1_epi32(0xFF));
   __m512i bits = _mm512_slli_epi32(e, 23);
   bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
   bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
   return _mm512_castsi512_ps(bits);
 }
 
+inline bool has_zero_byte(uint32_t v) { return ((v - 0x01010101u) & ~v & 0x80808080u) != 0; }
+
+inline __m512 scales4(uint32_t e4) {
+  if (__builtin_expect(has_zero_byte(e4) || has_zero_byte(~e4), 0)) return scales4_special(e4);
+  // byte j moved to the exponent field (bits 23..30) by one rotate per lane
+  const __m512i rot = _mm512_setr_epi32(23, 23, 23, 23, 15, 15, 15, 15, 7, 7, 7, 7, 31, 31, 31, 31);
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_rolv_epi32(_mm512_set1_epi32(int(e4)), rot), _mm512_set1_epi32(0x7F800000)));
+}
+
+// the e8m0 bytes of blocks 4g.. of a row with nb blocks (missing ones 0: 2^-127, against zero activations)
+inline uint32_t e4_at(const uint8_t* z, int64_t g, int64_t nb) {
+  const int64_t b = 4 * g;
+  if (b + 4 <= nb) {
+    uint32_t e;
+    __builtin_memcpy(&e, z + b, 4);
+    return e;
+  }
+  uint32_t e = 0;
+  for (int64_t i = b; i < nb; ++i) e |= uint32_t(z[i]) << (8 * (i - b));
+  return e;
+}
+
+// ---- exact: float32 activations ----------------------------------------------------------------
+// A group of 128 features is one 64-byte load of codes: dword L holds features 8L..8L+7, nibble j of
+// it feature 8L + j, so vpermps of the dword shifted by 4j (it reads the index's low 4 bits) gives
+// feature 8L + j in lane L, against the prepared activations' vector j. Lane L is in block L / 4.
+// R rows x TT tokens. Several (row, token) pairs share a decoded vector: it is scaled once and each
+// pair takes one FMA; a single row of few tokens sums the group unscaled in NC chains and scales the sum.
+template <int R, int TT>
+void f32_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t K, const float* const* xf,
+               float* y, int64_t ldy) {
+  constexpr bool PRE = R * TT >= 4;
+  constexpr int NC = R * TT == 1 ? 4 : 2;
+  const __m512 tab = e2m1_table();
+  __m512 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t nbytes = K / 2, nb = (K + BLOCK - 1) / BLOCK, ng = (K + GROUP - 1) / GROUP, full = nbytes / 64;
+  auto group = [&](int64_t g, bool tail) __attribute__((always_inline)) {
+    __m512i v[R];
+    __m512 ws[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = w + r * w_row + 64 * g;
+      v[r] = tail ? _mm512_maskz_loadu_epi8(mask64(nbytes - 64 * g), p) : _mm512_loadu_si512(p);
+      ws[r] = scales4(e4_at(z + r * z_row, g, nb));
+    }
+    if constexpr (PRE) {
+      for (int j = 0; j < 8; ++j)
+        for (int r = 0; r < R; ++r) {
+          const __m512 wj = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v[r], 4 * j), tab), ws[r]);
+          for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(xf[t] + GROUP * g + 16 * j), acc[r][t]);
+        }
+    } else {
+      __m512 sum[NC][R][TT];
+      for (int c = 0; c < NC; ++c)
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < TT; ++t) sum[c][r][t] = _mm512_setzero_ps();
+      for (int j = 0; j < 8; ++j)
+        for (int r = 0; r < R; ++r) {
+          const __m512 wj = _mm512_permutexvar_ps(_mm512_srli_epi32(v[r], 4 * j), tab);
+          for (int t = 0; t < TT; ++t)
+            sum[j % NC][r][t] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(xf[t] + GROUP * g + 16 * j), sum[j % NC][r][t]);
+        }
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < TT; ++t) {
+          __m512 s = sum[0][r][t];
+          for (int c = 1; c < NC; ++c) s = _mm512_add_ps(s, sum[c][r][t]);
+          acc[r][t] = _mm512_fmadd_ps(s, ws[r], acc[r][t]);
+        }
+    }
+  };
+  for (int64_t g = 0; g < full; ++g) group(g, false);
+  if (full < ng) group(full, true);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+// ---- fast: int8 activations per block of 32 -----------------------------------------------------
 template <int R, int TT>
 void q8_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t K, const int8_t* const* xq,
               const float* const* xs, const int32_t* const* xc, float* y, int64_t ldy) {
@@ -118,16 +134,16 @@ void q8_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, 
   __m512 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
-  const int64_t nbytes = K / 2, nb = (K + BLOCK - 1) / BLOCK, ng = (K + GROUP - 1) / GROUP;
-  for (int64_t g = 0; g < ng; ++g) {
-    const __mmask64 m = mask64(nbytes - 64 * g);
+  const int64_t nbytes = K / 2, nb = (K + BLOCK - 1) / BLOCK, ng = (K + GROUP - 1) / GROUP, full = nbytes / 64;
+  auto group = [&](int64_t g, bool tail) __attribute__((always_inline)) {
     __m512i wl[R], wh[R];
     __m512 ws[R];
     for (int r = 0; r < R; ++r) {
-      const __m512i v = _mm512_maskz_loadu_epi8(m, w + r * w_row + 64 * g);
+      const uint8_t* p = w + r * w_row + 64 * g;
+      const __m512i v = tail ? _mm512_maskz_loadu_epi8(mask64(nbytes - 64 * g), p) : _mm512_loadu_si512(p);
       wl[r] = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, nib));
       wh[r] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-      ws[r] = group_scales(z + r * z_row + 4 * g, nb - 4 * g);
+      ws[r] = scales4(e4_at(z + r * z_row, g, nb));
     }
     for (int t = 0; t < TT; ++t) {
       const __m512i xe = _mm512_loadu_si512(xq[t] + GROUP * g), xo = _mm512_loadu_si512(xq[t] + GROUP * g + 64);
@@ -138,7 +154,9 @@ void q8_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, 
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], sx), acc[r][t]);
       }
     }
-  }
+  };
+  for (int64_t g = 0; g < full; ++g) group(g, false);
+  if (full < ng) group(full, true);
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
@@ -149,13 +167,12 @@ constexpr int64_t TB = 6;  // tokens per register block when rows go in pairs
 
 // ---- entry points --------------------------------------------------------------------------------
 void prep_f32(const float* x, int64_t K, float* out) {
-  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
-  for (int64_t k = 0; k < padded(K); k += BLOCK) {
-    const __m512 a = _mm512_maskz_loadu_ps(mask16(K - k), x + k), b = _mm512_maskz_loadu_ps(mask16(K - k - 16), x + k + 16);
-    _mm512_storeu_ps(out + k, _mm512_permutex2var_ps(a, ev, b));
-    _mm512_storeu_ps(out + k + 16, _mm512_permutex2var_ps(a, od, b));
-  }
+  for (int64_t g = 0; g < padded(K); g += GROUP)
+    for (int64_t L = 0; L < 16; ++L)
+      for (int64_t j = 0; j < 8; ++j) {
+        const int64_t k = g + 8 * L + j;
+        out[g + 16 * j + L] = k < K ? x[k] : 0.f;
+      }
 }
 
 void prep_q8(const float* x, int64_t K, int8_t* q, float* scales, int32_t* corr) {
@@ -198,9 +215,9 @@ void rows_f32(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, 
     for (int64_t n = 0; n < N; ++n) {
       const uint8_t *wn = w + n * w_row, *zn = z + n * z_row;
       switch (T) {
-        case 1: f32_block<1, 1, 4>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
-        case 2: f32_block<1, 2, 2>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
-        default: f32_block<1, 3, 2>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
+        case 1: f32_block<1, 1>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
+        case 2: f32_block<1, 2>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
+        default: f32_block<1, 3>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
       }
     }
     return;
@@ -213,12 +230,12 @@ void rows_f32(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, 
       const float* const* xt = xf + t0;
 #define MXK_F32(R)                                                             \
   switch (tt) {                                                                \
-    case 1: f32_block<R, 1, 2>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    case 2: f32_block<R, 2, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    case 3: f32_block<R, 3, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    case 4: f32_block<R, 4, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    case 5: f32_block<R, 5, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    default: f32_block<R, 6, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    case 1: f32_block<R, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    case 2: f32_block<R, 2>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    case 3: f32_block<R, 3>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    case 4: f32_block<R, 4>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    case 5: f32_block<R, 5>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
+    default: f32_block<R, 6>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
   }
       if (a + 2 <= N) {
         MXK_F32(2)

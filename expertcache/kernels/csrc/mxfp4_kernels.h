@@ -1,7 +1,8 @@
 // MXFP4 (e2m1 codes, low nibble first, one e8m0 scale per block of 32) at memory speed: AVX-512
 // kernels that decode a weight's codes through a 16-entry table held in a register, in both CPU maths.
-//   exact: float32 activations. 16 codes -> 16 float32 weights by one vpermps (the table is 16 floats),
-//          scaled by the block's power of two, against the activations' even / odd features.
+//   exact: float32 activations. 16 codes -> 16 float32 weights by one vpermps (the table is 16 floats)
+//          of a 64-byte load shifted by 4j (nibble j of every dword), against the activations
+//          reordered to match; sums scaled per block by its power of two.
 //   fast:  activations quantized per block of 32 to int8 (scale = max|x| / 127, nearest even; as
 //          llama.cpp pairs MXFP4 with q8_0), 2 x e2m1 + 12 (0..24) looked up by vpshufb, products
 //          summed exactly in int32 by vpdpbusd; the +12 is taken off by a per-block term of the
@@ -10,8 +11,8 @@
 //
 // Shape legend (K features, Kp = K rounded up to GROUP):
 //   W row        codes uint8 [K / 2] (K even), e8m0 scales uint8 [ceil(K / 32)]
-//   prepared f32 row    float [Kp]    per block of 32 features: its 16 even features, then its 16 odd
-//                                     ones; zero past K
+//   prepared f32 row    float [Kp]    per GROUP of 128 features: 8 vectors of 16, lane L of vector j
+//                                     = feature 8L + j of the group; zero past K
 //   prepared q8 row     int8  [Kp]    per GROUP of 4 blocks: 64 even codes (block j's at 16 j), then
 //                                     64 odd codes; zero past K
 //                       float [Kp/8]  per GROUP, 16 lanes: block j's scale / 2 in lanes 4j..4j+3
