@@ -24,7 +24,7 @@
 #include <immintrin.h>
 
 #include "fast_kernels.h"
-#include "mxfp4_kernels.h"
+#include "nibble_kernels.h"
 #include "ops.h"
 #include "registry.h"
 #include "simd_math.h"
@@ -417,14 +417,16 @@ void gemm_any(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float*
 
 using pool::run_units;  // units handed out dynamically, so uneven units balance across threads
 
-// ---- activations prepared once per call: the fast math (fast_kernels.h) and the MXFP4 kernels -------
+// ---- activations prepared once per call: the fast math (fast_kernels.h) and the 4-bit kernels -------
 // math 0 (exact): float32 activations; math 1 (fast): bf16 and int8 weights go through fastk with
-// rounded / quantized activations. MXFP4 weights go through mxk (AVX-512) in both maths, float32
-// activations deinterleaved for exact, int8 per block of 32 for fast, where the CPU has AVX-512 and
-// the AVX2 kernels are not forced (EXPERTCACHE_CPU_ISA=avx2 or set_avx512(false)); every other weight
-// is computed from float32 activations by the AVX2 kernels above.
+// rounded / quantized activations. MXFP4 and int4 (groups a multiple of 32) weights go through nib
+// (nibble_kernels.h, AVX-512) in both maths, float32 activations reordered for exact, int8 per block
+// of 32 for fast, where the CPU has AVX-512 and the AVX2 kernels are not forced
+// (EXPERTCACHE_CPU_ISA=avx2 or set_avx512(false)); every other weight is computed from float32
+// activations by the AVX2 kernels above.
 enum Math { EXACT = 0, FAST = 1 };
-enum Prep { NONE = -1, P_BF16 = 0, P_Q8 = 1, P_MXF = 2, P_MXQ = 3 };
+enum Prep { NONE = -1, P_BF16 = 0, P_Q8 = 1, P_MXF = 2, P_MXQ = 3, P_I4F = 4, P_I4Q = 5 };
+inline bool nibble_prep(int kind) { return kind >= P_MXF; }
 
 bool fast_reads(const WView& W) {
   return W.fmt == BF16 || (W.fmt == INT8 && W.Bo == 1 && (W.G >= W.K || W.G % fastk::BLOCK == 0));
@@ -436,8 +438,8 @@ bool isa_from_env() {
 }
 std::atomic<bool> avx512_allowed{isa_from_env()};
 
-bool mx_avx512() {
-  static const bool cpu = mxk::supported();
+bool nibble_avx512() {
+  static const bool cpu = nib::supported();
   return cpu && avx512_allowed.load(std::memory_order_relaxed);
 }
 
@@ -449,13 +451,14 @@ int64_t check_math(int64_t math) {
 
 // how weight W's activations are prepared in CPU math `math` (NONE: read as float32 rows)
 int prep_of(const WView& W, int64_t math) {
-  if (W.fmt == MXFP4 && W.G == mxk::BLOCK && W.Bo == 1 && mx_avx512()) return math == FAST ? P_MXQ : P_MXF;
+  if (W.fmt == MXFP4 && W.G == nib::BLOCK && W.Bo == 1 && nibble_avx512()) return math == FAST ? P_MXQ : P_MXF;
+  if (W.fmt == INT4 && W.G % nib::BLOCK == 0 && W.Bo == 1 && nibble_avx512()) return math == FAST ? P_I4Q : P_I4F;
   if (math == FAST && fast_reads(W)) return W.fmt == BF16 ? P_BF16 : P_Q8;
   return NONE;
 }
 
 // features per piece a prepared row is built from (FastX::part)
-int64_t prep_unit(int kind) { return kind == P_MXF || kind == P_MXQ ? mxk::GROUP : fastk::BLOCK; }
+int64_t prep_unit(int kind) { return nibble_prep(kind) ? nib::GROUP : fastk::BLOCK; }
 
 // which kernel computes a weight of `spec` in CPU math `math` (benchmarks print it)
 std::string kernel_of(const WView& W, int64_t math) {
@@ -464,6 +467,8 @@ std::string kernel_of(const WView& W, int64_t math) {
     case P_Q8: return "avx512vnni-q8act64";
     case P_MXF: return "avx512-mxfp4-f32act";
     case P_MXQ: return "avx512vnni-mxfp4-q8act32";
+    case P_I4F: return "avx512-int4-f32act";
+    case P_I4Q: return "avx512vnni-int4-q8act32";
     default: return "avx2-f32act";
   }
 }
@@ -474,20 +479,22 @@ struct FastX {
   int64_t K, Kp;
   std::vector<uint16_t> bf;  // P_BF16 [T, Kp]
   std::vector<uint8_t> q;    // P_Q8 [T, Kp]
-  std::vector<float> s;      // P_Q8 [T, Kp / 64]; P_MXQ [T, Kp / 8]
-  std::vector<float> f;      // P_MXF [T, Kp]
-  std::vector<int8_t> mq;    // P_MXQ [T, Kp]
-  std::vector<int32_t> mc;   // P_MXQ [T, Kp / 8]
+  std::vector<float> s;      // P_Q8 [T, Kp / 64]; P_MXQ, P_I4Q [T, Kp / 8]
+  std::vector<float> f;      // P_MXF, P_I4F [T, Kp]
+  std::vector<float> fs;     // P_I4F [T, Kp / 8]
+  std::vector<int8_t> mq;    // P_MXQ, P_I4Q [T, Kp]
+  std::vector<int32_t> mc;   // P_MXQ, P_I4Q [T, Kp / 8]
 
   FastX(int kind_, int64_t T, int64_t K_)  // allocated, not prepared
-      : kind(kind_), K(K_), Kp(kind_ == P_MXF || kind_ == P_MXQ ? mxk::padded(K_) : fastk::padded(K_)) {
+      : kind(kind_), K(K_), Kp(nibble_prep(kind_) ? nib::padded(K_) : fastk::padded(K_)) {
     if (kind == P_BF16) {
       bf.resize(T * Kp);
     } else if (kind == P_Q8) {
       q.resize(T * Kp);
       s.resize(T * (Kp / fastk::BLOCK));
-    } else if (kind == P_MXF) {
+    } else if (kind == P_MXF || kind == P_I4F) {
       f.resize(T * Kp);
+      if (kind == P_I4F) fs.resize(T * (Kp / 8));
     } else {
       mq.resize(T * Kp);
       s.resize(T * (Kp / 8));
@@ -506,8 +513,10 @@ struct FastX {
     const int64_t o = t * Kp + k0;
     if (kind == P_BF16) fastk::prep_bf16(x + k0, k1 - k0, bf.data() + o);
     else if (kind == P_Q8) fastk::prep_q8(x + k0, k1 - k0, q.data() + o, s.data() + o / fastk::BLOCK);
-    else if (kind == P_MXF) mxk::prep_f32(x + k0, k1 - k0, f.data() + o);
-    else mxk::prep_q8(x + k0, k1 - k0, mq.data() + o, s.data() + o / 8, mc.data() + o / 8);
+    else if (kind == P_MXF || kind == P_I4F)
+      nib::prep_f32(x + k0, k1 - k0, f.data() + o, kind == P_I4F ? fs.data() + o / 8 : nullptr);
+    else nib::prep_q8(kind == P_MXQ ? nib::MXFP4 : nib::INT4, x + k0, k1 - k0, mq.data() + o, s.data() + o / 8,
+                      mc.data() + o / 8);
   }
 };
 
@@ -516,7 +525,7 @@ struct FastRows {
   int kind;
   std::vector<const uint16_t*> bf;
   std::vector<const uint8_t*> q;
-  std::vector<const float*> s, f;
+  std::vector<const float*> s, f, fs;
   std::vector<const int8_t*> mq;
   std::vector<const int32_t*> mc;
   FastRows(const FastX& x, const std::vector<int64_t>& rows) : kind(x.kind) {
@@ -527,8 +536,9 @@ struct FastRows {
       } else if (kind == P_Q8) {
         q.push_back(x.q.data() + o);
         s.push_back(x.s.data() + o / fastk::BLOCK);
-      } else if (kind == P_MXF) {
+      } else if (kind == P_MXF || kind == P_I4F) {
         f.push_back(x.f.data() + o);
+        if (kind == P_I4F) fs.push_back(x.fs.data() + o / 8);
       } else {
         mq.push_back(x.mq.data() + o);
         s.push_back(x.s.data() + o / 8);
@@ -549,10 +559,13 @@ void fast_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const FastR
     fastk::rows_q8(d, W.d_row, s, W.s_row, std::min(W.G, W.K), n1 - n0, W.K, fr.q.data() + off, fr.s.data() + off, T,
                    y, ldy);
   } else {
-    const uint8_t* z = W.z + slot * W.z_slot + n0 * W.z_row;
-    if (fr.kind == P_MXF) mxk::rows_f32(d, W.d_row, z, W.z_row, n1 - n0, W.K, fr.f.data() + off, T, y, ldy);
-    else mxk::rows_q8(d, W.d_row, z, W.z_row, n1 - n0, W.K, fr.mq.data() + off, fr.s.data() + off,
-                      fr.mc.data() + off, T, y, ldy);
+    const bool i4 = fr.kind == P_I4F || fr.kind == P_I4Q;
+    const nib::Rows R{d, W.d_row, W.z + slot * W.z_slot + n0 * W.z_row, W.z_row,
+                      i4 ? W.s + slot * W.s_slot + n0 * W.s_row : nullptr, W.s_row, W.G};
+    const int code = i4 ? nib::INT4 : nib::MXFP4;
+    if (fr.kind == P_MXF || fr.kind == P_I4F)
+      nib::rows_f32(code, R, n1 - n0, W.K, fr.f.data() + off, i4 ? fr.fs.data() + off : nullptr, T, y, ldy);
+    else nib::rows_q8(code, R, n1 - n0, W.K, fr.mq.data() + off, fr.s.data() + off, fr.mc.data() + off, T, y, ldy);
   }
 }
 
@@ -882,11 +895,11 @@ void register_expert_kernels(py::module_& m) {
   m.def("set_threads", [](int64_t n) { pool::instance().set_threads(n); }, "kernel threads (0: torch's count)");
   m.def("get_threads", [] { return pool::instance().threads(); }, "kernel threads set (0: torch's count)");
   m.def("cpu_supported", &cpu_supported, "AVX2, FMA and F16C present");
-  m.def("avx512_supported", &mxk::supported, "the CPU has what the AVX-512 MXFP4 kernels need (F/BW/VL/VNNI)");
+  m.def("avx512_supported", &nib::supported, "the CPU has what the AVX-512 4-bit kernels need (F/BW/VL/VNNI)");
   m.def("set_avx512", [](bool on) { avx512_allowed.store(on); },
-        "allow the AVX-512 MXFP4 kernels where the CPU has them (false: the AVX2 kernels; initially false "
-        "when EXPERTCACHE_CPU_ISA=avx2)");
-  m.def("get_avx512", [] { return avx512_allowed.load(); }, "whether the AVX-512 MXFP4 kernels are allowed");
+        "allow the AVX-512 4-bit (MXFP4, int4) kernels where the CPU has them (false: the AVX2 kernels; "
+        "initially false when EXPERTCACHE_CPU_ISA=avx2)");
+  m.def("get_avx512", [] { return avx512_allowed.load(); }, "whether the AVX-512 4-bit kernels are allowed");
   m.def("kernel_of", [](const py::tuple& spec, int64_t math) { return kernel_of(view_of(spec, "kernel_of"), math); },
         "the kernel that computes a weight of this spec in CPU math `math`");
 }

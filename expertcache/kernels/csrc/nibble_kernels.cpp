@@ -1,4 +1,4 @@
-// MXFP4 at memory speed (mxfp4_kernels.h): codes decoded through a table held in a register.
+// 4-bit weights at memory speed (nibble_kernels.h): codes decoded through a table held in a register.
 //
 // As in fast_kernels.cpp, everything below the target pragma is AVX-512 code reached only through the
 // entry points at the bottom, called only when supported(); no inline function of a header is
@@ -6,15 +6,15 @@
 //
 // Loop shapes: fewer than 4 tokens, one row at a time (one sequential stream; in exact math several
 // independent accumulators per token hide the FMA latency); more, pairs of rows kept in L1 while
-// chunks of 6 tokens pass over them (2 x 6 accumulators).
+// chunks of 6 tokens pass over them (2 x 6 accumulators). C: the format (Code), R rows, TT tokens.
 
-#include "mxfp4_kernels.h"
+#include "nibble_kernels.h"
 
 #include <immintrin.h>
 
 #include <cstdint>
 
-namespace mxk {
+namespace nib {
 
 bool supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -69,34 +69,68 @@ inline uint32_t e4_at(const uint8_t* z, int64_t g, int64_t nb) {
   return e;
 }
 
+// int4: lanes 4b..4b+3 hold the scale / zero point of block b of group g (blocks past K: the last one's)
+inline void int4_consts(const Rows& W, int64_t r, int64_t g, int64_t nb, __m512& sv, __m512& zv) {
+  const float* s = W.s + r * W.s_row;
+  const uint8_t* z = W.z + r * W.z_row;
+  if (W.G % GROUP == 0) {
+    const int64_t i = GROUP * g / W.G;
+    sv = _mm512_set1_ps(s[i]);
+    zv = _mm512_set1_ps(float(z[i]));
+    return;
+  }
+  alignas(16) float s4[4], z4[4];
+  for (int64_t b = 0; b < 4; ++b) {
+    const int64_t i = lo(4 * g + b, nb - 1) * BLOCK / W.G;
+    s4[b] = s[i];
+    z4[b] = float(z[i]);
+  }
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  sv = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_load_ps(s4)));
+  zv = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_load_ps(z4)));
+}
+
+template <int C>
+inline __m512 value_table() {  // the value of each code before scaling
+  if constexpr (C == MXFP4) return e2m1_table();
+  return _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+}
+
 // ---- exact: float32 activations ----------------------------------------------------------------
 // A group of 128 features is one 64-byte load of codes: dword L holds features 8L..8L+7, nibble j of
 // it feature 8L + j, so vpermps of the dword shifted by 4j (it reads the index's low 4 bits) gives
 // feature 8L + j in lane L, against the prepared activations' vector j. Lane L is in block L / 4.
-// R rows x TT tokens. Several (row, token) pairs share a decoded vector: it is scaled once and each
-// pair takes one FMA; a single row of few tokens sums the group unscaled in NC chains and scales the sum.
-template <int R, int TT>
-void f32_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t K, const float* const* xf,
-               float* y, int64_t ldy) {
+// Several (row, token) pairs share a decoded vector: it is scaled once (int4: and offset) and each
+// pair takes one FMA; a single row of few tokens sums the group's unscaled products in NC chains and
+// scales the sum (int4: less zero * scale * the activations' lane sums).
+template <int C, int R, int TT>
+void f32_block(const Rows& W, int64_t K, const float* const* xf, const float* const* xsum, float* y, int64_t ldy) {
   constexpr bool PRE = R * TT >= 4;
   constexpr int NC = R * TT == 1 ? 4 : 2;
-  const __m512 tab = e2m1_table();
+  const __m512 tab = value_table<C>();
   __m512 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
   const int64_t nbytes = K / 2, nb = (K + BLOCK - 1) / BLOCK, ng = (K + GROUP - 1) / GROUP, full = nbytes / 64;
   auto group = [&](int64_t g, bool tail) __attribute__((always_inline)) {
     __m512i v[R];
-    __m512 ws[R];
+    __m512 ws[R], wb[R];  // per lane: scale, and int4's offset -zero * scale
     for (int r = 0; r < R; ++r) {
-      const uint8_t* p = w + r * w_row + 64 * g;
+      const uint8_t* p = W.w + r * W.w_row + 64 * g;
       v[r] = tail ? _mm512_maskz_loadu_epi8(mask64(nbytes - 64 * g), p) : _mm512_loadu_si512(p);
-      ws[r] = scales4(e4_at(z + r * z_row, g, nb));
+      if constexpr (C == MXFP4) {
+        ws[r] = scales4(e4_at(W.z + r * W.z_row, g, nb));
+      } else {
+        __m512 zv;
+        int4_consts(W, r, g, nb, ws[r], zv);
+        wb[r] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(zv, ws[r]));
+      }
     }
     if constexpr (PRE) {
       for (int j = 0; j < 8; ++j)
         for (int r = 0; r < R; ++r) {
-          const __m512 wj = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v[r], 4 * j), tab), ws[r]);
+          const __m512 code = _mm512_permutexvar_ps(_mm512_srli_epi32(v[r], 4 * j), tab);
+          const __m512 wj = C == MXFP4 ? _mm512_mul_ps(code, ws[r]) : _mm512_fmadd_ps(code, ws[r], wb[r]);
           for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(xf[t] + GROUP * g + 16 * j), acc[r][t]);
         }
     } else {
@@ -115,6 +149,7 @@ void f32_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row,
           __m512 s = sum[0][r][t];
           for (int c = 1; c < NC; ++c) s = _mm512_add_ps(s, sum[c][r][t]);
           acc[r][t] = _mm512_fmadd_ps(s, ws[r], acc[r][t]);
+          if constexpr (C == INT4) acc[r][t] = _mm512_fmadd_ps(_mm512_loadu_ps(xsum[t] + 16 * g), wb[r], acc[r][t]);
         }
     }
   };
@@ -125,10 +160,10 @@ void f32_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row,
 }
 
 // ---- fast: int8 activations per block of 32 -----------------------------------------------------
-template <int R, int TT>
-void q8_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t K, const int8_t* const* xq,
-              const float* const* xs, const int32_t* const* xc, float* y, int64_t ldy) {
-  // 2 x e2m1 + 12 by code: an unsigned byte for vpdpbusd (the activations are the signed side)
+template <int C, int R, int TT>
+void q8_block(const Rows& W, int64_t K, const int8_t* const* xq, const float* const* xs, const int32_t* const* xc,
+              float* y, int64_t ldy) {
+  // MXFP4: 2 x e2m1 + 12 by code, an unsigned byte for vpdpbusd (the activations are the signed side)
   const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 acc[R][TT];
@@ -137,21 +172,33 @@ void q8_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, 
   const int64_t nbytes = K / 2, nb = (K + BLOCK - 1) / BLOCK, ng = (K + GROUP - 1) / GROUP, full = nbytes / 64;
   auto group = [&](int64_t g, bool tail) __attribute__((always_inline)) {
     __m512i wl[R], wh[R];
-    __m512 ws[R];
+    __m512 ws[R], zv[R];
     for (int r = 0; r < R; ++r) {
-      const uint8_t* p = w + r * w_row + 64 * g;
+      const uint8_t* p = W.w + r * W.w_row + 64 * g;
       const __m512i v = tail ? _mm512_maskz_loadu_epi8(mask64(nbytes - 64 * g), p) : _mm512_loadu_si512(p);
-      wl[r] = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, nib));
-      wh[r] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-      ws[r] = scales4(e4_at(z + r * z_row, g, nb));
+      wl[r] = _mm512_and_si512(v, nib);
+      wh[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      if constexpr (C == MXFP4) {
+        wl[r] = _mm512_shuffle_epi8(tab, wl[r]);
+        wh[r] = _mm512_shuffle_epi8(tab, wh[r]);
+        ws[r] = scales4(e4_at(W.z + r * W.z_row, g, nb));
+      } else {
+        int4_consts(W, r, g, nb, ws[r], zv[r]);
+      }
     }
     for (int t = 0; t < TT; ++t) {
       const __m512i xe = _mm512_loadu_si512(xq[t] + GROUP * g), xo = _mm512_loadu_si512(xq[t] + GROUP * g + 64);
       const __m512i c = _mm512_loadu_si512(xc[t] + 16 * g);
       const __m512 sx = _mm512_loadu_ps(xs[t] + 16 * g);
       for (int r = 0; r < R; ++r) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, wl[r], xe), wh[r], xo);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], sx), acc[r][t]);
+        if constexpr (C == MXFP4) {
+          const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, wl[r], xe), wh[r], xo);
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], sx), acc[r][t]);
+        } else {  // sum (code - zero) x = sum code x - zero * (the block's code sum)
+          const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl[r], xe), wh[r], xo);
+          const __m512 e = _mm512_fnmadd_ps(zv[r], _mm512_cvtepi32_ps(c), _mm512_cvtepi32_ps(d));
+          acc[r][t] = _mm512_fmadd_ps(e, _mm512_mul_ps(ws[r], sx), acc[r][t]);
+        }
       }
     }
   };
@@ -163,21 +210,70 @@ void q8_block(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, 
 
 constexpr int64_t TB = 6;  // tokens per register block when rows go in pairs
 
+inline Rows offset(const Rows& W, int64_t n) {  // rows from n on
+  Rows o = W;
+  o.w += n * W.w_row;
+  o.z += n * W.z_row;
+  if (o.s) o.s += n * W.s_row;
+  return o;
+}
+
+// rows: fewer than 4 tokens, one row at a time; else pairs of rows kept in L1 under chunks of TB tokens.
+// run(Slot<R>, Slot<TT>, rows, t0, y) computes R rows from `rows` for tokens t0..t0+TT-1.
+template <int R>
+struct Slot {
+  static constexpr int value = R;
+};
+
+template <class Run>
+void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, Run run) {
+  auto tokens = [&](auto rc, int64_t tt, const Rows& Wn, int64_t t0, float* yt) __attribute__((always_inline)) {
+    switch (tt) {
+      case 1: run(rc, Slot<1>{}, Wn, t0, yt); break;
+      case 2: run(rc, Slot<2>{}, Wn, t0, yt); break;
+      case 3: run(rc, Slot<3>{}, Wn, t0, yt); break;
+      case 4: run(rc, Slot<4>{}, Wn, t0, yt); break;
+      case 5: run(rc, Slot<5>{}, Wn, t0, yt); break;
+      default: run(rc, Slot<6>{}, Wn, t0, yt); break;
+    }
+  };
+  if (T < 4) {
+    for (int64_t n = 0; n < N; ++n) tokens(Slot<1>{}, T, offset(W, n), 0, y + n);
+    return;
+  }
+  for (int64_t a = 0; a < N; a += 2) {
+    const Rows Wa = offset(W, a);
+    for (int64_t t0 = 0; t0 < T; t0 += TB) {
+      const int64_t tt = lo(TB, T - t0);
+      if (a + 2 <= N) tokens(Slot<2>{}, tt, Wa, t0, y + t0 * ldy + a);
+      else tokens(Slot<1>{}, tt, Wa, t0, y + t0 * ldy + a);
+    }
+  }
+}
+
 }  // namespace
 
 // ---- entry points --------------------------------------------------------------------------------
-void prep_f32(const float* x, int64_t K, float* out) {
-  for (int64_t g = 0; g < padded(K); g += GROUP)
+void prep_f32(const float* x, int64_t K, float* out, float* lane_sums) {
+  for (int64_t g = 0; g < padded(K); g += GROUP) {
     for (int64_t L = 0; L < 16; ++L)
       for (int64_t j = 0; j < 8; ++j) {
         const int64_t k = g + 8 * L + j;
         out[g + 16 * j + L] = k < K ? x[k] : 0.f;
       }
+    if (lane_sums) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t j = 0; j < 8; ++j) s = _mm512_add_ps(s, _mm512_loadu_ps(out + g + 16 * j));
+      _mm512_storeu_ps(lane_sums + g / 8, s);
+    }
+  }
 }
 
-void prep_q8(const float* x, int64_t K, int8_t* q, float* scales, int32_t* corr) {
+void prep_q8(int code, const float* x, int64_t K, int8_t* q, float* scales, int32_t* corr) {
   const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+  const float sm = code == MXFP4 ? 0.5f : 1.f;  // the MXFP4 table holds 2 x e2m1
+  const int32_t cm = code == MXFP4 ? -12 : 1;   // MXFP4: the table's +12 taken off; int4: the code sum
   for (int64_t g = 0; g < padded(K) / GROUP; ++g) {
     alignas(64) float sc[16];
     alignas(64) int32_t cr[16];
@@ -199,95 +295,36 @@ void prep_q8(const float* x, int64_t K, int8_t* q, float* scales, int32_t* corr)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + GROUP * g + 64 + 16 * j),
                        _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(ca, od, cb)));
       for (int l = 0; l < 4; ++l) {
-        sc[4 * j + l] = s * 0.5f;  // the table holds 2 x e2m1
+        sc[4 * j + l] = s * sm;
         cr[4 * j + l] = 0;
       }
-      cr[4 * j] = -12 * _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
+      cr[4 * j] = cm * _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
     }
     _mm512_storeu_ps(scales + 16 * g, _mm512_load_ps(sc));
     _mm512_storeu_si512(corr + 16 * g, _mm512_load_si512(cr));
   }
 }
 
-void rows_f32(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t N, int64_t K,
-              const float* const* xf, int64_t T, float* y, int64_t ldy) {
-  if (T < 4) {
-    for (int64_t n = 0; n < N; ++n) {
-      const uint8_t *wn = w + n * w_row, *zn = z + n * z_row;
-      switch (T) {
-        case 1: f32_block<1, 1>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
-        case 2: f32_block<1, 2>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
-        default: f32_block<1, 3>(wn, w_row, zn, z_row, K, xf, y + n, ldy); break;
-      }
-    }
-    return;
-  }
-  for (int64_t a = 0; a < N; a += 2) {
-    const uint8_t *wn = w + a * w_row, *zn = z + a * z_row;
-    for (int64_t t0 = 0; t0 < T; t0 += TB) {
-      const int tt = int(lo(TB, T - t0));
-      float* yt = y + t0 * ldy + a;
-      const float* const* xt = xf + t0;
-#define MXK_F32(R)                                                             \
-  switch (tt) {                                                                \
-    case 1: f32_block<R, 1>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    case 2: f32_block<R, 2>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    case 3: f32_block<R, 3>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    case 4: f32_block<R, 4>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    case 5: f32_block<R, 5>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-    default: f32_block<R, 6>(wn, w_row, zn, z_row, K, xt, yt, ldy); break; \
-  }
-      if (a + 2 <= N) {
-        MXK_F32(2)
-      } else {
-        MXK_F32(1)
-      }
-#undef MXK_F32
-    }
-  }
+void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const* xf, const float* const* xsum,
+              int64_t T, float* y, int64_t ldy) {
+  auto run = [&](auto rc, auto tc, const Rows& Wn, int64_t t0, float* yt) __attribute__((always_inline)) {
+    constexpr int R = decltype(rc)::value, TT = decltype(tc)::value;
+    if (code == MXFP4) f32_block<MXFP4, R, TT>(Wn, K, xf + t0, nullptr, yt, ldy);
+    else f32_block<INT4, R, TT>(Wn, K, xf + t0, xsum + t0, yt, ldy);
+  };
+  drive(W, N, T, y, ldy, run);
 }
 
-void rows_q8(const uint8_t* w, int64_t w_row, const uint8_t* z, int64_t z_row, int64_t N, int64_t K,
-             const int8_t* const* xq, const float* const* xs, const int32_t* const* xc, int64_t T, float* y,
-             int64_t ldy) {
-  if (T < 4) {
-    for (int64_t n = 0; n < N; ++n) {
-      const uint8_t *wn = w + n * w_row, *zn = z + n * z_row;
-      switch (T) {
-        case 1: q8_block<1, 1>(wn, w_row, zn, z_row, K, xq, xs, xc, y + n, ldy); break;
-        case 2: q8_block<1, 2>(wn, w_row, zn, z_row, K, xq, xs, xc, y + n, ldy); break;
-        default: q8_block<1, 3>(wn, w_row, zn, z_row, K, xq, xs, xc, y + n, ldy); break;
-      }
-    }
-    return;
-  }
-  for (int64_t a = 0; a < N; a += 2) {
-    const uint8_t *wn = w + a * w_row, *zn = z + a * z_row;
-    for (int64_t t0 = 0; t0 < T; t0 += TB) {
-      const int tt = int(lo(TB, T - t0));
-      float* yt = y + t0 * ldy + a;
-      const int8_t* const* qt = xq + t0;
-      const float* const* st = xs + t0;
-      const int32_t* const* ct = xc + t0;
-#define MXK_Q8(R)                                                                  \
-  switch (tt) {                                                                    \
-    case 1: q8_block<R, 1>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
-    case 2: q8_block<R, 2>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
-    case 3: q8_block<R, 3>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
-    case 4: q8_block<R, 4>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
-    case 5: q8_block<R, 5>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
-    default: q8_block<R, 6>(wn, w_row, zn, z_row, K, qt, st, ct, yt, ldy); break; \
-  }
-      if (a + 2 <= N) {
-        MXK_Q8(2)
-      } else {
-        MXK_Q8(1)
-      }
-#undef MXK_Q8
-    }
-  }
+void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xs,
+             const int32_t* const* xc, int64_t T, float* y, int64_t ldy) {
+  auto run = [&](auto rc, auto tc, const Rows& Wn, int64_t t0, float* yt) __attribute__((always_inline)) {
+    constexpr int R = decltype(rc)::value, TT = decltype(tc)::value;
+    if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy);
+    else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy);
+  };
+  drive(W, N, T, y, ldy, run);
 }
 
 #pragma GCC pop_options
 
-}  // namespace mxk
+}  // namespace nib
