@@ -66,7 +66,8 @@ def mxfp4_main(a) -> None:
     ext = kernels.extension()
     spec = kernels.moe_args(pools[0], method, Hm, ffn)[0]
     print(hardware_line())
-    print(f"memory: read_GBps={read_bandwidth():.1f} (256 MiB float32 sum, {a.threads} threads)")
+    cpu = f" read_cpu_GBps={read_bandwidth(cpu_time=True):.1f} (in CPU time)" if a.threads == 1 else ""
+    print(f"memory: read_GBps={read_bandwidth():.1f} (256 MiB float32 sum, {a.threads} threads){cpu}")
     x, out, w = torch.randn(1, Hm), torch.zeros(1, Hm), torch.rand(1, Km)
     configs = [(r, m, i) for r in a.rows for m in a.cpu_math for i in a.isa]
     res = {c: [] for c in configs}
