@@ -104,7 +104,8 @@ inline __m512 value_table() {  // the value of each code before scaling
 // pair takes one FMA; a single row of few tokens sums the group's unscaled products in NC chains and
 // scales the sum (int4: less zero * scale * the activations' lane sums).
 template <int C, int R, int TT>
-void f32_block(const Rows& W, int64_t K, const float* const* xf, const float* const* xsum, float* y, int64_t ldy) {
+void f32_block(const Rows& W, int64_t K, const float* const* xf, const float* const* xsum, float* y, int64_t ldy,
+               int64_t ahead) {
   constexpr bool PRE = R * TT >= 4;
   constexpr int NC = R * TT == 1 ? 4 : 2;
   const __m512 tab = value_table<C>();
@@ -117,6 +118,7 @@ void f32_block(const Rows& W, int64_t K, const float* const* xf, const float* co
     __m512 ws[R], wb[R];  // per lane: scale, and int4's offset -zero * scale
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = W.w + r * W.w_row + 64 * g;
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
       v[r] = tail ? _mm512_maskz_loadu_epi8(mask64(nbytes - 64 * g), p) : _mm512_loadu_si512(p);
       if constexpr (C == MXFP4) {
         ws[r] = scales4(e4_at(W.z + r * W.z_row, g, nb));
@@ -162,7 +164,7 @@ void f32_block(const Rows& W, int64_t K, const float* const* xf, const float* co
 // ---- fast: int8 activations per block of 32 -----------------------------------------------------
 template <int C, int R, int TT>
 void q8_block(const Rows& W, int64_t K, const int8_t* const* xq, const float* const* xs, const int32_t* const* xc,
-              float* y, int64_t ldy) {
+              float* y, int64_t ldy, int64_t ahead) {
   // MXFP4: 2 x e2m1 + 12 by code, an unsigned byte for vpdpbusd (the activations are the signed side)
   const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -175,6 +177,7 @@ void q8_block(const Rows& W, int64_t K, const int8_t* const* xq, const float* co
     __m512 ws[R], zv[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = W.w + r * W.w_row + 64 * g;
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
       const __m512i v = tail ? _mm512_maskz_loadu_epi8(mask64(nbytes - 64 * g), p) : _mm512_loadu_si512(p);
       wl[r] = _mm512_and_si512(v, nib);
       wh[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
@@ -218,8 +221,12 @@ inline Rows offset(const Rows& W, int64_t n) {  // rows from n on
   return o;
 }
 
-// rows: fewer than 4 tokens, one row at a time; else pairs of rows kept in L1 under chunks of TB tokens.
-// run(Slot<R>, Slot<TT>, rows, t0, y) computes R rows from `rows` for tokens t0..t0+TT-1.
+// rows: fewer than 4 tokens, one row at a time, asking for the codes PF rows ahead (prefetch: a single
+// row's stream alone leaves the memory idle between rows); else pairs of rows kept in L1 under chunks
+// of TB tokens. run(Slot<R>, Slot<TT>, rows, t0, y, ahead) computes R rows from `rows` for tokens
+// t0..t0+TT-1, prefetching `ahead` bytes past each load of codes (0: none).
+constexpr int64_t PF = 4;
+
 template <int R>
 struct Slot {
   static constexpr int value = R;
@@ -227,26 +234,27 @@ struct Slot {
 
 template <class Run>
 void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, Run run) {
-  auto tokens = [&](auto rc, int64_t tt, const Rows& Wn, int64_t t0, float* yt) __attribute__((always_inline)) {
+  auto tokens = [&](auto rc, int64_t tt, const Rows& Wn, int64_t t0, float* yt, int64_t ahead)
+                    __attribute__((always_inline)) {
     switch (tt) {
-      case 1: run(rc, Slot<1>{}, Wn, t0, yt); break;
-      case 2: run(rc, Slot<2>{}, Wn, t0, yt); break;
-      case 3: run(rc, Slot<3>{}, Wn, t0, yt); break;
-      case 4: run(rc, Slot<4>{}, Wn, t0, yt); break;
-      case 5: run(rc, Slot<5>{}, Wn, t0, yt); break;
-      default: run(rc, Slot<6>{}, Wn, t0, yt); break;
+      case 1: run(rc, Slot<1>{}, Wn, t0, yt, ahead); break;
+      case 2: run(rc, Slot<2>{}, Wn, t0, yt, ahead); break;
+      case 3: run(rc, Slot<3>{}, Wn, t0, yt, ahead); break;
+      case 4: run(rc, Slot<4>{}, Wn, t0, yt, ahead); break;
+      case 5: run(rc, Slot<5>{}, Wn, t0, yt, ahead); break;
+      default: run(rc, Slot<6>{}, Wn, t0, yt, ahead); break;
     }
   };
   if (T < 4) {
-    for (int64_t n = 0; n < N; ++n) tokens(Slot<1>{}, T, offset(W, n), 0, y + n);
+    for (int64_t n = 0; n < N; ++n) tokens(Slot<1>{}, T, offset(W, n), 0, y + n, n + PF < N ? PF * W.w_row : 0);
     return;
   }
   for (int64_t a = 0; a < N; a += 2) {
     const Rows Wa = offset(W, a);
     for (int64_t t0 = 0; t0 < T; t0 += TB) {
       const int64_t tt = lo(TB, T - t0);
-      if (a + 2 <= N) tokens(Slot<2>{}, tt, Wa, t0, y + t0 * ldy + a);
-      else tokens(Slot<1>{}, tt, Wa, t0, y + t0 * ldy + a);
+      if (a + 2 <= N) tokens(Slot<2>{}, tt, Wa, t0, y + t0 * ldy + a, 0);
+      else tokens(Slot<1>{}, tt, Wa, t0, y + t0 * ldy + a, 0);
     }
   }
 }
@@ -307,20 +315,20 @@ void prep_q8(int code, const float* x, int64_t K, int8_t* q, float* scales, int3
 
 void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const* xf, const float* const* xsum,
               int64_t T, float* y, int64_t ldy) {
-  auto run = [&](auto rc, auto tc, const Rows& Wn, int64_t t0, float* yt) __attribute__((always_inline)) {
+  auto run = [&](auto rc, auto tc, const Rows& Wn, int64_t t0, float* yt, int64_t ahead) __attribute__((always_inline)) {
     constexpr int R = decltype(rc)::value, TT = decltype(tc)::value;
-    if (code == MXFP4) f32_block<MXFP4, R, TT>(Wn, K, xf + t0, nullptr, yt, ldy);
-    else f32_block<INT4, R, TT>(Wn, K, xf + t0, xsum + t0, yt, ldy);
+    if (code == MXFP4) f32_block<MXFP4, R, TT>(Wn, K, xf + t0, nullptr, yt, ldy, ahead);
+    else f32_block<INT4, R, TT>(Wn, K, xf + t0, xsum + t0, yt, ldy, ahead);
   };
   drive(W, N, T, y, ldy, run);
 }
 
 void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xs,
              const int32_t* const* xc, int64_t T, float* y, int64_t ldy) {
-  auto run = [&](auto rc, auto tc, const Rows& Wn, int64_t t0, float* yt) __attribute__((always_inline)) {
+  auto run = [&](auto rc, auto tc, const Rows& Wn, int64_t t0, float* yt, int64_t ahead) __attribute__((always_inline)) {
     constexpr int R = decltype(rc)::value, TT = decltype(tc)::value;
-    if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy);
-    else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy);
+    if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
+    else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
   };
   drive(W, N, T, y, ldy, run);
 }
