@@ -6,11 +6,14 @@ other formats take the rows of about the same bytes, kernels.UNIT_ROWS) and CPU 
 machine. --format int8 quantizes the experts, the attention projections and lm_head (group 128).
 --format mxfp4 streams MoE layers of gpt-oss-20b's shape instead (32 experts top-4, hidden 2880,
 intermediate 2880, MXFP4 experts as shipped: interleaved gate_up with biases, clamped SwiGLU; random
-codes, 3 layers cycled), on each ISA of --isa (avx512: the kernels the CPU dispatches to; avx2: the
-fallback), and prints the kernel that ran.
+codes, 3 layers cycled), --format int4 those of Qwen3-30B-A3B (128 experts top-8, hidden 2048,
+intermediate 768, split gate / up, SiLU; int4 group 128 with zero points, as community
+quantizations ship it; 2 layers cycled), on each ISA of --isa (avx512: the kernels the CPU dispatches
+to; avx2: the fallback), and prints the kernel that ran.
 
     python bench/stream_bench.py [--threads 2] [--rows 256] [--cpu-math exact fast] [--format bf16] [--rounds 12]
     python bench/stream_bench.py --format mxfp4 --cpu-math exact fast --isa avx512 avx2
+    python bench/stream_bench.py --format int4 --cpu-math exact fast --isa avx512 avx2
 
 One line per configuration: GB/s of weight bytes (wall clock, median over rounds) for the MoE layers,
 the attention projections and lm_head, and the MoE's GB/s in CPU time of the calling thread with
@@ -55,12 +58,31 @@ def _mxfp4_pool(S: int, H: int, I: int) -> dict[str, torch.Tensor]:
             "gate_up_bias": torch.randn(S, 2 * I) * 0.1, "down_bias": torch.randn(S, H) * 0.1}
 
 
-def mxfp4_main(a) -> None:
-    """MoE layers of gpt-oss-20b's shape, T=1, per (cpu math, ISA): GB/s of expert bytes."""
-    Lm, Sm, Hm, Im, Km = 3, 32, 2880, 2880, 4
-    method = make_quant_method("mxfp4")
-    ffn = ExpertFFN(act="clamped_swiglu", interleaved=True, fused_quant=True, alpha=1.702, limit=7.0)
-    pools = [_mxfp4_pool(Sm, Hm, Im) for _ in range(Lm)]
+def _int4_pool(S: int, H: int, I: int, group: int = 128) -> dict[str, torch.Tensor]:
+    """A Qwen-style int4 expert pool (split gate / up; random codes, scales and zero points)."""
+    def parts(proj: str, n: int, k: int) -> dict[str, torch.Tensor]:
+        return {f"{proj}.weight": torch.randint(0, 256, (S, n, k // 2), dtype=torch.uint8),
+                f"{proj}.weight_scale": torch.rand(S, n, k // group) * 0.01,
+                f"{proj}.weight_zero": torch.randint(6, 10, (S, n, k // group)).to(torch.uint8)}
+    return {**parts("gate", I, H), **parts("up", I, H), **parts("down", H, I)}
+
+
+SHAPES = {  # format -> (shape name, layers cycled, experts, hidden, intermediate, top-k)
+    "mxfp4": ("gpt-oss-20b", 3, 32, 2880, 2880, 4),
+    "int4": ("qwen3-30b-a3b", 2, 128, 2048, 768, 8),
+}
+
+
+def shaped_main(a) -> None:
+    """MoE layers of a real model's shape (SHAPES), T=1, per (cpu math, ISA): GB/s of expert bytes."""
+    name, Lm, Sm, Hm, Im, Km = SHAPES[a.format]
+    if a.format == "mxfp4":
+        method = make_quant_method("mxfp4")
+        ffn = ExpertFFN(act="clamped_swiglu", interleaved=True, fused_quant=True, alpha=1.702, limit=7.0)
+        pools = [_mxfp4_pool(Sm, Hm, Im) for _ in range(Lm)]
+    else:
+        method, ffn = make_quant_method("int4", group_size=128), None
+        pools = [_int4_pool(Sm, Hm, Im) for _ in range(Lm)]
     per_expert = sum(t[0].nbytes for k, t in pools[0].items() if "bias" not in k)
     moe_b = Lm * Km * per_expert
     ext = kernels.extension()
@@ -89,7 +111,7 @@ def mxfp4_main(a) -> None:
         for (r, m, i), v in res.items():
             ext.set_avx512(i == "avx512")
             med = [statistics.median(x[k] for x in v) for k in range(3)]
-            print(f"stream: format=mxfp4 shape=gpt-oss-20b cpu_math={m} isa={i} kernel={ext.kernel_of(spec, kernels.CPU_MATHS[m])} "
+            print(f"stream: format={a.format} shape={name} cpu_math={m} isa={i} kernel={ext.kernel_of(spec, kernels.CPU_MATHS[m])} "
                   f"rows_per_unit={r} threads={a.threads} expert_MB={per_expert / 1e6:.1f} top_k={Km} "
                   f"ms_per_layer={med[2] * 1e3:.2f} moe_GBps={med[0] / 1e9:.1f} moe_cpu_GBps={med[1] / 1e9:.1f}")
     finally:
@@ -101,8 +123,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[kernels.ROWS_PER_UNIT])
     ap.add_argument("--cpu-math", nargs="+", default=["exact"], choices=list(kernels.CPU_MATHS))
-    ap.add_argument("--format", default="bf16", choices=["bf16", "int8", "mxfp4"])
-    ap.add_argument("--isa", nargs="+", default=["avx512"], choices=["avx512", "avx2"], help="mxfp4 only")
+    ap.add_argument("--format", default="bf16", choices=["bf16", "int8", *SHAPES])
+    ap.add_argument("--isa", nargs="+", default=["avx512"], choices=["avx512", "avx2"], help="mxfp4 / int4 only")
     ap.add_argument("--rounds", type=int, default=12)
     a = ap.parse_args()
     for m in a.cpu_math:
@@ -110,8 +132,8 @@ def main() -> None:
             sys.exit(f"--cpu-math {m}: {kernels.cpu_math_unavailable(m)}")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    if a.format == "mxfp4":
-        mxfp4_main(a)
+    if a.format in SHAPES:
+        shaped_main(a)
         return
     bf = lambda *shape: (torch.randn(*shape) * 0.02).bfloat16()  # noqa: E731
     method = make_quant_method("int8", group_size=128) if a.format == "int8" else None
