@@ -9,7 +9,8 @@ intermediate 2880, MXFP4 experts as shipped: interleaved gate_up with biases, cl
 codes, 3 layers cycled), --format int4 those of Qwen3-30B-A3B (128 experts top-8, hidden 2048,
 intermediate 768, split gate / up, SiLU; int4 group 128 with zero points, as community
 quantizations ship it; 2 layers cycled), on each ISA of --isa (avx512: the kernels the CPU dispatches
-to; avx2: the fallback), and prints the kernel that ran.
+to; avx2: the fallback), and prints the kernel that ran. --prefetch: rows ahead a single row's stream
+prefetches in the AVX-512 kernels (0: none), alternated like the other settings.
 
     python bench/stream_bench.py [--threads 2] [--rows 256] [--cpu-math exact fast] [--format bf16] [--rounds 12]
     python bench/stream_bench.py --format mxfp4 --cpu-math exact fast --isa avx512 avx2
@@ -91,31 +92,33 @@ def shaped_main(a) -> None:
     cpu = f" read_cpu_GBps={read_bandwidth(cpu_time=True):.1f} (in CPU time)" if a.threads == 1 else ""
     print(f"memory: read_GBps={read_bandwidth():.1f} (256 MiB float32 sum, {a.threads} threads){cpu}")
     x, out, w = torch.randn(1, Hm), torch.zeros(1, Hm), torch.rand(1, Km)
-    configs = [(r, m, i) for r in a.rows for m in a.cpu_math for i in a.isa]
+    configs = [(r, m, i, p) for r in a.rows for m in a.cpu_math for i in a.isa for p in a.prefetch]
     res = {c: [] for c in configs}
-    saved = ext.get_avx512()
+    saved, saved_pf = ext.get_avx512(), ext.get_prefetch_rows()
     try:
         with kernels.cpu_threads("cpu"):
             for rnd in range(a.rounds + 2):
                 slots = [torch.randperm(Sm)[:Km][None] for _ in range(Lm)]
-                for r, m, i in (configs if rnd % 2 else configs[::-1]):
+                for r, m, i, p in (configs if rnd % 2 else configs[::-1]):
                     kernels.ROWS_PER_UNIT = r
                     ext.set_avx512(i == "avx512")
+                    ext.set_prefetch_rows(p)
                     with kernels.cpu_math(m):
                         c0, t0 = time.thread_time(), time.perf_counter()
                         for j in range(Lm):
                             assert kernels.moe(x, slots[j], w, pools[j], method, out, ffn)
                         c1, t1 = time.thread_time(), time.perf_counter()
                     if rnd >= 2:
-                        res[r, m, i].append((moe_b / (t1 - t0), moe_b / (c1 - c0), (t1 - t0) / Lm))
-        for (r, m, i), v in res.items():
+                        res[r, m, i, p].append((moe_b / (t1 - t0), moe_b / (c1 - c0), (t1 - t0) / Lm))
+        for (r, m, i, p), v in res.items():
             ext.set_avx512(i == "avx512")
             med = [statistics.median(x[k] for x in v) for k in range(3)]
             print(f"stream: format={a.format} shape={name} cpu_math={m} isa={i} kernel={ext.kernel_of(spec, kernels.CPU_MATHS[m])} "
-                  f"rows_per_unit={r} threads={a.threads} expert_MB={per_expert / 1e6:.1f} top_k={Km} "
+                  f"rows_per_unit={r} prefetch_rows={p} threads={a.threads} expert_MB={per_expert / 1e6:.1f} top_k={Km} "
                   f"ms_per_layer={med[2] * 1e3:.2f} moe_GBps={med[0] / 1e9:.1f} moe_cpu_GBps={med[1] / 1e9:.1f}")
     finally:
         ext.set_avx512(saved)
+        ext.set_prefetch_rows(saved_pf)
 
 
 def main() -> None:
@@ -125,6 +128,7 @@ def main() -> None:
     ap.add_argument("--cpu-math", nargs="+", default=["exact"], choices=list(kernels.CPU_MATHS))
     ap.add_argument("--format", default="bf16", choices=["bf16", "int8", *SHAPES])
     ap.add_argument("--isa", nargs="+", default=["avx512"], choices=["avx512", "avx2"], help="mxfp4 / int4 only")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[4], help="rows ahead (AVX-512 kernels)")
     ap.add_argument("--rounds", type=int, default=12)
     a = ap.parse_args()
     for m in a.cpu_math:
@@ -152,13 +156,15 @@ def main() -> None:
     print(hardware_line())
     print(f"memory: read_GBps={read_bandwidth():.1f} (256 MiB float32 sum, {a.threads} threads)")
     x, out, w = torch.randn(1, H), torch.zeros(1, H), torch.rand(1, K)
-    configs = [(r, m) for r in a.rows for m in a.cpu_math]
+    configs = [(r, m, p) for r in a.rows for m in a.cpu_math for p in a.prefetch]
     res = {c: [] for c in configs}
+    saved_pf = kernels.extension().get_prefetch_rows()
     with kernels.cpu_threads("cpu"):
         for rnd in range(a.rounds + 2):
             slots = [torch.randperm(S)[:K][None] for _ in range(L)]
-            for r, m in (configs if rnd % 2 else configs[::-1]):
+            for r, m, p in (configs if rnd % 2 else configs[::-1]):
                 kernels.ROWS_PER_UNIT = r
+                kernels.extension().set_prefetch_rows(p)
                 with kernels.cpu_math(m):
                     c0, t0 = time.thread_time(), time.perf_counter()
                     for i in range(L):
@@ -171,10 +177,11 @@ def main() -> None:
                     linear(x, head)
                     t3 = time.perf_counter()
                 if rnd >= 2:  # warm-up rounds dropped
-                    res[r, m].append((moe_b / (t1 - t0), moe_b / (c1 - c0), attn_b / (t2 - t1), head_b / (t3 - t2)))
-    for (r, m), v in res.items():
+                    res[r, m, p].append((moe_b / (t1 - t0), moe_b / (c1 - c0), attn_b / (t2 - t1), head_b / (t3 - t2)))
+    kernels.extension().set_prefetch_rows(saved_pf)
+    for (r, m, p), v in res.items():
         med = [statistics.median(x[i] for x in v) / 1e9 for i in range(4)]
-        print(f"stream: format={a.format} cpu_math={m} rows_per_unit={r} threads={a.threads} moe_GBps={med[0]:.1f} "
+        print(f"stream: format={a.format} cpu_math={m} rows_per_unit={r} prefetch_rows={p} threads={a.threads} moe_GBps={med[0]:.1f} "
               f"moe_cpu_GBps={med[1]:.1f} attn_GBps={med[2]:.1f} lm_head_GBps={med[3]:.1f}")
 
 

@@ -548,24 +548,31 @@ struct FastRows {
   }
 };
 
+// Rows ahead a single row's stream asks for (fewer than 4 tokens; 0: no prefetch). MXFP4 experts of
+// gpt-oss-20b's shape, one thread, CPU time (bench/stream_bench.py --format mxfp4): none 6.1 GB/s,
+// 4 rows ahead 16.6 GB/s; see docs/real-scale.md for the other formats (`--prefetch 0 4`).
+std::atomic<int64_t> prefetch_rows{4};
+
 // y[t * ldy + (n - n0)] = W[slot, n] . (prepared row off + t), n in [n0, n1), t < T
 void fast_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const FastRows& fr, int64_t off, int64_t T,
                float* y, int64_t ldy) {
+  const int64_t pf = prefetch_rows.load(std::memory_order_relaxed);
   const uint8_t* d = W.d + slot * W.d_slot + n0 * W.d_row;
   if (fr.kind == P_BF16) {
-    fastk::rows_bf16(d, W.d_row, n1 - n0, W.K, fr.bf.data() + off, T, y, ldy);
+    fastk::rows_bf16(d, W.d_row, n1 - n0, W.K, fr.bf.data() + off, T, y, ldy, 0);  // prefetch: slower (below)
   } else if (fr.kind == P_Q8) {
     const float* s = W.s + slot * W.s_slot + n0 * W.s_row;
     fastk::rows_q8(d, W.d_row, s, W.s_row, std::min(W.G, W.K), n1 - n0, W.K, fr.q.data() + off, fr.s.data() + off, T,
-                   y, ldy);
+                   y, ldy, pf);
   } else {
     const bool i4 = fr.kind == P_I4F || fr.kind == P_I4Q;
     const nib::Rows R{d, W.d_row, W.z + slot * W.z_slot + n0 * W.z_row, W.z_row,
                       i4 ? W.s + slot * W.s_slot + n0 * W.s_row : nullptr, W.s_row, W.G};
     const int code = i4 ? nib::INT4 : nib::MXFP4;
     if (fr.kind == P_MXF || fr.kind == P_I4F)
-      nib::rows_f32(code, R, n1 - n0, W.K, fr.f.data() + off, i4 ? fr.fs.data() + off : nullptr, T, y, ldy);
-    else nib::rows_q8(code, R, n1 - n0, W.K, fr.mq.data() + off, fr.s.data() + off, fr.mc.data() + off, T, y, ldy);
+      nib::rows_f32(code, R, n1 - n0, W.K, fr.f.data() + off, i4 ? fr.fs.data() + off : nullptr, T, y, ldy, pf);
+    else nib::rows_q8(code, R, n1 - n0, W.K, fr.mq.data() + off, fr.s.data() + off, fr.mc.data() + off, T, y, ldy,
+                      pf);
   }
 }
 
@@ -900,6 +907,11 @@ void register_expert_kernels(py::module_& m) {
         "allow the AVX-512 4-bit (MXFP4, int4) kernels where the CPU has them (false: the AVX2 kernels; "
         "initially false when EXPERTCACHE_CPU_ISA=avx2)");
   m.def("get_avx512", [] { return avx512_allowed.load(); }, "whether the AVX-512 4-bit kernels are allowed");
+  m.def("set_prefetch_rows", [](int64_t n) {
+          TORCH_CHECK(n >= 0, "set_prefetch_rows: rows ahead must be >= 0, got ", n);
+          prefetch_rows.store(n);
+        }, "rows ahead a single row's stream prefetches in the AVX-512 kernels (0: none; default 4)");
+  m.def("get_prefetch_rows", [] { return prefetch_rows.load(); }, "rows ahead the AVX-512 kernels prefetch");
   m.def("kernel_of", [](const py::tuple& spec, int64_t math) { return kernel_of(view_of(spec, "kernel_of"), math); },
         "the kernel that computes a weight of this spec in CPU math `math`");
 }

@@ -221,11 +221,10 @@ inline Rows offset(const Rows& W, int64_t n) {  // rows from n on
   return o;
 }
 
-// rows: fewer than 4 tokens, one row at a time, asking for the codes PF rows ahead (prefetch: a single
+// rows: fewer than 4 tokens, one row at a time, asking for the codes pf rows ahead (prefetch: a single
 // row's stream alone leaves the memory idle between rows); else pairs of rows kept in L1 under chunks
 // of TB tokens. run(Slot<R>, Slot<TT>, rows, t0, y, ahead) computes R rows from `rows` for tokens
 // t0..t0+TT-1, prefetching `ahead` bytes past each load of codes (0: none).
-constexpr int64_t PF = 4;
 
 template <int R>
 struct Slot {
@@ -233,7 +232,7 @@ struct Slot {
 };
 
 template <class Run>
-void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, Run run) {
+void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, int64_t pf, Run run) {
   auto tokens = [&](auto rc, int64_t tt, const Rows& Wn, int64_t t0, float* yt, int64_t ahead)
                     __attribute__((always_inline)) {
     switch (tt) {
@@ -246,7 +245,7 @@ void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, Run run) 
     }
   };
   if (T < 4) {
-    for (int64_t n = 0; n < N; ++n) tokens(Slot<1>{}, T, offset(W, n), 0, y + n, n + PF < N ? PF * W.w_row : 0);
+    for (int64_t n = 0; n < N; ++n) tokens(Slot<1>{}, T, offset(W, n), 0, y + n, pf && n + pf < N ? pf * W.w_row : 0);
     return;
   }
   for (int64_t a = 0; a < N; a += 2) {
@@ -314,23 +313,23 @@ void prep_q8(int code, const float* x, int64_t K, int8_t* q, float* scales, int3
 }
 
 void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const* xf, const float* const* xsum,
-              int64_t T, float* y, int64_t ldy) {
+              int64_t T, float* y, int64_t ldy, int64_t pf) {
   auto run = [&](auto rc, auto tc, const Rows& Wn, int64_t t0, float* yt, int64_t ahead) __attribute__((always_inline)) {
     constexpr int R = decltype(rc)::value, TT = decltype(tc)::value;
     if (code == MXFP4) f32_block<MXFP4, R, TT>(Wn, K, xf + t0, nullptr, yt, ldy, ahead);
     else f32_block<INT4, R, TT>(Wn, K, xf + t0, xsum + t0, yt, ldy, ahead);
   };
-  drive(W, N, T, y, ldy, run);
+  drive(W, N, T, y, ldy, pf, run);
 }
 
 void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xs,
-             const int32_t* const* xc, int64_t T, float* y, int64_t ldy) {
+             const int32_t* const* xc, int64_t T, float* y, int64_t ldy, int64_t pf) {
   auto run = [&](auto rc, auto tc, const Rows& Wn, int64_t t0, float* yt, int64_t ahead) __attribute__((always_inline)) {
     constexpr int R = decltype(rc)::value, TT = decltype(tc)::value;
     if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
     else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
   };
-  drive(W, N, T, y, ldy, run);
+  drive(W, N, T, y, ldy, pf, run);
 }
 
 #pragma GCC pop_options
