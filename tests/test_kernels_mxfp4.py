@@ -230,3 +230,22 @@ def test_env_var_starts_a_process_on_the_fallback():
     env = {**os.environ, "EXPERTCACHE_CPU_ISA": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "avx2-f32act"]
+
+
+@needs_cpp
+@pytest.mark.parametrize("math", MATHS)
+def test_prefetch_setting_changes_no_result_and_refuses_a_negative_count(math):
+    _skip_unavailable(math)
+    spec, _, _ = _hand_spec(40, 352, seed=3)
+    ext = kernels.extension()
+    x = torch.randn(2, 352)
+    saved = ext.get_prefetch_rows()
+    try:
+        ext.set_prefetch_rows(0)
+        off = _linear(x, spec, math)
+        ext.set_prefetch_rows(7)
+        assert torch.equal(_linear(x, spec, math), off)
+        with pytest.raises(RuntimeError, match="rows ahead must be >= 0, got -1"):
+            ext.set_prefetch_rows(-1)
+    finally:
+        ext.set_prefetch_rows(saved)
