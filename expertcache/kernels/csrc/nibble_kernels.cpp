@@ -223,7 +223,7 @@ inline Rows offset(const Rows& W, int64_t n) {  // rows from n on
 
 // rows: fewer than 4 tokens, one row at a time, asking for the codes pf rows ahead (prefetch: a single
 // row's stream alone leaves the memory idle between rows); else pairs of rows kept in L1 under chunks
-// of TB tokens. run(Slot<R>, Slot<TT>, rows, t0, y, ahead) computes R rows from `rows` for tokens
+// of TB tokens, the first chunk asking for the codes pf rows ahead. run(Slot<R>, Slot<TT>, rows, t0, y, ahead) computes R rows from `rows` for tokens
 // t0..t0+TT-1, prefetching `ahead` bytes past each load of codes (0: none).
 
 template <int R>
@@ -252,7 +252,9 @@ void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, int64_t p
     const Rows Wa = offset(W, a);
     for (int64_t t0 = 0; t0 < T; t0 += TB) {
       const int64_t tt = lo(TB, T - t0);
-      if (a + 2 <= N) tokens(Slot<2>{}, tt, Wa, t0, y + t0 * ldy + a, 0);
+      // the first chunk of tokens over a pair asks for the pair pf rows ahead
+      const int64_t ahead = t0 == 0 && pf && a + 2 + pf <= N ? pf * W.w_row : 0;
+      if (a + 2 <= N) tokens(Slot<2>{}, tt, Wa, t0, y + t0 * ldy + a, ahead);
       else tokens(Slot<1>{}, tt, Wa, t0, y + t0 * ldy + a, 0);
     }
   }
