@@ -113,9 +113,11 @@ def shaped_main(a) -> None:
         for (r, m, i, p), v in res.items():
             ext.set_avx512(i == "avx512")
             med = [statistics.median(x[k] for x in v) for k in range(3)]
-            print(f"stream: format={a.format} shape={name} cpu_math={m} isa={i} kernel={ext.kernel_of(spec, kernels.CPU_MATHS[m])} "
-                  f"rows_per_unit={r} prefetch_rows={p} threads={a.threads} expert_MB={per_expert / 1e6:.1f} top_k={Km} "
-                  f"ms_per_layer={med[2] * 1e3:.2f} moe_GBps={med[0] / 1e9:.1f} moe_cpu_GBps={med[1] / 1e9:.1f}")
+            kernel = ext.kernel_of(spec, kernels.CPU_MATHS[m])
+            print(f"stream: format={a.format} shape={name} cpu_math={m} isa={i} kernel={kernel} rows_per_unit={r} "
+                  f"prefetch_rows={p} threads={a.threads} expert_MB={per_expert / 1e6:.1f} top_k={Km} "
+                  f"ms_per_layer={med[2] * 1e3:.2f} moe_GBps={med[0] / 1e9:.1f} "
+                  f"moe_cpu_GBps={med[1] / 1e9:.1f}")
     finally:
         ext.set_avx512(saved)
         ext.set_prefetch_rows(saved_pf)
@@ -127,7 +129,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[kernels.ROWS_PER_UNIT])
     ap.add_argument("--cpu-math", nargs="+", default=["exact"], choices=list(kernels.CPU_MATHS))
     ap.add_argument("--format", default="bf16", choices=["bf16", "int8", *SHAPES])
-    ap.add_argument("--isa", nargs="+", default=["avx512"], choices=["avx512", "avx2"], help="mxfp4 / int4 only")
+    ap.add_argument("--isa", nargs="+", default=["avx512"], choices=["avx512", "avx2"],
+                    help="mxfp4 / int4 only")
     ap.add_argument("--prefetch", type=int, nargs="+", default=[4], help="rows ahead (AVX-512 kernels)")
     ap.add_argument("--rounds", type=int, default=12)
     a = ap.parse_args()

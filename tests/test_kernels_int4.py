@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from expertcache import kernels
 from expertcache.kernels.formats import quant_spec
 from test_kernels import _close, _moe_pool, _packed, _routing
-from test_kernels_mxfp4 import AVX512, ISAS, MATHS, TOKENS, _linear, _skip_unavailable, isa, q8_32, rounding  # noqa: F401
+from test_kernels_mxfp4 import isa  # noqa: F401 - the fixture
+from test_kernels_mxfp4 import AVX512, ISAS, MATHS, TOKENS, _linear, _skip_unavailable, q8_32, rounding
 
 needs_cpp = pytest.mark.skipif(kernels.backend() != "cpp", reason=f"C++ kernels unavailable: {kernels.why()}")
 CASES = [(37, 352, 32), (5, 330, 64), (3, 200, 96), (9, 2880, 128), (4, 160, 1 << 20)]  # (N, K, group)
@@ -30,8 +31,9 @@ def test_linear_against_float64(n, k, group, math, isa):
     _skip_unavailable(math)
     m, pool, w = _packed("int4", {"group_size": group}, n, k, seed=group)
     spec = quant_spec(m, pool, "p", n, k)
-    want = ("avx512vnni-int4-q8act32" if math == "fast" else "avx512-int4-f32act") if isa == "dispatched" and AVX512 \
-        else "avx2-f32act"
+    want = "avx2-f32act"
+    if isa == "dispatched" and AVX512:
+        want = "avx512vnni-int4-q8act32" if math == "fast" else "avx512-int4-f32act"
     assert kernels.extension().kernel_of(spec, kernels.CPU_MATHS[math]) == want
     rnd = rounding(math, isa)
     for T in TOKENS:
@@ -67,7 +69,8 @@ def _silu_reference(x, slots, weights, gate, up, down, rnd):
             if rnd is q8_32:
                 Kp = -(-h.numel() // 32) * 32
                 step = F.pad(h.abs(), (0, Kp - h.numel())).view(-1, 32).amax(-1) / 127
-                slack[t] += weights[t, j].double().abs() * (down[s].abs() @ step.repeat_interleave(32)[:h.numel()])
+                per_feature = step.repeat_interleave(32)[:h.numel()]
+                slack[t] += weights[t, j].double().abs() * (down[s].abs() @ per_feature)
             out[t] += weights[t, j].double() * (down[s] @ hr)
     return out, slack
 

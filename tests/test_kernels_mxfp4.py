@@ -172,7 +172,8 @@ def _gpt_oss_pool(S: int, H: int, I: int):
     bgu, bd = torch.randn(S, 2 * I, generator=g), torch.randn(S, H, generator=g)
     pool.update(gate_up_bias=bgu, down_bias=bd)
     ffn = ExpertFFN(act="clamped_swiglu", interleaved=True, fused_quant=True, alpha=1.702, limit=7.0)
-    return method, pool, ffn, gu[:, 0::2], gu[:, 1::2], down, (bgu[:, 0::2].double(), bgu[:, 1::2].double(), bd.double())
+    biases = (bgu[:, 0::2].double(), bgu[:, 1::2].double(), bd.double())
+    return method, pool, ffn, gu[:, 0::2], gu[:, 1::2], down, biases
 
 
 def _gpt_oss_reference(x, slots, weights, gate, up, down, biases, rnd):
@@ -194,7 +195,8 @@ def _gpt_oss_reference(x, slots, weights, gate, up, down, biases, rnd):
             if rnd is q8_32:
                 Kp = -(-h.numel() // 32) * 32
                 step = F.pad(h.abs(), (0, Kp - h.numel())).view(-1, 32).amax(-1) / 127
-                slack[t] += weights[t, j].double().abs() * (down[s].abs() @ step.repeat_interleave(32)[:h.numel()])
+                per_feature = step.repeat_interleave(32)[:h.numel()]
+                slack[t] += weights[t, j].double().abs() * (down[s].abs() @ per_feature)
             out[t] += weights[t, j].double() * (down[s] @ hr + bd[s])
     return out, slack
 
@@ -225,10 +227,12 @@ def test_gpt_oss_experts_through_the_fused_call(math, isa):
 def test_env_var_starts_a_process_on_the_fallback():
     code = ("from expertcache import kernels; e = kernels.extension(); "
             "from expertcache.kernels.formats import MXFP4; import torch; "
-            "spec = (MXFP4, torch.zeros(1, 2, 16, dtype=torch.uint8), None, torch.full((1, 2, 1), 127, dtype=torch.uint8), 2, 32, 32, 1); "
+            "spec = (MXFP4, torch.zeros(1, 2, 16, dtype=torch.uint8), None, "
+            "torch.full((1, 2, 1), 127, dtype=torch.uint8), 2, 32, 32, 1); "
             "print(e.get_avx512(), e.kernel_of(spec, 0))")
     env = {**os.environ, "EXPERTCACHE_CPU_ISA": "avx2"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = run.stdout
     assert out.split() == ["False", "avx2-f32act"]
 
 
