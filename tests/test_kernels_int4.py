@@ -94,3 +94,28 @@ def test_grouped_moe_against_float64(math, isa):
         tol = 1e-5 * ref.abs().max()
         assert (err <= slack + tol).all(), f"T={T}: max error {err.max():.3g}"
         assert (err <= tol).float().mean() >= 0.9, f"T={T}"
+
+
+@needs_cpp
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_fused_interleaved_gate_up_with_biases_exact(isa):
+    """gate / up as the even / odd rows of one int4 gate_up (row strides of two rows, scales and zero
+    points sliced the same way), clamped SwiGLU and biases, exact math, against the float64 loop."""
+    from expertcache.experts.compute import ExpertFFN
+    from test_kernels import _fused_pool, _moe_reference
+
+    S, H, I, K, T = 4, 160, 96, 2, 9
+    method, pool, gate, up, down = _fused_pool("int4", {"group_size": 32}, S, H, I, interleaved=True)
+    ffn = ExpertFFN(act="clamped_swiglu", interleaved=True, fused_quant=True, alpha=1.702, limit=7.0)
+    g = torch.Generator().manual_seed(5)
+    bg, bu, bd = torch.randn(S, I, generator=g), torch.randn(S, I, generator=g), torch.randn(S, H, generator=g)
+    pool = {**pool, "gate_up_bias": torch.stack([bg, bu], -1).reshape(S, 2 * I), "down_bias": bd}
+    gate_spec = kernels.moe_args(pool, method, H, ffn)[0]
+    want = "avx512-int4-f32act" if isa == "dispatched" and AVX512 else "avx2-f32act"
+    assert kernels.kernel_name(gate_spec) == want
+    x = 3 * torch.randn(T, H, generator=g)
+    slots, weights = _routing(T, K, S)
+    out = torch.zeros(T, H)
+    assert kernels.moe(x, slots, weights, pool, method, out, ffn)
+    ref = _moe_reference(x, slots, weights, gate, up, down, "clamped_swiglu", (bg, bu, bd))
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
