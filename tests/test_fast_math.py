@@ -3,8 +3,8 @@ to bf16, int8 weights against activations quantized to int8 per block of 64.
 
 References are float64 sums over activations rounded by torch here (x.bfloat16(); per-64 blocks with
 scale max|x| / 127 and round-half-even), so a kernel may differ from them only by float32 summation.
-Every other format must give the exact math's result bit for bit. Skipped on a CPU without
-AVX-512 BF16/VNNI, where `cpu_math='fast'` is refused (tested with the support check forced off).
+Every other format but mxfp4 (tests/test_kernels_mxfp4.py) must give the exact math's result bit for bit.
+Skipped on a CPU without AVX-512 BF16/VNNI, where `cpu_math='fast'` is refused (tested with the support check forced off).
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ def test_int8_against_float64_of_quantized_activations(n, k, group):
 @needs_fast
 @pytest.mark.parametrize("fmt,params", FORMATS + [("int8", {"group_size": 96})], ids=str)
 def test_formats_without_a_fast_kernel_stay_exact(fmt, params):
-    """fp16/fp32/fp8/int4/mxfp4, and int8 whose groups do not hold whole blocks of 64, compute exactly."""
-    if fmt == "bf16" or (fmt == "int8" and params["group_size"] % 64 == 0):
+    """fp16/fp32/fp8/int4, and int8 whose groups do not hold whole blocks of 64, compute exactly (mxfp4's
+    fast kernel: tests/test_kernels_mxfp4.py)."""
+    if fmt in ("bf16", "mxfp4") or (fmt == "int8" and params["group_size"] % 64 == 0):
         pytest.skip("has a fast kernel")
     n, k = (37, 352) if fmt == "mxfp4" else (37, 330)
     m, pool, _ = _packed(fmt, params, n, k)

@@ -10,6 +10,10 @@ Backends: "cpp" (csrc/expert_kernels.cpp, built by build.py; AVX2/FMA/F16C, thre
 csrc/thread_pool.h, as many as torch.set_num_threads / --threads sets) or "torch" (the callers'
 own torch code, used with a printed note when the extension cannot be built or loaded). Every
 entry point returns None / False when it does not apply, and the caller computes with torch.
+Within "cpp", MXFP4 and int4 (groups a multiple of 32) weights go to AVX-512 kernels
+(csrc/nibble_kernels.cpp) where the CPU has AVX-512 F/BW/VL/VNNI, in both CPU maths;
+EXPERTCACHE_CPU_ISA=avx2 (or `avx512(False)`) keeps them on the AVX2 kernels. `kernel_name` says
+which kernel reads a weight.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from .formats import Unsupported, plain_spec, quant_spec
 # Tokens of one weight above which the tiled path (convert a tile once, reuse it for every token)
 # replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code.
 # Measured (bench/kernel_bench.py): the GEMV path wins at every T for the cheap conversions
-# (bf16/fp16/int8/int4); the tiled path wins from ~32 tokens for mxfp4 and ~256 for fp8.
+# (bf16/fp16/int8/int4); the tiled path wins from ~32 tokens for mxfp4 and ~256 for fp8. (AVX2
+# kernels only: where the AVX-512 4-bit kernels read mxfp4 / int4, they do at every T; at T=64 on a
+# 256 x 2880 weight they took 1.3 ms (mxfp4) / 1.7 ms (int4) against the tiled path's 2.3 ms.)
 SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6: 24}
 # Rows of a weight per unit of work handed to a thread. Longer units are longer sequential streams
 # (fewer restarts of the hardware prefetcher). `python bench/stream_bench.py --rows 32 64 128 256 512`
@@ -42,17 +48,31 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # The CPU math of the kernels (`--cpu-math`). exact: float32 activations, the fp32 logits within 1e-4
 # of the torch path. fast: as llama.cpp computes, bf16 weights against activations rounded to bf16
 # (vdpbf16ps) and int8 weights against activations quantized to int8 per block of 64 (vpdpbusd);
-# the other formats stay exact. It needs AVX-512 F/BW/VL/BF16/VNNI (csrc/fast_kernels.h).
+# mxfp4 and int4 (groups a multiple of 32) against activations quantized to int8 per block of 32, as
+# llama.cpp pairs its 4-bit formats with q8 (csrc/nibble_kernels.h); the other formats stay exact.
+# It needs AVX-512 F/BW/VL/BF16/VNNI (csrc/fast_kernels.h).
 CPU_MATHS = {"exact": 0, "fast": 1}
 CPU_MATH_NOTES = {"exact": "float32 activations",
                   "fast": "bf16 and int8 weights against activations rounded to bf16 / int8 blocks of 64, "
-                          "AVX-512 BF16/VNNI; other formats exact"}
+                          "mxfp4 and int4 against int8 blocks of 32, AVX-512 BF16/VNNI; other formats exact"}
 _math = [0]  # the code in effect: set by cpu_math() around a forward
 
 
 def rows_per_unit(code: int) -> int:
     """Rows of a weight of format `code` per unit of work."""
     return max(1, int(ROWS_PER_UNIT * UNIT_ROWS[code]))
+
+
+def avx512(on: bool) -> None:
+    """Allow (True, the default unless EXPERTCACHE_CPU_ISA=avx2) or forbid the AVX-512 4-bit kernels;
+    forbidden, mxfp4 and int4 are computed by the AVX2 kernels in both CPU maths (exactly)."""
+    if extension() is not None:
+        extension().set_avx512(on)
+
+
+def kernel_name(spec: tuple, math: str = "exact") -> str:
+    """The kernel that computes a weight of kernel spec `spec` in CPU math `math` (benchmarks print it)."""
+    return extension().kernel_of(spec, CPU_MATHS[math]) if extension() is not None else "torch"
 
 
 def backend() -> str:
@@ -324,4 +344,4 @@ def moe_out(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     return extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
 
 
-__all__ = ["attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
+__all__ = ["avx512", "kernel_name", "attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include "fast_kernels.h"
+#include "nibble_kernels.h"
 #include "ops.h"
 #include "registry.h"
 #include "simd_math.h"
@@ -32,8 +33,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace {
@@ -414,13 +417,30 @@ void gemm_any(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float*
 
 using pool::run_units;  // units handed out dynamically, so uneven units balance across threads
 
-// ---- the fast math (fast_kernels.h): activations prepared once per call -----------------------------
-// math 0 (exact): float32 activations, the sums above. math 1 (fast): bf16 and int8 weights go through
-// fastk with rounded / quantized activations; every other format is computed exactly.
+// ---- activations prepared once per call: the fast math (fast_kernels.h) and the 4-bit kernels -------
+// math 0 (exact): float32 activations; math 1 (fast): bf16 and int8 weights go through fastk with
+// rounded / quantized activations. MXFP4 and int4 (groups a multiple of 32) weights go through nib
+// (nibble_kernels.h, AVX-512) in both maths, float32 activations reordered for exact, int8 per block
+// of 32 for fast, where the CPU has AVX-512 and the AVX2 kernels are not forced
+// (EXPERTCACHE_CPU_ISA=avx2 or set_avx512(false)); every other weight is computed from float32
+// activations by the AVX2 kernels above.
 enum Math { EXACT = 0, FAST = 1 };
+enum Prep { NONE = -1, P_BF16 = 0, P_Q8 = 1, P_MXF = 2, P_MXQ = 3, P_I4F = 4, P_I4Q = 5 };
+inline bool nibble_prep(int kind) { return kind >= P_MXF; }
 
 bool fast_reads(const WView& W) {
   return W.fmt == BF16 || (W.fmt == INT8 && W.Bo == 1 && (W.G >= W.K || W.G % fastk::BLOCK == 0));
+}
+
+bool isa_from_env() {
+  const char* e = std::getenv("EXPERTCACHE_CPU_ISA");
+  return !(e && std::strcmp(e, "avx2") == 0);
+}
+std::atomic<bool> avx512_allowed{isa_from_env()};
+
+bool nibble_avx512() {
+  static const bool cpu = nib::supported();
+  return cpu && avx512_allowed.load(std::memory_order_relaxed);
 }
 
 int64_t check_math(int64_t math) {
@@ -429,61 +449,130 @@ int64_t check_math(int64_t math) {
   return math;
 }
 
-// T rows of activations [K] in the form the fast kernel of weight format `fmt` reads
-struct FastX {
-  int fmt;
-  int64_t K, Kp;
-  std::vector<uint16_t> bf;  // [T, Kp]
-  std::vector<uint8_t> q;    // [T, Kp]
-  std::vector<float> s;      // [T, Kp / BLOCK]
+// how weight W's activations are prepared in CPU math `math` (NONE: read as float32 rows)
+int prep_of(const WView& W, int64_t math) {
+  if (W.fmt == MXFP4 && W.G == nib::BLOCK && W.Bo == 1 && nibble_avx512()) return math == FAST ? P_MXQ : P_MXF;
+  if (W.fmt == INT4 && W.G % nib::BLOCK == 0 && W.Bo == 1 && nibble_avx512()) return math == FAST ? P_I4Q : P_I4F;
+  if (math == FAST && fast_reads(W)) return W.fmt == BF16 ? P_BF16 : P_Q8;
+  return NONE;
+}
 
-  FastX(int fmt_, int64_t T, int64_t K_) : fmt(fmt_), K(K_), Kp(fastk::padded(K_)) {  // allocated, not prepared
-    if (fmt == BF16) bf.resize(T * Kp);
-    else {
+// features per piece a prepared row is built from (FastX::part)
+int64_t prep_unit(int kind) { return nibble_prep(kind) ? nib::GROUP : fastk::BLOCK; }
+
+// which kernel computes a weight of `spec` in CPU math `math` (benchmarks print it)
+std::string kernel_of(const WView& W, int64_t math) {
+  switch (prep_of(W, check_math(math))) {
+    case P_BF16: return "avx512bf16-bf16act";
+    case P_Q8: return "avx512vnni-q8act64";
+    case P_MXF: return "avx512-mxfp4-f32act";
+    case P_MXQ: return "avx512vnni-mxfp4-q8act32";
+    case P_I4F: return "avx512-int4-f32act";
+    case P_I4Q: return "avx512vnni-int4-q8act32";
+    default: return "avx2-f32act";
+  }
+}
+
+// T rows of activations [K] in the form prep kind `kind` reads
+struct FastX {
+  int kind;
+  int64_t K, Kp;
+  std::vector<uint16_t> bf;  // P_BF16 [T, Kp]
+  std::vector<uint8_t> q;    // P_Q8 [T, Kp]
+  std::vector<float> s;      // P_Q8 [T, Kp / 64]; P_MXQ, P_I4Q [T, Kp / 8]
+  std::vector<float> f;      // P_MXF, P_I4F [T, Kp]
+  std::vector<float> fs;     // P_I4F [T, Kp / 8]
+  std::vector<int8_t> mq;    // P_MXQ, P_I4Q [T, Kp]
+  std::vector<int32_t> mc;   // P_MXQ, P_I4Q [T, Kp / 8]
+
+  FastX(int kind_, int64_t T, int64_t K_)  // allocated, not prepared
+      : kind(kind_), K(K_), Kp(nibble_prep(kind_) ? nib::padded(K_) : fastk::padded(K_)) {
+    if (kind == P_BF16) {
+      bf.resize(T * Kp);
+    } else if (kind == P_Q8) {
       q.resize(T * Kp);
       s.resize(T * (Kp / fastk::BLOCK));
+    } else if (kind == P_MXF || kind == P_I4F) {
+      f.resize(T * Kp);
+      if (kind == P_I4F) fs.resize(T * (Kp / 8));
+    } else {
+      mq.resize(T * Kp);
+      s.resize(T * (Kp / 8));
+      mc.resize(T * (Kp / 8));
     }
   }
-  FastX(int fmt_, const float* const* xr, int64_t T, int64_t K_) : FastX(fmt_, T, K_) {  // every row prepared
+  FastX(int kind_, const float* const* xr, int64_t T, int64_t K_) : FastX(kind_, T, K_) {  // every row prepared
     constexpr int64_t per = 16;
     if (T <= per) for (int64_t t = 0; t < T; ++t) part(t, xr[t], 0, K);
     else run_units((T + per - 1) / per, [&](int64_t u) {
       for (int64_t t = u * per; t < std::min(T, (u + 1) * per); ++t) part(t, xr[t], 0, K);
     });
   }
-  // row t's features [k0, k1) from x (the row's start); k0 a multiple of BLOCK, k1 one too or K
+  // row t's features [k0, k1) from x (the row's start); k0 a multiple of prep_unit(kind), k1 one too or K
   void part(int64_t t, const float* x, int64_t k0, int64_t k1) {
-    if (fmt == BF16) fastk::prep_bf16(x + k0, k1 - k0, bf.data() + t * Kp + k0);
-    else fastk::prep_q8(x + k0, k1 - k0, q.data() + t * Kp + k0, s.data() + (t * Kp + k0) / fastk::BLOCK);
+    const int64_t o = t * Kp + k0;
+    if (kind == P_BF16) fastk::prep_bf16(x + k0, k1 - k0, bf.data() + o);
+    else if (kind == P_Q8) fastk::prep_q8(x + k0, k1 - k0, q.data() + o, s.data() + o / fastk::BLOCK);
+    else if (kind == P_MXF || kind == P_I4F)
+      nib::prep_f32(x + k0, k1 - k0, f.data() + o, kind == P_I4F ? fs.data() + o / 8 : nullptr);
+    else nib::prep_q8(kind == P_MXQ ? nib::MXFP4 : nib::INT4, x + k0, k1 - k0, mq.data() + o, s.data() + o / 8,
+                      mc.data() + o / 8);
   }
 };
 
 // row pointers into a FastX, one per entry of `rows` (a pair's token, or 0..T-1)
 struct FastRows {
+  int kind;
   std::vector<const uint16_t*> bf;
   std::vector<const uint8_t*> q;
-  std::vector<const float*> s;
-  FastRows(const FastX& f, const std::vector<int64_t>& rows) {
+  std::vector<const float*> s, f, fs;
+  std::vector<const int8_t*> mq;
+  std::vector<const int32_t*> mc;
+  FastRows(const FastX& x, const std::vector<int64_t>& rows) : kind(x.kind) {
     for (int64_t i : rows) {
-      if (!f.bf.empty()) bf.push_back(f.bf.data() + i * f.Kp);
-      else {
-        q.push_back(f.q.data() + i * f.Kp);
-        s.push_back(f.s.data() + i * (f.Kp / fastk::BLOCK));
+      const int64_t o = i * x.Kp;
+      if (kind == P_BF16) {
+        bf.push_back(x.bf.data() + o);
+      } else if (kind == P_Q8) {
+        q.push_back(x.q.data() + o);
+        s.push_back(x.s.data() + o / fastk::BLOCK);
+      } else if (kind == P_MXF || kind == P_I4F) {
+        f.push_back(x.f.data() + o);
+        if (kind == P_I4F) fs.push_back(x.fs.data() + o / 8);
+      } else {
+        mq.push_back(x.mq.data() + o);
+        s.push_back(x.s.data() + o / 8);
+        mc.push_back(x.mc.data() + o / 8);
       }
     }
   }
 };
 
+// Rows ahead a single row's stream asks for (fewer than 4 tokens; 0: no prefetch). MXFP4 experts of
+// gpt-oss-20b's shape, one thread, CPU time (bench/stream_bench.py --format mxfp4): none 6.1 GB/s,
+// 4 rows ahead 16.6 GB/s; see docs/real-scale.md for the other formats (`--prefetch 0 4`).
+std::atomic<int64_t> prefetch_rows{4};
+
 // y[t * ldy + (n - n0)] = W[slot, n] . (prepared row off + t), n in [n0, n1), t < T
 void fast_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const FastRows& fr, int64_t off, int64_t T,
                float* y, int64_t ldy) {
+  const int64_t pf = prefetch_rows.load(std::memory_order_relaxed);
   const uint8_t* d = W.d + slot * W.d_slot + n0 * W.d_row;
-  if (W.fmt == BF16) {
-    fastk::rows_bf16(d, W.d_row, n1 - n0, W.K, fr.bf.data() + off, T, y, ldy);
-  } else {
+  if (fr.kind == P_BF16) {
+    fastk::rows_bf16(d, W.d_row, n1 - n0, W.K, fr.bf.data() + off, T, y, ldy, 0);  // prefetch: slower (below)
+  } else if (fr.kind == P_Q8) {
     const float* s = W.s + slot * W.s_slot + n0 * W.s_row;
     fastk::rows_q8(d, W.d_row, s, W.s_row, std::min(W.G, W.K), n1 - n0, W.K, fr.q.data() + off, fr.s.data() + off, T,
-                   y, ldy);
+                   y, ldy, pf);
+  } else {
+    const bool i4 = fr.kind == P_I4F || fr.kind == P_I4Q;
+    const nib::Rows R{d, W.d_row, W.z + slot * W.z_slot + n0 * W.z_row, W.z_row,
+                      i4 ? W.s + slot * W.s_slot + n0 * W.s_row : nullptr, W.s_row, W.G};
+    const int code = i4 ? nib::INT4 : nib::MXFP4;
+    if (fr.kind == P_MXF || fr.kind == P_I4F)
+      nib::rows_f32(code, R, n1 - n0, W.K, fr.f.data() + off, i4 ? fr.fs.data() + off : nullptr, T, y, ldy, pf);
+    else nib::rows_q8(code, R, n1 - n0, W.K, fr.mq.data() + off, fr.s.data() + off, fr.mc.data() + off, T, y, ldy,
+                      pf);
   }
 }
 
@@ -549,7 +638,8 @@ void check_x(const at::Tensor& x, int64_t K, const char* what) {
 at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int64_t small_t, int64_t rows_per_unit,
                   int64_t math) {
   const WView W = view_of(spec, "linear");
-  const bool fast = check_math(math) == FAST && fast_reads(W);
+  const int kind = prep_of(W, check_math(math));
+  const bool fast = kind != NONE;
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(),
               "linear: x must be contiguous float32 [..., K] on the CPU");
   TORCH_CHECK(x.size(-1) == W.K, "linear: x has ", x.size(-1), " features, the weight expects ", W.K);
@@ -567,7 +657,7 @@ at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int6
     std::unique_ptr<FastX> fx;
     std::unique_ptr<FastRows> fr;
     if (fast) {
-      fx.reset(new FastX(W.fmt, xr.data(), T, W.K));
+      fx.reset(new FastX(kind, xr.data(), T, W.K));
       fr.reset(new FastRows(*fx, iota(T)));
     }
     run_units(units, [&](int64_t u) {
@@ -626,8 +716,9 @@ void moe_into(const at::Tensor& x_in, const at::Tensor& slots_in, const at::Tens
   const at::Tensor x = x_in.contiguous(), slots = slots_in.contiguous();
   const at::Tensor weights = (weights_in.scalar_type() == at::kFloat ? weights_in : weights_in.to(at::kFloat)).contiguous();
   const WView Wg = view_of(gate_spec, "gate"), Wu = view_of(up_spec, "up"), Wd = view_of(down_spec, "down");
-  const bool fast = check_math(math) == FAST;
-  const bool fast_gu = fast && fast_reads(Wg) && fast_reads(Wu) && Wg.fmt == Wu.fmt, fast_d = fast && fast_reads(Wd);
+  check_math(math);
+  const int kind_gu = prep_of(Wg, math) == prep_of(Wu, math) ? prep_of(Wg, math) : NONE, kind_d = prep_of(Wd, math);
+  const bool fast_gu = kind_gu != NONE, fast_d = kind_d != NONE;
   const int64_t H = Wg.K, I = Wg.N;
   check_x(x, H, "moe");
   TORCH_CHECK(Wu.N == I && Wu.K == H && Wd.N == H && Wd.K == I, "moe: gate/up [I, H] and down [H, I] disagree");
@@ -698,18 +789,18 @@ void moe_into(const at::Tensor& x_in, const at::Tensor& slots_in, const at::Tens
   // the end of phase 1 overlaps the start of phase 2 instead of ending at a barrier. Against two jobs
   // and a threaded final add, alternating in one process (yardstick MoE layers, 2 threads, us per
   // layer): int8 fast math T=1 519 -> 494, bf16 exact T=1 989 -> 970, bf16 fast T=8 5383 -> 5206.
-  const int64_t rb = fast_d ? (rows_per_unit + fastk::BLOCK - 1) / fastk::BLOCK * fastk::BLOCK : rows_per_unit;
+  const int64_t pu = fast_d ? prep_unit(kind_d) : 1, rb = (rows_per_unit + pu - 1) / pu * pu;
   const int64_t per_g = (I + rb - 1) / rb, per_h = (H + rb - 1) / rb, U1 = NG * per_g;
   std::vector<const float*> xt(T);
   for (int64_t t = 0; t < T; ++t) xt[t] = xp + t * H;
   std::unique_ptr<FastX> fx, fh;
   std::unique_ptr<FastRows> fr, frh;
   if (fast_gu) {  // x once per token; a pair's row is its token's
-    fx.reset(new FastX(Wg.fmt, xt.data(), T, H));
+    fx.reset(new FastX(kind_gu, xt.data(), T, H));
     fr.reset(new FastRows(*fx, tok));
   }
   if (fast_d) {  // h per pair, prepared by the phase-1 units
-    fh.reset(new FastX(Wd.fmt, NP, I));
+    fh.reset(new FastX(kind_d, NP, I));
     frh.reset(new FastRows(*fh, iota(NP)));
   }
   std::unique_ptr<std::atomic<int64_t>[]> ready(new std::atomic<int64_t>[NG]);
@@ -811,4 +902,16 @@ void register_expert_kernels(py::module_& m) {
   m.def("set_threads", [](int64_t n) { pool::instance().set_threads(n); }, "kernel threads (0: torch's count)");
   m.def("get_threads", [] { return pool::instance().threads(); }, "kernel threads set (0: torch's count)");
   m.def("cpu_supported", &cpu_supported, "AVX2, FMA and F16C present");
+  m.def("avx512_supported", &nib::supported, "the CPU has what the AVX-512 4-bit kernels need (F/BW/VL/VNNI)");
+  m.def("set_avx512", [](bool on) { avx512_allowed.store(on); },
+        "allow the AVX-512 4-bit (MXFP4, int4) kernels where the CPU has them (false: the AVX2 kernels; "
+        "initially false when EXPERTCACHE_CPU_ISA=avx2)");
+  m.def("get_avx512", [] { return avx512_allowed.load(); }, "whether the AVX-512 4-bit kernels are allowed");
+  m.def("set_prefetch_rows", [](int64_t n) {
+          TORCH_CHECK(n >= 0, "set_prefetch_rows: rows ahead must be >= 0, got ", n);
+          prefetch_rows.store(n);
+        }, "rows ahead a single row's stream prefetches in the AVX-512 kernels (0: none; default 4)");
+  m.def("get_prefetch_rows", [] { return prefetch_rows.load(); }, "rows ahead the AVX-512 kernels prefetch");
+  m.def("kernel_of", [](const py::tuple& spec, int64_t math) { return kernel_of(view_of(spec, "kernel_of"), math); },
+        "the kernel that computes a weight of this spec in CPU math `math`");
 }

@@ -76,13 +76,14 @@ inline __m512i wbf(const uint16_t* r, int64_t k, int64_t K) {
 }
 
 template <int TT, int U>
-void bf_row(const uint16_t* r, int64_t K, const uint16_t* const* xb, float* y, int64_t ldy) {
+void bf_row(const uint16_t* r, int64_t K, const uint16_t* const* xb, float* y, int64_t ldy, int64_t ahead) {
   __m512 acc[TT][U];
   for (int t = 0; t < TT; ++t)
     for (int u = 0; u < U; ++u) acc[t][u] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 * U <= K; k += 32 * U)
     for (int u = 0; u < U; ++u) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(r + k + 32 * u) + ahead, _MM_HINT_T0);
       const __m512bh w = as_bh(_mm512_loadu_si512(r + k + 32 * u));
       for (int t = 0; t < TT; ++t)
         acc[t][u] = _mm512_dpbf16_ps(acc[t][u], w, as_bh(_mm512_loadu_si512(xb[t] + k + 32 * u)));
@@ -155,11 +156,13 @@ struct Q8Row {
 };
 
 template <int TT, int U>
-void q8_row(Q8Row r, int64_t G, int64_t K, const uint8_t* const* xq, const float* const* xs, float* y, int64_t ldy) {
+void q8_row(Q8Row r, int64_t G, int64_t K, const uint8_t* const* xq, const float* const* xs, float* y, int64_t ldy,
+            int64_t ahead) {
   __m512 acc[TT][U];
   for (int t = 0; t < TT; ++t)
     for (int u = 0; u < U; ++u) acc[t][u] = _mm512_setzero_ps();
   auto chunk = [&](int64_t k, int64_t c, int u) {
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(r.w + k) + ahead, _MM_HINT_T0);
     const __m512i w = wq8(r.w, k, K), bias = bias_of(w);
     const float sw = r.s[k / G];
     for (int t = 0; t < TT; ++t)
@@ -256,13 +259,13 @@ void prep_q8(const float* x, int64_t K, uint8_t* q, float* scales) {
 }
 
 void rows_bf16(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint16_t* const* xb, int64_t T, float* y,
-               int64_t ldy) {
+               int64_t ldy, int64_t pf) {
   auto row = [&](int64_t n) { return reinterpret_cast<const uint16_t*>(w + n * w_row); };
   if (T < 4) {
     for (int64_t n = 0; n < N; ++n) switch (T) {
-        case 1: bf_row<1, 4>(row(n), K, xb, y + n, ldy); break;
-        case 2: bf_row<2, 2>(row(n), K, xb, y + n, ldy); break;
-        default: bf_row<3, 2>(row(n), K, xb, y + n, ldy); break;
+        case 1: bf_row<1, 4>(row(n), K, xb, y + n, ldy, pf && n + pf < N ? pf * w_row : 0); break;
+        case 2: bf_row<2, 2>(row(n), K, xb, y + n, ldy, pf && n + pf < N ? pf * w_row : 0); break;
+        default: bf_row<3, 2>(row(n), K, xb, y + n, ldy, pf && n + pf < N ? pf * w_row : 0); break;
       }
     return;
   }
@@ -286,13 +289,13 @@ void rows_bf16(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint
 }
 
 void rows_q8(const uint8_t* w, int64_t w_row, const float* s, int64_t s_row, int64_t G, int64_t N, int64_t K,
-             const uint8_t* const* xq, const float* const* xs, int64_t T, float* y, int64_t ldy) {
+             const uint8_t* const* xq, const float* const* xs, int64_t T, float* y, int64_t ldy, int64_t pf) {
   auto row = [&](int64_t n) { return Q8Row{w + n * w_row, s + n * s_row}; };
   if (T < 4) {
     for (int64_t n = 0; n < N; ++n) switch (T) {
-        case 1: q8_row<1, 2>(row(n), G, K, xq, xs, y + n, ldy); break;
-        case 2: q8_row<2, 1>(row(n), G, K, xq, xs, y + n, ldy); break;
-        default: q8_row<3, 1>(row(n), G, K, xq, xs, y + n, ldy); break;
+        case 1: q8_row<1, 2>(row(n), G, K, xq, xs, y + n, ldy, pf && n + pf < N ? pf * w_row : 0); break;
+        case 2: q8_row<2, 1>(row(n), G, K, xq, xs, y + n, ldy, pf && n + pf < N ? pf * w_row : 0); break;
+        default: q8_row<3, 1>(row(n), G, K, xq, xs, y + n, ldy, pf && n + pf < N ? pf * w_row : 0); break;
       }
     return;
   }

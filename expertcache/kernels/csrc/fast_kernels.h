@@ -28,9 +28,10 @@ bool supported();  // the CPU has AVX-512 F, BW, VL, BF16 and VNNI
 void prep_bf16(const float* x, int64_t K, uint16_t* out);
 void prep_q8(const float* x, int64_t K, uint8_t* q, float* scales);
 
+// pf: with fewer than 4 tokens, each row asks for the row pf rows ahead (0: none)
 void rows_bf16(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint16_t* const* xb, int64_t T, float* y,
-               int64_t ldy);
+               int64_t ldy, int64_t pf);
 void rows_q8(const uint8_t* w, int64_t w_row, const float* s, int64_t s_row, int64_t G, int64_t N, int64_t K,
-             const uint8_t* const* xq, const float* const* xs, int64_t T, float* y, int64_t ldy);
+             const uint8_t* const* xq, const float* const* xs, int64_t T, float* y, int64_t ldy, int64_t pf);
 
 }  // namespace fastk
