@@ -16,7 +16,6 @@ ALLOWED = (
     "needs a CUDA device",  # tests/conftest.py: the gpu marker
     "the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI",  # test_fast_math: CPU without them
     "needs the C++ kernels on a CPU without AVX-512 BF16/VNNI",  # test_fast_math: CPU with them
-    "has a fast kernel",  # test_fast_math: the bf16 case of the no-fast-kernel check, on a CPU with one
     "no transparent huge pages on this machine",  # test_hostmem: kernel without THP
 )
 
