@@ -129,6 +129,11 @@ def _save(key: str) -> None:
         pass  # a read-only cache: measured again by the next process
 
 
+def table() -> dict[str, int]:
+    """The crossovers known for this machine (class key -> T; NEVER: the kernels at every T)."""
+    return dict(_entries(hardware_key()))
+
+
 def class_key(what: str, fmt: str, n: int, k: int) -> str:
     return f"{what}|{fmt}|{n}x{k}"
 
@@ -184,4 +189,4 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["CALLS", "ENV", "MIN_T", "NEVER", "PROBE_T", "bf16_linear", "crossover", "enable", "enabled",
-           "fixed_crossover", "gemm_threads", "measure", "takes"]
+           "fixed_crossover", "gemm_threads", "measure", "table", "takes"]
