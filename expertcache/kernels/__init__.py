@@ -57,6 +57,7 @@ CPU_MATH_NOTES = {"exact": "float32 activations",
                   "fast": "bf16 and int8 weights against activations rounded to bf16 / int8 blocks of 64, "
                           "mxfp4 and int4 against int8 blocks of 32, AVX-512 BF16/VNNI; other formats exact"}
 _math = [0]  # the code in effect: set by cpu_math() around a forward
+_FAST = CPU_MATHS["fast"]
 
 
 def rows_per_unit(code: int) -> int:
@@ -206,7 +207,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     spec = dense_spec(w)
     if spec is None:
         return None
-    if prefill_dense(x, w):
+    if _math[0] == _FAST and prefill_dense(x, w):  # the math first: nothing more at exact decode
         prefill_gemm.CALLS["dense"] += 1
         return prefill_gemm.bf16_linear(x, w)
     return _linear(x, spec)
@@ -216,7 +217,7 @@ def prefill_step(t: int) -> bool:
     """Whether a step of `t` tokens may send weights to the bf16 matmul (kernels/prefill_gemm.py): fast
     math in effect, the path on and t at least its smallest probed count. The attention block
     (layers/block.py) declines such a step, so its projections go through linear."""
-    return _math[0] == CPU_MATHS["fast"] and t >= prefill_gemm.MIN_T and prefill_gemm.enabled()
+    return _math[0] == _FAST and t >= prefill_gemm.MIN_T and prefill_gemm.enabled()
 
 
 def prefill_dense(x: torch.Tensor, w: torch.Tensor) -> bool:
