@@ -118,6 +118,33 @@ def test_experts_of_many_tokens_on_the_matmul_the_rest_on_the_kernel(T):
 
 
 @needs_fast
+def test_a_pool_the_kernels_do_not_read_sends_its_big_experts_to_the_matmul_and_the_rest_to_torch():
+    S, H, I, K, T = 4, 96, 40, 2, 64
+    _, pool, gate, up, down = _moe_pool("bf16", {}, S, H, I)
+    pool = {"gate_up": pool["gate_up"].transpose(1, 2).contiguous(), "down": pool["down"].transpose(1, 2).contiguous()}
+    ffn = ExpertFFN(transposed=True)  # plain weights stored [in, out], as GPT-OSS's bf16 checkpoints: no kernel
+    assert kernels.moe_args(pool, None, H, ffn) is None
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
+    slots, weights = _routing(T, K, S, seed=5)
+    slots[:, 0] = 0  # slot 0: every token; slot 1: 56 tokens; slot 2: 8 (on the torch code)
+    slots[: T - 8, 1] = 1
+    slots[T - 8:, 1] = 2
+    before = prefill_gemm.CALLS["expert"]
+    with kernels.cpu_math("fast"), prefill_gemm.fixed_crossover(16):
+        out = moe_ffn(x, slots, weights, pool, None, ffn=ffn)
+    assert prefill_gemm.CALLS["expert"] == before + 2  # slots 0 and 1; slot 2's 8 tokens on the torch code
+    on_matmul = slots.clone()
+    on_matmul[slots == 2] = -1
+    ref, slack = _rounded_expert_reference(x, on_matmul, weights, gate, up, down)
+    rest = torch.where(slots == 2, slots, torch.full_like(slots, -1))
+    for t, j in (rest >= 0).nonzero().tolist():  # the torch code: float32 activations, unrounded
+        h = torch.nn.functional.silu(gate[2] @ x[t].double()) * (up[2] @ x[t].double())
+        ref[t] += float(weights[t, j]) * (down[2] @ h)
+    err = (out.double() - ref).abs()
+    assert (err <= slack + 1e-5 * ref.abs().max()).all(), f"max error {err.max():.3g}"
+
+
+@needs_fast
 def test_a_gpt_oss_mxfp4_expert_on_the_matmul_equals_its_dequantized_bf16_math():
     S, H, I, T = 3, 64, 32, 40
     method, pool, gate, up, down = _moe_pool("mxfp4", {}, S, H, I)  # e2m1 x e8m0: exact in bf16

@@ -176,9 +176,10 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
             print(f"note: the fused Triton MoE kernel failed ({TRITON_FAILED[0]}); computing experts with the "
                   "torch code for the rest of this process (--moe-kernel torch chooses it up front)", file=sys.stderr)
     if host or slots.is_cpu:  # at prefill, experts of many tokens on the bf16 matmul (fast math only)
-        done = prefill_moe(x, slots, weights, pool, method, ffn, out)
-        if done is not None:
-            return done
+        split = prefill_moe(x, slots, weights, pool, method, ffn, out)
+        if split is not None:
+            out, slots = split  # those experts' pairs done: the rest below, their slots masked
+            host = True
     if out is None:  # the kernel starts from a zeroed output of its own (no torch call per layer)
         out = kernels.moe_out(x, slots, weights, pool, method, ffn)
         if out is not None:

@@ -1,7 +1,8 @@
 """A MoE layer at prefill on the CPU's matrix units (kernels/prefill_gemm.py): under `--cpu-math fast`,
 each expert routed at least its shape class's crossover of tokens is computed by torch's bf16 matmul
-(its weights converted to bf16 once for the call where stored in another format), the other pairs by
-the C++ kernels in one call, their slots masked to -1.
+(its weights converted to bf16 once for the call where stored in another format); the other pairs are
+left to the caller's path (the C++ kernels in one call, or the torch code for a pool they do not read),
+their slots masked to -1. The crossover is measured against that path.
 
 Shape legend:
     T tokens, H hidden, I moe intermediate, K top_k, S slots, n tokens routed to one expert
@@ -57,46 +58,55 @@ def bf16_expert(x: torch.Tensor, w: dict[str, torch.Tensor], method, ffn) -> tor
         return _bias(F.linear(h.to(bf), dn).float(), w.get("down_bias"))
 
 
+def _intermediate(pool: dict[str, torch.Tensor], method, ffn) -> int:
+    """I of a pool (the rows of one expert's gate)."""
+    if method is None:
+        gu = pool["gate_up"]
+        return gu.shape[2 if ffn.transposed else 1] // 2
+    if ffn.fused_quant:
+        return pool[f"gate_up.{method.primary}"].shape[1] // 2
+    return pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
+
+
 def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
-                ffn, out: torch.Tensor | None) -> torch.Tensor | None:
-    """out (+)= the layer's experts with the experts of many tokens on the bf16 matmul -> the output
-    (a new zeroed one where `out` is None); None: no expert goes to the matmul (fast math off, the path
-    off, too few tokens per expert, a format or layout the kernels do not read), nothing computed."""
+                ffn, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The experts of many tokens on the bf16 matmul -> (out, rest): out (a new zeroed one where `out` is
+    None) holding their pairs, rest the slots with those pairs masked to -1 for the caller's own path
+    (the kernels, or the torch code where they do not read the pool); None: no expert goes to the
+    matmul (fast math off, the path off, too few tokens per expert, a plain pool not bf16), nothing done."""
     T = slots.shape[0]
     if not kernels.prefill_step(T) or not slots.is_cpu or not x.is_cpu or x.dtype != torch.float32:
         return None
     fmt = _format(pool, method)
-    args = None if fmt is None else kernels.moe_args(pool, method, x.shape[1], ffn)
-    if args is None:
+    if fmt is None or any(t.device.type != "cpu" for t in pool.values()):
         return None
     flat = slots.reshape(-1)
     counts = torch.bincount(flat[flat >= 0], minlength=1)
     if int(counts.max()) < prefill_gemm.MIN_T:
         return None
-    H, I = x.shape[1], args[0][4]  # the gate spec's rows
+    H, I = x.shape[1], _intermediate(pool, method, ffn)
+    on_kernel = kernels.moe_args(pool, method, H, ffn) is not None  # else the torch code computes the rest
 
     def probe():
+        from .compute import expert_ffn  # the torch code (compute.py imports this module)
+
         one = {n: t[:1] for n, t in pool.items()}  # slot 0, as a pool of one
+        w0 = {n: t[0] for n, t in pool.items()}
         xs = {n: torch.randn(n, H) for n in prefill_gemm.PROBE_T}
         route = {n: (torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)) for n in prefill_gemm.PROBE_T}
-        w0 = {n: t[0] for n, t in pool.items()}
-        return ((lambda n: kernels.moe_out(xs[n], *route[n], one, method, ffn)),
-                (lambda n: bf16_expert(xs[n], w0, method, ffn)))
+        base = ((lambda n: kernels.moe_out(xs[n], *route[n], one, method, ffn)) if on_kernel
+                else (lambda n: expert_ffn(xs[n], w0, method, ffn)))
+        return base, (lambda n: bf16_expert(xs[n], w0, method, ffn))
 
-    cross = prefill_gemm.crossover("expert", fmt, I, H, probe)
+    cross = prefill_gemm.crossover("expert" if on_kernel else "expert-torch", fmt, I, H, probe)
     big = (counts >= max(cross, prefill_gemm.MIN_T)).nonzero().flatten()
     if big.numel() == 0:
         return None
-    rest = slots.masked_fill(torch.isin(slots, big), -1)
     if out is None:
-        out = kernels.moe_out(x, rest, weights, pool, method, ffn)
-    elif not kernels.moe(x, rest, weights, pool, method, out, ffn):
-        out = None
-    if out is None:
-        return None  # (not reached: moe_args said the kernel reads the pool)
+        out = torch.zeros_like(x)
     for s in big.tolist():
         tok, k = (slots == s).nonzero(as_tuple=True)
         y = bf16_expert(x[tok], {n: t[s] for n, t in pool.items()}, method, ffn)
         out.index_put_((tok,), y * weights[tok, k, None].float(), accumulate=True)
     prefill_gemm.CALLS["expert"] += big.numel()
-    return out
+    return out, slots.masked_fill(torch.isin(slots, big), -1)
