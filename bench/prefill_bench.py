@@ -9,7 +9,8 @@ clamped SwiGLU; vocab 32000 (only the last token's logits are computed at prefil
 The first prefill with the path on measures each shape class's crossover (cached per machine), so a
 warm-up prefill of every length runs on and off before timing. One `result` line per (format, prompt
 length, path): prefill tok/s (median of the repeats, runs alternating on / off), the runs, and whether
-the first generated token equals the kernel path's; then the crossover table the runs used.
+the first generated token equals the kernel path's; then the crossover table the runs used. Prefix
+caching is off, so every run prefills its whole prompt.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ def main():
     for fmt in args.formats:
         path = build(Path(args.dir) / f"{fmt}-{args.layers}L", shape, fmt)
         llm = LLM(str(path), device="cpu", cpu_math="fast", kv_cache_memory="256MiB",
-                  max_model_len=max(args.prompt_lens) + 8)
+                  max_model_len=max(args.prompt_lens) + 8, prefix_caching=False)  # every run prefills it all
         for n in args.prompt_lens:
-            prompts = [torch.randint(3, shape["vocab"], (n,), generator=rng).tolist() for _ in range(args.repeats)]
+            warm, *prompts = [torch.randint(3, shape["vocab"], (n,), generator=rng).tolist()
+                              for _ in range(args.repeats + 1)]
             runs, first = {True: [], False: []}, {True: [], False: []}
             for on in (True, False):  # warm-up; with the path on, the crossovers measured at first use
                 prefill_gemm.enable(on)
-                timed_generate(llm, [prompts[0]], params)
+                timed_generate(llm, [warm], params)
             calls = dict(prefill_gemm.CALLS)
             for prompt in prompts:
                 for on in (True, False):
