@@ -13,7 +13,8 @@ entry point returns None / False when it does not apply, and the caller computes
 Within "cpp", MXFP4 and int4 (groups a multiple of 32) weights go to AVX-512 kernels
 (csrc/nibble_kernels.cpp) where the CPU has AVX-512 F/BW/VL/VNNI, in both CPU maths;
 EXPERTCACHE_CPU_ISA=avx2 (or `avx512(False)`) keeps them on the AVX2 kernels. `kernel_name` says
-which kernel reads a weight.
+which kernel reads a weight. Under fast math at prefill, a bf16 dense weight of at least its measured
+crossover of tokens goes to torch's bf16 matmul instead (prefill_gemm.py; EXPERTCACHE_PREFILL_GEMM=0: never).
 """
 
 from __future__ import annotations
