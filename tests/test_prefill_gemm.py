@@ -11,6 +11,9 @@ cache are tested with stand-in timings. Skipped without AVX-512 BF16/VNNI (fast 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -165,6 +168,14 @@ def test_a_gpt_oss_mxfp4_expert_on_the_matmul_equals_its_dequantized_bf16_math()
     ref = r16(h @ down[0].T) + pool["down_bias"][0].double()
     slack = ULP * ref.abs() + 2 * ULP * (h.abs() @ down[0].abs().T) + 1e-5 * ref.abs().max()
     assert ((out.double() - ref).abs() <= slack).all()
+
+
+def test_the_environment_switch_turns_the_path_off():
+    code = "from expertcache.kernels import prefill_gemm; print(prefill_gemm.enabled())"
+    for value, expect in (("0", "False"), ("1", "True")):
+        env = {**os.environ, prefill_gemm.ENV: value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expect
 
 
 def test_the_crossover_search_stops_where_the_matmul_stops_winning(monkeypatch):

@@ -27,6 +27,7 @@ import os
 import platform
 import time
 from contextlib import contextmanager
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -83,15 +84,21 @@ def gemm_threads():
         torch.set_num_threads(saved)
 
 
-def hardware_key() -> str:
+@lru_cache(maxsize=1)
+def _cpu_name() -> str:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    return cpu
+
+
+def hardware_key() -> str:
+    """What a crossover depends on beside the shape: the CPU model, the thread count, torch's version."""
     threads = _threads[0] or torch.get_num_threads()
-    return f"{cpu}|threads={threads}|torch={torch.__version__}"
+    return f"{_cpu_name()}|threads={threads}|torch={torch.__version__}"
 
 
 def cache_file():
