@@ -22,7 +22,7 @@ from expertcache import LLM, kernels
 from expertcache.experts.compute import SWIGLU, ExpertFFN, moe_ffn
 from expertcache.kernels import prefill_gemm
 from expertcache.kernels.formats import plain_spec
-from test_kernels import _moe_pool, _routing
+from test_kernels import _moe_pool, _packed, _routing
 
 fast_cpu = kernels.backend() == "cpp" and kernels.extension().fast_supported()
 needs_fast = pytest.mark.skipif(not fast_cpu, reason="the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI")
@@ -167,6 +167,33 @@ def test_a_gpt_oss_mxfp4_expert_on_the_matmul_equals_its_dequantized_bf16_math()
     h = r16((u + 1) * g * torch.sigmoid(1.702 * g))
     ref = r16(h @ down[0].T) + pool["down_bias"][0].double()
     slack = ULP * ref.abs() + 2 * ULP * (h.abs() @ down[0].abs().T) + 1e-5 * ref.abs().max()
+    assert ((out.double() - ref).abs() <= slack).all()
+
+
+@needs_fast
+def test_gpt_oss_fused_interleaved_mxfp4_experts_on_the_matmul():
+    S, H, I, T = 2, 64, 32, 24
+    method, gu_parts, gu = _packed("mxfp4", {}, 2 * I, H, S, seed=7)  # gate_up rows alternate gate, up
+    _, dn_parts, down = _packed("mxfp4", {}, H, I, S, seed=8)
+    pool = {**{k.replace("p.", "gate_up.", 1): t for k, t in gu_parts.items()},
+            **{k.replace("p.", "down.", 1): t for k, t in dn_parts.items()},
+            "gate_up_bias": torch.randn(S, 2 * I), "down_bias": torch.randn(S, H)}
+    ffn = ExpertFFN(act="clamped_swiglu", interleaved=True, fused_quant=True, alpha=1.702, limit=7.0)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(9))
+    slots = torch.ones(T, 1, dtype=torch.long)  # every token to slot 1
+    weights = torch.rand(T, 1, generator=torch.Generator().manual_seed(10))
+    before = prefill_gemm.CALLS["expert"]
+    with kernels.cpu_math("fast"), prefill_gemm.fixed_crossover(16):
+        out = moe_ffn(x, slots, weights, pool, method, ffn=ffn)
+    assert prefill_gemm.CALLS["expert"] == before + 1
+    b = pool["gate_up_bias"][1].double()
+    xr = r16(x)
+    gate_up = r16(xr @ gu[1].T) + b
+    g, u = gate_up[:, 0::2].clamp(max=7.0), gate_up[:, 1::2].clamp(-7.0, 7.0)
+    h = r16((u + 1) * g * torch.sigmoid(1.702 * g))
+    y = r16(h @ down[1].T) + pool["down_bias"][1].double()
+    ref = weights.double() * y
+    slack = weights.double() * (ULP * y.abs() + 2 * ULP * (h.abs() @ down[1].abs().T)) + 1e-5 * ref.abs().max()
     assert ((out.double() - ref).abs() <= slack).all()
 
 
