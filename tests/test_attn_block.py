@@ -28,6 +28,16 @@ from expertcache.layers import block as block_mod
 from test_fast_math import needs_fast
 from test_kernels import SEQ, needs_cpp
 
+
+@pytest.fixture(autouse=True)
+def _no_prefill_gemm():
+    """The block declines a fast-math prefill step the bf16 matmul may take (kernels.prefill_step); these
+    tests are about the block, so that path is off here (tests/test_prefill_gemm.py tests it)."""
+    saved = kernels.prefill_gemm.enabled()
+    kernels.prefill_gemm.enable(False)
+    yield
+    kernels.prefill_gemm.enable(saved)
+
 TINY = dict(dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2,
             num_experts_per_tok=2)
 FAMILIES = {"qwen3_moe": {}, "qwen2_moe": dict(shared_expert_intermediate_size=48), "mixtral": {}}

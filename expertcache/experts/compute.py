@@ -37,6 +37,7 @@ from .. import kernels
 from ..errors import ConfigError
 from .config import MOE_KERNELS
 from .host_routing import DeviceGroups, group_by_slot, to_device, to_host
+from .prefill import prefill_moe
 
 
 def _silu(g: torch.Tensor, u: torch.Tensor, ffn: "ExpertFFN") -> torch.Tensor:
@@ -174,6 +175,11 @@ def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
             TRITON_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             print(f"note: the fused Triton MoE kernel failed ({TRITON_FAILED[0]}); computing experts with the "
                   "torch code for the rest of this process (--moe-kernel torch chooses it up front)", file=sys.stderr)
+    if host or slots.is_cpu:  # at prefill, experts of many tokens on the bf16 matmul (fast math only)
+        split = prefill_moe(x, slots, weights, pool, method, ffn, out)
+        if split is not None:
+            out, slots = split  # those experts' pairs done: the rest below, their slots masked
+            host = True
     if out is None:  # the kernel starts from a zeroed output of its own (no torch call per layer)
         out = kernels.moe_out(x, slots, weights, pool, method, ffn)
         if out is not None:

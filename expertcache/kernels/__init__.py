@@ -13,7 +13,8 @@ entry point returns None / False when it does not apply, and the caller computes
 Within "cpp", MXFP4 and int4 (groups a multiple of 32) weights go to AVX-512 kernels
 (csrc/nibble_kernels.cpp) where the CPU has AVX-512 F/BW/VL/VNNI, in both CPU maths;
 EXPERTCACHE_CPU_ISA=avx2 (or `avx512(False)`) keeps them on the AVX2 kernels. `kernel_name` says
-which kernel reads a weight.
+which kernel reads a weight. Under fast math at prefill, a bf16 dense weight of at least its measured
+crossover of tokens goes to torch's bf16 matmul instead (prefill_gemm.py; EXPERTCACHE_PREFILL_GEMM=0: never).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
+from . import prefill_gemm
 from .build import extension, why
 from .formats import Unsupported, plain_spec, quant_spec
 
@@ -56,6 +58,7 @@ CPU_MATH_NOTES = {"exact": "float32 activations",
                   "fast": "bf16 and int8 weights against activations rounded to bf16 / int8 blocks of 64, "
                           "mxfp4 and int4 against int8 blocks of 32, AVX-512 BF16/VNNI; other formats exact"}
 _math = [0]  # the code in effect: set by cpu_math() around a forward
+_FAST = CPU_MATHS["fast"]
 
 
 def rows_per_unit(code: int) -> int:
@@ -94,9 +97,11 @@ def cpu_threads(device: torch.device | str):
     ext = extension()
     ext.set_threads(n)
     torch.set_num_threads(1)
+    prefill_gemm._threads[0] = n  # the bf16 matmul at prefill runs on the kernels' count
     try:
         yield
     finally:
+        prefill_gemm._threads[0] = 0
         torch.set_num_threads(n)
         ext.set_threads(0)
 
@@ -201,7 +206,37 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not _usable(x):
         return None
     spec = dense_spec(w)
-    return None if spec is None else _linear(x, spec)
+    if spec is None:
+        return None
+    if _math[0] == _FAST and prefill_dense(x, w):  # the math first: nothing more at exact decode
+        prefill_gemm.CALLS["dense"] += 1
+        return prefill_gemm.bf16_linear(x, w)
+    return _linear(x, spec)
+
+
+def prefill_step(t: int) -> bool:
+    """Whether a step of `t` tokens may send weights to the bf16 matmul (kernels/prefill_gemm.py): fast
+    math in effect, the path on and t at least its smallest probed count. The attention block
+    (layers/block.py) declines such a step, so its projections go through linear."""
+    return _math[0] == _FAST and t >= prefill_gemm.MIN_T and prefill_gemm.enabled()
+
+
+def prefill_dense(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x [..., K] @ bf16 w [N, K]^T goes to the bf16 matmul: fast math, and x's tokens at least
+    the crossover of w's shape class (measured at its first use)."""
+    N, K = w.shape
+    t = x.numel() // K
+    if w.dtype != torch.bfloat16 or not prefill_step(t):
+        return False
+
+    def probe():
+        rows = w[:prefill_gemm.PROBE_ROWS]
+        rows = rows.contiguous()
+        spec = plain_spec(rows.unsqueeze(0))
+        xs = {n: torch.randn(n, K) for n in prefill_gemm.PROBE_T}
+        return (lambda n: _linear(xs[n], spec)), (lambda n: prefill_gemm.bf16_linear(xs[n], rows))
+
+    return prefill_gemm.takes(t, "dense", "bf16", N, K, probe)
 
 
 _UNIT_ROWS_OF = {code: rows_per_unit(code) for code in UNIT_ROWS}
@@ -344,4 +379,4 @@ def moe_out(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     return extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
 
 
-__all__ = ["avx512", "kernel_name", "attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
+__all__ = ["avx512", "prefill_dense", "prefill_gemm", "prefill_step", "kernel_name", "attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]

@@ -11,7 +11,8 @@ It is used where every piece would run on the C++ kernels anyway:
 - a standard attention with a plain fused qkv (no output gate, no full-width q/k norm, no clip);
 - projections the kernels read (bf16/fp16 dense weights, or `--dense int8`);
 - the softmax router, without a bias or fp32 logits.
-Per step it also needs the attention kernel to take the batch (at most MAX_Q new tokens a sequence).
+Per step it also needs the attention kernel to take the batch (at most MAX_Q new tokens a sequence), and
+not a prefill step that may go to the bf16 matmul (kernels.prefill_step: fast math, many tokens).
 Anywhere else, the layer runs its Python path.
 """
 
@@ -60,8 +61,8 @@ class AttnBlock:
         after attention, x2 its post-attention norm, the router's choice; out: with `moe` (the
         resident experts' kernel arguments, ExpertProvider.kernel_moe_args; the router must not scale),
         the layer's MoE output once the fused top-k answered, else None; or None (not for this step)."""
-        if not attention_kernel.takes(batch, k_cache):
-            return None
+        if not attention_kernel.takes(batch, k_cache) or kernels.prefill_step(h.shape[0]):
+            return None  # a prefill step under fast math: its projections may go to the bf16 matmul (linear)
         cfg, layer = self.cfg, self.layer
         s, h2, x2, logits, ids, w, out = kernels.attn_block(
             h, mlp, layer["input_ln"], layer["post_ln"], cfg.rms_norm_eps, self.qkv, self.o, self.router,
@@ -101,7 +102,7 @@ class AttnStack:
 
     def takes(self, batch: AttnBatch, kv: list) -> bool:
         """The attention kernel takes this step (every layer's cache has the first one's dtype)."""
-        return attention_kernel.takes(batch, kv[0][0])
+        return attention_kernel.takes(batch, kv[0][0]) and not kernels.prefill_step(batch.positions.shape[0])
 
     def __call__(self, h: torch.Tensor, mlp: torch.Tensor | None, batch: AttnBatch, kv: list, start: int,
                  with_moe: bool) -> tuple:

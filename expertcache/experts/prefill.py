@@ -1,0 +1,112 @@
+"""A MoE layer at prefill on the CPU's matrix units (kernels/prefill_gemm.py): under `--cpu-math fast`,
+each expert routed at least its shape class's crossover of tokens is computed by torch's bf16 matmul
+(its weights converted to bf16 once for the call where stored in another format); the other pairs are
+left to the caller's path (the C++ kernels in one call, or the torch code for a pool they do not read),
+their slots masked to -1. The crossover is measured against that path.
+
+Shape legend:
+    T tokens, H hidden, I moe intermediate, K top_k, S slots, n tokens routed to one expert
+    x [T, H] float32   slots [T, K] int64 on the host (-1: pair skipped)   weights [T, K]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from ..kernels import prefill_gemm
+
+
+def _format(pool: dict[str, torch.Tensor], method) -> str | None:
+    """The shape class's format of a pool: its QuantMethod's name, "bf16" for plain bf16 parts, else None
+    (plain fp16 / fp32 pools stay on the kernels)."""
+    if method is not None:
+        return method.name
+    return "bf16" if pool["gate_up"].dtype == torch.bfloat16 else None
+
+
+def _bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y if b is None else y + b.float()
+
+
+def _pair(g: torch.Tensor, u: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Separate gate and up outputs [n, I] as one gate_up [n, 2I] in the layout's row order (its bias's)."""
+    return torch.stack([g, u], dim=-1).flatten(-2) if interleaved else torch.cat([g, u], dim=-1)
+
+
+def bf16_expert(x: torch.Tensor, w: dict[str, torch.Tensor], method, ffn) -> torch.Tensor:
+    """One expert on x [n, H] float32 with its parts `w` (one slot's) -> [n, H] float32: x and the
+    activation rounded to bf16, the weights converted to bf16 (dequantized first where quantized),
+    float32 sums, each projection's output rounded to bf16, biases added in float32."""
+    bf = torch.bfloat16
+    with prefill_gemm.gemm_threads():
+        xb = x.to(bf)
+        if method is None:
+            gu, dn = (w["gate_up"].t(), w["down"].t()) if ffn.transposed else (w["gate_up"], w["down"])
+            gu, dn = gu.to(bf), dn.to(bf)
+            h = ffn.activate(_bias(F.linear(xb, gu).float(), w.get("gate_up_bias")))
+        elif ffn.fused_quant:
+            gu = method.dequantize(w, "gate_up").to(bf)
+            h = ffn.activate(_bias(F.linear(xb, gu).float(), w.get("gate_up_bias")))
+            dn = method.dequantize(w, "down").to(bf)
+        else:
+            g = F.linear(xb, method.dequantize(w, "gate").to(bf)).float()
+            u = F.linear(xb, method.dequantize(w, "up").to(bf)).float()
+            h = ffn.activate(_bias(_pair(g, u, ffn.interleaved), w.get("gate_up_bias")))
+            dn = method.dequantize(w, "down").to(bf)
+        return _bias(F.linear(h.to(bf), dn).float(), w.get("down_bias"))
+
+
+def _intermediate(pool: dict[str, torch.Tensor], method, ffn) -> int:
+    """I of a pool (the rows of one expert's gate)."""
+    if method is None:
+        gu = pool["gate_up"]
+        return gu.shape[2 if ffn.transposed else 1] // 2
+    if ffn.fused_quant:
+        return pool[f"gate_up.{method.primary}"].shape[1] // 2
+    return pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
+
+
+def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
+                ffn, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The experts of many tokens on the bf16 matmul -> (out, rest): out (a new zeroed one where `out` is
+    None) holding their pairs, rest the slots with those pairs masked to -1 for the caller's own path
+    (the kernels, or the torch code where they do not read the pool); None: no expert goes to the
+    matmul (fast math off, the path off, too few tokens per expert, a plain pool not bf16), nothing done."""
+    T = slots.shape[0]
+    if not kernels.prefill_step(T) or not slots.is_cpu or not x.is_cpu or x.dtype != torch.float32:
+        return None
+    fmt = _format(pool, method)
+    if fmt is None or any(t.device.type != "cpu" for t in pool.values()):
+        return None
+    flat = slots.reshape(-1)
+    counts = torch.bincount(flat[flat >= 0], minlength=1)
+    if int(counts.max()) < prefill_gemm.MIN_T:
+        return None
+    H, I = x.shape[1], _intermediate(pool, method, ffn)
+    on_kernel = kernels.moe_args(pool, method, H, ffn) is not None  # else the torch code computes the rest
+
+    def probe():
+        from .compute import expert_ffn  # the torch code (compute.py imports this module)
+
+        one = {n: t[:1] for n, t in pool.items()}  # slot 0, as a pool of one
+        w0 = {n: t[0] for n, t in pool.items()}
+        xs = {n: torch.randn(n, H) for n in prefill_gemm.PROBE_T}
+        route = {n: (torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)) for n in prefill_gemm.PROBE_T}
+        base = ((lambda n: kernels.moe_out(xs[n], *route[n], one, method, ffn)) if on_kernel
+                else (lambda n: expert_ffn(xs[n], w0, method, ffn)))
+        return base, (lambda n: bf16_expert(xs[n], w0, method, ffn))
+
+    cross = prefill_gemm.crossover("expert" if on_kernel else "expert-torch", fmt, I, H, probe)
+    big = (counts >= max(cross, prefill_gemm.MIN_T)).nonzero().flatten()
+    if big.numel() == 0:
+        return None
+    if out is None:
+        out = torch.zeros_like(x)
+    for s in big.tolist():
+        tok, k = (slots == s).nonzero(as_tuple=True)
+        y = bf16_expert(x[tok], {n: t[s] for n, t in pool.items()}, method, ffn)
+        out.index_put_((tok,), y * weights[tok, k, None].float(), accumulate=True)
+    prefill_gemm.CALLS["expert"] += big.numel()
+    return out, slots.masked_fill(torch.isin(slots, big), -1)
