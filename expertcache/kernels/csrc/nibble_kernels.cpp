@@ -221,8 +221,9 @@ inline Rows offset(const Rows& W, int64_t n) {  // rows from n on
   return o;
 }
 
-// rows: fewer than 4 tokens, 1, 2 or 4 rows at a time, asking for the codes pf rows ahead (prefetch: a
-// single row's stream alone leaves the memory idle between rows); else pairs of rows kept in L1 under chunks
+// rows: fewer than 4 tokens, passes of 1, 2 or 4 rows, each row asking for the codes of the row R + pf
+// below it (prefetch: a single row's stream alone leaves the memory idle between rows; gpt-oss-20b
+// MXFP4 fast, T = 1, 4 rows a pass, one thread: 28 GB/s 4 rows ahead, 31 GB/s 8, 29 GB/s 16); else pairs of rows kept in L1 under chunks
 // of TB tokens, the first chunk asking for the codes pf rows ahead. run(Slot<R>, Slot<TT>, rows, t0, y, ahead) computes R rows from `rows` for tokens
 // t0..t0+TT-1, prefetching `ahead` bytes past each load of codes (0: none).
 
@@ -250,7 +251,8 @@ void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, int64_t p
     int64_t n = 0;
     auto run_rows = [&](auto rc) __attribute__((always_inline)) {
       constexpr int R = decltype(rc)::value;
-      for (; n + R <= N; n += R) tokens(rc, T, offset(W, n), 0, y + n, pf && n + R + pf <= N ? pf * W.w_row : 0);
+      const int64_t ahead = R + pf;  // rows: the pass pf rows past the next one
+      for (; n + R <= N; n += R) tokens(rc, T, offset(W, n), 0, y + n, pf && n + R + ahead <= N ? ahead * W.w_row : 0);
     };
     if (T == 1) run_rows(Slot<R1>{});
     else run_rows(Slot<R23>{});
