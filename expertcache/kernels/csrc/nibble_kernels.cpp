@@ -332,8 +332,8 @@ void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const*
     if (code == MXFP4) f32_block<MXFP4, R, TT>(Wn, K, xf + t0, nullptr, yt, ldy, ahead);
     else f32_block<INT4, R, TT>(Wn, K, xf + t0, xsum + t0, yt, ldy, ahead);
   };
-  // MXFP4, T = 1: 4 rows share each activation vector (gpt-oss-20b expert shapes, one thread: 22 -> 24.5 GB/s);
-  // T = 2, 3 and int4 stay one row at a time (2 or 4 rows measured slower)
+  // MXFP4, T = 1: 4 rows share each activation vector (gpt-oss-20b expert shapes, one thread, kernel alone:
+  // 15 -> 19-25 GB/s, docs/real-scale.md); T = 2, 3 and int4 stay one row at a time (2 or 4 rows: slower)
   if (code == MXFP4) drive<4, 1>(W, N, T, y, ldy, pf, run);
   else drive<1, 1>(W, N, T, y, ldy, pf, run);
 }
@@ -345,8 +345,9 @@ void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const*
     if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
     else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
   };
-  // MXFP4: 4 rows share the activations at T = 1, 2 rows at T = 2, 3 (gpt-oss-20b expert shapes, one thread:
-  // 20 -> 28 GB/s at T = 1, 14 -> 18.5 at T = 2); int4 one row at a time (2 or 4 rows measured slower)
+  // MXFP4: 4 rows share the activations at T = 1, 2 rows at T = 2, 3 (gpt-oss-20b expert shapes, one thread,
+  // kernel alone: 17-19 -> 27-33 GB/s at T = 1, 13 -> 14-18 at T = 2, docs/real-scale.md); int4 one row at a
+  // time (2 or 4 rows measured slower)
   if (code == MXFP4) drive<4, 2>(W, N, T, y, ldy, pf, run);
   else drive<1, 1>(W, N, T, y, ldy, pf, run);
 }
