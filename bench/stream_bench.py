@@ -18,7 +18,9 @@ prefetches in the AVX-512 kernels (0: none), alternated like the other settings.
 
 One line per configuration: GB/s of weight bytes (wall clock, median over rounds) for the MoE layers,
 the attention projections and lm_head, and the MoE's GB/s in CPU time of the calling thread with
---threads 1 (robust to being descheduled); plus the machine's read bandwidth.
+--threads 1 (robust to being descheduled); plus the machine's read bandwidth, and for --format mxfp4 /
+int4 each rate's share of it (of_read: wall clock against the probe's; cpu_of_read_cpu: CPU time
+against the probe's in CPU time).
 """
 
 from __future__ import annotations
@@ -89,8 +91,10 @@ def shaped_main(a) -> None:
     ext = kernels.extension()
     spec = kernels.moe_args(pools[0], method, Hm, ffn)[0]
     print(hardware_line())
-    cpu = f" read_cpu_GBps={read_bandwidth(cpu_time=True):.1f} (in CPU time)" if a.threads == 1 else ""
-    print(f"memory: read_GBps={read_bandwidth():.1f} (256 MiB float32 sum, {a.threads} threads){cpu}")
+    read_cpu = read_bandwidth(cpu_time=True) if a.threads == 1 else None
+    read = read_bandwidth()
+    cpu = f" read_cpu_GBps={read_cpu:.1f} (in CPU time)" if read_cpu else ""
+    print(f"memory: read_GBps={read:.1f} (256 MiB float32 sum, {a.threads} threads){cpu}")
     x, out, w = torch.randn(1, Hm), torch.zeros(1, Hm), torch.rand(1, Km)
     configs = [(r, m, i, p) for r in a.rows for m in a.cpu_math for i in a.isa for p in a.prefetch]
     res = {c: [] for c in configs}
@@ -117,7 +121,8 @@ def shaped_main(a) -> None:
             print(f"stream: format={a.format} shape={name} cpu_math={m} isa={i} kernel={kernel} rows_per_unit={r} "
                   f"prefetch_rows={p} threads={a.threads} expert_MB={per_expert / 1e6:.1f} top_k={Km} "
                   f"ms_per_layer={med[2] * 1e3:.2f} moe_GBps={med[0] / 1e9:.1f} "
-                  f"moe_cpu_GBps={med[1] / 1e9:.1f}")
+                  f"moe_cpu_GBps={med[1] / 1e9:.1f} of_read={100 * med[0] / (read * 1e9):.0f}%"
+                  + (f" cpu_of_read_cpu={100 * med[1] / (read_cpu * 1e9):.0f}%" if read_cpu else ""))
     finally:
         ext.set_avx512(saved)
         ext.set_prefetch_rows(saved_pf)

@@ -4,8 +4,8 @@
 // entry points at the bottom, called only when supported(); no inline function of a header is
 // used there (a copy compiled here could be the one the linker keeps for the whole module).
 //
-// Loop shapes: fewer than 4 tokens, one row at a time (one sequential stream; in exact math several
-// independent accumulators per token hide the FMA latency); more, pairs of rows kept in L1 while
+// Loop shapes: fewer than 4 tokens, 1, 2 or 4 rows at a time (drive; in exact math several independent
+// accumulators per token hide the FMA latency); more, pairs of rows kept in L1 while
 // chunks of 6 tokens pass over them (2 x 6 accumulators). C: the format (Code), R rows, TT tokens.
 
 #include "nibble_kernels.h"
@@ -106,7 +106,7 @@ inline __m512 value_table() {  // the value of each code before scaling
 template <int C, int R, int TT>
 void f32_block(const Rows& W, int64_t K, const float* const* xf, const float* const* xsum, float* y, int64_t ldy,
                int64_t ahead) {
-  constexpr bool PRE = R * TT >= 4;
+  constexpr bool PRE = TT >= 2 && R * TT >= 4;
   constexpr int NC = R * TT == 1 ? 4 : 2;
   const __m512 tab = value_table<C>();
   __m512 acc[R][TT];
@@ -221,8 +221,9 @@ inline Rows offset(const Rows& W, int64_t n) {  // rows from n on
   return o;
 }
 
-// rows: fewer than 4 tokens, one row at a time, asking for the codes pf rows ahead (prefetch: a single
-// row's stream alone leaves the memory idle between rows); else pairs of rows kept in L1 under chunks
+// rows: fewer than 4 tokens, passes of 1, 2 or 4 rows, each row asking for the codes of the row R + pf
+// below it (prefetch: a single row's stream alone leaves the memory idle between rows; gpt-oss-20b
+// MXFP4 fast, T = 1, 4 rows a pass, one thread: 28 GB/s 4 rows ahead, 31 GB/s 8, 29 GB/s 16); else pairs of rows kept in L1 under chunks
 // of TB tokens, the first chunk asking for the codes pf rows ahead. run(Slot<R>, Slot<TT>, rows, t0, y, ahead) computes R rows from `rows` for tokens
 // t0..t0+TT-1, prefetching `ahead` bytes past each load of codes (0: none).
 
@@ -231,7 +232,9 @@ struct Slot {
   static constexpr int value = R;
 };
 
-template <class Run>
+// Fewer than 4 tokens: R1 rows at a time for T = 1, R23 for T = 2, 3, so that one load of the activations
+// serves R rows (set per format and math by rows_f32 / rows_q8 below).
+template <int R1, int R23, class Run>
 void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, int64_t pf, Run run) {
   auto tokens = [&](auto rc, int64_t tt, const Rows& Wn, int64_t t0, float* yt, int64_t ahead)
                     __attribute__((always_inline)) {
@@ -245,7 +248,15 @@ void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, int64_t p
     }
   };
   if (T < 4) {
-    for (int64_t n = 0; n < N; ++n) tokens(Slot<1>{}, T, offset(W, n), 0, y + n, pf && n + pf < N ? pf * W.w_row : 0);
+    int64_t n = 0;
+    auto run_rows = [&](auto rc) __attribute__((always_inline)) {
+      constexpr int R = decltype(rc)::value;
+      const int64_t ahead = R + pf;  // rows: the pass pf rows past the next one
+      for (; n + R <= N; n += R) tokens(rc, T, offset(W, n), 0, y + n, pf && n + R + ahead <= N ? ahead * W.w_row : 0);
+    };
+    if (T == 1) run_rows(Slot<R1>{});
+    else run_rows(Slot<R23>{});
+    run_rows(Slot<1>{});
     return;
   }
   for (int64_t a = 0; a < N; a += 2) {
@@ -321,7 +332,10 @@ void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const*
     if (code == MXFP4) f32_block<MXFP4, R, TT>(Wn, K, xf + t0, nullptr, yt, ldy, ahead);
     else f32_block<INT4, R, TT>(Wn, K, xf + t0, xsum + t0, yt, ldy, ahead);
   };
-  drive(W, N, T, y, ldy, pf, run);
+  // MXFP4, T = 1: 4 rows share each activation vector (gpt-oss-20b expert shapes, one thread, kernel alone:
+  // 15 -> 19-25 GB/s, docs/real-scale.md); T = 2, 3 and int4 stay one row at a time (2 or 4 rows: slower)
+  if (code == MXFP4) drive<4, 1>(W, N, T, y, ldy, pf, run);
+  else drive<1, 1>(W, N, T, y, ldy, pf, run);
 }
 
 void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xs,
@@ -331,7 +345,11 @@ void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const*
     if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
     else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
   };
-  drive(W, N, T, y, ldy, pf, run);
+  // MXFP4: 4 rows share the activations at T = 1, 2 rows at T = 2, 3 (gpt-oss-20b expert shapes, one thread,
+  // kernel alone: 17-19 -> 27-33 GB/s at T = 1, 13 -> 14-18 at T = 2, docs/real-scale.md); int4 one row at a
+  // time (2 or 4 rows measured slower)
+  if (code == MXFP4) drive<4, 2>(W, N, T, y, ldy, pf, run);
+  else drive<1, 1>(W, N, T, y, ldy, pf, run);
 }
 
 #pragma GCC pop_options

@@ -55,7 +55,7 @@ bool supported();  // the CPU has AVX-512 F, BW, VL and VNNI
 void prep_f32(const float* x, int64_t K, float* out, float* lane_sums);  // lane_sums: nullptr for MXFP4
 void prep_q8(int code, const float* x, int64_t K, int8_t* q, float* scales, int32_t* corr);
 
-// pf: with fewer than 4 tokens, each row asks for the codes pf rows ahead (0: none)
+// pf: with fewer than 4 tokens, each row of a pass of R rows asks for the codes R + pf rows ahead (0: none)
 void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const* xf, const float* const* xsum,
               int64_t T, float* y, int64_t ldy, int64_t pf);
 void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xs,
