@@ -548,7 +548,7 @@ struct FastRows {
   }
 };
 
-// Rows ahead a single row's stream asks for (fewer than 4 tokens; 0: no prefetch). MXFP4 experts of
+// Rows past a pass's next one that a row stream asks for (fewer than 4 tokens; 0: no prefetch). MXFP4 experts of
 // gpt-oss-20b's shape, one thread, CPU time (bench/stream_bench.py --format mxfp4): none 6.1 GB/s,
 // 4 rows ahead 16.6 GB/s; see docs/real-scale.md for the other formats (`--prefetch 0 4`).
 std::atomic<int64_t> prefetch_rows{4};
