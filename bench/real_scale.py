@@ -272,6 +272,19 @@ class MemoryCgroup:
             print(f"note: could not remove {self.path}: {e}", file=sys.stderr)
 
 
+def cgroup_bytes(lay: dict, share: float, full_layers: int) -> int:
+    """The memory limit: `share` of the full model's size, scaled to the layers written. With fewer
+    layers the embeddings and lm_head (outside the layers) weigh more; the limit keeps them and
+    gives each written layer the memory a layer has when the full model runs in `share` of its size:
+    outside + (share x full - outside) x written layer bytes / full layer bytes."""
+    per_layer = sum(x["experts"] + x["dense"] for x in lay["layers"].values())
+    full_layers_bytes = per_layer / len(lay["layers"]) * full_layers
+    full = lay["outside"] + full_layers_bytes
+    if share * full <= lay["outside"]:
+        raise SystemExit(f"--cgroup-share {share}: below the {lay['outside'] / 1e9:.2f} GB outside the layers")
+    return int(lay["outside"] + (share * full - lay["outside"]) * per_layer / full_layers_bytes)
+
+
 def drop_page_cache() -> None:
     subprocess.run(["sh", "-c", "sync; echo 1 > /proc/sys/vm/drop_caches"], check=False)
 
@@ -318,7 +331,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--cpu-math", nargs="+", default=["exact", "fast"], choices=["exact", "fast"])
     ap.add_argument("--parts", nargs="+", default=["resident", "cgroup"], choices=["resident", "cgroup"])
-    ap.add_argument("--cgroup-share", type=float, default=0.45, help="memory limit as a share of each model file")
+    ap.add_argument("--cgroup-share", type=float, default=0.45,
+                    help="memory limit: this share of the full model's size, scaled to the layers written")
     ap.add_argument("--cgroup-gen", type=int, default=8, help="tokens decoded per round in the memory cgroup")
     ap.add_argument("--llama-extra", nargs="*", default=[], help="further llama-bench flags, e.g. --repack 0")
     ap.add_argument("--write-only", action="store_true", help="write the checkpoint and print its layout line")
@@ -411,8 +425,9 @@ def main() -> None:
 def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
     from llama_cpp_bench import Worker, llama_bench_rows
 
-    mib_ec = int(args.cgroup_share * dir_bytes(ckpt)) >> 20
-    mib_ll = int(args.cgroup_share * gguf.stat().st_size) >> 20
+    limit = cgroup_bytes(layout(ckpt), args.cgroup_share, MODELS[args.model]["num_hidden_layers"])
+    mib_ec = limit >> 20
+    mib_ll = int(limit * gguf.stat().st_size / dir_bytes(ckpt)) >> 20  # the same share of llama.cpp's file
     try:
         cg_ec, cg_ll = MemoryCgroup(f"realscale-ec-{os.getpid()}", mib_ec), MemoryCgroup(f"realscale-ll-{os.getpid()}", mib_ll)
     except OSError as e:

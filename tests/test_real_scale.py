@@ -96,3 +96,14 @@ def test_summary_line(capsys):
     assert (tg["limit_tok_s"], tg["expertcache_share_of_limit"]) == ("8.00", "50%")
     pp = next(f for f in fields if f["test"] == "pp128")
     assert (pp["ratio"], pp["limit"]) == ("1.50", "n/a")
+
+
+def test_cgroup_limit_keeps_the_full_models_memory_per_layer():
+    lay = {"layers": {0: {"experts": 400, "dense": 100}, 1: {"experts": 400, "dense": 100}}, "outside": 1000}
+    # all 4 layers written: 45% of 3000 bytes
+    full = {"layers": {i: {"experts": 400, "dense": 100} for i in range(4)}, "outside": 1000}
+    assert R.cgroup_bytes(full, 0.45, 4) == 1350
+    # 2 of 4 written: the outside 1000 bytes plus half of the 350 the 4 layers had
+    assert R.cgroup_bytes(lay, 0.45, 4) == 1175
+    with pytest.raises(SystemExit, match="outside the layers"):
+        R.cgroup_bytes(lay, 0.3, 4)
