@@ -225,9 +225,10 @@ def disk_speed(ckpt: Path, threads: int = 4, experts: int = 24) -> tuple[float, 
     from expertcache.loader.disk import DiskReader
     from expertcache.loader.safetensors_index import TensorIndex
     from expertcache.models.registry import read_config
+    from expertcache.quant.checkpoint import method_from_config
 
-    family, cfg, _ = read_config(ckpt)
-    source = ExpertSource(TensorIndex(ckpt), cfg, family.names)
+    family, cfg, hf = read_config(ckpt)
+    source = ExpertSource(TensorIndex(ckpt), cfg, family.names, method_from_config(hf))
     pairs = [(layer, e) for layer in source.layers for e in range(cfg.num_experts)]
     chosen = random.Random(time.time_ns()).sample(pairs, min(experts, len(pairs)))
     reader = DiskReader(threads=threads)
