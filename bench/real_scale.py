@@ -26,7 +26,7 @@ prompt alone. cgroup: each engine in its own memory cgroup (v1) of --cgroup-shar
 size, page cache dropped before each llama-bench run; llama.cpp mmap, expertcache --low-memory (expert
 slots 13%, no host tier, O_DIRECT reads); decode of GEN tokens after a 16-token prompt.
 Limits measured in the same run: memory read bandwidth (256 MiB float32 sum, once per round) and
-the disk's O_DIRECT read speed (the engine's DiskReader, 4 threads, whole experts of this checkpoint).
+the disk's O_DIRECT read speed (the engine's DiskReader, 16 threads, 48 whole experts of this checkpoint, once per round).
 
 Lines (after the hardware line): `layout:` (bytes per layer and outside the layers), `round:` per
 engine and round, `summary:` per test and cpu-math (medians of the rounds, ratio of the medians,
@@ -217,7 +217,7 @@ def gguf_for(ckpt: Path, out: Path, cache: Path, bindir: Path, peer: str) -> Pat
     return out
 
 
-def disk_speed(ckpt: Path, threads: int = 4, experts: int = 24) -> tuple[float, bool]:
+def disk_speed(ckpt: Path, threads: int = 16, experts: int = 48) -> tuple[float, bool]:
     """MB/s of whole experts read from `ckpt` with the engine's DiskReader (O_DIRECT when available)."""
     from concurrent.futures import wait
 
