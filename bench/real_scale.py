@@ -335,6 +335,8 @@ def main() -> None:
     ap.add_argument("--cgroup-share", type=float, default=0.45,
                     help="memory limit: this share of the full model's size, scaled to the layers written")
     ap.add_argument("--cgroup-gen", type=int, default=8, help="tokens decoded per round in the memory cgroup")
+    ap.add_argument("--lm-head", default=None, help="expertcache's lm_head format (LLM(lm_head=...), e.g. int8: "
+                    "llama-quantize quantizes the output matrix too); default: as stored")
     ap.add_argument("--llama-extra", nargs="*", default=[], help="further llama-bench flags, e.g. --repack 0")
     ap.add_argument("--write-only", action="store_true", help="write the checkpoint and print its layout line")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and GGUFs (default: delete at the end)")
@@ -380,11 +382,13 @@ def main() -> None:
     t0 = time.perf_counter()
     gguf = gguf_for(base, args.dir / f"{args.model}-{args.layers}L-{peer}.gguf", args.cache, bindir, peer)
     print(f"gguf: {gguf.name} GB={gguf.stat().st_size / 1e9:.2f} made_in_s={time.perf_counter() - t0:.0f}", flush=True)
-    tag = f"model={args.model} layers={args.layers} format={fmt} llama_format={peer} threads={args.threads}"
+    tag = (f"model={args.model} layers={args.layers} format={fmt} llama_format={peer} threads={args.threads} "
+           f"lm_head={args.lm_head or 'stored'}")
     pp = ",".join(map(str, args.prompts))
     try:
         if "resident" in args.parts:
-            workers = {m: Worker(ckpt, max(args.prompts), args.gen, args.threads, {"cpu_math": m})
+            extra = {"lm_head": args.lm_head} if args.lm_head else {}
+            workers = {m: Worker(ckpt, max(args.prompts), args.gen, args.threads, {"cpu_math": m, **extra})
                        for m in args.cpu_math}
             res = {"llama.cpp": [], **{m: [] for m in workers}}
             bws = []
