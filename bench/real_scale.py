@@ -26,7 +26,8 @@ prompt alone. cgroup: each engine in its own memory cgroup (v1) of --cgroup-shar
 size, page cache dropped before each llama-bench run; llama.cpp mmap, expertcache --low-memory (expert
 slots 13%, no host tier, O_DIRECT reads); decode of GEN tokens after a 16-token prompt.
 Limits measured in the same run: memory read bandwidth (256 MiB float32 sum, once per round) and
-the disk's O_DIRECT read speed (the engine's DiskReader, 16 threads, 48 whole experts of this checkpoint, once per round).
+the disk's O_DIRECT read speed (the engine's DiskReader, 16 threads, 48 whole experts of this
+checkpoint, once per round).
 
 Lines (after the hardware line): `layout:` (bytes per layer and outside the layers), `round:` per
 engine and round, `summary:` per test and cpu-math (medians of the rounds, ratio of the medians,
@@ -320,7 +321,8 @@ def summarize(tag: str, res: dict, limits: dict, extra: str = "") -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt-oss-20b")
-    ap.add_argument("--format", default=None, help="gpt-oss-20b: mxfp4; qwen3-30b-a3b: bf16 or int4 (default: the first)")
+    ap.add_argument("--format", default=None,
+                    help="gpt-oss-20b: mxfp4; qwen3-30b-a3b: bf16 or int4 (default: the first)")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "expertcache-realscale")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "expertcache-peers",
@@ -367,8 +369,10 @@ def main() -> None:
     k = cfg["num_experts_per_tok"]
     print(f"layout: model={args.model} format={fmt} layers={args.layers}/{cfg['num_hidden_layers']} "
           f"checkpoint_GB={dir_bytes(ckpt) / 1e9:.2f} per_layer_experts_GB={one['experts'] / 1e9:.3f} "
-          f"per_layer_dense_GB={one['dense'] / 1e9:.4f} per_layer_read_per_token_GB={(one['experts'] * k / E + one['dense']) / 1e9:.4f} "
-          f"outside_layers_GB={lay['outside'] / 1e9:.3f} (embeddings + lm_head + norm) written_in_s={time.perf_counter() - t0:.0f}",
+          f"per_layer_dense_GB={one['dense'] / 1e9:.4f} "
+          f"per_layer_read_per_token_GB={(one['experts'] * k / E + one['dense']) / 1e9:.4f} "
+          f"outside_layers_GB={lay['outside'] / 1e9:.3f} (embeddings + lm_head + norm) "
+          f"written_in_s={time.perf_counter() - t0:.0f}",
           flush=True)
     if args.write_only:
         return
@@ -434,7 +438,8 @@ def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
     mib_ec = limit >> 20
     mib_ll = int(limit * gguf.stat().st_size / dir_bytes(ckpt)) >> 20  # the same share of llama.cpp's file
     try:
-        cg_ec, cg_ll = MemoryCgroup(f"realscale-ec-{os.getpid()}", mib_ec), MemoryCgroup(f"realscale-ll-{os.getpid()}", mib_ll)
+        cg_ec = MemoryCgroup(f"realscale-ec-{os.getpid()}", mib_ec)
+        cg_ll = MemoryCgroup(f"realscale-ll-{os.getpid()}", mib_ll)
     except OSError as e:
         print(f"cgroup: skipped, a memory cgroup cannot be created here ({e})", flush=True)
         return
