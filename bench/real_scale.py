@@ -439,7 +439,11 @@ def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
     mib_ll = int(limit * gguf.stat().st_size / dir_bytes(ckpt)) >> 20  # the same share of llama.cpp's file
     try:
         cg_ec = MemoryCgroup(f"realscale-ec-{os.getpid()}", mib_ec)
-        cg_ll = MemoryCgroup(f"realscale-ll-{os.getpid()}", mib_ll)
+        try:
+            cg_ll = MemoryCgroup(f"realscale-ll-{os.getpid()}", mib_ll)
+        except OSError:
+            cg_ec.close()
+            raise
     except OSError as e:
         print(f"cgroup: skipped, a memory cgroup cannot be created here ({e})", flush=True)
         return
