@@ -109,10 +109,17 @@ def models(cache: Path, bindir: Path, tokenizer: Path) -> dict[str, tuple[Path, 
     return {"bf16": (yard, bf16), "int8": (int8, q8)}
 
 
+def llama_bench_rows(bindir: Path, gguf: Path, prompts: str, gen: int, threads: int, extra: tuple = (),
+                     prefix: tuple = ()) -> list[dict]:
+    """One `llama-bench -r 1 -o json` run (`prompts`: llama-bench's -p list, e.g. "128,512"; `extra`:
+    further llama-bench flags; `prefix`: a command prefix, e.g. a memory cgroup) -> its JSON rows."""
+    out = subprocess.run([*prefix, str(bindir / "llama-bench"), "-m", str(gguf), "-p", prompts, "-n", str(gen), "-r",
+                          "1", "-t", str(threads), "-o", "json", *extra], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
 def llama_bench(bindir: Path, gguf: Path, prompt: int, gen: int, threads: int) -> tuple[float, float]:
-    out = subprocess.run([str(bindir / "llama-bench"), "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-r", "1",
-                          "-t", str(threads), "-o", "json"], check=True, capture_output=True, text=True).stdout
-    rows = json.loads(out)
+    rows = llama_bench_rows(bindir, gguf, str(prompt), gen, threads)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
     return pp, tg
@@ -124,9 +131,8 @@ sys.path.insert(0, {bench!r})
 from common import timed_generate
 from expertcache import LLM, SamplingParams
 torch.set_num_threads({threads})
-llm = LLM({model!r}, max_model_len=512, kv_cache_memory="64MiB", prefix_caching=False, **{options!r})  # every round prefills the whole prompt
+llm = LLM({model!r}, max_model_len=max(512, {prompt} + {gen} + 8), kv_cache_memory="64MiB", prefix_caching=False, **{options!r})  # every round prefills the whole prompt
 prompt = torch.randint(3, 2000, ({prompt},), generator=torch.Generator().manual_seed(0)).tolist()
-params = SamplingParams(max_tokens={gen} + 1, temperature=0.0, ignore_eos=True)
 llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
 m, src = llm.model, llm.source
 size = lambda t: t.nbytes if hasattr(t, "parts") else t.numel() * t.element_size()
@@ -135,19 +141,23 @@ dense += sum(layer["router"].numel() * layer["router"].element_size() for layer 
 head = size(m.lm_head)
 per_token = src.expert_nbytes * src.cfg.top_k * len(src.layers) + dense + head
 print("READY " + json.dumps({{"bytes_per_token": per_token}}), flush=True)
-for line in sys.stdin:
-    r = timed_generate(llm, [prompt], params)
-    print("RESULT " + json.dumps({{"pp": r["prefill_tok_s"], "tg": r["decode_tok_s"]}}), flush=True)
+for line in sys.stdin:  # "go [PROMPT GEN]": a shorter prompt / fewer tokens than the worker was made for
+    words = line.split()
+    n, gen = (int(words[1]), int(words[2])) if len(words) == 3 else ({prompt}, {gen})
+    r = timed_generate(llm, [prompt[:n]], SamplingParams(max_tokens=gen + 1, temperature=0.0, ignore_eos=True))
+    s = llm.expert_stats() or {{}}
+    disk = s.get("per_tier", {{}}).get("disk", {{}}).get("bytes_read", 0)
+    print("RESULT " + json.dumps({{"pp": r["prefill_tok_s"], "tg": r["decode_tok_s"], "disk_bytes": disk}}), flush=True)
 """
 
 
 class Worker:
     """One expertcache process holding the model; `run()` measures one round."""
 
-    def __init__(self, model: Path, prompt: int, gen: int, threads: int, options: dict):
+    def __init__(self, model: Path, prompt: int, gen: int, threads: int, options: dict, prefix: tuple = ()):
         code = WORKER.format(bench=str(HERE.parent), threads=threads, model=str(model), prompt=prompt, gen=gen,
                              options=options)
-        self.p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.p = subprocess.Popen([*prefix, sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         self.info = json.loads(self._expect("READY "))
 
@@ -158,10 +168,15 @@ class Worker:
         raise RuntimeError(f"expertcache worker exited with {self.p.wait()}")
 
     def run(self) -> tuple[float, float]:
-        self.p.stdin.write("go\n")
-        self.p.stdin.flush()
-        r = json.loads(self._expect("RESULT "))
+        r = self.measure()
         return r["pp"], r["tg"]
+
+    def measure(self, prompt: int | None = None, gen: int | None = None) -> dict:
+        """One generate call (the worker's prompt and token count unless given) -> {pp, tg, disk_bytes}
+        (disk_bytes: the engine's disk-tier bytes read so far, cumulative)."""
+        self.p.stdin.write("go\n" if prompt is None else f"go {prompt} {gen}\n")
+        self.p.stdin.flush()
+        return json.loads(self._expect("RESULT "))
 
     def close(self) -> None:
         self.p.stdin.close()
