@@ -327,7 +327,9 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "expertcache-realscale")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "expertcache-peers",
                     help="the llama.cpp build of bench/peers/llama_cpp_bench.py")
-    ap.add_argument("--tokenizer", type=Path, default=HERE.parents[1] / "shared" / "tokenizers" / "qwen3")
+    ap.add_argument("--tokenizer", type=Path, default=HERE.parent / "tests" / "fixtures" / "qwen3-tokenizer",
+                    help="a tokenizer.json + tokenizer_config.json for the converter (default: the Qwen3 tokenizer "
+                         "the tests carry)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 512])
