@@ -97,11 +97,11 @@ def cpu_threads(device: torch.device | str):
     ext = extension()
     ext.set_threads(n)
     torch.set_num_threads(1)
-    prefill_gemm._threads[0] = n  # the bf16 matmul at prefill runs on the kernels' count
+    prefill_gemm.set_forward_threads(n)  # the bf16 matmul at prefill runs on the kernels' count
     try:
         yield
     finally:
-        prefill_gemm._threads[0] = 0
+        prefill_gemm.set_forward_threads(0)
         torch.set_num_threads(n)
         ext.set_threads(0)
 

@@ -70,6 +70,11 @@ def fixed_crossover(t: int | None):
 
 
 @contextmanager
+def set_forward_threads(n: int) -> None:
+    """The kernels' thread count within a forward (kernels.cpu_threads sets it; 0 outside one)."""
+    _threads[0] = n
+
+
 def gemm_threads():
     """Around a matmul within a forward: torch on the kernels' thread count (kernels.cpu_threads puts
     torch's own ops on one thread), restored afterwards."""
@@ -196,4 +201,4 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["CALLS", "ENV", "MIN_T", "NEVER", "PROBE_T", "bf16_linear", "crossover", "enable", "enabled",
-           "fixed_crossover", "gemm_threads", "measure", "table", "takes"]
+           "fixed_crossover", "gemm_threads", "set_forward_threads", "measure", "table", "takes"]
