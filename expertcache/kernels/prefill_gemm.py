@@ -69,12 +69,12 @@ def fixed_crossover(t: int | None):
         _fixed[0] = saved
 
 
-@contextmanager
 def set_forward_threads(n: int) -> None:
     """The kernels' thread count within a forward (kernels.cpu_threads sets it; 0 outside one)."""
     _threads[0] = n
 
 
+@contextmanager
 def gemm_threads():
     """Around a matmul within a forward: torch on the kernels' thread count (kernels.cpu_threads puts
     torch's own ops on one thread), restored afterwards."""
