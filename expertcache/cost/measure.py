@@ -164,8 +164,9 @@ def _cache_file() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "expertcache" / "this-cpu.json"
 
 
-def _hardware_key(model_dir) -> str:
-    import os
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo; platform.processor() where that cannot be read): part of the
+    key of every per-machine measurement."""
     import platform
 
     cpu = platform.processor()
@@ -174,8 +175,15 @@ def _hardware_key(model_dir) -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    return cpu
+
+
+def _hardware_key(model_dir) -> str:
+    import os
+
     dev = Path(model_dir).stat().st_dev if model_dir else -1  # the disk figure is the model's filesystem's
-    return f"{cpu}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}|dev={dev}"
+    return (f"{cpu_name()}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|dev={dev}")
 
 
 def this_cpu(model_dir: str | Path | None = None, refresh: bool = False, device=None) -> tuple[Measured, bool]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -32,6 +31,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..cost.measure import cpu_name
 from ..paths import cache_root
 
 ENV = "EXPERTCACHE_PREFILL_GEMM"
@@ -91,13 +91,7 @@ def gemm_threads():
 
 @lru_cache(maxsize=1)
 def _cpu_name() -> str:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return cpu
+    return cpu_name()
 
 
 def hardware_key() -> str:
