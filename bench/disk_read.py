@@ -20,6 +20,24 @@ import torch
 from common import hardware_line
 
 
+def read_experts(source, chosen, threads: int) -> tuple[float, bool]:
+    """Read the whole experts `chosen` [(layer, expert)] of `source` (an ExpertSource) with the engine's
+    DiskReader on `threads` I/O threads -> (MB/s, whether O_DIRECT was used)."""
+    from expertcache.loader.disk import DiskReader
+
+    reader = DiskReader(threads=threads)
+    bufs = [{p.name: torch.empty(p.shape, dtype=p.dtype) for p in source.parts} for _ in chosen]
+    t0 = time.perf_counter()
+    futs = [reader.submit(source.ranges(layer, e)[n], t) for (layer, e), b in zip(chosen, bufs) for n, t in b.items()]
+    wait(futs)
+    for f in futs:
+        f.result()
+    dt = time.perf_counter() - t0
+    direct = reader.direct_used
+    reader.close()
+    return len(chosen) * source.expert_nbytes / dt / 1e6, direct
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -27,7 +45,6 @@ def main():
     ap.add_argument("--experts", type=int, default=64, help="experts read per configuration")
     args = ap.parse_args()
     from expertcache.demo import build_demo_model
-    from expertcache.loader.disk import DiskReader
     from expertcache.experts.layout import ExpertSource
     from expertcache.loader.safetensors_index import TensorIndex
     from expertcache.models.registry import read_config
@@ -43,18 +60,10 @@ def main():
     if len(pairs) < args.experts * len(args.threads):
         raise SystemExit(f"{model} has {len(pairs)} experts, need {args.experts * len(args.threads)}")
     for k, threads in enumerate(args.threads):
-        reader = DiskReader(threads=threads)
         chosen = pairs[k * args.experts:(k + 1) * args.experts]
-        bufs = [{p.name: torch.empty(p.shape, dtype=p.dtype) for p in source.parts} for _ in chosen]
-        t0 = time.perf_counter()
-        futs = [reader.submit(source.ranges(layer, e)[n], t) for (layer, e), b in zip(chosen, bufs) for n, t in b.items()]
-        wait(futs)
-        for f in futs:
-            f.result()
-        dt = time.perf_counter() - t0
+        mbs, direct = read_experts(source, chosen, threads)
         print(f"threads={threads} expert_MB={source.expert_nbytes / 1e6:.2f} experts={len(chosen)} "
-              f"MB_per_s={len(chosen) * source.expert_nbytes / dt / 1e6:.0f} o_direct={reader.direct_used}", flush=True)
-        reader.close()
+              f"MB_per_s={mbs:.0f} o_direct={direct}", flush=True)
 
 
 if __name__ == "__main__":

@@ -220,10 +220,8 @@ def gguf_for(ckpt: Path, out: Path, cache: Path, bindir: Path, peer: str) -> Pat
 
 def disk_speed(ckpt: Path, threads: int = 16, experts: int = 48) -> tuple[float, bool]:
     """MB/s of whole experts read from `ckpt` with the engine's DiskReader (O_DIRECT when available)."""
-    from concurrent.futures import wait
-
+    from disk_read import read_experts
     from expertcache.experts.layout import ExpertSource
-    from expertcache.loader.disk import DiskReader
     from expertcache.loader.safetensors_index import TensorIndex
     from expertcache.models.registry import read_config
     from expertcache.quant.checkpoint import method_from_config
@@ -232,17 +230,7 @@ def disk_speed(ckpt: Path, threads: int = 16, experts: int = 48) -> tuple[float,
     source = ExpertSource(TensorIndex(ckpt), cfg, family.names, method_from_config(hf))
     pairs = [(layer, e) for layer in source.layers for e in range(cfg.num_experts)]
     chosen = random.Random(time.time_ns()).sample(pairs, min(experts, len(pairs)))
-    reader = DiskReader(threads=threads)
-    bufs = [{p.name: torch.empty(p.shape, dtype=p.dtype) for p in source.parts} for _ in chosen]
-    t0 = time.perf_counter()
-    futs = [reader.submit(source.ranges(layer, e)[n], t) for (layer, e), b in zip(chosen, bufs) for n, t in b.items()]
-    wait(futs)
-    for f in futs:
-        f.result()
-    dt = time.perf_counter() - t0
-    direct = reader.direct_used
-    reader.close()
-    return len(chosen) * source.expert_nbytes / dt / 1e6, direct
+    return read_experts(source, chosen, threads)
 
 
 class MemoryCgroup:
