@@ -286,9 +286,9 @@ def build_engine(o: EngineOptions, worker_kwargs: dict | None = None, serve_rank
     else:
         runner = ModelRunner(model_, kv, states)
     eos = eos_ids(cfg, tokenizer)
-    engine = LLMEngine(runner, tokenizer, eos, max_model_len, o.max_num_seqs, o.max_num_batched_tokens)
     # the plan's logits term is a bound: a step computes at most this many prompt tokens' logits
-    engine.scheduler.max_logits_rows = logits_block_rows(cfg.vocab_size, dtype, device, o.max_num_batched_tokens)
+    engine = LLMEngine(runner, tokenizer, eos, max_model_len, o.max_num_seqs, o.max_num_batched_tokens,
+                       max_logits_rows=logits_block_rows(cfg.vocab_size, dtype, device, o.max_num_batched_tokens))
     engine.nonfinite_experts, engine.expert_name = source.nonfinite, source.expert_name
     return Built(cache_config, model_dir, device, dtype, family, cfg, hf_config, index, mtp_layers, quant, source,
                  parallel, group, tokenizer, max_model_len, plan, ledger, plan_lines, plan_lines[shown:], experts,

@@ -133,13 +133,11 @@ def to_shipped_mxfp4(src, dst) -> Path:
     return dst
 
 
-def dequantized_reference(mxfp4_dir, like_dir):
-    """transformers' GptOssForCausalLM (fp32) with the weights of an MXFP4 checkpoint, the experts
-    dequantized by transformers' own GPT-OSS converter (integrations.mxfp4.convert_moe_packed_tensors)."""
-    from transformers import AutoModelForCausalLM
+def dequantized_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors in float32, its MXFP4 `*_blocks`/`*_scales` pairs dequantized by transformers'
+    own GPT-OSS converter (integrations.mxfp4.convert_moe_packed_tensors)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    tensors = C.read_tensors(mxfp4_dir)
     state = {}
     for k, t in tensors.items():
         if k.endswith("_blocks"):
@@ -147,6 +145,15 @@ def dequantized_reference(mxfp4_dir, like_dir):
             state[base] = convert_moe_packed_tensors(t, tensors[base + "_scales"], dtype=torch.float32)
         elif not k.endswith("_scales"):
             state[k] = t.float()
+    return state
+
+
+def dequantized_reference(mxfp4_dir, like_dir):
+    """transformers' GptOssForCausalLM (fp32) with the weights of an MXFP4 checkpoint, the experts
+    dequantized by transformers' own GPT-OSS converter (integrations.mxfp4.convert_moe_packed_tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    state = dequantized_state(C.read_tensors(mxfp4_dir))
     model = AutoModelForCausalLM.from_pretrained(like_dir, dtype=torch.float32, attn_implementation="eager")
     model.load_state_dict(state, strict=True)
     return model.eval()

@@ -39,20 +39,15 @@ def transformers_on(path: Path):
     """transformers' model for the checkpoint's config.json, fp32, MXFP4 experts dequantized by
     transformers' own converter (integrations.mxfp4.convert_moe_packed_tensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from gpt_oss_checkpoints import dequantized_state
 
     cfg = AutoConfig.from_pretrained(path)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     cfg._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    tensors, state = C.read_tensors(path), {}
-    for k, t in tensors.items():
-        if k.endswith("_blocks"):
-            base = k.removesuffix("_blocks")
-            state[base] = convert_moe_packed_tensors(t, tensors[base + "_scales"], dtype=torch.float32)
-        elif not k.endswith("_scales"):
-            state[k] = t.float()
+    state = dequantized_state(C.read_tensors(path))
     model.load_state_dict(C.fuse_experts(state), strict=True)  # per-expert Qwen3 tensors as transformers holds them
     return model
 

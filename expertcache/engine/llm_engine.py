@@ -50,11 +50,12 @@ class EngineCounters:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...],
-                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, recorder=None):
+                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, recorder=None,
+                 max_logits_rows: int | None = None):
         self.runner, self.tokenizer, self.kv = runner, tokenizer, runner.kv
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, runner.states)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, runner.states, max_logits_rows)
         self.seqs: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.counters = EngineCounters()
         self.recorder = recorder
@@ -122,7 +123,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         recording = self._recording()
         self.runner.model.record_routing = recording
-        full = [seq.prompt_logprobs is not None and seq.num_computed < seq.prompt_len for seq, _ in work]
+        full = [Scheduler.needs_logits(seq) for seq, _ in work]
         try:
             logits, spans = self.runner.run_rows(work, full)
         except Exception as e:  # noqa: BLE001 - find the sequence at fault instead of failing them all
