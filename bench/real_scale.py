@@ -329,6 +329,8 @@ def main() -> None:
     ap.add_argument("--cgroup-gen", type=int, default=8, help="tokens decoded per round in the memory cgroup")
     ap.add_argument("--lm-head", default=None, help="expertcache's lm_head format (LLM(lm_head=...), e.g. int8: "
                     "llama-quantize quantizes the output matrix too); default: as stored")
+    ap.add_argument("--dense", default=None, help="expertcache's dense projections' format (LLM(dense=...), e.g. "
+                    "int4: a Q4_0 GGUF holds its attention in 4 bits); default: as stored")
     ap.add_argument("--llama-extra", nargs="*", default=[], help="further llama-bench flags, e.g. --repack 0")
     ap.add_argument("--write-only", action="store_true", help="write the checkpoint and print its layout line")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and GGUFs (default: delete at the end)")
@@ -377,11 +379,11 @@ def main() -> None:
     gguf = gguf_for(base, args.dir / f"{args.model}-{args.layers}L-{peer}.gguf", args.cache, bindir, peer)
     print(f"gguf: {gguf.name} GB={gguf.stat().st_size / 1e9:.2f} made_in_s={time.perf_counter() - t0:.0f}", flush=True)
     tag = (f"model={args.model} layers={args.layers} format={fmt} llama_format={peer} threads={args.threads} "
-           f"lm_head={args.lm_head or 'stored'}")
+           f"lm_head={args.lm_head or 'stored'} dense={args.dense or 'stored'}")
     pp = ",".join(map(str, args.prompts))
     try:
         if "resident" in args.parts:
-            extra = {"lm_head": args.lm_head} if args.lm_head else {}
+            extra = {k: v for k, v in (("lm_head", args.lm_head), ("dense", args.dense)) if v}
             workers = {m: Worker(ckpt, max(args.prompts), args.gen, args.threads, {"cpu_math": m, **extra})
                        for m in args.cpu_math}
             res = {"llama.cpp": [], **{m: [] for m in workers}}

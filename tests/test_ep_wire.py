@@ -97,3 +97,17 @@ def test_truncated_messages_are_refused():
         decode(buf[:20])
     with pytest.raises(WireError, match="outside the message"):
         decode(buf[:-1])
+
+
+def test_announced_sizes_are_bounded_before_any_allocation(monkeypatch):
+    """A receiver allocates only for a size a message may have: 8 bytes to MAX_MESSAGE_BYTES."""
+    from expertcache.parallel import wire
+
+    assert wire.check_size(8) == 8 and wire.check_size(wire.MAX_MESSAGE_BYTES) == wire.MAX_MESSAGE_BYTES
+    for n in (-1, 0, 7, wire.MAX_MESSAGE_BYTES + 1, 1 << 62):
+        with pytest.raises(WireError, match=f"message of {n} bytes announced"):
+            wire.check_size(n)
+    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 4096)
+    encode(torch.zeros(1000, dtype=torch.uint8))  # under the cap with its header
+    with pytest.raises(WireError, match="message of .* bytes announced"):  # the sender refuses too
+        encode(torch.zeros(4096, dtype=torch.uint8))

@@ -476,3 +476,21 @@ def test_server_with_two_ranks(ep_checkpoint, tmp_path):
             assert 'expertcache:ep_balance{window="mean"}' in metrics
             assert 'expertcache:ep_peer_hits_total{rank="1"}' in metrics
             assert 'expertcache:ep_bytes_rearranged_total{source="peer"}' in metrics
+
+
+def test_an_oversized_message_fails_the_group_with_its_size(ep_checkpoint, monkeypatch):
+    """A message over the wire's size cap is refused with its size named, and the group is marked failed
+    (its ranks are out of step): the next step says so at once instead of hanging in a collective."""
+    from expertcache.parallel import wire
+
+    llm = LLM(str(ep_checkpoint), expert_parallel=ParallelConfig(2, timeout_s=600))
+    try:
+        want = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+        assert len(want) == 2
+        monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 64)
+        with pytest.raises(ExpertParallelError, match=r"malformed message .* message of \d+ bytes announced"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0))
+        with pytest.raises(ExpertParallelError, match="malformed message"):  # failed from then on
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0))
+    finally:
+        llm.close()

@@ -194,6 +194,9 @@ class EPGroup:
             raise ExpertParallelError(f"{self.failed} (before {what})")
         try:
             return fn(*args)
+        except wire.WireError as e:  # a size no message may have: the ranks are out of step from here on
+            self._fail(f"a malformed message between expert-parallel ranks (during {what}): {e}")
+            raise ExpertParallelError(self.failed) from None
         except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on a lost peer or timeout
             who = self.failed or self._dead_worker() or \
                 f"a rank did not answer within {self.timeout_s:.0f} s or lost its connection"
@@ -212,7 +215,7 @@ class EPGroup:
             size = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64, device=self.device)
             dist.broadcast(size, 0, group)
             if buf is None:
-                buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+                buf = torch.empty(wire.check_size(int(size.item())), dtype=torch.uint8, device=self.device)
             dist.broadcast(buf, 0, group)
             return buf
 
@@ -225,7 +228,7 @@ class EPGroup:
 
         def run():
             dist.all_gather(sizes, torch.tensor([buf.numel()], dtype=torch.int64, device=self.device), group)
-            longest = max(int(s.item()) for s in sizes)
+            longest = max(wire.check_size(int(s.item())) for s in sizes)
             padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
             padded[: buf.numel()] = buf
             out = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]

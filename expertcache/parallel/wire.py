@@ -28,8 +28,22 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.int8, torch.uint8, torch.bool)}
 
 
+# The largest message a rank accepts (and sends), checked before the receiver allocates for it: a step's
+# hidden states are T x H x 4 bytes (8192 tokens x hidden 7168: 235 MB), far below it.
+MAX_MESSAGE_BYTES = 1 << 30
+
+
 class WireError(ExpertCacheError, ValueError):
     """A message that is not a well-formed expert-parallel message."""
+
+
+def check_size(n: int) -> int:
+    """n, the announced byte length of a message, if a message may have it; else WireError (before any
+    buffer of that size is allocated)."""
+    if not 8 <= n <= MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {n} bytes announced; a message holds 8 to {MAX_MESSAGE_BYTES} bytes "
+                        "(parallel/wire.py MAX_MESSAGE_BYTES)")
+    return n
 
 
 def encode(obj) -> torch.Tensor:
@@ -39,6 +53,7 @@ def encode(obj) -> torch.Tensor:
     parts = [torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8),
              torch.frombuffer(bytearray(header), dtype=torch.uint8)]
     parts += [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    check_size(sum(p.numel() for p in parts))
     return torch.cat(parts)
 
 
