@@ -9,6 +9,7 @@ file when that token is used (the load no longer scans the table).
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -20,11 +21,13 @@ import checkpoints as C
 import gpt_oss_checkpoints as G
 from expertcache import LLM, SamplingParams
 from expertcache.build import model_tensors
+from expertcache.cli import main
 from expertcache.engine.device_plan import dense_bytes
 from expertcache.errors import CheckpointError
 from expertcache.loader.rows import RowReader, readable
 from expertcache.loader.safetensors_index import TensorIndex
 from expertcache.models import embedding, transformer
+from expertcache.units import fmt_bytes
 
 EMBED = "model.embed_tokens.weight"
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -190,6 +193,27 @@ def test_plan_dense_term_drops_by_the_table(gpt_oss_bf16, monkeypatch):
         llm.close()
     # not low memory: the table is held and counted
     assert dense_bytes(*args, low_memory=False) > on_disk
+
+
+def test_plan_command_low_memory_is_the_engines(gpt_oss_bf16, capsys):
+    """`expertcache plan --low-memory`: the dense term and the RAM line are what the engine allocates."""
+    args = ["plan", str(gpt_oss_bf16), "--device-memory", "25%", "--host-memory", "0"]
+    assert main([*args, "--low-memory", "--json"]) == 0
+    terms = json.loads(capsys.readouterr().out)["device_plan"]["terms"]
+    assert main([*args, "--low-memory"]) == 0
+    text = capsys.readouterr().out
+    llm = LLM(str(gpt_oss_bf16), **LOW)
+    try:
+        dense = llm.ledger.terms["dense"]
+        assert terms["dense"] == dense == llm.device_plan.terms["dense"]
+        assert f"RAM for weights: dense {fmt_bytes(dense)} + experts" in text
+        V, H = llm.cfg.vocab_size, llm.cfg.hidden_size
+    finally:
+        llm.close()
+    assert main([*args, "--json"]) == 1  # host_memory=0 needs --low-memory (the engine's own refusal)
+    assert "host_memory=0" in json.loads(capsys.readouterr().out)["plan"]["error"]
+    assert main(["plan", str(gpt_oss_bf16), "--device-memory", "25%", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_plan"]["terms"]["dense"] >= dense + V * H * 2
 
 
 def test_nonfinite_embedding_row_names_the_token(cache_checkpoint, tmp_path):
