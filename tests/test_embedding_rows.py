@@ -187,6 +187,8 @@ def test_plan_dense_term_drops_by_the_table(gpt_oss_bf16, monkeypatch):
             m.setattr(embedding, "on_disk", lambda *a: False)
             held = dense_bytes(*args, low_memory=True)
         assert held - on_disk == V * H * 2
+        line = f"(the embedding table's {fmt_bytes(V * H * 2)} of them stay on disk"
+        assert any(line in printed for printed in llm.plan_lines)
         assert llm.device_plan.terms["dense"] == on_disk
         assert {k: llm.ledger.terms.get(k, 0) for k in llm.device_plan.allocated} == llm.device_plan.allocated
     finally:
