@@ -6,7 +6,8 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
     dense            the non-expert weights as they will be held there: compute dtype, bf16/fp16 kept as
                      stored where the CPU kernels read them (kernels.dense_dtype), fp32 routers where the
                      family keeps them, --dense / --lm-head formats at their packed size, rotary frequencies, the
-                     linear-attention layers' tensors derived at load
+                     linear-attention layers' tensors derived at load; not an untied embedding table under
+                     --low-memory on the CPU (its rows are read per token: models/embedding.py)
     kv_cache         num_blocks x bytes_per_block (plan_kv: auto, or --kv-cache-memory)
     linear_state     (B + 1) x the linear-attention state of one sequence (hybrid models)
     activations      T x (6 H + widest) x 4 + 2 B x M x kv_token x s, where widest = the widest projection
