@@ -70,20 +70,19 @@ class RowReader:
         if flat.numel() == 0:
             return torch.empty(*ids.shape, self.row_len, dtype=self.info.dtype)
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # [U], [T]
-        lo, hi = int(uniq[0]), int(uniq[-1])
-        if lo < 0 or hi >= self.num_rows:
-            bad = lo if lo < 0 else hi
+        u = uniq.tolist()
+        if u[0] < 0 or u[-1] >= self.num_rows:
+            bad = u[0] if u[0] < 0 else u[-1]
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.num_rows}) of tensor "
                              f"{self.info.name} ({self.info.file.name})")
-        out = torch.empty(len(uniq), self.row_len, dtype=self.info.dtype)  # [U, H]
+        out = torch.empty(len(u), self.row_len, dtype=self.info.dtype)  # [U, H]
         dst = memoryview(out.view(torch.uint8).reshape(-1).numpy())
-        # runs of consecutive ids: run k is uniq[starts[k]:ends[k]], one read each
-        breaks = (torch.nonzero(uniq[1:] - uniq[:-1] != 1).reshape(-1) + 1).tolist()
-        starts, ends = [0, *breaks], [*breaks, len(uniq)]
-        for a, b in zip(starts, ends):
-            self._read(int(uniq[a]), dst[a * self.row_bytes: b * self.row_bytes])
+        # runs of consecutive ids, one read each: run k is u[starts[k]:starts[k + 1]]
+        starts = [0, *(i for i in range(1, len(u)) if u[i] != u[i - 1] + 1), len(u)]
+        for a, b in zip(starts, starts[1:]):
+            self._read(u[a], dst[a * self.row_bytes: b * self.row_bytes])
         if self.check_finite:
-            self._check(uniq, out)
+            self._check(u, out)
         return out.index_select(0, inverse).reshape(*ids.shape, self.row_len)
 
     def _read(self, first: int, dst: memoryview) -> None:
@@ -97,10 +96,11 @@ class RowReader:
             pos += got
         self.bytes_read += pos
 
-    def _check(self, uniq: torch.Tensor, out: torch.Tensor) -> None:
+    def _check(self, u: list[int], out: torch.Tensor) -> None:
+        """out [U, H]: row k is token u[k]."""
         finite = torch.isfinite(out).all(-1)  # [U]
         if not bool(finite.all()):
-            token = int(uniq[int(torch.nonzero(~finite)[0])])
+            token = u[int(torch.nonzero(~finite)[0])]
             raise CheckpointError(f"{self.info.file.name}: tensor {self.info.name} row {token} (token id {token}) "
                                   f"holds non-finite values (NaN or inf); {SKIP_HINT}")
 
