@@ -95,6 +95,7 @@ class MoETransformer:
         emb = index.info(EMBED, (V, H))
         keep = not tied(cfg, index) and emb.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
         disk = on_disk(cfg, index, device, low_memory)
+        self.embed: Table | RowReader  # rows(input_ids [T]) -> [T, H]
         if disk:
             self.embed = RowReader(emb, check_finite)
         elif keep:
