@@ -40,7 +40,7 @@ def main() -> None:
     import expertcache.models.transformer as transformer
     from expertcache import LLM, SamplingParams
 
-    llm = LLM(a.model, max_model_len=512, kv_cache_memory="64MiB", prefix_caching=False, lm_head=a.lm_head,
+    llm = LLM(a.model, max_model_len=max(512, a.prompt + a.tokens + 8), kv_cache_memory="64MiB", prefix_caching=False, lm_head=a.lm_head,
               cpu_math=a.cpu_math, dense=a.dense)
     prompt = [3 + i % 2000 for i in range(a.prompt)]
     llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up

@@ -45,11 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: keep dense weights and the fastest expert tier in the checkpoint's dtype, converted "
                         "per use (about half the RAM, some speed), and an untied embedding table on disk (its rows "
                         "read per token); allows --host-memory 0 (misses read from disk straight into expert slots)")
-    p.add_argument("--lm-head", choices=["int8"], default=None,
-                   help="quantize lm_head at load (int8, group 128): a quarter of its float32 bytes and half its "
-                        "bf16 bytes read per token (default: as stored)")
-    p.add_argument("--dense", choices=["int8"], default=None,
-                   help="quantize the dense projections at load (int8, group 128): a standard attention's "
+    p.add_argument("--lm-head", choices=["int8", "int4"], default=None,
+                   help="quantize lm_head at load (int8 or int4 with zero points, group 128): int8 reads half its "
+                        "bf16 bytes per token, int4 about a quarter (default: as stored)")
+    p.add_argument("--dense", choices=["int8", "int4"], default=None,
+                   help="quantize the dense projections at load (int8 or int4, group 128): a standard attention's "
                         "q/k/v/o, dense MLPs and shared experts (default: as stored)")
     p.add_argument("--cpu-math", choices=["exact", "fast"], default="exact",
                    help="how the CPU kernels multiply: exact = float32 activations (default); fast = as llama.cpp, "

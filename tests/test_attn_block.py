@@ -103,10 +103,11 @@ def test_the_block_is_the_python_path_bit_for_bit(family, math, checkpoint):
 
 
 @needs_cpp
-def test_the_block_reads_dense_int8_projections(checkpoint):
-    llm = LLM(str(checkpoint("qwen3_moe", **TINY)), dense="int8")
+@pytest.mark.parametrize("fmt,stored", [("int8", torch.int8), ("int4", torch.uint8)])
+def test_the_block_reads_dense_quantized_projections(fmt, stored, checkpoint):
+    llm = LLM(str(checkpoint("qwen3_moe", **TINY)), dense=fmt)
     assert _blocks(llm) == len(llm.model.layers)
-    assert all(isinstance(b.qkv[0], tuple) and b.qkv[0][1].dtype == torch.int8 for b in llm.model.blocks)
+    assert all(isinstance(b.qkv[0], tuple) and b.qkv[0][1].dtype == stored for b in llm.model.blocks)
     (a, da), (b, db) = _both_paths(llm)
     assert torch.equal(a, b) and da == db
 

@@ -215,6 +215,7 @@ CASES = {
     "hybrid": ("qwen3_next", {"num_hidden_layers": 4}, {"device_memory": "50%"}),
     "mla": ("deepseek_v3", {}, {}),
     "int8-dense": ("qwen2_moe", {}, {"dense": "int8", "lm_head": "int8", "device_memory": "50%"}),
+    "int4-dense": ("qwen3_moe", {}, {"dense": "int4", "lm_head": "int4", "device_memory": "50%"}),
 }
 
 

@@ -412,14 +412,16 @@ def test_whole_model_kernels_equal_torch_path(fmt, bf16_model, tmp_path, monkeyp
 
 
 @needs_cpp
-def test_lm_head_int8_against_float64_and_the_torch_path(bf16_model, monkeypatch):
-    """--lm-head int8: logits = final hidden @ dequantize(int8 lm_head)^T, through the kernels and the torch path."""
+@pytest.mark.parametrize("fmt,stored,agree", [("int8", torch.int8, 0.9), ("int4", torch.uint8, 0.5)])
+def test_lm_head_quantized_against_float64_and_the_torch_path(fmt, stored, agree, bf16_model, monkeypatch):
+    """--lm-head int8|int4: logits = final hidden @ dequantize(lm_head)^T, through the kernels and the torch path."""
     from expertcache.layers.basic import QuantizedWeight, load_quant_method
 
-    llm = LLM(str(bf16_model), lm_head="int8")
+    llm = LLM(str(bf16_model), lm_head=fmt)
     qw = llm.model.lm_head
-    assert isinstance(qw, QuantizedWeight) and qw.parts["w.weight"].dtype == torch.int8
-    assert any(line.startswith("lm_head: int8 (group 128)") for line in llm.plan_lines)
+    assert isinstance(qw, QuantizedWeight) and qw.parts["w.weight"].dtype == stored
+    assert qw.spec is not None  # read by the kernels, not dequantized per use
+    assert any(line.startswith(f"lm_head: {fmt} (group 128)") for line in llm.plan_lines)
     x = torch.randn(3, qw.shape[1])
     w = qw.method.dequantize(qw.parts, "w").double()
     ref = x.double() @ w.T
@@ -429,20 +431,21 @@ def test_lm_head_int8_against_float64_and_the_torch_path(bf16_model, monkeypatch
         _close(qw.linear(x), ref, x.double().abs() @ w.abs().T)
     plain = LLM(str(bf16_model))
     a, b = llm.logits(SEQ), plain.logits(SEQ)
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9  # int8 lm_head: close to, not equal to, bf16
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > agree  # close to, not equal to, bf16
     with pytest.raises(ValueError, match="lm_head: unknown format 'int3'"):
         load_quant_method("int3")
 
 
-def test_dense_int8_equals_a_checkpoint_holding_the_dequantized_projections(bf16_model, tmp_path):
-    """--dense int8: every attention projection quantized at load (int8, group 128) computes as a checkpoint
-    whose q/k/v/o weights are replaced by their dequantized int8 values (float32; the rest as stored)."""
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_dense_quantized_equals_a_checkpoint_holding_the_dequantized_projections(fmt, bf16_model, tmp_path):
+    """--dense int8|int4: every attention projection quantized at load (group 128) computes as a checkpoint
+    whose q/k/v/o weights are replaced by their dequantized values (float32; the rest as stored)."""
     import checkpoints
     from safetensors.torch import save_file
 
     from expertcache.layers.basic import QuantizedWeight, load_quant_method
 
-    m = load_quant_method("int8")
+    m = load_quant_method(fmt)
     tensors = checkpoints.read_tensors(bf16_model)
     proj = [n for n in tensors if ".self_attn." in n and n.endswith("_proj.weight")]
     assert len(proj) == 4 * MODEL["num_hidden_layers"]
@@ -451,10 +454,10 @@ def test_dense_int8_equals_a_checkpoint_holding_the_dequantized_projections(bf16
     ref_dir = tmp_path / "dequantized"
     shutil.copytree(bf16_model, ref_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
     save_file(tensors, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-    llm = LLM(str(bf16_model), dense="int8")
+    llm = LLM(str(bf16_model), dense=fmt)
     w = llm.model.layers[0]["attn"].w
     assert all(isinstance(w[k], QuantizedWeight) for k in w if k.endswith("proj.weight"))
-    assert any(line.startswith(f"dense projections: int8 (group 128), quantized at load: {2 * MODEL['num_hidden_layers']} "
+    assert any(line.startswith(f"dense projections: {fmt} (group 128), quantized at load: {2 * MODEL['num_hidden_layers']} "
                                "matrices") for line in llm.plan_lines)
     got, want = llm.logits(SEQ), LLM(str(ref_dir)).logits(SEQ)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()

@@ -17,7 +17,7 @@ DEQUANT_BYTES = 64 << 20  # float32 scratch of a quantized weight dequantized on
 
 
 # formats a dense weight can be quantized to at load (`--lm-head`, `--dense`): QuantMethod name -> parameters
-LOAD_FORMATS = {"int8": dict(group_size=128)}
+LOAD_FORMATS = {"int8": dict(group_size=128), "int4": dict(group_size=128)}
 
 
 def load_quant_method(name: str, what: str = "lm_head"):
