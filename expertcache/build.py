@@ -38,6 +38,7 @@ from .layers.basic import LOAD_FORMATS, load_quant_method
 from .loader.checks import check_layer_count
 from .models.mtp import drop_mtp_layers
 from .models.registry import open_index, read_config
+from .models import embedding
 from .models.transformer import MoETransformer
 from .quant.checkpoint import method_from_config
 from .units import fmt_bytes
@@ -270,7 +271,9 @@ def build_engine(o: EngineOptions, worker_kwargs: dict | None = None, serve_rank
         plan_lines.append(f"lm_head: {o.lm_head} (group {LOAD_FORMATS[o.lm_head]['group_size']}), quantized at "
                           f"load: {fmt_bytes(model_.lm_head.nbytes)} read per token")
     nb = plan.kv.num_blocks
-    plan_lines.append(f"dense weights {fmt_bytes(index.nbytes() - source.total_nbytes)}; KV cache {nb} blocks x "
+    table = (f" (the embedding table's {fmt_bytes(index.info(embedding.EMBED).nbytes)} of them stay on disk, rows "
+             "read per token)" if embedding.on_disk(cfg, index, device, o.low_memory) else "")
+    plan_lines.append(f"dense weights {fmt_bytes(index.nbytes() - source.total_nbytes)}{table}; KV cache {nb} blocks x "
                       f"{o.block_size} tokens = {fmt_bytes(plan.kv.kv_bytes)} ({nb * o.block_size} tokens)")
     if states is not None:
         plan_lines.append(

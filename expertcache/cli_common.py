@@ -43,8 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "busy shared machine 1 avoids OpenMP contention)")
     p.add_argument("--low-memory", action="store_true",
                    help="CPU: keep dense weights and the fastest expert tier in the checkpoint's dtype, converted "
-                        "per use (about half the RAM, some speed); allows --host-memory 0 (misses read from disk "
-                        "straight into expert slots)")
+                        "per use (about half the RAM, some speed), and an untied embedding table on disk (its rows "
+                        "read per token); allows --host-memory 0 (misses read from disk straight into expert slots)")
     p.add_argument("--lm-head", choices=["int8", "int4"], default=None,
                    help="quantize lm_head at load (int8 or int4 with zero points, group 128): int8 reads half its "
                         "bf16 bytes per token, int4 about a quarter (default: as stored)")

@@ -6,7 +6,8 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
     dense            the non-expert weights as they will be held there: compute dtype, bf16/fp16 kept as
                      stored where the CPU kernels read them (kernels.dense_dtype), fp32 routers where the
                      family keeps them, --dense / --lm-head formats at their packed size, rotary frequencies, the
-                     linear-attention layers' tensors derived at load
+                     linear-attention layers' tensors derived at load; not an untied embedding table under
+                     --low-memory on the CPU (its rows are read per token: models/embedding.py)
     kv_cache         num_blocks x bytes_per_block (plan_kv: auto, or --kv-cache-memory)
     linear_state     (B + 1) x the linear-attention state of one sequence (hybrid models)
     activations      T x (6 H + widest) x 4 + 2 B x M x kv_token x s, where widest = the widest projection
@@ -43,6 +44,7 @@ from .. import kernels
 from ..errors import BudgetError, ConfigError
 from ..experts.budget import MemoryPlan, plan_memory
 from ..layers.basic import load_quant_method
+from ..models import embedding
 from ..spec.model_config import ModelConfig, rope_inv_freq
 from ..units import fmt_bytes, parse_bytes
 from .kv_cache import KVCache, auto_kv_blocks
@@ -128,17 +130,21 @@ def plan_kv(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_se
 def dense_bytes(index, cfg: ModelConfig, names, dtype: torch.dtype, device: torch.device, low_memory: bool = False,
                 dense: str | None = None, lm_head: str | None = None) -> int:
     """The dense weights as models/transformer.py holds them, from the headers alone (`names`: the
-    family's WeightNames)."""
+    family's WeightNames). An embedding whose rows stay on disk (models/embedding.py `on_disk`: low
+    memory on the CPU, untied) is not held, so not counted."""
     dense_q = None if dense is None else load_quant_method(dense, "dense")
     head_q = None if lm_head is None else load_quant_method(lm_head)
-    tied = cfg.tie_word_embeddings and "lm_head.weight" not in index
+    tied = embedding.tied(cfg, index)
+    embed_on_disk = embedding.on_disk(cfg, index, device, low_memory)
     fp32_names = (f".{names.router}.weight", f".{names.router}.bias") if cfg.router.float32_logits else ()
     total = 0
     for n, t in index.tensors.items():
         if ".experts." in n or _SCALE.search(n) or not t.dtype.is_floating_point:
             continue
+        if n == embedding.EMBED and embed_on_disk:
+            continue
         shape = tuple(t.shape)
-        if n == "model.embed_tokens.weight" and not tied and t.dtype.itemsize < dtype.itemsize:
+        if n == embedding.EMBED and not tied and t.dtype.itemsize < dtype.itemsize:
             held = t.dtype  # only gathered from: kept as stored
         elif n.endswith(fp32_names) or n.endswith("e_score_correction_bias"):
             held = torch.float32

@@ -1,8 +1,10 @@
 """The decoder shared by every family: embed -> [attention, MLP or MoE] x L -> norm -> lm_head.
 
 Dense weights (embeddings, attention, norms, routers, shared experts, dense MLPs,
-lm_head) are loaded to the compute device at construction. Routed experts are
-not: each MoE layer calls the ExpertProvider, which owns where they live.
+lm_head) are loaded to the compute device at construction, but for an untied
+embedding under low memory on the CPU, whose rows are read per step
+(models/embedding.py). Routed experts are not: each MoE layer calls the
+ExpertProvider, which owns where they live.
 
 Before layer l's experts run, the router of the next MoE layer is applied to the
 current residual stream (normed with that layer's post-attention norm): the
@@ -18,7 +20,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .. import hostmem, kernels
 from ..experts.provider import ExpertProvider
@@ -31,7 +32,9 @@ from ..layers.moe import route
 from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import load_dense
 from ..loader.checks import check_dense
+from ..loader.rows import RowReader
 from ..spec.model_config import ModelConfig
+from .embedding import EMBED, Table, on_disk, tied
 from .registry import Family
 
 
@@ -86,18 +89,22 @@ class MoETransformer:
             t = load(name, shape)
             return t + cfg.norm_offset if cfg.norm_offset else t
 
-        # The embedding table is only gathered from: keep it in its stored float dtype (exact: rows
-        # are converted after the lookup) unless lm_head shares it. Saves V x H x 2 bytes on CPU.
-        tied = cfg.tie_word_embeddings and "lm_head.weight" not in index
-        emb = index.info("model.embed_tokens.weight", (V, H))
-        keep = not tied and emb.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
-        if keep:
-            self.embed = index.load(emb.name, (V, H))
-            check_dense(index, emb.name, self.embed, check_finite)
-            self.embed = self.embed.to(device)
+        # The embedding table is only gathered from: under low memory on the CPU (untied) its rows stay
+        # on disk, read per step (models/embedding.py); else it is held in its stored float dtype (exact:
+        # rows are converted after the lookup) unless lm_head shares it. Saves V x H x 2 bytes on CPU.
+        emb = index.info(EMBED, (V, H))
+        keep = not tied(cfg, index) and emb.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
+        disk = on_disk(cfg, index, device, low_memory)
+        self.embed: Table | RowReader  # rows(input_ids [T]) -> [T, H]
+        if disk:
+            self.embed = RowReader(emb, check_finite)
+        elif keep:
+            table = index.load(emb.name, (V, H))
+            check_dense(index, emb.name, table, check_finite)
+            self.embed = Table(table.to(device))
         else:
-            self.embed = load(emb.name, (V, H))
-        if keep and progress:
+            self.embed = Table(load(emb.name, (V, H)))
+        if (disk or keep) and progress:  # (on disk: counted as done, nothing of it is read at load)
             progress(emb.nbytes)
         self.rotary = Rotary(cfg, device)
         self.layers = []
@@ -135,8 +142,8 @@ class MoETransformer:
                                           load(f"{p}.mlp.down_proj.weight", (H, I))))
             self.layers.append(layer)
         self.norm = norm("model.norm.weight", (H,))
-        if tied:
-            self.lm_head = self.embed
+        if tied(cfg, index):
+            self.lm_head = self.embed.table
         else:
             self.lm_head = load("lm_head.weight", (V, H))
         if lm_head is not None:  # e.g. "int8": quantized at load, read once per token in that format
@@ -198,7 +205,7 @@ class MoETransformer:
 
     def _forward(self, input_ids, batch, kv, logits_rows, states):
         eps = self.cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed).to(self.dtype)
+        h = self.embed.rows(input_ids).to(self.dtype)  # [T, H]
         self.routing = {}
         self._finite_after = self._layer_outputs = None
         # every layer's output h (a new tensor each layer) is kept while they are few bytes, and only

@@ -7,7 +7,7 @@ it fits, room for the KV cache and a predicted decode tok/s band (plan/speed.py)
     expertcache plan MODEL_DIR --device-memory 8GiB [--host-memory 32GiB] [--device cuda|cpu]
                      [--gpu rtx4060-8gb] [--max-model-len N] [--max-num-seqs N]
                      [--max-num-batched-tokens N] [--kv-cache-memory SIZE] [--dense int8] [--lm-head int8]
-                     [--profile NAME|FILE.toml[:NAME]|this-cpu] [--trace TRACE.npz]
+                     [--low-memory] [--profile NAME|FILE.toml[:NAME]|this-cpu] [--trace TRACE.npz]
                      [--policy adaptive] [--json]
 
 On cuda, --device-memory SIZE is everything the engine takes on the GPU (engine/device_plan.py: dense
@@ -54,6 +54,9 @@ def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default="auto", help="as for generate/serve (default: auto)")
     p.add_argument("--dense", default=None, help="as for generate/serve: dense projections' load-time format")
     p.add_argument("--lm-head", default=None, help="as for generate/serve: lm_head's load-time format")
+    p.add_argument("--low-memory", action="store_true",
+                   help="as for generate/serve (cpu): the checkpoint's format in RAM, no embedding table, "
+                        "--host-memory 0 allowed")
     p.add_argument("--profile", default=None,
                    help="hardware profile: built-in name, FILE.toml[:NAME], or this-cpu (measured now, ~2 s); "
                         f"default {DEFAULT_PROFILE['cpu']} for cpu, {DEFAULT_PROFILE['cuda']} for cuda")
@@ -134,7 +137,7 @@ def build_report(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name.replace('_', '-')}: an integer >= 1, got {v}")
     mml = args.max_model_len or default_max_model_len(cfg.max_position_embeddings)
     shape = EngineShape(mml, args.max_num_seqs, args.max_num_batched_tokens, 16, args.kv_cache_memory,
-                        dense=args.dense, lm_head=args.lm_head)
+                        low_memory=args.low_memory, dense=args.dense, lm_head=args.lm_head)
     gpu = _card(args.gpu, dev) if dev.type == "cuda" else None
     try:
         dp = device_plan(info, dev, dtype, args.device_memory, args.host_memory, shape, gpu)
@@ -232,8 +235,9 @@ def text_lines(r: dict) -> list[str]:
                    + f" (every term in the device memory line above; KV cache for {d['max_model_len']} tokens "
                      "per sequence)" + ("" if p["resident"] else f"; host tier {fmt_bytes(p['host_used'])} in RAM"))
         return out + _speed_lines(r)
-    tier_total = b["dense_compute"] + p["device_used"]
-    out.append(f"RAM for weights: dense {fmt_bytes(b['dense_compute'])} + experts {fmt_bytes(p['device_used'])}"
+    dense = r["device_plan"]["terms"]["dense"]  # as the engine holds them (--low-memory: no embedding table)
+    tier_total = dense + p["device_used"]
+    out.append(f"RAM for weights: dense {fmt_bytes(dense)} + experts {fmt_bytes(p['device_used'])}"
                f" = {fmt_bytes(tier_total)}" + ("" if p["resident"] else f" (+ host tier {fmt_bytes(p['host_used'])})"))
     out.append(f"KV cache: {fmt_bytes(kv['bytes_per_token'])}/token; --kv-cache-memory auto (generate/serve "
                f"defaults: {kv['auto_max_num_seqs']} sequences x {kv['auto_max_model_len']} tokens, at most 1 GiB) "
