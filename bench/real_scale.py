@@ -446,7 +446,8 @@ def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
     worker = None
     try:
         drop_page_cache()
-        opts = {"cpu_math": "fast", "low_memory": True, "device_memory": "13%", "host_memory": 0}
+        # auto budgets: the expert slots take the RAM the cgroup leaves after the engine's other terms
+        opts = {"cpu_math": "fast", "low_memory": True, "max_num_batched_tokens": 512}
         worker = Worker(ckpt, 16, args.cgroup_gen, args.threads, opts, prefix=cg_ec.prefix)
         before = worker.measure()["disk_bytes"]
         disk_per_token = []

@@ -37,15 +37,15 @@ def test_prompt_logprobs_steps_hold_the_logits_bound(qwen3_checkpoint):
     assert torch.allclose(llm.logits(prompt), whole, atol=1e-5)
 
 
-def test_logits_term_is_the_bound_off_the_cpu(qwen3_checkpoint):
+def test_logits_term_is_the_bound_on_every_device(qwen3_checkpoint):
     llm = LLM(str(qwen3_checkpoint))
     cfg, T, B = llm.cfg, 2048, 16
-    cpu = torch.device("cpu")
-    assert logits_block_rows(151936, torch.bfloat16, cpu, T) == T
-    F = logits_block_rows(151936, torch.bfloat16, torch.device("cuda"), T)
-    assert F == LOGITS_BLOCK_BYTES // (151936 * 6)  # 294 rows of bf16 + fp32 logits in 256 MiB
-    _, on_cpu = workspace_bytes(cfg, torch.bfloat16, T, B, 256, cpu)
-    _, on_gpu = workspace_bytes(cfg, torch.bfloat16, T, B, 256, torch.device("cuda"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    F = logits_block_rows(151936, torch.bfloat16, cuda, T)
+    assert F == LOGITS_BLOCK_BYTES // (151936 * 6) == 294  # rows of bf16 + fp32 logits in 256 MiB
+    assert logits_block_rows(151936, torch.bfloat16, cpu, T) == F  # RAM is bounded as VRAM is
+    assert logits_block_rows(1000, torch.bfloat16, cpu, T) == T  # a small vocabulary: the token budget
     per_row = cfg.vocab_size * 6
-    assert on_cpu == T * per_row
-    assert on_gpu == min(T, B + logits_block_rows(cfg.vocab_size, torch.bfloat16, torch.device("cuda"), T)) * per_row
+    want = min(T, B + logits_block_rows(cfg.vocab_size, torch.bfloat16, cuda, T)) * per_row
+    assert [workspace_bytes(cfg, torch.bfloat16, T, B, 256, d)[1] for d in (cpu, cuda)] == [want, want]
+    assert llm.engine.scheduler.max_logits_rows == logits_block_rows(cfg.vocab_size, llm.dtype, cpu, 2048)

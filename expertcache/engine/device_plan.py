@@ -14,9 +14,9 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
                      a token makes (q|k|v, the dense or shared MLP's gate|up, top_k x the experts' gate|up)
                      and kv_token = the KV elements of one token in one layer (the torch attention gathers
                      each running sequence's padded context)
-    logits           R x V x (s + 4)  (a step's logits in the compute dtype, then in float32), R = T on
-                     the CPU; off the CPU R = min(T, B + F), F = logits_block_rows: the rows of prompt
-                     tokens that need logits (prompt logprobs, LLM.logits) are capped at F per step
+    logits           R x V x (s + 4)  (a step's logits in the compute dtype, then in float32),
+                     R = min(T, B + F), F = logits_block_rows: the rows of prompt tokens that need
+                     logits (prompt logprobs, LLM.logits) are capped at F per step
     expert_slots     the fastest tier: slots per layer x MoE layers x one expert in its format
     staging          one expert in the fastest tier's format (CUDA: waves stream through it)
     cuda_context     what the CUDA context takes (measured on the device, or the card profile's figure)
@@ -184,11 +184,10 @@ LOGITS_BLOCK_BYTES = 256 << 20  # off the CPU: a step's prompt-token logits (bot
 
 
 def logits_block_rows(vocab_size: int, dtype: torch.dtype, device: torch.device, max_num_batched_tokens: int) -> int:
-    """F: the prompt tokens whose logits one step may compute (prompt logprobs, LLM.logits). The whole
-    token budget on the CPU; on a GPU the rows whose compute-dtype and float32 logits fit
-    LOGITS_BLOCK_BYTES (the scheduler holds a step to it, so the plan's logits term is a bound)."""
-    if device.type == "cpu":
-        return max_num_batched_tokens
+    """F: the prompt tokens whose logits one step may compute (prompt logprobs, LLM.logits): the rows
+    whose compute-dtype and float32 logits fit LOGITS_BLOCK_BYTES, on every device (the scheduler holds
+    a step to it, so the plan's logits term is a bound: on a CPU under a memory limit it is RAM too;
+    gpt-oss's 201,088-token vocabulary at 2048 rows would be 2.5 GB of float32 + bf16 logits)."""
     return max(1, min(max_num_batched_tokens, LOGITS_BLOCK_BYTES // (vocab_size * (dtype.itemsize + 4))))
 
 
@@ -293,7 +292,7 @@ def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: 
         tier_budget = value if (not cuda or _share(value)) else max(0, budget - outside)
         try:
             experts = plan_memory(source, device, dtype, tier_budget, cache_options.host_memory,
-                                  cache_options.low_memory)
+                                  cache_options.low_memory, other_ram=0 if cuda else outside)
         except BudgetError:
             if not cuda:
                 raise

@@ -1,9 +1,10 @@
 """The memory plan: byte budgets -> slots per layer in each tier, with the arithmetic printed.
 
 Budgets accept bytes ("512MiB"), a share of all routed experts in that tier's format
-("25%"), or "auto" (device: half of available RAM on CPU; on CUDA the device plan,
-engine/device_plan.py, passes what is left of the GPU after every other term; host: half
-of available RAM).
+("25%"), or "auto" (device: half of available RAM on CPU, or with --low-memory the RAM
+left after the engine's other terms; on CUDA the device plan, engine/device_plan.py, passes what is
+left of the GPU after every other term; host: half of available RAM). Available RAM is
+MemAvailable, or the room under this process's memory cgroup limit when smaller (ramlimit.py).
 Slots are split evenly across MoE layers. A tier that cannot hold top_k experts of a
 layer is an error at startup, never a failure mid-generation.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import kernels
+from .. import kernels, ramlimit
 from ..errors import BudgetError
 from ..units import fmt_bytes, parse_bytes
 
@@ -36,14 +37,17 @@ def dense_compute_bytes(index, dtype: torch.dtype, device: torch.device | str | 
 
 
 def available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    """RAM this process may still take: MemAvailable, or the room under its memory cgroup's limit."""
+    return ramlimit.available()[0]
+
+
+def _ram_line(b: int | None = None) -> str:
+    """'available RAM X (where from)'; b: the figure already read (its source read again)."""
+    got, why = ramlimit.available()
+    return f"available RAM {fmt_bytes(got if b is None else b)} ({why})"
+
+
+LOW_MEMORY_MARGIN = 256 << 20  # left free by a low-memory CPU plan's auto budget (at least; 5% of the room above it)
 
 
 def resolve(value, total: int, auto: int, name: str) -> int:
@@ -92,7 +96,7 @@ def auto_device_bytes(device: torch.device) -> tuple[int, str]:
         raise ValueError("device_memory 'auto' on cuda is resolved by the device plan (engine/device_plan.py); "
                          "give the fastest tier's budget in bytes or as a share here")
     b = available_ram() // 2
-    return b, f"auto device budget (CPU) = half of available RAM = {fmt_bytes(b)}"
+    return b, f"auto device budget (CPU) = half of {_ram_line(2 * b)} = {fmt_bytes(b)}"
 
 
 @dataclass
@@ -125,21 +129,35 @@ def _is_auto(value) -> bool:
 
 
 def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=None, host_memory=None,
-                low_memory: bool = False) -> MemoryPlan:
+                low_memory: bool = False, other_ram: int = 0) -> MemoryPlan:
     """Budgets -> tiers, with the lines the engine prints. Reads headers only (`plan` uses it too).
 
     Low memory on a CPU device: the fastest tier keeps the stored format (converted per use) and
-    host_memory may be 0 (no second copy in RAM: misses are read from disk into device slots).
+    host_memory may be 0 (no second copy in RAM: misses are read from disk into device slots). There
+    an `auto` device budget is the RAM left after `other_ram` (every other term of the engine's plan:
+    dense weights, KV cache, activations, logits), the host tier (0 when it is auto too: a second copy
+    in the same RAM buys nothing) and a margin; available RAM honours a memory cgroup's limit.
     """
     cfg = source.cfg
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
-    dev_parts = source.parts if low_memory and device.type == "cpu" else source.compute_parts(dtype, device)
+    low_cpu = low_memory and device.type == "cpu"
+    dev_parts = source.parts if low_cpu else source.compute_parts(dtype, device)
     dev_bytes = sum(p.nbytes for p in dev_parts)
     lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(source.stored_nbytes)} = "
              f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "
              f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})"]
     auto_dev = 0
-    if _is_auto(device_memory):
+    if _is_auto(device_memory) and low_cpu:
+        if _is_auto(host_memory):
+            host_memory = 0
+        host = resolve(host_memory, source.total_nbytes, 0, "host_memory")
+        ram = available_ram()
+        margin = max(LOW_MEMORY_MARGIN, ram // 20)
+        auto_dev = max(0, ram - other_ram - host - margin)
+        lines.append(f"auto device budget (CPU, low memory) = {_ram_line(ram)} - the engine's other terms "
+                     f"{fmt_bytes(other_ram)} - host tier {fmt_bytes(host)} - margin {fmt_bytes(margin)} = "
+                     f"{fmt_bytes(auto_dev)}")
+    elif _is_auto(device_memory):
         auto_dev, why = auto_device_bytes(device)
         lines.append(why)
     staging = dev_bytes if device.type == "cuda" else 0
@@ -150,7 +168,7 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
         return MemoryPlan(dplan, None, 0, L, dev_parts, lines)
     lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
     ram = available_ram() // 2
-    if low_memory and device.type == "cpu" and not _is_auto(host_memory) and \
+    if low_cpu and not _is_auto(host_memory) and \
             resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0:
         hplan = TierPlan(0, source.expert_nbytes, 0)
     else:
@@ -160,7 +178,7 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
         hplan = plan_tier("auto" if host_memory is None else host_memory, "host_memory", source.expert_nbytes,
                           L, E, K, ram)
     if _is_auto(host_memory):
-        lines.append(f"auto host budget = half of available RAM = {fmt_bytes(ram)}")
+        lines.append(f"auto host budget = half of {_ram_line(2 * ram)} = {fmt_bytes(ram)}")
     lines.append(hplan.describe("host", L, E) + (": every expert in RAM" if hplan.slots >= E else
                                                   "; the rest streamed from disk"))
     lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
