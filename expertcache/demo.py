@@ -103,7 +103,7 @@ _ROUTER_NOISE = 0.3  # full-rank part of the router, relative to the low-rank pa
 # ----------------------------------------------------------------------------- paths
 
 
-from .paths import cache_root  # noqa: E402  (re-exported: the demo's cache lives under it)
+from .paths import cache_root, check_private, private_dir  # noqa: E402  (cache_root re-exported: the demo's cache lives under it)
 
 SHIPPED_DIR = pathlib.Path(__file__).with_name("demo_model")
 
@@ -140,10 +140,11 @@ def describe(path: str | os.PathLike) -> str | None:
 
 def random_demo_dir(rebuild: bool = False, progress: bool = True) -> pathlib.Path:
     """Return the path of the random-weight demo checkpoint, building it if missing or damaged."""
-    root = cache_root()
+    root = private_dir(cache_root())  # ours and not writable by others, as the kernel cache
     final = root / DEMO_NAME
-    root.mkdir(parents=True, exist_ok=True)
     with _Lock(root / f"{DEMO_NAME}.lock"):
+        if final.exists():
+            check_private(final)
         for stale in root.glob(f".{DEMO_NAME}.*"):  # left by a killed build (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         if not rebuild:

@@ -236,6 +236,24 @@ def test_random_demo_dir_rebuilds_damage(small_cache, case, caplog):
     assert sorted(p.name for p in root.iterdir()) == [demo.DEMO_NAME, f"{demo.DEMO_NAME}.lock"]
 
 
+def test_random_demo_dir_refuses_a_directory_others_can_write(small_cache):
+    """The demo checkpoint is loaded from the cache as the kernels are: only from directories this user owns
+    that group and others cannot write (a shared /tmp cache could otherwise hand over another checkpoint)."""
+    from expertcache.paths import UnsafeDirectoryError
+
+    root, builds = small_cache
+    path = demo.random_demo_dir(progress=False)
+    path.chmod(0o777)
+    with pytest.raises(UnsafeDirectoryError, match=f"{path} is writable by group or others"):
+        demo.random_demo_dir(progress=False)
+    path.chmod(0o755)
+    root.chmod(0o775)
+    with pytest.raises(UnsafeDirectoryError, match=f"{root} is writable by group or others"):
+        demo.random_demo_dir(progress=False)
+    root.chmod(0o755)
+    assert demo.random_demo_dir(progress=False) == path and len(builds) == 1
+
+
 def test_random_demo_dir_rebuild_flag_params_and_interruption(small_cache, monkeypatch):
     root, builds = small_cache
     path = demo.random_demo_dir(progress=False)
