@@ -324,14 +324,6 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 2^(e - 127) of an e8m0 byte (0: 2^-127, 255: NaN), as scales4
-inline float e8m0(uint32_t e) {
-  const uint32_t bits = e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
-
 // decodes groups g0 .. g0 + ng - 1 of rows a .. a + SR - 1 (rows past N: row N - 1's codes, never stored);
 // false when an int4 zero point of the strip is above 16 (its weights would not fit the unsigned bytes)
 template <int C>
@@ -341,21 +333,35 @@ bool decode_tile(const Rows& W, int64_t N, int64_t K, int64_t a, int64_t g0, int
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int v = 0; v < 2; ++v) {
     alignas(64) uint32_t off[4][4][16];  // int4: 16 - zero in each byte, per group, block, lane
-    for (int64_t g = 0; g < ng; ++g)
-      for (int j = 0; j < 4; ++j) {
-        const int64_t b = 4 * (g0 + g) + j, i = C == MXFP4 ? b : lo(b, nb - 1) * BLOCK / W.G;
-        for (int n = 0; n < 16; ++n) {
-          const int64_t r = lo(a + 16 * v + n, N - 1);
-          if constexpr (C == MXFP4) {
-            tl.ws[g][j][v][n] = b < nb ? e8m0(W.z[r * W.z_row + i]) : 0.f;
-          } else {
+    if constexpr (C == MXFP4) {  // the chunk's 16 e8m0 bytes of each row, transposed (blocks past K: 0)
+      __m512i e[16];
+      for (int n = 0; n < 16; ++n)
+        e[n] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(nb - 4 * g0), W.z + lo(a + 16 * v + n, N - 1) * W.z_row + 4 * g0));
+      transpose16(e);  // e[b] lane n: row n's block b of the chunk
+      for (int b = 0; b < 4 * ng; ++b) {
+        __m512i bits = _mm512_slli_epi32(e[b], 23);
+        bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e[b], _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+        bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e[b], _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+        _mm512_store_si512(tl.ws[b / 4][b % 4][v], bits);
+      }
+    } else {
+      for (int64_t g = 0; g < ng; ++g)
+        for (int j = 0; j < 4; ++j) {
+          const int64_t b = 4 * (g0 + g) + j, i = lo(b, nb - 1) * BLOCK / W.G;
+          if (j > 0 && W.G % GROUP == 0) {  // the group's scale and zero point for all 4 blocks
+            _mm512_store_ps(tl.ws[g][j][v], _mm512_load_ps(tl.ws[g][0][v]));
+            _mm512_store_si512(off[g][j], _mm512_load_si512(off[g][0]));
+            continue;
+          }
+          for (int n = 0; n < 16; ++n) {
+            const int64_t r = lo(a + 16 * v + n, N - 1);
             const uint32_t z = W.z[r * W.z_row + i];
             if (z > 16) return false;
             tl.ws[g][j][v][n] = W.s[r * W.s_row + i];
             off[g][j][n] = (16 - z) * 0x01010101u;
           }
         }
-      }
+    }
     for (int64_t g = 0; g < ng; ++g) {
       const int64_t gg = g0 + g;
       const bool tail = 64 * (gg + 1) > nbytes;
