@@ -23,10 +23,10 @@ bool supported() {
 }
 
 namespace {
-std::atomic<int64_t> tile_from{4};
+std::atomic<int64_t> strips_from{4};
 }
-void set_tile_min(int64_t tokens) { tile_from.store(tokens, std::memory_order_relaxed); }
-int64_t tile_min() { return tile_from.load(std::memory_order_relaxed); }
+void set_strip_tokens(int64_t tokens) { strips_from.store(tokens, std::memory_order_relaxed); }
+int64_t strip_tokens() { return strips_from.load(std::memory_order_relaxed); }
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
@@ -288,10 +288,7 @@ void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, int64_t p
 // taken off by the code sum x -16; a strip with a zero point above 16 goes to q8_block). Each token
 // chunk of TT tokens accumulates into y over the K chunks of the strip.
 constexpr int64_t SR = 32;  // rows per strip: 2 vectors of 16
-#ifndef NIB_KC
-#define NIB_KC 4
-#endif
-constexpr int64_t KC = NIB_KC;   // groups per K chunk (the Tile: 16 KiB of codes, 2 KiB of scales)
+constexpr int64_t KC = 4;   // groups per K chunk (the Tile: 16 KiB of codes, 2 KiB of scales; its 16 blocks: one transpose)
 
 struct Tile {
   // [group][block of the group][step k of the block][row vector] 64 bytes: lane n = 4 bytes of row n at
@@ -366,15 +363,38 @@ bool decode_tile(const Rows& W, int64_t N, int64_t K, int64_t a, int64_t g0, int
       const int64_t gg = g0 + g;
       const bool tail = 64 * (gg + 1) > nbytes;
       __m512i r[16];
+      const uint8_t* p[16];
       for (int n = 0; n < 16; ++n) {
         const int64_t row = lo(a + 16 * v + n, N - 1);
-        const uint8_t* p = W.w + row * W.w_row + 64 * gg;
-        r[n] = tail ? _mm512_maskz_loadu_epi8(mask64(nbytes - 64 * gg), p) : _mm512_loadu_si512(p);
+        p[n] = W.w + row * W.w_row + 64 * gg;
         // the codes the next chunk reads: this row's, or at the row's last chunk the next strip's
-        if (gg + KC < ng_all) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * KC), _MM_HINT_T0);
-        else if (row + SR < N) _mm_prefetch(reinterpret_cast<const char*>(p + SR * W.w_row - 64 * g0), _MM_HINT_T0);
+        if (gg + KC < ng_all) _mm_prefetch(reinterpret_cast<const char*>(p[n] + 64 * KC), _MM_HINT_T0);
+        else if (row + SR < N) _mm_prefetch(reinterpret_cast<const char*>(p[n] + SR * W.w_row - 64 * g0), _MM_HINT_T0);
       }
-      transpose16(r);  // r[q] lane n: code dword q of row n (features 8q..8q+7 of the group, block q / 4)
+      if (!tail) {
+        // 128-bit lane q of y[i] = 128-bit lane L of row 4q + i (broadcast loads), then a 4 x 4 transpose of dwords
+        // in each 128-bit lane (against 16 loads and transpose16: 4-12% faster at T = 4..8 on the
+        // gpt-oss-20b and Qwen3-30B-A3B expert shapes, one thread)
+        for (int L = 0; L < 4; ++L) {
+          __m512i y[4];
+          for (int i = 0; i < 4; ++i) {
+            y[i] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[i] + 16 * L)));
+            y[i] = _mm512_mask_broadcast_i32x4(y[i], 0x00F0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[4 + i] + 16 * L)));
+            y[i] = _mm512_mask_broadcast_i32x4(y[i], 0x0F00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[8 + i] + 16 * L)));
+            y[i] = _mm512_mask_broadcast_i32x4(y[i], 0xF000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[12 + i] + 16 * L)));
+          }
+          const __m512i t0 = _mm512_unpacklo_epi32(y[0], y[1]), t1 = _mm512_unpackhi_epi32(y[0], y[1]);
+          const __m512i t2 = _mm512_unpacklo_epi32(y[2], y[3]), t3 = _mm512_unpackhi_epi32(y[2], y[3]);
+          r[4 * L + 0] = _mm512_unpacklo_epi64(t0, t2);
+          r[4 * L + 1] = _mm512_unpackhi_epi64(t0, t2);
+          r[4 * L + 2] = _mm512_unpacklo_epi64(t1, t3);
+          r[4 * L + 3] = _mm512_unpackhi_epi64(t1, t3);
+        }
+      } else {
+        for (int n = 0; n < 16; ++n) r[n] = _mm512_maskz_loadu_epi8(mask64(nbytes - 64 * gg), p[n]);
+        transpose16(r);
+      }
+      // r[q] lane n: code dword q of row n (features 8q..8q+7 of the group, block q / 4)
       for (int q = 0; q < 16; ++q) {
         __m512i lo4 = _mm512_and_si512(r[q], nib), hi4 = _mm512_and_si512(_mm512_srli_epi16(r[q], 4), nib);
         if constexpr (C == MXFP4) {
@@ -437,10 +457,7 @@ void tile_tokens(const Tile& tl, int64_t g0, int64_t ng, const int8_t* const* xq
   }
 }
 
-#ifndef NIB_TQ
-#define NIB_TQ 6
-#endif
-constexpr int TQ = NIB_TQ;  // tokens per register block of the tile kernel
+constexpr int TQ = 6;  // tokens per register block of the strips (4 measured the same)
 
 // rows [a, a + SR) of W (fewer at the end) for every token; false when decode_tile refuses (the strip's
 // outputs then hold partial sums: q8_block computes them again)
@@ -544,7 +561,8 @@ void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const*
     if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
     else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
   };
-  if (T >= tile_min()) {
+  const int64_t from = strip_tokens();
+  if (from > 0 && T >= from) {
     Tile tl;
     for (int64_t a = 0; a < N; a += SR) {
       const bool done = code == MXFP4 ? tile_strip<MXFP4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl)

@@ -58,10 +58,10 @@ void prep_q8(int code, const float* x, int64_t K, int8_t* q, float* scales, int3
 // pf: with fewer than 4 tokens, each row of a pass of R rows asks for the codes R + pf rows ahead (0: none)
 void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const* xf, const float* const* xsum,
               int64_t T, float* y, int64_t ldy, int64_t pf);
-// rows_q8 computes T >= tile_min() tokens by the strip kernel (32 rows decoded once per 512 features, rows in
-// the lanes), fewer by q8_block; set_tile_min(tokens) moves the switch (a huge value: never the strips)
-void set_tile_min(int64_t tokens);
-int64_t tile_min();
+// rows_q8 computes T >= strip_tokens() tokens by strips (32 rows decoded once per 512 features, rows in the
+// lanes), fewer by pairs of rows; set_strip_tokens(0): never by strips (default 4)
+void set_strip_tokens(int64_t tokens);
+int64_t strip_tokens();
 void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xs,
              const int32_t* const* xc, int64_t T, float* y, int64_t ldy, int64_t pf);
 
