@@ -341,22 +341,24 @@ bool decode_tile(const Rows& W, int64_t N, int64_t K, int64_t a, int64_t g0, int
         bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e[b], _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
         _mm512_store_si512(tl.ws[b / 4][b % 4][v], bits);
       }
-    } else {
+    } else {  // the chunk's (at most 16) scales and zero points of each row, transposed
+      const int64_t i0 = 4 * g0 * BLOCK / W.G, count = (nb - 1) * BLOCK / W.G + 1 - i0;
+      __m512i zt[16], st[16], zmax = _mm512_setzero_si512();
+      for (int n = 0; n < 16; ++n) {
+        const int64_t r = lo(a + 16 * v + n, N - 1);
+        zt[n] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(count), W.z + r * W.z_row + i0));
+        st[n] = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask16(count), W.s + r * W.s_row + i0));
+        zmax = _mm512_max_epu32(zmax, zt[n]);
+      }
+      if (_mm512_cmpgt_epu32_mask(zmax, _mm512_set1_epi32(16))) return false;
+      transpose16(zt);  // zt[i] lane n: row n's zero point i0 + i
+      transpose16(st);
+      const __m512i rep = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
       for (int64_t g = 0; g < ng; ++g)
         for (int j = 0; j < 4; ++j) {
-          const int64_t b = 4 * (g0 + g) + j, i = lo(b, nb - 1) * BLOCK / W.G;
-          if (j > 0 && W.G % GROUP == 0) {  // the group's scale and zero point for all 4 blocks
-            _mm512_store_ps(tl.ws[g][j][v], _mm512_load_ps(tl.ws[g][0][v]));
-            _mm512_store_si512(off[g][j], _mm512_load_si512(off[g][0]));
-            continue;
-          }
-          for (int n = 0; n < 16; ++n) {
-            const int64_t r = lo(a + 16 * v + n, N - 1);
-            const uint32_t z = W.z[r * W.z_row + i];
-            if (z > 16) return false;
-            tl.ws[g][j][v][n] = W.s[r * W.s_row + i];
-            off[g][j][n] = (16 - z) * 0x01010101u;
-          }
+          const int64_t i = lo(4 * (g0 + g) + j, nb - 1) * BLOCK / W.G - i0;
+          _mm512_store_si512(tl.ws[g][j][v], st[i]);
+          _mm512_store_si512(off[g][j], _mm512_shuffle_epi8(_mm512_sub_epi32(_mm512_set1_epi32(16), zt[i]), rep));
         }
     }
     for (int64_t g = 0; g < ng; ++g) {
