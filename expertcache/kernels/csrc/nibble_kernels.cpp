@@ -470,8 +470,10 @@ bool tile_strip(const Rows& W, int64_t N, int64_t K, int64_t a, const int8_t* co
   for (int64_t g0 = 0; g0 < ng; g0 += KC) {
     const int64_t n = lo(KC, ng - g0);
     if (!decode_tile<C>(W, N, K, a, g0, n, tl)) return false;
-    for (int64_t t0 = 0; t0 < T; t0 += TQ) {
-      const int64_t tt = lo(TQ, T - t0);
+    // the tokens in chunks of at most TQ, as even as can be (T = 8: 4 + 4, not 6 + 2)
+    const int64_t chunks = (T + TQ - 1) / TQ;
+    for (int64_t c = 0, t0 = 0; c < chunks; ++c) {
+      const int64_t tt = (T - t0) / (chunks - c) + ((T - t0) % (chunks - c) != 0);
       float* yt = y + t0 * ldy + a;
       auto go = [&](auto tc) __attribute__((always_inline)) {
         tile_tokens<C, decltype(tc)::value>(tl, g0, n, xq + t0, xs + t0, xc + t0, yt, ldy, rows, g0 == 0);
@@ -484,6 +486,7 @@ bool tile_strip(const Rows& W, int64_t N, int64_t K, int64_t a, const int8_t* co
         case 5: go(Slot<5>{}); break;
         default: go(Slot<TQ>{}); break;
       }
+      t0 += tt;
     }
   }
   return true;
