@@ -5,8 +5,11 @@
 // used there (a copy compiled here could be the one the linker keeps for the whole module).
 //
 // Loop shapes: fewer than 4 tokens, 1, 2 or 4 rows at a time (drive; in exact math several independent
-// accumulators per token hide the FMA latency); more, pairs of rows kept in L1 while
-// chunks of 6 tokens pass over them (2 x 6 accumulators). C: the format (Code), R rows, TT tokens.
+// accumulators per token hide the FMA latency); more, in exact math (and in fast math with the strips
+// off), pairs of rows kept in L1 while chunks of 6 tokens pass over them (2 x 6 accumulators); in fast
+// math from strip_tokens() tokens, strips of 32 rows decoded once per 512 features into a tile with the
+// rows in the lanes (tile_strip), chunks of up to 6 tokens passing over it (2 x 6 accumulators of 16
+// rows). C: the format (Code), R rows, TT tokens.
 
 #include "nibble_kernels.h"
 

@@ -10,7 +10,11 @@
 //          llama.cpp pairs its 4-bit formats with q8), products summed exactly in int32 by vpdpbusd
 //          with the weights as the unsigned side: MXFP4 2 x e2m1 + 12 (0..24) by vpshufb, the +12 taken
 //          off by a per-block term of the activations; int4 the codes, the zero point times the
-//          block's code sum taken off in float32.
+//          block's code sum taken off in float32. From strip_tokens() tokens (prefill) the rows go in
+//          the lanes instead: 32 rows x 512 features decoded once (code dwords transposed 16 x 16) into
+//          a tile in L1, one vpdpbusd = 16 rows x 4 features of a token against 4 activation bytes
+//          broadcast, the per-block float work shared by 16 rows; int4 there as code - zero + 16 (a
+//          zero point above 16: the pairs of rows), the +16 taken off through the code sum.
 // Compiled for AVX-512 F/BW/VL/VNNI inside nibble_kernels.cpp only, called only where supported().
 //
 // Shape legend (K features, even; Kp = K rounded up to GROUP):
