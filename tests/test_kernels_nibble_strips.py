@@ -20,7 +20,7 @@ from expertcache import kernels
 from expertcache.kernels.formats import INT4
 from test_kernels import _close, _moe_pool, _packed, _routing
 from test_kernels_int4 import _silu_reference
-from test_kernels_mxfp4 import FAST, _gpt_oss_pool, _gpt_oss_reference, _hand_spec, _linear, decode, q8_32
+from test_kernels_mxfp4 import FAST, _gpt_oss_pool, _gpt_oss_reference, _hand_spec, decode, q8_32
 
 pytestmark = pytest.mark.skipif(not (kernels.backend() == "cpp" and FAST and kernels.extension().avx512_supported()),
                                 reason="needs the C++ kernels on a CPU with AVX-512 BF16/VNNI")
@@ -40,15 +40,21 @@ def way(request):
     ext.set_strip_tokens(saved[1])
 
 
+def _linear(x, spec, rows_per_unit=1 << 20):
+    """y = x W^T in fast math, the weight's rows in units of rows_per_unit (default: one unit, every strip)."""
+    return kernels.extension().linear(x, spec, 0, 1 << 30, rows_per_unit, kernels.CPU_MATHS["fast"])
+
+
 def _check(spec, w: torch.Tensor, tokens=TOKENS) -> None:
     k = w.shape[1]
     for T in tokens:
         x = torch.randn(T, k, generator=torch.Generator().manual_seed(T)) * torch.linspace(0.1, 3, k)
         xr = q8_32(x)
-        _close(_linear(x, spec, "fast"), xr @ w.T, xr.abs() @ w.abs().T)
+        for units in (1 << 20, 8):  # every strip of the weight in one call; 8 rows a call (a part of a strip)
+            _close(_linear(x, spec, units), xr @ w.T, xr.abs() @ w.abs().T)
 
 
-@pytest.mark.parametrize("n,k", [(5, 352), (37, 190), (70, 2880), (33, 30)])
+@pytest.mark.parametrize("n,k", [(5, 352), (37, 190), (70, 2880), (33, 30), (100, 1100)])
 def test_mxfp4_against_float64(n, k, way):
     spec, codes, scales = _hand_spec(n, k, seed=n)
     _check(spec, decode(codes[0], scales[0], k))
@@ -95,7 +101,7 @@ def test_nan_scales_and_non_finite_activations_stay_in_their_rows_and_tokens(way
     w = decode(codes[0], scales[0], 352)
     x = torch.randn(16, 352)
     x[1, 3], x[9, 200] = float("nan"), float("inf")
-    y = _linear(x, spec, "fast")
+    y = _linear(x, spec)
     assert torch.isnan(y[:, 40]).all()
     assert torch.isnan(y[1]).all() and not torch.isfinite(y[9]).any()
     ok_t = [t for t in range(16) if t not in (1, 9)]
