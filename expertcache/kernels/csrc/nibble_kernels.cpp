@@ -286,7 +286,7 @@ void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, int64_t p
 // of the code dwords of 16 rows puts dword q of row n in lane n, so one vpdpbusd against 4 activation
 // bytes broadcast (m32bcst) makes 64 MACs of 16 rows at once, and the per-block float work (cvtdq2ps,
 // weight scale x activation scale, fma) serves 16 rows instead of one: per 16 rows, token and block of 32,
-// 8 vpdpbusd + 3 float ops, against 16 + 12 in q8_block. Weights as unsigned bytes: MXFP4 2 x e2m1 + 12
+// 8 vpdpbusd + 3 float ops, against 8 + 12 in q8_block. Weights as unsigned bytes: MXFP4 2 x e2m1 + 12
 // (the +12 taken off by the block's code sum x -12, as in q8_block), int4 code - zero + 16 (the +16
 // taken off by the code sum x -16; a strip with a zero point above 16 goes to q8_block). Each token
 // chunk of TT tokens accumulates into y over the K chunks of the strip.
