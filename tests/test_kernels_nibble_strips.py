@@ -1,6 +1,6 @@
-"""The 4-bit strips of the fast math (csrc/nibble_kernels.cpp: T >= get_strip_tokens() tokens, 32 rows decoded
-once per 512 features, rows in the lanes) and the pairs of rows they replace (set_strip_tokens(0)), both against
-float64 references of the q8-rounded activations:
+"""The 4-bit strips of the fast math (csrc/nibble_kernels.cpp: T >= get_strip_tokens() tokens, 32 rows
+decoded once per 512 features, rows in the lanes) and the pairs of rows they replace (set_strip_tokens(0)),
+both against float64 references of the q8-rounded activations:
 
 - MXFP4 and int4 (groups of 32, 96, 128) for T in {4, 7, 16, 64, 300}, N around the 32-row strip (5, 37, 70)
   and K not a multiple of the 32-block or the 512-feature chunk, a sliced pool (every other row);
@@ -22,15 +22,16 @@ from test_kernels import _close, _moe_pool, _packed, _routing
 from test_kernels_int4 import _silu_reference
 from test_kernels_mxfp4 import FAST, _gpt_oss_pool, _gpt_oss_reference, _hand_spec, decode, q8_32
 
-pytestmark = pytest.mark.skipif(not (kernels.backend() == "cpp" and FAST and kernels.extension().avx512_supported()),
-                                reason="needs the C++ kernels on a CPU with AVX-512 BF16/VNNI")
+STRIPS = kernels.backend() == "cpp" and FAST and kernels.extension().avx512_supported()
+pytestmark = pytest.mark.skipif(not STRIPS, reason="needs the C++ kernels on a CPU with AVX-512 BF16/VNNI")
 TOKENS = [4, 7, 16, 64, 300]
 WAYS = ["strips", "pairs"]
 
 
 @pytest.fixture(params=WAYS)
 def way(request):
-    """Runs a test with the strips on (from 4 tokens) and off (pairs of rows at every T); restores the setting."""
+    """Runs a test with the strips on (from 4 tokens) and off (pairs of rows at every T); restores both
+    settings."""
     ext = kernels.extension()
     saved = ext.get_avx512(), ext.get_strip_tokens()
     ext.set_avx512(True)
@@ -41,7 +42,8 @@ def way(request):
 
 
 def _linear(x, spec, rows_per_unit=1 << 20):
-    """y = x W^T in fast math, the weight's rows in units of rows_per_unit (default: one unit, every strip)."""
+    """y = x W^T in fast math, the weight's rows in units of rows_per_unit (default: one unit, every
+    strip)."""
     return kernels.extension().linear(x, spec, 0, 1 << 30, rows_per_unit, kernels.CPU_MATHS["fast"])
 
 
@@ -67,8 +69,10 @@ def test_mxfp4_sliced_rows(way):
     _check(odd, w[1::2], tokens=[7, 64])
 
 
-def _int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int, group: int) -> torch.Tensor:
-    """codes uint8 [N, K / 2] (low nibble first), scale float32 [N, ng], zero uint8 [N, ng] -> float64 [N, K]."""
+def _int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int,
+                 group: int) -> torch.Tensor:
+    """codes uint8 [N, K / 2] (low nibble first), scale float32 [N, ng], zero uint8 [N, ng]
+    -> float64 [N, K]."""
     c = torch.stack([codes & 0xF, codes >> 4], -1).reshape(codes.shape[0], -1)[:, :k].double()
     z = zero.double().repeat_interleave(group, 1)[:, :k]
     return (c - z) * scale.double().repeat_interleave(group, 1)[:, :k]
@@ -92,7 +96,8 @@ def test_int4_zero_points_above_16(way):
     zero[0, 40:45] = torch.randint(17, 256, zero[0, 40:45].shape, generator=torch.Generator().manual_seed(1),
                                    dtype=torch.uint8)  # the second strip only
     spec = (INT4, pool["p.weight"], pool["p.weight_scale"], zero, n, k, group, 1)
-    _check(spec, _int4_weight(pool["p.weight"][0], pool["p.weight_scale"][0], zero[0], k, group), tokens=[7, 64])
+    w = _int4_weight(pool["p.weight"][0], pool["p.weight_scale"][0], zero[0], k, group)
+    _check(spec, w, tokens=[7, 64])
 
 
 def test_nan_scales_and_non_finite_activations_stay_in_their_rows_and_tokens(way):
