@@ -345,17 +345,41 @@ bool decode_tile(const Rows& W, int64_t N, int64_t K, int64_t a, int64_t g0, int
         _mm512_store_si512(tl.ws[b / 4][b % 4][v], bits);
       }
     } else {  // the chunk's (at most 16) scales and zero points of each row, transposed
-      const int64_t i0 = 4 * g0 * BLOCK / W.G, count = (nb - 1) * BLOCK / W.G + 1 - i0;
+      // the chunk's scale groups i0 .. i0 + count - 1 (at most 16: groups of at least 32 features)
+      const int64_t i0 = 4 * g0 * BLOCK / W.G, count = lo(4 * (g0 + ng) - 1, nb - 1) * BLOCK / W.G + 1 - i0;
       __m512i zt[16], st[16], zmax = _mm512_setzero_si512();
-      for (int n = 0; n < 16; ++n) {
-        const int64_t r = lo(a + 16 * v + n, N - 1);
-        zt[n] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(count), W.z + r * W.z_row + i0));
-        st[n] = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask16(count), W.s + r * W.s_row + i0));
-        zmax = _mm512_max_epu32(zmax, zt[n]);
+      if (count <= 4) {  // groups of 128 or more: each row's (at most) 4 in a 128-bit lane, 4 rows a vector
+        for (int i = 0; i < 4; ++i) {
+          zt[i] = st[i] = _mm512_setzero_si512();
+          for (int q = 0; q < 4; ++q) {  // 128-bit lane q of zt[i], st[i]: row 4q + i's
+            const int64_t r = lo(a + 16 * v + 4 * q + i, N - 1);
+            const __mmask16 lane = __mmask16(0xF << (4 * q));
+            zt[i] = _mm512_mask_broadcast_i32x4(zt[i], lane, _mm_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(count), W.z + r * W.z_row + i0)));
+            st[i] = _mm512_mask_broadcast_i32x4(st[i], lane, _mm_castps_si128(_mm_maskz_loadu_ps(__mmask8(mask16(count)), W.s + r * W.s_row + i0)));
+          }
+          zmax = _mm512_max_epu32(zmax, zt[i]);
+        }
+        auto transpose4 = [](__m512i* x) __attribute__((always_inline)) {  // in each 128-bit lane
+          const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+          const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+          x[0] = _mm512_unpacklo_epi64(t0, t2);
+          x[1] = _mm512_unpackhi_epi64(t0, t2);
+          x[2] = _mm512_unpacklo_epi64(t1, t3);
+          x[3] = _mm512_unpackhi_epi64(t1, t3);
+        };
+        transpose4(zt);  // zt[c] lane 4q + i: row 4q + i's zero point i0 + c
+        transpose4(st);
+      } else {
+        for (int n = 0; n < 16; ++n) {
+          const int64_t r = lo(a + 16 * v + n, N - 1);
+          zt[n] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(count), W.z + r * W.z_row + i0));
+          st[n] = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask16(count), W.s + r * W.s_row + i0));
+          zmax = _mm512_max_epu32(zmax, zt[n]);
+        }
+        transpose16(zt);  // zt[i] lane n: row n's zero point i0 + i
+        transpose16(st);
       }
       if (_mm512_cmpgt_epu32_mask(zmax, _mm512_set1_epi32(16))) return false;
-      transpose16(zt);  // zt[i] lane n: row n's zero point i0 + i
-      transpose16(st);
       const __m512i rep = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
       for (int64_t g = 0; g < ng; ++g)
         for (int j = 0; j < 4; ++j) {
