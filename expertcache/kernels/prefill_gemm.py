@@ -13,7 +13,8 @@ at T = PROBE_T[-1] first (not faster there: NEVER) and then downwards until it i
 grows with T no slower than the matmul's). It is measured at the first use of the class, on at most
 PROBE_ROWS rows of the weight, with the thread count a forward gives both (the kernels' threads), and
 kept in memory and in `<cache_root>/prefill_gemm.json` under a hardware key (CPU model, threads, torch
-version): a machine measures each class once. A damaged file is measured again.
+version, the C++ kernels' build): a machine measures each class once per build of the kernels. A damaged
+file is measured again.
 
 The matmul returns bf16 (torch's CPU bf16 matmul has no float32 output), so its outputs are rounded to
 bf16 on top of what fast math already rounds (activations to bf16): allowed only under fast math.
@@ -94,10 +95,18 @@ def _cpu_name() -> str:
     return cpu_name()
 
 
+@lru_cache(maxsize=1)
+def _kernels_build() -> str:
+    from .build import cache_dir  # the hash of the kernels' sources and flags
+
+    return cache_dir().name
+
+
 def hardware_key() -> str:
-    """What a crossover depends on beside the shape: the CPU model, the thread count, torch's version."""
+    """What a crossover depends on beside the shape: the CPU model, the thread count, torch's version and
+    the C++ kernels' build (a faster kernel moves the crossover)."""
     threads = _threads[0] or torch.get_num_threads()
-    return f"{_cpu_name()}|threads={threads}|torch={torch.__version__}"
+    return f"{_cpu_name()}|threads={threads}|torch={torch.__version__}|kernels={_kernels_build()}"
 
 
 def cache_file():

@@ -466,9 +466,9 @@ std::string kernel_of(const WView& W, int64_t math) {
     case P_BF16: return "avx512bf16-bf16act";
     case P_Q8: return "avx512vnni-q8act64";
     case P_MXF: return "avx512-mxfp4-f32act";
-    case P_MXQ: return "avx512vnni-mxfp4-q8act32";
+    case P_MXQ: return nib::strip_tokens() > 0 ? "avx512vnni-mxfp4-q8act32+strips" : "avx512vnni-mxfp4-q8act32";
     case P_I4F: return "avx512-int4-f32act";
-    case P_I4Q: return "avx512vnni-int4-q8act32";
+    case P_I4Q: return nib::strip_tokens() > 0 ? "avx512vnni-int4-q8act32+strips" : "avx512vnni-int4-q8act32";
     default: return "avx2-f32act";
   }
 }
@@ -912,6 +912,12 @@ void register_expert_kernels(py::module_& m) {
           prefetch_rows.store(n);
         }, "rows ahead a single row's stream prefetches in the AVX-512 kernels (0: none; default 4)");
   m.def("get_prefetch_rows", [] { return prefetch_rows.load(); }, "rows ahead the AVX-512 kernels prefetch");
+  m.def("set_strip_tokens", [](int64_t n) {
+          TORCH_CHECK(n >= 0, "set_strip_tokens: tokens must be >= 0 (0: never), got ", n);
+          nib::set_strip_tokens(n);
+        }, "tokens of a weight from which the AVX-512 4-bit kernels of the fast math run 32-row strips (rows in "
+           "the lanes; 0: never, always pairs of rows; default 4)");
+  m.def("get_strip_tokens", [] { return nib::strip_tokens(); }, "tokens from which the 4-bit strips run (0: never)");
   m.def("kernel_of", [](const py::tuple& spec, int64_t math) { return kernel_of(view_of(spec, "kernel_of"), math); },
         "the kernel that computes a weight of this spec in CPU math `math`");
 }

@@ -5,13 +5,17 @@
 // used there (a copy compiled here could be the one the linker keeps for the whole module).
 //
 // Loop shapes: fewer than 4 tokens, 1, 2 or 4 rows at a time (drive; in exact math several independent
-// accumulators per token hide the FMA latency); more, pairs of rows kept in L1 while
-// chunks of 6 tokens pass over them (2 x 6 accumulators). C: the format (Code), R rows, TT tokens.
+// accumulators per token hide the FMA latency); more, in exact math (and in fast math with the strips
+// off), pairs of rows kept in L1 while chunks of 6 tokens pass over them (2 x 6 accumulators); in fast
+// math from strip_tokens() tokens, strips of 32 rows decoded once per 512 features into a tile with the
+// rows in the lanes (tile_strip), chunks of up to 6 tokens passing over it (2 x 6 accumulators of 16
+// rows). C: the format (Code), R rows, TT tokens.
 
 #include "nibble_kernels.h"
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace nib {
@@ -20,6 +24,12 @@ bool supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
+
+namespace {
+std::atomic<int64_t> strips_from{4};
+}
+void set_strip_tokens(int64_t tokens) { strips_from.store(tokens, std::memory_order_relaxed); }
+int64_t strip_tokens() { return strips_from.load(std::memory_order_relaxed); }
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
@@ -271,6 +281,244 @@ void drive(const Rows& W, int64_t N, int64_t T, float* y, int64_t ldy, int64_t p
   }
 }
 
+// ---- fast, many tokens: a strip of rows decoded once, rows in the lanes ------------------------------
+// A strip of SR = 32 rows and KC groups of 128 features is decoded into a Tile in L1: a 16 x 16 transpose
+// of the code dwords of 16 rows puts dword q of row n in lane n, so one vpdpbusd against 4 activation
+// bytes broadcast (m32bcst) makes 64 MACs of 16 rows at once, and the per-block float work (cvtdq2ps,
+// weight scale x activation scale, fma) serves 16 rows instead of one: per 16 rows, token and block of 32,
+// 8 vpdpbusd + 3 float ops, against 8 + 12 in q8_block. Weights as unsigned bytes: MXFP4 2 x e2m1 + 12
+// (the +12 taken off by the block's code sum x -12, as in q8_block), int4 code - zero + 16 (the +16
+// taken off by the code sum x -16; a strip with a zero point above 16 goes to q8_block). Each token
+// chunk of TT tokens accumulates into y over the K chunks of the strip.
+constexpr int64_t SR = 32;  // rows per strip: 2 vectors of 16
+constexpr int64_t KC = 4;   // groups per K chunk (the Tile: 16 KiB of codes, 2 KiB of scales; its 16 blocks: one transpose)
+
+struct Tile {
+  // [group][block of the group][step k of the block][row vector] 64 bytes: lane n = 4 bytes of row n at
+  // the prepared positions of step k (k < 4: 16 j + 4 k, the block's even features; k >= 4: 64 + 16 j + 4 (k - 4))
+  alignas(64) uint8_t w[KC][4][8][2][64];
+  alignas(64) float ws[KC][4][2][16];  // per block and row vector: lane n's weight scale
+};
+
+// rows 0..15 of r -> 16 vectors, vector q lane n = dword q of r[n]
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i u[16];  // u[4q + c]: 128-bit lane L holds dword 4L + c of rows 4q..4q+3
+  for (int q = 0; q < 4; ++q) {
+    u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// decodes groups g0 .. g0 + ng - 1 of rows a .. a + SR - 1 (rows past N: row N - 1's codes, never stored);
+// false when an int4 zero point of the strip is above 16 (its weights would not fit the unsigned bytes)
+template <int C>
+bool decode_tile(const Rows& W, int64_t N, int64_t K, int64_t a, int64_t g0, int64_t ng, Tile& tl) {
+  const int64_t nbytes = K / 2, nb = (K + BLOCK - 1) / BLOCK, ng_all = (K + GROUP - 1) / GROUP;
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int v = 0; v < 2; ++v) {
+    alignas(64) uint32_t off[4][4][16];  // int4: 16 - zero in each byte, per group, block, lane
+    if constexpr (C == MXFP4) {  // the chunk's 16 e8m0 bytes of each row, transposed (blocks past K: 0)
+      __m512i e[16];
+      for (int n = 0; n < 16; ++n)
+        e[n] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(nb - 4 * g0), W.z + lo(a + 16 * v + n, N - 1) * W.z_row + 4 * g0));
+      transpose16(e);  // e[b] lane n: row n's block b of the chunk
+      for (int b = 0; b < 4 * ng; ++b) {
+        __m512i bits = _mm512_slli_epi32(e[b], 23);
+        bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e[b], _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+        bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e[b], _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+        _mm512_store_si512(tl.ws[b / 4][b % 4][v], bits);
+      }
+    } else {  // the chunk's (at most 16) scales and zero points of each row, transposed
+      // the chunk's scale groups i0 .. i0 + count - 1 (at most 16: groups of at least 32 features)
+      const int64_t i0 = 4 * g0 * BLOCK / W.G, count = lo(4 * (g0 + ng) - 1, nb - 1) * BLOCK / W.G + 1 - i0;
+      __m512i zt[16], st[16], zmax = _mm512_setzero_si512();
+      if (count <= 4) {  // groups of 128 or more: each row's (at most) 4 in a 128-bit lane, 4 rows a vector
+        for (int i = 0; i < 4; ++i) {
+          zt[i] = st[i] = _mm512_setzero_si512();
+          for (int q = 0; q < 4; ++q) {  // 128-bit lane q of zt[i], st[i]: row 4q + i's
+            const int64_t r = lo(a + 16 * v + 4 * q + i, N - 1);
+            const __mmask16 lane = __mmask16(0xF << (4 * q));
+            zt[i] = _mm512_mask_broadcast_i32x4(zt[i], lane, _mm_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(count), W.z + r * W.z_row + i0)));
+            st[i] = _mm512_mask_broadcast_i32x4(st[i], lane, _mm_castps_si128(_mm_maskz_loadu_ps(__mmask8(mask16(count)), W.s + r * W.s_row + i0)));
+          }
+          zmax = _mm512_max_epu32(zmax, zt[i]);
+        }
+        auto transpose4 = [](__m512i* x) __attribute__((always_inline)) {  // in each 128-bit lane
+          const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+          const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+          x[0] = _mm512_unpacklo_epi64(t0, t2);
+          x[1] = _mm512_unpackhi_epi64(t0, t2);
+          x[2] = _mm512_unpacklo_epi64(t1, t3);
+          x[3] = _mm512_unpackhi_epi64(t1, t3);
+        };
+        transpose4(zt);  // zt[c] lane 4q + i: row 4q + i's zero point i0 + c
+        transpose4(st);
+      } else {
+        for (int n = 0; n < 16; ++n) {
+          const int64_t r = lo(a + 16 * v + n, N - 1);
+          zt[n] = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(count), W.z + r * W.z_row + i0));
+          st[n] = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask16(count), W.s + r * W.s_row + i0));
+          zmax = _mm512_max_epu32(zmax, zt[n]);
+        }
+        transpose16(zt);  // zt[i] lane n: row n's zero point i0 + i
+        transpose16(st);
+      }
+      if (_mm512_cmpgt_epu32_mask(zmax, _mm512_set1_epi32(16))) return false;
+      const __m512i rep = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+      for (int64_t g = 0; g < ng; ++g)
+        for (int j = 0; j < 4; ++j) {
+          const int64_t i = lo(4 * (g0 + g) + j, nb - 1) * BLOCK / W.G - i0;
+          _mm512_store_si512(tl.ws[g][j][v], st[i]);
+          _mm512_store_si512(off[g][j], _mm512_shuffle_epi8(_mm512_sub_epi32(_mm512_set1_epi32(16), zt[i]), rep));
+        }
+    }
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t gg = g0 + g;
+      const bool tail = 64 * (gg + 1) > nbytes;
+      __m512i r[16];
+      const uint8_t* p[16];
+      for (int n = 0; n < 16; ++n) {
+        const int64_t row = lo(a + 16 * v + n, N - 1);
+        p[n] = W.w + row * W.w_row + 64 * gg;
+        // the codes the next chunk reads: this row's, or at the row's last chunk the next strip's
+        if (gg + KC < ng_all) _mm_prefetch(reinterpret_cast<const char*>(p[n] + 64 * KC), _MM_HINT_T0);
+        else if (row + SR < N) _mm_prefetch(reinterpret_cast<const char*>(p[n] + SR * W.w_row - 64 * g0), _MM_HINT_T0);
+      }
+      if (!tail) {
+        // 128-bit lane q of y[i] = 128-bit lane L of row 4q + i (broadcast loads), then a 4 x 4 transpose of dwords
+        // in each 128-bit lane (against 16 loads and transpose16: 4-12% faster at T = 4..8 on the
+        // gpt-oss-20b and Qwen3-30B-A3B expert shapes, one thread)
+        for (int L = 0; L < 4; ++L) {
+          __m512i y[4];
+          for (int i = 0; i < 4; ++i) {
+            y[i] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[i] + 16 * L)));
+            y[i] = _mm512_mask_broadcast_i32x4(y[i], 0x00F0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[4 + i] + 16 * L)));
+            y[i] = _mm512_mask_broadcast_i32x4(y[i], 0x0F00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[8 + i] + 16 * L)));
+            y[i] = _mm512_mask_broadcast_i32x4(y[i], 0xF000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[12 + i] + 16 * L)));
+          }
+          const __m512i t0 = _mm512_unpacklo_epi32(y[0], y[1]), t1 = _mm512_unpackhi_epi32(y[0], y[1]);
+          const __m512i t2 = _mm512_unpacklo_epi32(y[2], y[3]), t3 = _mm512_unpackhi_epi32(y[2], y[3]);
+          r[4 * L + 0] = _mm512_unpacklo_epi64(t0, t2);
+          r[4 * L + 1] = _mm512_unpackhi_epi64(t0, t2);
+          r[4 * L + 2] = _mm512_unpacklo_epi64(t1, t3);
+          r[4 * L + 3] = _mm512_unpackhi_epi64(t1, t3);
+        }
+      } else {
+        for (int n = 0; n < 16; ++n) r[n] = _mm512_maskz_loadu_epi8(mask64(nbytes - 64 * gg), p[n]);
+        transpose16(r);
+      }
+      // r[q] lane n: code dword q of row n (features 8q..8q+7 of the group, block q / 4)
+      for (int q = 0; q < 16; ++q) {
+        __m512i lo4 = _mm512_and_si512(r[q], nib), hi4 = _mm512_and_si512(_mm512_srli_epi16(r[q], 4), nib);
+        if constexpr (C == MXFP4) {
+          lo4 = _mm512_shuffle_epi8(tab, lo4);
+          hi4 = _mm512_shuffle_epi8(tab, hi4);
+        } else {
+          const __m512i o = _mm512_load_si512(off[g][q / 4]);
+          lo4 = _mm512_add_epi8(lo4, o);
+          hi4 = _mm512_add_epi8(hi4, o);
+        }
+        _mm512_store_si512(tl.w[g][q / 4][q % 4][v], lo4);
+        _mm512_store_si512(tl.w[g][q / 4][4 + q % 4][v], hi4);
+      }
+    }
+  }
+  return true;
+}
+
+// tokens t < TT of a token chunk over the tile's ng groups (group g0 + g of the prepared rows), into
+// y[t * ldy + n] for the strip's rows n < rows (first: stored, else added)
+template <int C, int TT>
+void tile_tokens(const Tile& tl, int64_t g0, int64_t ng, const int8_t* const* xq, const float* const* xs,
+                 const int32_t* const* xc, float* y, int64_t ldy, int64_t rows, bool first) {
+  const __mmask16 m0 = mask16(rows), m1 = mask16(rows - 16);
+  __m512 acc[2][TT];
+  for (int t = 0; t < TT; ++t) {
+    acc[0][t] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + t * ldy);
+    acc[1][t] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + t * ldy + 16);
+  }
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t gg = g0 + g;
+    for (int j = 0; j < 4; ++j) {
+      __m512i d[2][TT];
+      for (int t = 0; t < TT; ++t) {
+        const int32_t c = xc[t][16 * gg + 4 * j];
+        d[0][t] = d[1][t] = _mm512_set1_epi32(C == MXFP4 ? c : -16 * c);
+      }
+      for (int k = 0; k < 8; ++k) {
+        const __m512i w0 = _mm512_load_si512(tl.w[g][j][k][0]), w1 = _mm512_load_si512(tl.w[g][j][k][1]);
+        const int64_t pos = GROUP * gg + (k < 4 ? 16 * j + 4 * k : 64 + 16 * j + 4 * (k - 4));
+        for (int t = 0; t < TT; ++t) {
+          int32_t xv;
+          __builtin_memcpy(&xv, xq[t] + pos, 4);
+          const __m512i xb = _mm512_set1_epi32(xv);
+          d[0][t] = _mm512_dpbusd_epi32(d[0][t], w0, xb);
+          d[1][t] = _mm512_dpbusd_epi32(d[1][t], w1, xb);
+        }
+      }
+      const __m512 s0 = _mm512_load_ps(tl.ws[g][j][0]), s1 = _mm512_load_ps(tl.ws[g][j][1]);
+      for (int t = 0; t < TT; ++t) {
+        const __m512 sx = _mm512_set1_ps(xs[t][16 * gg + 4 * j]);
+        acc[0][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[0][t]), _mm512_mul_ps(s0, sx), acc[0][t]);
+        acc[1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[1][t]), _mm512_mul_ps(s1, sx), acc[1][t]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    _mm512_mask_storeu_ps(y + t * ldy, m0, acc[0][t]);
+    _mm512_mask_storeu_ps(y + t * ldy + 16, m1, acc[1][t]);
+  }
+}
+
+constexpr int TQ = 6;  // tokens per register block of the strips (4 measured the same)
+
+// rows [a, a + SR) of W (fewer at the end) for every token; false when decode_tile refuses (the strip's
+// outputs then hold partial sums: q8_block computes them again)
+template <int C>
+bool tile_strip(const Rows& W, int64_t N, int64_t K, int64_t a, const int8_t* const* xq, const float* const* xs,
+                const int32_t* const* xc, int64_t T, float* y, int64_t ldy, Tile& tl) {
+  const int64_t ng = (K + GROUP - 1) / GROUP, rows = lo(SR, N - a);
+  for (int64_t g0 = 0; g0 < ng; g0 += KC) {
+    const int64_t n = lo(KC, ng - g0);
+    if (!decode_tile<C>(W, N, K, a, g0, n, tl)) return false;
+    // the tokens in chunks of at most TQ, as even as can be (T = 8: 4 + 4, not 6 + 2)
+    const int64_t chunks = (T + TQ - 1) / TQ;
+    for (int64_t c = 0, t0 = 0; c < chunks; ++c) {
+      const int64_t tt = (T - t0) / (chunks - c) + ((T - t0) % (chunks - c) != 0);
+      float* yt = y + t0 * ldy + a;
+      auto go = [&](auto tc) __attribute__((always_inline)) {
+        tile_tokens<C, decltype(tc)::value>(tl, g0, n, xq + t0, xs + t0, xc + t0, yt, ldy, rows, g0 == 0);
+      };
+      switch (tt) {
+        case 1: go(Slot<1>{}); break;
+        case 2: go(Slot<2>{}); break;
+        case 3: go(Slot<3>{}); break;
+        case 4: go(Slot<4>{}); break;
+        case 5: go(Slot<5>{}); break;
+        default: go(Slot<TQ>{}); break;
+      }
+      t0 += tt;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 // ---- entry points --------------------------------------------------------------------------------
@@ -345,6 +593,16 @@ void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const*
     if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
     else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
   };
+  const int64_t from = strip_tokens();
+  if (from > 0 && T >= from) {
+    Tile tl;
+    for (int64_t a = 0; a < N; a += SR) {
+      const bool done = code == MXFP4 ? tile_strip<MXFP4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl)
+                                      : tile_strip<INT4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl);
+      if (!done) drive<1, 1>(offset(W, a), lo(SR, N - a), T, y + a, ldy, 0, run);
+    }
+    return;
+  }
   // MXFP4: 4 rows share the activations at T = 1, 2 rows at T = 2, 3 (gpt-oss-20b expert shapes, one thread,
   // kernel alone: 17-19 -> 27-33 GB/s at T = 1, 13 -> 14-18 at T = 2, docs/real-scale.md); int4 one row at a
   // time (2 or 4 rows measured slower)

@@ -10,7 +10,11 @@
 //          llama.cpp pairs its 4-bit formats with q8), products summed exactly in int32 by vpdpbusd
 //          with the weights as the unsigned side: MXFP4 2 x e2m1 + 12 (0..24) by vpshufb, the +12 taken
 //          off by a per-block term of the activations; int4 the codes, the zero point times the
-//          block's code sum taken off in float32.
+//          block's code sum taken off in float32. From strip_tokens() tokens (prefill) the rows go in
+//          the lanes instead: 32 rows x 512 features decoded once (code dwords transposed 16 x 16) into
+//          a tile in L1, one vpdpbusd = 16 rows x 4 features of a token against 4 activation bytes
+//          broadcast, the per-block float work shared by 16 rows; int4 there as code - zero + 16 (a
+//          zero point above 16: the pairs of rows), the +16 taken off through the code sum.
 // Compiled for AVX-512 F/BW/VL/VNNI inside nibble_kernels.cpp only, called only where supported().
 //
 // Shape legend (K features, even; Kp = K rounded up to GROUP):
@@ -58,6 +62,10 @@ void prep_q8(int code, const float* x, int64_t K, int8_t* q, float* scales, int3
 // pf: with fewer than 4 tokens, each row of a pass of R rows asks for the codes R + pf rows ahead (0: none)
 void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const* xf, const float* const* xsum,
               int64_t T, float* y, int64_t ldy, int64_t pf);
+// rows_q8 computes T >= strip_tokens() tokens by strips (32 rows decoded once per 512 features, rows in the
+// lanes), fewer by pairs of rows; set_strip_tokens(0): never by strips (default 4)
+void set_strip_tokens(int64_t tokens);
+int64_t strip_tokens();
 void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xs,
              const int32_t* const* xc, int64_t T, float* y, int64_t ldy, int64_t pf);
 
