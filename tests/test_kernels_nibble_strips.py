@@ -160,6 +160,10 @@ def test_strip_setting_is_named_and_refuses_a_negative_count():
         assert kernels.kernel_name(spec, "fast") == "avx512vnni-mxfp4-q8act32"
         with pytest.raises(RuntimeError, match="tokens must be >= 0 .0: never., got -1"):
             ext.set_strip_tokens(-1)
+        with pytest.raises(ValueError, match="strips: tokens must be >= 0 .0: never., got -2"):
+            kernels.strips(-2)
+        kernels.strips(5)
+        assert ext.get_strip_tokens() == 5
     finally:
         ext.set_avx512(saved[0])
         ext.set_strip_tokens(saved[1])

@@ -12,8 +12,9 @@ own torch code, used with a printed note when the extension cannot be built or l
 entry point returns None / False when it does not apply, and the caller computes with torch.
 Within "cpp", MXFP4 and int4 (groups a multiple of 32) weights go to AVX-512 kernels
 (csrc/nibble_kernels.cpp) where the CPU has AVX-512 F/BW/VL/VNNI, in both CPU maths;
-EXPERTCACHE_CPU_ISA=avx2 (or `avx512(False)`) keeps them on the AVX2 kernels. `kernel_name` says
-which kernel reads a weight. Under fast math at prefill, a bf16 dense weight of at least its measured
+EXPERTCACHE_CPU_ISA=avx2 (or `avx512(False)`) keeps them on the AVX2 kernels; in fast math, from 4
+tokens of a weight they run 32-row strips (`strips(0)`: never). `kernel_name` says which kernel reads a
+weight. Under fast math at prefill, a bf16 dense weight of at least its measured
 crossover of tokens goes to torch's bf16 matmul instead (prefill_gemm.py; EXPERTCACHE_PREFILL_GEMM=0: never).
 """
 
@@ -71,6 +72,16 @@ def avx512(on: bool) -> None:
     forbidden, mxfp4 and int4 are computed by the AVX2 kernels in both CPU maths (exactly)."""
     if extension() is not None:
         extension().set_avx512(on)
+
+
+def strips(tokens: int) -> None:
+    """Tokens of one weight from which the fast math's AVX-512 4-bit kernels run 32-row strips with the rows
+    in the lanes (default 4; 0: never, pairs of rows at every T; csrc/nibble_kernels.h). A negative count
+    is refused."""
+    if tokens < 0:
+        raise ValueError(f"strips: tokens must be >= 0 (0: never), got {tokens}")
+    if extension() is not None:
+        extension().set_strip_tokens(tokens)
 
 
 def kernel_name(spec: tuple, math: str = "exact") -> str:
