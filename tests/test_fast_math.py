@@ -1,8 +1,9 @@
 """The fast CPU math (`--cpu-math fast`, csrc/fast_kernels.cpp): bf16 weights against activations rounded
 to bf16, int8 weights against activations quantized to int8 per block of 64.
 
-References are float64 sums over activations rounded by torch here (x.bfloat16(); per-64 blocks with
-scale max|x| / 127 and round-half-even), so a kernel may differ from them only by float32 summation.
+References are float64 sums over activations rounded by torch (tests/kernel_refs.py: x.bfloat16(); per-64
+blocks with scale max|x| / 127 and round-half-even), so a kernel may differ from them only by float32
+summation.
 Every other format but mxfp4 (tests/test_kernels_mxfp4.py) must give the exact math's result bit for bit.
 Skipped on a CPU without AVX-512 BF16/VNNI, where `cpu_math='fast'` is refused (tested with the support check forced off).
 """
@@ -13,37 +14,17 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from expertcache import LLM, kernels
 from expertcache.errors import ConfigError
 from expertcache.kernels.formats import plain_spec, quant_spec
+from kernel_refs import BF16ACT, Q8ACT64, assert_moe_close, moe_reference
 from test_kernels import FORMATS, MODEL, SEQ, _close, _moe_pool, _packed, _routing
 
 fast_cpu = kernels.backend() == "cpp" and kernels.extension().fast_supported()
 needs_fast = pytest.mark.skipif(not fast_cpu, reason="the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI")
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 16, 64, 300]
 SHAPES = [(1, 1), (37, 31), (5, 33), (300, 100), (37, 330), (70, 1031)]  # (N, K): K around 32 and 64
-
-
-def bf16_round(x: torch.Tensor) -> torch.Tensor:
-    return x.float().bfloat16().double()
-
-
-def _q8(x: torch.Tensor):
-    """x [T, K] -> (codes, scales) as float64 [T, K], blocks of 64 along K."""
-    T, K = x.shape
-    Kp = -(-K // 64) * 64
-    xb = F.pad(x.float(), (0, Kp - K)).view(T, Kp // 64, 64)
-    s = xb.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(s > 0, torch.round(xb / s), torch.zeros_like(xb))
-    return q.double().view(T, Kp)[:, :K], s.double().expand(T, Kp // 64, 64).reshape(T, Kp)[:, :K]
-
-
-def q8_round(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] -> float64 values of its int8 codes times their block scale."""
-    q, s = _q8(x)
-    return q * s
 
 
 def _linear(x, spec):
@@ -57,7 +38,7 @@ def test_bf16_against_float64_of_rounded_activations(n, k):
     spec = plain_spec(w.unsqueeze(0))
     for T in TOKENS:
         x = torch.randn(T, k, generator=torch.Generator().manual_seed(T))
-        xr = bf16_round(x)
+        xr = BF16ACT(x)
         _close(_linear(x, spec), xr @ w.double().T, xr.abs() @ w.double().abs().T)
 
 
@@ -69,7 +50,7 @@ def test_int8_against_float64_of_quantized_activations(n, k, group):
     spec = quant_spec(m, pool, "p", n, k)
     for T in TOKENS:
         x = torch.randn(T, k, generator=torch.Generator().manual_seed(T)) * torch.linspace(0.1, 3, k)
-        xq = q8_round(x)
+        xq = Q8ACT64(x)
         _close(_linear(x, spec), xq @ w[0].T, xq.abs() @ w[0].abs().T)
 
 
@@ -100,27 +81,8 @@ def test_a_non_finite_activation_spoils_its_own_token_only(fmt):
     y = _linear(x, spec)
     assert torch.isnan(y[1]).all() and not torch.isfinite(y[3]).any()
     ok = [0, 2, 4]
-    xr = (bf16_round if fmt == "bf16" else q8_round)(x[ok])
+    xr = (BF16ACT if fmt == "bf16" else Q8ACT64)(x[ok])
     _close(y[ok], xr @ w[0].T, xr.abs() @ w[0].abs().T)
-
-
-def _moe_rounded_reference(x, slots, weights, gate, up, down, rnd):
-    """float64 per pair as in test_kernels._moe_reference with x and h rounded by `rnd`, and the most that
-    rounding h from float32 instead (an element at a rounding edge going the other way) may change:
-    one rounding step per element of h (bf16: 2^-7 |h|; int8: its block's scale) through |down|."""
-    xr = rnd(x)
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    slack = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(slots.shape[0]):
-        for j in range(slots.shape[1]):
-            s = int(slots[t, j])
-            if s < 0:
-                continue
-            h = F.silu(gate[s] @ xr[t]) * (up[s] @ xr[t])
-            step = h.abs() * 2 ** -7 if rnd is bf16_round else _q8(h[None])[1][0]
-            out[t] += weights[t, j].double() * (down[s] @ rnd(h[None])[0])
-            slack[t] += weights[t, j].double().abs() * (down[s].abs() @ step)
-    return out, slack
 
 
 @needs_fast
@@ -128,18 +90,15 @@ def _moe_rounded_reference(x, slots, weights, gate, up, down, rnd):
 def test_grouped_moe_against_float64_of_rounded_activations(fmt):
     S, H, I, K = 5, 130, 70, 3
     method, pool, gate, up, down = _moe_pool(fmt, {"group_size": 64} if fmt == "int8" else {}, S, H, I)
-    rnd = bf16_round if fmt == "bf16" else q8_round
+    rnd = BF16ACT if fmt == "bf16" else Q8ACT64
     for T in (1, 4, 7, 64):
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
         slots, weights = _routing(T, K, S, seed=T)
         out = torch.zeros(T, H)
         with kernels.cpu_math("fast"):
             assert kernels.moe(x, slots, weights, pool, method, out)
-        ref, slack = _moe_rounded_reference(x, slots, weights, gate, up, down, rnd)
-        err = (out.double() - ref).abs()
-        assert (err <= slack + 1e-5 * ref.abs().max()).all(), f"T={T}: max error {err.max():.3g}"
-        # almost every output is off by float32 sums only: a rounding edge of h moves a few at most
-        assert (err <= 1e-5 * ref.abs().max()).float().mean() >= 0.9
+        ref, slack = moe_reference(x, slots, weights, gate, up, down, rnd)
+        assert_moe_close(out, ref, slack, f"T={T}")
 
 
 @pytest.fixture(scope="module")

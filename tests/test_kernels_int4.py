@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from expertcache import kernels
 from expertcache.kernels.formats import quant_spec
+from kernel_refs import F32ACT, assert_moe_close, moe_reference
 from test_kernels import _close, _moe_pool, _packed, _routing
 from test_kernels_mxfp4 import isa  # noqa: F401 - the fixture
-from test_kernels_mxfp4 import AVX512, ISAS, MATHS, TOKENS, _linear, _skip_unavailable, q8_32, rounding
+from test_kernels_mxfp4 import AVX512, ISAS, MATHS, TOKENS, _linear, _skip_unavailable, rounding
 
 needs_cpp = pytest.mark.skipif(kernels.backend() != "cpp", reason=f"C++ kernels unavailable: {kernels.why()}")
 CASES = [(37, 352, 32), (5, 330, 64), (3, 200, 96), (9, 2880, 128), (4, 160, 1 << 20)]  # (N, K, group)
@@ -53,28 +53,6 @@ def test_groups_off_the_32_grid_stay_on_the_avx2_kernels(math):
     _close(_linear(x, spec, math), x.double() @ w[0].T, x.double().abs() @ w[0].abs().T)
 
 
-def _silu_reference(x, slots, weights, gate, up, down, rnd):
-    """float64 per pair, x and h seen through `rnd` -> (out, slack): slack bounds what rounding h from
-    float32 instead may change (one step of the q8 rounding per element of h, through |down|)."""
-    xr = rnd(x)
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    slack = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(slots.shape[0]):
-        for j in range(slots.shape[1]):
-            s = int(slots[t, j])
-            if s < 0:
-                continue
-            h = F.silu(gate[s] @ xr[t]) * (up[s] @ xr[t])
-            hr = rnd(h[None].float())[0] if rnd is q8_32 else h
-            if rnd is q8_32:
-                Kp = -(-h.numel() // 32) * 32
-                step = F.pad(h.abs(), (0, Kp - h.numel())).view(-1, 32).amax(-1) / 127
-                per_feature = step.repeat_interleave(32)[:h.numel()]
-                slack[t] += weights[t, j].double().abs() * (down[s].abs() @ per_feature)
-            out[t] += weights[t, j].double() * (down[s] @ hr)
-    return out, slack
-
-
 @needs_cpp
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("math", MATHS)
@@ -89,11 +67,8 @@ def test_grouped_moe_against_float64(math, isa):
         out = torch.zeros(T, H)
         with kernels.cpu_math(math):
             assert kernels.moe(x, slots, weights, pool, method, out)
-        ref, slack = _silu_reference(x, slots, weights, gate, up, down, rnd)
-        err = (out.double() - ref).abs()
-        tol = 1e-5 * ref.abs().max()
-        assert (err <= slack + tol).all(), f"T={T}: max error {err.max():.3g}"
-        assert (err <= tol).float().mean() >= 0.9, f"T={T}"
+        ref, slack = moe_reference(x, slots, weights, gate, up, down, rnd)
+        assert_moe_close(out, ref, slack, f"T={T}")
 
 
 @needs_cpp
@@ -102,7 +77,7 @@ def test_fused_interleaved_gate_up_with_biases_exact(isa):
     """gate / up as the even / odd rows of one int4 gate_up (row strides of two rows, scales and zero
     points sliced the same way), clamped SwiGLU and biases, exact math, against the float64 loop."""
     from expertcache.experts.compute import ExpertFFN
-    from test_kernels import _fused_pool, _moe_reference
+    from test_kernels import _fused_pool
 
     S, H, I, K, T = 4, 160, 96, 2, 9
     method, pool, gate, up, down = _fused_pool("int4", {"group_size": 32}, S, H, I, interleaved=True)
@@ -117,5 +92,5 @@ def test_fused_interleaved_gate_up_with_biases_exact(isa):
     slots, weights = _routing(T, K, S)
     out = torch.zeros(T, H)
     assert kernels.moe(x, slots, weights, pool, method, out, ffn)
-    ref = _moe_reference(x, slots, weights, gate, up, down, "clamped_swiglu", (bg, bu, bd))
+    ref, _ = moe_reference(x, slots, weights, gate, up, down, F32ACT, "clamped_swiglu", (bg, bu, bd))
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()

@@ -4,9 +4,10 @@
   pair (N odd, K = 32, 96, 160, 352; a K that is not a multiple of the 32-block through a spec made by
   hand), T in {1, 2, 7, 16, 64, 300}, both CPU maths, on the kernel the machine dispatches to and on
   the AVX2 fallback (set_avx512(False));
-- exact math: x @ W^T in float64 (W decoded here from the codes and e8m0 bytes); fast math on the
-  AVX-512 kernel: x quantized per block of 32 (scale max|x| / 127, round half to even) first, then the
-  float64 sum, so the kernel may differ only by float32 sums; the fallback computes exactly in both;
+- exact math: x @ W^T in float64 (W decoded from the codes and e8m0 bytes by tests/kernel_refs.py);
+  fast math on the AVX-512 kernel: x quantized per block of 32 (scale max|x| / 127, round half to even)
+  first, then the float64 sum, so the kernel may differ only by float32 sums; the fallback computes
+  exactly in both;
 - NaN e8m0 scales and non-finite activations spoil their own rows / tokens only;
 - the GPT-OSS expert (fused interleaved gate_up, biases, clamped SwiGLU) through the fused MoE call,
   with repeated and empty experts, against a float64 per-pair loop;
@@ -21,11 +22,11 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from expertcache import kernels
 from expertcache.experts.compute import ExpertFFN
 from expertcache.kernels.formats import MXFP4, quant_spec
+from kernel_refs import F32ACT, Q8ACT32, assert_moe_close, moe_reference, mxfp4_weight
 from test_kernels import _close, _packed, _routing
 
 needs_cpp = pytest.mark.skipif(kernels.backend() != "cpp", reason=f"C++ kernels unavailable: {kernels.why()}")
@@ -35,7 +36,6 @@ TOKENS = [1, 2, 7, 16, 64, 300]
 SHAPES = [(1, 32), (5, 96), (37, 352), (8, 160), (3, 2880)]
 ISAS = ["dispatched", "avx2"]
 MATHS = ["exact", "fast"]
-E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
 
 
 @pytest.fixture
@@ -48,27 +48,9 @@ def isa(request):
     ext.set_avx512(saved)
 
 
-def decode(codes: torch.Tensor, scales: torch.Tensor, K: int) -> torch.Tensor:
-    """codes uint8 [N, K / 2] (low nibble first), e8m0 uint8 [N, ceil(K / 32)] -> float64 [N, K]."""
-    c = torch.stack([codes & 0xF, codes >> 4], -1).reshape(codes.shape[0], -1)[:, :K].long()
-    e = scales.double()
-    s = torch.where(scales == 255, torch.nan, torch.where(scales == 0, 2.0 ** -127, 2.0 ** (e - 127)))
-    return E2M1[c] * s.repeat_interleave(32, 1)[:, :K]
-
-
-def q8_32(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] -> float64 values of its int8 codes per block of 32 times the block's scale."""
-    T, K = x.shape
-    Kp = -(-K // 32) * 32
-    xb = F.pad(x.float(), (0, Kp - K)).view(T, Kp // 32, 32)
-    s = xb.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(s > 0, torch.round(xb / s), torch.zeros_like(xb))
-    return (q * s).double().reshape(T, Kp)[:, :K]
-
-
 def rounding(math: str, isa: str):
     """How the kernel of (math, isa) sees the activations: the q8 rounding, or none (float64 of x)."""
-    return q8_32 if math == "fast" and isa == "dispatched" and AVX512 else (lambda x: x.double())
+    return Q8ACT32 if math == "fast" and isa == "dispatched" and AVX512 else F32ACT
 
 
 def _linear(x, spec, math):
@@ -131,7 +113,7 @@ def test_rows_ending_inside_a_block(k, math, isa):
     """K not a multiple of 32 (the last block partial), and row strides of a sliced pool (every other row)."""
     _skip_unavailable(math)
     spec, codes, scales = _hand_spec(9, k, seed=k)
-    w = decode(codes[0], scales[0], k)
+    w = mxfp4_weight(codes[0], scales[0], k)
     rnd = rounding(math, isa)
     for T in (1, 2, 7, 16):
         x = torch.randn(T, k, generator=torch.Generator().manual_seed(T))
@@ -150,7 +132,7 @@ def test_nan_scales_and_non_finite_activations_stay_in_their_rows_and_tokens(mat
     _skip_unavailable(math)
     spec, codes, scales = _hand_spec(7, 352, seed=1)
     scales[0, 2, 5] = 255  # row 2's block 5: NaN
-    w = decode(codes[0], scales[0], 352)
+    w = mxfp4_weight(codes[0], scales[0], 352)
     x = torch.randn(5, 352)
     x[1, 3], x[3, 200] = float("nan"), float("inf")
     y = _linear(x, spec, math)
@@ -176,31 +158,6 @@ def _gpt_oss_pool(S: int, H: int, I: int):
     return method, pool, ffn, gu[:, 0::2], gu[:, 1::2], down, biases
 
 
-def _gpt_oss_reference(x, slots, weights, gate, up, down, biases, rnd):
-    """float64 per pair, x and h seen through `rnd` -> (out, slack): slack bounds what rounding h from
-    float32 instead may change (one step of its rounding per element of h, through |down|)."""
-    bg, bu, bd = biases
-    xr = rnd(x)
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    slack = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(slots.shape[0]):
-        for j in range(slots.shape[1]):
-            s = int(slots[t, j])
-            if s < 0:
-                continue
-            g = (gate[s] @ xr[t] + bg[s]).clamp(max=7.0)
-            u = (up[s] @ xr[t] + bu[s]).clamp(-7.0, 7.0)
-            h = (u + 1) * g * torch.sigmoid(1.702 * g)
-            hr = rnd(h[None].float())[0] if rnd is q8_32 else h
-            if rnd is q8_32:
-                Kp = -(-h.numel() // 32) * 32
-                step = F.pad(h.abs(), (0, Kp - h.numel())).view(-1, 32).amax(-1) / 127
-                per_feature = step.repeat_interleave(32)[:h.numel()]
-                slack[t] += weights[t, j].double().abs() * (down[s].abs() @ per_feature)
-            out[t] += weights[t, j].double() * (down[s] @ hr + bd[s])
-    return out, slack
-
-
 @needs_cpp
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("math", MATHS)
@@ -216,11 +173,8 @@ def test_gpt_oss_experts_through_the_fused_call(math, isa):
         out = start.clone()
         with kernels.cpu_math(math):
             assert kernels.moe(x, slots, weights, pool, method, out, ffn)
-        ref, slack = _gpt_oss_reference(x, slots, weights, gate, up, down, biases, rnd)
-        err = (out.double() - start.double() - ref).abs()
-        tol = 1e-5 * ref.abs().max()
-        assert (err <= slack + tol).all(), f"T={T}: max error {err.max():.3g}"
-        assert (err <= tol).float().mean() >= 0.9, f"T={T}"  # a rounding edge of h moves a few at most
+        ref, slack = moe_reference(x, slots, weights, gate, up, down, rnd, "clamped_swiglu", biases)
+        assert_moe_close(out.double() - start.double(), ref, slack, f"T={T}")
 
 
 @needs_cpp

@@ -18,9 +18,9 @@ import torch
 
 from expertcache import kernels
 from expertcache.kernels.formats import INT4
+from kernel_refs import Q8ACT32, assert_moe_close, int4_weight, moe_reference, mxfp4_weight
 from test_kernels import _close, _moe_pool, _packed, _routing
-from test_kernels_int4 import _silu_reference
-from test_kernels_mxfp4 import FAST, _gpt_oss_pool, _gpt_oss_reference, _hand_spec, decode, q8_32
+from test_kernels_mxfp4 import FAST, _gpt_oss_pool, _hand_spec
 
 STRIPS = kernels.backend() == "cpp" and FAST and kernels.extension().avx512_supported()
 pytestmark = pytest.mark.skipif(not STRIPS, reason="needs the C++ kernels on a CPU with AVX-512 BF16/VNNI")
@@ -51,7 +51,7 @@ def _check(spec, w: torch.Tensor, tokens=TOKENS) -> None:
     k = w.shape[1]
     for T in tokens:
         x = torch.randn(T, k, generator=torch.Generator().manual_seed(T)) * torch.linspace(0.1, 3, k)
-        xr = q8_32(x)
+        xr = Q8ACT32(x)
         for units in (1 << 20, 8):  # every strip of the weight in one call; 8 rows a call (a part of a strip)
             _close(_linear(x, spec, units), xr @ w.T, xr.abs() @ w.abs().T)
 
@@ -59,23 +59,14 @@ def _check(spec, w: torch.Tensor, tokens=TOKENS) -> None:
 @pytest.mark.parametrize("n,k", [(5, 352), (37, 190), (70, 2880), (33, 30), (100, 1100)])
 def test_mxfp4_against_float64(n, k, way):
     spec, codes, scales = _hand_spec(n, k, seed=n)
-    _check(spec, decode(codes[0], scales[0], k))
+    _check(spec, mxfp4_weight(codes[0], scales[0], k))
 
 
 def test_mxfp4_sliced_rows(way):
     spec, codes, scales = _hand_spec(75, 352, seed=2)
-    w = decode(codes[0], scales[0], 352)
+    w = mxfp4_weight(codes[0], scales[0], 352)
     odd = (spec[0], codes[:, 1::2], None, scales[:, 1::2], 37, 352, 32, 1)
     _check(odd, w[1::2], tokens=[7, 64])
-
-
-def _int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int,
-                 group: int) -> torch.Tensor:
-    """codes uint8 [N, K / 2] (low nibble first), scale float32 [N, ng], zero uint8 [N, ng]
-    -> float64 [N, K]."""
-    c = torch.stack([codes & 0xF, codes >> 4], -1).reshape(codes.shape[0], -1)[:, :k].double()
-    z = zero.double().repeat_interleave(group, 1)[:, :k]
-    return (c - z) * scale.double().repeat_interleave(group, 1)[:, :k]
 
 
 @pytest.mark.parametrize("n,k,group", [(37, 352, 32), (70, 330, 96), (33, 2880, 128), (5, 200, 128)])
@@ -84,7 +75,7 @@ def test_int4_against_float64(n, k, group, way):
     spec = (INT4, pool["p.weight"], pool["p.weight_scale"], pool["p.weight_zero"], n, k, group, 1)
     assert kernels.kernel_name(spec, "fast") == ("avx512vnni-int4-q8act32+strips" if way == "strips"
                                                  else "avx512vnni-int4-q8act32")
-    w = _int4_weight(pool["p.weight"][0], pool["p.weight_scale"][0], pool["p.weight_zero"][0], k, group)
+    w = int4_weight(pool["p.weight"][0], pool["p.weight_scale"][0], pool["p.weight_zero"][0], k, group)
     _check(spec, w)
 
 
@@ -96,14 +87,14 @@ def test_int4_zero_points_above_16(way):
     zero[0, 40:45] = torch.randint(17, 256, zero[0, 40:45].shape, generator=torch.Generator().manual_seed(1),
                                    dtype=torch.uint8)  # the second strip only
     spec = (INT4, pool["p.weight"], pool["p.weight_scale"], zero, n, k, group, 1)
-    w = _int4_weight(pool["p.weight"][0], pool["p.weight_scale"][0], zero[0], k, group)
+    w = int4_weight(pool["p.weight"][0], pool["p.weight_scale"][0], zero[0], k, group)
     _check(spec, w, tokens=[7, 64])
 
 
 def test_nan_scales_and_non_finite_activations_stay_in_their_rows_and_tokens(way):
     spec, codes, scales = _hand_spec(70, 352, seed=1)
     scales[0, 40, 5] = 255  # row 40 (second strip), block 5: NaN
-    w = decode(codes[0], scales[0], 352)
+    w = mxfp4_weight(codes[0], scales[0], 352)
     x = torch.randn(16, 352)
     x[1, 3], x[9, 200] = float("nan"), float("inf")
     y = _linear(x, spec)
@@ -111,15 +102,8 @@ def test_nan_scales_and_non_finite_activations_stay_in_their_rows_and_tokens(way
     assert torch.isnan(y[1]).all() and not torch.isfinite(y[9]).any()
     ok_t = [t for t in range(16) if t not in (1, 9)]
     ok_n = [i for i in range(70) if i != 40]
-    xr = q8_32(x[ok_t])
+    xr = Q8ACT32(x[ok_t])
     _close(y[ok_t][:, ok_n], xr @ w[ok_n].T, xr.abs() @ w[ok_n].abs().T)
-
-
-def _moe_close(out, ref, slack, T):
-    err = (out.double() - ref).abs()
-    tol = 1e-5 * ref.abs().max()
-    assert (err <= slack + tol).all(), f"T={T}: max error {err.max():.3g}"
-    assert (err <= tol).float().mean() >= 0.9, f"T={T}"  # a rounding edge of h moves a few at most
 
 
 @pytest.mark.parametrize("T", [16, 200])
@@ -131,7 +115,8 @@ def test_gpt_oss_experts_through_the_fused_call(T, way):
     out = torch.zeros(T, H)
     with kernels.cpu_math("fast"):
         assert kernels.moe(x, slots, weights, pool, method, out, ffn)
-    _moe_close(out, *_gpt_oss_reference(x, slots, weights, gate, up, down, biases, q8_32), T)
+    ref, slack = moe_reference(x, slots, weights, gate, up, down, Q8ACT32, "clamped_swiglu", biases)
+    assert_moe_close(out, ref, slack, f"T={T}")
 
 
 @pytest.mark.parametrize("T", [16, 200])
@@ -143,7 +128,8 @@ def test_qwen_int4_experts_through_the_fused_call(T, way):
     out = torch.zeros(T, H)
     with kernels.cpu_math("fast"):
         assert kernels.moe(x, slots, weights, pool, method, out)
-    _moe_close(out, *_silu_reference(x, slots, weights, gate, up, down, q8_32), T)
+    ref, slack = moe_reference(x, slots, weights, gate, up, down, Q8ACT32)
+    assert_moe_close(out, ref, slack, f"T={T}")
 
 
 def test_strip_setting_is_named_and_refuses_a_negative_count():
