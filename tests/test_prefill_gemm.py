@@ -257,3 +257,27 @@ def test_whole_model_prefill_on_the_matmul_is_within_bf16_of_the_kernel_path(che
     for fast in (kernel, matmul):  # both fast paths as close to the exact math
         assert (fast - exact).abs().max() <= 2e-2 * exact.abs().max()
     assert (matmul.argmax(-1) == kernel.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_fast
+@pytest.mark.parametrize("n,t", [(5, 1), (300, 17), (257, 64), (1024, 3)])
+def test_the_pool_matmul_equals_torch_bitwise(n, t):
+    """Within a forward on 2 threads the bf16 matmul runs as single-threaded blocks of W's rows on the
+    kernels' threads (csrc/pool_gemm.cpp): the same oneDNN products as torch's own matmul, row block by
+    row block, so the outputs are bitwise equal; the result has contiguous rows (the attention reads it)."""
+    g = torch.Generator().manual_seed(n + t)
+    w = (torch.randn(n, 96, generator=g) * 0.1).bfloat16()
+    x = torch.randn(2, t, 96, generator=g)
+    want = torch.nn.functional.linear(x.bfloat16(), w).float()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with kernels.cpu_threads("cpu"):
+            assert prefill_gemm._threads[0] == 2  # the pool path is the one taken
+            got = prefill_gemm.bf16_linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert got.is_contiguous() and got.shape == (2, t, n)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="linear_bf16: x"):
+        kernels.extension().linear_bf16(x[0].bfloat16(), w[:, :95])

@@ -16,6 +16,12 @@ kept in memory and in `<cache_root>/prefill_gemm.json` under a hardware key (CPU
 version, the C++ kernels' build): a machine measures each class once per build of the kernels. A damaged
 file is measured again.
 
+Within a forward on several threads the matmul runs on the kernels' own threads, W's row blocks each a
+single-threaded oneDNN matmul (csrc/pool_gemm.cpp): torch's OpenMP team ends each call at a barrier that
+waits for every thread, and on a shared machine a descheduled one stalled the whole product (2 threads,
+1024 x 2880 at 128 tokens beside a niced test run: 1.5 ms at best, 17-26 ms median; on the pool 6.6 ms
+median for 5120 x 2880, 563 GFLOP/s). Its products equal torch's bitwise.
+
 The matmul returns bf16 (torch's CPU bf16 matmul has no float32 output), so its outputs are rounded to
 bf16 on top of what fast math already rounds (activations to bf16): allowed only under fast math.
 EXPERTCACHE_PREFILL_GEMM=0 (or `enable(False)`) keeps every weight on the C++ kernels.
@@ -33,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cost.measure import cpu_name
+from .build import extension
 from ..paths import cache_root
 
 ENV = "EXPERTCACHE_PREFILL_GEMM"
@@ -198,9 +205,17 @@ def takes(t: int, what: str, fmt: str, n: int, k: int, probe) -> bool:
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] float32 @ w [N, K] bf16 ^T -> float32 [..., N]: x rounded to bf16, products summed in
-    float32 by oneDNN, the output rounded to bf16."""
+    float32 by oneDNN, the output rounded to bf16. Within a forward on several threads, w's row blocks
+    run as single-threaded matmuls on the kernels' own threads (csrc/pool_gemm.cpp: no OpenMP barrier
+    waiting on a descheduled thread); elsewhere torch's matmul on its threads."""
+    xb = x.to(torch.bfloat16)
+    ext = extension()
+    if _threads[0] > 1 and ext is not None and w.is_contiguous():
+        out = torch.empty(*x.shape[:-1], w.shape[0])  # float32 rows: one pass converts and transposes
+        out.view(-1, w.shape[0]).copy_(ext.linear_bf16(xb.reshape(-1, w.shape[1]), w))
+        return out
     with gemm_threads():
-        return F.linear(x.to(torch.bfloat16), w).float()
+        return F.linear(xb, w).float()
 
 
 __all__ = ["CALLS", "ENV", "MIN_T", "NEVER", "PROBE_T", "bf16_linear", "crossover", "enable", "enabled",

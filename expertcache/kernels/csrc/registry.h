@@ -9,3 +9,4 @@ void register_expert_kernels(py::module_& m);  // expert_kernels.cpp: y = x W^T 
 void register_attention(py::module_& m);       // attention.cpp: attention over the paged KV cache
 void register_small_ops(py::module_& m);       // small_ops.cpp: fused norms and per-token helpers
 void register_decode_block(py::module_& m);    // decode_block.cpp: a MoE layer's attention half in one call
+void register_pool_gemm(py::module_& m);       // pool_gemm.cpp: prefill's bf16 matmul on the kernels' threads
