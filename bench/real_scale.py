@@ -384,7 +384,8 @@ def main() -> None:
     try:
         if "resident" in args.parts:
             extra = {k: v for k, v in (("lm_head", args.lm_head), ("dense", args.dense)) if v}
-            workers = {m: Worker(ckpt, max(args.prompts), args.gen, args.threads, {"cpu_math": m, **extra})
+            workers = {m: Worker(ckpt, max(args.prompts), args.gen, args.threads, {"cpu_math": m, **extra},
+                                 warm=tuple(args.prompts))
                        for m in args.cpu_math}
             res = {"llama.cpp": [], **{m: [] for m in workers}}
             bws = []

@@ -133,7 +133,8 @@ from expertcache import LLM, SamplingParams
 torch.set_num_threads({threads})
 llm = LLM({model!r}, max_model_len=max(512, {prompt} + {gen} + 8), kv_cache_memory="64MiB", prefix_caching=False, **{options!r})  # every round prefills the whole prompt
 prompt = torch.randint(3, 2000, ({prompt},), generator=torch.Generator().manual_seed(0)).tolist()
-llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+for n in {warm!r}:  # warm-up: every prompt length once (a prefill path measures its crossovers at first use)
+    llm.generate([prompt[:n]], SamplingParams(max_tokens=2, temperature=0.0))
 m, src = llm.model, llm.source
 size = lambda t: t.nbytes if hasattr(t, "parts") else t.numel() * t.element_size()
 dense = sum(size(t) for layer in m.layers for t in layer["attn"].w.values())
@@ -154,9 +155,11 @@ for line in sys.stdin:  # "go [PROMPT GEN]": a shorter prompt / fewer tokens tha
 class Worker:
     """One expertcache process holding the model; `run()` measures one round."""
 
-    def __init__(self, model: Path, prompt: int, gen: int, threads: int, options: dict, prefix: tuple = ()):
+    def __init__(self, model: Path, prompt: int, gen: int, threads: int, options: dict, prefix: tuple = (),
+                 warm: tuple = ()):
+        """warm: prompt lengths run once before READY (besides 8 tokens and the whole prompt)."""
         code = WORKER.format(bench=str(HERE.parent), threads=threads, model=str(model), prompt=prompt, gen=gen,
-                             options=options)
+                             options=options, warm=tuple(sorted({8, prompt, *warm})))
         self.p = subprocess.Popen([*prefix, sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         self.info = json.loads(self._expect("READY "))
