@@ -72,11 +72,13 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, K:
 
 
 def moe_reference(x, slots, weights, gate, up, down, rnd: ActRounding = F32ACT, act: str = "silu",
-                  biases=(None, None, None)) -> tuple[torch.Tensor, torch.Tensor]:
+                  biases=(None, None, None), limit: float = 7.0, alpha: float = 1.702
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], slots [T, A] (-1: skipped), weights [T, A], gate / up float64 [S, I, H], down float64
     [S, H, I], biases (gate [S, I], up [S, I], down [S, H]) or Nones -> (out, slack) float64 [T, H]:
     out[t] = sum_a weights[t, a] * (down_s act(gate_s x_t + bg_s, up_s x_t + bu_s) + bd_s), x and h seen
-    through `rnd`; act "silu": silu(g) u, "clamped_swiglu": g <= 7, |u| <= 7, (u + 1) g sigmoid(1.702 g).
+    through `rnd`; act "silu": silu(g) u, "clamped_swiglu": g <= limit, |u| <= limit, (u + 1) g sigmoid(alpha g)
+    (GPT-OSS: limit 7, alpha 1.702).
     slack bounds what rounding h from float32 instead may change (one step of `rnd` per element of h,
     through |down|); zero for F32ACT."""
     bg, bu, bd = (None if b is None else b.double() for b in biases)
@@ -94,8 +96,8 @@ def moe_reference(x, slots, weights, gate, up, down, rnd: ActRounding = F32ACT, 
             if act == "silu":
                 h = F.silu(g) * u
             elif act == "clamped_swiglu":
-                g, u = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
-                h = (u + 1) * g * torch.sigmoid(1.702 * g)
+                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+                h = (u + 1) * g * torch.sigmoid(alpha * g)
             else:
                 raise ValueError(f"moe_reference: act must be silu or clamped_swiglu, got {act!r}")
             y = down[s] @ rnd(h[None])[0]

@@ -1,5 +1,5 @@
 """The Triton fused MoE kernel under TRITON_INTERPRET=1 (CPU tensors) against a float64 reference written
-here from the formula (not through experts/compute.py): every slot format (fp32/bf16/fp16 plain parts,
+here from the formula (tests/kernel_refs.py, not experts/compute.py): every slot format (fp32/bf16/fp16 plain parts,
 fp8 per-tensor, per-channel and block, int8 and int4 groups, mxfp4), the GPT-OSS expert variant
 (interleaved and transposed gate_up, expert biases, clamped SwiGLU), ragged token counts, empty and
 repeated slots, non-resident experts (slot -1, which must contribute nothing), 64-bit slot offsets, and an
@@ -19,6 +19,7 @@ from expertcache.experts.compute import ExpertFFN  # noqa: E402
 from expertcache.kernels import triton_moe, triton_moe_jit, triton_pool  # noqa: E402
 from expertcache.kernels.triton_moe import align_by_slot, fused_moe, num_blocks_bound  # noqa: E402
 from expertcache.quant.method import make_quant_method  # noqa: E402
+from kernel_refs import F32ACT, moe_reference  # noqa: E402  (tests/: the kernels' float64 MoE sum)
 
 pytestmark = pytest.mark.skipif(not (triton_moe.interpreted() or torch.cuda.is_available()),
                                 reason="needs CUDA or TRITON_INTERPRET=1 before expertcache.kernels.triton_moe loads")
@@ -26,26 +27,15 @@ DEV = "cpu" if triton_moe.interpreted() else "cuda"
 GPT_OSS = ExpertFFN(act="clamped_swiglu", interleaved=True, transposed=True, alpha=1.702, limit=1.5)
 
 
-def act64(g, u, ffn):
-    if ffn.act == "clamped_swiglu":
-        g, u = g.clamp(max=ffn.limit), u.clamp(-ffn.limit, ffn.limit)
-        return (u + 1) * g * torch.sigmoid(ffn.alpha * g)
-    return g * torch.sigmoid(g) * u
-
-
 def reference(x, slots, weights, experts, ffn=ExpertFFN()):
-    """float64: sum over pairs with a slot of w * (act(x gate^T + bg, x up^T + bu) down^T + bd)."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(slots.shape[1]):
-            s = int(slots[t, k])
-            if s < 0:
-                continue
-            e = experts[s]
-            xt = x[t].double()
-            h = act64(e["gate"] @ xt + e["bg"], e["up"] @ xt + e["bu"], ffn)
-            out[t] += float(weights[t, k]) * (e["down"] @ h + e["bd"])
-    return out
+    """float64 (tests/kernel_refs.py's MoE sum, activations as given): sum over pairs with a slot of
+    w * (act(x gate^T + bg, x up^T + bu) down^T + bd)."""
+    def stack(k):
+        return torch.stack([e[k] for e in experts])
+
+    params = {"limit": ffn.limit, "alpha": ffn.alpha} if ffn.act == "clamped_swiglu" else {}
+    return moe_reference(x, slots, weights, stack("gate"), stack("up"), stack("down"), F32ACT, ffn.act,
+                         (stack("bg"), stack("bu"), stack("bd")), **params)[0]
 
 
 def canonical(S, H, I, seed, bias=False):
