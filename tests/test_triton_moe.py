@@ -1,5 +1,5 @@
 """The Triton fused MoE kernel under TRITON_INTERPRET=1 (CPU tensors) against a float64 reference written
-here from the formula (tests/kernel_refs.py, not experts/compute.py): every slot format (fp32/bf16/fp16 plain parts,
+from the formula (tests/kernel_refs.py, not experts/compute.py): every slot format (fp32/bf16/fp16 plain parts,
 fp8 per-tensor, per-channel and block, int8 and int4 groups, mxfp4), the GPT-OSS expert variant
 (interleaved and transposed gate_up, expert biases, clamped SwiGLU), ragged token counts, empty and
 repeated slots, non-resident experts (slot -1, which must contribute nothing), 64-bit slot offsets, and an
