@@ -165,7 +165,7 @@ def test_plan_equals_the_engines(which, request, capsys, monkeypatch):
     import expertcache.experts.budget as budget
 
     d = request.getfixturevalue(which)
-    monkeypatch.setattr(budget, "available_ram", lambda: 32 * GiB)  # free RAM moves on a shared machine
+    monkeypatch.setattr(budget, "available_ram", lambda: (32 * GiB, "MemAvailable"))  # free RAM moves on a shared machine
     if which == "gpt_oss_20b":  # the command itself, --json
         rc, r = plan_json(capsys, d, "--gpu", "rtx4090-24gb", "--device-memory", "16GiB")
         assert rc == 0

@@ -108,7 +108,7 @@ def test_slots_equal_the_engines(ckpt, capsys, monkeypatch, device_memory, host_
     import expertcache.experts.budget as budget
 
     # free RAM moves between the two calls on a shared machine
-    monkeypatch.setattr(budget, "available_ram", lambda: 8 << 30)
+    monkeypatch.setattr(budget, "available_ram", lambda: (8 << 30, "MemAvailable"))
     args = [ckpt, "--device-memory", device_memory] + (["--host-memory", host_memory] if host_memory else [])
     rc, r = plan_json(capsys, *args)
     assert rc == 0
@@ -247,7 +247,7 @@ def test_quantized_experts_stay_quantized_in_the_fastest_tier(ckpt, tmp_path, ca
 
     import expertcache.experts.budget as budget
 
-    monkeypatch.setattr(budget, "available_ram", lambda: 8 << 30)
+    monkeypatch.setattr(budget, "available_ram", lambda: (8 << 30, "MemAvailable"))
     q = tmp_path / "int8"
     quantize_checkpoint(ckpt, q, "int8")
     rc, r = plan_json(capsys, q, "--device-memory", "25%")

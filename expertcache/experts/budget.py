@@ -36,15 +36,10 @@ def dense_compute_bytes(index, dtype: torch.dtype, device: torch.device | str | 
                if ".experts." not in n and not _SCALE.search(n) and t.dtype.is_floating_point)
 
 
-def available_ram() -> int:
-    """RAM this process may still take: MemAvailable, or the room under its memory cgroup's limit."""
-    return ramlimit.available()[0]
-
-
-def _ram_line(b: int | None = None) -> str:
-    """'available RAM X (where from)'; b: the figure already read (its source read again)."""
-    got, why = ramlimit.available()
-    return f"available RAM {fmt_bytes(got if b is None else b)} ({why})"
+def available_ram() -> tuple[int, str]:
+    """(RAM this process may still take, where that figure comes from): MemAvailable, or the room under
+    its memory cgroup's limit (ramlimit.py). Read once per plan: every `auto` budget of it takes it."""
+    return ramlimit.available()
 
 
 LOW_MEMORY_MARGIN = 256 << 20  # left free by a low-memory CPU plan's auto budget (at least; 5% of the room above it)
@@ -88,15 +83,6 @@ def plan_tier(value, name: str, expert_bytes: int, num_layers: int, num_experts:
             + (f" + {fmt_bytes(reserve)} staging" if reserve else "") + ")"
         )
     return TierPlan(slots, expert_bytes, budget)
-
-
-def auto_device_bytes(device: torch.device) -> tuple[int, str]:
-    """The CPU's 'auto' expert budget (on CUDA the device plan, engine/device_plan.py, resolves 'auto')."""
-    if device.type == "cuda":
-        raise ValueError("device_memory 'auto' on cuda is resolved by the device plan (engine/device_plan.py); "
-                         "give the fastest tier's budget in bytes or as a share here")
-    b = available_ram() // 2
-    return b, f"auto device budget (CPU) = half of {_ram_line(2 * b)} = {fmt_bytes(b)}"
 
 
 @dataclass
@@ -146,20 +132,24 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
     lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(source.stored_nbytes)} = "
              f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "
              f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})"]
+    ram, why = available_ram()
+    ram_text = f"available RAM {fmt_bytes(ram)} ({why})"
     auto_dev = 0
+    if _is_auto(device_memory) and device.type == "cuda":
+        raise ValueError("device_memory 'auto' on cuda is resolved by the device plan (engine/device_plan.py); "
+                         "give the fastest tier's budget in bytes or as a share here")
     if _is_auto(device_memory) and low_cpu:
         if _is_auto(host_memory):
             host_memory = 0
         host = resolve(host_memory, source.total_nbytes, 0, "host_memory")
-        ram = available_ram()
         margin = max(LOW_MEMORY_MARGIN, ram // 20)
         auto_dev = max(0, ram - other_ram - host - margin)
-        lines.append(f"auto device budget (CPU, low memory) = {_ram_line(ram)} - the engine's other terms "
+        lines.append(f"auto device budget (CPU, low memory) = {ram_text} - the engine's other terms "
                      f"{fmt_bytes(other_ram)} - host tier {fmt_bytes(host)} - margin {fmt_bytes(margin)} = "
                      f"{fmt_bytes(auto_dev)}")
     elif _is_auto(device_memory):
-        auto_dev, why = auto_device_bytes(device)
-        lines.append(why)
+        auto_dev = ram // 2
+        lines.append(f"auto device budget (CPU) = half of {ram_text} = {fmt_bytes(auto_dev)}")
     staging = dev_bytes if device.type == "cuda" else 0
     dplan = plan_tier("auto" if device_memory is None else device_memory, "device_memory", dev_bytes, L, E, K,
                       auto_dev, reserve=staging)
@@ -167,7 +157,7 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
         lines.append(dplan.describe("device", L, E) + ": every expert resident, loaded once")
         return MemoryPlan(dplan, None, 0, L, dev_parts, lines)
     lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
-    ram = available_ram() // 2
+    host_auto = ram // 2
     if low_cpu and not _is_auto(host_memory) and \
             resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0:
         hplan = TierPlan(0, source.expert_nbytes, 0)
@@ -176,9 +166,9 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
             raise BudgetError("host_memory=0: no expert could be staged in RAM; on CPU add --low-memory (misses "
                               "are then read from disk straight into the expert slots), or give a host budget")
         hplan = plan_tier("auto" if host_memory is None else host_memory, "host_memory", source.expert_nbytes,
-                          L, E, K, ram)
+                          L, E, K, host_auto)
     if _is_auto(host_memory):
-        lines.append(f"auto host budget = half of {_ram_line(2 * ram)} = {fmt_bytes(ram)}")
+        lines.append(f"auto host budget = half of {ram_text} = {fmt_bytes(host_auto)}")
     lines.append(hplan.describe("host", L, E) + (": every expert in RAM" if hplan.slots >= E else
                                                   "; the rest streamed from disk"))
     lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")

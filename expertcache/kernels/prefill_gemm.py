@@ -19,8 +19,9 @@ file is measured again.
 Within a forward on several threads the matmul runs on the kernels' own threads, W's row blocks each a
 single-threaded oneDNN matmul (csrc/pool_gemm.cpp): torch's OpenMP team ends each call at a barrier that
 waits for every thread, and on a shared machine a descheduled one stalled the whole product (2 threads,
-1024 x 2880 at 128 tokens beside a niced test run: 1.5 ms at best, 17-26 ms median; on the pool 6.6 ms
-median for 5120 x 2880, 563 GFLOP/s). Its products equal torch's bitwise.
+1024 x 2880 at 128 tokens beside a niced test run: 1.5 ms at best, 17-26 ms median). The price on a quiet
+machine (`python bench/pool_matmul.py`, 5120 x 2880, 2 threads, medians): 25.9 against OpenMP's 19.6 ms at
+512 tokens, level at 32-128 (6.8 / 6.3 ms at 128). Its products equal torch's bitwise.
 
 The matmul returns bf16 (torch's CPU bf16 matmul has no float32 output), so its outputs are rounded to
 bf16 on top of what fast math already rounds (activations to bf16): allowed only under fast math.
@@ -39,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from ..cost.measure import cpu_name
-from .build import extension
 from ..paths import cache_root
+from .build import cache_dir, extension
 
 ENV = "EXPERTCACHE_PREFILL_GEMM"
 PROBE_T = (16, 32, 64, 128, 256, 512)  # token counts measured; below the first the kernels always compute
@@ -104,9 +105,7 @@ def _cpu_name() -> str:
 
 @lru_cache(maxsize=1)
 def _kernels_build() -> str:
-    from .build import cache_dir  # the hash of the kernels' sources and flags
-
-    return cache_dir().name
+    return cache_dir().name  # named by the hash of the kernels' sources and flags
 
 
 def hardware_key() -> str:
