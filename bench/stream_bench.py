@@ -20,7 +20,9 @@ One line per configuration: GB/s of weight bytes (wall clock, median over rounds
 the attention projections and lm_head, and the MoE's GB/s in CPU time of the calling thread with
 --threads 1 (robust to being descheduled); plus the machine's read bandwidth, and for --format mxfp4 /
 int4 each rate's share of it (of_read: wall clock against the probe's; cpu_of_read_cpu: CPU time
-against the probe's in CPU time).
+against the probe's in CPU time; of_round_read / cpu_of_round_read_cpu: the median over rounds of each
+round's rate against a probe taken in that round, with its range, since a shared machine's memory
+bandwidth drifts within a run).
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def shaped_main(a) -> None:
         with kernels.cpu_threads("cpu"):
             for rnd in range(a.rounds + 2):
                 slots = [torch.randperm(Sm)[:Km][None] for _ in range(Lm)]
+                # this round's probes, against which its rates are taken (the machine's share changes)
+                probe = read_bandwidth() * 1e9, read_bandwidth(cpu_time=True) * 1e9 if read_cpu else None
                 for r, m, i, p in (configs if rnd % 2 else configs[::-1]):
                     kernels.ROWS_PER_UNIT = r
                     ext.set_avx512(i == "avx512")
@@ -113,16 +117,20 @@ def shaped_main(a) -> None:
                             assert kernels.moe(x, slots[j], w, pools[j], method, out, ffn)
                         c1, t1 = time.thread_time(), time.perf_counter()
                     if rnd >= 2:
-                        res[r, m, i, p].append((moe_b / (t1 - t0), moe_b / (c1 - c0), (t1 - t0) / Lm))
+                        wall, cpu_t = moe_b / (t1 - t0), moe_b / (c1 - c0)
+                        res[r, m, i, p].append((wall, cpu_t, (t1 - t0) / Lm, wall / probe[0],
+                                                cpu_t / probe[1] if probe[1] else 0.0))
         for (r, m, i, p), v in res.items():
             ext.set_avx512(i == "avx512")
-            med = [statistics.median(x[k] for x in v) for k in range(3)]
+            med = [statistics.median(x[k] for x in v) for k in range(5)]
             kernel = ext.kernel_of(spec, kernels.CPU_MATHS[m])
             print(f"stream: format={a.format} shape={name} cpu_math={m} isa={i} kernel={kernel} rows_per_unit={r} "
                   f"prefetch_rows={p} threads={a.threads} expert_MB={per_expert / 1e6:.1f} top_k={Km} "
                   f"ms_per_layer={med[2] * 1e3:.2f} moe_GBps={med[0] / 1e9:.1f} "
-                  f"moe_cpu_GBps={med[1] / 1e9:.1f} of_read={100 * med[0] / (read * 1e9):.0f}%"
-                  + (f" cpu_of_read_cpu={100 * med[1] / (read_cpu * 1e9):.0f}%" if read_cpu else ""))
+                  f"moe_cpu_GBps={med[1] / 1e9:.1f} of_read={100 * med[0] / (read * 1e9):.0f}% "
+                  f"of_round_read={100 * med[3]:.0f}% ({100 * min(x[3] for x in v):.0f}-{100 * max(x[3] for x in v):.0f})"
+                  + (f" cpu_of_read_cpu={100 * med[1] / (read_cpu * 1e9):.0f}% cpu_of_round_read_cpu={100 * med[4]:.0f}%"
+                     if read_cpu else ""))
     finally:
         ext.set_avx512(saved)
         ext.set_prefetch_rows(saved_pf)
