@@ -3,6 +3,9 @@ and on the AVX2 fallback, against float64 references, as tests/test_kernels_mxfp
 
 - y = x W^T for groups of 32, 64, 96 (not a power of two), 128 and one group per row, N odd, K not a
   multiple of the group or of 128, T in {1, 2, 7, 16, 64, 300}, both CPU maths, dispatched and fallback;
+- fast math with fewer than 4 tokens and groups a multiple of 128 (the zero point's term taken once per
+  row after the loop, rows in pairs): T in {1, 2, 3}, N odd, a tail group, more than 16 groups a row, zero
+  points 0..15 against codes 0..15;
 - a group that is not a multiple of 32 stays on the AVX2 kernels in both maths;
 - a Qwen-style MoE (split gate / up, SiLU) through the fused call with repeated and empty experts.
 """
@@ -14,7 +17,7 @@ import torch
 
 from expertcache import kernels
 from expertcache.kernels.formats import quant_spec
-from kernel_refs import F32ACT, assert_moe_close, moe_reference
+from kernel_refs import F32ACT, Q8ACT32, assert_moe_close, moe_reference
 from test_kernels import _close, _moe_pool, _packed, _routing
 from test_kernels_mxfp4 import isa  # noqa: F401 - the fixture
 from test_kernels_mxfp4 import AVX512, ISAS, MATHS, TOKENS, _linear, _skip_unavailable, rounding
@@ -40,6 +43,24 @@ def test_linear_against_float64(n, k, group, math, isa):
         x = torch.randn(T, k, generator=torch.Generator().manual_seed(T)) * torch.linspace(0.1, 3, k)
         xr = rnd(x)
         _close(_linear(x, spec, math), xr @ w[0].T, xr.abs() @ w[0].abs().T)
+
+
+@needs_cpp
+@pytest.mark.parametrize("group", [128, 256])
+def test_few_tokens_with_the_zero_point_after_the_loop(group):
+    _skip_unavailable("fast")
+    if not AVX512:
+        pytest.skip("the AVX-512 4-bit kernels are not dispatched on this CPU")
+    n, k = 7, 2880 + 64  # 7 rows: 3 pairs and 1 alone; 23.5 groups of 128: a tail group, two epilogue vectors
+    m, pool, _ = _packed("int4", {"group_size": group}, n, k, seed=group + 1)
+    z = pool["p.weight_zero"]  # zero points anywhere in 0..15, not only near the middle as random weights give
+    pool["p.weight_zero"] = torch.randint(0, 16, z.shape, generator=torch.Generator().manual_seed(3)).to(z.dtype)
+    w = m.dequantize({key: t[0] for key, t in pool.items()}, "p").double()[None]
+    spec = quant_spec(m, pool, "p", n, k)
+    for T in (1, 2, 3):
+        x = torch.randn(T, k, generator=torch.Generator().manual_seed(T)) * torch.linspace(0.1, 3, k)
+        xr = Q8ACT32(x)
+        _close(_linear(x, spec, "fast"), xr @ w[0].T, xr.abs() @ w[0].abs().T)
 
 
 @needs_cpp

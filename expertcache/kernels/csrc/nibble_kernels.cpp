@@ -172,12 +172,18 @@ void f32_block(const Rows& W, int64_t K, const float* const* xf, const float* co
 }
 
 // ---- fast: int8 activations per block of 32 -----------------------------------------------------
+// int4 with G a multiple of GROUP (one scale and zero point per 64-byte load of codes) keeps the zero
+// point out of the inner loop: sum_k (code - z) x = sum_k code x - sum_g z_g s_g qz_g, the second sum
+// taken once per row at the end from qz ([TT, ng]: per token and group, the sum over its 4 blocks of code
+// sum x scale; made by rows_q8). Per row, token and 64-byte load: 2 vpdpbusd + 3 float ops, against 5
+// and a zero point broadcast per load before. Other int4 groups take the zero point per block.
 template <int C, int R, int TT>
 void q8_block(const Rows& W, int64_t K, const int8_t* const* xq, const float* const* xs, const int32_t* const* xc,
-              float* y, int64_t ldy, int64_t ahead) {
+              const float* qz, float* y, int64_t ldy, int64_t ahead) {
   // MXFP4: 2 x e2m1 + 12 by code, an unsigned byte for vpdpbusd (the activations are the signed side)
   const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  const bool hoist = C == INT4 && qz != nullptr;
   __m512 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -195,22 +201,29 @@ void q8_block(const Rows& W, int64_t K, const int8_t* const* xq, const float* co
         wl[r] = _mm512_shuffle_epi8(tab, wl[r]);
         wh[r] = _mm512_shuffle_epi8(tab, wh[r]);
         ws[r] = scales4(e4_at(W.z + r * W.z_row, g, nb));
+      } else if (hoist) {
+        ws[r] = _mm512_set1_ps(W.s[r * W.s_row + (W.G == GROUP ? g : GROUP * g / W.G)]);
       } else {
         int4_consts(W, r, g, nb, ws[r], zv[r]);
       }
     }
     for (int t = 0; t < TT; ++t) {
       const __m512i xe = _mm512_loadu_si512(xq[t] + GROUP * g), xo = _mm512_loadu_si512(xq[t] + GROUP * g + 64);
-      const __m512i c = _mm512_loadu_si512(xc[t] + 16 * g);
       const __m512 sx = _mm512_loadu_ps(xs[t] + 16 * g);
       for (int r = 0; r < R; ++r) {
         if constexpr (C == MXFP4) {
+          const __m512i c = _mm512_loadu_si512(xc[t] + 16 * g);
           const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, wl[r], xe), wh[r], xo);
           acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], sx), acc[r][t]);
-        } else {  // sum (code - zero) x = sum code x - zero * (the block's code sum)
+        } else {
           const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl[r], xe), wh[r], xo);
-          const __m512 e = _mm512_fnmadd_ps(zv[r], _mm512_cvtepi32_ps(c), _mm512_cvtepi32_ps(d));
-          acc[r][t] = _mm512_fmadd_ps(e, _mm512_mul_ps(ws[r], sx), acc[r][t]);
+          if (hoist) {
+            acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], sx), acc[r][t]);
+          } else {  // sum (code - zero) x = sum code x - zero * (the block's code sum)
+            const __m512i c = _mm512_loadu_si512(xc[t] + 16 * g);
+            const __m512 e = _mm512_fnmadd_ps(zv[r], _mm512_cvtepi32_ps(c), _mm512_cvtepi32_ps(d));
+            acc[r][t] = _mm512_fmadd_ps(e, _mm512_mul_ps(ws[r], sx), acc[r][t]);
+          }
         }
       }
     }
@@ -218,7 +231,25 @@ void q8_block(const Rows& W, int64_t K, const int8_t* const* xq, const float* co
   for (int64_t g = 0; g < full; ++g) group(g, false);
   if (full < ng) group(full, true);
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < TT; ++t) {
+      float v = _mm512_reduce_add_ps(acc[r][t]);
+      if (hoist) {  // less sum_g z_g s_g qz_g
+        const float* sr = W.s + r * W.s_row;
+        const uint8_t* zr = W.z + r * W.z_row;
+        if (W.G == GROUP) {
+          __m512 cv = _mm512_setzero_ps();
+          for (int64_t g = 0; g < ng; g += 16) {
+            const __mmask16 m = mask16(ng - g);
+            const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, zr + g)));
+            cv = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + g), zf), _mm512_maskz_loadu_ps(m, qz + t * ng + g), cv);
+          }
+          v -= _mm512_reduce_add_ps(cv);
+        } else {
+          for (int64_t g = 0; g < ng; ++g) v -= sr[GROUP * g / W.G] * float(zr[GROUP * g / W.G]) * qz[t * ng + g];
+        }
+      }
+      y[t * ldy + r] = v;
+    }
 }
 
 constexpr int64_t TB = 6;  // tokens per register block when rows go in pairs
@@ -588,10 +619,26 @@ void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const*
 
 void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xs,
              const int32_t* const* xc, int64_t T, float* y, int64_t ldy, int64_t pf) {
+  // int4 with G a multiple of GROUP: qz[t * ng + g] = sum over group g's 4 blocks of token t's code sum x
+  // scale (q8_block's zero-point term), made before q8_block's first pass; on the stack (no std::
+  // containers under this file's target pragma), so only for T x groups <= QZ (else the zero point per block)
+  constexpr int64_t QZ = 4096;
+  alignas(64) float qbuf[QZ];
+  const int64_t ng = (K + GROUP - 1) / GROUP;
+  const float* qz = nullptr;
+  auto prepare_qz = [&] {
+    if (code != INT4 || W.G % GROUP != 0 || T * ng > QZ || qz) return;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t g = 0; g < ng; ++g) {
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_loadu_si512(xc[t] + 16 * g));
+        qbuf[t * ng + g] = _mm512_reduce_add_ps(_mm512_mul_ps(c, _mm512_loadu_ps(xs[t] + 16 * g)));
+      }
+    qz = qbuf;
+  };
   auto run = [&](auto rc, auto tc, const Rows& Wn, int64_t t0, float* yt, int64_t ahead) __attribute__((always_inline)) {
     constexpr int R = decltype(rc)::value, TT = decltype(tc)::value;
-    if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
-    else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, yt, ldy, ahead);
+    if (code == MXFP4) q8_block<MXFP4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, nullptr, yt, ldy, ahead);
+    else q8_block<INT4, R, TT>(Wn, K, xq + t0, xs + t0, xc + t0, qz ? qz + t0 * ng : nullptr, yt, ldy, ahead);
   };
   const int64_t from = strip_tokens();
   if (from > 0 && T >= from) {
@@ -599,14 +646,21 @@ void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const*
     for (int64_t a = 0; a < N; a += SR) {
       const bool done = code == MXFP4 ? tile_strip<MXFP4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl)
                                       : tile_strip<INT4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl);
-      if (!done) drive<1, 1>(offset(W, a), lo(SR, N - a), T, y + a, ldy, 0, run);
+      if (!done) {
+        prepare_qz();
+        drive<1, 1>(offset(W, a), lo(SR, N - a), T, y + a, ldy, 0, run);
+      }
     }
     return;
   }
+  prepare_qz();
   // MXFP4: 4 rows share the activations at T = 1, 2 rows at T = 2, 3 (gpt-oss-20b expert shapes, one thread,
-  // kernel alone: 17-19 -> 27-33 GB/s at T = 1, 13 -> 14-18 at T = 2, docs/real-scale.md); int4 one row at a
-  // time (2 or 4 rows measured slower)
+  // kernel alone: 17-19 -> 27-33 GB/s at T = 1, 13 -> 14-18 at T = 2, docs/real-scale.md); int4 with the zero
+  // point out of the loop 2 rows at T = 1 (Qwen3-30B-A3B expert shapes, one thread, weight in L2: 24 -> 37
+  // GB/s at K = 2048, 20 -> 27 at K = 768; 4 rows: 18), and at T = 2, 3; other int4 one row at a time (2 or 4
+  // rows measured slower)
   if (code == MXFP4) drive<4, 2>(W, N, T, y, ldy, pf, run);
+  else if (qz) drive<2, 2>(W, N, T, y, ldy, pf, run);
   else drive<1, 1>(W, N, T, y, ldy, pf, run);
 }
 
