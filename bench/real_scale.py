@@ -7,6 +7,8 @@ llama-bench and expertcache run alternately in one run, 2 threads.
         [--prompts 128 512] [--gen 32] [--cpu-math exact fast] [--parts resident cgroup]
         [--cgroup-share 0.45] [--dir ~/.cache/expertcache-realscale] [--keep]
     python bench/real_scale.py --model qwen3-30b-a3b --format bf16|int4 --layers 4 ...
+    python bench/real_scale.py --model qwen3-30b-a3b --format int4 --dense int4 --lm-head int8 --llama-output q8_0 ...
+        (the output matrix in the same bytes on both sides)
     python bench/real_scale.py --model gpt-oss-20b --layers 1 --write-only --dir D   (the checkpoint alone)
 
 Checkpoints (under --dir, reused while their manifest matches): config.json with the real model's
@@ -199,8 +201,9 @@ def converter(cache: Path) -> Path:
     return cache / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
 
 
-def gguf_for(ckpt: Path, out: Path, cache: Path, bindir: Path, peer: str) -> Path:
-    """llama.cpp's GGUF of `ckpt` (its own converter; Q4_0 through its llama-quantize), made once."""
+def gguf_for(ckpt: Path, out: Path, cache: Path, bindir: Path, peer: str, output_type: str | None = None) -> Path:
+    """llama.cpp's GGUF of `ckpt` (its own converter; Q4_0 through its llama-quantize, its output matrix in
+    `output_type` when given, else llama-quantize's choice), made once."""
     from llama_cpp_bench import sh
 
     if out.exists():
@@ -212,7 +215,8 @@ def gguf_for(ckpt: Path, out: Path, cache: Path, bindir: Path, peer: str) -> Pat
         sh([sys.executable, str(converter(cache)), str(ckpt), *outtype, "--outfile", str(src) + ".tmp"], env=env)
         os.replace(str(src) + ".tmp", src)
     if peer == "Q4_0":
-        sh([str(bindir / "llama-quantize"), str(src), str(out) + ".tmp", "Q4_0", "2"])
+        out_type = ["--output-tensor-type", output_type] if output_type else []
+        sh([str(bindir / "llama-quantize"), *out_type, str(src), str(out) + ".tmp", "Q4_0", "2"])
         os.replace(str(out) + ".tmp", out)
         src.unlink()
     return out
@@ -331,6 +335,9 @@ def main() -> None:
                     "llama-quantize quantizes the output matrix too); default: as stored")
     ap.add_argument("--dense", default=None, help="expertcache's dense projections' format (LLM(dense=...), e.g. "
                     "int4: a Q4_0 GGUF holds its attention in 4 bits); default: as stored")
+    ap.add_argument("--llama-output", default=None,
+                    help="the Q4_0 GGUF's output matrix type (llama-quantize --output-tensor-type, e.g. q8_0: the "
+                    "bytes of --lm-head int8); default: llama-quantize's choice (Q6_K)")
     ap.add_argument("--llama-extra", nargs="*", default=[], help="further llama-bench flags, e.g. --repack 0")
     ap.add_argument("--write-only", action="store_true", help="write the checkpoint and print its layout line")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and GGUFs (default: delete at the end)")
@@ -376,10 +383,14 @@ def main() -> None:
     print(f"llama.cpp: {(ver.stdout + ver.stderr).strip().splitlines()[-1]} extra_flags={args.llama_extra or 'none'}",
           flush=True)
     t0 = time.perf_counter()
-    gguf = gguf_for(base, args.dir / f"{args.model}-{args.layers}L-{peer}.gguf", args.cache, bindir, peer)
+    if args.llama_output and peer != "Q4_0":
+        raise SystemExit(f"--llama-output: only for the Q4_0 GGUF (this run's is {peer})")
+    name = f"{args.model}-{args.layers}L-{peer}" + (f"-out-{args.llama_output}" if args.llama_output else "")
+    gguf = gguf_for(base, args.dir / f"{name}.gguf", args.cache, bindir, peer, args.llama_output)
     print(f"gguf: {gguf.name} GB={gguf.stat().st_size / 1e9:.2f} made_in_s={time.perf_counter() - t0:.0f}", flush=True)
     tag = (f"model={args.model} layers={args.layers} format={fmt} llama_format={peer} threads={args.threads} "
-           f"lm_head={args.lm_head or 'stored'} dense={args.dense or 'stored'}")
+           f"lm_head={args.lm_head or 'stored'} dense={args.dense or 'stored'}"
+           + (f" llama_output={args.llama_output}" if args.llama_output else ""))
     pp = ",".join(map(str, args.prompts))
     try:
         if "resident" in args.parts:
