@@ -43,7 +43,7 @@ def test_bf16_against_float64_of_rounded_activations(n, k):
 
 
 @needs_fast
-@pytest.mark.parametrize("group", [64, 128, 1 << 20])
+@pytest.mark.parametrize("group", [64, 128, 192, 256, 1 << 20])  # 192: the scale index by division, not a shift
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_int8_against_float64_of_quantized_activations(n, k, group):
     m, pool, w = _packed("int8", {"group_size": group}, n, k)

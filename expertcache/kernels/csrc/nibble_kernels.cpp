@@ -84,7 +84,7 @@ inline void int4_consts(const Rows& W, int64_t r, int64_t g, int64_t nb, __m512&
   const float* s = W.s + r * W.s_row;
   const uint8_t* z = W.z + r * W.z_row;
   if (W.G % GROUP == 0) {
-    const int64_t i = GROUP * g / W.G;
+    const int64_t i = W.G == GROUP ? g : GROUP * g / W.G;  // no 64-bit division per load in the usual case
     sv = _mm512_set1_ps(s[i]);
     zv = _mm512_set1_ps(float(z[i]));
     return;
