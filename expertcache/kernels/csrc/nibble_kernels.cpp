@@ -656,9 +656,9 @@ void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const*
   prepare_qz();
   // MXFP4: 4 rows share the activations at T = 1, 2 rows at T = 2, 3 (gpt-oss-20b expert shapes, one thread,
   // kernel alone: 17-19 -> 27-33 GB/s at T = 1, 13 -> 14-18 at T = 2, docs/real-scale.md); int4 with the zero
-  // point out of the loop 2 rows at T = 1 (Qwen3-30B-A3B expert shapes, one thread, weight in L2: 24 -> 37
-  // GB/s at K = 2048, 20 -> 27 at K = 768; 4 rows: 18), and at T = 2, 3; other int4 one row at a time (2 or 4
-  // rows measured slower)
+  // point out of the loop 2 rows a pass at T = 1, 2, 3 (one thread, weight in L2, bench/nibble_compute.cpp:
+  // T = 1 26 -> 48 GB/s at K = 2048, 22 -> 32 at K = 768, T = 2 19 -> 33, T = 3 15 -> 19; 4 rows spill: 18);
+  // other int4 one row at a time (2 or 4 rows measured slower)
   if (code == MXFP4) drive<4, 2>(W, N, T, y, ldy, pf, run);
   else if (qz) drive<2, 2>(W, N, T, y, ldy, pf, run);
   else drive<1, 1>(W, N, T, y, ldy, pf, run);
