@@ -1,5 +1,5 @@
-// The 4-bit fast-math kernels' compute rate (csrc/nibble_kernels.cpp), without Python or threads: one
-// thread runs nib::rows_q8 over the same weight again and again, so a weight that fits in L2 (256 x 2048
+// The 4-bit kernels' compute rate (csrc/nibble_kernels.cpp), without Python or threads: one thread runs
+// nib::rows_q8 (fast math) or nib::rows_f32 (exact, MATH 0) over the same weight again and again, so a weight that fits in L2 (256 x 2048
 // int4: 0.28 MB) gives the rate the kernel's instructions allow, and a large one (65536 rows) the rate from
 // memory with one weight streamed in order. Best of 7 rounds of 2000 calls, CPU time of the thread. One
 // line: GB/s of codes + scales (+ zero points), ns per row and 128-feature group, and y[0] (the same for
@@ -7,7 +7,8 @@
 //
 //   g++ -O3 -mavx2 -mfma -std=c++17 -Iexpertcache/kernels/csrc bench/nibble_compute.cpp
 //       expertcache/kernels/csrc/nibble_kernels.cpp -o /tmp/nibble_compute    (one command line)
-//   /tmp/nibble_compute CODE N K [T]   (CODE 0 mxfp4 / 1 int4 group 128; e.g. 1 256 2048 1, 1 512 768 1, 0 256 2880 1)
+//   /tmp/nibble_compute CODE N K [T] [MATH]   (CODE 0 mxfp4 / 1 int4 group 128; MATH 1 fast (default) / 0 exact;
+//                                            e.g. 1 256 2048 1, 1 512 768 1, 0 256 2880 1, 0 256 2880 1 0)
 #include "nibble_kernels.h"
 
 #include <cstdint>
@@ -25,7 +26,7 @@ static double cpu_now() {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: %s CODE(0 mxfp4, 1 int4) N K [T]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s CODE(0 mxfp4, 1 int4) N K [T] [MATH(1 fast, 0 exact)]\n", argv[0]);
     return 2;
   }
   if (!nib::supported()) {
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   }
   const int code = std::atoi(argv[1]);
   const int64_t N = std::atoll(argv[2]), K = std::atoll(argv[3]), T = argc > 4 ? std::atoll(argv[4]) : 1;
+  const bool fast = argc > 5 ? std::atoi(argv[5]) != 0 : true;
   if (K % 32 != 0 || N < 1 || T < 1) {
     std::fprintf(stderr, "nibble_compute: K must be a multiple of 32, N and T at least 1\n");
     return 2;
@@ -50,24 +52,30 @@ int main(int argc, char** argv) {
   std::vector<int8_t> xq(T * Kp);
   std::vector<float> xs(T * Kp / 8);
   std::vector<int32_t> xc(T * Kp / 8);
+  std::vector<float> xf(T * Kp), xsum(T * Kp / 8);
   std::vector<const int8_t*> pq;
-  std::vector<const float*> ps;
+  std::vector<const float*> ps, pf, psum;
   std::vector<const int32_t*> pc;
   for (int64_t t = 0; t < T; ++t) {
     nib::prep_q8(code, x.data(), K, xq.data() + t * Kp, xs.data() + t * Kp / 8, xc.data() + t * Kp / 8);
+    nib::prep_f32(x.data(), K, xf.data() + t * Kp, code ? xsum.data() + t * Kp / 8 : nullptr);
     pq.push_back(xq.data() + t * Kp);
     ps.push_back(xs.data() + t * Kp / 8);
     pc.push_back(xc.data() + t * Kp / 8);
+    pf.push_back(xf.data() + t * Kp);
+    psum.push_back(xsum.data() + t * Kp / 8);
   }
   std::vector<float> y(T * N);
   double best = 1e30;
   for (int round = 0; round < 7; ++round) {
     const int calls = 2000;
     const double t0 = cpu_now();
-    for (int i = 0; i < calls; ++i) nib::rows_q8(code, rows, N, K, pq.data(), ps.data(), pc.data(), T, y.data(), N, 4);
+    for (int i = 0; i < calls; ++i)
+      if (fast) nib::rows_q8(code, rows, N, K, pq.data(), ps.data(), pc.data(), T, y.data(), N, 4);
+      else nib::rows_f32(code, rows, N, K, pf.data(), psum.data(), T, y.data(), N, 4);
     best = std::min(best, (cpu_now() - t0) / calls);
   }
   const double bytes = N * K / 2.0 + (code ? N * ng * 5.0 : double(N * nb));
-  std::printf("nibble_compute: code=%s N=%ld K=%ld T=%ld GBps=%.1f ns_per_row_group=%.2f y0=%g\n", code ? "int4" : "mxfp4",
-              long(N), long(K), long(T), bytes / best / 1e9, best / double(N * ng) * 1e9, y[0]);
+  std::printf("nibble_compute: code=%s math=%s N=%ld K=%ld T=%ld GBps=%.1f ns_per_row_group=%.2f y0=%g\n", code ? "int4" : "mxfp4",
+              fast ? "fast" : "exact", long(N), long(K), long(T), bytes / best / 1e9, best / double(N * ng) * 1e9, y[0]);
 }

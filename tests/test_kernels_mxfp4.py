@@ -8,7 +8,7 @@
   fast math on the AVX-512 kernel: x quantized per block of 32 (scale max|x| / 127, round half to even)
   first, then the float64 sum, so the kernel may differ only by float32 sums; the fallback computes
   exactly in both;
-- NaN e8m0 scales and non-finite activations spoil their own rows / tokens only;
+- NaN e8m0 scales and non-finite activations spoil their own rows / tokens only; bytes 0 and 255 under 4 tokens;
 - the GPT-OSS expert (fused interleaved gate_up, biases, clamped SwiGLU) through the fused MoE call,
   with repeated and empty experts, against a float64 per-pair loop;
 - EXPERTCACHE_CPU_ISA=avx2 starts a process on the fallback.
@@ -141,6 +141,26 @@ def test_nan_scales_and_non_finite_activations_stay_in_their_rows_and_tokens(mat
     ok_t, ok_n = [0, 2, 4], [0, 1, 3, 4, 5, 6]
     xr = rounding(math, isa)(x[ok_t])
     _close(y[ok_t][:, ok_n], xr @ w[ok_n].T, xr.abs() @ w[ok_n].abs().T)
+
+
+@needs_cpp
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("math", MATHS)
+def test_special_scale_bytes_under_four_tokens(math, isa):
+    """e8m0 bytes 0 (2^-127) and 255 (NaN) in one row of a pass each, at T = 1, 2, 3: a pass checks its
+    rows' scale bytes once and skips the per-load check only where none is special."""
+    _skip_unavailable(math)
+    spec, codes, scales = _hand_spec(9, 2880, seed=7)
+    scales[0, 1, 3] = 0  # row 1 (the first pass of rows): a 2^-127 block
+    scales[0, 6, 80] = 255  # row 6 (the second pass): a NaN block
+    w = mxfp4_weight(codes[0], scales[0], 2880)
+    ok = [n for n in range(9) if n != 6]
+    for T in (1, 2, 3):
+        x = torch.randn(T, 2880, generator=torch.Generator().manual_seed(T))
+        y = _linear(x, spec, math)
+        assert torch.isnan(y[:, 6]).all(), f"T={T}"
+        xr = rounding(math, isa)(x)
+        _close(y[:, ok], xr @ w[ok].T, xr.abs() @ w[ok].abs().T)
 
 
 def _gpt_oss_pool(S: int, H: int, I: int):
