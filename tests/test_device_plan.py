@@ -162,10 +162,10 @@ def test_plan_equals_the_engines(which, request, capsys, monkeypatch):
     """LLM(device='cuda') plans the numbers and lines `plan` prints (a card stands in for the GPU;
     construction stops right after the plan)."""
     import expertcache.build as build
-    import expertcache.experts.budget as budget
+    import expertcache.ramlimit as ramlimit
 
     d = request.getfixturevalue(which)
-    monkeypatch.setattr(budget, "available_ram", lambda: (32 * GiB, "MemAvailable"))  # free RAM moves on a shared machine
+    monkeypatch.setattr(ramlimit, "available", lambda: (32 * GiB, "MemAvailable"))  # free RAM moves on a shared machine
     if which == "gpt_oss_20b":  # the command itself, --json
         rc, r = plan_json(capsys, d, "--gpu", "rtx4090-24gb", "--device-memory", "16GiB")
         assert rc == 0

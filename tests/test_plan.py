@@ -105,10 +105,10 @@ def test_reads_headers_only(ckpt, which, monkeypatch, capsys):
 @pytest.mark.parametrize("device_memory,host_memory", [("25%", "auto"), ("13%", "13%"), ("300KiB", "40%"),
                                                         ("100%", None)])
 def test_slots_equal_the_engines(ckpt, capsys, monkeypatch, device_memory, host_memory):
-    import expertcache.experts.budget as budget
+    import expertcache.ramlimit as ramlimit
 
     # free RAM moves between the two calls on a shared machine
-    monkeypatch.setattr(budget, "available_ram", lambda: (8 << 30, "MemAvailable"))
+    monkeypatch.setattr(ramlimit, "available", lambda: (8 << 30, "MemAvailable"))
     args = [ckpt, "--device-memory", device_memory] + (["--host-memory", host_memory] if host_memory else [])
     rc, r = plan_json(capsys, *args)
     assert rc == 0
@@ -245,9 +245,9 @@ def test_trace_of_another_model_is_rejected(ckpt, tmp_path, capsys):
 def test_quantized_experts_stay_quantized_in_the_fastest_tier(ckpt, tmp_path, capsys, monkeypatch):
     from expertcache.quantize.rewrite import quantize_checkpoint
 
-    import expertcache.experts.budget as budget
+    import expertcache.ramlimit as ramlimit
 
-    monkeypatch.setattr(budget, "available_ram", lambda: (8 << 30, "MemAvailable"))
+    monkeypatch.setattr(ramlimit, "available", lambda: (8 << 30, "MemAvailable"))
     q = tmp_path / "int8"
     quantize_checkpoint(ckpt, q, "int8")
     rc, r = plan_json(capsys, q, "--device-memory", "25%")

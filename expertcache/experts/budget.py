@@ -36,12 +36,6 @@ def dense_compute_bytes(index, dtype: torch.dtype, device: torch.device | str | 
                if ".experts." not in n and not _SCALE.search(n) and t.dtype.is_floating_point)
 
 
-def available_ram() -> tuple[int, str]:
-    """(RAM this process may still take, where that figure comes from): MemAvailable, or the room under
-    its memory cgroup's limit (ramlimit.py). Read once per plan: every `auto` budget of it takes it."""
-    return ramlimit.available()
-
-
 LOW_MEMORY_MARGIN = 256 << 20  # left free by a low-memory CPU plan's auto budget (at least; 5% of the room above it)
 
 
@@ -132,7 +126,7 @@ def plan_memory(source, device: torch.device, dtype: torch.dtype, device_memory=
     lines = [f"experts: {L} layers x {E} experts x {fmt_bytes(source.stored_nbytes)} = "
              f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "
              f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})"]
-    ram, why = available_ram()
+    ram, why = ramlimit.available()  # read once per plan: every `auto` budget below takes it
     ram_text = f"available RAM {fmt_bytes(ram)} ({why})"
     auto_dev = 0
     if _is_auto(device_memory) and device.type == "cuda":
