@@ -157,7 +157,8 @@ struct Q8Row {
 
 // the scale of 64-feature chunk c is s[c >> shift] when G is a power-of-two multiple of 64 (or G >= K: shift
 // 62, every chunk in scale 0), else s[c * 64 / G]: no 64-bit division per 64-byte load in the usual case
-// (one thread, int8 T = 1, 256 x 2048 in L2: 38 -> 67 GB/s; 151936 x 2048 from memory: 28 -> 33)
+// (one thread, int8 T = 1, bench/nibble_compute.cpp: 256 x 2048 in L2 36-37 -> 60-63 GB/s; 151936 x 2048 from
+// memory 30-31 -> 31-34)
 inline int group_shift(int64_t G, int64_t K) {
   if (G >= K) return 62;
   const int64_t c = G / BLOCK;
