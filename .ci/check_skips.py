@@ -17,6 +17,7 @@ ALLOWED = (
     "the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI",  # test_fast_math: CPU without them
     "needs the C++ kernels on a CPU without AVX-512 BF16/VNNI",  # test_fast_math: CPU with them
     "no transparent huge pages on this machine",  # test_hostmem: kernel without THP
+    "needs a CPU with AMX-TILE/INT8 whose OS grants the tile state",  # test_kernels_nibble_strips: CPU without AMX
 )
 
 

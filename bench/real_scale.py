@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import random
 import shutil
 import statistics
@@ -338,7 +339,8 @@ def main() -> None:
     ap.add_argument("--llama-output", default=None,
                     help="the Q4_0 GGUF's output matrix type (llama-quantize --output-tensor-type, e.g. q8_0: the "
                     "bytes of --lm-head int8); default: llama-quantize's choice (Q6_K)")
-    ap.add_argument("--llama-extra", nargs="*", default=[], help="further llama-bench flags, e.g. --repack 0")
+    ap.add_argument("--llama-extra", type=shlex.split, default=[],
+                    help="further llama-bench flags in one quoted string, e.g. --llama-extra '--repack 0'")
     ap.add_argument("--write-only", action="store_true", help="write the checkpoint and print its layout line")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and GGUFs (default: delete at the end)")
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """The 4-bit strips of the fast math (csrc/nibble_kernels.cpp: from `get_strip_tokens()` tokens of a
 weight, 32 rows decoded once per 512 features with the rows in the lanes) against the pairs of rows they
-replace (`set_strip_tokens(0)`), alternating round by round in one process so the comparison survives a
-busy machine:
+replace (`set_strip_tokens(0)`), and where the CPU has AMX the strips on AMX against the strips on VNNI
+(`set_amx`), alternating round by round in one process so the comparison survives a busy machine:
 
 - per weight (--shapes ROWSxCOLS, MXFP4 and int4 group 128, random codes) and token count: ms per call and
   GOPS (2 x T x rows x cols per second) in the calling thread's CPU time with --threads 1 (robust to being
@@ -42,7 +42,12 @@ from expertcache.experts.compute import ExpertFFN  # noqa: E402
 from expertcache.kernels.formats import INT4, MXFP4  # noqa: E402
 from expertcache.quant import make_quant_method  # noqa: E402
 
-WAYS = {"strips": 4, "pairs": 0}  # set_strip_tokens per way
+WAYS = {"strips-amx": (4, True), "strips": (4, False), "pairs": (0, False)}  # (set_strip_tokens, set_amx) per way
+
+
+def ways(ext) -> dict:
+    """The ways this CPU has: the strips on AMX only where it has AMX-TILE/INT8."""
+    return {w: v for w, v in WAYS.items() if ext.amx_supported() or not v[1]}
 
 
 def _spec(fmt: str, n: int, k: int) -> tuple:
@@ -75,11 +80,20 @@ def _alternate(runs: dict, reps: int) -> dict:
             for k, v in res.items()}
 
 
-def _way(ext, n: int, fn):
+def _way(ext, setting: tuple, fn):
     def run():
-        ext.set_strip_tokens(n)
+        ext.set_strip_tokens(setting[0])
+        ext.set_amx(setting[1])
         return fn()
     return run
+
+
+def _ratios(med: dict, at: int) -> str:
+    """strips over pairs (and AMX over the VNNI strips where both ran), from times column `at`."""
+    out = f" strips_over_pairs={med['pairs'][at] / med['strips'][at]:.2f}"
+    if "strips-amx" in med:
+        out += f" amx_over_strips={med['strips'][at] / med['strips-amx'][at]:.2f}"
+    return out
 
 
 def peak(reps: int) -> float:
@@ -100,15 +114,15 @@ def weights(a, ext) -> None:
                 x = torch.randn(T, k)
                 xb = x.bfloat16()
                 call = partial(ext.linear, x, spec, 0, 1 << 30, n, math)  # the whole weight in one unit
-                runs = {w: _way(ext, s, call) for w, s in WAYS.items()}
+                runs = {w: _way(ext, s, call) for w, s in ways(ext).items()}
                 runs["torch_bf16"] = lambda: F.linear(xb, wb)
                 med = _alternate(runs, a.reps)
-                ext.set_strip_tokens(WAYS["strips"])
+                ext.set_strip_tokens(WAYS["strips"][0])
                 gop, at = 2 * T * n * k / 1e9, 1 if a.threads == 1 else 0
                 print(f"strip: format={fmt} rows={n} cols={k} T={T} kernel={ext.kernel_of(spec, math)} "
                       + " ".join(f"{w}_ms={med[w][at] * 1e3:.3f} {w}_GOPS={gop / med[w][at]:.0f}"
                                  for w in runs)
-                      + f" strips_over_pairs={med['pairs'][at] / med['strips'][at]:.2f}", flush=True)
+                      + _ratios(med, at), flush=True)
 
 
 def moe(a, ext) -> None:
@@ -130,15 +144,15 @@ def moe(a, ext) -> None:
                 with kernels.cpu_math("fast"):
                     assert kernels.moe(x, slots, w, pool, method, out, ffn)
             with kernels.cpu_threads("cpu"):
-                med = _alternate({way: _way(ext, s, layer) for way, s in WAYS.items()}, a.reps)
-            ext.set_strip_tokens(WAYS["strips"])
+                med = _alternate({way: _way(ext, s, layer) for way, s in ways(ext).items()}, a.reps)
+            ext.set_strip_tokens(WAYS["strips"][0])
             gop = 2 * T * K * 3 * H * I / 1e9
             at = 1 if a.threads == 1 else 0  # GOPS: the calling thread's CPU time on one thread, else wall
             print(f"moe: format={fmt} shape={name} T={T} experts={S} top_k={K} "
                   f"tokens_per_expert={T * K / S:.0f} threads={a.threads} "
                   + " ".join(f"{way}_ms={med[way][0] * 1e3:.1f} {way}_cpu_ms={med[way][1] * 1e3:.1f} "
-                             f"{way}_GOPS={gop / med[way][at]:.0f}" for way in WAYS)
-                  + f" strips_over_pairs={med['pairs'][1] / med['strips'][1]:.2f}", flush=True)
+                             f"{way}_GOPS={gop / med[way][at]:.0f}" for way in med)
+                  + _ratios(med, 1), flush=True)
 
 
 def main() -> None:
@@ -159,14 +173,15 @@ def main() -> None:
     if kernels.cpu_math_unavailable("fast") or not kernels.extension().avx512_supported():
         sys.exit("the 4-bit strips need the fast math's AVX-512 (F/BW/VL/VNNI/BF16)")
     ext = kernels.extension()
-    saved = ext.get_strip_tokens()
+    saved = ext.get_strip_tokens(), ext.get_amx()
     clock = "CPU time" if a.threads == 1 else "wall clock"
     print(f"peak: torch_bf16_matmul_GFLOPs={peak(a.reps):.0f} (512 x 2880 x 2880, {clock}, "
           f"{a.threads} threads)")
     try:
         moe(a, ext) if a.moe else weights(a, ext)
     finally:
-        ext.set_strip_tokens(saved)
+        ext.set_strip_tokens(saved[0])
+        ext.set_amx(saved[1])
 
 
 if __name__ == "__main__":

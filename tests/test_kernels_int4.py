@@ -36,7 +36,8 @@ def test_linear_against_float64(n, k, group, math, isa):
     spec = quant_spec(m, pool, "p", n, k)
     want = "avx2-f32act"
     if isa == "dispatched" and AVX512:
-        want = "avx512vnni-int4-q8act32+strips" if math == "fast" else "avx512-int4-f32act"
+        strips = "+strips-amx" if kernels.extension().get_amx() else "+strips"
+        want = "avx512vnni-int4-q8act32" + strips if math == "fast" else "avx512-int4-f32act"
     assert kernels.extension().kernel_of(spec, kernels.CPU_MATHS[math]) == want
     rnd = rounding(math, isa)
     for T in TOKENS:

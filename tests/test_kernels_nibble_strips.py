@@ -8,10 +8,14 @@ both against float64 references of the q8-rounded activations:
 - NaN e8m0 scales and non-finite activations spoil their own rows / tokens only, in the second strip too;
 - the GPT-OSS (MXFP4) and Qwen-style (int4) experts through the fused MoE call at prefill sizes, with repeated
   and empty experts;
-- the kernel's name says whether the strips are on; a negative token count is refused.
+- the kernel's name says whether the strips are on; a negative token count is refused;
+- where the CPU has AMX, the strips on AMX (TDPBSUD) give the VNNI strips' outputs bit for bit, for every
+  token count around its 16-token passes, and the setting falls back to VNNI where AMX is missing or refused.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -24,21 +28,34 @@ from test_kernels_mxfp4 import FAST, _gpt_oss_pool, _hand_spec
 
 STRIPS = kernels.backend() == "cpp" and FAST and kernels.extension().avx512_supported()
 pytestmark = pytest.mark.skipif(not STRIPS, reason="needs the C++ kernels on a CPU with AVX-512 BF16/VNNI")
+AMX = STRIPS and kernels.extension().amx_supported()
+NO_AMX = "needs a CPU with AMX-TILE/INT8 whose OS grants the tile state"  # .ci/check_skips.py allows it
 TOKENS = [4, 7, 16, 64, 300]
-WAYS = ["strips", "pairs"]
+WAYS = ["strips-amx", "strips", "pairs"]
+
+
+@contextmanager
+def _setting(way: str):
+    """The strips on AMX, on VNNI (from 4 tokens), or off (pairs of rows at every T); restores the settings."""
+    ext = kernels.extension()
+    saved = ext.get_avx512(), ext.get_strip_tokens(), ext.get_amx()
+    ext.set_avx512(True)
+    ext.set_strip_tokens(0 if way == "pairs" else 4)
+    ext.set_amx(way == "strips-amx")
+    try:
+        yield way
+    finally:
+        ext.set_avx512(saved[0])
+        ext.set_strip_tokens(saved[1])
+        ext.set_amx(saved[2])
 
 
 @pytest.fixture(params=WAYS)
 def way(request):
-    """Runs a test with the strips on (from 4 tokens) and off (pairs of rows at every T); restores both
-    settings."""
-    ext = kernels.extension()
-    saved = ext.get_avx512(), ext.get_strip_tokens()
-    ext.set_avx512(True)
-    ext.set_strip_tokens(4 if request.param == "strips" else 0)
-    yield request.param
-    ext.set_avx512(saved[0])
-    ext.set_strip_tokens(saved[1])
+    if request.param == "strips-amx" and not AMX:
+        pytest.skip(NO_AMX)
+    with _setting(request.param) as w:
+        yield w
 
 
 def _linear(x, spec, rows_per_unit=1 << 20):
@@ -73,8 +90,8 @@ def test_mxfp4_sliced_rows(way):
 def test_int4_against_float64(n, k, group, way):
     m, pool, _ = _packed("int4", {"group_size": group}, n, k, seed=group)
     spec = (INT4, pool["p.weight"], pool["p.weight_scale"], pool["p.weight_zero"], n, k, group, 1)
-    assert kernels.kernel_name(spec, "fast") == ("avx512vnni-int4-q8act32+strips" if way == "strips"
-                                                 else "avx512vnni-int4-q8act32")
+    assert kernels.kernel_name(spec, "fast") == "avx512vnni-int4-q8act32" + {"strips-amx": "+strips-amx",
+                                                                              "strips": "+strips", "pairs": ""}[way]
     w = int4_weight(pool["p.weight"][0], pool["p.weight_scale"][0], pool["p.weight_zero"][0], k, group)
     _check(spec, w)
 
@@ -135,9 +152,10 @@ def test_qwen_int4_experts_through_the_fused_call(T, way):
 def test_strip_setting_is_named_and_refuses_a_negative_count():
     ext = kernels.extension()
     spec, _, _ = _hand_spec(4, 64, seed=0)
-    saved = ext.get_avx512(), ext.get_strip_tokens()
+    saved = ext.get_avx512(), ext.get_strip_tokens(), ext.get_amx()
     try:
         ext.set_avx512(True)
+        ext.set_amx(False)
         ext.set_strip_tokens(8)
         assert ext.get_strip_tokens() == 8
         assert kernels.kernel_name(spec, "fast") == "avx512vnni-mxfp4-q8act32+strips"
@@ -153,3 +171,40 @@ def test_strip_setting_is_named_and_refuses_a_negative_count():
     finally:
         ext.set_avx512(saved[0])
         ext.set_strip_tokens(saved[1])
+        ext.set_amx(saved[2])
+
+
+@pytest.mark.skipif(not AMX, reason=NO_AMX)
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_amx_equals_the_vnni_strips_bit_for_bit(fmt):
+    """The same int32 sums, converted and scaled in the same order: equal outputs, not merely close."""
+    for n, k, seed in [(37, 352, 1), (70, 2880, 2), (5, 1100, 3)]:
+        if fmt == "mxfp4":
+            spec, _, _ = _hand_spec(n, k, seed=seed)
+        else:
+            _, pool, _ = _packed("int4", {"group_size": 128}, n, k, seed=seed)
+            spec = (INT4, pool["p.weight"], pool["p.weight_scale"], pool["p.weight_zero"], n, k, 128, 1)
+        for T in (4, 5, 8, 13, 16, 17, 31, 33, 300):
+            x = torch.randn(T, k, generator=torch.Generator().manual_seed(T)) * torch.linspace(0.1, 3, k)
+            with _setting("strips-amx"):
+                assert kernels.kernel_name(spec, "fast").endswith("+strips-amx")
+                got = _linear(x, spec)
+            with _setting("strips"):
+                want = _linear(x, spec)
+            assert torch.equal(got, want), (fmt, n, k, T, (got - want).abs().max().item())
+
+
+def test_amx_setting_follows_the_cpu_and_the_environment(tmp_path):
+    """set_amx(True) takes effect only where supported; EXPERTCACHE_CPU_ISA=avx512 or avx2 starts with it off."""
+    ext = kernels.extension()
+    with _setting("strips-amx"):
+        assert ext.get_amx() == ext.amx_supported()
+        assert kernels.kernel_name(_hand_spec(4, 64, seed=0)[0], "fast").endswith(
+            "+strips-amx" if ext.amx_supported() else "+strips")
+    import subprocess
+    import sys
+    for isa, want in [("avx512", False), ("avx2", False), ("", ext.amx_supported())]:
+        code = "from expertcache import kernels; print(kernels.extension().get_amx())"
+        env = {**__import__("os").environ, "EXPERTCACHE_CPU_ISA": isa}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == str(want), (isa, out.stdout, out.stderr[-500:])

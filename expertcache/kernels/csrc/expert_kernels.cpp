@@ -432,11 +432,16 @@ bool fast_reads(const WView& W) {
   return W.fmt == BF16 || (W.fmt == INT8 && W.Bo == 1 && (W.G >= W.K || W.G % fastk::BLOCK == 0));
 }
 
-bool isa_from_env() {
+// EXPERTCACHE_CPU_ISA: avx2 (no AVX-512 4-bit kernels), avx512 (those, without AMX); unset: the best the CPU has
+bool isa_is(const char* name) {
   const char* e = std::getenv("EXPERTCACHE_CPU_ISA");
-  return !(e && std::strcmp(e, "avx2") == 0);
+  return e && std::strcmp(e, name) == 0;
 }
-std::atomic<bool> avx512_allowed{isa_from_env()};
+std::atomic<bool> avx512_allowed{!isa_is("avx2")};
+const bool amx_from_env = [] {
+  nib::set_amx(!isa_is("avx2") && !isa_is("avx512"));
+  return true;
+}();
 
 bool nibble_avx512() {
   static const bool cpu = nib::supported();
@@ -460,15 +465,18 @@ int prep_of(const WView& W, int64_t math) {
 // features per piece a prepared row is built from (FastX::part)
 int64_t prep_unit(int kind) { return nibble_prep(kind) ? nib::GROUP : fastk::BLOCK; }
 
+// the 4-bit fast kernels' prefill part of a kernel name: strips (on AMX or on VNNI), or none
+const char* strips_name() { return nib::strip_tokens() == 0 ? "" : nib::amx() ? "+strips-amx" : "+strips"; }
+
 // which kernel computes a weight of `spec` in CPU math `math` (benchmarks print it)
 std::string kernel_of(const WView& W, int64_t math) {
   switch (prep_of(W, check_math(math))) {
     case P_BF16: return "avx512bf16-bf16act";
     case P_Q8: return "avx512vnni-q8act64";
     case P_MXF: return "avx512-mxfp4-f32act";
-    case P_MXQ: return nib::strip_tokens() > 0 ? "avx512vnni-mxfp4-q8act32+strips" : "avx512vnni-mxfp4-q8act32";
+    case P_MXQ: return std::string("avx512vnni-mxfp4-q8act32") + strips_name();
     case P_I4F: return "avx512-int4-f32act";
-    case P_I4Q: return nib::strip_tokens() > 0 ? "avx512vnni-int4-q8act32+strips" : "avx512vnni-int4-q8act32";
+    case P_I4Q: return std::string("avx512vnni-int4-q8act32") + strips_name();
     default: return "avx2-f32act";
   }
 }
@@ -918,6 +926,10 @@ void register_expert_kernels(py::module_& m) {
         }, "tokens of a weight from which the AVX-512 4-bit kernels of the fast math run 32-row strips (rows in "
            "the lanes; 0: never, always pairs of rows; default 4)");
   m.def("get_strip_tokens", [] { return nib::strip_tokens(); }, "tokens from which the 4-bit strips run (0: never)");
+  m.def("amx_supported", &nib::amx_supported, "the CPU has AMX-TILE/INT8 and Linux grants this process the tile state");
+  m.def("set_amx", &nib::set_amx, "allow the 4-bit strips' products on AMX where supported (false: AVX-512 VNNI; "
+        "initially false when EXPERTCACHE_CPU_ISA is avx2 or avx512)");
+  m.def("get_amx", &nib::amx, "whether the 4-bit strips run on AMX (allowed and supported)");
   m.def("kernel_of", [](const py::tuple& spec, int64_t math) { return kernel_of(view_of(spec, "kernel_of"), math); },
         "the kernel that computes a weight of this spec in CPU math `math`");
 }

@@ -15,8 +15,12 @@
 
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 
 namespace nib {
 
@@ -31,8 +35,21 @@ std::atomic<int64_t> strips_from{4};
 void set_strip_tokens(int64_t tokens) { strips_from.store(tokens, std::memory_order_relaxed); }
 int64_t strip_tokens() { return strips_from.load(std::memory_order_relaxed); }
 
+// AMX: the CPU has AMX-TILE and AMX-INT8 and Linux grants this process the tile state (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once; the grant holds for every thread of the process)
+bool amx_supported() {
+  static const bool ok = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+                         syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+namespace {
+std::atomic<bool> amx_allowed{true};
+}
+void set_amx(bool on) { amx_allowed.store(on, std::memory_order_relaxed); }
+bool amx() { return amx_allowed.load(std::memory_order_relaxed) && amx_supported(); }
+
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
 
 namespace {
 
@@ -542,20 +559,132 @@ void tile_tokens(const Tile& tl, int64_t g0, int64_t ng, const int8_t* const* xq
   }
 }
 
+// ---- the strips on AMX (TDPBSUD): a tile's block as B, 16 tokens' activations as A ----------------
+// B = one block of a Tile row vector: 8 steps x 64 bytes, lane n = row n's 4 unsigned bytes, which is the
+// layout TDPBSUD wants for its unsigned operand; A = 16 tokens x the block's 32 prepared int8 codes in the
+// steps' order (the 16 even codes, then the 16 odd ones); C = 16 tokens x 16 rows of int32: the sums
+// vpdpbusd makes. C converted plus the code-sum term (both below 2^18: exact in float32), times weight scale
+// x activation scale, is what tile_tokens computes, so the outputs equal the VNNI strips' bit for bit.
+struct AmxAct {  // T tokens' activations regrouped per block b (Kp / 32 of them), Tp = T rounded up to 16
+  int8_t* a;     // [nb][Tp][32]; tokens past T: zeros
+  float* sx;     // [nb][Tp] the block's activation scale
+  float* cf;     // [nb][Tp] the block's code-sum term (MXFP4: xc; int4: -16 xc)
+  int64_t Tp;
+};
+
+// false when the buffer cannot be had (the caller then runs the VNNI strips)
+bool amx_prep(int code, int64_t K, const int8_t* const* xq, const float* const* xs, const int32_t* const* xc,
+              int64_t T, AmxAct& A) {
+  const int64_t nb = padded(K) / BLOCK, Tp = (T + 15) / 16 * 16;
+  char* mem = static_cast<char*>(std::aligned_alloc(64, nb * Tp * (32 + 8)));
+  if (!mem) return false;
+  A = AmxAct{reinterpret_cast<int8_t*>(mem), reinterpret_cast<float*>(mem + nb * Tp * 32),
+             reinterpret_cast<float*>(mem + nb * Tp * 36), Tp};
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t g = b / 4, j = b % 4;
+    for (int64_t t = 0; t < Tp; ++t) {
+      int8_t* r = A.a + (b * Tp + t) * 32;
+      if (t < T) {
+        _mm_store_si128(reinterpret_cast<__m128i*>(r), _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[t] + GROUP * g + 16 * j)));
+        _mm_store_si128(reinterpret_cast<__m128i*>(r + 16), _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[t] + GROUP * g + 64 + 16 * j)));
+        A.sx[b * Tp + t] = xs[t][16 * g + 4 * j];
+        const int32_t c = xc[t][16 * g + 4 * j];
+        A.cf[b * Tp + t] = float(code == MXFP4 ? c : -16 * c);
+      } else {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(r), _mm256_setzero_si256());
+        A.sx[b * Tp + t] = A.cf[b * Tp + t] = 0.f;
+      }
+    }
+  }
+  return true;
+}
+
+// tiles 0..3: C of a group's 4 blocks, 16 tokens x 16 rows int32; 4, 5: A, 16 tokens x 32 codes; 6, 7: B,
+// 8 steps x 64 bytes (two of each operand, alternating, so a block's loads need not wait for the previous
+// block's product)
+inline void amx_config() {
+  struct alignas(64) {
+    uint8_t palette, start, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } c{};
+  c.palette = 1;
+  for (int i = 0; i < 4; ++i) c.rows[i] = 16, c.colsb[i] = 64;
+  for (int i = 4; i < 6; ++i) c.rows[i] = 16, c.colsb[i] = 32;
+  for (int i = 6; i < 8; ++i) c.rows[i] = 8, c.colsb[i] = 64;
+  _tile_loadconfig(&c);
+}
+
+// tokens t0 .. t0 + tt - 1 (tt <= TT <= 16) over the tile's ng groups, as tile_tokens
+template <int TT>
+void amx_tokens(const Tile& tl, int64_t g0, int64_t ng, const AmxAct& A, int64_t t0, int64_t tt, float* y,
+                int64_t ldy, int64_t rows, bool first) {
+  alignas(64) int32_t cb[4][16][16];
+  for (int v = 0; v < 2 && 16 * v < rows; ++v) {
+    const __mmask16 m = mask16(rows - 16 * v);
+    float* yv = y + t0 * ldy + 16 * v;
+    __m512 acc[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = first || t >= tt ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, yv + t * ldy);
+    for (int64_t g = 0; g < ng; ++g) {
+      const int8_t* a = A.a + (4 * (g0 + g) * A.Tp + t0) * 32;  // block j's A: a + j * Tp * 32
+      const int64_t ja = A.Tp * 32;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(4, a, 32);
+      _tile_loadd(6, tl.w[g][0][0][v], 2 * 64);
+      _tile_loadd(5, a + ja, 32);
+      _tile_loadd(7, tl.w[g][1][0][v], 2 * 64);
+      _tile_dpbsud(0, 4, 6);
+      _tile_dpbsud(1, 5, 7);
+      _tile_loadd(4, a + 2 * ja, 32);
+      _tile_loadd(6, tl.w[g][2][0][v], 2 * 64);
+      _tile_loadd(5, a + 3 * ja, 32);
+      _tile_loadd(7, tl.w[g][3][0][v], 2 * 64);
+      _tile_dpbsud(2, 4, 6);
+      _tile_dpbsud(3, 5, 7);
+      _tile_stored(0, cb[0], 64);
+      _tile_stored(1, cb[1], 64);
+      _tile_stored(2, cb[2], 64);
+      _tile_stored(3, cb[3], 64);
+      for (int j = 0; j < 4; ++j) {
+        const int64_t b = 4 * (g0 + g) + j;
+        const __m512 ws = _mm512_load_ps(tl.ws[g][j][v]);
+        const float *sx = A.sx + b * A.Tp + t0, *cf = A.cf + b * A.Tp + t0;
+        for (int t = 0; t < TT; ++t)
+          acc[t] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb[j][t])), _mm512_set1_ps(cf[t])),
+                                   _mm512_mul_ps(ws, _mm512_set1_ps(sx[t])), acc[t]);
+      }
+    }
+    for (int t = 0; t < TT && t < tt; ++t) _mm512_mask_storeu_ps(yv + t * ldy, m, acc[t]);
+  }
+}
+
 constexpr int TQ = 6;  // tokens per register block of the strips (4 measured the same)
+// tokens from which a pass goes to AMX (one thread, a weight in L2, bench/strip_bench.py: AMX over VNNI
+// 0.93-0.99x at T = 8, 1.05-1.30x at T = 16 and 32, int4 and MXFP4 at the gpt-oss-20b and Qwen3-30B-A3B shapes)
+constexpr int64_t AMX_TOKENS = 12;
 
 // rows [a, a + SR) of W (fewer at the end) for every token; false when decode_tile refuses (the strip's
 // outputs then hold partial sums: q8_block computes them again)
 template <int C>
 bool tile_strip(const Rows& W, int64_t N, int64_t K, int64_t a, const int8_t* const* xq, const float* const* xs,
-                const int32_t* const* xc, int64_t T, float* y, int64_t ldy, Tile& tl) {
+                const int32_t* const* xc, int64_t T, float* y, int64_t ldy, Tile& tl, const AmxAct* amx_act) {
   const int64_t ng = (K + GROUP - 1) / GROUP, rows = lo(SR, N - a);
   for (int64_t g0 = 0; g0 < ng; g0 += KC) {
     const int64_t n = lo(KC, ng - g0);
     if (!decode_tile<C>(W, N, K, a, g0, n, tl)) return false;
-    // the tokens in chunks of at most TQ, as even as can be (T = 8: 4 + 4, not 6 + 2)
-    const int64_t chunks = (T + TQ - 1) / TQ;
-    for (int64_t c = 0, t0 = 0; c < chunks; ++c) {
+    // passes of 16 tokens on AMX while at least AMX_TOKENS remain (a pass of 12 or fewer: 12 computed),
+    // then the rest in chunks of at most TQ on VNNI, as even as can be (T = 8: 4 + 4, not 6 + 2)
+    int64_t t0 = 0;
+    for (; amx_act && T - t0 >= AMX_TOKENS; t0 += 16) {
+      const int64_t tt = lo(16, T - t0);
+      if (tt <= 12) amx_tokens<12>(tl, g0, n, *amx_act, t0, tt, y + a, ldy, rows, g0 == 0);
+      else amx_tokens<16>(tl, g0, n, *amx_act, t0, tt, y + a, ldy, rows, g0 == 0);
+    }
+    const int64_t chunks = (T - t0 + TQ - 1) / TQ;
+    for (int64_t c = 0; c < chunks; ++c) {
       const int64_t tt = (T - t0) / (chunks - c) + ((T - t0) % (chunks - c) != 0);
       float* yt = y + t0 * ldy + a;
       auto go = [&](auto tc) __attribute__((always_inline)) {
@@ -668,13 +797,21 @@ void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const*
   const int64_t from = strip_tokens();
   if (from > 0 && T >= from) {
     Tile tl;
+    AmxAct act{};
+    const bool on_amx = T >= AMX_TOKENS && amx() && amx_prep(code, K, xq, xs, xc, T, act);
+    if (on_amx) amx_config();
     for (int64_t a = 0; a < N; a += SR) {
-      const bool done = code == MXFP4 ? tile_strip<MXFP4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl)
-                                      : tile_strip<INT4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl);
+      const AmxAct* A = on_amx ? &act : nullptr;
+      const bool done = code == MXFP4 ? tile_strip<MXFP4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl, A)
+                                      : tile_strip<INT4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl, A);
       if (!done) {
         prepare_qz();
         drive<1, 1>(offset(W, a), lo(SR, N - a), T, y + a, ldy, 0, run);
       }
+    }
+    if (on_amx) {
+      _tile_release();
+      std::free(act.a);
     }
     return;
   }

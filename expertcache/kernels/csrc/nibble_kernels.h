@@ -66,6 +66,11 @@ void rows_f32(int code, const Rows& W, int64_t N, int64_t K, const float* const*
 // lanes), fewer by pairs of rows; set_strip_tokens(0): never by strips (default 4)
 void set_strip_tokens(int64_t tokens);
 int64_t strip_tokens();
+// the strips' products on AMX (TDPBSUD, 16 tokens x 16 rows x 32 features an instruction) where the CPU has
+// AMX-TILE/INT8 and Linux grants the tile state: the same outputs bit for bit; set_amx(false): VNNI always
+bool amx_supported();
+void set_amx(bool on);
+bool amx();  // allowed and supported
 void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xs,
              const int32_t* const* xc, int64_t T, float* y, int64_t ldy, int64_t pf);
 
