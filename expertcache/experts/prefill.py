@@ -2,7 +2,8 @@
 each expert routed at least its shape class's crossover of tokens is computed by torch's bf16 matmul
 (its weights converted to bf16 once for the call where stored in another format); the other pairs are
 left to the caller's path (the C++ kernels in one call, or the torch code for a pool they do not read),
-their slots masked to -1. The crossover is measured against that path.
+their slots masked to -1. The crossover is measured against that path. Plain bf16 SiLU experts run in
+one C++ call, each expert a unit of the kernels' threads (pool_experts); the others one at a time here.
 
 Shape legend:
     T tokens, H hidden, I moe intermediate, K top_k, S slots, n tokens routed to one expert
@@ -58,6 +59,25 @@ def bf16_expert(x: torch.Tensor, w: dict[str, torch.Tensor], method, ffn) -> tor
         return _bias(F.linear(h.to(bf), dn).float(), w.get("down_bias"))
 
 
+def _on_pool_threads(pool: dict[str, torch.Tensor], method, ffn) -> bool:
+    """Whether the experts go to the C++ loop on the kernels' threads (csrc/pool_gemm.cpp experts_bf16, the
+    same numerics as bf16_expert): plain bf16 parts [out, in], contiguous, no biases, SiLU; else bf16_expert
+    in Python, one expert at a time."""
+    ext = kernels.extension()
+    return (ext is not None and method is None and not ffn.transposed and ffn.act == "silu"
+            and set(pool) == {"gate_up", "down"} and all(t.dtype == torch.bfloat16 and t.is_contiguous()
+                                                        for t in pool.values()))
+
+
+def pool_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
+                 take: torch.Tensor, ffn, out: torch.Tensor) -> None:
+    """out += the experts of the slots in `take` (bool [S]) for their pairs, on the kernels' threads, each
+    expert one unit (the caller checked _on_pool_threads)."""
+    with torch.no_grad():
+        kernels.extension().experts_bf16(x.contiguous(), slots.contiguous(), weights.float().contiguous(),
+                                         pool["gate_up"], pool["down"], take, ffn.interleaved, out)
+
+
 def _intermediate(pool: dict[str, torch.Tensor], method, ffn) -> int:
     """I of a pool (the rows of one expert's gate)."""
     if method is None:
@@ -86,6 +106,7 @@ def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, poo
         return None
     H, I = x.shape[1], _intermediate(pool, method, ffn)
     on_kernel = kernels.moe_args(pool, method, H, ffn) is not None  # else the torch code computes the rest
+    threaded = _on_pool_threads(pool, method, ffn)
 
     def probe():
         from .compute import expert_ffn  # the torch code (compute.py imports this module)
@@ -96,6 +117,9 @@ def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, poo
         route = {n: (torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)) for n in prefill_gemm.PROBE_T}
         base = ((lambda n: kernels.moe_out(xs[n], *route[n], one, method, ffn)) if on_kernel
                 else (lambda n: expert_ffn(xs[n], w0, method, ffn)))
+        if threaded:
+            yes = torch.ones(1, dtype=torch.bool)
+            return base, (lambda n: pool_experts(xs[n], *route[n], one, yes, ffn, torch.zeros(n, H)))
         return base, (lambda n: bf16_expert(xs[n], w0, method, ffn))
 
     cross = prefill_gemm.crossover("expert" if on_kernel else "expert-torch", fmt, I, H, probe)
@@ -104,6 +128,12 @@ def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, poo
         return None
     if out is None:
         out = torch.zeros_like(x)
+    if threaded:
+        take = torch.zeros(pool["gate_up"].shape[0], dtype=torch.bool)
+        take[big] = True
+        pool_experts(x, slots, weights, pool, take, ffn, out)
+        prefill_gemm.CALLS["expert"] += big.numel()
+        return out, slots.masked_fill(torch.isin(slots, big), -1)
     for s in big.tolist():
         tok, k = (slots == s).nonzero(as_tuple=True)
         y = bf16_expert(x[tok], {n: t[s] for n, t in pool.items()}, method, ffn)

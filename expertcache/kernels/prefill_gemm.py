@@ -210,9 +210,7 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     xb = x.to(torch.bfloat16)
     ext = extension()
     if _threads[0] > 1 and ext is not None and w.is_contiguous():
-        out = torch.empty(*x.shape[:-1], w.shape[0])  # float32 rows: one pass converts and transposes
-        out.view(-1, w.shape[0]).copy_(ext.linear_bf16(xb.reshape(-1, w.shape[1]), w))
-        return out
+        return ext.linear_bf16(xb.reshape(-1, w.shape[1]), w).view(*x.shape[:-1], w.shape[0])
     with gemm_threads():
         return F.linear(xb, w).float()
 
