@@ -13,7 +13,8 @@ entry point returns None / False when it does not apply, and the caller computes
 Within "cpp", MXFP4 and int4 (groups a multiple of 32) weights go to AVX-512 kernels
 (csrc/nibble_kernels.cpp) where the CPU has AVX-512 F/BW/VL/VNNI, in both CPU maths;
 EXPERTCACHE_CPU_ISA=avx2 (or `avx512(False)`) keeps them on the AVX2 kernels; in fast math, from 4
-tokens of a weight they run 32-row strips (`strips(0)`: never). `kernel_name` says which kernel reads a
+tokens of a weight they run 32-row strips (`strips(0)`: never), their products on AMX where the CPU has it
+(`amx(False)` or EXPERTCACHE_CPU_ISA=avx512: on VNNI). `kernel_name` says which kernel reads a
 weight. Under fast math at prefill, a bf16 dense weight of at least its measured
 crossover of tokens goes to torch's bf16 matmul instead (prefill_gemm.py; EXPERTCACHE_PREFILL_GEMM=0: never).
 """
@@ -82,6 +83,14 @@ def strips(tokens: int) -> None:
         raise ValueError(f"strips: tokens must be >= 0 (0: never), got {tokens}")
     if extension() is not None:
         extension().set_strip_tokens(tokens)
+
+
+def amx(on: bool) -> None:
+    """Allow (True, the default unless EXPERTCACHE_CPU_ISA is avx2 or avx512) or forbid the strips' products
+    on AMX (TDPBSUD, csrc/nibble_kernels.h); they run only where the CPU has AMX-TILE/INT8 and Linux grants the
+    tile state, with the VNNI strips' outputs bit for bit, else on VNNI."""
+    if extension() is not None:
+        extension().set_amx(on)
 
 
 def kernel_name(spec: tuple, math: str = "exact") -> str:
@@ -390,4 +399,4 @@ def moe_out(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     return extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
 
 
-__all__ = ["avx512", "prefill_dense", "prefill_gemm", "prefill_step", "kernel_name", "attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
+__all__ = ["amx", "avx512", "prefill_dense", "prefill_gemm", "prefill_step", "kernel_name", "attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
