@@ -281,3 +281,41 @@ def test_the_pool_matmul_equals_torch_bitwise(n, t):
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="linear_bf16: x"):
         kernels.extension().linear_bf16(x[0].bfloat16(), w[:, :95])
+
+
+@needs_fast
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_experts_on_the_kernels_threads_equal_bf16_expert_one_at_a_time(interleaved):
+    """pool_experts (csrc/pool_gemm.cpp experts_bf16: every expert a unit of the kernels' threads) against
+    bf16_expert called expert by expert: the same roundings, so equal up to the float32 order in which a
+    token's pairs are added. Skipped pairs, a slot repeated within a token, an empty slot, a slot not taken
+    (its pairs stay out) and an output that already holds values."""
+    from expertcache.experts.prefill import bf16_expert, pool_experts
+
+    S, H, I, K, T = 6, 130, 70, 3, 40
+    _, pool, _, _, _ = _moe_pool("bf16", {}, S, H, I)
+    ffn = ExpertFFN(interleaved=interleaved)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, H, generator=g)
+    slots, weights = _routing(T, K, S, seed=4)
+    take = torch.tensor([True, True, False, True, True, True])
+    base = torch.randn(T, H, generator=g)
+    out = base.clone()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with kernels.cpu_threads("cpu"):
+            pool_experts(x, slots, weights, pool, take, ffn, out)
+    finally:
+        torch.set_num_threads(threads)
+    want = base.double()
+    for s in range(S):
+        tok, k = (slots == s).nonzero(as_tuple=True)
+        if take[s] and tok.numel():
+            y = bf16_expert(x[tok], {n: t[s] for n, t in pool.items()}, None, ffn)
+            want.index_add_(0, tok, (y * weights[tok, k, None]).double())
+    assert (slots == 2).any()  # the slot not taken was routed
+    err = (out.double() - want).abs()
+    assert (err <= 1e-6 * want.abs().max()).all(), f"max error {err.max():.3g}"
+    with pytest.raises(RuntimeError, match="experts_bf16: down"):
+        pool_experts(x, slots, weights, {"gate_up": pool["gate_up"], "down": pool["down"][:, :, 1:]}, take, ffn, out)
