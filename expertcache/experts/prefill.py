@@ -74,8 +74,9 @@ def pool_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, po
     """out += the experts of the slots in `take` (bool [S]) for their pairs, on the kernels' threads, each
     expert one unit (the caller checked _on_pool_threads)."""
     with torch.no_grad():
-        kernels.extension().experts_bf16(x.contiguous(), slots.contiguous(), weights.float().contiguous(),
-                                         pool["gate_up"], pool["down"], take, ffn.interleaved, out)
+        kernels.extension().experts_bf16(x.contiguous(), slots.to(torch.int64).contiguous(),
+                                         weights.float().contiguous(), pool["gate_up"], pool["down"], take,
+                                         ffn.interleaved, out)
 
 
 def _intermediate(pool: dict[str, torch.Tensor], method, ffn) -> int:
@@ -106,7 +107,8 @@ def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, poo
         return None
     H, I = x.shape[1], _intermediate(pool, method, ffn)
     on_kernel = kernels.moe_args(pool, method, H, ffn) is not None  # else the torch code computes the rest
-    threaded = _on_pool_threads(pool, method, ffn)
+    threaded = _on_pool_threads(pool, method, ffn) and (out is None or (out.dtype == torch.float32
+                                                                      and out.is_contiguous()))
 
     def probe():
         from .compute import expert_ffn  # the torch code (compute.py imports this module)
