@@ -9,7 +9,8 @@
 // off), pairs of rows kept in L1 while chunks of 6 tokens pass over them (2 x 6 accumulators); in fast
 // math from strip_tokens() tokens, strips of 32 rows decoded once per 512 features into a tile with the
 // rows in the lanes (tile_strip), chunks of up to 6 tokens passing over it (2 x 6 accumulators of 16
-// rows). C: the format (Code), R rows, TT tokens.
+// rows), or on AMX passes of 16 tokens (amx_tokens; its instructions run only where amx() says the CPU
+// has AMX and the tile state was granted). C: the format (Code), R rows, TT tokens.
 
 #include "nibble_kernels.h"
 
