@@ -462,17 +462,23 @@ bool decode_tile(const Rows& W, int64_t N, int64_t K, int64_t a, int64_t g0, int
           _mm512_store_si512(off[g][j], _mm512_shuffle_epi8(_mm512_sub_epi32(_mm512_set1_epi32(16), zt[i]), rep));
         }
     }
+    // byte offsets of the vector's 16 rows (rows past N: row N - 1's), made once for all its groups
+    int64_t at[16];
+    for (int n = 0; n < 16; ++n) at[n] = lo(a + 16 * v + n, N - 1) * W.w_row;
+    const int64_t next = lo(16, N - SR - (a + 16 * v));  // rows whose next strip exists (n < next)
     for (int64_t g = 0; g < ng; ++g) {
       const int64_t gg = g0 + g;
       const bool tail = 64 * (gg + 1) > nbytes;
       __m512i r[16];
       const uint8_t* p[16];
-      for (int n = 0; n < 16; ++n) {
-        const int64_t row = lo(a + 16 * v + n, N - 1);
-        p[n] = W.w + row * W.w_row + 64 * gg;
-        // the codes the next chunk reads: this row's, or at the row's last chunk the next strip's
-        if (gg + KC < ng_all) _mm_prefetch(reinterpret_cast<const char*>(p[n] + 64 * KC), _MM_HINT_T0);
-        else if (row + SR < N) _mm_prefetch(reinterpret_cast<const char*>(p[n] + SR * W.w_row - 64 * g0), _MM_HINT_T0);
+      const uint8_t* base = W.w + 64 * gg;
+      for (int n = 0; n < 16; ++n) p[n] = base + at[n];
+      // the codes the next chunk reads: these rows', or at the rows' last chunk the next strip's
+      if (gg + KC < ng_all) {
+        for (int n = 0; n < 16; ++n) _mm_prefetch(reinterpret_cast<const char*>(p[n] + 64 * KC), _MM_HINT_T0);
+      } else {
+        for (int n = 0; n < next; ++n)
+          _mm_prefetch(reinterpret_cast<const char*>(p[n] + SR * W.w_row - 64 * g0), _MM_HINT_T0);
       }
       if (!tail) {
         // 128-bit lane q of y[i] = 128-bit lane L of row 4q + i (broadcast loads), then a 4 x 4 transpose of dwords
