@@ -15,6 +15,9 @@ both against float64 references of the q8-rounded activations:
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -201,10 +204,8 @@ def test_amx_setting_follows_the_cpu_and_the_environment(tmp_path):
         assert ext.get_amx() == ext.amx_supported()
         assert kernels.kernel_name(_hand_spec(4, 64, seed=0)[0], "fast").endswith(
             "+strips-amx" if ext.amx_supported() else "+strips")
-    import subprocess
-    import sys
     for isa, want in [("avx512", False), ("avx2", False), ("", ext.amx_supported())]:
         code = "from expertcache import kernels; print(kernels.extension().get_amx())"
-        env = {**__import__("os").environ, "EXPERTCACHE_CPU_ISA": isa}
+        env = {**os.environ, "EXPERTCACHE_CPU_ISA": isa}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == str(want), (isa, out.stdout, out.stderr[-500:])

@@ -134,11 +134,10 @@ def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, poo
         take = torch.zeros(pool["gate_up"].shape[0], dtype=torch.bool)
         take[big] = True
         pool_experts(x, slots, weights, pool, take, ffn, out)
-        prefill_gemm.CALLS["expert"] += big.numel()
-        return out, slots.masked_fill(torch.isin(slots, big), -1)
-    for s in big.tolist():
-        tok, k = (slots == s).nonzero(as_tuple=True)
-        y = bf16_expert(x[tok], {n: t[s] for n, t in pool.items()}, method, ffn)
-        out.index_put_((tok,), y * weights[tok, k, None].float(), accumulate=True)
+    else:
+        for s in big.tolist():
+            tok, k = (slots == s).nonzero(as_tuple=True)
+            y = bf16_expert(x[tok], {n: t[s] for n, t in pool.items()}, method, ffn)
+            out.index_put_((tok,), y * weights[tok, k, None].float(), accumulate=True)
     prefill_gemm.CALLS["expert"] += big.numel()
     return out, slots.masked_fill(torch.isin(slots, big), -1)

@@ -13,8 +13,9 @@
 // OpenMP barrier and no Python between them.
 //
 // Shape legend: x [T, K] bf16, w [N, K] bf16 (contiguous rows) -> y [T, N] float32 (the bf16 products,
-// each unit's [n, T] block transposed into its columns). Experts: x [T, H] float32, slots [T, Kr] int64 (-1: none), weights [T, Kr] float32,
-// gate_up [S, 2I, H] and down [S, H, I] bf16, take [S] bool, out [T, H] float32.
+// each unit's [n, T] block transposed into its columns). Experts: x [T, H] float32, slots [T, Kr] int64
+// (-1: none), weights [T, Kr] float32, gate_up [S, 2I, H] and down [S, H, I] bf16, take [S] bool,
+// out [T, H] float32.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
@@ -91,7 +92,8 @@ void experts_bf16(const at::Tensor& x, const at::Tensor& slots, const at::Tensor
     const std::vector<int64_t>& ps = pairs[s];
     const int64_t n = static_cast<int64_t>(ps.size());
     at::Tensor tok = at::empty({n}, slots.options());
-    for (int64_t i = 0; i < n; ++i) tok.data_ptr<int64_t>()[i] = ps[i] / Kr;
+    int64_t* tp = tok.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) tp[i] = ps[i] / Kr;
     const at::Tensor xb = x.index_select(0, tok).to(at::kBFloat16);
     const at::Tensor gu = at::mm(xb, gate_up[s].t());  // [n, 2I] bf16
     const at::Tensor g = interleaved ? gu.slice(1, 0, 2 * I, 2) : gu.narrow(1, 0, I);
