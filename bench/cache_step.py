@@ -2,13 +2,15 @@
 
 Every configuration is built in one process and timed in alternating rounds (medians), so the
 difference is the cache step itself: (1 / tiered tok/s - 1 / resident tok/s) / MoE layers, in µs
-per MoE layer per decode step. Defaults: the shipped demo model (6 MoE layers, 32 experts, top-4),
+per MoE layer per decode step (`step_us_per_layer`, wall time), and the same from the process's CPU
+time per decoded token (`step_cpu_us_per_layer`: every thread's, so it holds on a loaded machine
+where wall time does not). Defaults: the shipped demo model (6 MoE layers, 32 experts, top-4),
 one thread, the tiered cache at device_memory=75% with every expert in host RAM, the default
 policy and lru. Prefill tok/s of each configuration is printed too (a 128-token prompt).
 
 One line per configuration:
 
-    config=tiered-lru decode_tok_s=... prefill_tok_s=... step_us_per_layer=...
+    config=tiered-lru decode_tok_s=... prefill_tok_s=... step_us_per_layer=... step_cpu_us_per_layer=...
 
     python bench/cache_step.py [--model DIR] [--threads 1] [--rounds 7] [--gen 48] [--device-memory 75%]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 from common import hardware_line, timed_generate
@@ -56,19 +59,24 @@ def main():
         llm.generate([decode_prompt], decode)
         llm.generate([prefill_prompt], one)
     dec = {k: [] for k in llms}
+    cpu = {k: [] for k in llms}
     pre = {k: [] for k in llms}
     for r in range(args.rounds):
         order = list(llms) if r % 2 == 0 else list(llms)[::-1]
         for k in order:
+            c0 = time.process_time()
             dec[k].append(timed_generate(llms[k], [decode_prompt], decode)["decode_tok_s"])
+            cpu[k].append((time.process_time() - c0) / args.gen)
             pre[k].append(timed_generate(llms[k], [prefill_prompt], one)["prefill_tok_s"])
-    base = statistics.median(dec["resident"])
+    base, base_cpu = statistics.median(dec["resident"]), statistics.median(cpu["resident"])
     print(f"model={model_dir} moe_layers={moe_layers} threads={args.threads} device_memory={args.device_memory} "
           f"host_memory={args.host_memory} rounds={args.rounds} gen={args.gen}")
     for k in llms:
         d, p = statistics.median(dec[k]), statistics.median(pre[k])
         us = (1 / d - 1 / base) / moe_layers * 1e6
-        print(f"config={k} decode_tok_s={d:.1f} prefill_tok_s={p:.1f} step_us_per_layer={us:.1f}", flush=True)
+        cus = (statistics.median(cpu[k]) - base_cpu) / moe_layers * 1e6
+        print(f"config={k} decode_tok_s={d:.1f} prefill_tok_s={p:.1f} step_us_per_layer={us:.1f} "
+              f"step_cpu_us_per_layer={cus:.1f}", flush=True)
     for llm in llms.values():
         llm.close()
 

@@ -288,7 +288,7 @@ def test_slot_check_catches_a_swapped_expert(cache_checkpoint):
     try:
         llm.generate([[5, 17, 42, 99]], GREEDY)
         llm.experts.check(contents=True)
-        lut = llm.experts.lut[0].tolist()
+        lut = list(llm.experts.lut[0])
         held = [e for e in range(len(lut)) if lut[e] >= 0]
         a, b = held[0], held[1]
         va, vb = llm.experts.dev.views(0, lut[a]), llm.experts.dev.views(0, lut[b])

@@ -302,7 +302,7 @@ def test_a_failed_read_fails_the_step_and_close_still_closes(cache_checkpoint, r
     finally:
         llm.close()
     ex = cache.executor
-    threads = ex.threads if backend == "threads" else list(getattr(ex.io, "_threads", ()))
+    threads = ex.threads if backend == "threads" else [t for p in (ex.io, ex.copy) for t in getattr(p, "_threads", ())]
     assert not any(t.is_alive() for t in threads)
 
 
@@ -342,7 +342,8 @@ def _tensor_bytes_held(ex) -> int:
     import sys
     import types
 
-    threads = list(getattr(ex, "threads", ())) + list(getattr(getattr(ex, "io", None), "_threads", ()))
+    threads = list(getattr(ex, "threads", ())) + [t for p in (getattr(ex, "io", None), getattr(ex, "copy", None))
+                                                   for t in getattr(p, "_threads", ())]
     frames = sys._current_frames()
     roots = [ex]
     for t in threads:

@@ -14,10 +14,12 @@ executor holds after a layer are zero whatever the step's size. Ops' completions
 event, an error) are kept by id while a later op may wait on them and pruned each layer.
 
 `InlineExecutor` (a CPU device): every op runs at submit, in issue order, on the calling thread:
-no threads, no events; queue order is issue order. `io_lanes` > 0 (overlap_io): disk reads run on
-that many I/O threads instead, and an op waiting on one blocks on its future, so the hits compute
-while the misses' reads are in flight; a read whose fn has `on_caller` set (bytes a peer rank sent:
-only the engine thread may take them) runs on the caller.
+no events; queue order is issue order. `io_lanes` > 0 (overlap_io): disk reads run on that many
+I/O threads instead, and prefetch copies (h2d, tag "prefetch") on one copy lane, so the hits
+compute while the misses' reads and the next layer's copies are in flight; an op waiting on one
+blocks on its future. A later h2d goes to the copy lane too while it has one pending (the h2d
+queue stays one FIFO). A read whose fn has `on_caller` set (bytes a peer rank sent: only the engine
+thread may take them) runs on the caller.
 
 `ThreadExecutor` (CI): every queue is a worker thread (io: `io_lanes` threads sharing one FIFO)
 with a threading.Event per op, so the CUDA semantics (in-order queues, cross-queue events) hold
@@ -140,7 +142,9 @@ class InlineExecutor(Executor):
     def __init__(self, io_lanes: int = 0):
         super().__init__(sync_io=io_lanes <= 0)
         self.io = ThreadPoolExecutor(io_lanes, thread_name_prefix="expert-io") if io_lanes > 0 else None
-        self.pending: dict[int, Future] = {}  # io ops in flight
+        self.copy = ThreadPoolExecutor(1, thread_name_prefix="expert-copy") if io_lanes > 0 else None
+        self.copy_tail: Future | None = None  # the last op issued to the copy lane
+        self.pending: dict[int, Future] = {}  # ops in flight on the lanes
 
     def submit(self, op: Op, fn) -> None:
         pending = self.pending
@@ -151,9 +155,14 @@ class InlineExecutor(Executor):
                     f.result()  # re-raises a failed read: the op that needed it fails
         if fn is None:
             return
-        if op.queue == "io" and self.io is not None and not getattr(fn, "on_caller", False):
-            self.pending[op.id] = self.io.submit(_in_mode(fn))
-            return
+        if self.io is not None:
+            if op.queue == "io" and not getattr(fn, "on_caller", False):
+                self.pending[op.id] = self.io.submit(_in_mode(fn))
+                return
+            if op.queue == "h2d" and (op.tag == "prefetch" or (self.copy_tail is not None
+                                                                and not self.copy_tail.done())):
+                self.pending[op.id] = self.copy_tail = self.copy.submit(_in_mode(fn))
+                return
         fn()
 
     def join(self, op_id: int) -> None:
@@ -162,9 +171,11 @@ class InlineExecutor(Executor):
             f.result()
 
     def drain(self) -> None:
-        for f in list(self.pending.values()):
-            f.result()
-        self.pending.clear()
+        try:
+            for f in list(self.pending.values()):
+                f.result()
+        finally:
+            self.pending.clear()
 
     def run_layer(self, sched: LayerSchedule, fns) -> None:
         listed = isinstance(fns, list)
@@ -178,8 +189,9 @@ class InlineExecutor(Executor):
                     f.result()
 
     def close(self) -> None:
-        if self.io is not None:
-            self.io.shutdown(wait=True)
+        for p in (self.io, self.copy):
+            if p is not None:
+                p.shutdown(wait=True)
 
 
 def _in_mode(fn):

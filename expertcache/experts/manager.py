@@ -69,6 +69,13 @@ def demotable(cuda: bool, dev_parts, source_parts) -> bool:
         p.dtype == src[p.name].dtype or (src[p.name].dtype, p.dtype) in exact) for p in dev_parts)
 
 
+def _hit_slots(lut: list[int], step: torch.Tensor, T: int, K: int) -> torch.Tensor:
+    """Host [T, K]: the device slot of each pair's expert from the lookup `lut` (-1: not resident)."""
+    if step.shape[0] <= SMALL:
+        return torch.tensor([lut[e] for e in step.tolist()], dtype=torch.int64).view(T, K)
+    return torch.tensor(lut, dtype=torch.int64)[step].view(T, K)
+
+
 class TieredExperts(ExpertProvider):
     """The tiered cache for the slot counts of a memory plan and a validated CacheConfig
     (policy, prefetch mode, cpu_compute, prefill admission; ablation switches in cfg.ablation)."""
@@ -131,7 +138,7 @@ class TieredExperts(ExpertProvider):
         self.method, self.ffn = source.method, source.ffn
         # device tier: compute dtype; lookup expert -> slot (host only: pairs' slots are looked up on the host)
         self.dev = SlotPool(dev_parts, L, device_slots, device)
-        self.lut = torch.full((L, self.E), -1, dtype=torch.int64)
+        self.lut = [[-1] * self.E for _ in range(L)]  # per layer, expert -> device slot (-1 none): host lists
         self.stage = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
                       if self.cuda else None)  # the waves' staging slot (a CPU device computes from the host)
         self.executor, self.builder = None, ScheduleBuilder(staged_waves=self.cuda)
@@ -236,7 +243,7 @@ class TieredExperts(ExpertProvider):
         experts, tokens = self._distinct(i, step)
         plan = self.planner.plan_step(i, experts, tokens, T, self.t)
         lut = self.lut[i]
-        hit_slots = lut[step].view(T, K)  # only the hits are in the lookup now (indexing copies)
+        hit_slots = _hit_slots(lut, step, T, K)  # only the hits are in the lookup now
         pf = None
         if ahead is not None:
             j = self.li[ahead[0]]
@@ -252,13 +259,15 @@ class TieredExperts(ExpertProvider):
             if f.evicted >= 0:
                 lut[f.evicted] = -1
             lut[f.expert] = f.slot
-        for p in pf[1] if pf else ():
-            if isinstance(p, Demotion):
-                self.lut[pf[0], p.expert] = -1
-            elif p.slot >= 0:
-                if p.evicted >= 0:
-                    self.lut[pf[0], p.evicted] = -1
-                self.lut[pf[0], p.expert] = p.slot
+        if pf and pf[1]:
+            nl = self.lut[pf[0]]
+            for p in pf[1]:
+                if isinstance(p, Demotion):
+                    nl[p.expert] = -1
+                elif p.slot >= 0:
+                    if p.evicted >= 0:
+                        nl[p.evicted] = -1
+                    nl[p.expert] = p.slot
         ex.run_layer(sched, fns)
         fns = None
         self.planner.end_step(i, plan)
@@ -299,7 +308,7 @@ class TieredExperts(ExpertProvider):
                     dst[n].copy_(src[n])
                 if self.verify:
                     self._verify(layer, e, dst)
-                self.lut[i, e] = s
+                self.lut[i][e] = s
 
     def stats(self) -> dict:
         s = collect(self.counters, self.use_counts, self.device_slots, None if self.host_all else self.host_slots)
@@ -361,7 +370,7 @@ class TieredExperts(ExpertProvider):
             table = st.device
             table.check()
             assert not table.pinned, "pins must not outlive a layer's step"
-            lut = self.lut[i].tolist()
+            lut = self.lut[i]
             for e in range(self.E):
                 assert lut[e] == table.slot_of[e], f"layer {layer}: lookup says expert {e} in slot {lut[e]}, table {table.slot_of[e]}"
                 if contents and lut[e] >= 0:

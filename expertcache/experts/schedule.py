@@ -61,7 +61,7 @@ def _key(i: int, slot: int) -> tuple[int, int]:
     return (-1, STAGE) if slot == STAGE else (i, slot)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Op:
     id: int
     kind: str
@@ -113,8 +113,8 @@ class ScheduleBuilder:
 
     def _op(self, sched: LayerSchedule, kind: str, waits=(), layer: int | None = None, **kw) -> Op:
         """An op of `sched` (about MoE layer `layer`, default the schedule's: a prefetch's is the next)."""
-        op = Op(self.next_id, kind, sched.layer if layer is None else layer,
-                tuple(sorted({w for w in waits if w is not None})), **kw)
+        waits = tuple(sorted({w for w in waits if w is not None})) if waits else ()
+        op = Op(self.next_id, kind, sched.layer if layer is None else layer, waits, **kw)
         self.next_id += 1
         sched.ops.append(op)
         return op
