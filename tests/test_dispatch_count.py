@@ -13,7 +13,6 @@ provider's forward) and what it adds to the whole step, per MoE layer and decode
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from expertcache import LLM, SamplingParams

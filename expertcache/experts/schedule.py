@@ -151,12 +151,14 @@ class ScheduleBuilder:
 
     def _moe(self, sched, i: int, pairs: list[tuple[int, int]], tokens: dict[int, int], tag: str,
              waits=()) -> Op:
-        slots = tuple(s for _, s in pairs)
-        op = self._op(sched, "moe", [*waits, *(self.dev_writer.get(_key(i, s)) for s in slots)],
-                      experts=tuple(e for e, _ in pairs), tokens=tuple(tokens[e] for e, _ in pairs), reads=slots,
-                      tag=tag)
-        for s in slots:
-            self.dev_reader[_key(i, s)] = op.id
+        experts, slots = zip(*pairs)
+        keys = [(i, s) if s != STAGE else (-1, STAGE) for s in slots]
+        writer = self.dev_writer
+        op = self._op(sched, "moe", [*waits, *(writer.get(k) for k in keys)], experts=experts,
+                      tokens=tuple(tokens[e] for e in experts), reads=slots, tag=tag)
+        reader, n = self.dev_reader, op.id
+        for k in keys:
+            reader[k] = n
         return op
 
     def _demote(self, sched, i: int, d: Demotion) -> None:
