@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from ..cost.model import ExpertCost, default_profile
@@ -67,13 +68,6 @@ def demotable(cuda: bool, dev_parts, source_parts) -> bool:
     exact = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
     return not cuda and all(p.name in src and tuple(p.shape) == tuple(src[p.name].shape) and (
         p.dtype == src[p.name].dtype or (src[p.name].dtype, p.dtype) in exact) for p in dev_parts)
-
-
-def _hit_slots(lut: list[int], step: torch.Tensor, T: int, K: int) -> torch.Tensor:
-    """Host [T, K]: the device slot of each pair's expert from the lookup `lut` (-1: not resident)."""
-    if step.shape[0] <= SMALL:
-        return torch.tensor([lut[e] for e in step.tolist()], dtype=torch.int64).view(T, K)
-    return torch.tensor(lut, dtype=torch.int64)[step].view(T, K)
 
 
 class TieredExperts(ExpertProvider):
@@ -138,7 +132,10 @@ class TieredExperts(ExpertProvider):
         self.method, self.ffn = source.method, source.ffn
         # device tier: compute dtype; lookup expert -> slot (host only: pairs' slots are looked up on the host)
         self.dev = SlotPool(dev_parts, L, device_slots, device)
-        self.lut = [[-1] * self.E for _ in range(L)]  # per layer, expert -> device slot (-1 none): host lists
+        # per layer, expert -> device slot (-1 none), on the host: written through numpy (a few hundred ns),
+        # read by the step through the torch tensor sharing its memory (one index_select)
+        self.lut = np.full((L, self.E), -1, dtype=np.int64)
+        self._lut_t = torch.from_numpy(self.lut)
         self.stage = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
                       if self.cuda else None)  # the waves' staging slot (a CPU device computes from the host)
         self.executor, self.builder = None, ScheduleBuilder(staged_waves=self.cuda)
@@ -243,7 +240,7 @@ class TieredExperts(ExpertProvider):
         experts, tokens = self._distinct(i, step)
         plan = self.planner.plan_step(i, experts, tokens, T, self.t)
         lut = self.lut[i]
-        hit_slots = _hit_slots(lut, step, T, K)  # only the hits are in the lookup now
+        hit_slots = self._lut_t[i].index_select(0, step).view(T, K)  # only the hits are in the lookup now
         pf = None
         if ahead is not None:
             j = self.li[ahead[0]]
