@@ -13,6 +13,7 @@ One line per configuration:
     config=tiered-lru decode_tok_s=... prefill_tok_s=... step_us_per_layer=... step_cpu_us_per_layer=...
 
     python bench/cache_step.py [--model DIR] [--threads 1] [--rounds 7] [--gen 48] [--device-memory 75%]
+                               [--policies default lru] [--prefetch off]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main():
     ap.add_argument("--device-memory", default="75%")
     ap.add_argument("--host-memory", default="100%")
     ap.add_argument("--policies", nargs="+", default=["default", "lru"])
+    ap.add_argument("--prefetch", default=None, help="the tiered configurations' prefetch (default: the engine's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from expertcache import LLM, SamplingParams
@@ -46,6 +48,8 @@ def main():
     llms = {"resident": LLM(model_dir, prefix_caching=False)}
     for p in args.policies:
         kw = {} if p == "default" else {"cache_policy": p}
+        if args.prefetch is not None:
+            kw["prefetch"] = args.prefetch
         llms[f"tiered-{p}"] = LLM(model_dir, prefix_caching=False,
                                   device_memory=args.device_memory, host_memory=args.host_memory, **kw)
     moe_layers = len(llms["tiered-" + args.policies[0]].experts.layers)
@@ -70,7 +74,7 @@ def main():
             pre[k].append(timed_generate(llms[k], [prefill_prompt], one)["prefill_tok_s"])
     base, base_cpu = statistics.median(dec["resident"]), statistics.median(cpu["resident"])
     print(f"model={model_dir} moe_layers={moe_layers} threads={args.threads} device_memory={args.device_memory} "
-          f"host_memory={args.host_memory} rounds={args.rounds} gen={args.gen}")
+          f"host_memory={args.host_memory} prefetch={args.prefetch or 'default'} rounds={args.rounds} gen={args.gen}")
     for k in llms:
         d, p = statistics.median(dec[k]), statistics.median(pre[k])
         us = (1 / d - 1 / base) / moe_layers * 1e6

@@ -113,7 +113,10 @@ class ScheduleBuilder:
 
     def _op(self, sched: LayerSchedule, kind: str, waits=(), layer: int | None = None, **kw) -> Op:
         """An op of `sched` (about MoE layer `layer`, default the schedule's: a prefetch's is the next)."""
-        waits = tuple(sorted({w for w in waits if w is not None})) if waits else ()
+        if waits:
+            ws = set(waits)
+            ws.discard(None)
+            waits = tuple(sorted(ws))
         op = Op(self.next_id, kind, sched.layer if layer is None else layer, waits, **kw)
         self.next_id += 1
         sched.ops.append(op)
@@ -151,11 +154,12 @@ class ScheduleBuilder:
 
     def _moe(self, sched, i: int, pairs: list[tuple[int, int]], tokens: dict[int, int], tag: str,
              waits=()) -> Op:
-        experts, slots = zip(*pairs)
-        keys = [(i, s) if s != STAGE else (-1, STAGE) for s in slots]
+        experts, slots = tuple([e for e, _ in pairs]), tuple([s for _, s in pairs])
+        keys = [(i, s) for s in slots] if STAGE not in slots else [_key(i, s) for s in slots]
         writer = self.dev_writer
-        op = self._op(sched, "moe", [*waits, *(writer.get(k) for k in keys)], experts=experts,
-                      tokens=tuple(tokens[e] for e in experts), reads=slots, tag=tag)
+        w = [writer[k] for k in keys if k in writer]
+        op = self._op(sched, "moe", w + list(waits) if waits else w, experts=experts,
+                      tokens=tuple([tokens[e] for e in experts]), reads=slots, tag=tag)
         reader, n = self.dev_reader, op.id
         for k in keys:
             reader[k] = n
@@ -192,7 +196,7 @@ class ScheduleBuilder:
         n = dict(zip(experts, tokens))
         sched = LayerSchedule(i)
         d = self._op(sched, "dense", tokens=(max(tokens, default=0),)) if dense else None
-        sched.ids = self._op(sched, "ids", [d.id if d else None]).id
+        sched.ids = self._op(sched, "ids", (d.id,) if d else ()).id
         if not (plan.fills or plan.off_slot or plan.demotions or (prefetch and prefetch[1])):  # all hits
             if plan.hits:
                 self._moe(sched, i, plan.hits, n, "hits")
