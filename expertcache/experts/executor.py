@@ -434,7 +434,8 @@ EXECUTORS = ("inline", "threads", "cuda")
 
 def make_executor(kind: str, device, overlap_io: bool = True) -> Executor:
     """"inline" (a CPU device), "cuda" (a CUDA device) or "threads" (the CPU backend of the CUDA
-    path's tests); `overlap_io` False: every read synchronous (module doc)."""
+    path's tests: its GPU ops routed as the CUDA backend routes them); `overlap_io` False: every read
+    synchronous (module doc)."""
     if kind == "cuda":
         if device.type != "cuda":
             raise ValueError(f"executor 'cuda' needs a CUDA device, got {device}")
@@ -442,7 +443,7 @@ def make_executor(kind: str, device, overlap_io: bool = True) -> Executor:
     if kind in ("threads", "inline") and device.type == "cuda":
         raise ValueError(f"executor {kind!r} runs a CPU device's steps; a CUDA device takes 'cuda'")
     if kind == "threads":
-        return ThreadExecutor(exclusive=("device", "cpu"), sync_io=not overlap_io)
+        return ThreadExecutor(exclusive=("device", "cpu"), enqueuer=True, sync_io=not overlap_io)
     if kind == "inline":
         return InlineExecutor(io_lanes=2 if overlap_io else 0)
     raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {kind!r}")
