@@ -1,6 +1,7 @@
-"""The CPU backend of the schedule's executor: the CUDA semantics (in-order queues, events between
-them) on worker threads, the rules of experts/schedule.py under forced interleavings, and a tiny
-model's tiered cache run through it against the synchronous path.
+"""The schedule's executors: the CPU backend of the CUDA path (in-order queues, events between them,
+on worker threads) under forced interleavings of experts/schedule.py's rules, its emulation of the
+CUDA backend's enqueuer (one FIFO per queue), and a tiny model's tiered cache run through every
+CPU backend (inline, threads) against every expert resident.
 
 Interleavings are forced with latches in the executor's `before` / `on_wait` hooks (no sleeps, no
 timing): an op that would wrongly wait is detected by `on_wait` and recorded, never hung on."""
@@ -190,7 +191,7 @@ def test_an_op_error_reaches_the_host_and_its_dependents():
 def test_make_executor_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="CUDA device"):
         make_executor("cuda", torch.device("cpu"))
-    with pytest.raises(ValueError, match="'cuda' or 'threads'"):
+    with pytest.raises(ValueError, match="one of inline, threads, cuda"):
         make_executor("streams", torch.device("cpu"))
 
 
@@ -211,10 +212,11 @@ def reference(cache_checkpoint):
     dict(device_memory="13%", host_memory="19%", cpu_compute="always", prefetch="host", exclusive=False),  # partial host tier
     dict(device_memory="13%", host_memory="19%", cpu_compute="never", prefetch="device", exclusive=False),  # fills + waves
 ], ids=["cpu", "fills", "host-partial-cpu", "host-partial-fills-waves"])
-def test_tiered_cache_through_the_cpu_backend_equals_the_synchronous_path(cache_checkpoint, reference, kw):
+@pytest.mark.parametrize("backend", ["inline", "threads"])
+def test_tiered_cache_through_each_cpu_backend_equals_resident(cache_checkpoint, reference, kw, backend):
     llm = LLM(str(cache_checkpoint), **kw)
     try:
-        llm.experts.use_executor("threads")
+        llm.experts.use_executor(backend)
         logits = llm.logits(list(range(3, 40)))
         toks = [o.token_ids for o in llm.generate(reference["prompts"], GREEDY)]
         llm.experts.check(contents=True)
@@ -232,7 +234,8 @@ def test_tiered_cache_through_the_cpu_backend_equals_the_synchronous_path(cache_
         assert sum(layer["waves"] for layer in stats["per_layer"]) > 0
 
 
-def test_cpu_computed_misses_admitted_beside_the_cpu_job_give_the_same_tokens(cache_checkpoint, reference):
+@pytest.mark.parametrize("backend", ["inline", "threads"])
+def test_cpu_computed_misses_admitted_beside_the_cpu_job_give_the_same_tokens(cache_checkpoint, reference, backend):
     """The cost rule as on CUDA (here: one-row uses go to the CPU): decode misses are computed on
     the CPU queue and copied into their slots beside it; the next use reads the slot."""
     from dataclasses import replace
@@ -242,7 +245,7 @@ def test_cpu_computed_misses_admitted_beside_the_cpu_job_give_the_same_tokens(ca
         cache = llm.experts
         cache.planner.cfg = replace(cache.planner.cfg, cpu_compute="cost")
         cache.planner.cpu_faster = lambda rows: rows <= 1
-        cache.use_executor("threads")
+        cache.use_executor(backend)
         toks = [o.token_ids for o in llm.generate(reference["prompts"], GREEDY)]
         cache.check(contents=True)
         stats = llm.expert_stats()
@@ -281,12 +284,13 @@ def test_cuda_executor_gives_the_resident_tokens(cache_checkpoint, cpu_compute):
         assert stats["cpu_computed_share"] == 1.0
 
 
-def test_a_failed_read_fails_the_step_and_close_still_closes(cache_checkpoint, reference):
+@pytest.mark.parametrize("backend", ["inline", "threads"])
+def test_a_failed_read_fails_the_step_and_close_still_closes(cache_checkpoint, reference, backend):
     """A disk read on the io queue fails: the step that needed it raises the read's error (not a
     hang, not garbage), and close() still closes."""
     llm = LLM(str(cache_checkpoint), device_memory="13%", host_memory="19%", exclusive=False, prefetch="off")
     cache = llm.experts
-    cache.use_executor("threads")
+    cache.use_executor(backend)
 
     def gone(i, e, dst):
         raise OSError(f"layer index {i} expert {e}: disk gone")
@@ -297,4 +301,91 @@ def test_a_failed_read_fails_the_step_and_close_still_closes(cache_checkpoint, r
             llm.logits(list(range(3, 40)))
     finally:
         llm.close()
-    assert not any(t.is_alive() for t in cache.executor.threads)
+    ex = cache.executor
+    threads = ex.threads if backend == "threads" else [t for p in (ex.io, ex.copy) for t in getattr(p, "_threads", ())]
+    assert not any(t.is_alive() for t in threads)
+
+
+def _op(i, kind, waits=(), **kw):
+    from expertcache.experts.schedule import Op
+
+    return Op(i, kind, 0, tuple(waits), **kw)
+
+
+@pytest.mark.parametrize("enqueuer", [True, False])
+def test_a_copy_behind_host_work_is_not_overtaken_by_a_later_copy_of_its_queue(enqueuer):
+    """The CUDA backend's routing, emulated on threads (`enqueuer=True`): copy A waits on a disk read
+    still running, so it goes through the enqueuer; copy B of the same queue, issued after it with
+    no waits, must not run first (a host slot's last reader is tracked per queue, assuming FIFO).
+    The read is held until B was submitted; without the per-queue rule B would end before A started."""
+    release = threading.Event()
+    read, a, b = _op(0, "read", experts=(1,), host_slot=0), _op(1, "h2d", [0], slot=0, host_slot=0), \
+        _op(2, "h2d", slot=1, host_slot=0)
+    ex = ThreadExecutor(enqueuer=enqueuer)
+    try:
+        ex.submit(read, lambda: release.wait(LATCH_S))
+        ex.submit(a, lambda: None)
+        ex.submit(b, lambda: None)
+        release.set()
+        ex.drain()
+    finally:
+        ex.close()
+    order = [(kind, i) for kind, i, _ in ex.log]
+    assert order.index(("end", a.id)) < order.index(("start", b.id))
+
+
+def _tensor_bytes_held(ex) -> int:
+    """Bytes of the tensors reachable from executor `ex` through Python references, and from the
+    local variables of its threads' frames (modules, classes and functions' globals not followed):
+    what an executor keeps alive."""
+    import gc
+    import sys
+    import types
+
+    threads = list(getattr(ex, "threads", ())) + [t for p in (getattr(ex, "io", None), getattr(ex, "copy", None))
+                                                   for t in getattr(p, "_threads", ())]
+    frames = sys._current_frames()
+    roots = [ex]
+    for t in threads:
+        f = frames.get(t.ident)
+        while f is not None:
+            roots.extend(f.f_locals.values())
+            f = f.f_back
+    seen, todo, total, storages = {id(r) for r in roots}, roots, 0, set()
+    while todo:
+        for r in gc.get_referents(todo.pop()):
+            if id(r) in seen or isinstance(r, (type, types.ModuleType)):
+                continue
+            seen.add(id(r))
+            if isinstance(r, torch.Tensor):
+                key = r.untyped_storage().data_ptr()
+                if key not in storages:
+                    storages.add(key)
+                    total += r.untyped_storage().nbytes()
+                continue
+            if isinstance(r, types.FunctionType):
+                r = r.__closure__ or ()
+            todo.append(r)
+    return total
+
+
+@pytest.mark.parametrize("backend", ["inline", "threads"])
+def test_a_long_prefill_leaves_no_layer_result_held_by_the_executor(checkpoint, backend):
+    """A 2048-token prompt through a tiny model with every miss computed on the CPU (each layer's
+    CPU job makes a [rows, H] result and the layer an output [2048, H]): afterwards the executor
+    references no tensor bytes at all (a brute-force walk of what it holds)."""
+    ck = checkpoint("qwen3_moe", dtype=torch.bfloat16, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3,
+                    max_position_embeddings=4096)
+    llm = LLM(str(ck), device_memory="25%", cpu_compute="always", prefetch="off", max_model_len=4096)
+    try:
+        llm.experts.use_executor(backend)
+        prompt = [3 + (7 * n) % 300 for n in range(2048)]
+        llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        ex = llm.experts.executor
+        ex.drain()
+        stats = llm.expert_stats()
+        held = _tensor_bytes_held(ex)
+    finally:
+        llm.close()
+    assert stats["cpu_computed_share"] == 1.0 and stats["misses"] > 0
+    assert held == 0

@@ -6,7 +6,11 @@ suite stands in for the device: what a GPU would hold (the layer's inputs x, ids
 device slot pools) is an `OnDevice` tensor, a subclass that every torch operation passes on to
 its results, and each of those host reads of one is recorded. The C++ kernels are switched off, so
 the layer takes the torch code that CUDA runs. The expected record per MoE layer is exactly one
-copy into host memory: the step's expert ids (with the held prediction's, when prefetching).
+copy into host memory: the step's expert ids (with the held prediction's, when prefetching). A
+non-blocking copy into host memory (the CPU job's rows: on CUDA into pinned memory on a side
+stream, waited for by the CPU worker, never by the launching thread) is recorded apart, as
+"copy_ to host (async)". Every executor that runs a CPU device's step is counted (inline, and
+threads: the CUDA backend's semantics on worker threads).
 
 Reference for the outputs: each (token, k) pair computed alone in float64 from the resident experts.
 """
@@ -58,7 +62,8 @@ class OnDevice(torch.Tensor):
         elif on and name in INDEXING and any(t.dtype == torch.bool for t in _tensors(args[1:2]) if isinstance(t, OnDevice)):
             read = f"{name}[bool mask]"
         elif name == "copy_" and not isinstance(args[0], OnDevice) and isinstance(args[1], OnDevice):
-            read = "copy_ to host"
+            nb = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            read = "copy_ to host (async)" if nb else "copy_ to host"
         if read is not None:
             with _lock:
                 RECORD.append(read)
@@ -164,12 +169,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["inline", "threads"])
 @pytest.mark.parametrize("kw,prefetch", CASES, ids=[",".join(f"{k}={v}" for k, v in kw.items()) for kw, _ in CASES])
-def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monkeypatch, kw, prefetch):
+def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monkeypatch, kw, prefetch, backend):
     torch_path(monkeypatch)
     llm = LLM(str(cache_checkpoint), verify=False, prefetch_gate=None, prefill_admit_tokens=32, **kw)
     try:
         tiered = llm.experts
+        tiered.use_executor(backend)
         assert isinstance(tiered, TieredExperts) and tiered.wants_prefetch == prefetch
         tiered.dev.buf = {n: dev(t) for n, t in tiered.dev.buf.items()}
         # the layer computes from the pool's per-layer views: they must be the stand-in's too
@@ -191,7 +198,11 @@ def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monke
                 if prefetch and j + 1 < len(layers):  # the next layer's router, as models/transformer.py asks
                     tiered.prefetch(layers[j + 1], dev(step[j + 1][1]))
                 out, got = layer_reads(tiered.forward, layer, dev(x), dev(ids), dev(w))
-                assert got == ["copy_ to host"], (layer, x.shape[0])
+                tiered.executor.drain()  # threads: the workers' records are in
+                with _lock:
+                    got = list(RECORD)
+                assert [r for r in got if r != "copy_ to host (async)"] == ["copy_ to host"], (layer, x.shape[0])
+                assert ("copy_ to host (async)" in got) <= (kw.get("cpu_compute") == "always")
                 torch.testing.assert_close(out, brute_force(ref.pools[layer], x, ids, w), atol=1e-5, rtol=1e-5)
             tiered.end_step()
         tiered.dev.buf = {n: plain(t) for n, t in tiered.dev.buf.items()}

@@ -24,8 +24,10 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     pinned memory and one wait on its event; on the CPU a plain copy (a few bytes per pair), so the
     host work never shares storage with the tensor the compute reads."""
     if not t.is_cuda:
-        host = torch.empty(t.shape, dtype=t.dtype)
-        host.copy_(t)
+        if type(t) is torch.Tensor:
+            return t.clone()
+        host = torch.empty(t.shape, dtype=t.dtype)  # a subclass (a tensor standing for device memory):
+        host.copy_(t)  # its values into a plain host tensor
         return host
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)

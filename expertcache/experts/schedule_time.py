@@ -7,8 +7,8 @@ the host has issued it. The host issues a layer's ops after that layer's ids rea
 layer is issued after that. Given per-op seconds, this gives each op's start and end, the makespan
 and the critical path (the chain of ops, each the one that held the next back).
 
-Per-op seconds from a cost profile (`op_seconds`): read = expert bytes / disk; h2d = link latency
-+ expert bytes / link; moe = sum of gpu_use(tokens) over its experts; cpu = sum of cpu_use;
+Per-op seconds from a cost profile (`op_seconds`): read = expert bytes / disk; h2d and demote =
+link latency + expert bytes / link; moe = sum of gpu_use(tokens) over its experts; cpu = sum of cpu_use;
 rows = link latency + rows * hidden * 2 bytes / link; ids, add = link latency; dense = given.
 """
 
@@ -89,7 +89,7 @@ def op_seconds(cost: ExpertCost, hidden: int, dense_s: float = 0.0, link_latency
             return dense_s
         if o.kind == "read":
             return cost.disk()
-        if o.kind == "h2d":
+        if o.kind in ("h2d", "demote"):
             return link_latency_s + cost.transfer()
         if o.kind == "moe":
             return sum(cost.gpu_use(n) for n in o.tokens)
