@@ -25,7 +25,10 @@ appearance with their token counts:
 4. exclusive tiers: each expert a fill evicted is demoted into a host slot (its bytes copied
    back before the fill overwrites them); at `end_step` a promoted expert leaves the host tier.
 `plan_prefetch` places the predicted experts of a layer before that layer runs ("device":
-device + host slots; "host": disk reads into host slots only), behind a per-layer PrefetchGate.
+device + host slots; "host": disk reads into host slots only), behind a per-layer PrefetchGate:
+every predicted expert already resident (in the device tier and the host tier alike) is pinned
+before any placement, and each placed one as it is placed, so no prediction evicts another (that
+one would be loaded again in the same step); these pins end with plan_prefetch.
 
 Counters (experts.stats.LayerCounters) are counted here, bytes included, so the engine's and
 replay's agree by construction; the engine adds nothing to them.
@@ -33,8 +36,8 @@ replay's agree by construction; the engine adds nothing to them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .policy import NextUse, make_policy
 from .prefetch import PrefetchGate, most_predicted
@@ -136,6 +139,19 @@ class StepPlan:
     def fetched(self) -> list[int]:
         """Experts whose bytes this step brings to the compute tier (each at most once)."""
         return [f.expert for f in self.fills] + [o.expert for o in self.off_slot]
+
+
+def _pin_resident(table: SlotTable, experts: list[int]) -> list[int]:
+    """Pin the experts of `experts` resident in `table` (and not pinned already) -> those pinned."""
+    pins = [e for e in experts if e in table and e not in table.pinned]
+    table.pinned.update(pins)
+    return pins
+
+
+def _pin(table: SlotTable, e: int, pins: list[int]) -> None:
+    if e not in table.pinned:
+        table.pinned.add(e)
+        pins.append(e)
 
 
 class LayerState:
@@ -287,52 +303,68 @@ class StepPlanner:
             return []  # a prefill is not admitted into the slots, so nothing is fetched ahead for it
         c, out = st.counters, []
         order = most_predicted(predicted)
+        dev, host = st.device, st.host
         if cfg.prefetch == "host":
-            for e in order[: cfg.host_slots]:
-                if e in st.device:
-                    continue
-                a = st.host.insert(e, t)
-                if a.slot < 0 or a.hit:
-                    continue
-                st.host_prefetched.discard(a.evicted)
-                if a.evicted >= 0:
-                    st.pf_evicted.add(a.evicted)
-                st.host_prefetched.add(e)
-                c.host_prefetch_issued += 1
-                st.issued += 1
-                c.disk_bytes += cfg.expert_bytes
-                out.append(Prefetch(e, -1, -1, HostSource(a.slot, True)))
+            order = [e for e in order[: cfg.host_slots] if e not in dev]
+            pins = _pin_resident(host, order)  # before any placement: no prediction evicts another
+            try:
+                for e in order:
+                    a = host.insert(e, t)
+                    if a.slot < 0 or a.hit:
+                        continue
+                    _pin(host, e, pins)
+                    st.host_prefetched.discard(a.evicted)
+                    if a.evicted >= 0:
+                        st.pf_evicted.add(a.evicted)
+                    st.host_prefetched.add(e)
+                    c.host_prefetch_issued += 1
+                    st.issued += 1
+                    c.disk_bytes += cfg.expert_bytes
+                    out.append(Prefetch(e, -1, -1, HostSource(a.slot, True)))
+            finally:
+                host.pinned.difference_update(pins)
             return out
-        for e in order[: cfg.device_slots]:
-            if e in st.device:
-                continue
-            a = st.device.insert(e, t)
-            if a.slot < 0:
-                continue
-            if a.evicted >= 0:
-                st.prefetched.discard(a.evicted)
-                st.pf_evicted.add(a.evicted)
-                d = self._demote(st, a.evicted, a.slot, t) if cfg.exclusive else None
-                if d is not None:
-                    out.append(d)
-            if cfg.host_slots is None:
-                h = HostSource(e, False)
-            elif st.host is None:
-                h = HostSource(-1, False)
-            else:
-                ha = st.host.insert(e, t)
-                if ha.slot >= 0 and not ha.hit:
-                    st.host_prefetched.discard(ha.evicted)
-                h = HostSource(ha.slot, ha.slot >= 0 and not ha.hit)
-            if h.transient and not cfg.direct:  # every host slot pinned: give the device slot back
-                st.device.drop(e)
-                continue
-            st.prefetched.add(e)
-            c.prefetch_issued += 1
-            st.issued += 1
-            c.bytes_moved += cfg.expert_bytes
-            c.disk_bytes += cfg.expert_bytes * (h.transient or h.read)
-            out.append(Prefetch(e, a.slot, a.evicted, None if h.transient else h))
+        order = order[: cfg.device_slots]
+        pins = _pin_resident(dev, order)  # before any placement: no prediction evicts another
+        host_pins = _pin_resident(host, order) if host is not None else []
+        try:
+            for e in order:
+                if e in dev:
+                    continue
+                a = dev.insert(e, t)
+                if a.slot < 0:
+                    continue
+                if a.evicted >= 0:
+                    st.prefetched.discard(a.evicted)
+                    st.pf_evicted.add(a.evicted)
+                    d = self._demote(st, a.evicted, a.slot, t) if cfg.exclusive else None
+                    if d is not None:
+                        out.append(d)
+                if cfg.host_slots is None:
+                    h = HostSource(e, False)
+                elif host is None:
+                    h = HostSource(-1, False)
+                else:
+                    ha = host.insert(e, t)
+                    if ha.slot >= 0:
+                        _pin(host, e, host_pins)
+                        if not ha.hit:
+                            st.host_prefetched.discard(ha.evicted)
+                    h = HostSource(ha.slot, ha.slot >= 0 and not ha.hit)
+                if h.transient and not cfg.direct:  # every host slot pinned: give the device slot back
+                    dev.drop(e)
+                    continue
+                _pin(dev, e, pins)
+                st.prefetched.add(e)
+                c.prefetch_issued += 1
+                st.issued += 1
+                c.bytes_moved += cfg.expert_bytes
+                c.disk_bytes += cfg.expert_bytes * (h.transient or h.read)
+                out.append(Prefetch(e, a.slot, a.evicted, None if h.transient else h))
+        finally:  # the step's own pins come from plan_step
+            dev.pinned.difference_update(pins)
+            if host is not None:
+                host.pinned.difference_update(host_pins)
         return out
 
     # -- warm start -------------------------------------------------------------------------------
