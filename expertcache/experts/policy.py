@@ -529,9 +529,9 @@ class _GhostLFRU:
 def ghost_sample(num_experts: int, capacity: int, cap_experts: int = GHOST_SAMPLE_EXPERTS) -> int:
     """R: adaptive's ghosts watch the experts e with hash(e) % R == 0 (about num_experts / R of them).
     R = 1 (every expert) up to cap_experts experts; then halved until at most cap_experts are
-    watched, as long as the ghosts keep at least 4 slots (capacity / R)."""
+    watched, as long as the ghosts keep at least 8 slots (capacity / R)."""
     r = 1
-    while num_experts > r * cap_experts and capacity >= 8 * r:
+    while num_experts > r * cap_experts and capacity >= 16 * r:
         r *= 2
     return r
 
