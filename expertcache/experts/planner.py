@@ -15,8 +15,8 @@ appearance with their token counts:
    (`cpu_compute`), else given a device slot (its victim: an unpinned, i.e. not-this-step,
    expert); a prefill step (more than `prefill_admit_tokens` rows) only takes free slots; a
    miss with no slot (every slot pinned, admission refused, prefill) is an off-slot "wave";
-   with cpu_compute "cost", a miss the cost model sends to the CPU (`cpu_faster(tokens)`: this
-   step's latency) is still admitted into a device slot when the layer's policy predicts reuse
+   with cpu_compute "cost", a miss the cost model sends to the CPU (`cpu_faster(tokens, first)`: this
+   step's latency; the first CPU expert of the step pays the CPU job's fixed cost) is still admitted into a device slot when the layer's policy predicts reuse
    (its `admit`, through SlotTable.access): the copy runs beside the CPU job, and the next use is
    a hit (`Fill.on_cpu`); otherwise it is computed on the CPU and not cached;
 3. host copies of the misses: host-resident ones are pinned first, then the rest get a host
@@ -36,6 +36,7 @@ replay's agree by construction; the engine adds nothing to them.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -181,6 +182,9 @@ class StepPlanner:
         if cfg.cpu_compute == "cost" and cpu_faster is None:
             raise ValueError("cpu_compute='cost' needs the cost model's cpu_faster(tokens)")
         self.cfg, self.cpu_faster = cfg, cpu_faster
+        # a rule that takes `first` (cost.model.ExpertCost.cpu_faster) prices the CPU job's fixed cost
+        # on the step's first CPU expert; a plain rows -> bool rule is asked with the rows only
+        self.priced_first = cpu_faster is not None and "first" in inspect.signature(cpu_faster).parameters
         self.layers = [LayerState(cfg, i, stats, oracle=oracles[i] if oracles else None, **policy_params)
                        for i in range(num_layers)]
         self.gate = PrefetchGate(num_layers, cfg.gate_threshold, waste=cfg.gate_waste)
@@ -205,11 +209,16 @@ class StepPlanner:
         admit = rows <= cfg.prefill_admit_tokens
         fills: list[tuple[int, int, int]] = []
         offs: list[tuple[int, bool]] = []
+        job = False  # an expert of this step already goes to the CPU (its job's fixed cost is paid)
         for e, n in misses:
             c.misses += 1
             if cfg.prefetch == "device" and e in st.pf_evicted:
                 st.harm += 1
-            cpu = cfg.cpu_compute == "always" or (cfg.cpu_compute == "cost" and self.cpu_faster(n))
+            if cfg.cpu_compute == "cost":
+                cpu = self.cpu_faster(n, first=not job) if self.priced_first else self.cpu_faster(n)
+                job = job or cpu
+            else:
+                cpu = cfg.cpu_compute == "always"
             if (cpu and cfg.cpu_compute == "always") or not (admit or table.free):
                 table.bypass(e, t)
                 c.cpu_computed += cpu
