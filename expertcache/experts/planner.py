@@ -182,12 +182,20 @@ class StepPlanner:
         if cfg.cpu_compute == "cost" and cpu_faster is None:
             raise ValueError("cpu_compute='cost' needs the cost model's cpu_faster(tokens)")
         self.cfg, self.cpu_faster = cfg, cpu_faster
-        # a rule that takes `first` (cost.model.ExpertCost.cpu_faster) prices the CPU job's fixed cost
-        # on the step's first CPU expert; a plain rows -> bool rule is asked with the rows only
-        self.priced_first = cpu_faster is not None and "first" in inspect.signature(cpu_faster).parameters
         self.layers = [LayerState(cfg, i, stats, oracle=oracles[i] if oracles else None, **policy_params)
                        for i in range(num_layers)]
         self.gate = PrefetchGate(num_layers, cfg.gate_threshold, waste=cfg.gate_waste)
+
+    @property
+    def cpu_faster(self) -> Callable[..., bool] | None:
+        return self._cpu_faster
+
+    @cpu_faster.setter
+    def cpu_faster(self, rule: Callable[..., bool] | None) -> None:
+        # a rule that takes `first` (cost.model.ExpertCost.cpu_faster) prices the CPU job's fixed cost
+        # on the step's first CPU expert; a plain rows -> bool rule is asked with the rows only
+        self._cpu_faster = rule
+        self.priced_first = rule is not None and "first" in inspect.signature(rule).parameters
 
     # -- one step ---------------------------------------------------------------------------------
     def plan_step(self, i: int, experts: list[int], tokens: list[int], rows: int, t: int) -> StepPlan:
