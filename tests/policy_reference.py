@@ -1,4 +1,8 @@
-"""Eviction policies for one layer's expert slots, chosen by name from a registry.
+"""The cache policies as they were before their decisions moved to heaps of plain Python values (numpy
+scans of the slots per victim, ghost SlotTables for adaptive): the reference tests/test_policy.py
+compares the registry's decisions with, one for one. Not imported by the package.
+
+Eviction policies for one layer's expert slots, chosen by name from a registry.
 
 A policy only *ranks*; the caller (experts.slots.SlotTable) owns residency and
 pinning. The same objects drive the engine and the trace replay simulator, so
@@ -34,11 +38,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-POLICIES: dict[str, Callable[..., "Policy"]] = {}
+POLICIES: dict[str, Callable[..., Policy]] = {}
 DEFAULT_POLICY = "adaptive"  # the best of lfru-admit, lfru and lfu per layer, online (README, "Policies against the optimum")
 ONLINE = ("lru", "lfru", "lfu", "static", "lfru-admit", "adaptive")  # usable by the engine (no future knowledge)
 
@@ -53,7 +57,7 @@ def register(name: str):
 
 
 def make_policy(name: str, num_experts: int, capacity: int, layer: int = 0, stats=None,
-                oracle: "NextUse | None" = None, **params) -> "Policy":
+                oracle: NextUse | None = None, **params) -> Policy:
     """Build policy `name` for one layer. `stats` is an optional [layers, experts]
     use-count matrix (saved expert statistics) for policies that start warm;
     `oracle` gives next-use times (replay only, for "min"); `params` tune a policy
@@ -330,7 +334,8 @@ class Adaptive(Policy):
         super().__init__(**kw)
         from expertcache.experts.slots import SlotTable
 
-        args = dict(num_experts=self.num_experts, capacity=self.capacity, layer=self.layer, stats=kw.get("stats"))
+        args = {"num_experts": self.num_experts, "capacity": self.capacity, "layer": self.layer,
+                "stats": kw.get("stats")}
         self.rankers = [make_policy(n, **args) for n in candidates]
         self.ghosts = [SlotTable(self.num_experts, self.capacity, make_policy(n, **args)) for n in candidates]
         self.score = [0.0] * len(candidates)

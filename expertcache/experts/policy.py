@@ -31,9 +31,10 @@ Cost: every online policy decides in O(log slots) per placement with plain Pytho
 A decayed score s * d**(now - t) orders like log(s) + t * (-log d), which does not change with
 `now`, so an expert's heap entry changes only when it is used (lazy deletion: an entry is live
 while it is the expert's current one). `adaptive` keeps one heap (its leader's) and three ghost
-caches of the same heaps; where a layer has more than `GHOST_SAMPLE_EXPERTS` experts its ghosts
-watch a fixed hashed sample of them with the capacity scaled alike (SHARDS-style spatial sampling),
-so its cost per step is that of about a dozen ghost uses whatever the expert count.
+caches (lfru-family ghosts inlined, fed once a step: their hits count only when the leader is picked);
+where a layer has more than `GHOST_SAMPLE_EXPERTS` experts its ghosts watch a fixed hashed sample of
+about half that many, capacity scaled alike (SHARDS-style spatial sampling), so a step costs a few
+ghost uses whatever the expert count.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import numpy as np
 POLICIES: dict[str, Callable[..., Policy]] = {}
 DEFAULT_POLICY = "adaptive"  # the best of lfru-admit, lfru and lfu per layer, online (README, "Policies against the optimum")
 ONLINE = ("lru", "lfru", "lfu", "static", "lfru-admit", "adaptive")  # usable by the engine (no future knowledge)
-GHOST_SAMPLE_EXPERTS = 32  # adaptive: ghosts watch every expert up to this many, a 1/R sample above (module doc)
+GHOST_SAMPLE_EXPERTS = 64  # adaptive: ghosts watch every expert up to this many, a 1/R sample above (module doc)
 
 
 def register(name: str):
@@ -528,10 +529,10 @@ class _GhostLFRU:
 
 def ghost_sample(num_experts: int, capacity: int, cap_experts: int = GHOST_SAMPLE_EXPERTS) -> int:
     """R: adaptive's ghosts watch the experts e with hash(e) % R == 0 (about num_experts / R of them).
-    R = 1 (every expert) up to cap_experts experts; then halved until at most cap_experts are
+    R = 1 (every expert) up to cap_experts experts; above, halved until about cap_experts / 2 are
     watched, as long as the ghosts keep at least 8 slots (capacity / R)."""
     r = 1
-    while num_experts > r * cap_experts and capacity >= 16 * r:
+    while num_experts > cap_experts and num_experts > r * (cap_experts // 2) and capacity >= 16 * r:
         r *= 2
     return r
 
