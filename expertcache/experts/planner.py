@@ -40,6 +40,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..cost.model import ExpertCost
 from .policy import NextUse, make_policy
 from .prefetch import PrefetchGate, most_predicted
 from .slots import SlotTable
@@ -196,6 +197,19 @@ class StepPlanner:
         # on the step's first CPU expert; a plain rows -> bool rule is asked with the rows only
         self._cpu_faster = rule
         self.priced_first = rule is not None and "first" in inspect.signature(rule).parameters
+        # ExpertCost's rule is a pure function of (rows, first) (its profile is frozen): asked once per pair
+        self.cpu_memo: dict[tuple[int, bool], bool] | None = {} if isinstance(getattr(rule, "__self__", None),
+                                                                              ExpertCost) else None
+
+    def _cpu(self, rows: int, first: bool) -> bool:
+        memo = self.cpu_memo
+        if memo is None:
+            return self._cpu_faster(rows, first=first) if self.priced_first else self._cpu_faster(rows)
+        got = memo.get((rows, first))
+        if got is None:
+            got = memo[(rows, first)] = self._cpu_faster(rows, first=first) if self.priced_first else \
+                self._cpu_faster(rows)
+        return got
 
     # -- one step ---------------------------------------------------------------------------------
     def plan_step(self, i: int, experts: list[int], tokens: list[int], rows: int, t: int) -> StepPlan:
@@ -223,7 +237,7 @@ class StepPlanner:
             if cfg.prefetch == "device" and e in st.pf_evicted:
                 st.harm += 1
             if cfg.cpu_compute == "cost":
-                cpu = self.cpu_faster(n, first=not job) if self.priced_first else self.cpu_faster(n)
+                cpu = self._cpu(n, not job)
                 job = job or cpu
             else:
                 cpu = cfg.cpu_compute == "always"

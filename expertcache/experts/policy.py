@@ -299,6 +299,21 @@ class LFRU(_Scored):
         self.score[e] = self.score[e] * self.decay ** (t - self.t_score[e]) + 1.0
         self.t_score[e] = t
 
+    def touch(self, e, t):  # _Scored.touch with note and the heap entry inlined (the hot path)
+        if t > self.now:
+            self._clock(t)
+        self.fresh.pop(e, None)
+        self.last_use[e] = t
+        s = self.score[e] = self.score[e] * self.decay ** (t - self.t_score[e]) + 1.0
+        self.t_score[e] = t
+        if self.ranking and e in self.resident:
+            so = self.slot_of
+            x = self.entry[e] = (s if self.lam == 0.0 else math.log(s) + t * self.lam, t,
+                                 so[e] if so is not None else e, e)
+            heapq.heappush(self.heap, x)
+            if len(self.heap) > 4 * len(self.resident) + 64:
+                self._rebuild()
+
     def rank(self, e):
         return self.rank_of(self.score[e], self.t_score[e])
 
