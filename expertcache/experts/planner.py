@@ -15,9 +15,10 @@ appearance with their token counts:
    (`cpu_compute`), else given a device slot (its victim: an unpinned, i.e. not-this-step,
    expert); a prefill step (more than `prefill_admit_tokens` rows) only takes free slots; a
    miss with no slot (every slot pinned, admission refused, prefill) is an off-slot "wave";
-   with cpu_compute "cost", a miss the cost model sends to the CPU (`cpu_faster(tokens, first)`: this
-   step's latency; the first CPU expert of the step pays the CPU job's fixed cost) is still admitted into a device slot when the layer's policy predicts reuse
-   (its `admit`, through SlotTable.access): the copy runs beside the CPU job, and the next use is
+   with cpu_compute "cost", a miss the cost model sends to the CPU (`cpu_faster(tokens, first)`:
+   this step's latency; the first CPU expert of the step pays the CPU job's fixed cost) is still
+   admitted into a device slot when the layer's policy predicts reuse (its `admit`, through
+   SlotTable.access): the copy runs beside the CPU job, and the next use is
    a hit (`Fill.on_cpu`); otherwise it is computed on the CPU and not cached;
 3. host copies of the misses: host-resident ones are pinned first, then the rest get a host
    slot (read from disk), or none when every host slot is pinned (a transient read at use; a
