@@ -116,11 +116,11 @@ def brute_force_hits(steps, capacity):
     """Max hits over every eviction choice, same pinning semantics as SlotTable."""
     flat = [(t, e, i == 0) for t, ex in enumerate(steps) for i, e in enumerate(ex)]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i, cache, pinned):
         if i == len(flat):
             return 0
-        t, e, first = flat[i]
+        _t, e, first = flat[i]
         if first:
             pinned = frozenset()
         if e in cache:
@@ -167,3 +167,47 @@ def test_adaptive_follows_the_better_candidate_on_each_workload():
         loser = ({"lfru", "lfru-admit"} - {winner}).pop()
         assert rate[winner] > rate[loser] + 0.05  # the workloads really differ
         assert rate["adaptive"] >= rate[winner] - 0.01
+
+
+def _decisions(mod, name, steps, prefetch, E, cap, **kw):
+    oracle = mod.NextUse(E, enumerate(steps)) if name == "min" else None
+    table = SlotTable(E, cap, mod.make_policy(name, E, cap, oracle=oracle, **kw))
+    out = []
+    for t, ex in enumerate(steps):
+        out += [("prefetch", *table.insert(e, t)) for e in (prefetch[t] if prefetch else [])]
+        out += [tuple(table.access(e, t)) for e in ex]
+        table.check()
+        table.unpin_all()
+    return out
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_same_decisions_as_the_numpy_implementation(seed):
+    """Every placement, victim and refusal equals the previous implementation's (tests/policy_reference.py:
+    numpy scans per victim, ghost SlotTables), prefetch inserts included, on random Zipf traces."""
+    import policy_reference as ref
+
+    from expertcache.experts import policy as new
+
+    rng = random.Random(seed)
+    E = rng.choice([6, 8, 16, 32, 64])
+    cap = rng.randint(2, max(2, E // 2))
+    k = rng.randint(1, min(8, cap))
+    gen = np.random.default_rng(seed)
+    w = 1 / np.arange(1, E + 1) ** rng.choice([0.0, 0.8, 1.2])
+    w /= w.sum()
+    steps = [list(dict.fromkeys(gen.choice(E, k, p=w).tolist())) for _ in range(200)]
+    prefetch = [list(dict.fromkeys(gen.choice(E, k, p=w).tolist())) for _ in range(200)] if seed % 2 else None
+    stats = gen.integers(0, 50, (1, E))
+    for name in ("lru", "lfru", "lfu", "static", "lfru-admit", "adaptive", "min"):
+        kw = {"stats": stats} if name == "static" and seed % 3 == 0 else {}
+        assert _decisions(new, name, steps, prefetch, E, cap, **kw) == _decisions(ref, name, steps, prefetch, E, cap,
+                                                                                  **kw), name
+
+
+def test_adaptive_samples_its_ghosts_only_above_64_experts():
+    from expertcache.experts.policy import ghost_sample, make_policy
+
+    assert [ghost_sample(E, c) for E, c in ((16, 4), (64, 48), (128, 12), (128, 32), (256, 64))] == [1, 1, 1, 4, 8]
+    p = make_policy("adaptive", 128, 32)
+    assert 20 <= sum(p.watched) <= 44 and p.ghosts[0].capacity == round(32 * sum(p.watched) / 128)

@@ -17,11 +17,17 @@ def test_schedule_flag_prints_the_schedule_model(tmp_path, capsys):
     trace = synth_trace(layers=4, experts=16, top_k=2, tokens=64, seed=1)
     trace.save(tmp_path / "t.npz")
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    args = ["trace", "simulate", str(tmp_path / "t.npz"), "--capacity", "4", "--profile", "rtx4090-pcie4",
+    # rtx4090-pcie4 without the CPU job's fixed cost: at these tiny experts its 0.1 ms would keep every
+    # miss off the CPU, and the test needs CPU misses to see the flag reach the model
+    card = get_profile("rtx4090-pcie4")
+    fields = {k: v for k, v in card.__dict__.items() if k != "name" and v} | {"cpu_job_ms": 0.0}
+    (tmp_path / "card.toml").write_text("".join(f"{k} = {float(v)}\n" for k, v in fields.items()))
+    prof = str(tmp_path / "card.toml")
+    args = ["trace", "simulate", str(tmp_path / "t.npz"), "--capacity", "4", "--profile", prof,
             "--model-config", str(tmp_path / "config.json"), "--schedule", "--json"]
     assert main(args) == 0
     got = json.loads(capsys.readouterr().out)
-    want = simulate_schedule(trace, ModelShape.from_config(CONFIG), get_profile("rtx4090-pcie4"), "adaptive", 4, 64)
+    want = simulate_schedule(trace, ModelShape.from_config(CONFIG), get_profile(prof), "adaptive", 4, 64)
     assert got["tok_s"] == want.tok_s and got["critical"] == want.critical and got["misses_on_cpu"] > 0
     assert main(args + ["--no-cpu-compute"]) == 0
     off = json.loads(capsys.readouterr().out)

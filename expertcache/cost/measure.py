@@ -7,6 +7,12 @@ CUDA a `this-machine` one (the engine's default there): the same plus the host -
                [1, H] @ [H, I] instead, the shape of a decode step
 - disk_gbs:    O_DIRECT reads of checkpoint files with the engine's DiskReader (page cache
                bypassed where the filesystem allows it; otherwise a warm-cache figure, flagged)
+- layer_overhead_ms: the host's cost per MoE layer per step, scaled from the figure measured on the
+               reference machine (profiles.HOST_REF) by this host's cost of one small aten op
+               (`host_op_us`, thread CPU time): the layer's host work is Python and op dispatch, so
+               it scales with how fast this core dispatches
+- cpu_job_ms (CUDA): a layer's CPU job's fixed cost, measured: the rows' device -> host copy into
+               pinned memory, a worker thread woken and joined, the result's copy back and the add
 Each figure is the best of a few repetitions, measured with torch's current thread count.
 """
 
@@ -91,6 +97,77 @@ def disk_gbs(files: list[Path], limit: int = 256 << 20, chunk: int = 4 << 20) ->
     return total / dt / 1e9, direct
 
 
+def host_op_us(n: int = 4000, reps: int = 5, device=None) -> float:
+    """Host (thread CPU) microseconds of one small aten op: an out= add on a 16-element tensor (on
+    `device`: the launch's host side), the best of `reps` runs of n."""
+    x = torch.zeros(16, device=device)
+    y = torch.empty_like(x)
+
+    def run():
+        for _ in range(n):
+            torch.add(x, 1.0, out=y)
+
+    run()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.thread_time()
+        run()
+        best = min(best, time.thread_time() - t0)
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return best / n * 1e6
+
+
+def host_layer_ms(ref: Profile, device=None) -> float:
+    """`ref`'s layer_overhead_ms scaled by this host's small-op cost against the reference machine's
+    (profiles.HOST_REF)."""
+    from .profiles import HOST_REF
+
+    return round(ref.layer_overhead_ms * host_op_us(device=device) / HOST_REF["op_us"], 3)
+
+
+def cpu_job_ms(device, hidden: int = 2048, rows: int = 1, reps: int = 20) -> float:
+    """A layer's CPU job's fixed cost (ms) on `device`: rows -> pinned host memory, a worker thread
+    woken and joined (threading.Event), the (empty) result back to the device and the add."""
+    import threading
+
+    x = torch.randn(rows, hidden, device=device)
+    out = torch.zeros_like(x)
+    host = torch.empty(rows, hidden, pin_memory=torch.device(device).type == "cuda")
+    go, done = threading.Event(), threading.Event()
+    stop = []
+
+    def worker():
+        while True:
+            go.wait()
+            go.clear()
+            if stop:
+                return
+            done.set()
+
+    th = threading.Thread(target=worker, daemon=True)
+    th.start()
+
+    def job():
+        host.copy_(x, non_blocking=True)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        go.set()
+        done.wait()
+        done.clear()
+        out.add_(host.to(device, non_blocking=True))
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
+    try:
+        job()
+        return round(_best(job, reps) * 1e3, 4)
+    finally:
+        stop.append(1)
+        go.set()
+        th.join()
+
+
 def measure_cpu_profile(model_dir: str | Path | None = None, name: str = "this-cpu", gemv: bool = False) -> Measured:
     """Profile(name, link 0, disk, cpu mem, cpu GFLOP/s) of this machine (no GPU terms)."""
     files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir else []
@@ -101,7 +178,7 @@ def measure_cpu_profile(model_dir: str | Path | None = None, name: str = "this-c
     if files and not direct:
         notes = "O_DIRECT refused: disk figure includes the page cache"
     prof = Profile(name, link_gbs=0.0, disk_gbs=round(disk, 3), cpu_mem_gbs=round(mem, 3), cpu_gflops=round(flops, 2),
-                   layer_overhead_ms=BUILTIN["cpu-only"].layer_overhead_ms)  # dispatch cost: not measured here
+                   layer_overhead_ms=host_layer_ms(BUILTIN["cpu-only"]))
     return Measured(prof, torch.get_num_threads(), direct, notes)
 
 
@@ -150,7 +227,8 @@ def measure_cuda_profile(device, model_dir=None) -> Measured:
     from dataclasses import replace
 
     prof = replace(m.profile, link_gbs=round(pinned, 2), gpu_mem_gbs=round(gbs, 1), gpu_tflops=round(tflops, 1),
-                   layer_overhead_ms=BUILTIN["rtx4090-pcie4"].layer_overhead_ms)
+                   layer_overhead_ms=host_layer_ms(BUILTIN["rtx4090-pcie4"], device),
+                   cpu_job_ms=cpu_job_ms(device))
     notes = "; ".join(x for x in (m.notes, f"pageable link {pageable:.1f} GB/s") if x)
     return Measured(prof, m.threads, m.disk_direct, notes)
 
@@ -182,7 +260,7 @@ def _hardware_key(model_dir) -> str:
     import os
 
     dev = Path(model_dir).stat().st_dev if model_dir else -1  # the disk figure is the model's filesystem's
-    return (f"{cpu_name()}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    return (f"v2|{cpu_name()}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
             f"|dev={dev}")
 
 
@@ -253,7 +331,7 @@ def resolve_profile(spec: str | None, device: str, model_dir=None) -> tuple[Prof
         if device == "cuda":
             g = BUILTIN[DEFAULT_PROFILE["cuda"]]
             prof = replace(prof, link_gbs=g.link_gbs, gpu_mem_gbs=g.gpu_mem_gbs, gpu_tflops=g.gpu_tflops,
-                           layer_overhead_ms=g.layer_overhead_ms)
+                           layer_overhead_ms=host_layer_ms(g), cpu_job_ms=g.cpu_job_ms)
             how += f"; link and GPU figures from {g.name}"
     else:
         prof = get_profile(spec)

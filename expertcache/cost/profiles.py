@@ -27,7 +27,8 @@ class Profile:
     gpu_mem_gbs: float = 0.0
     gpu_tflops: float = 0.0
     step_overhead_ms: float = 0.0  # fixed cost per forward step (dispatch, launches); calibrated, 0 = ignored
-    layer_overhead_ms: float = 0.0  # fixed cost per MoE layer per step (op dispatch); see BUILTIN
+    layer_overhead_ms: float = 0.0  # fixed host cost per MoE layer per step (planner, op dispatch); see BUILTIN
+    cpu_job_ms: float = 0.0  # fixed cost of a layer's CPU job (rows copy, worker wake-up, join, add); see BUILTIN
     # expert parallelism: the link between two ranks (NVLink, PCIe P2P, Ethernet, loopback gloo), what
     # the peer tier pays per expert fetched from another rank's memory; 0 = not known (the group
     # measures its own link once at start)
@@ -43,33 +44,50 @@ class Profile:
         return self.gpu_tflops > 0
 
 
+# The reference machine of the host figures (this project's 2-core Xeon, torch 2.13, one torch thread):
+# its cost of one small aten op (cost.measure.host_op_us, thread CPU time) against which `this-cpu` and
+# `this-machine` scale the layer overhead of their base profile (cost.measure.host_layer_ms).
+HOST_REF = {"op_us": 2.5}
+# A GPU host's time per MoE layer per decode step on the scheduled path, from the CPU's measurements:
+# the scheduled step's schedule, bindings and dispatch ~0.65 ms besides its planner (docs/cache.md,
+# "Host cost": 0.98-1.13 ms per layer at E=64 on the threads backend, of which plan_step 0.18-0.34),
+# the default policy's planner ~0.1 ms (bench/host_cost.py, Qwen3-30B-A3B shape) and ~110 aten
+# launches at ~2.5 us of host each: about 1.0 ms (the review's 1-2.5 ms, against the 0.1 ms assumed
+# before). The device check (bench/simulate_validate.py) replaces it with a measured figure.
+GPU_LAYER_MS = 1.0
+# The CPU path's fixed cost per layer on a GPU host: rows copy to pinned memory and its sync, a worker
+# woken and joined, the result copied back and added; 0.1 ms (an estimate: 50-150 us; the CPU-only part,
+# cost.measure.cpu_job_ms on this machine's CPU, is 0.015 ms); `this-machine` measures it.
+GPU_CPU_JOB_MS = 0.1
+
 BUILTIN: dict[str, Profile] = {p.name: p for p in (
     # layer_overhead_ms: CPU 1.2 = measured on this project's 2-core machine (resident demo model decodes
-    # 13.2 ms/step, of which the byte/FLOP terms explain ~3 ms over 8 layers); GPU 0.1 = assumed
-    # (~15 kernel launches of ~7 us per layer), not measured.
+    # 13.2 ms/step, of which the byte/FLOP terms explain ~3 ms over 8 layers). GPU = GPU_LAYER_MS (below),
+    # the host's time per MoE layer on the scheduled path as the CPU measures it (not yet on a GPU).
+    # cpu_job_ms: GPU_CPU_JOB_MS (below); 0 without a GPU (everything is the CPU path).
     Profile("cpu-only", link_gbs=0, disk_gbs=3, cpu_mem_gbs=50, cpu_gflops=800, layer_overhead_ms=1.2),
     Profile("laptop-pcie3", link_gbs=12, disk_gbs=2, cpu_mem_gbs=40, cpu_gflops=400, gpu_mem_gbs=190, gpu_tflops=9,
-            layer_overhead_ms=0.1),
+            layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
     Profile("rtx3060-pcie4", link_gbs=25, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=360,
-            gpu_tflops=25, layer_overhead_ms=0.1),
+            gpu_tflops=25, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
     Profile("rtx4090-pcie4", link_gbs=25, disk_gbs=6, cpu_mem_gbs=70, cpu_gflops=1500, gpu_mem_gbs=1000,
-            gpu_tflops=160, layer_overhead_ms=0.1),
+            gpu_tflops=160, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
     Profile("a100-pcie4", link_gbs=25, disk_gbs=6, cpu_mem_gbs=150, cpu_gflops=2000, gpu_mem_gbs=1900,
-            gpu_tflops=300, layer_overhead_ms=0.1),
+            gpu_tflops=300, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
     # cards (vram_gib, context_mib, capability: the device-memory plan); context figures are typical
     # CUDA 12 contexts with cuBLAS loaded (about 0.3-0.6 GiB), not measured here
     Profile("rtx4060-8gb", link_gbs=13, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=272,
-            gpu_tflops=15, layer_overhead_ms=0.1, vram_gib=8, context_mib=400, capability=8.9),
+            gpu_tflops=15, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=8, context_mib=400, capability=8.9),
     Profile("rtx3060-12gb", link_gbs=25, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=360,
-            gpu_tflops=25, layer_overhead_ms=0.1, vram_gib=12, context_mib=400, capability=8.6),
+            gpu_tflops=25, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=12, context_mib=400, capability=8.6),
     Profile("rtx4090-24gb", link_gbs=25, disk_gbs=6, cpu_mem_gbs=70, cpu_gflops=1500, gpu_mem_gbs=1000,
-            gpu_tflops=160, layer_overhead_ms=0.1, vram_gib=24, context_mib=500, capability=8.9),
+            gpu_tflops=160, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=24, context_mib=500, capability=8.9),
     Profile("a100-80gb", link_gbs=25, disk_gbs=6, cpu_mem_gbs=150, cpu_gflops=2000, gpu_mem_gbs=1900,
-            gpu_tflops=300, layer_overhead_ms=0.1, vram_gib=80, context_mib=500, capability=8.0),
+            gpu_tflops=300, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=80, context_mib=500, capability=8.0),
     Profile("h200-141gb", link_gbs=50, disk_gbs=10, cpu_mem_gbs=250, cpu_gflops=3000, gpu_mem_gbs=4800,
-            gpu_tflops=750, layer_overhead_ms=0.1, vram_gib=140, context_mib=550, capability=9.0),
+            gpu_tflops=750, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=140, context_mib=550, capability=9.0),
     Profile("h100-pcie5", link_gbs=50, disk_gbs=10, cpu_mem_gbs=250, cpu_gflops=3000, gpu_mem_gbs=2000,
-            gpu_tflops=750, layer_overhead_ms=0.1),
+            gpu_tflops=750, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
 )}
 
 _FIELDS = {f.name for f in fields(Profile)} - {"name"}
@@ -79,10 +97,10 @@ _REQUIRED = {"link_gbs", "disk_gbs", "cpu_mem_gbs", "cpu_gflops"}
 def _from_table(name: str, table: dict, where: str) -> Profile:
     unknown = set(table) - _FIELDS
     if unknown:
-        raise ValueError(f"{where}: unknown profile field {sorted(unknown)[0]!r}; known: {sorted(_FIELDS)}")
+        raise ValueError(f"{where}: unknown profile field {min(unknown)!r}; known: {sorted(_FIELDS)}")
     missing = _REQUIRED - set(table)
     if missing:
-        raise ValueError(f"{where}: profile {name!r} lacks field {sorted(missing)[0]!r}")
+        raise ValueError(f"{where}: profile {name!r} lacks field {min(missing)!r}")
     for k, v in table.items():
         if not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"{where}: field {k!r} must be a number >= 0, got {v!r}")

@@ -15,9 +15,10 @@ appearance with their token counts:
    (`cpu_compute`), else given a device slot (its victim: an unpinned, i.e. not-this-step,
    expert); a prefill step (more than `prefill_admit_tokens` rows) only takes free slots; a
    miss with no slot (every slot pinned, admission refused, prefill) is an off-slot "wave";
-   with cpu_compute "cost", a miss the cost model sends to the CPU (`cpu_faster(tokens)`: this
-   step's latency) is still admitted into a device slot when the layer's policy predicts reuse
-   (its `admit`, through SlotTable.access): the copy runs beside the CPU job, and the next use is
+   with cpu_compute "cost", a miss the cost model sends to the CPU (`cpu_faster(tokens, first)`:
+   this step's latency; the first CPU expert of the step pays the CPU job's fixed cost) is still
+   admitted into a device slot when the layer's policy predicts reuse (its `admit`, through
+   SlotTable.access): the copy runs beside the CPU job, and the next use is
    a hit (`Fill.on_cpu`); otherwise it is computed on the CPU and not cached;
 3. host copies of the misses: host-resident ones are pinned first, then the rest get a host
    slot (read from disk), or none when every host slot is pinned (a transient read at use; a
@@ -25,7 +26,10 @@ appearance with their token counts:
 4. exclusive tiers: each expert a fill evicted is demoted into a host slot (its bytes copied
    back before the fill overwrites them); at `end_step` a promoted expert leaves the host tier.
 `plan_prefetch` places the predicted experts of a layer before that layer runs ("device":
-device + host slots; "host": disk reads into host slots only), behind a per-layer PrefetchGate.
+device + host slots; "host": disk reads into host slots only), behind a per-layer PrefetchGate:
+every predicted expert already resident (in the device tier and the host tier alike) is pinned
+before any placement, and each placed one as it is placed, so no prediction evicts another (that
+one would be loaded again in the same step); these pins end with plan_prefetch.
 
 Counters (experts.stats.LayerCounters) are counted here, bytes included, so the engine's and
 replay's agree by construction; the engine adds nothing to them.
@@ -33,9 +37,11 @@ replay's agree by construction; the engine adds nothing to them.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
+from ..cost.model import ExpertCost
 from .policy import NextUse, make_policy
 from .prefetch import PrefetchGate, most_predicted
 from .slots import SlotTable
@@ -138,6 +144,19 @@ class StepPlan:
         return [f.expert for f in self.fills] + [o.expert for o in self.off_slot]
 
 
+def _pin_resident(table: SlotTable, experts: list[int]) -> list[int]:
+    """Pin the experts of `experts` resident in `table` (and not pinned already) -> those pinned."""
+    pins = [e for e in experts if e in table and e not in table.pinned]
+    table.pinned.update(pins)
+    return pins
+
+
+def _pin(table: SlotTable, e: int, pins: list[int]) -> None:
+    if e not in table.pinned:
+        table.pinned.add(e)
+        pins.append(e)
+
+
 class LayerState:
     """One MoE layer's cache state in every tier: device and host tables, what prefetch put where,
     and the prefetch gate's accounting for the layer's next step."""
@@ -169,6 +188,30 @@ class StepPlanner:
                        for i in range(num_layers)]
         self.gate = PrefetchGate(num_layers, cfg.gate_threshold, waste=cfg.gate_waste)
 
+    @property
+    def cpu_faster(self) -> Callable[..., bool] | None:
+        return self._cpu_faster
+
+    @cpu_faster.setter
+    def cpu_faster(self, rule: Callable[..., bool] | None) -> None:
+        # a rule that takes `first` (cost.model.ExpertCost.cpu_faster) prices the CPU job's fixed cost
+        # on the step's first CPU expert; a plain rows -> bool rule is asked with the rows only
+        self._cpu_faster = rule
+        self.priced_first = rule is not None and "first" in inspect.signature(rule).parameters
+        # ExpertCost's rule is a pure function of (rows, first) (its profile is frozen): asked once per pair
+        self.cpu_memo: dict[tuple[int, bool], bool] | None = {} if isinstance(getattr(rule, "__self__", None),
+                                                                              ExpertCost) else None
+
+    def _cpu(self, rows: int, first: bool) -> bool:
+        memo = self.cpu_memo
+        if memo is None:
+            return self._cpu_faster(rows, first=first) if self.priced_first else self._cpu_faster(rows)
+        got = memo.get((rows, first))
+        if got is None:
+            got = memo[(rows, first)] = self._cpu_faster(rows, first=first) if self.priced_first else \
+                self._cpu_faster(rows)
+        return got
+
     # -- one step ---------------------------------------------------------------------------------
     def plan_step(self, i: int, experts: list[int], tokens: list[int], rows: int, t: int) -> StepPlan:
         """Layer i's step at time t: `experts` distinct (first-appearance order), `tokens[j]` the
@@ -189,11 +232,16 @@ class StepPlanner:
         admit = rows <= cfg.prefill_admit_tokens
         fills: list[tuple[int, int, int]] = []
         offs: list[tuple[int, bool]] = []
+        job = False  # an expert of this step already goes to the CPU (its job's fixed cost is paid)
         for e, n in misses:
             c.misses += 1
             if cfg.prefetch == "device" and e in st.pf_evicted:
                 st.harm += 1
-            cpu = cfg.cpu_compute == "always" or (cfg.cpu_compute == "cost" and self.cpu_faster(n))
+            if cfg.cpu_compute == "cost":
+                cpu = self._cpu(n, not job)
+                job = job or cpu
+            else:
+                cpu = cfg.cpu_compute == "always"
             if (cpu and cfg.cpu_compute == "always") or not (admit or table.free):
                 table.bypass(e, t)
                 c.cpu_computed += cpu
@@ -287,52 +335,68 @@ class StepPlanner:
             return []  # a prefill is not admitted into the slots, so nothing is fetched ahead for it
         c, out = st.counters, []
         order = most_predicted(predicted)
+        dev, host = st.device, st.host
         if cfg.prefetch == "host":
-            for e in order[: cfg.host_slots]:
-                if e in st.device:
-                    continue
-                a = st.host.insert(e, t)
-                if a.slot < 0 or a.hit:
-                    continue
-                st.host_prefetched.discard(a.evicted)
-                if a.evicted >= 0:
-                    st.pf_evicted.add(a.evicted)
-                st.host_prefetched.add(e)
-                c.host_prefetch_issued += 1
-                st.issued += 1
-                c.disk_bytes += cfg.expert_bytes
-                out.append(Prefetch(e, -1, -1, HostSource(a.slot, True)))
+            order = [e for e in order[: cfg.host_slots] if e not in dev]
+            pins = _pin_resident(host, order)  # before any placement: no prediction evicts another
+            try:
+                for e in order:
+                    a = host.insert(e, t)
+                    if a.slot < 0 or a.hit:
+                        continue
+                    _pin(host, e, pins)
+                    st.host_prefetched.discard(a.evicted)
+                    if a.evicted >= 0:
+                        st.pf_evicted.add(a.evicted)
+                    st.host_prefetched.add(e)
+                    c.host_prefetch_issued += 1
+                    st.issued += 1
+                    c.disk_bytes += cfg.expert_bytes
+                    out.append(Prefetch(e, -1, -1, HostSource(a.slot, True)))
+            finally:
+                host.pinned.difference_update(pins)
             return out
-        for e in order[: cfg.device_slots]:
-            if e in st.device:
-                continue
-            a = st.device.insert(e, t)
-            if a.slot < 0:
-                continue
-            if a.evicted >= 0:
-                st.prefetched.discard(a.evicted)
-                st.pf_evicted.add(a.evicted)
-                d = self._demote(st, a.evicted, a.slot, t) if cfg.exclusive else None
-                if d is not None:
-                    out.append(d)
-            if cfg.host_slots is None:
-                h = HostSource(e, False)
-            elif st.host is None:
-                h = HostSource(-1, False)
-            else:
-                ha = st.host.insert(e, t)
-                if ha.slot >= 0 and not ha.hit:
-                    st.host_prefetched.discard(ha.evicted)
-                h = HostSource(ha.slot, ha.slot >= 0 and not ha.hit)
-            if h.transient and not cfg.direct:  # every host slot pinned: give the device slot back
-                st.device.drop(e)
-                continue
-            st.prefetched.add(e)
-            c.prefetch_issued += 1
-            st.issued += 1
-            c.bytes_moved += cfg.expert_bytes
-            c.disk_bytes += cfg.expert_bytes * (h.transient or h.read)
-            out.append(Prefetch(e, a.slot, a.evicted, None if h.transient else h))
+        order = order[: cfg.device_slots]
+        pins = _pin_resident(dev, order)  # before any placement: no prediction evicts another
+        host_pins = _pin_resident(host, order) if host is not None else []
+        try:
+            for e in order:
+                if e in dev:
+                    continue
+                a = dev.insert(e, t)
+                if a.slot < 0:
+                    continue
+                if a.evicted >= 0:
+                    st.prefetched.discard(a.evicted)
+                    st.pf_evicted.add(a.evicted)
+                    d = self._demote(st, a.evicted, a.slot, t) if cfg.exclusive else None
+                    if d is not None:
+                        out.append(d)
+                if cfg.host_slots is None:
+                    h = HostSource(e, False)
+                elif host is None:
+                    h = HostSource(-1, False)
+                else:
+                    ha = host.insert(e, t)
+                    if ha.slot >= 0:
+                        _pin(host, e, host_pins)
+                        if not ha.hit:
+                            st.host_prefetched.discard(ha.evicted)
+                    h = HostSource(ha.slot, ha.slot >= 0 and not ha.hit)
+                if h.transient and not cfg.direct:  # every host slot pinned: give the device slot back
+                    dev.drop(e)
+                    continue
+                _pin(dev, e, pins)
+                st.prefetched.add(e)
+                c.prefetch_issued += 1
+                st.issued += 1
+                c.bytes_moved += cfg.expert_bytes
+                c.disk_bytes += cfg.expert_bytes * (h.transient or h.read)
+                out.append(Prefetch(e, a.slot, a.evicted, None if h.transient else h))
+        finally:  # the step's own pins come from plan_step
+            dev.pinned.difference_update(pins)
+            if host is not None:
+                host.pinned.difference_update(host_pins)
         return out
 
     # -- warm start -------------------------------------------------------------------------------

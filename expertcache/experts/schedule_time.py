@@ -8,7 +8,8 @@ layer is issued after that. Given per-op seconds, this gives each op's start and
 and the critical path (the chain of ops, each the one that held the next back).
 
 Per-op seconds from a cost profile (`op_seconds`): read = expert bytes / disk; h2d and demote =
-link latency + expert bytes / link; moe = sum of gpu_use(tokens) over its experts; cpu = sum of cpu_use;
+link latency + expert bytes / link; moe = sum of gpu_use(tokens) over its experts; cpu = the job's fixed
+cost + sum of cpu_use;
 rows = link latency + rows * hidden * 2 bytes / link; ids, add = link latency; dense = given.
 """
 
@@ -94,7 +95,7 @@ def op_seconds(cost: ExpertCost, hidden: int, dense_s: float = 0.0, link_latency
         if o.kind == "moe":
             return sum(cost.gpu_use(n) for n in o.tokens)
         if o.kind == "cpu":
-            return sum(cost.cpu_use(n) for n in o.tokens)
+            return cost.cpu_job() + sum(cost.cpu_use(n) for n in o.tokens)  # one job per layer: its fixed cost once
         if o.kind == "rows":
             return link_latency_s + (sum(o.tokens) * hidden * act_bytes / link if link > 0 else 0.0)
         return link_latency_s  # ids, add

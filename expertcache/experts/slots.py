@@ -11,9 +11,10 @@ The table holds no bytes: the tier that owns the buffers moves data when
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from .policy import Policy
+if TYPE_CHECKING:  # a policy is duck-typed here: slots.py imports nothing of the package
+    from .policy import Policy
 
 
 class Access(NamedTuple):
@@ -26,6 +27,9 @@ class SlotTable:
     def __init__(self, num_experts: int, capacity: int, policy: Policy):
         self.num_experts, self.capacity, self.policy = num_experts, capacity, policy
         self.slot_of = [-1] * num_experts
+        bind = getattr(policy, "bind", None)  # ties between equal keys go to the lower slot
+        if bind is not None:
+            bind(self.slot_of)
         self.owner = [-1] * capacity
         self.free = list(range(capacity - 1, -1, -1))
         self.pinned: set[int] = set()
