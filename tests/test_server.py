@@ -352,6 +352,44 @@ def test_client_disconnect_aborts_request(server):
     assert server.metric("expertcache:request_success_total", 'finished_reason="abort"') == aborted0 + 1
 
 
+def _post_raw(url: str, path: str, body: dict):
+    """A POST on a raw socket (closing it drops the connection at once, as a client that goes away)."""
+    import socket
+
+    host, port = url.rsplit("//", 1)[1].split(":")
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_dropped_non_streaming_requests_are_aborted(server, path):
+    """10 cycles of 2 non-streaming requests whose connections drop while they generate: every one is
+    aborted in the engine (the abort count grows by 2 a cycle, far fewer tokens generated than asked
+    for), and none is left running or holding KV blocks."""
+    max_tokens = 200  # the tiny model's context is 256 tokens
+    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            **({"prompt": "Hello"} if path == "/v1/completions" else {"messages": MSG})}
+    with server.http() as c:
+        def engine():
+            return c.get("/stats").json()["engine"]
+
+        for cycle in range(10):
+            aborted0 = server.metric("expertcache:request_success_total", 'finished_reason="abort"')
+            tokens0 = engine()["engine_counters"]["generated_tokens"]
+            socks = [_post_raw(server.url, path, body) for _ in range(2)]
+            running = wait_until(lambda: engine()["running"] == 2, interval_s=0.005)
+            for s in socks:
+                s.close()
+            eng = wait_until(lambda: (e := engine())["running"] == 0 and e["waiting"] == 0 and e) or engine()
+            aborted = server.metric("expertcache:request_success_total", 'finished_reason="abort"') - aborted0
+            assert running and aborted == 2, (cycle, aborted, eng)
+            assert eng["kv_cache_usage"] == 0.0, (cycle, eng)
+            assert eng["engine_counters"]["generated_tokens"] - tokens0 < 2 * max_tokens, (cycle, eng)
+
+
 # -- observability ---------------------------------------------------------------------------------
 
 

@@ -161,7 +161,7 @@ class AsyncEngine:
                 self._drain(block=idle)
                 if eng.has_unfinished():
                     self._step()
-                elif idle:
+                else:  # idle (or emptied by the aborts just drained): /stats shows it now, not a poll later
                     self._refresh_expert_stats()
                     self._publish()
                 self._log.maybe_log(self._snapshot)
