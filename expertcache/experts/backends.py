@@ -21,6 +21,7 @@ The GGUF kernels register their own kind (`register`).
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from .host_routing import to_device
 from .prefill import prefill_moe
 
 Pool = dict[str, torch.Tensor]
+log = logging.getLogger("expertcache.experts")
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ def backend_for(pool: Pool, x: torch.Tensor, method, ffn: ExpertFFN) -> Backend:
     backend = _SHARED.get(config)
     if backend is None:
         backend = _SHARED[config] = choose_backend(pool, x.device, MoEOptions.of(method, ffn, x))
+        log.info("%s", backend.line)  # once per configuration (the builder prints its own choice's line)
     hit[1][key] = (method, ffn, backend)
     return backend
 
