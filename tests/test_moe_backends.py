@@ -105,3 +105,17 @@ def test_a_registered_kind_is_chosen_where_its_check_passes(monkeypatch):
     pool = _pool(torch.float16)
     got = choose_backend(pool, "cpu", options)(x, slots, w, pool, None, SWIGLU, None, False)
     assert calls == [x.shape] and torch.allclose(got.double(), _reference(x, slots, w, pool), atol=1e-3)
+
+
+def test_the_builders_choice_is_the_lazy_one_and_moe_ffn_takes_it():
+    """choose_backend with MoEOptions.for_ffn (what the builder calls once per pool) picks what moe_ffn
+    would pick by itself, and moe_ffn(backend=...) computes through it."""
+    pool = _pool()
+    x, slots, w = _routing()
+    built = choose_backend(pool, "cpu", MoEOptions.for_ffn(None, SWIGLU, x.dtype, H))
+    assert built.kind is backends.backend_for(pool, x, None, SWIGLU).kind
+    calls = []
+    spy = backends.Backend(Kind("spy", "spy", lambda p, d, o: None,
+                                lambda *a: calls.append(1) or built(*a)), "MoE compute: spy")
+    got = moe_ffn(x, slots, w, pool, backend=spy)
+    assert calls == [1] and torch.allclose(got.double(), _reference(x, slots, w, pool), atol=1e-5)

@@ -56,12 +56,18 @@ class MoEOptions:
     exclude: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, method, ffn: ExpertFFN, x: torch.Tensor) -> MoEOptions:
-        """The options moe_ffn's arguments imply: ffn.kernel "triton" asks for triton (falling back where
-        `auto` chose it: ffn.kernel_fallback); "torch" for the best of the others."""
+    def for_ffn(cls, method, ffn: ExpertFFN, dtype: torch.dtype, hidden: int) -> MoEOptions:
+        """The options of experts whose layout `ffn` carries the resolved `--moe-kernel` (with_moe_kernel):
+        "triton" asks for triton (falling back where `auto` chose it: ffn.kernel_fallback); "torch" for
+        the best of the others. The builder: choose_backend(pool, device, MoEOptions.for_ffn(...))."""
         if ffn.kernel == "triton":
-            return cls(method, ffn, x.dtype, x.shape[1], "triton", ffn.kernel_fallback)
-        return cls(method, ffn, x.dtype, x.shape[1], exclude=frozenset({"triton"}))
+            return cls(method, ffn, dtype, hidden, "triton", ffn.kernel_fallback)
+        return cls(method, ffn, dtype, hidden, exclude=frozenset({"triton"}))
+
+    @classmethod
+    def of(cls, method, ffn: ExpertFFN, x: torch.Tensor) -> MoEOptions:
+        """The options moe_ffn's arguments imply (x [T, H]: the activations)."""
+        return cls.for_ffn(method, ffn, x.dtype, x.shape[1])
 
     def without(self, name: str) -> MoEOptions:
         """The automatic choice among the other kinds."""
