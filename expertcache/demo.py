@@ -143,8 +143,10 @@ def random_demo_dir(rebuild: bool = False, progress: bool = True) -> pathlib.Pat
     root = private_dir(cache_root())  # ours and not writable by others, as the kernel cache
     final = root / DEMO_NAME
     with _Lock(root / f"{DEMO_NAME}.lock"):
-        if final.exists():
+        if final.exists():  # the directory and every file in it ours, not writable by group or others
             check_private(final)
+            for f in final.iterdir():
+                check_private(f, "file")
         for stale in root.glob(f".{DEMO_NAME}.*"):  # left by a killed build (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         if not rebuild:
@@ -165,6 +167,8 @@ def random_demo_dir(rebuild: bool = False, progress: bool = True) -> pathlib.Pat
                 os.replace(final, trash / "old")
                 shutil.rmtree(trash, ignore_errors=True)
             tmp.chmod(0o755)  # mkdtemp makes it 0700
+            for f in tmp.iterdir():  # whatever the umask: the checks above refuse group-writable files
+                f.chmod(0o644)
             os.replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

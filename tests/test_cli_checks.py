@@ -53,12 +53,15 @@ def test_watch_sees_a_weight_file_opened(watch, capsys, qwen3_checkpoint):
 
 
 @pytest.mark.parametrize("flags, needles", [
-    (["--temperature", "-1"], ["--temperature -1", ">= 0"]),
+    (["--temperature", "-1"], ["--temperature -1", "[0, 2]"]),
+    (["--temperature", "2.5"], ["--temperature 2.5", "[0, 2]"]),
     (["--top-p", "1.5"], ["--top-p 1.5", "(0, 1]"]),
     (["--top-p", "0"], ["--top-p 0"]),
     (["--top-k", "-3"], ["--top-k -3"]),
     (["--max-tokens", "0"], ["--max-tokens 0", ">= 1"]),
-    (["--seed", "-5"], ["--seed -5"]),
+    (["--seed", str(2**63)], [f"--seed {2**63}", "[-2**63, 2**63)"]),
+    (["--seed", str(-(2**63) - 1)], [f"--seed {-(2**63) - 1}", "[-2**63, 2**63)"]),
+    (["--stop", "ok", "--stop", ""], ["--stop ''", "non-empty"]),
     (["--top-p", "abc"], ["argument --top-p", "invalid float"]),
     (["--prefetch", "sideways"], ["argument --prefetch", "invalid choice"]),
     (["--max-model-len", "8"], ["--prompt:", "--max-model-len 8", "tokens"]),

@@ -254,6 +254,36 @@ def test_random_demo_dir_refuses_a_directory_others_can_write(small_cache):
     assert demo.random_demo_dir(progress=False) == path and len(builds) == 1
 
 
+def test_random_demo_dir_refuses_another_owner_and_writable_files(small_cache, monkeypatch):
+    """As the kernel cache (paths.check_private): a demo directory or file of another user, or a file
+    group or others can write, is refused before anything is read from it; a fresh build's files are
+    0644 whatever the umask."""
+    import os
+
+    from expertcache import paths
+    from expertcache.paths import UnsafeDirectoryError
+
+    _, builds = small_cache
+    umask = os.umask(0o002)  # a umask that would leave the files group-writable
+    try:
+        path = demo.random_demo_dir(progress=False)
+    finally:
+        os.umask(umask)
+    files = sorted(path.iterdir())
+    assert files and all(f.stat().st_mode & 0o777 == 0o644 for f in files)
+    me = os.getuid()
+    with monkeypatch.context() as m:
+        m.setattr(paths.os, "getuid", lambda: me + 1)
+        with pytest.raises(UnsafeDirectoryError, match=f"owned by user id {me}, not by this user"):
+            demo.random_demo_dir(progress=False)
+    victim = path / "config.json"
+    victim.chmod(0o666)
+    with pytest.raises(UnsafeDirectoryError, match=f"cache file {victim} is writable by group or others"):
+        demo.random_demo_dir(progress=False)
+    victim.chmod(0o644)
+    assert demo.random_demo_dir(progress=False) == path and len(builds) == 1
+
+
 def test_random_demo_dir_rebuild_flag_params_and_interruption(small_cache, monkeypatch):
     root, builds = small_cache
     path = demo.random_demo_dir(progress=False)

@@ -89,6 +89,20 @@ def test_forged_messages_are_refused(tree, payload, match):
         decode(_forge(tree, payload))
 
 
+def test_deep_or_huge_headers_are_refused():
+    """A header nesting deeper than the parser recurses, or a tensor whose shape multiplies past int64,
+    is a WireError (never a RecursionError, never an allocation of the claimed size)."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(WireError, match="nests deeper"):
+        decode(torch.frombuffer(bytearray(len(deep).to_bytes(8, "little") + deep), dtype=torch.uint8))
+    tuples = b'{"$tuple":[' * 600 + b"1" + b"]}" * 600
+    with pytest.raises(WireError, match="nests deeper"):
+        decode(torch.frombuffer(bytearray(len(tuples).to_bytes(8, "little") + tuples), dtype=torch.uint8))
+    assert decode(_forge(json.loads(b'{"$tuple":[' * 100 + b"1" + b"]}" * 100))) is not None  # 100 deep: fine
+    with pytest.raises(WireError, match="outside the message"):
+        decode(_forge({"$tensor": ["uint8", [2**62, 4], 0]}, b"\0" * 8))
+
+
 def test_truncated_messages_are_refused():
     buf = encode({"a": torch.arange(10)})
     with pytest.raises(WireError, match="shorter than its header length"):

@@ -167,10 +167,13 @@ def test_strip_setting_is_named_and_refuses_a_negative_count():
         assert kernels.kernel_name(spec, "fast") == "avx512vnni-mxfp4-q8act32"
         with pytest.raises(RuntimeError, match="tokens must be >= 0 .0: never., got -1"):
             ext.set_strip_tokens(-1)
-        with pytest.raises(ValueError, match="strips: tokens must be >= 0 .0: never., got -2"):
-            kernels.strips(-2)
-        kernels.strips(5)
-        assert ext.get_strip_tokens() == 5
+        with pytest.raises(ValueError, match="strip_tokens: tokens must be >= 0 .0: never., got -2"):
+            kernels.isa.strip_tokens = -2
+        kernels.isa.strip_tokens = 5
+        assert ext.get_strip_tokens() == 5 == kernels.isa.strip_tokens
+        with kernels.isa.override(strip_tokens=0, avx512=False):
+            assert (ext.get_strip_tokens(), ext.get_avx512()) == (0, False)
+        assert (ext.get_strip_tokens(), ext.get_avx512()) == (5, True)
     finally:
         ext.set_avx512(saved[0])
         ext.set_strip_tokens(saved[1])
@@ -205,7 +208,8 @@ def test_amx_setting_follows_the_cpu_and_the_environment(tmp_path):
         assert kernels.kernel_name(_hand_spec(4, 64, seed=0)[0], "fast").endswith(
             "+strips-amx" if ext.amx_supported() else "+strips")
     for isa, want in [("avx512", False), ("avx2", False), ("", ext.amx_supported())]:
-        code = "from expertcache import kernels; print(kernels.extension().get_amx())"
+        code = ("from expertcache import kernels; print(kernels.extension().get_amx(), "
+                "kernels.isa.defaults.amx and kernels.extension().amx_supported())")
         env = {**os.environ, "EXPERTCACHE_CPU_ISA": isa}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == str(want), (isa, out.stdout, out.stderr[-500:])
+        assert out.stdout.split() == [str(want)] * 2, (isa, out.stdout, out.stderr[-500:])  # the config agrees

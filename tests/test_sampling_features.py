@@ -12,6 +12,7 @@ import torch
 
 from expertcache import LLM, SamplingParams
 from expertcache.engine.logits_processors import apply_penalties
+from expertcache.engine.params import ParamError
 from expertcache.engine.sequence import Sequence
 
 ATOL = 2e-4
@@ -174,11 +175,50 @@ def test_min_tokens_blocks_eos(qwen3_llm):
     assert out.token_ids[-1] == eos[0] and len(out.token_ids) == 3 and out.finish_reason == "stop"
 
 
-def test_sampling_params_ranges():
-    for kw in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
-               {"logit_bias": {1: 101}}, {"min_tokens": 20}, {"n": 0}, {"logprobs": 21}):
-        with pytest.raises(ValueError):
-            SamplingParams(max_tokens=16, **kw)
+# each field just outside its range (engine/params.py's table) -> the ParamError naming that field
+OUT_OF_RANGE = [
+    ("max_tokens", {"max_tokens": 0}), ("max_tokens", {"max_tokens": 2.0}),
+    ("temperature", {"temperature": -0.1}), ("temperature", {"temperature": 2.01}),
+    ("temperature", {"temperature": float("inf")}), ("top_p", {"top_p": 0}), ("top_p", {"top_p": 1.01}),
+    ("top_k", {"top_k": -2}), ("seed", {"seed": 2**63}), ("seed", {"seed": -(2**63) - 1}), ("seed", {"seed": 1.5}),
+    ("stop", {"stop": [""]}), ("stop", {"stop": ["a", 3]}), ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("ignore_eos", {"ignore_eos": "yes"}), ("n", {"n": 0}), ("n", {"n": 129}), ("logprobs", {"logprobs": 21}),
+    ("prompt_logprobs", {"prompt_logprobs": -1}), ("presence_penalty", {"presence_penalty": 2.5}),
+    ("frequency_penalty", {"frequency_penalty": -3}), ("repetition_penalty", {"repetition_penalty": 0}),
+    ("logit_bias", {"logit_bias": {1: 101}}), ("logit_bias", {"logit_bias": {"x": 1}}),
+    ("min_tokens", {"min_tokens": 17}), ("min_tokens", {"min_tokens": -1}),
+]
+
+
+@pytest.mark.parametrize("field,kw", OUT_OF_RANGE)
+def test_each_field_out_of_range_names_it(field, kw):
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**{"max_tokens": 16, **kw})
+    assert e.value.field == field and str(e.value) == f"{field} {e.value.reason}"
+
+
+def test_range_ends_are_accepted_and_normalised():
+    p = SamplingParams(max_tokens=1, temperature=2, top_p=1, top_k=-1, seed=-(2**63), stop="end", n=128,
+                       logprobs=20, presence_penalty=-2, frequency_penalty=2, logit_bias={"7": 100, 8: -100})
+    assert (p.top_k, p.stop, p.logit_bias) == (0, ["end"], {7: 100.0, 8: -100.0})
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+
+
+def test_engine_checks_context_and_batch_once(qwen3_llm):
+    """prompt + max_tokens against the context and n against max_num_seqs: add_request's ParamError
+    names the field (the server and the CLI call the same check_context / check_batch)."""
+    eng = qwen3_llm.engine
+    cases = [(_prompt(4), SamplingParams(max_tokens=eng.max_model_len - 3), "max_tokens"),
+             (_prompt(eng.max_model_len), SamplingParams(max_tokens=1), "prompt"),
+             (_prompt(4), SamplingParams(n=eng.scheduler.max_num_seqs + 1), "n"),
+             (_prompt(4), SamplingParams(logit_bias={qwen3_llm.cfg.vocab_size: 1.0}), "logit_bias")]
+    for ids, params, field in cases:
+        with pytest.raises(ParamError) as e:
+            eng.add_request(ids, params)
+        assert e.value.field == field, e.value
+    assert not eng.has_unfinished()
+    eng.add_request(_prompt(4), SamplingParams(max_tokens=eng.max_model_len - 4, n=eng.scheduler.max_num_seqs))
+    eng.abort(next(iter(eng.seqs)))
 
 
 # -- structured output ------------------------------------------------------------------------------

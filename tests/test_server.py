@@ -225,6 +225,49 @@ BAD = [
 ]
 
 
+# every SamplingParams field out of its range (engine/params.py's table), through the server: the 400 names
+# the request's parameter that set it (chat's top_logprobs and max_completion_tokens, best_of for the samples)
+OUT_OF_RANGE = [
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"max_completion_tokens": 100000}, "max_completion_tokens"),
+    ("/v1/completions", {"temperature": 2.5}, "temperature"),
+    ("/v1/chat/completions", {"top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"top_k": -2}, "top_k"),
+    ("/v1/completions", {"seed": 2**63}, "seed"),
+    ("/v1/chat/completions", {"seed": -(2**63) - 1}, "seed"),
+    ("/v1/completions", {"stop": ["ok", ""]}, "stop"),
+    ("/v1/completions", {"n": -1}, "n"),
+    ("/v1/completions", {"best_of": 0, "n": 0}, "best_of"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"logit_bias": {"5": -101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"1000000": 1}}, "logit_bias"),  # outside the vocabulary: the engine's check
+    ("/v1/completions", {"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,fields,param", OUT_OF_RANGE, ids=[f"{p[-16:]}-{b}" for p, b, _ in OUT_OF_RANGE])
+def test_each_sampling_field_out_of_range_is_400_naming_it(server, path, fields, param):
+    body = {"prompt": "hi", **fields} if path == "/v1/completions" else {"messages": MSG, **fields}
+    with server.http() as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(f"'{param}' ") and "\n" not in err["message"], err
+
+
+def test_seed_range_is_the_engines(server):
+    """Both ends of the one seed range (a signed 64-bit integer) are served, and reproducible."""
+    client = server.client()
+    for seed in (-(2**63), 2**63 - 1, -1):
+        a, b = (client.completions.create(model="tiny", prompt="seeded", max_tokens=4, temperature=1.0, seed=seed)
+                .choices[0].text for _ in range(2))
+        assert a == b
+
+
 @pytest.mark.parametrize("name,path,body,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_400(server, name, path, body, param):
     with server.http() as c:
@@ -307,6 +350,44 @@ def test_client_disconnect_aborts_request(server):
     assert eng["running"] == 0 and eng["kv_cache_usage"] == 0.0
     assert eng["engine_counters"]["generated_tokens"] > 0
     assert server.metric("expertcache:request_success_total", 'finished_reason="abort"') == aborted0 + 1
+
+
+def _post_raw(url: str, path: str, body: dict):
+    """A POST on a raw socket (closing it drops the connection at once, as a client that goes away)."""
+    import socket
+
+    host, port = url.rsplit("//", 1)[1].split(":")
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_dropped_non_streaming_requests_are_aborted(server, path):
+    """10 cycles of 2 non-streaming requests whose connections drop while they generate: every one is
+    aborted in the engine (the abort count grows by 2 a cycle, far fewer tokens generated than asked
+    for), and none is left running or holding KV blocks."""
+    max_tokens = 200  # the tiny model's context is 256 tokens
+    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            **({"prompt": "Hello"} if path == "/v1/completions" else {"messages": MSG})}
+    with server.http() as c:
+        def engine():
+            return c.get("/stats").json()["engine"]
+
+        for cycle in range(10):
+            aborted0 = server.metric("expertcache:request_success_total", 'finished_reason="abort"')
+            tokens0 = engine()["engine_counters"]["generated_tokens"]
+            socks = [_post_raw(server.url, path, body) for _ in range(2)]
+            running = wait_until(lambda: engine()["running"] == 2, interval_s=0.005)
+            for s in socks:
+                s.close()
+            eng = wait_until(lambda: (e := engine())["running"] == 0 and e["waiting"] == 0 and e) or engine()
+            aborted = server.metric("expertcache:request_success_total", 'finished_reason="abort"') - aborted0
+            assert running and aborted == 2, (cycle, aborted, eng)
+            assert eng["kv_cache_usage"] == 0.0, (cycle, eng)
+            assert eng["engine_counters"]["generated_tokens"] - tokens0 < 2 * max_tokens, (cycle, eng)
 
 
 # -- observability ---------------------------------------------------------------------------------

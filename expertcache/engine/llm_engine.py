@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 from ..errors import CheckpointError
-from .params import SamplingParams
+from .params import ParamError, SamplingParams, check_batch, check_context
 from .runner import ModelRunner
 from .sampler import prompt_logprobs, row_stats, sample_batch
 from .scheduler import Scheduler
@@ -68,22 +68,17 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         if not prompt_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise ParamError("prompt", "is empty: at least one token is needed")
         vocab = self.runner.model.cfg.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
-                f"context length of {self.max_model_len} tokens"
-            )
+            raise ParamError("prompt", f"token ids must be in [0, {vocab})")
+        check_context(len(prompt_ids), params.max_tokens, self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise CheckpointError("stop strings need the checkpoint's tokenizer.json")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs} (samples run together)")
+        check_batch(params.n, self.scheduler.max_num_seqs)  # samples run together
         vocab_bad = [t for t in params.logit_bias if not 0 <= t < vocab]
         if vocab_bad:
-            raise ValueError(f"logit_bias token id {vocab_bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ParamError("logit_bias", f"token id {vocab_bad[0]} is outside the vocabulary [0, {vocab})")
         seq = Sequence(prompt_ids, params, request_id)
         if seq.request_id in self.seqs:
             raise ValueError(f"duplicate request id {seq.request_id!r}")

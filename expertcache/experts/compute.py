@@ -1,94 +1,31 @@
-"""The expert FFN over slot buffers: out[t] = sum_k w[t,k] * down(act(gate(x), up(x))) for expert ids[t,k].
+"""The expert FFN of a MoE layer over slot buffers: out[t] = sum_k w[t,k] * down(act(gate(x), up(x))) for
+expert ids[t,k], computed by the pool's MoE backend (experts/backends.py: triton, the C++ CPU kernels
+or the torch code, chosen once per pool; its table says which runs where).
 
 Shape legend:
-    T tokens, H hidden, I moe intermediate, K top_k, S slots, A active (distinct) experts
-    x [T, H]   slots [T, K] (slot index per routed pair, into the pool tensors)   weights [T, K]
+    T tokens, H hidden, I moe intermediate, K top_k, S slots
+    x [T, H]   slots [T, K] (slot index per routed pair, into the pool tensors; -1: skipped)   weights [T, K]
     gate_up pool [S, 2I, H]   down pool [S, H, I]   ([S, H, 2I] and [S, I, H] when ExpertFFN.transposed)
 
-On the CPU with float32 activations the whole layer is one call into the C++ kernels
-(expertcache.kernels: every format read straight from its stored bytes; layouts they do not read,
-and CUDA, take the torch code below). There, tokens are grouped by slot on the host, from one host copy
-of the slots (experts/host_routing.py: no other device read); the loop runs over the A active
-slots only (A <= min(T*K, S)), each a dense matmul over the tokens routed to it.
-Pool tensors may be stored in a lower precision than x: each active slot is
-converted once (the CPU has no fast bf16 matmul; see README "numerics"). Quantized
-pools (parts "gate.weight", "gate.weight_scale", ...) go through the QuantMethod,
-which dequantizes into float32 and multiplies.
-
-`ExpertFFN` says how a model's experts compute from those parts: the activation (by name, from
-ACTIVATIONS), the gate/up row order, the orientation of plain weights, and optional biases (parts
-"gate_up_bias" [2I] and "down_bias" [H], added after each projection). The default is the
-Llama-style SwiGLU: silu(gate) * up, gate rows first, weights [out, in], no biases.
-
-`ExpertFFN.kernel` is the MoE kernel that computes a pool (`--moe-kernel`, resolved once by
-`with_moe_kernel`): "torch" (the paths above) or "triton" (kernels/triton_moe.py: every format and the
+`ExpertFFN` (experts/ffn.py) says how a model's experts compute from their parts; `ExpertFFN.kernel` is
+the MoE kernel asked for (`--moe-kernel`, resolved once by `with_moe_kernel`): "torch" (the C++ kernels
+where they read the pool, else the torch code) or "triton" (kernels/triton_moe.py: every format and the
 GPT-OSS variant in two launches, no host read; on CUDA, or on the CPU under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
-from .. import kernels
 from ..errors import ConfigError
+from .backends import Backend, MoEOptions, backend_for, choose_backend
 from .config import MOE_KERNELS
-from .host_routing import DeviceGroups, group_by_slot, to_device, to_host
-from .prefill import prefill_moe
+from .ffn import ACTIVATIONS, GROUPED_MM_MAX_PAIRS, SWIGLU, ExpertFFN, expert_ffn, grouped_mm_ok, torch_moe
 
-
-def _silu(g: torch.Tensor, u: torch.Tensor, ffn: "ExpertFFN") -> torch.Tensor:
-    return F.silu(g) * u
-
-
-def _clamped_swiglu(g: torch.Tensor, u: torch.Tensor, ffn: "ExpertFFN") -> torch.Tensor:
-    """GPT-OSS: (up + 1) * g * sigmoid(alpha * g), g clamped above at limit, up to [-limit, limit]."""
-    g = g.clamp(max=ffn.limit)
-    u = u.clamp(min=-ffn.limit, max=ffn.limit)
-    return (u + 1) * (g * torch.sigmoid(g * ffn.alpha))
-
-
-ACTIVATIONS = {"silu": _silu, "clamped_swiglu": _clamped_swiglu}
-
-
-@dataclass(frozen=True)
-class ExpertFFN:
-    """act: ACTIVATIONS name. interleaved: gate_up rows alternate gate, up (gate = even rows) rather
-    than all gate rows then all up rows. transposed: plain parts stored [in, out] (gate_up [H, 2I],
-    down [I, H]). fused_quant: quantized parts are "gate_up.*" and "down.*" (not "gate.*", "up.*").
-    alpha, limit: clamped_swiglu's parameters. kernel: "torch" or "triton", what moe_ffn computes a
-    pool with (a resolved MOE_KERNELS choice); kernel_fallback: the triton kernel was chosen by `auto`, so
-    a failure of it (a compile error on a GPU it was never built for) falls back to torch with a note
-    for the rest of the process instead of ending the request."""
-
-    act: str = "silu"
-    interleaved: bool = False
-    transposed: bool = False
-    fused_quant: bool = False
-    alpha: float = 1.0
-    limit: float = float("inf")
-    kernel: str = "torch"
-    kernel_fallback: bool = False
-
-    def __post_init__(self):
-        if self.act not in ACTIVATIONS:
-            raise ValueError(f"unknown expert activation {self.act!r}; choose one of {sorted(ACTIVATIONS)}")
-        if self.kernel not in ("torch", "triton"):
-            raise ValueError(f"ExpertFFN.kernel: 'torch' or 'triton', got {self.kernel!r}")
-
-    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[n, 2I] (after the gate_up projection and bias) -> [n, I]."""
-        if self.interleaved:
-            g, u = gate_up[..., ::2], gate_up[..., 1::2]
-        else:
-            g, u = gate_up.chunk(2, dim=-1)
-        return ACTIVATIONS[self.act](g, u, self)
-
-
-SWIGLU = ExpertFFN()
+__all__ = ["ACTIVATIONS", "GROUPED_MM_MAX_PAIRS", "SWIGLU", "Backend", "ExpertFFN", "MoEOptions",
+           "choose_backend", "expert_ffn", "grouped_mm_ok", "moe_ffn", "torch_moe", "with_moe_kernel"]
 
 
 def with_moe_kernel(ffn: ExpertFFN, choice: str, device: torch.device | str, method=None) -> ExpertFFN:
@@ -110,109 +47,15 @@ def with_moe_kernel(ffn: ExpertFFN, choice: str, device: torch.device | str, met
     raise ConfigError(f"moe_kernel='triton': {why}")
 
 
-def _add_bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return y if b is None else y + b.to(y.dtype)
-
-
-def expert_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], method=None, ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
-    """One expert on x [n, H] with its parts `w` (gate_up [2I, H] + down [H, I], or quantized parts)."""
-    if kernels.backend() == "cpp" and x.dtype == torch.float32 and x.device.type == "cpu":
-        out = torch.zeros_like(x)  # a pool of one slot, every token routed to it with weight 1
-        slot0, ones = torch.zeros(x.shape[0], 1, dtype=torch.long), x.new_ones(x.shape[0], 1)
-        if kernels.moe(x, slot0, ones, {n: t.unsqueeze(0) for n, t in w.items()}, method, out, ffn):
-            return out
-    if method is not None:
-        xf = x.float()
-        if ffn.fused_quant:
-            h = ffn.activate(_add_bias(method.linear(xf, w, "gate_up"), w.get("gate_up_bias")))
-        else:
-            h = ACTIVATIONS[ffn.act](method.linear(xf, w, "gate"), method.linear(xf, w, "up"), ffn)
-        return _add_bias(method.linear(h, w, "down"), w.get("down_bias")).to(x.dtype)
-    gate_up, down = w["gate_up"], w["down"]
-    if gate_up.dtype != x.dtype:
-        gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
-    if ffn.transposed:
-        h = ffn.activate(_add_bias(x @ gate_up, w.get("gate_up_bias")))
-        return _add_bias(h @ down, w.get("down_bias"))
-    h = ffn.activate(_add_bias(F.linear(x, gate_up), w.get("gate_up_bias")))
-    return _add_bias(F.linear(h, down), w.get("down_bias"))
-
-
-GROUPED_MM_MAX_PAIRS = 256  # measured: one grouped GEMM beats the per-slot loop below this (decode)
-
-
-def grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """torch's grouped_mm exists and runs here: any CPU dtype; on CUDA it needs compute capability
-    >= 8.0 (and bf16/fp32), so a T4 / V100 takes the per-slot loop instead of failing every step."""
-    if not hasattr(F, "grouped_mm"):
-        return False
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 0) and dtype in (torch.bfloat16, torch.float32)
-
-
-TRITON_FAILED: list[str] = []  # the first failure of an auto-chosen Triton kernel in this process
-
-
 def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
             method=None, out: torch.Tensor | None = None, ffn: ExpertFFN = SWIGLU,
-            host: bool = False) -> torch.Tensor:
-    """Grouped expert FFN from pool tensors {part: [S, ...]}; pairs with slot -1 are skipped.
-    `host`: `slots` is a host tensor (derived from the layer's host copy of its ids, as TieredExperts
-    does), so the torch paths group it with no device read; else they group one host copy of it
-    (experts/host_routing.py: the only device -> host read here). With ffn.kernel "triton" the pool
-    is computed by the fused Triton kernel on the device (no host read; a host `slots` is copied over)."""
-    T, K = slots.shape
-    if ffn.kernel == "triton" and not (ffn.kernel_fallback and TRITON_FAILED):
-        from ..kernels.triton_moe import fused_moe  # at first use: triton is optional and slow to import
-
-        try:  # the host ids' slots: one non-blocking copy from pinned memory
-            return fused_moe(x, to_device(slots, x.device) if slots.device != x.device else slots, weights, pool,
-                             method, ffn, out=out)
-        except Exception as e:  # noqa: BLE001 - any failure of an auto-chosen kernel: torch computes instead
-            if not ffn.kernel_fallback or isinstance(e, torch.OutOfMemoryError):
-                raise
-            TRITON_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            print(f"note: the fused Triton MoE kernel failed ({TRITON_FAILED[0]}); computing experts with the "
-                  "torch code for the rest of this process (--moe-kernel torch chooses it up front)", file=sys.stderr)
-    if host or slots.is_cpu:  # at prefill, experts of many tokens on the bf16 matmul (fast math only)
-        split = prefill_moe(x, slots, weights, pool, method, ffn, out)
-        if split is not None:
-            out, slots = split  # those experts' pairs done: the rest below, their slots masked
-            host = True
-    if out is None:  # the kernel starts from a zeroed output of its own (no torch call per layer)
-        out = kernels.moe_out(x, slots, weights, pool, method, ffn)
-        if out is not None:
-            return out
-        out = torch.zeros_like(x)
-    elif kernels.moe(x, slots, weights, pool, method, out, ffn):
-        return out
-    groups = group_by_slot(slots if host else to_host(slots))
-    if not groups.active:
-        return out
-    if (method is None and T * K <= GROUPED_MM_MAX_PAIRS and grouped_mm_ok(x.device, x.dtype)
-            and pool["gate_up"].dtype == x.dtype):  # a stored-dtype pool is converted per active slot below
-        return _grouped(x, groups.on(x.device, pool["gate_up"].shape[0]), weights, pool, out, ffn)
-    g = groups.on(x.device)
-    w = weights.reshape(-1)[g.order].to(x.dtype)
-    start = 0
-    for s, n in zip(groups.active, groups.counts):
-        tok = g.token[start:start + n]
-        y = expert_ffn(x[tok], {name: t[s] for name, t in pool.items()}, method, ffn)
-        # index_put_ rather than index_add_: the latter takes milliseconds with 2 CPU threads here
-        out.index_put_((tok,), y * w[start:start + n, None], accumulate=True)
-        start += n
-    return out
-
-
-def _grouped(x, g: DeviceGroups, weights, pool, out, ffn):
-    """Same result with two grouped GEMMs (torch's grouped_mm): no Python loop over experts."""
-    gate_up, down = pool["gate_up"], pool["down"]
-    if not ffn.transposed:  # grouped_mm takes [S, in, out]
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    tok = g.token
-    bias = {n: pool[n][g.slot] for n in ("gate_up_bias", "down_bias") if n in pool}  # [pairs, out]
-    h = ffn.activate(_add_bias(F.grouped_mm(x[tok], gate_up, offs=g.offs), bias.get("gate_up_bias")))
-    y = _add_bias(F.grouped_mm(h, down, offs=g.offs), bias.get("down_bias"))
-    out.index_put_((tok,), y * weights.reshape(-1)[g.order, None].to(x.dtype), accumulate=True)
-    return out
+            host: bool = False, backend: Backend | None = None) -> torch.Tensor:
+    """Grouped expert FFN from pool tensors {part: [S, ...]}; pairs with slot -1 are skipped -> out (a new
+    one where `out` is None). `host`: `slots` is a host tensor (derived from the layer's host copy of
+    its ids, as TieredExperts does), so the torch code groups it with no device read; else it groups one
+    host copy of it (experts/host_routing.py: the only device -> host read here); triton copies a host
+    `slots` over. `backend`: the pool's backend as the builder chose it (choose_backend); None: chosen
+    here, once per pool and configuration."""
+    if backend is None:
+        backend = backend_for(pool, x, method, ffn)
+    return backend(x, slots, weights, pool, method, ffn, out, host)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import prefill_gemm
+from .ffn import expert_ffn
 
 
 def _format(pool: dict[str, torch.Tensor], method) -> str | None:
@@ -111,8 +112,6 @@ def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, poo
                                                                       and out.is_contiguous()))
 
     def probe():
-        from .compute import expert_ffn  # the torch code (compute.py imports this module)
-
         one = {n: t[:1] for n, t in pool.items()}  # slot 0, as a pool of one
         w0 = {n: t[0] for n, t in pool.items()}
         xs = {n: torch.randn(n, H) for n in prefill_gemm.PROBE_T}

@@ -12,17 +12,20 @@ own torch code, used with a printed note when the extension cannot be built or l
 entry point returns None / False when it does not apply, and the caller computes with torch.
 Within "cpp", MXFP4 and int4 (groups a multiple of 32) weights go to AVX-512 kernels
 (csrc/nibble_kernels.cpp) where the CPU has AVX-512 F/BW/VL/VNNI, in both CPU maths;
-EXPERTCACHE_CPU_ISA=avx2 (or `avx512(False)`) keeps them on the AVX2 kernels; in fast math, from 4
-tokens of a weight they run 32-row strips (`strips(0)`: never), their products on AMX where the CPU has it
-(`amx(False)` or EXPERTCACHE_CPU_ISA=avx512: on VNNI). `kernel_name` says which kernel reads a
+EXPERTCACHE_CPU_ISA=avx2 (or `isa.avx512 = False`) keeps them on the AVX2 kernels; in fast math, from 4
+tokens of a weight they run 32-row strips (`isa.strip_tokens = 0`: never), their products on AMX where the
+CPU has it (`isa.amx = False` or EXPERTCACHE_CPU_ISA=avx512: on VNNI); `isa` is the kernels' one object
+of these switches (CpuIsa). `kernel_name` says which kernel reads a
 weight. Under fast math at prefill, a bf16 dense weight of at least its measured
 crossover of tokens goes to torch's bf16 matmul instead (prefill_gemm.py; EXPERTCACHE_PREFILL_GEMM=0: never).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -68,29 +71,85 @@ def rows_per_unit(code: int) -> int:
     return max(1, int(ROWS_PER_UNIT * UNIT_ROWS[code]))
 
 
-def avx512(on: bool) -> None:
-    """Allow (True, the default unless EXPERTCACHE_CPU_ISA=avx2) or forbid the AVX-512 4-bit kernels;
-    forbidden, mxfp4 and int4 are computed by the AVX2 kernels in both CPU maths (exactly)."""
-    if extension() is not None:
-        extension().set_avx512(on)
+ISA_NAMES = ("avx2", "avx512")  # EXPERTCACHE_CPU_ISA: the best the CPU has when unset
 
 
-def strips(tokens: int) -> None:
-    """Tokens of one weight from which the fast math's AVX-512 4-bit kernels run 32-row strips with the rows
-    in the lanes (default 4; 0: never, pairs of rows at every T; csrc/nibble_kernels.h). A negative count
-    is refused."""
-    if tokens < 0:
-        raise ValueError(f"strips: tokens must be >= 0 (0: never), got {tokens}")
-    if extension() is not None:
-        extension().set_strip_tokens(tokens)
+@dataclass(frozen=True)
+class IsaDefaults:
+    """The ISA switches a process starts with, from EXPERTCACHE_CPU_ISA (the C++ kernels read the same
+    variable when they load): avx2 forbids the AVX-512 4-bit kernels, avx512 keeps those off AMX."""
+
+    avx512: bool = True
+    amx: bool = True
+    strip_tokens: int = 4
+
+    @classmethod
+    def from_env(cls, value: str | None = None) -> IsaDefaults:
+        """Another value than ISA_NAMES is as unset (as the C++ kernels read it)."""
+        isa = os.environ.get("EXPERTCACHE_CPU_ISA", "") if value is None else value
+        return cls(avx512=isa != "avx2", amx=isa not in ISA_NAMES)
 
 
-def amx(on: bool) -> None:
-    """Allow (True, the default unless EXPERTCACHE_CPU_ISA is avx2 or avx512) or forbid the strips' products
-    on AMX (TDPBSUD, csrc/nibble_kernels.h); they run only where the CPU has AMX-TILE/INT8 and Linux grants the
-    tile state, with the VNNI strips' outputs bit for bit, else on VNNI."""
-    if extension() is not None:
-        extension().set_amx(on)
+class CpuIsa:
+    """The kernels' instruction-set switches, one object (`kernels.isa`); each reads and sets the loaded
+    kernels' own state (without them, nothing computes that they steer: the defaults are reported).
+
+    avx512: allow (the default unless EXPERTCACHE_CPU_ISA=avx2) or forbid the AVX-512 4-bit kernels;
+      forbidden, mxfp4 and int4 are computed by the AVX2 kernels in both CPU maths (exactly).
+    amx: allow (the default unless EXPERTCACHE_CPU_ISA is avx2 or avx512) or forbid the strips' products
+      on AMX (TDPBSUD, csrc/nibble_kernels.h); they run only where the CPU has AMX-TILE/INT8 and Linux
+      grants the tile state, with the VNNI strips' outputs bit for bit, else on VNNI.
+    strip_tokens: tokens of one weight from which the fast math's AVX-512 4-bit kernels run 32-row strips
+      with the rows in the lanes (default 4; 0: never, pairs of rows at every T); a negative count is
+      refused."""
+
+    def __init__(self, defaults: IsaDefaults | None = None):
+        self.defaults = defaults or IsaDefaults.from_env()
+
+    @property
+    def avx512(self) -> bool:
+        return extension().get_avx512() if extension() is not None else self.defaults.avx512
+
+    @avx512.setter
+    def avx512(self, on: bool) -> None:
+        if extension() is not None:
+            extension().set_avx512(bool(on))
+
+    @property
+    def amx(self) -> bool:
+        """Allowed and supported (the strips' products run on AMX)."""
+        return extension().get_amx() if extension() is not None else False
+
+    @amx.setter
+    def amx(self, on: bool) -> None:
+        if extension() is not None:
+            extension().set_amx(bool(on))
+
+    @property
+    def strip_tokens(self) -> int:
+        return extension().get_strip_tokens() if extension() is not None else self.defaults.strip_tokens
+
+    @strip_tokens.setter
+    def strip_tokens(self, tokens: int) -> None:
+        if tokens < 0:
+            raise ValueError(f"strip_tokens: tokens must be >= 0 (0: never), got {tokens}")
+        if extension() is not None:
+            extension().set_strip_tokens(tokens)
+
+    @contextmanager
+    def override(self, **switches):
+        """Set some switches (avx512, amx, strip_tokens) for a block, restored afterwards."""
+        saved = {name: getattr(self, name) for name in switches}
+        try:
+            for name, value in switches.items():
+                setattr(self, name, value)
+            yield self
+        finally:
+            for name, value in saved.items():
+                setattr(self, name, value)
+
+
+isa = CpuIsa()
 
 
 def kernel_name(spec: tuple, math: str = "exact") -> str:
@@ -399,4 +458,4 @@ def moe_out(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     return extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
 
 
-__all__ = ["amx", "avx512", "prefill_dense", "prefill_gemm", "prefill_step", "kernel_name", "attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
+__all__ = ["isa", "CpuIsa", "IsaDefaults", "prefill_dense", "prefill_gemm", "prefill_step", "kernel_name", "attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]

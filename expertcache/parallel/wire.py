@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import torch
@@ -69,7 +70,12 @@ def decode(buf: torch.Tensor):
         tree = json.loads(raw[8:8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"message header is not JSON: {e}") from None
-    return _unpack(tree, memoryview(raw)[8 + n:])
+    except RecursionError:
+        raise WireError(f"message header of {n} bytes nests deeper than Python can parse") from None
+    try:
+        return _unpack(tree, memoryview(raw)[8 + n:])
+    except RecursionError:
+        raise WireError(f"message header of {n} bytes nests deeper than a message may") from None
 
 
 def _pack(x, tensors: list):
@@ -105,7 +111,7 @@ def _unpack(x, data: memoryview):
             shape = [int(s) for s in shape]
             if any(s < 0 for s in shape):
                 raise WireError(f"tensor shape {shape} has a negative size")
-            nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()  # exact: no int64 wrap
             if not 0 <= int(offset) <= len(data) - nbytes:
                 raise WireError(f"tensor of {nbytes} bytes at {offset} outside the message's {len(data)}")
             if nbytes == 0:

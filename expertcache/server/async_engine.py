@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..engine.params import SamplingParams
+from ..engine.params import ParamError, SamplingParams
 from .errors import ApiError
 from .metrics import ServerMetrics
 from .stats_log import ThroughputLog
@@ -161,7 +161,7 @@ class AsyncEngine:
                 self._drain(block=idle)
                 if eng.has_unfinished():
                     self._step()
-                elif idle:
+                else:  # idle (or emptied by the aborts just drained): /stats shows it now, not a poll later
                     self._refresh_expert_stats()
                     self._publish()
                 self._log.maybe_log(self._snapshot)
@@ -186,6 +186,9 @@ class AsyncEngine:
             _, handle, prompt_ids, params, arrival = cmd
             try:
                 self.llm.engine.add_request(prompt_ids, params, handle.request_id)
+            except ParamError as e:  # the field's own name (the server's checks came first: e.g. logit_bias ids)
+                self._resolve(handle, ApiError(f"'{e.field}' {e.reason}", e.field, code=e.code))
+                return
             except ValueError as e:
                 self._resolve(handle, ApiError(str(e)))
                 return

@@ -9,13 +9,17 @@ parsed (before tokenizing or compiling a grammar): each a 400 naming the field a
 
 from __future__ import annotations
 
+from ..engine.params import ParamError, check_batch, stop_list
 from .errors import ApiError
 from .limits import Limits
 from .protocol import CompletionRequest, engine_samples
 
 
 def _stop(req, limits: Limits) -> None:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        stop = stop_list(req.stop)
+    except ParamError as e:
+        raise ApiError(f"'stop' {e.reason}", "stop") from None
     if len(stop) > limits.max_stop_strings:
         raise ApiError(f"'stop' has {len(stop)} strings; at most {limits.max_stop_strings} are accepted "
                        "(--max-stop-strings)", "stop")
@@ -34,14 +38,16 @@ def _logit_bias(req, limits: Limits) -> None:
 
 def sequences(req, max_num_seqs: int) -> tuple[int, str]:
     """-> (sequences the request runs, the parameter that sets it); 400 when more than one batch."""
-    samples = engine_samples(req)  # n (or best_of), range-checked
+    samples = engine_samples(req)  # n (or best_of); its range is SamplingParams'
     prompts = len(req.prompts()) if isinstance(req, CompletionRequest) else 1
     param = "prompt" if prompts > 1 else ("best_of" if getattr(req, "best_of", None) else "n")
     total = prompts * samples
-    if total > max_num_seqs:
+    try:
+        check_batch(total, max_num_seqs, param)
+    except ParamError:
         what = f"{prompts} prompts x {samples} samples" if prompts > 1 else f"{samples} samples"
         raise ApiError(f"this request runs {total} sequences ({what}), more than the server's batch of "
-                       f"{max_num_seqs} sequences (--max-num-seqs)", param)
+                       f"{max_num_seqs} sequences (--max-num-seqs)", param) from None
     return total, param
 
 

@@ -33,7 +33,13 @@ from .openai_format import DONE, Shape, error_event, usage
 from .tool_calls import StreamDiff, ToolFormat, new_call_id
 
 log = logging.getLogger("expertcache.server")
-DISCONNECT_POLL_S = 1.0
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away: the body is read by now, so the next ASGI message is
+    http.disconnect (a client that closes its connection, or the server shutting down)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass
@@ -160,16 +166,18 @@ class Runner:
 
     # -- whole response ------------------------------------------------------------------------
     async def collect(self, request: Request):
+        """The whole response, or a 499 (engine requests aborted) the moment the client goes away: the
+        disconnect is awaited (the server's http.disconnect message), not polled, so a request that
+        would finish soon after its client left is aborted too."""
         task = asyncio.ensure_future(self._gather())
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    log.info("request %s aborted: client disconnected", self.job.shape.request_id)
-                    return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                log.info("request %s aborted: client disconnected", self.job.shape.request_id)
+                return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
         finally:
+            gone.cancel()
             if not task.done():
                 task.cancel()
                 self.abort()

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..engine.params import SamplingParams
+from ..engine.params import ParamError, SamplingParams, check_context, context_room
 from .errors import ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -39,7 +39,6 @@ UNSUPPORTED = {
     "verbosity": "'verbosity' is not supported by this server",
 }
 MAX_LOGPROBS_COMPLETIONS = 5
-MAX_TOP_LOGPROBS_CHAT = 20
 
 
 class JsonSchemaFormat(_Strict):
@@ -248,26 +247,22 @@ class DetokenizeRequest(_Strict):
 
 
 def _logprob_fields(req: _Sampling) -> tuple[int | None, int | None]:
-    """-> (logprobs, prompt_logprobs) for SamplingParams."""
+    """-> (logprobs, prompt_logprobs) for SamplingParams (which checks their range)."""
     if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs is not None:
-            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS_CHAT:
-                raise ApiError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS_CHAT}], got {req.top_logprobs}",
-                               "top_logprobs")
-            if not req.logprobs:
-                raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return ((req.top_logprobs or 0) if req.logprobs else None), None
     lp = getattr(req, "logprobs", None)
-    if lp is not None and not 0 <= lp <= MAX_LOGPROBS_COMPLETIONS:
-        raise ApiError(f"'logprobs' must be in [0, {MAX_LOGPROBS_COMPLETIONS}], got {lp}", "logprobs")
+    if lp is not None and lp > MAX_LOGPROBS_COMPLETIONS:  # the endpoint's own limit, below the engine's
+        raise ApiError(f"'logprobs' must be at most {MAX_LOGPROBS_COMPLETIONS} in /v1/completions, got {lp}",
+                       "logprobs")
     return lp, (lp if lp is not None and getattr(req, "echo", False) else None)
 
 
 def engine_samples(req: _Sampling) -> int:
-    """How many samples the engine runs: n, or best_of (then the best n are returned)."""
+    """How many samples the engine runs: n, or best_of (then the best n are returned); their range is
+    SamplingParams' (checked when it is built)."""
     n = req.samples
-    if not 1 <= n <= 128:
-        raise ApiError(f"'n' must be in [1, 128], got {n}", "n")
     best_of = getattr(req, "best_of", None)
     if best_of is None:
         return n
@@ -278,68 +273,46 @@ def engine_samples(req: _Sampling) -> int:
     return best_of
 
 
-def _logit_bias(req: _Sampling) -> dict[int, float]:
-    out = {}
-    for k, v in (req.logit_bias or {}).items():
-        try:
-            tok = int(k)
-        except ValueError:
-            raise ApiError(f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias") from None
-        if not -100 <= v <= 100:
-            raise ApiError(f"'logit_bias' values must be in [-100, 100], got {v} for token {tok}", "logit_bias")
-        out[tok] = v
-    return out
+def _param(req: _Sampling, field: str, prompt_param: str) -> str:
+    """The request's parameter that set SamplingParams' `field`."""
+    if field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    if field == "n" and getattr(req, "best_of", None) is not None:
+        return "best_of"
+    if field == "logprobs" and isinstance(req, ChatCompletionRequest):
+        return "top_logprobs"
+    if field in ("prompt", "prompt_logprobs"):
+        return prompt_param if field == "prompt" else "logprobs"
+    return field
+
+
+def api_error(e: ParamError, req: _Sampling, prompt_param: str) -> ApiError:
+    """SamplingParams' error as the 400 naming the request's parameter."""
+    param = _param(req, e.field, prompt_param)
+    return ApiError(f"'{param}' {e.reason}", param, code=e.code)
 
 
 def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_param: str,
                     structured=None) -> SamplingParams:
-    """Validate the sampling fields against the prompt length; -> SamplingParams or ApiError (400)."""
-    n = engine_samples(req)
-    logprobs, prompt_logprobs = _logprob_fields(req)
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(req, name)
-        if v is not None and not -2 <= v <= 2:
-            raise ApiError(f"'{name}' must be in [-2, 2], got {v}", name)
-    if req.repetition_penalty is not None and not req.repetition_penalty > 0:
-        raise ApiError(f"'repetition_penalty' must be > 0, got {req.repetition_penalty}", "repetition_penalty")
-    max_tokens = getattr(req, "max_completion_tokens", None)
-    param = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, param = req.max_tokens, "max_tokens"
-    room = max_model_len - prompt_len
-    if room < 1:
-        raise ApiError(f"the prompt has {prompt_len} tokens, which leaves no room to generate in the maximum "
-                       f"context length of {max_model_len} tokens", prompt_param, code="context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = room if req.DEFAULT_MAX_TOKENS is None else min(req.DEFAULT_MAX_TOKENS, room)
-    elif max_tokens < 1:
-        raise ApiError(f"'{param}' must be at least 1, got {max_tokens}", param)
-    elif max_tokens > room:
-        raise ApiError(f"the prompt ({prompt_len} tokens) plus '{param}' ({max_tokens}) exceeds the maximum "
-                       f"context length of {max_model_len} tokens", param, code="context_length_exceeded")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if not 0 <= temperature <= 2:
-        raise ApiError(f"'temperature' must be in [0, 2], got {temperature}", "temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0 < top_p <= 1:
-        raise ApiError(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    top_k = 0 if req.top_k is None else req.top_k
-    if top_k < -1:
-        raise ApiError(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
-    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
-        raise ApiError(f"'seed' must fit in 64 bits, got {req.seed}", "seed")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(s == "" for s in stop):
-        raise ApiError("'stop' strings must not be empty", "stop")
-    min_tokens = req.min_tokens or 0
-    if not 0 <= min_tokens <= max_tokens:
-        raise ApiError(f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens")
+    """The request's sampling fields as SamplingParams (which validates them), max_tokens defaulted to
+    what the context leaves; -> SamplingParams or ApiError (400) naming the parameter."""
     try:
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=req.seed, stop=stop, ignore_eos=req.ignore_eos, n=n, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs, presence_penalty=req.presence_penalty or 0.0,
-                              frequency_penalty=req.frequency_penalty or 0.0,
-                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                              logit_bias=_logit_bias(req), min_tokens=min_tokens, structured=structured)
-    except ValueError as e:  # the engine's own checks, should the ones above miss something
-        raise ApiError(str(e)) from None
+        max_tokens = getattr(req, "max_completion_tokens", None)
+        if max_tokens is None:
+            max_tokens = req.max_tokens
+        room = context_room(prompt_len, max_model_len)
+        if max_tokens is None:
+            max_tokens = room if req.DEFAULT_MAX_TOKENS is None else min(req.DEFAULT_MAX_TOKENS, room)
+        logprobs, prompt_logprobs = _logprob_fields(req)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, n=engine_samples(req), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias, min_tokens=req.min_tokens or 0, structured=structured)
+        check_context(prompt_len, params.max_tokens, max_model_len)
+        return params
+    except ParamError as e:
+        raise api_error(e, req, prompt_param) from None
