@@ -1,0 +1,125 @@
+"""GGUF metadata -> the Hugging Face config dict each family's parser already reads.
+
+llama.cpp's converter writes a model's hyperparameters as `{arch}.*` keys (`general.architecture`
+= arch); `hf_config` rebuilds config.json's fields from them, so the same family parser
+(models/*.py) and the same model code serve a GGUF file and a safetensors checkpoint. What the
+converter does not write is stated once, in `NOT_IN_METADATA`. Each `Arch` also says how its tensors
+are named (names.py) and whether its q/k rows were permuted by the converter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+# Facts llama.cpp builds into its graph code instead of writing them to the file:
+NOT_IN_METADATA = {
+    # qwen3moe: llama.cpp always renormalises the top-k weights (its graph passes norm_w = true);
+    # Qwen3-MoE's config.json says norm_topk_prob: true
+    "qwen3moe": {"norm_topk_prob": True},
+    # gpt-oss: the clamped SwiGLU's constants are in llama.cpp's graph (alpha 1.702, limit 7.0), the
+    # same as GptOssConfig's (models/gpt_oss.py reads swiglu_limit; alpha is the family's)
+    "gpt-oss": {"swiglu_limit": 7.0},
+    # mixtral: renormalised top-k softmax is the family's routing, nothing to state
+}
+# (tied embeddings are not metadata either: a file without output.weight ties lm_head to the embedding)
+
+
+class Meta:
+    """Typed reads of one file's metadata under `{arch}.`; a missing required key names the file."""
+
+    def __init__(self, path: Path, metadata: dict, arch: str):
+        self.path, self.m, self.arch = path, metadata, arch
+
+    def get(self, key: str, default=None):
+        return self.m.get(f"{self.arch}.{key}", default)
+
+    def req(self, key: str):
+        full = f"{self.arch}.{key}"
+        if full not in self.m:
+            raise CheckpointError(f"{self.path}: missing metadata {full} (needed for the {self.arch} config)")
+        return self.m[full]
+
+
+@dataclass(frozen=True)
+class Arch:
+    arch: str  # general.architecture
+    hf_architecture: str  # config.json "architectures"[0] of the same model
+    fields: Callable[[Meta], dict]  # the family's own fields
+    moe_prefix: str = "mlp"  # HF module of router + experts
+    router: str = "gate"
+    shared_expert: str = "shared_expert"
+    permute_qk: bool = False  # the converter permuted q/k rows (ggml's "normal" rope: llama)
+
+
+ARCHES: dict[str, Arch] = {}
+
+
+def register(a: Arch) -> Arch:
+    ARCHES[a.arch] = a
+    return a
+
+
+def _rope(m: Meta) -> dict:
+    out = {"rope_theta": float(m.get("rope.freq_base", 10000.0))}
+    kind = m.get("rope.scaling.type")
+    if kind not in (None, "none"):
+        scaling = {"rope_type": kind, "factor": float(m.req("rope.scaling.factor"))}
+        orig = m.get("rope.scaling.original_context_length")
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        out["rope_scaling"] = scaling
+    return out
+
+
+def _base(m: Meta) -> dict:
+    heads = int(m.req("attention.head_count"))
+    hidden = int(m.req("embedding_length"))
+    kv = m.get("attention.head_count_kv", heads)
+    if isinstance(kv, list):
+        raise CheckpointError(f"{m.path}: {m.arch}.attention.head_count_kv varies per layer; not supported")
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": int(m.req("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv),
+        "head_dim": int(m.get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(m.req("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(m.get("context_length", 32768)),
+        "hidden_act": "silu",
+        **_rope(m),
+    }
+
+
+def _experts(m: Meta) -> dict:
+    return {"num_experts": int(m.req("expert_count")), "num_experts_per_tok": int(m.req("expert_used_count"))}
+
+
+def _qwen3moe(m: Meta) -> dict:
+    return {**_base(m), **_experts(m), "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
+            "intermediate_size": int(m.get("feed_forward_length", 0)),
+            "norm_topk_prob": bool(m.get("expert_weights_norm", NOT_IN_METADATA["qwen3moe"]["norm_topk_prob"]))}
+
+
+register(Arch("qwen3moe", "Qwen3MoeForCausalLM", _qwen3moe))
+
+
+def hf_config(path: Path, metadata: dict, tensor_names, vocab_size: int) -> tuple[Arch, dict]:
+    """(Arch, the config.json dict) from a file's metadata; `tensor_names`: the GGUF tensor names."""
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHES:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(ARCHES)})")
+    a = ARCHES[arch]
+    m = Meta(path, metadata, arch)
+    hf = {"architectures": [a.hf_architecture], "vocab_size": vocab_size,
+          "tie_word_embeddings": "output.weight" not in tensor_names, **a.fields(m)}
+    for key, hf_key in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")):
+        if key in metadata:
+            hf[hf_key] = int(metadata[key])
+    eot = metadata.get("tokenizer.ggml.eot_token_id")
+    if eot is not None and hf.get("eos_token_id") not in (None, eot):
+        hf["eos_token_id"] = [hf["eos_token_id"], int(eot)]
+    return a, hf

@@ -1,0 +1,166 @@
+"""A GGUF file as a checkpoint index: tensors served under the Hugging Face names the families read.
+
+`GGUFIndex` is a loader.safetensors_index.TensorIndex (the same `tensors`, `info`, `load`, `drop`,
+`nbytes`, `rename`), built from a GGUF header (reader.py) and the name map (names.py):
+  - a routed-expert stack blk.N.ffn_{gate,up,down}_exps [in, out, E] (ggml dims) becomes E entries
+    model.layers.N.<moe>.experts.j.<proj>.weight, each one contiguous byte range of the file:
+    in a block type with a QuantMethod (quant/ggml.py) uint8 [out, row bytes], the file's blocks as they
+    are; in F32/F16/BF16 that dtype [out, in]. experts/layout.py's ExpertSource reads them as it reads
+    a hub checkpoint's per-expert tensors, so every tier holds an expert in exactly its file bytes;
+  - a dense tensor in F32/F16/BF16 is read as stored; in a block type it is listed as float32 [out, in]
+    (what `load` dequantizes it to; nbytes = its stored bytes), a type without a decoder here (Q2_K,
+    Q3_K, IQ2/IQ3, ...) through the `gguf` package where installed, said once per type.
+`expert_types`: per (layer, projection) the ggml type of the routed experts (the config's quant method).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CheckpointError
+from ..loader.safetensors_index import TensorIndex, TensorInfo
+from ..quant.ggml_blocks import DECODERS, FLOATS, GGMLType, method_name
+from .families import Arch
+from .names import expert_stack, hf_name
+from .reader import GGUFFile, GGUFTensor
+
+
+@dataclass(frozen=True)
+class GGUFInfo(TensorInfo):
+    """A GGUF tensor under its HF name: `type` its ggml type, `gguf_name` its name in the file."""
+
+    type: GGMLType | None = None
+    gguf_name: str = ""
+    permute_heads: int = 0  # q/k rows to un-permute (llama's converter), 0: none
+
+
+class GGUFIndex(TensorIndex):
+    def __init__(self, gf: GGUFFile, arch: Arch, expert_projs: tuple[str, str, str]):
+        self.model_dir = gf.path
+        self.gguf = gf
+        self.metadata: dict[str, str] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self.expert_types: dict[tuple[int, str], str] = {}
+        self.left_out: list[str] = []
+        self._dequantized: dict[str, list[str]] = {}
+        projs = dict(zip(("gate", "up", "down"), expert_projs))
+        for t in gf.tensors.values():
+            stack = expert_stack(t.name)
+            if stack is not None:
+                self._experts(t, arch, projs, *stack)
+                continue
+            name = hf_name(t.name, arch)
+            if name is None:
+                self.left_out.append(t.name)
+                continue
+            heads = 0
+            if arch.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+                key = f"{arch.arch}.attention.head_count" + ("_kv" if ".k_proj." in name else "")
+                heads = int(gf.metadata.get(key, gf.metadata[f"{arch.arch}.attention.head_count"]))
+            self.tensors[name] = self._dense(t, name, heads)
+        if self.left_out:
+            shown = ", ".join(self.left_out[:4]) + (f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else "")
+            print(f"note: {gf.path.name}: {len(self.left_out)} tensor(s) not read by the {arch.arch} model: {shown}",
+                  file=sys.stderr)
+        for type_name, names in self._dequantized.items():
+            print(f"note: {gf.path.name}: {len(names)} dense tensor(s) of type {type_name} ({names[0]}"
+                  f"{', ...' if len(names) > 1 else ''}) are dequantized at load to float32 through the gguf "
+                  "package (no decoder of that type here)", file=sys.stderr)
+
+    def _dense(self, t: GGUFTensor, name: str, heads: int) -> GGUFInfo:
+        if t.type.name in FLOATS:
+            dtype = FLOATS[t.type.name]
+        elif t.type.name in DECODERS:
+            dtype = torch.float32
+        else:
+            _gguf_package(t)
+            self._dequantized.setdefault(t.type.name, []).append(t.name)
+            dtype = torch.float32
+        return GGUFInfo(name, t.file, dtype, t.shape, t.offset, t.nbytes, t.type, t.name, heads)
+
+    def _experts(self, t: GGUFTensor, arch: Arch, projs: dict, layer: int, canon: str, kind: str) -> None:
+        prefix = f"model.layers.{layer}.{arch.moe_prefix}.experts"
+        if len(t.dims) != (3 if kind == "weight" else 2):
+            raise CheckpointError(f"{t.file}: tensor {t.name} has ggml dims {list(t.dims)}; expected "
+                                  f"{'[in, out, experts]' if kind == 'weight' else '[out, experts]'}")
+        E = t.dims[-1]
+        per = t.nbytes // E
+        if kind == "bias":  # [out, E]: experts.<proj>_bias [E, out] (one range per expert row)
+            if t.type.name not in FLOATS:
+                raise CheckpointError(f"{t.file}: tensor {t.name} is {t.type.name}; expert biases must be F32/F16/BF16")
+            name = f"{prefix}.{projs[canon]}_bias"
+            self.tensors[name] = GGUFInfo(name, t.file, FLOATS[t.type.name], (E, t.dims[0]), t.offset, t.nbytes,
+                                          t.type, t.name)
+            return
+        n_in, n_out = t.dims[0], t.dims[1]
+        if t.type.name in FLOATS:
+            dtype, shape = FLOATS[t.type.name], (n_out, n_in)
+        elif method_name(t.type.name) is not None:
+            dtype, shape = torch.uint8, (n_out, t.type.row_bytes(n_in))
+        else:
+            raise CheckpointError(f"{t.file}: tensor {t.name} (routed experts) is {t.type.name}, which has no expert "
+                                  "format here (supported: F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, "
+                                  "IQ4_NL, IQ4_XS, MXFP4); requantize the experts with llama-quantize")
+        self.expert_types[layer, canon] = t.type.name
+        for j in range(E):
+            name = f"{prefix}.{j}.{projs[canon]}.weight"
+            self.tensors[name] = GGUFInfo(name, t.file, dtype, shape, t.offset + j * per, per, t.type, f"{t.name}[{j}]")
+
+    def info(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.model_dir}: missing tensor {name}{_gguf_hint(name)}")
+        if shape is not None and tuple(shape) != t.shape:
+            g = getattr(t, "gguf_name", name)
+            raise CheckpointError(f"{t.file.name}: tensor {g} ({name}) has shape {list(t.shape)}, the config implies "
+                                  f"{list(shape)}")
+        return t
+
+    def load(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One tensor as float (stored float types as stored; block types dequantized to float32)."""
+        t = self.info(name, shape)
+        if not isinstance(t, GGUFInfo) or t.type is None or t.type.name in FLOATS:
+            out = super().load(name, shape)
+        else:
+            out = dequantize(t)
+        if isinstance(t, GGUFInfo) and t.permute_heads:
+            out = unpermute(out, t.permute_heads)
+        return out
+
+
+def dequantize(t: GGUFInfo) -> torch.Tensor:
+    """A block-type tensor's bytes -> float32 in its HF shape."""
+    raw = torch.empty(t.nbytes, dtype=torch.uint8)
+    with open(t.file, "rb", buffering=0) as f:
+        f.seek(t.offset)
+        if f.readinto(raw.numpy()) != t.nbytes:
+            raise CheckpointError(f"{t.file}: short read of tensor {t.gguf_name}: file truncated?")
+    if t.type.name in DECODERS:
+        return DECODERS[t.type.name](raw.view(-1, t.type.block_bytes)).reshape(t.shape)
+    gguf = _gguf_package(t)
+    return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(t.type.id)).copy()
+                            ).float().reshape(t.shape)
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's converter's q/k row permutation (HF's rotate-half halves -> ggml's interleaved
+    pairs): rows [heads, 2, d/2] were written as [heads, d/2, 2]."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _gguf_package(t):
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError(f"{t.file}: tensor {t.name if isinstance(t, GGUFTensor) else t.gguf_name} is "
+                              f"{t.type.name}; that type is read through the gguf package "
+                              "(pip install gguf), or requantize the file") from None
+    return gguf
+
+
+def _gguf_hint(name: str) -> str:
+    return "" if ".experts." not in name else " (no routed-expert tensor blk.N.ffn_*_exps for it in the file)"

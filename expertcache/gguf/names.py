@@ -1,0 +1,59 @@
+"""llama.cpp's tensor names -> the Hugging Face names the families read.
+
+    token_embd.weight            model.embed_tokens.weight
+    output_norm.weight           model.norm.weight
+    output.weight                lm_head.weight            (absent: tied to the embedding)
+    blk.N.<gguf>.{weight,bias}   model.layers.N.<LAYER[gguf]>.{weight,bias}
+    blk.N.ffn_{gate,up,down}_exps.{weight,bias}   routed experts, stacked [in, out, E] (ggml dims):
+                                 served per expert as model.layers.N.<moe>.experts.j.<proj>.weight
+                                 (index.py), biases [out, E] as experts.<proj>_bias
+`hf_name` returns None for a tensor no family reads here (the caller lists those it leaves out).
+"""
+
+from __future__ import annotations
+
+import re
+
+from .families import Arch
+
+GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+MOE = {"ffn_gate_inp": "{router}", "ffn_gate_shexp": "{shared}.gate_proj", "ffn_up_shexp": "{shared}.up_proj",
+       "ffn_down_shexp": "{shared}.down_proj", "ffn_gate_inp_shexp": "shared_expert_gate",
+       "exp_probs_b": "{router}.e_score_correction"}
+EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+
+
+def hf_name(name: str, a: Arch) -> str | None:
+    """The HF name of a dense tensor (None: an expert stack, see `expert_stack`, or not read)."""
+    base, _, suffix = name.rpartition(".")
+    if base in GLOBAL and suffix == "weight":
+        return f"{GLOBAL[base]}.weight"
+    m = BLOCK.match(name)
+    if m is None:
+        return None
+    layer, key, suffix = m.groups()
+    if key in LAYER:
+        return f"model.layers.{layer}.{LAYER[key]}.{suffix}"
+    if key in MOE:
+        mod = MOE[key].format(router=a.router, shared=a.shared_expert)
+        if key == "exp_probs_b":  # HF: <router>.e_score_correction_bias, no .weight/.bias suffix
+            return f"model.layers.{layer}.{a.moe_prefix}.{mod}_bias"
+        return f"model.layers.{layer}.{a.moe_prefix}.{mod}.{suffix}"
+    return None
+
+
+def expert_stack(name: str) -> tuple[int, str, str] | None:
+    """(layer, gate|up|down, weight|bias) of a stacked routed-expert tensor, else None."""
+    m = BLOCK.match(name)
+    if m is None or m[2] not in EXPERTS:
+        return None
+    return int(m[1]), EXPERTS[m[2]], m[3]

@@ -1,0 +1,194 @@
+"""Tiny GGUF files for the tests, written with the `gguf` package's writer the way llama.cpp's
+converter lays them out: its tensor names, experts stacked per layer [E, out, in] (ggml dims
+[in, out, E]), `{arch}.*` hyperparameters, `tokenizer.ggml.*` from a tokenizer.json.
+
+`write_gguf(path, tensors, cfg, types)`: HF-named float tensors -> a .gguf file, each tensor in the
+ggml type `types(gguf_name)` (quantized by the gguf package's numpy quantisers);
+`random_blocks(type, rows, cols)`: valid random blocks of any block type (finite scales), as bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import gguf
+from gguf import GGMLQuantizationType as Q
+
+LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight"}
+EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def gguf_names(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """HF names -> the converter's names; experts stacked [E, out, in] per layer and projection."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = EXPERT.match(name)
+        if m:
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = t
+            continue
+        if name in GLOBAL:
+            out[GLOBAL[name]] = t
+            continue
+        m = LAYER_RE.match(name)
+        if m is None or m[2] not in LAYER:
+            raise ValueError(f"no GGUF name for {name}")
+        out[f"blk.{m[1]}.{LAYER[m[2]]}.{m[3]}"] = t
+    for (layer, proj), per in experts.items():
+        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[j] for j in range(len(per))])
+    return {k: v.detach().float().numpy() for k, v in out.items()}
+
+
+def default_types(expert: str = "F32", dense: str = "F32"):
+    """1-D tensors and the router stay F32 (as the converter keeps them); experts and 2-D dense weights
+    in the given types."""
+    def pick(name: str, arr: np.ndarray) -> str:
+        if arr.ndim == 1 or "ffn_gate_inp" in name:
+            return "F32"
+        return expert if "_exps" in name else dense
+    return pick
+
+
+def qwen3moe_metadata(cfg: dict) -> list[tuple[str, object, str]]:
+    a = "qwen3moe"
+    return [
+        (f"{a}.block_count", cfg["num_hidden_layers"], "u32"),
+        (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
+        (f"{a}.embedding_length", cfg["hidden_size"], "u32"),
+        (f"{a}.feed_forward_length", cfg.get("intermediate_size", 0), "u32"),
+        (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"),
+        (f"{a}.attention.head_count_kv", cfg["num_key_value_heads"], "u32"),
+        (f"{a}.rope.freq_base", float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))),
+         "f32"),
+        (f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"], "f32"),
+        (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
+        (f"{a}.expert_count", cfg.get("num_experts", cfg.get("num_local_experts")), "u32"),
+        (f"{a}.attention.key_length", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], "u32"),
+        (f"{a}.attention.value_length", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], "u32"),
+        (f"{a}.expert_feed_forward_length", cfg["moe_intermediate_size"], "u32"),
+    ]
+
+
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+
+def tokenizer_metadata(tokenizer_json: Path, pre: str, vocab_size: int | None = None,
+                       eos: str | None = None, bos: str | None = None, chat_template: str | None = None,
+                       add_bos: bool = False) -> list[tuple[str, object, str]]:
+    """tokenizer.ggml.* as llama.cpp's converter writes a byte-level BPE vocabulary: every id's piece
+    ([PADi] unused where the vocabulary has a hole), added tokens control (special, or looking like
+    <|...|>) or user-defined, merges "a b"."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    spec = json.loads(Path(tokenizer_json).read_text())
+    vocab = tok.get_vocab(with_added_tokens=True)
+    added = tok.get_added_tokens_decoder()
+    n = vocab_size or max(vocab.values()) + 1
+    reverse = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(n):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(TOKEN_UNUSED)
+            continue
+        t = reverse[i]
+        tokens.append(t)
+        if i in added:
+            looks = t.startswith("<|") and t.endswith("|>")
+            types.append(TOKEN_CONTROL if added[i].special or looks else TOKEN_USER_DEFINED)
+        else:
+            types.append(TOKEN_NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    meta = [("tokenizer.ggml.model", "gpt2", "str"), ("tokenizer.ggml.pre", pre, "str"),
+            ("tokenizer.ggml.tokens", tokens, "str[]"), ("tokenizer.ggml.token_type", types, "i32[]"),
+            ("tokenizer.ggml.merges", merges, "str[]"), ("tokenizer.ggml.add_bos_token", add_bos, "bool")]
+    if eos is not None:
+        meta.append(("tokenizer.ggml.eos_token_id", vocab[eos], "u32"))
+    if bos is not None:
+        meta.append(("tokenizer.ggml.bos_token_id", vocab[bos], "u32"))
+    if chat_template is not None:
+        meta.append(("tokenizer.chat_template", chat_template, "str"))
+    return meta
+
+
+def _add(w: gguf.GGUFWriter, key: str, value, kind: str) -> None:
+    if kind == "u32":
+        w.add_uint32(key, int(value))
+    elif kind == "i32":
+        w.add_int32(key, int(value))
+    elif kind == "f32":
+        w.add_float32(key, float(value))
+    elif kind == "bool":
+        w.add_bool(key, bool(value))
+    elif kind == "str":
+        w.add_string(key, value)
+    elif kind.endswith("[]"):
+        w.add_array(key, list(value))
+    else:
+        raise ValueError(kind)
+
+
+def write_gguf(path, arch: str, arrays: dict[str, np.ndarray], metadata, types=None, raw: dict | None = None,
+               alignment: int | None = None) -> Path:
+    """Write float arrays (GGUF names, numpy [..., out, in]) in `types(name, arr)` ggml types; `raw`:
+    {name: (ggml type name, uint8 bytes [..., rows, row bytes])} written as given."""
+    types = types or default_types()
+    w = gguf.GGUFWriter(str(path), arch)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    for key, value, kind in metadata:
+        _add(w, key, value, kind)
+    for name, arr in arrays.items():
+        t = Q[types(name, arr)]
+        if t == Q.F32:
+            w.add_tensor(name, arr.astype(np.float32))
+        elif t == Q.F16:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), t), raw_dtype=t)
+    for name, (tname, data) in (raw or {}).items():
+        w.add_tensor(name, data, raw_dtype=Q[tname])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, cols / QK * BB]: random codes, every f16 scale a small finite value (e8m0 near 1
+    for MXFP4), so the blocks decode to finite weights of a sensible size."""
+    t = Q[type_name]
+    qk, bb = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(rows * cols // qk, bb), dtype=np.uint8)
+
+    def f16(n=1):
+        return (rng.uniform(0.002, 0.02, size=(b.shape[0], n)) * rng.choice([-1, 1], size=(b.shape[0], n))
+                ).astype(np.float16).view(np.uint8)
+
+    if type_name == "MXFP4":
+        b[:, 0] = rng.integers(118, 124, size=b.shape[0])
+    elif type_name == "Q6_K":
+        b[:, 208:210] = f16()
+    elif type_name in ("Q4_K", "Q5_K", "Q2_K"):
+        off = 0 if type_name != "Q2_K" else 80
+        b[:, off:off + 4] = np.abs(f16(2).view(np.float16)).view(np.uint8)
+    elif type_name == "Q3_K":
+        b[:, 108:110] = f16()
+    else:
+        b[:, 0:2] = f16()
+    return b.reshape(rows, -1)
