@@ -13,10 +13,9 @@ import json
 import re
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
-
-import gguf
 from gguf import GGMLQuantizationType as Q
 
 LAYER = {
@@ -192,3 +191,38 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     else:
         b[:, 0:2] = f16()
     return b.reshape(rows, -1)
+
+
+def dequantized_tensors(path) -> dict[str, torch.Tensor]:
+    """The oracle: every tensor of a GGUF file read by the gguf package and dequantized by it, under the
+    HF names (experts unstacked), float32."""
+    inverse_layer = {v: k for k, v in LAYER.items()}
+    inverse_global = {v: k for k, v in GLOBAL.items()}
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = w.reshape(tuple(reversed([int(d) for d in t.shape])))
+        if t.name in inverse_global:
+            out[inverse_global[t.name]] = w
+            continue
+        layer, key, suffix = t.name.split(".", 1)[1].split(".")
+        m = re.match(r"^ffn_(gate|up|down)_exps$", key)
+        if m:
+            for j in range(w.shape[0]):
+                out[f"model.layers.{layer}.mlp.experts.{j}.{m[1]}_proj.{suffix}"] = w[j]
+        else:
+            out[f"model.layers.{layer}.{inverse_layer[key]}.{suffix}"] = w
+    return out
+
+
+def reference_with(model, tensors: dict[str, torch.Tensor]):
+    """A transformers model whose weights are `tensors` (HF names), every parameter replaced."""
+    from checkpoints import fuse_experts
+
+    state = model.state_dict()
+    if any(k.endswith("experts.gate_up_proj") for k in state):  # transformers 5 holds experts fused
+        tensors = fuse_experts(tensors)
+    missing = set(state) - set(tensors)
+    assert not missing, f"the GGUF file lacks {sorted(missing)[:4]}"
+    model.load_state_dict({k: tensors[k].to(state[k].dtype) for k in state})
+    return model
