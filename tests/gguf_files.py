@@ -54,7 +54,7 @@ def default_types(expert: str = "F32", dense: str = "F32"):
     """1-D tensors and the router stay F32 (as the converter keeps them); experts and 2-D dense weights
     in the given types."""
     def pick(name: str, arr: np.ndarray) -> str:
-        if arr.ndim == 1 or "ffn_gate_inp" in name:
+        if arr.ndim == 1 or "ffn_gate_inp" in name or name.endswith(".bias"):
             return "F32"
         return expert if "_exps" in name else dense
     return pick
@@ -226,3 +226,87 @@ def reference_with(model, tensors: dict[str, torch.Tensor]):
     assert not missing, f"the GGUF file lacks {sorted(missing)[:4]}"
     model.load_state_dict({k: tensors[k].to(state[k].dtype) for k in state})
     return model
+
+
+# -- GPT-OSS: llama.cpp's converter splits the fused, transposed, interleaved experts into stacks --------
+GPT_OSS_LAYER = {**LAYER, "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
+
+
+def gpt_oss_names(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    out = {}
+    for name, t in tensors.items():
+        if name in GLOBAL:
+            out[GLOBAL[name]] = t
+            continue
+        layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+        blk = f"blk.{layer}"
+        if rest == "self_attn.sinks":
+            out[f"{blk}.attn_sinks.weight"] = t
+        elif rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate = even columns
+            out[f"{blk}.ffn_gate_exps.weight"] = t[:, :, 0::2].transpose(1, 2)
+            out[f"{blk}.ffn_up_exps.weight"] = t[:, :, 1::2].transpose(1, 2)
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            out[f"{blk}.ffn_gate_exps.bias"] = t[:, 0::2]
+            out[f"{blk}.ffn_up_exps.bias"] = t[:, 1::2]
+        elif rest == "mlp.experts.down_proj":  # [E, I, H]
+            out[f"{blk}.ffn_down_exps.weight"] = t.transpose(1, 2)
+        elif rest == "mlp.experts.down_proj_bias":
+            out[f"{blk}.ffn_down_exps.bias"] = t
+        else:
+            module, suffix = rest.rsplit(".", 1)
+            out[f"{blk}.{GPT_OSS_LAYER[module]}.{suffix}"] = t
+    return {k: v.detach().float().contiguous().numpy() for k, v in out.items()}
+
+
+def gpt_oss_metadata(cfg: dict) -> list[tuple[str, object, str]]:
+    a, rope = "gpt-oss", cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    return [
+        (f"{a}.block_count", cfg["num_hidden_layers"], "u32"),
+        (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
+        (f"{a}.embedding_length", cfg["hidden_size"], "u32"),
+        (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
+        (f"{a}.expert_feed_forward_length", cfg["intermediate_size"], "u32"),
+        (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"),
+        (f"{a}.attention.head_count_kv", cfg["num_key_value_heads"], "u32"),
+        (f"{a}.attention.key_length", cfg["head_dim"], "u32"),
+        (f"{a}.attention.value_length", cfg["head_dim"], "u32"),
+        (f"{a}.rope.freq_base", rope["rope_theta"], "f32"),
+        (f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"], "f32"),
+        (f"{a}.expert_count", cfg["num_local_experts"], "u32"),
+        (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
+        (f"{a}.attention.sliding_window", cfg["sliding_window"], "u32"),
+        (f"{a}.rope.scaling.type", "yarn", "str"),
+        (f"{a}.rope.scaling.factor", rope["factor"], "f32"),
+        (f"{a}.rope.scaling.original_context_length", rope["original_max_position_embeddings"], "u32"),
+    ]
+
+
+def gpt_oss_state(path) -> dict[str, torch.Tensor]:
+    """The oracle for a GPT-OSS GGUF: the gguf package's dequantized tensors back in transformers' layout."""
+    inverse = {v: k for k, v in GPT_OSS_LAYER.items()}
+    inverse_global = {v: k for k, v in GLOBAL.items()}
+    raw, out = {}, {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        raw[t.name] = w.reshape(tuple(reversed([int(d) for d in t.shape])))
+    for name, w in raw.items():
+        if name in inverse_global:
+            out[inverse_global[name]] = w
+            continue
+        _, layer, key, suffix = name.split(".")
+        p = f"model.layers.{layer}"
+        if key == "attn_sinks":
+            out[f"{p}.self_attn.sinks"] = w
+        elif key == "ffn_gate_exps":
+            up = raw[f"blk.{layer}.ffn_up_exps.{suffix}"]
+            if suffix == "weight":  # [E, I, H] x 2 -> [E, H, 2I] interleaved
+                out[f"{p}.mlp.experts.gate_up_proj"] = torch.stack((w, up), dim=2).reshape(w.shape[0], -1, w.shape[2]
+                                                                                         ).transpose(1, 2)
+            else:
+                out[f"{p}.mlp.experts.gate_up_proj_bias"] = torch.stack((w, up), dim=2).reshape(w.shape[0], -1)
+        elif key == "ffn_down_exps":
+            out[f"{p}.mlp.experts.down_proj" + ("" if suffix == "weight" else "_bias")] = \
+                w.transpose(1, 2) if suffix == "weight" else w
+        elif key != "ffn_up_exps":
+            out[f"{p}.{inverse[key]}.{suffix}"] = w
+    return out

@@ -20,9 +20,9 @@ NOT_IN_METADATA = {
     # qwen3moe: llama.cpp always renormalises the top-k weights (its graph passes norm_w = true);
     # Qwen3-MoE's config.json says norm_topk_prob: true
     "qwen3moe": {"norm_topk_prob": True},
-    # gpt-oss: the clamped SwiGLU's constants are in llama.cpp's graph (alpha 1.702, limit 7.0), the
-    # same as GptOssConfig's (models/gpt_oss.py reads swiglu_limit; alpha is the family's)
-    "gpt-oss": {"swiglu_limit": 7.0},
+    # gpt-oss: the clamped SwiGLU's constants are in llama.cpp's graph (alpha 1.702, limit 7.0), as in
+    # GPT-OSS's config.json; its YaRN's beta_fast 32 / beta_slow 1 and truncate false are config.json's too
+    "gpt-oss": {"swiglu_alpha": 1.702, "swiglu_limit": 7.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
     # mixtral: renormalised top-k softmax is the family's routing, nothing to state
 }
 # (tied embeddings are not metadata either: a file without output.weight ties lm_head to the embedding)
@@ -53,6 +53,10 @@ class Arch:
     router: str = "gate"
     shared_expert: str = "shared_expert"
     permute_qk: bool = False  # the converter permuted q/k rows (ggml's "normal" rope: llama)
+    # experts served as stacks experts.gate_up_proj [E, 2I, ...] / down_proj (+ _bias) instead of per expert
+    # (a family with expert biases reads only that layout); the family's WeightNames fields to override
+    fused_experts: bool = False
+    weight_names: tuple = ()
 
 
 ARCHES: dict[str, Arch] = {}
@@ -105,6 +109,22 @@ def _qwen3moe(m: Meta) -> dict:
 
 
 register(Arch("qwen3moe", "Qwen3MoeForCausalLM", _qwen3moe))
+
+
+def _gpt_oss(m: Meta) -> dict:
+    facts = NOT_IN_METADATA["gpt-oss"]
+    hf = {**_base(m), "num_local_experts": int(m.req("expert_count")),
+          "num_experts_per_tok": int(m.req("expert_used_count")),
+          "intermediate_size": int(m.get("expert_feed_forward_length", m.get("feed_forward_length"))),
+          "sliding_window": int(m.req("attention.sliding_window")), "attention_bias": True,
+          "swiglu_alpha": facts["swiglu_alpha"], "swiglu_limit": facts["swiglu_limit"]}
+    if "rope_scaling" in hf:
+        hf["rope_scaling"].update({k: facts[k] for k in ("beta_fast", "beta_slow", "truncate")})
+    return hf
+
+
+register(Arch("gpt-oss", "GptOssForCausalLM", _gpt_oss, router="router", fused_experts=True,
+              weight_names=(("fused_transposed", False), ("gate_up_interleaved", False))))
 
 
 def hf_config(path: Path, metadata: dict, tensor_names, vocab_size: int) -> tuple[Arch, dict]:

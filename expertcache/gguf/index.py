@@ -47,10 +47,11 @@ class GGUFIndex(TensorIndex):
         self.left_out: list[str] = []
         self._dequantized: dict[str, list[str]] = {}
         projs = dict(zip(("gate", "up", "down"), expert_projs))
+        stacks = {}
         for t in gf.tensors.values():
             stack = expert_stack(t.name)
             if stack is not None:
-                self._experts(t, arch, projs, *stack)
+                stacks[stack] = t
                 continue
             name = hf_name(t.name, arch)
             if name is None:
@@ -61,6 +62,7 @@ class GGUFIndex(TensorIndex):
                 key = f"{arch.arch}.attention.head_count" + ("_kv" if ".k_proj." in name else "")
                 heads = int(gf.metadata.get(key, gf.metadata[f"{arch.arch}.attention.head_count"]))
             self.tensors[name] = self._dense(t, name, heads)
+        self._experts(stacks, arch, projs)
         if self.left_out:
             shown = ", ".join(self.left_out[:4]) + (f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else "")
             print(f"note: {gf.path.name}: {len(self.left_out)} tensor(s) not read by the {arch.arch} model: {shown}",
@@ -81,33 +83,42 @@ class GGUFIndex(TensorIndex):
             dtype = torch.float32
         return GGUFInfo(name, t.file, dtype, t.shape, t.offset, t.nbytes, t.type, t.name, heads)
 
-    def _experts(self, t: GGUFTensor, arch: Arch, projs: dict, layer: int, canon: str, kind: str) -> None:
-        prefix = f"model.layers.{layer}.{arch.moe_prefix}.experts"
-        if len(t.dims) != (3 if kind == "weight" else 2):
-            raise CheckpointError(f"{t.file}: tensor {t.name} has ggml dims {list(t.dims)}; expected "
-                                  f"{'[in, out, experts]' if kind == 'weight' else '[out, experts]'}")
-        E = t.dims[-1]
-        per = t.nbytes // E
-        if kind == "bias":  # [out, E]: experts.<proj>_bias [E, out] (one range per expert row)
-            if t.type.name not in FLOATS:
+    def _experts(self, stacks: dict, arch: Arch, projs: dict) -> None:
+        """Routed-expert stacks {(layer, gate|up|down, weight|bias): GGUFTensor} -> index entries."""
+        for (layer, canon, kind), t in stacks.items():
+            want = 3 if kind == "weight" else 2
+            if len(t.dims) != want:
+                raise CheckpointError(f"{t.file}: tensor {t.name} has ggml dims {list(t.dims)}; expected "
+                                      f"{'[in, out, experts]' if kind == 'weight' else '[out, experts]'}")
+            if kind == "bias" and t.type.name not in FLOATS:
                 raise CheckpointError(f"{t.file}: tensor {t.name} is {t.type.name}; expert biases must be F32/F16/BF16")
-            name = f"{prefix}.{projs[canon]}_bias"
-            self.tensors[name] = GGUFInfo(name, t.file, FLOATS[t.type.name], (E, t.dims[0]), t.offset, t.nbytes,
-                                          t.type, t.name)
-            return
-        n_in, n_out = t.dims[0], t.dims[1]
-        if t.type.name in FLOATS:
-            dtype, shape = FLOATS[t.type.name], (n_out, n_in)
-        elif method_name(t.type.name) is not None:
-            dtype, shape = torch.uint8, (n_out, t.type.row_bytes(n_in))
-        else:
-            raise CheckpointError(f"{t.file}: tensor {t.name} (routed experts) is {t.type.name}, which has no expert "
-                                  "format here (supported: F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, "
-                                  "IQ4_NL, IQ4_XS, MXFP4); requantize the experts with llama-quantize")
-        self.expert_types[layer, canon] = t.type.name
-        for j in range(E):
-            name = f"{prefix}.{j}.{projs[canon]}.weight"
-            self.tensors[name] = GGUFInfo(name, t.file, dtype, shape, t.offset + j * per, per, t.type, f"{t.name}[{j}]")
+            if kind == "weight" and t.type.name not in FLOATS and method_name(t.type.name) is None:
+                raise CheckpointError(f"{t.file}: tensor {t.name} (routed experts) is {t.type.name}, which has no "
+                                      "expert format here (supported: F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, "
+                                      "Q6_K, IQ4_NL, IQ4_XS, MXFP4); requantize the experts with llama-quantize")
+            if kind == "weight":
+                self.expert_types[layer, canon] = t.type.name
+        for (layer, canon, kind), t in stacks.items():
+            prefix = f"model.layers.{layer}.{arch.moe_prefix}.experts"
+            if arch.fused_experts:  # experts.gate_up_proj [E, 2I, ...] (gate rows, then up rows) + down_proj
+                if canon == "up":
+                    continue
+                parts = (t, stacks.get((layer, "up", kind))) if canon == "gate" else (t,)
+                if None in parts:
+                    raise CheckpointError(f"{t.file}: missing tensor {t.name.replace('gate', 'up')} (beside {t.name})")
+                proj = "gate_up_proj" if canon == "gate" else "down_proj"
+                name = f"{prefix}.{proj}" + ("_bias" if kind == "bias" else "")
+                self.tensors[name] = _stack(name, parts, kind)
+            elif kind == "weight":
+                E, per = t.dims[-1], t.nbytes // t.dims[-1]
+                shape = _expert_shape(t)
+                for j in range(E):
+                    name = f"{prefix}.{j}.{projs[canon]}.weight"
+                    self.tensors[name] = GGUFInfo(name, t.file, _expert_dtype(t), shape, t.offset + j * per, per, t.type,
+                                                  f"{t.name}[{j}]")
+            else:
+                raise CheckpointError(f"{t.file}: tensor {t.name}: expert biases are not read for the {arch.arch} "
+                                      "architecture")
 
     def info(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         t = self.tensors.get(name)
@@ -129,6 +140,41 @@ class GGUFIndex(TensorIndex):
         if isinstance(t, GGUFInfo) and t.permute_heads:
             out = unpermute(out, t.permute_heads)
         return out
+
+
+@dataclass(frozen=True)
+class GGUFStack(GGUFInfo):
+    """Routed experts served as one stacked tensor [E, ...] whose entry j is pieces of several GGUF
+    stacks (gate_up: the gate stack's entry j, then the up stack's): `expert_ranges(j)`."""
+
+    pieces: tuple = ()
+
+    def expert_ranges(self, j: int) -> list[tuple]:
+        return [(p.file, p.offset + j * (p.nbytes // p.dims[-1]), p.nbytes // p.dims[-1]) for p in self.pieces]
+
+
+def _expert_dtype(t: GGUFTensor) -> torch.dtype:
+    return FLOATS.get(t.type.name, torch.uint8)
+
+
+def _expert_shape(t: GGUFTensor) -> tuple[int, ...]:
+    """One expert of a stack [in, out, E] (ggml dims): [out, in] in a float type, [out, row bytes] in blocks;
+    one expert's bias [out, E]: [out]."""
+    if len(t.dims) == 2:
+        return (t.dims[0],)
+    n_in, n_out = t.dims[0], t.dims[1]
+    return (n_out, n_in) if t.type.name in FLOATS else (n_out, t.type.row_bytes(n_in))
+
+
+def _stack(name: str, pieces: tuple, kind: str) -> GGUFStack:
+    first = pieces[0]
+    if any(p.type != first.type or p.dims != first.dims for p in pieces):
+        raise CheckpointError(f"{first.file}: tensors {', '.join(p.name for p in pieces)} differ in type or shape; "
+                              "they are served as one stack")
+    E, one = first.dims[-1], _expert_shape(first)
+    shape = (E, len(pieces) * one[0], *one[1:])
+    return GGUFStack(name, first.file, _expert_dtype(first), shape, first.offset, sum(p.nbytes for p in pieces),
+                     first.type, "+".join(p.name for p in pieces), 0, pieces)
 
 
 def dequantize(t: GGUFInfo) -> torch.Tensor:

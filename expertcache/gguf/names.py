@@ -22,7 +22,6 @@ LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_sinks": "self_attn.sinks",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 MOE = {"ffn_gate_inp": "{router}", "ffn_gate_shexp": "{shared}.gate_proj", "ffn_up_shexp": "{shared}.up_proj",
@@ -41,6 +40,8 @@ def hf_name(name: str, a: Arch) -> str | None:
     if m is None:
         return None
     layer, key, suffix = m.groups()
+    if key == "attn_sinks":  # HF: self_attn.sinks, no .weight
+        return f"model.layers.{layer}.self_attn.sinks"
     if key in LAYER:
         return f"model.layers.{layer}.{LAYER[key]}.{suffix}"
     if key in MOE:

@@ -7,7 +7,7 @@ how its tensors are named. The forward pass (models/transformer.py) is shared.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -59,8 +59,11 @@ def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:
     if Path(model_dir).suffix == ".gguf":  # the config rebuilt from the file's metadata
         from .. import gguf
 
-        _, hf = gguf.read_config(model_dir)
-        return FAMILIES[hf["architectures"][0]], _parse_gguf(FAMILIES[hf["architectures"][0]], hf, model_dir), hf
+        arch, hf = gguf.read_config(model_dir)
+        family = FAMILIES[hf["architectures"][0]]
+        if arch.weight_names:  # how the GGUF index serves the experts (e.g. gate_up not interleaved)
+            family = replace(family, names=replace(family.names, **dict(arch.weight_names)))
+        return family, _parse_gguf(family, hf, model_dir), hf
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
