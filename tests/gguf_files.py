@@ -310,3 +310,81 @@ def gpt_oss_state(path) -> dict[str, torch.Tensor]:
         elif key != "ffn_up_exps":
             out[f"{p}.{inverse[key]}.{suffix}"] = w
     return out
+
+
+# -- Mixtral: arch llama with experts; the converter permutes q/k rows for ggml's rope -----------------
+MIXTRAL_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+W = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.permute: rotate-half pairs -> interleaved pairs per head."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def mixtral_names(tensors: dict[str, torch.Tensor], cfg: dict, stacked: bool = True) -> dict[str, np.ndarray]:
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = MIXTRAL_EXPERT.match(name)
+        if m:
+            if stacked:
+                experts.setdefault((int(m[1]), W[m[3]]), {})[int(m[2])] = t
+            else:
+                out[f"blk.{m[1]}.ffn_{W[m[3]]}.{m[2]}.weight"] = t
+            continue
+        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+        out.update(gguf_names({name: t}))
+    for (layer, proj), per in experts.items():
+        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[j] for j in range(len(per))])
+    out = {k: (v.detach().float().numpy() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+    for k in out:
+        if k.endswith(("attn_q.weight", "attn_k.weight")):
+            out[k] = permute(out[k], cfg["num_attention_heads"] if "attn_q" in k else cfg["num_key_value_heads"])
+    return out
+
+
+def mixtral_metadata(cfg: dict) -> list[tuple[str, object, str]]:
+    a = "llama"
+    return [
+        (f"{a}.block_count", cfg["num_hidden_layers"], "u32"), (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
+        (f"{a}.embedding_length", cfg["hidden_size"], "u32"), (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
+        (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"),
+        (f"{a}.attention.head_count_kv", cfg["num_key_value_heads"], "u32"),
+        (f"{a}.rope.freq_base", cfg["rope_parameters"]["rope_theta"], "f32"),
+        (f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"], "f32"),
+        (f"{a}.expert_count", cfg["num_local_experts"], "u32"), (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
+        (f"{a}.rope.dimension_count", cfg["hidden_size"] // cfg["num_attention_heads"], "u32"),
+    ]
+
+
+def mixtral_state(path, cfg: dict) -> dict[str, torch.Tensor]:
+    """The oracle for a Mixtral GGUF: the gguf package's dequantized tensors under transformers' names, q/k
+    rows un-permuted, experts unstacked."""
+    out = {}
+    for name, w in dequantized_arrays(path).items():
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg["num_attention_heads"] if "attn_q" in name else cfg["num_key_value_heads"]
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        m = re.match(r"^blk\.(\d+)\.ffn_(gate|up|down)(_exps|\.(\d+))\.weight$", name)
+        if m and m[3] == "_exps":
+            for j in range(w.shape[0]):
+                out[f"model.layers.{m[1]}.mlp.experts.{j}.{m[2]}_proj.weight"] = torch.from_numpy(w[j].copy())
+        elif m:
+            out[f"model.layers.{m[1]}.mlp.experts.{m[4]}.{m[2]}_proj.weight"] = torch.from_numpy(w.copy())
+        else:
+            out.update(_hf_of(name, torch.from_numpy(np.ascontiguousarray(w))))
+    return out
+
+
+def dequantized_arrays(path) -> dict[str, np.ndarray]:
+    return {t.name: np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+        tuple(reversed([int(d) for d in t.shape]))) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def _hf_of(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    inverse_layer = {v: k for k, v in LAYER.items()}
+    inverse_global = {v: k for k, v in GLOBAL.items()}
+    if name in inverse_global:
+        return {inverse_global[name]: w}
+    layer, key, suffix = name.split(".", 1)[1].split(".")
+    return {f"model.layers.{layer}.{inverse_layer[key]}.{suffix}": w}

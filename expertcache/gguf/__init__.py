@@ -34,13 +34,16 @@ def read_header(path: str | Path) -> GGUFFile:
 
 def expert_types(gf: GGUFFile) -> dict[tuple[int, str], str]:
     """(layer, gate|up|down) -> ggml type name of the routed-expert weight stacks."""
-    from .names import expert_stack
+    from .names import expert_piece, expert_stack
 
-    out = {}
+    out: dict[tuple[int, str], str] = {}
     for t in gf.tensors.values():
-        s = expert_stack(t.name)
+        s, p = expert_stack(t.name), expert_piece(t.name)
         if s is not None and s[2] == "weight":
             out[s[0], s[1]] = t.type.name
+        elif p is not None and out.setdefault((p[0], p[1]), t.type.name) != t.type.name:
+            raise CheckpointError(f"{gf.path}: tensor {t.name} is {t.type.name}, the layer's other "
+                                  f"ffn_{p[1]} experts {out[p[0], p[1]]}; one layer's experts share one type")
     return out
 
 

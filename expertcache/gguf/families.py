@@ -127,6 +127,20 @@ register(Arch("gpt-oss", "GptOssForCausalLM", _gpt_oss, router="router", fused_e
               weight_names=(("fused_transposed", False), ("gate_up_interleaved", False))))
 
 
+def _llama(m: Meta) -> dict:
+    """arch `llama` with experts is Mixtral (a dense llama is not a MoE model)."""
+    if not m.get("expert_count"):
+        raise CheckpointError(f"{m.path}: a dense llama model (no llama.expert_count); expertcache runs MoE models")
+    hf = {**_base(m), "num_local_experts": int(m.req("expert_count")),
+          "num_experts_per_tok": int(m.req("expert_used_count")),
+          "intermediate_size": int(m.get("expert_feed_forward_length", m.get("feed_forward_length")))}
+    hf["head_dim"] = int(m.get("rope.dimension_count", hf["head_dim"]))
+    return hf
+
+
+register(Arch("llama", "MixtralForCausalLM", _llama, moe_prefix="block_sparse_moe", permute_qk=True))
+
+
 def hf_config(path: Path, metadata: dict, tensor_names, vocab_size: int) -> tuple[Arch, dict]:
     """(Arch, the config.json dict) from a file's metadata; `tensor_names`: the GGUF tensor names."""
     arch = metadata.get("general.architecture")

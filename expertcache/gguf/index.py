@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..loader.safetensors_index import TensorIndex, TensorInfo
 from ..quant.ggml_blocks import DECODERS, FLOATS, GGMLType, method_name
 from .families import Arch
-from .names import expert_stack, hf_name
+from .names import expert_piece, expert_stack, hf_name
 from .reader import GGUFFile, GGUFTensor
 
 
@@ -52,6 +52,10 @@ class GGUFIndex(TensorIndex):
             stack = expert_stack(t.name)
             if stack is not None:
                 stacks[stack] = t
+                continue
+            piece = expert_piece(t.name)
+            if piece is not None:
+                self._one_expert(t, arch, projs, *piece)
                 continue
             name = hf_name(t.name, arch)
             if name is None:
@@ -119,6 +123,17 @@ class GGUFIndex(TensorIndex):
             else:
                 raise CheckpointError(f"{t.file}: tensor {t.name}: expert biases are not read for the {arch.arch} "
                                       "architecture")
+
+    def _one_expert(self, t: GGUFTensor, arch: Arch, projs: dict, layer: int, canon: str, j: int) -> None:
+        if len(t.dims) != 2:
+            raise CheckpointError(f"{t.file}: tensor {t.name} has ggml dims {list(t.dims)}; expected [in, out]")
+        if t.type.name not in FLOATS and method_name(t.type.name) is None:
+            raise CheckpointError(f"{t.file}: tensor {t.name} (a routed expert) is {t.type.name}, which has no expert "
+                                  "format here; requantize the experts with llama-quantize")
+        self.expert_types[layer, canon] = t.type.name
+        name = f"model.layers.{layer}.{arch.moe_prefix}.experts.{j}.{projs[canon]}.weight"
+        shape = (t.dims[1], t.dims[0]) if t.type.name in FLOATS else (t.dims[1], t.type.row_bytes(t.dims[0]))
+        self.tensors[name] = GGUFInfo(name, t.file, _expert_dtype(t), shape, t.offset, t.nbytes, t.type, t.name)
 
     def info(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         t = self.tensors.get(name)

@@ -7,6 +7,7 @@
     blk.N.ffn_{gate,up,down}_exps.{weight,bias}   routed experts, stacked [in, out, E] (ggml dims):
                                  served per expert as model.layers.N.<moe>.experts.j.<proj>.weight
                                  (index.py), biases [out, E] as experts.<proj>_bias
+    blk.N.ffn_{gate,up,down}.J.weight             one expert each (older Mixtral files): the same names
 `hf_name` returns None for a tensor no family reads here (the caller lists those it leaves out).
 """
 
@@ -29,6 +30,7 @@ MOE = {"ffn_gate_inp": "{router}", "ffn_gate_shexp": "{shared}.gate_proj", "ffn_
        "exp_probs_b": "{router}.e_score_correction"}
 EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+PER_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")  # older Mixtral files: one per expert
 
 
 def hf_name(name: str, a: Arch) -> str | None:
@@ -50,6 +52,12 @@ def hf_name(name: str, a: Arch) -> str | None:
             return f"model.layers.{layer}.{a.moe_prefix}.{mod}_bias"
         return f"model.layers.{layer}.{a.moe_prefix}.{mod}.{suffix}"
     return None
+
+
+def expert_piece(name: str) -> tuple[int, str, int] | None:
+    """(layer, gate|up|down, expert) of a per-expert tensor blk.N.ffn_gate.J.weight (older files), else None."""
+    m = PER_EXPERT.match(name)
+    return None if m is None else (int(m[1]), m[2], int(m[3]))
 
 
 def expert_stack(name: str) -> tuple[int, str, str] | None:
