@@ -388,3 +388,78 @@ def _hf_of(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {inverse_global[name]: w}
     layer, key, suffix = name.split(".", 1)[1].split(".")
     return {f"model.layers.{layer}.{inverse_layer[key]}.{suffix}": w}
+
+
+# -- GLM-4.5: shared experts, the router's correction bias, a dense first layer, the MTP layer ---------
+GLM_LAYER = {**LAYER, "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+             "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+
+
+def glm4moe_names(tensors: dict[str, torch.Tensor], mtp_layer: int | None = None) -> dict[str, np.ndarray]:
+    """As the converter: experts stacked, e_score_correction_bias -> exp_probs_b.bias; with `mtp_layer`
+    a copy of the last layer's tensors at that index plus a nextn tensor (what a GLM file carries)."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = EXPERT.match(name)
+        if m:
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = t
+        elif name in GLOBAL:
+            out[GLOBAL[name]] = t
+        elif name.endswith("mlp.gate.e_score_correction_bias"):
+            out[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = t
+        else:
+            m = LAYER_RE.match(name)
+            out[f"blk.{m[1]}.{GLM_LAYER[m[2]]}.{m[3]}"] = t
+    for (layer, proj), per in experts.items():
+        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[j] for j in range(len(per))])
+    if mtp_layer is not None:
+        last = f"blk.{mtp_layer - 1}."
+        out.update({k.replace(last, f"blk.{mtp_layer}."): v for k, v in list(out.items()) if k.startswith(last)})
+        out[f"blk.{mtp_layer}.nextn.eh_proj.weight"] = torch.zeros(64, 128)
+    return {k: v.detach().float().contiguous().numpy() for k, v in out.items()}
+
+
+def glm4moe_metadata(cfg: dict, nextn: int = 0) -> list[tuple[str, object, str]]:
+    a, rope = "glm4moe", cfg["rope_parameters"]
+    return [
+        (f"{a}.block_count", cfg["num_hidden_layers"] + nextn, "u32"),
+        (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
+        (f"{a}.embedding_length", cfg["hidden_size"], "u32"), (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
+        (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"),
+        (f"{a}.attention.head_count_kv", cfg["num_key_value_heads"], "u32"),
+        (f"{a}.attention.key_length", cfg["head_dim"], "u32"), (f"{a}.attention.value_length", cfg["head_dim"], "u32"),
+        (f"{a}.rope.dimension_count", int(cfg["head_dim"] * rope["partial_rotary_factor"]), "u32"),
+        (f"{a}.rope.freq_base", rope["rope_theta"], "f32"),
+        (f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"], "f32"),
+        (f"{a}.expert_count", cfg["n_routed_experts"], "u32"), (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
+        (f"{a}.expert_feed_forward_length", cfg["moe_intermediate_size"], "u32"),
+        (f"{a}.expert_shared_count", cfg["n_shared_experts"], "u32"),
+        (f"{a}.leading_dense_block_count", cfg["first_k_dense_replace"], "u32"),
+        (f"{a}.expert_gating_func", 2, "u32"), (f"{a}.expert_weights_scale", cfg["routed_scaling_factor"], "f32"),
+        (f"{a}.expert_weights_norm", cfg["norm_topk_prob"], "bool"), (f"{a}.nextn_predict_layers", nextn, "u32"),
+    ]
+
+
+def glm4moe_state(path, num_layers: int) -> dict[str, torch.Tensor]:
+    """The oracle: dequantized tensors of layers < num_layers under transformers' names."""
+    inverse = {v: k for k, v in GLM_LAYER.items()}
+    inverse_global = {v: k for k, v in GLOBAL.items()}
+    out = {}
+    for name, w in dequantized_arrays(path).items():
+        w = torch.from_numpy(np.ascontiguousarray(w))
+        if name in inverse_global:
+            out[inverse_global[name]] = w
+            continue
+        _, layer, key = name.split(".", 2)
+        if int(layer) >= num_layers:
+            continue
+        key, suffix = key.rsplit(".", 1)
+        m = re.match(r"^ffn_(gate|up|down)_exps$", key)
+        if m:
+            for j in range(w.shape[0]):
+                out[f"model.layers.{layer}.mlp.experts.{j}.{m[1]}_proj.weight"] = w[j]
+        elif key == "exp_probs_b":
+            out[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] = w
+        else:
+            out[f"model.layers.{layer}.{inverse[key]}.{suffix}"] = w
+    return out

@@ -29,10 +29,11 @@ NOT_IN_METADATA = {
 
 
 class Meta:
-    """Typed reads of one file's metadata under `{arch}.`; a missing required key names the file."""
+    """Typed reads of one file's metadata under `{arch}.`; a missing required key names the file.
+    `tensors`: the file's tensor names (a config fact a tensor's presence states, e.g. q/k norms)."""
 
-    def __init__(self, path: Path, metadata: dict, arch: str):
-        self.path, self.m, self.arch = path, metadata, arch
+    def __init__(self, path: Path, metadata: dict, arch: str, tensors=()):
+        self.path, self.m, self.arch, self.tensors = path, metadata, arch, tensors
 
     def get(self, key: str, default=None):
         return self.m.get(f"{self.arch}.{key}", default)
@@ -141,13 +142,46 @@ def _llama(m: Meta) -> dict:
 register(Arch("llama", "MixtralForCausalLM", _llama, moe_prefix="block_sparse_moe", permute_qk=True))
 
 
+GATING = {1: "softmax", 2: "sigmoid"}  # {arch}.expert_gating_func (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE)
+
+
+def _glm4moe(m: Meta) -> dict:
+    """GLM-4.5: block_count counts the trailing MTP layer(s) (nextn_predict_layers), which the family then
+    drops as the safetensors path does; rope.dimension_count = the rotary dims (partial rotary)."""
+    hf = _base(m)
+    nextn = int(m.get("nextn_predict_layers", 0))
+    gating = GATING.get(m.get("expert_gating_func", 2))
+    if gating != "sigmoid":
+        raise CheckpointError(f"{m.path}: {m.arch}.expert_gating_func {m.get('expert_gating_func')!r}: GLM-4.5 "
+                              "routes by sigmoid (2)")
+    hf.update({
+        "num_hidden_layers": hf["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
+        "n_routed_experts": int(m.req("expert_count")), "num_experts_per_tok": int(m.req("expert_used_count")),
+        "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
+        "intermediate_size": int(m.get("feed_forward_length", 0)),
+        "n_shared_experts": int(m.get("expert_shared_count", 0)),
+        "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
+        "n_group": int(m.get("expert_group_count", 1)), "topk_group": int(m.get("expert_group_used_count", 1)),
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "partial_rotary_factor": int(m.get("rope.dimension_count", hf["head_dim"])) / hf["head_dim"],
+        "attention_bias": "blk.0.attn_q.bias" in m.tensors,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in m.tensors,
+    })
+    return hf
+
+
+register(Arch("glm4moe", "Glm4MoeForCausalLM", _glm4moe, shared_expert="shared_experts"))
+
+
 def hf_config(path: Path, metadata: dict, tensor_names, vocab_size: int) -> tuple[Arch, dict]:
     """(Arch, the config.json dict) from a file's metadata; `tensor_names`: the GGUF tensor names."""
     arch = metadata.get("general.architecture")
     if arch not in ARCHES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(ARCHES)})")
     a = ARCHES[arch]
-    m = Meta(path, metadata, arch)
+    m = Meta(path, metadata, arch, tensor_names)
     hf = {"architectures": [a.hf_architecture], "vocab_size": vocab_size,
           "tie_word_embeddings": "output.weight" not in tensor_names, **a.fields(m)}
     for key, hf_key in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")):
