@@ -49,14 +49,14 @@ def qwen3_gguf(qwen3_checkpoint, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("type_name", ["F32", "F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "Q8_0", "Q4_0"])
 def test_logits_equal_transformers_on_the_dequantized_weights(qwen3_checkpoint, qwen3_gguf, type_name):
     path = qwen3_gguf(type_name)
     ref_model = reference_with(C.load_reference(qwen3_checkpoint), dequantized_tensors(path))
     expected = C.reference_logits(ref_model, PROMPT)
     llm = LLM(str(path))
     try:
-        assert llm.source.method is None if type_name in ("F32", "F16") else \
+        assert llm.source.method is None if type_name in ("F32", "F16", "BF16") else \
             llm.source.method.name == f"gguf-{type_name.lower()}"
         got = llm.logits(PROMPT)
     finally:
