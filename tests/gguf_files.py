@@ -56,7 +56,9 @@ def default_types(expert: str = "F32", dense: str = "F32"):
     def pick(name: str, arr: np.ndarray) -> str:
         if arr.ndim == 1 or "ffn_gate_inp" in name or name.endswith(".bias"):
             return "F32"
-        return expert if "_exps" in name else dense
+        t = expert if "_exps" in name else dense
+        # llama-quantize's fallback: a row that is not whole blocks of the type stays unquantized
+        return t if arr.shape[-1] % gguf.GGML_QUANT_SIZES[Q[t]][0] == 0 else "F32"
     return pick
 
 
@@ -462,4 +464,90 @@ def glm4moe_state(path, num_layers: int) -> dict[str, torch.Tensor]:
             out[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] = w
         else:
             out[f"model.layers.{layer}.{inverse[key]}.{suffix}"] = w
+    return out
+
+
+# -- DeepSeek-V2/V3: MLA (kv_b_proj split into attn_k_b / attn_v_b, as newer converters write it) -------
+DS_LAYER = {**GLM_LAYER, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+            "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+            "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b"}
+
+
+def deepseek_names(tensors: dict[str, torch.Tensor], cfg: dict, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = EXPERT.match(name)
+        if m:
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = t
+        elif name in GLOBAL:
+            out[GLOBAL[name]] = t
+        elif name.endswith("mlp.gate.e_score_correction_bias"):
+            out[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = t
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:  # convert_hf_to_gguf.py DeepseekV2Model
+            layer, nope, v = name.split(".")[2], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            kv_b = t.view(cfg["num_attention_heads"], nope + v, t.shape[-1])
+            k_b, v_b = torch.split(kv_b, [nope, v], dim=1)
+            out[f"blk.{layer}.attn_k_b.weight"] = k_b.transpose(1, 2)
+            out[f"blk.{layer}.attn_v_b.weight"] = v_b
+        else:
+            m = LAYER_RE.match(name)
+            out[f"blk.{m[1]}.{DS_LAYER[m[2]]}.{m[3]}"] = t
+    for (layer, proj), per in experts.items():
+        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[j] for j in range(len(per))])
+    return {k: v.detach().float().contiguous().numpy() for k, v in out.items()}
+
+
+def deepseek_metadata(cfg: dict) -> list[tuple[str, object, str]]:
+    a, v3 = "deepseek2", cfg["model_type"] == "deepseek_v3"
+    meta = [
+        (f"{a}.block_count", cfg["num_hidden_layers"], "u32"), (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
+        (f"{a}.embedding_length", cfg["hidden_size"], "u32"), (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
+        (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"), (f"{a}.attention.head_count_kv", 1, "u32"),
+        (f"{a}.rope.freq_base", cfg["rope_parameters"]["rope_theta"], "f32"),
+        (f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"], "f32"),
+        (f"{a}.expert_count", cfg["n_routed_experts"], "u32"), (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
+        (f"{a}.leading_dense_block_count", cfg["first_k_dense_replace"], "u32"),
+        (f"{a}.attention.kv_lora_rank", cfg["kv_lora_rank"], "u32"),
+        (f"{a}.attention.key_length", cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], "u32"),
+        (f"{a}.attention.value_length", cfg["kv_lora_rank"], "u32"),
+        (f"{a}.attention.key_length_mla", cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], "u32"),
+        (f"{a}.attention.value_length_mla", cfg["v_head_dim"], "u32"),
+        (f"{a}.expert_feed_forward_length", cfg["moe_intermediate_size"], "u32"),
+        (f"{a}.expert_shared_count", cfg["n_shared_experts"], "u32"),
+        (f"{a}.expert_weights_scale", cfg["routed_scaling_factor"], "f32"),
+        (f"{a}.rope.dimension_count", cfg["qk_rope_head_dim"], "u32"),
+        (f"{a}.expert_gating_func", 2 if v3 else 1, "u32"),
+    ]
+    if cfg.get("q_lora_rank"):
+        meta.append((f"{a}.attention.q_lora_rank", cfg["q_lora_rank"], "u32"))
+    if cfg.get("norm_topk_prob"):
+        meta.append((f"{a}.expert_weights_norm", True, "bool"))
+    if cfg.get("n_group"):
+        meta += [(f"{a}.expert_group_count", cfg["n_group"], "u32"), (f"{a}.expert_group_used_count", cfg["topk_group"], "u32")]
+    return meta
+
+
+def deepseek_state(path, cfg: dict) -> dict[str, torch.Tensor]:
+    inverse = {v: k for k, v in DS_LAYER.items()}
+    inverse_global = {v: k for k, v in GLOBAL.items()}
+    arrays, out = dequantized_arrays(path), {}
+    for name, w in arrays.items():
+        w = torch.from_numpy(np.ascontiguousarray(w))
+        if name in inverse_global:
+            out[inverse_global[name]] = w
+            continue
+        _, layer, key = name.split(".", 2)
+        key, suffix = key.rsplit(".", 1)
+        p = f"model.layers.{layer}"
+        m = re.match(r"^ffn_(gate|up|down)_exps$", key)
+        if m:
+            for j in range(w.shape[0]):
+                out[f"{p}.mlp.experts.{j}.{m[1]}_proj.weight"] = w[j]
+        elif key == "exp_probs_b":
+            out[f"{p}.mlp.gate.e_score_correction_bias"] = w
+        elif key == "attn_k_b":
+            v = torch.from_numpy(np.ascontiguousarray(arrays[f"blk.{layer}.attn_v_b.weight"]))
+            out[f"{p}.self_attn.kv_b_proj.weight"] = torch.cat((w.transpose(1, 2), v), dim=1).reshape(-1, w.shape[1])
+        elif key != "attn_v_b":
+            out[f"{p}.{inverse[key]}.{suffix}"] = w
     return out

@@ -24,6 +24,9 @@ NOT_IN_METADATA = {
     # GPT-OSS's config.json; its YaRN's beta_fast 32 / beta_slow 1 and truncate false are config.json's too
     "gpt-oss": {"swiglu_alpha": 1.702, "swiglu_limit": 7.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
     # mixtral: renormalised top-k softmax is the family's routing, nothing to state
+    # deepseek2: the converter writes YaRN's mscale_all_dim (as rope.scaling.yarn_log_multiplier = 0.1 x it)
+    # but not mscale; DeepSeek's published configs have mscale = mscale_all_dim
+    "deepseek2": {"mscale_equals_mscale_all_dim": True},
 }
 # (tied embeddings are not metadata either: a file without output.weight ties lm_head to the embedding)
 
@@ -173,6 +176,49 @@ def _glm4moe(m: Meta) -> dict:
 
 
 register(Arch("glm4moe", "Glm4MoeForCausalLM", _glm4moe, shared_expert="shared_experts"))
+
+
+def _deepseek2(m: Meta) -> dict:
+    """DeepSeek-V2 (softmax routing) and V3 / Kimi-K2 (sigmoid + exp_probs_b, groups): MLA dims from
+    key_length_mla / value_length_mla / kv_lora_rank / rope.dimension_count (the converter writes the
+    attention as MQA: head_count_kv 1, key_length = kv_lora_rank + rope dims)."""
+    hf = _base(m)
+    heads, rope_dim = hf["num_attention_heads"], int(m.req("rope.dimension_count"))
+    k_mla = int(m.get("attention.key_length_mla", hf["head_dim"]))
+    gating = GATING.get(m.get("expert_gating_func", 1))
+    if gating is None:
+        raise CheckpointError(f"{m.path}: {m.arch}.expert_gating_func {m.get('expert_gating_func')!r} is not "
+                              "supported (1 softmax, 2 sigmoid)")
+    n_group, topk_group = int(m.get("expert_group_count", 1)), int(m.get("expert_group_used_count", 1))
+    v3 = gating == "sigmoid"
+    hf.update({
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "num_key_value_heads": heads, "head_dim": rope_dim,  # (DeepseekV2/V3Config: head_dim = qk_rope_head_dim)
+        "q_lora_rank": m.get("attention.q_lora_rank"), "kv_lora_rank": int(m.req("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": k_mla - rope_dim,
+        "v_head_dim": int(m.req("attention.value_length_mla")),
+        "n_routed_experts": int(m.req("expert_count")), "num_experts_per_tok": int(m.req("expert_used_count")),
+        "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
+        "intermediate_size": int(m.get("feed_forward_length", 0)),
+        "n_shared_experts": int(m.get("expert_shared_count", 0)),
+        "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
+        "n_group": n_group, "topk_group": topk_group, "scoring_func": gating,
+        "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if n_group > 1 else "greedy"),
+    })
+    scaling = hf.get("rope_scaling")
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        for key, hf_key in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"), ("attn_factor", "attention_factor")):
+            if m.get(f"rope.scaling.yarn_{key}") is not None:
+                scaling[hf_key] = float(m.get(f"rope.scaling.yarn_{key}"))
+        log_mul = m.get("rope.scaling.yarn_log_multiplier")
+        if log_mul is not None:
+            scaling["mscale_all_dim"] = scaling["mscale"] = float(log_mul) / 0.1
+    return hf
+
+
+register(Arch("deepseek2", "DeepseekV2ForCausalLM", _deepseek2, shared_expert="shared_experts"))
 
 
 def hf_config(path: Path, metadata: dict, tensor_names, vocab_size: int) -> tuple[Arch, dict]:

@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..loader.safetensors_index import TensorIndex, TensorInfo
 from ..quant.ggml_blocks import DECODERS, FLOATS, GGMLType, method_name
 from .families import Arch
-from .names import expert_piece, expert_stack, hf_name
+from .names import BLOCK, KV_B_SPLIT, expert_piece, expert_stack, hf_name
 from .reader import GGUFFile, GGUFTensor
 
 
@@ -47,8 +47,12 @@ class GGUFIndex(TensorIndex):
         self.left_out: list[str] = []
         self._dequantized: dict[str, list[str]] = {}
         projs = dict(zip(("gate", "up", "down"), expert_projs))
-        stacks = {}
+        stacks, kv_b = {}, {}
         for t in gf.tensors.values():
+            m = BLOCK.match(t.name)
+            if m and m[2] in KV_B_SPLIT:
+                kv_b.setdefault(int(m[1]), {})[KV_B_SPLIT[m[2]]] = t
+                continue
             stack = expert_stack(t.name)
             if stack is not None:
                 stacks[stack] = t
@@ -67,6 +71,12 @@ class GGUFIndex(TensorIndex):
                 heads = int(gf.metadata.get(key, gf.metadata[f"{arch.arch}.attention.head_count"]))
             self.tensors[name] = self._dense(t, name, heads)
         self._experts(stacks, arch, projs)
+        for layer, kv in kv_b.items():
+            if set(kv) != {"k", "v"}:
+                raise CheckpointError(f"{gf.path}: tensor blk.{layer}.attn_{'v' if 'k' in kv else 'k'}_b.weight is "
+                                      f"missing beside {next(iter(kv.values())).name}")
+            name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+            self.tensors[name] = _kv_b(name, kv["k"], kv["v"])
         if self.left_out:
             shown = ", ".join(self.left_out[:4]) + (f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else "")
             print(f"note: {gf.path.name}: {len(self.left_out)} tensor(s) not read by the {arch.arch} model: {shown}",
@@ -148,6 +158,8 @@ class GGUFIndex(TensorIndex):
     def load(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """One tensor as float (stored float types as stored; block types dequantized to float32)."""
         t = self.info(name, shape)
+        if isinstance(t, KVB):
+            return t.join()
         if not isinstance(t, GGUFInfo) or t.type is None or t.type.name in FLOATS:
             out = super().load(name, shape)
         else:
@@ -190,6 +202,42 @@ def _stack(name: str, pieces: tuple, kind: str) -> GGUFStack:
     shape = (E, len(pieces) * one[0], *one[1:])
     return GGUFStack(name, first.file, _expert_dtype(first), shape, first.offset, sum(p.nbytes for p in pieces),
                      first.type, "+".join(p.name for p in pieces), 0, pieces)
+
+
+@dataclass(frozen=True)
+class KVB(GGUFInfo):
+    """MLA's kv_b_proj [heads x (nope + v), kv_lora] as newer converters split it: attn_k_b [heads, kv_lora,
+    nope] (transposed) and attn_v_b [heads, v, kv_lora] (HF order); `join` rebuilds it, float32."""
+
+    k_b: GGUFTensor | None = None
+    v_b: GGUFTensor | None = None
+
+    def join(self) -> torch.Tensor:
+        k, v = (_as_float(t).reshape(t.shape) for t in (self.k_b, self.v_b))
+        return torch.cat((k.transpose(1, 2), v), dim=1).reshape(self.shape).contiguous()
+
+
+def _kv_b(name: str, k_b: GGUFTensor, v_b: GGUFTensor) -> KVB:
+    if len(k_b.dims) != 3 or len(v_b.dims) != 3 or k_b.dims[2] != v_b.dims[2] or k_b.dims[1] != v_b.dims[0]:
+        raise CheckpointError(f"{k_b.file}: tensors {k_b.name} {list(k_b.dims)} and {v_b.name} {list(v_b.dims)} "
+                              "(ggml dims) are not [nope, kv_lora, heads] and [kv_lora, v, heads]")
+    heads, kv_lora = k_b.dims[2], k_b.dims[1]
+    shape = (heads * (k_b.dims[0] + v_b.dims[1]), kv_lora)
+    return KVB(name, k_b.file, torch.float32, shape, k_b.offset, k_b.nbytes + v_b.nbytes, k_b.type,
+               f"{k_b.name}+{v_b.name}", 0, k_b, v_b)
+
+
+def _as_float(t: GGUFTensor) -> torch.Tensor:
+    """Any GGUF tensor's values, flat, float32 (or its float dtype)."""
+    info = GGUFInfo(t.name, t.file, FLOATS.get(t.type.name, torch.float32), t.shape, t.offset, t.nbytes, t.type,
+                    t.name)
+    if t.type.name in FLOATS:
+        raw = torch.empty(t.nbytes, dtype=torch.uint8)
+        with open(t.file, "rb", buffering=0) as f:
+            f.seek(t.offset)
+            f.readinto(raw.numpy())
+        return raw.view(FLOATS[t.type.name]).float()
+    return dequantize(info).reshape(-1)
 
 
 def dequantize(t: GGUFInfo) -> torch.Tensor:

@@ -24,7 +24,12 @@ LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # multi-head latent attention (deepseek2); attn_k_b + attn_v_b (newer files) are kv_b_proj split (index.py)
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
 }
+KV_B_SPLIT = {"attn_k_b": "k", "attn_v_b": "v"}
 MOE = {"ffn_gate_inp": "{router}", "ffn_gate_shexp": "{shared}.gate_proj", "ffn_up_shexp": "{shared}.up_proj",
        "ffn_down_shexp": "{shared}.down_proj", "ffn_gate_inp_shexp": "shared_expert_gate",
        "exp_probs_b": "{router}.e_score_correction"}
