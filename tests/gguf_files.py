@@ -190,6 +190,8 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
         b[:, off:off + 4] = np.abs(f16(2).view(np.float16)).view(np.uint8)
     elif type_name == "Q3_K":
         b[:, 108:110] = f16()
+    elif type_name in ("Q4_1", "Q5_1"):
+        b[:, 0:4] = f16(2)
     else:
         b[:, 0:2] = f16()
     return b.reshape(rows, -1)

@@ -72,3 +72,14 @@ def test_mixed_method_gives_each_projection_its_own_type():
     raw = random_blocks("Q6_K", 4, 256)
     ref = gguf.quants.dequantize(raw, Q.Q6_K).reshape(4, 256)
     np.testing.assert_array_equal(m.dequantize({"down.weight": torch.from_numpy(raw)}, "down").numpy(), ref)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q2_K", "Q3_K"])
+def test_dense_only_decoders_equal_the_gguf_package(type_name):
+    from expertcache.quant.ggml_blocks import DECODERS
+
+    raw = random_blocks(type_name, 8, 512, seed=3)
+    ref = gguf.quants.dequantize(raw, Q[type_name]).reshape(-1)
+    got = DECODERS[type_name](torch.from_numpy(raw).view(-1, BY_NAME[type_name].block_bytes)).reshape(-1)
+    assert np.isfinite(ref).all()
+    np.testing.assert_array_equal(got.numpy(), ref)

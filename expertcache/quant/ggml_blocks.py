@@ -13,6 +13,10 @@ every product is taken in the reference's order, so the float32 values are the r
                                                     nibbles = sub-block 2c, high nibbles = 2c+1
     Q5_K   d | dmin | scales[12] | qh[32] | qs[128] Q4_K plus bit k of qh[l] above sub-block k's element l
     Q6_K   ql[128] | qh[64] | scales i8[16] | d f16 16 groups of 16: x = d*sc * (6-bit q - 32)
+    Q4_1 / Q5_1   d f16 | m f16 | (qh u32 |) qs[16]   x = d * q + m
+    Q2_K   scales[16] | qs[64] | d | dmin           16 groups of 16: x = d*(sc & 15) * q2 - dmin*(sc >> 4)
+    Q3_K   hmask[32] | qs[64] | scales[12] | d      16 groups of 16: x = d*(6-bit sc - 32) * (q2 - 4 if hmask bit clear)
+  (Q4_1, Q5_1, Q2_K, Q3_K have no QuantMethod: dense tensors of those types are dequantized at load)
 
 ggml tensor types (ids of ggml.h `enum ggml_type`; the retired 4 and 5 and the repacked 31-33 have
 none): a row of n elements (ggml dim 0) of type T is n / T.block consecutive blocks of T.block_bytes.
@@ -126,7 +130,41 @@ def q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d[:, :, None] * q).reshape(n, 256)
 
 
-DECODERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q5_0": q5_0, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "MXFP4": mxfp4,
+def q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, 0:2]) * _nibbles(b[:, 4:20]).float() + _f16(b[:, 2:4])
+
+
+def q5_1(b: torch.Tensor) -> torch.Tensor:
+    qh = b[:, 4:8].long()
+    qh = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
+    high = (qh[:, None] >> torch.arange(32, device=b.device)) & 1
+    return _f16(b[:, 0:2]) * (_nibbles(b[:, 8:24]) | (high.int() << 4)).float() + _f16(b[:, 2:4])
+
+
+def q2_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc = b[:, 0:16].int()
+    dl = _f16(b[:, 80:82]) * (sc & 0xF).float()  # [N, 16]: one scale and min per 16 elements
+    ml = _f16(b[:, 82:84]) * (sc >> 4).float()
+    qs = b[:, 16:80].reshape(n, 2, 1, 32).int()
+    q = ((qs >> (2 * torch.arange(4, device=b.device))[None, None, :, None]) & 3).reshape(n, 16, 16).float()
+    return (dl[:, :, None] * q - ml[:, :, None]).reshape(n, 256)
+
+
+def q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    s = b[:, 96:108].int()
+    low = (s[:, None, 0:8] >> (4 * torch.arange(2, device=b.device))[None, :, None]).reshape(n, 16) & 0xF
+    high = (s[:, None, 8:12] >> (2 * torch.arange(4, device=b.device))[None, :, None]).reshape(n, 16) & 3
+    dl = _f16(b[:, 108:110]) * ((low | (high << 4)) - 32).float()  # [N, 16]
+    qs = b[:, 32:96].reshape(n, 2, 1, 32).int()
+    ql = ((qs >> (2 * torch.arange(4, device=b.device))[None, None, :, None]) & 3).reshape(n, 16, 16)
+    hm = b[:, 0:32].reshape(n, 1, 1, 32).int()
+    qh = (((hm >> torch.arange(8, device=b.device)[None, None, :, None]) & 1) ^ 1).reshape(n, 16, 16)
+    return (dl[:, :, None] * (ql - (qh << 2)).float()).reshape(n, 256)
+
+
+DECODERS = {"Q4_1": q4_1, "Q5_1": q5_1, "Q2_K": q2_k, "Q3_K": q3_k, "Q8_0": q8_0, "Q4_0": q4_0, "Q5_0": q5_0, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "MXFP4": mxfp4,
             "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}
 
 
