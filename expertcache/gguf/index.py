@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..loader.safetensors_index import TensorIndex, TensorInfo
 from ..quant.ggml_blocks import DECODERS, FLOATS, GGMLType, method_name
 from .families import Arch
-from .names import BLOCK, KV_B_SPLIT, expert_piece, expert_stack, hf_name
+from .names import BLOCK, KV_B_SPLIT, expert_piece, expert_stack, gguf_name, hf_name
 from .reader import GGUFFile, GGUFTensor
 
 
@@ -45,6 +45,7 @@ class GGUFIndex(TensorIndex):
         self.tensors: dict[str, TensorInfo] = {}
         self.expert_types: dict[tuple[int, str], str] = {}
         self.left_out: list[str] = []
+        self.arch = arch
         self._dequantized: dict[str, list[str]] = {}
         projs = dict(zip(("gate", "up", "down"), expert_projs))
         stacks, kv_b = {}, {}
@@ -148,7 +149,9 @@ class GGUFIndex(TensorIndex):
     def info(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         t = self.tensors.get(name)
         if t is None:
-            raise CheckpointError(f"{self.model_dir}: missing tensor {name}{_gguf_hint(name)}")
+            g = gguf_name(name, self.arch)
+            raise CheckpointError(f"{self.model_dir}: missing tensor {g + ' (' + name + ')' if g else name}"
+                                  f"{_gguf_hint(name)}")
         if shape is not None and tuple(shape) != t.shape:
             g = getattr(t, "gguf_name", name)
             raise CheckpointError(f"{t.file.name}: tensor {g} ({name}) has shape {list(t.shape)}, the config implies "

@@ -71,3 +71,22 @@ def expert_stack(name: str) -> tuple[int, str, str] | None:
     if m is None or m[2] not in EXPERTS:
         return None
     return int(m[1]), EXPERTS[m[2]], m[3]
+
+
+def gguf_name(name: str, a: Arch) -> str | None:
+    """The llama.cpp name of an HF tensor name (errors name both), None where none maps to it."""
+    inverse_global = {f"{v}.weight": f"{k}.weight" for k, v in GLOBAL.items()}
+    if name in inverse_global:
+        return inverse_global[name]
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
+    if m is None:
+        return None
+    layer, module, suffix = m.groups()
+    modules = {v: k for k, v in LAYER.items()}
+    modules.update({f"{a.moe_prefix}.{v.format(router=a.router, shared=a.shared_expert)}": k for k, v in MOE.items()})
+    if ".experts." in module:
+        proj = module.rsplit(".", 1)[-1]
+        canon = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down",
+                 "gate_up_proj": "gate", "down": "down"}.get(proj)
+        return None if canon is None else f"blk.{layer}.ffn_{canon}_exps.{suffix}"
+    return f"blk.{layer}.{modules[module]}.{suffix}" if module in modules else None
