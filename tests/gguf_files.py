@@ -30,8 +30,9 @@ EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def gguf_names(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """HF names -> the converter's names; experts stacked [E, out, in] per layer and projection."""
+def gguf_names(tensors: dict[str, torch.Tensor], gate_up: bool = False) -> dict[str, np.ndarray]:
+    """HF names -> the converter's names; experts stacked [E, out, in] per layer and projection (`gate_up`:
+    gate and up in one stack ffn_gate_up_exps [E, 2 x out, in], gate rows first)."""
     out, experts = {}, {}
     for name, t in tensors.items():
         m = EXPERT.match(name)
@@ -47,6 +48,10 @@ def gguf_names(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         out[f"blk.{m[1]}.{LAYER[m[2]]}.{m[3]}"] = t
     for (layer, proj), per in experts.items():
         out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[j] for j in range(len(per))])
+    if gate_up:
+        for k in [k for k in out if k.endswith("ffn_gate_exps.weight")]:
+            out[k.replace("ffn_gate_exps", "ffn_gate_up_exps")] = torch.cat(
+                (out.pop(k), out.pop(k.replace("gate", "up"))), dim=1)
     return {k: v.detach().float().numpy() for k, v in out.items()}
 
 
@@ -211,7 +216,12 @@ def dequantized_tensors(path) -> dict[str, torch.Tensor]:
             continue
         layer, key, suffix = t.name.split(".", 1)[1].split(".")
         m = re.match(r"^ffn_(gate|up|down)_exps$", key)
-        if m:
+        if key == "ffn_gate_up_exps":
+            half = w.shape[1] // 2
+            for j in range(w.shape[0]):
+                out[f"model.layers.{layer}.mlp.experts.{j}.gate_proj.{suffix}"] = w[j, :half]
+                out[f"model.layers.{layer}.mlp.experts.{j}.up_proj.{suffix}"] = w[j, half:]
+        elif m:
             for j in range(w.shape[0]):
                 out[f"model.layers.{layer}.mlp.experts.{j}.{m[1]}_proj.{suffix}"] = w[j]
         else:

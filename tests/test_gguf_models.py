@@ -170,3 +170,24 @@ def test_plan_sizes_a_gguf_file_from_its_header(qwen3_gguf, capsys):
     per_expert = 2 * 32 * 2 * 18 + 64 * 18
     assert per_expert == 3456
     assert "one expert: 3.38 KiB stored (gguf-q4_0)" in out and "Qwen3MoeForCausalLM" in out
+
+
+@pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
+def test_gate_up_in_one_stack(qwen3_checkpoint, tmp_path, type_name):
+    """blk.N.ffn_gate_up_exps [in, 2I, E] (gate rows first): served as experts.gate_up_proj, each expert
+    one byte range."""
+    _, meta = _meta(qwen3_checkpoint)
+    arrays = gguf_names(C.read_tensors(qwen3_checkpoint), gate_up=True)
+    path = write_gguf(tmp_path / "gu.gguf", "qwen3moe", arrays, meta, default_types(type_name, type_name))
+    expected = C.reference_logits(reference_with(C.load_reference(qwen3_checkpoint), dequantized_tensors(path)),
+                                  PROMPT)
+    llm = LLM(str(path))
+    try:
+        t = {x.name: x for x in gguf.GGUFReader(str(path)).tensors}["blk.0.ffn_gate_up_exps.weight"]
+        key = "gate_up.weight" if type_name == "Q8_0" else "gate_up"
+        (_, off, n), = llm.source.ranges(0, 5)[key]
+        assert (off, n) == (t.data_offset + 5 * (t.n_bytes // 8), t.n_bytes // 8)
+        got = llm.logits(PROMPT)
+    finally:
+        llm.close()
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-3

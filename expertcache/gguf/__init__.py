@@ -64,6 +64,8 @@ def _quantization(path: Path, gf: GGUFFile) -> dict | None:
                               "every layer's experts of one projection must share one type (the expert slots "
                               "hold one layout per projection)")
     one = {p: next(iter(ts)) for p, ts in per_proj.items()}
+    if "gate_up" in one and not ({"gate", "up"} & set(one)):  # blk.N.ffn_gate_up_exps
+        one.update(gate=one["gate_up"], up=one.pop("gate_up"))
     if set(one) != {"gate", "up", "down"}:
         raise CheckpointError(f"{path}: routed experts have stacks {sorted(one)}; expected blk.N.ffn_gate_exps, "
                               "ffn_up_exps and ffn_down_exps")

@@ -113,15 +113,17 @@ class GGUFIndex(TensorIndex):
                                       "Q6_K, IQ4_NL, IQ4_XS, MXFP4); requantize the experts with llama-quantize")
             if kind == "weight":
                 self.expert_types[layer, canon] = t.type.name
+        fused_layers = {layer for (layer, canon, _) in stacks if canon == "gate_up"}
         for (layer, canon, kind), t in stacks.items():
             prefix = f"model.layers.{layer}.{arch.moe_prefix}.experts"
-            if arch.fused_experts:  # experts.gate_up_proj [E, 2I, ...] (gate rows, then up rows) + down_proj
+            if arch.fused_experts or layer in fused_layers:
+                # experts.gate_up_proj [E, 2I, ...] (gate rows, then up rows) + experts.down_proj
                 if canon == "up":
                     continue
                 parts = (t, stacks.get((layer, "up", kind))) if canon == "gate" else (t,)
                 if None in parts:
                     raise CheckpointError(f"{t.file}: missing tensor {t.name.replace('gate', 'up')} (beside {t.name})")
-                proj = "gate_up_proj" if canon == "gate" else "down_proj"
+                proj = "down_proj" if canon == "down" else "gate_up_proj"
                 name = f"{prefix}.{proj}" + ("_bias" if kind == "bias" else "")
                 self.tensors[name] = _stack(name, parts, kind)
             elif kind == "weight":

@@ -7,6 +7,8 @@
     blk.N.ffn_{gate,up,down}_exps.{weight,bias}   routed experts, stacked [in, out, E] (ggml dims):
                                  served per expert as model.layers.N.<moe>.experts.j.<proj>.weight
                                  (index.py), biases [out, E] as experts.<proj>_bias
+    blk.N.ffn_gate_up_exps.weight                 gate and up in one stack [in, 2 x out, E] (gate rows first):
+                                 served as experts.gate_up_proj [E, 2I, ...] with experts.down_proj
     blk.N.ffn_{gate,up,down}.J.weight             one expert each (older Mixtral files): the same names
 `hf_name` returns None for a tensor no family reads here (the caller lists those it leaves out).
 """
@@ -33,7 +35,8 @@ KV_B_SPLIT = {"attn_k_b": "k", "attn_v_b": "v"}
 MOE = {"ffn_gate_inp": "{router}", "ffn_gate_shexp": "{shared}.gate_proj", "ffn_up_shexp": "{shared}.up_proj",
        "ffn_down_shexp": "{shared}.down_proj", "ffn_gate_inp_shexp": "shared_expert_gate",
        "exp_probs_b": "{router}.e_score_correction"}
-EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down",
+           "ffn_gate_up_exps": "gate_up"}  # gate_up: [in, 2 x out, E], gate rows first (llama-graph.cpp)
 BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 PER_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")  # older Mixtral files: one per expert
 

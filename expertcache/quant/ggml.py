@@ -155,5 +155,7 @@ def mixed_method(types: dict[str, str]) -> str:
     name = "gguf-mixed:" + ",".join(types[p].lower() for p in ("gate", "up", "down"))
     if name not in QUANT_METHODS:
         subs = {p: GGUF_METHODS[t]() for p, t in types.items()}
+        if types["gate"] == types["up"]:  # a gate_up part (experts.gate_up_proj) in the gate's type
+            subs["gate_up"] = subs["gate"]
         register(name)(type("GGUF_mixed", (GGMLMixed,), {"projections": subs}))
     return name
