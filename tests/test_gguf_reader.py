@@ -121,3 +121,12 @@ def test_dense_block_tensors_load_dequantized(tmp_path):
     ref = gguf.quants.dequantize(raw["c.weight"][1], gguf.GGMLQuantizationType.Q4_K).reshape(2, 512)
     np.testing.assert_array_equal(dequantize(info).numpy(), ref)
     assert names.hf_name("blk.3.attn_q.weight", arch) == "model.layers.3.self_attn.q_proj.weight"
+
+
+def test_a_string_array_cut_short_is_refused(tmp_path):
+    path = write_gguf(tmp_path / "s.gguf", "test", {}, [("t.strs", [f"token{i}" for i in range(100)], "str[]")])
+    data = path.read_bytes()
+    cut = data.index(b"token57") + 3
+    path.write_bytes(data[:cut])
+    with pytest.raises(CheckpointError, match=r"s\.gguf: truncated or corrupt GGUF header \(in t\.strs\)"):
+        read_gguf(path)

@@ -33,7 +33,8 @@ VALUE_TYPES = {0: ("u8", "<B"), 1: ("i8", "<b"), 2: ("u16", "<H"), 3: ("i16", "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
           12: "<f8"}
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
-MAX_STRING = 1 << 30  # a longer string or array is a corrupt header, not a model
+MAX_STRING = 1 << 30
+_U64 = struct.Struct("<Q")  # a longer string or array is a corrupt header, not a model
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,24 @@ class _Reader:
         if etype in _NUMPY:
             dt = np.dtype(_NUMPY[etype])
             return np.frombuffer(self.take(n * dt.itemsize, what), dtype=dt).tolist()
+        if etype == 8:  # (a vocabulary: 150k+ strings; the plain loop, without per-item method calls)
+            return self._strings(n, what)
         return [self.value(etype, what) for _ in range(n)]
+
+    def _strings(self, n: int, what: str) -> list[str]:
+        read, length, out = self.f.read, _U64.unpack, []
+        try:
+            for _ in range(n):
+                k = length(read(8))[0]
+                b = read(k)
+                if len(b) != k:
+                    break
+                out.append(b.decode("utf-8"))
+        except (struct.error, UnicodeDecodeError):
+            out = []
+        if len(out) != n:
+            raise CheckpointError(f"{self.path}: truncated or corrupt GGUF header (in {what})")
+        return out
 
 
 def split_files(path: Path) -> list[Path]:
