@@ -12,6 +12,9 @@ gguf = pytest.importorskip("gguf")
 from gguf_files import random_blocks, write_gguf
 
 from expertcache.errors import CheckpointError
+from expertcache.gguf import names
+from expertcache.gguf.families import Arch
+from expertcache.gguf.index import GGUFIndex, GGUFInfo, dequantize
 from expertcache.gguf.reader import read_gguf
 from expertcache.hub import resolve_model
 
@@ -104,23 +107,19 @@ def test_split_set_reads_every_part_and_the_model_argument_resolves(tmp_path):
         resolve_model(str(first), revision="main")
 
 
-def test_dense_block_tensors_load_dequantized(tmp_path):
-    from expertcache.gguf.families import Arch
-    from expertcache.gguf.index import GGUFIndex
-
-    path, _arrays, raw = _file(tmp_path)
+def test_a_block_type_tensor_loads_dequantized_and_names_map_both_ways(tmp_path):
+    path, _, raw = _file(tmp_path)
     arch = Arch("test", "X", lambda m: {})
-    from expertcache.gguf import names
-
     index = GGUFIndex(read_gguf(path), arch, ("gate_proj", "up_proj", "down_proj"))
-    assert index.left_out  # names the test file's tensors: no family reads them
+    assert sorted(index.left_out) == ["a.weight", "b.weight", "c.weight"]  # no family reads these names
     t = read_gguf(path).tensors["c.weight"]
-    from expertcache.gguf.index import GGUFInfo, dequantize
-
     info = GGUFInfo("c", t.file, torch.float32, t.shape, t.offset, t.nbytes, t.type, t.name)
     ref = gguf.quants.dequantize(raw["c.weight"][1], gguf.GGMLQuantizationType.Q4_K).reshape(2, 512)
     np.testing.assert_array_equal(dequantize(info).numpy(), ref)
     assert names.hf_name("blk.3.attn_q.weight", arch) == "model.layers.3.self_attn.q_proj.weight"
+    assert names.gguf_name("model.layers.3.self_attn.q_proj.weight", arch) == "blk.3.attn_q.weight"
+    assert names.gguf_name("model.layers.3.mlp.experts.7.down_proj.weight", arch) == "blk.3.ffn_down_exps.weight"
+    assert names.hf_name("blk.3.exp_probs_b.bias", arch) == "model.layers.3.mlp.gate.e_score_correction_bias"
 
 
 def test_a_string_array_cut_short_is_refused(tmp_path):
