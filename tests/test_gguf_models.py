@@ -191,3 +191,17 @@ def test_gate_up_in_one_stack(qwen3_checkpoint, tmp_path, type_name):
     finally:
         llm.close()
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-3
+
+
+def test_low_memory_reads_embedding_rows_from_the_file(qwen3_gguf):
+    """Under --low-memory on the CPU a plain float embedding stays in the GGUF file (its rows are read per
+    step); a block-type one is dequantized and held."""
+    for type_name, reader in (("F32", "RowReader"), ("Q8_0", "Table")):
+        path = qwen3_gguf(type_name)
+        full, low = LLM(str(path)), LLM(str(path), low_memory=True)
+        try:
+            assert type(low.model.embed).__name__ == reader
+            torch.testing.assert_close(low.logits(PROMPT), full.logits(PROMPT), rtol=0, atol=0)
+        finally:
+            full.close()
+            low.close()
