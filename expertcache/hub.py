@@ -3,7 +3,8 @@
 `resolve_model(spec, revision)` turns what a user typed into a checkpoint directory, the way the
 Hugging Face tools find a model, without importing them:
 
-1. an existing directory with config.json: itself;
+1. an existing directory with config.json: itself; an existing `.gguf` file (llama.cpp's format, or
+   the first file `-00001-of-0000N.gguf` of a split set): itself (gguf/ reads it);
 2. an existing hub-cache repo folder (`models--ORG--NAME`, holding `refs/` and `snapshots/`):
    the snapshot `refs/<revision>` names (default `main`), or `snapshots/<revision>` for a commit;
 3. `ORG/NAME` that is not an existing path: the same repo folder inside the hub cache, which is
@@ -107,7 +108,7 @@ def _checked(path: Path, spec: str, hint: str = "") -> Path:
 
 def resolve_model(spec: str | os.PathLike, revision: str | None = None, *, download: bool = False,
                   progress: bool = True) -> Path:
-    """A checkpoint directory for `spec` (see the module docstring for the order)."""
+    """A checkpoint directory (or GGUF file) for `spec` (see the module docstring for the order)."""
     path = Path(spec).expanduser()
     text = str(spec)
     if path.is_dir():
@@ -121,8 +122,12 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None, *, downl
             raise CheckpointError(f"--revision {revision}: {text} is a plain directory, not a hub id or "
                                   f"hub-cache folder, so it has no revisions")
         return _checked(path, text)
+    if path.is_file() and path.suffix == ".gguf":  # a GGUF file (the first of a split set): gguf/reader.py
+        if revision:
+            raise CheckpointError(f"--revision {revision}: {text} is a GGUF file, so it has no revisions")
+        return path
     if path.exists():
-        raise CheckpointError(f"model directory {text} is not a directory")
+        raise CheckpointError(f"model directory {text} is not a directory (nor a .gguf file)")
     if not HUB_ID.match(text):
         raise CheckpointError(f"model directory {text} does not exist")
     cache = hub_cache_dir()

@@ -1,4 +1,6 @@
-"""Tokenizer and chat template of a checkpoint (tokenizer.json + tokenizer_config.json).
+"""Tokenizer and chat template of a checkpoint (tokenizer.json + tokenizer_config.json), or of a GGUF
+file (rebuilt from its tokenizer.ggml.* metadata and tokenizer.chat_template: gguf/tokenizer.py).
+`load_tokenizer(model, tokenizer_dir)`: a tokenizer.json directory given instead (`--tokenizer DIR`).
 
 Chat templates are rendered in Jinja's immutable sandbox: a template cannot reach
 Python internals or mutate its inputs.
@@ -44,6 +46,9 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
+        if model_dir.suffix == ".gguf" and model_dir.is_file():
+            self._from_gguf(model_dir)
+            return
         path = model_dir / "tokenizer.json"
         if not path.exists():
             raise CheckpointError(f"{model_dir}: missing tokenizer.json (needed to turn text into tokens)")
@@ -66,6 +71,18 @@ class Tokenizer:
         if template is None and jinja_file.exists():
             template, self.template_file = jinja_file.read_text(), jinja_file
         self.chat_template = template
+        self._finish()
+
+    def _from_gguf(self, path: Path) -> None:
+        from ..gguf import read_header
+        from ..gguf.tokenizer import build_tokenizer
+
+        self.tok, self.config = build_tokenizer(path, read_header(path).metadata)
+        self.template_file = path
+        self.chat_template = self.config.get("chat_template")
+        self._finish()
+
+    def _finish(self) -> None:
         self._template = None
         self.eos_token = self._token_str("eos_token")
         self.bos_token = self._token_str("bos_token")
@@ -106,7 +123,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
-            raise CheckpointError("the checkpoint's tokenizer_config.json has no chat_template")
+            raise CheckpointError(f"{self.template_file}: the checkpoint has no chat template")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
         if self._template is None:
@@ -127,3 +144,14 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+def load_tokenizer(model: str | Path, tokenizer_dir: str | Path | None = None) -> Tokenizer:
+    """The model's own tokenizer (a checkpoint directory's tokenizer.json, a GGUF file's metadata), or,
+    with `tokenizer_dir`, the tokenizer.json + tokenizer_config.json of that directory instead."""
+    if tokenizer_dir is None:
+        return Tokenizer(model)
+    d = Path(tokenizer_dir)
+    if not (d / "tokenizer.json").is_file():
+        raise CheckpointError(f"--tokenizer {tokenizer_dir}: no tokenizer.json in that directory")
+    return Tokenizer(d)

@@ -74,6 +74,13 @@ def _slice(t, j: int, n: int) -> Range:
     return (t.file, t.offset + j * t.nbytes // n, t.nbytes // n)
 
 
+def _entry(t, j: int, n: int) -> list[Range]:
+    """Byte ranges of entry j of a stacked tensor: one slice, or the pieces an index serves it in
+    (`t.expert_ranges(j)`: a GGUF file's gate and up stacks as one gate_up, gguf/index.py)."""
+    pieces = getattr(t, "expert_ranges", None)
+    return pieces(j) if pieces is not None else [_slice(t, j, n)]
+
+
 class StoredRanges(dict):
     """One expert's byte ranges {stored part: [Range]} when the tiers hold another layout: the reader
     (loader.disk.DiskReader.read_parts) reads them into `scratch()`, then `convert(raw, dst)` writes
@@ -120,7 +127,7 @@ class ExpertSource:
                 gu = index.info(fused, (E, *gu_shape))
                 dn = index.info(f"{prefix}.experts.down_proj", (E, *dn_shape))
                 for j in range(E):
-                    self._ranges[layer, j] = {"gate_up": [_slice(gu, j, E)], "down": [_slice(dn, j, E)]}
+                    self._ranges[layer, j] = {"gate_up": _entry(gu, j, E), "down": _entry(dn, j, E)}
                     self._names[layer, j] = f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]"
                 dtypes, example = {gu.dtype, dn.dtype}, gu.name
                 self._biases(layer, prefix)
@@ -175,7 +182,7 @@ class ExpertSource:
             t = self.index.info(f"{prefix}.experts.{proj}_bias", (E, n))
             parts.append(Part(part, (n,), t.dtype))
             for j in range(E):
-                self._ranges[layer, j][part] = [_slice(t, j, E)]
+                self._ranges[layer, j][part] = _entry(t, j, E)
         if self.bias_parts and tuple(parts) != self.bias_parts:
             raise CheckpointError(f"layer {layer}: expert bias dtypes {[str(p.dtype) for p in parts]} differ "
                                   "from the other layers'")
@@ -210,7 +217,7 @@ class ExpertSource:
                         if fused:  # experts.{proj}{suffix without "weight"} [E, ...], slice j
                             name = f"{prefix}.experts.{proj}{suffix.removeprefix('weight')}"
                             t = self.index.info(name)
-                            shape, rng = t.shape[1:], _slice(t, j, E)
+                            shape, rng = t.shape[1:], _entry(t, j, E)
                             if t.shape[0] != E:
                                 raise CheckpointError(f"{t.file.name}: tensor {name} has {t.shape[0]} experts, "
                                                       f"config.json says {E}")
@@ -219,7 +226,7 @@ class ExpertSource:
                             if name not in self.index and suffix in m.aliases:
                                 name = f"{prefix}.experts.{j}.{proj}.{m.aliases[suffix]}"
                             t = self.index.info(name)
-                            shape, rng = t.shape, (t.file, t.offset, t.nbytes)
+                            shape, rng = t.shape, [(t.file, t.offset, t.nbytes)]
                         if not _fits(shape, t.dtype, spec):
                             raise CheckpointError(
                                 f"{t.file.name}: tensor {name} is {t.dtype} {list(t.shape)}, but {m.name} experts "
@@ -229,7 +236,7 @@ class ExpertSource:
                         part = Part(key, spec.shape, t.dtype)
                         if parts.setdefault(key, part) != part:
                             raise CheckpointError(f"tensor {name}: {t.dtype} differs from other experts' {parts[key].dtype}")
-                        ranges[key] = [rng]
+                        ranges[key] = rng
                 self._ranges[layer, j] = ranges
                 self._names[layer, j] = (f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]" if fused else
                                          f"{prefix}.experts.{j}.{{{','.join(names.expert_projs)}}}")

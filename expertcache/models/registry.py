@@ -7,7 +7,7 @@ how its tensors are named. The forward pass (models/transformer.py) is shared.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -37,8 +37,14 @@ def register(family: Family) -> Family:
 
 
 def open_index(model_dir: str | Path, family: Family):
-    """The checkpoint's tensor index under the names the decoder reads (family.tensor_names)."""
+    """The checkpoint's tensor index under the names the decoder reads (family.tensor_names); a GGUF
+    file's tensors under the same names (gguf/index.py)."""
     from ..loader.safetensors_index import TensorIndex
+
+    if Path(model_dir).suffix == ".gguf":
+        from .. import gguf
+
+        return gguf.open_index(model_dir, family.names.expert_projs)
 
     index = TensorIndex(model_dir)
     if family.tensor_names is not None:
@@ -50,6 +56,14 @@ def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:
     """Parse model_dir/config.json (+ generation_config.json) into (family, ModelConfig, raw dict)."""
     from . import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next  # noqa: F401  (register the families)
 
+    if Path(model_dir).suffix == ".gguf":  # the config rebuilt from the file's metadata
+        from .. import gguf
+
+        arch, hf = gguf.read_config(model_dir)
+        family = FAMILIES[hf["architectures"][0]]
+        if arch.weight_names:  # how the GGUF index serves the experts (e.g. gate_up not interleaved)
+            family = replace(family, names=replace(family.names, **dict(arch.weight_names)))
+        return family, _parse_gguf(family, hf, model_dir), hf
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
@@ -75,3 +89,11 @@ def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:
         if g.get("eos_token_id") is not None:
             hf = {**hf, "eos_token_id": g["eos_token_id"]}
     return family, family.parse(hf), hf
+
+
+def _parse_gguf(family: Family, hf: dict, path) -> ModelConfig:
+    """family.parse on a config rebuilt from GGUF metadata; its errors name the file, not config.json."""
+    try:
+        return family.parse(hf)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("config.json", f"{Path(path).name} (GGUF metadata)", 1)) from None

@@ -54,7 +54,8 @@ def read_model(model_dir: str | Path) -> ModelInfo:
     index = open_index(model_dir, family)
     drop_mtp_layers(index, cfg, hf)
     source = ExpertSource(index, cfg, family.names, method_from_config(hf))
-    size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
+    files = index.gguf.files if hasattr(index, "gguf") else [p for p in model_dir.iterdir() if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
     return ModelInfo(model_dir, hf, source, size, family.names)
 
 

@@ -1,0 +1,161 @@
+"""GGUF's block formats as QuantMethods: a weight kept in the bytes llama.cpp wrote.
+
+Stored layout per projection P (out, in = weight dims; QK = elements per block, BB = bytes per block;
+in % QK == 0):
+    P.weight   uint8  [out, (in // QK) * BB]   row o = the blocks of row o exactly as in the file
+
+    name          QK   BB   (block layout: quant/ggml_blocks.py)
+    gguf-q4_0     32   18
+    gguf-q5_0     32   22
+    gguf-q8_0     32   34
+    gguf-iq4_nl   32   18
+    gguf-mxfp4    32   17
+    gguf-q4_k    256  144
+    gguf-q5_k    256  176
+    gguf-q6_k    256  210
+    gguf-iq4_xs  256  136
+
+A GGUF tensor [in, out] (ggml dims) is already this layout, and each expert of a stacked
+`blk.N.ffn_*_exps` [in, out, E] is one contiguous [out, row bytes] range of it, so every tier holds an
+expert in exactly its file bytes. `dequantize` decodes in vectorised torch (float32, the reference's
+values); `linear` dequantizes then multiplies (the C++ kernels read these bytes directly); `pack`
+quantizes where the encoder is simple (Q8_0, Q4_0: ggml's reference rounding), else refuses.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .ggml_blocks import BY_NAME, DECODERS, METHODS, method_name
+from .method import QUANT_METHODS, QuantMethod, Shape, TensorSpec, register
+
+
+class GGMLBlocks(QuantMethod):
+    """Base: one ggml block type (`type_name`) stored row by row as raw bytes."""
+
+    type_name: ClassVar[str]
+
+    @property
+    def qk(self) -> int:
+        return BY_NAME[self.type_name].block
+
+    @property
+    def block_bytes(self) -> int:
+        return BY_NAME[self.type_name].block_bytes
+
+    def _check_shape(self, shape: tuple[int, ...], key: str = "weight") -> Shape:
+        out, in_ = super()._check_shape(shape, key)
+        if in_ % self.qk:
+            raise ValueError(f"{key}: {self.name} needs an input dim that is a multiple of {self.qk}, "
+                             f"got {list(shape)}")
+        return out, in_
+
+    def _layout(self, shape: Shape) -> dict[str, TensorSpec]:
+        return {"weight": TensorSpec((shape[0], shape[1] // self.qk * self.block_bytes), torch.uint8)}
+
+    def _shape_of(self, primary: torch.Tensor) -> Shape:
+        if primary.shape[1] % self.block_bytes:
+            raise ValueError(f"{self.name}: stored rows of {primary.shape[1]} bytes are not whole "
+                             f"{self.block_bytes}-byte blocks")
+        return (primary.shape[0], primary.shape[1] // self.block_bytes * self.qk)
+
+    def _dequant(self, parts: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        blocks = parts["weight"].contiguous().view(-1, self.block_bytes)
+        return out.copy_(DECODERS[self.type_name](blocks).view(out.shape))
+
+    def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise ValueError(f"{self.name}: no quantiser here (weights in this format are read from GGUF files); "
+                         "pack supports gguf-q8_0 and gguf-q4_0")
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C roundf: halves away from zero (torch.round rounds them to even)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    return w.reshape(-1, 32)
+
+
+def _with_d(d: torch.Tensor, qs: torch.Tensor, rows: int) -> torch.Tensor:
+    """d float32 [N, 1] (stored as f16) + qs uint8 [N, B] -> uint8 [rows, N / rows * (2 + B)]."""
+    return torch.cat((d.to(torch.float16).view(torch.uint8), qs), dim=1).reshape(rows, -1)
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """float [out, in] -> Q8_0 rows (ggml's reference: d = amax / 127, q = roundf(x / d))."""
+    x = _blocks(w.float())
+    d = x.abs().amax(dim=1, keepdim=True) / 127
+    q = torch.where(d == 0, torch.zeros_like(x), _roundf(x / torch.where(d == 0, 1, d)))
+    return _with_d(d, q.to(torch.int8).view(torch.uint8), w.shape[0])
+
+
+def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
+    """float [out, in] -> Q4_0 rows (ggml's reference: d = the signed amax / -8, q = trunc(x / d + 8.5))."""
+    x = _blocks(w.float())
+    peak = torch.gather(x, 1, x.abs().argmax(dim=1, keepdim=True))
+    d = peak / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, 1, d))
+    q = torch.trunc(x * inv + 8.5).clamp(0, 15).to(torch.uint8)
+    return _with_d(d, q[:, :16] | (q[:, 16:] << 4), w.shape[0])
+
+
+_ENCODERS = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0}
+
+
+def _method(type_name: str) -> type[GGMLBlocks]:
+    attrs: dict = {"type_name": type_name, "__doc__": f"ggml {type_name} blocks, as stored in GGUF."}
+    if type_name in _ENCODERS:
+        enc = _ENCODERS[type_name]
+        attrs["_quantize"] = lambda self, w: {"weight": enc(w)}
+    cls = type(f"GGUF_{type_name}", (GGMLBlocks,), attrs)
+    return register(method_name(type_name))(cls)
+
+
+GGUF_METHODS: dict[str, type[GGMLBlocks]] = {t: _method(t) for t in METHODS}
+
+
+class GGMLMixed(QuantMethod):
+    """Routed experts whose projections differ in block type (e.g. gate/up Q4_K, down Q6_K): each
+    projection P is stored and computed by `projections[P]` (a GGMLBlocks method), its layout unchanged.
+    Registered per combination as "gguf-mixed:<gate>,<up>,<down>" (`mixed_method`); a kernel spec for it
+    takes `projections[proj]`'s."""
+
+    projections: ClassVar[dict[str, GGMLBlocks]]
+
+    def sub(self, name: str) -> GGMLBlocks:
+        p = name.split(".", 1)[0]
+        if p not in self.projections:
+            raise ValueError(f"{self.name}: no projection {p!r} (have {sorted(self.projections)})")
+        return self.projections[p]
+
+    def layout(self, name: str, shape: Shape) -> dict[str, TensorSpec]:
+        return self.sub(name).layout(name, shape)
+
+    def nbytes(self, shape: Shape) -> int:
+        raise ValueError(f"{self.name}: bytes depend on the projection; use layout(name, shape)")
+
+    def pack(self, weights):
+        raise ValueError(f"{self.name}: no quantiser here (weights in this format are read from GGUF files)")
+
+    def dequantize(self, stored, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.sub(name).dequantize(stored, name, out)
+
+    def linear(self, x, stored, name: str, buf: torch.Tensor | None = None) -> torch.Tensor:
+        return self.sub(name).linear(x, stored, name, buf)
+
+
+def mixed_method(types: dict[str, str]) -> str:
+    """The registered name of the method for experts of ggml types {gate|up|down: type} (registered on
+    first use); a single type is its plain method."""
+    if len(set(types.values())) == 1:
+        return method_name(next(iter(types.values())))
+    name = "gguf-mixed:" + ",".join(types[p].lower() for p in ("gate", "up", "down"))
+    if name not in QUANT_METHODS:
+        subs = {p: GGUF_METHODS[t]() for p, t in types.items()}
+        if types["gate"] == types["up"]:  # a gate_up part (experts.gate_up_proj) in the gate's type
+            subs["gate_up"] = subs["gate"]
+        register(name)(type("GGUF_mixed", (GGMLMixed,), {"projections": subs}))
+    return name
