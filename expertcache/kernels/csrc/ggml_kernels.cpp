@@ -8,7 +8,7 @@
 //
 // Loop shapes: one row at a time (one sequential stream through memory, the row `pf` rows ahead asked
 // for), up to TMAX tokens a pass over it (6 on AVX-512, 3 on AVX2: the accumulators of a 32-weight
-// sub-block per token in registers), one token with two sets of accumulators; fast math up to 4 tokens
+// sub-block per token in registers), one token with two sets of accumulators; fast math up to 8 tokens
 // a pass.
 
 #include "ggml_kernels.h"
@@ -50,6 +50,7 @@ int act_of(int type) { return type == Q8_0 ? A32 : (type == Q4_K || type == Q6_K
 
 const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // 2 x e2m1
+const int8_t VALUES_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};  // code - 8
 
 // ---- AVX2 -------------------------------------------------------------------------------------------
 namespace avx2 {
@@ -93,6 +94,8 @@ struct V {
   }
   static Tab iq4nl() { return table(KVALUES_IQ4NL); }
   static Tab e2m1x2() { return table(KVALUES_MXFP4); }
+  static Tab q4_0() { return table(VALUES_Q4_0); }
+  static Tab tmul(const Tab& t, F d) { return {_mm256_mul_ps(t.lo, d), _mm256_mul_ps(t.hi, d)}; }
   // entry (c & 15): two 8-entry permutes, chosen by bit 3 moved to the sign
   static F lut(I c, const Tab& t) {
     return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, c), _mm256_permutevar8x32_ps(t.hi, c),
@@ -139,6 +142,8 @@ struct V {
   static Tab table(const int8_t* t) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)))); }
   static Tab iq4nl() { return table(KVALUES_IQ4NL); }
   static Tab e2m1x2() { return table(KVALUES_MXFP4); }
+  static Tab q4_0() { return table(VALUES_Q4_0); }
+  static Tab tmul(const Tab& t, F d) { return _mm512_mul_ps(t, d); }
   static F lut(I c, const Tab& t) { return _mm512_permutexvar_ps(c, t); }  // vpermps reads c's low 4 bits
 };
 
@@ -296,7 +301,7 @@ void k_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float*
   }
 }
 
-constexpr int TQ = 4;  // tokens per pass over a row in fast math
+constexpr int TQ = 8;  // tokens per pass over a row in fast math
 
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
              const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf) {
@@ -319,6 +324,10 @@ void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, co
         case 1: go(Slot<1>{}); break;
         case 2: go(Slot<2>{}); break;
         case 3: go(Slot<3>{}); break;
+        case 4: go(Slot<4>{}); break;
+        case 5: go(Slot<5>{}); break;
+        case 6: go(Slot<6>{}); break;
+        case 7: go(Slot<7>{}); break;
         default: go(Slot<TQ>{}); break;
       }
     }

@@ -50,6 +50,15 @@ inline void scale_min_k4(const uint8_t* s, uint8_t sc[8], uint8_t m[8]) {
   __builtin_memcpy(m + 4, &d, 4);
 }
 
+// q4_0, iq4_nl, mxfp4, iq4_xs: a 16-entry table by code, scaled by d once (each entry d x value, exact:
+// an fp16 d times a value of at most 8 bits, or iq4_xs's d x ls of 17 bits times one of 7)
+template <class Tab>
+__attribute__((always_inline)) inline void table_block(const uint8_t* q, typename V::F d, const Tab& tab,
+                                                       typename V::F* w) {
+  const Tab t = V::tmul(tab, d);
+  nib16(q, w, [&](typename V::I c, int) { return V::lut(c, t); }, [&](typename V::I c, int) { return V::lut(c, t); });
+}
+
 template <int T>
 struct Dec;
 
@@ -70,11 +79,8 @@ struct Dec<Q4_0> {
   static constexpr int QK = 32, BYTES = 18;
   template <class Fn>
   __attribute__((always_inline)) static void block(const uint8_t* p, Fn fn) {
-    const typename V::F d = V::set1(h2f(p));
-    const typename V::I eight = V::set1i(8), nib = V::set1i(15);
     typename V::F w[NV];
-    nib16(p + 2, w, [&](typename V::I c, int) { return V::mul(V::cvt(V::sub(V::and_(c, nib), eight)), d); },
-          [&](typename V::I c, int) { return V::mul(V::cvt(V::sub(c, eight)), d); });
+    table_block(p + 2, V::set1(h2f(p)), V::q4_0(), w);
     fn(0, w);
   }
 };
@@ -98,14 +104,6 @@ struct Dec<Q5_0> {
     fn(0, w);
   }
 };
-
-// iq4_nl and mxfp4: a 16-entry table by code
-template <class Tab>
-__attribute__((always_inline)) inline void table_block(const uint8_t* q, typename V::F d, const Tab& tab,
-                                                       typename V::F* w) {
-  nib16(q, w, [&](typename V::I c, int) { return V::mul(V::lut(c, tab), d); },
-        [&](typename V::I c, int) { return V::mul(V::lut(c, tab), d); });
-}
 
 template <>
 struct Dec<IQ4_NL> {
@@ -167,6 +165,29 @@ struct DecK {
     const uint8_t* qh = p + 16;
     const uint8_t* qs = p + (Q5 ? 48 : 16);
     const typename V::I nib = V::set1i(15), one = V::set1i(1);
+    if constexpr (!Q5 && V::W == 16) {  // q4_k on AVX-512: each sub-block's 16 values d sc q - dmin m as a table
+      const __m512 ds = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))),
+                                      _mm512_set1_ps(d));
+      const __m512 ms = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)))),
+                                      _mm512_set1_ps(dmin));
+      const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      auto table = [&](int j) __attribute__((always_inline)) {
+        const __m512i jv = _mm512_set1_epi32(j);
+        return _mm512_fmsub_ps(codes, _mm512_permutexvar_ps(jv, ds), _mm512_permutexvar_ps(jv, ms));
+      };
+      for (int c = 0; c < 4; ++c) {
+        const __m512 t0 = table(2 * c), t1 = table(2 * c + 1);
+        __m512 lo[NV], hi[NV];
+        for (int i = 0; i < NV; ++i) {
+          const __m512i q = V::u8(qs + 32 * c + V::W * i);
+          lo[i] = _mm512_permutexvar_ps(q, t0);  // vpermps reads the low 4 bits
+          hi[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t1);
+        }
+        fn(2 * c, lo);
+        fn(2 * c + 1, hi);
+      }
+      return;
+    }
     for (int c = 0; c < 4; ++c) {
       typename V::F lo[NV], hi[NV];
       const typename V::F d0 = V::set1(d * float(sc[2 * c])), m0 = V::set1(dmin * float(m[2 * c]));
@@ -199,6 +220,36 @@ struct Dec<Q6_K> {
   __attribute__((always_inline)) static void block(const uint8_t* p, Fn fn) {
     const float d = h2f(p + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    if constexpr (V::W == 16) {  // the codes made 64 at a time as bytes (q - 32), then 16 at a time widened
+      const __m512 dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))),
+                                       _mm512_set1_ps(d));
+      const __m512i nib8 = _mm512_set1_epi8(0x0F), three8 = _mm512_set1_epi8(3), off8 = _mm512_set1_epi8(32);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+        const __m512i qa = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        const __m512i qb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 4)), _mm256_srli_epi16(qh, 6), 1);
+        // q0: weights 128h + 0..63, q1: 128h + 64..127, as int8 q - 32
+        const __m512i q0 = _mm512_sub_epi8(
+            _mm512_or_si512(_mm512_and_si512(ql, nib8), _mm512_slli_epi16(_mm512_and_si512(qa, three8), 4)), off8);
+        const __m512i q1 = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib8),
+                                                           _mm512_slli_epi16(_mm512_and_si512(qb, three8), 4)), off8);
+        auto emit = [&](int s, __m512i q, auto l0) __attribute__((always_inline)) {
+          constexpr int L = decltype(l0)::value;  // the 128-bit lanes L, L + 1 of q: sub-block s's 32 codes
+          __m512 w[2];
+          w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, L))),
+                               _mm512_permutexvar_ps(_mm512_set1_epi32(2 * s), dsc));
+          w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, L + 1))),
+                               _mm512_permutexvar_ps(_mm512_set1_epi32(2 * s + 1), dsc));
+          fn(s, w);
+        };
+        emit(4 * h, q0, Slot<0>{});
+        emit(4 * h + 1, q0, Slot<2>{});
+        emit(4 * h + 2, q1, Slot<0>{});
+        emit(4 * h + 3, q1, Slot<2>{});
+      }
+      return;
+    }
     const typename V::I nib = V::set1i(15), three = V::set1i(3), off = V::set1i(32);
     for (int s = 0; s < 8; ++s) {
       const int h = s / 4, i4 = s % 4;
