@@ -46,7 +46,9 @@ bool avx512_supported() {
 
 bool fast_supported() { return avx512_supported() && __builtin_cpu_supports("avx512vnni"); }
 
-int act_of(int type) { return type == Q8_0 ? A32 : (type == Q4_K || type == Q6_K) ? A256 : -1; }
+int act_of(int type) {
+  return (type == Q8_0 || type == Q4_0 || type == IQ4_NL || type == MXFP4) ? A32 : (type == Q4_K || type == Q6_K) ? A256 : -1;
+}
 
 const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // 2 x e2m1
@@ -195,22 +197,61 @@ void prep_a256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
   }
 }
 
-// q8_0 x A32, tokens t < TT: per pair of blocks (64 weights, lanes 0..7 the first block's, 8..15 the
-// second's) dpbusd(x + 128, w) - 128 sum(w), times the two scales
-template <int TT>
-void q8_0_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const float* const* xd, float* y, int64_t ldy,
-              int64_t ahead) {
+// the 64 int8 weights of the blocks at p and p + BYTES (the second: zero when !two) and their scales
+// in lanes 0..7 / 8..15; the 4-bit types' codes through a 16-entry int8 table by vpshufb (q4_0: code - 8,
+// iq4_nl: kvalues, mxfp4: 2 x e2m1 with the half scale 2^(e - 128))
+template <int T>
+struct Blocks32;
+template <>
+struct Blocks32<Q8_0> {
+  static constexpr int64_t BYTES = 34;
+  static __m512i weights(const uint8_t* p, bool two) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 36)) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+  }
+  static float scale(const uint8_t* p) { return h2f(p); }
+};
+template <int T>
+struct Nibbles32 {
+  static constexpr int64_t BYTES = T == MXFP4 ? 17 : 18, Q = T == MXFP4 ? 1 : 2;  // Q: the codes' offset
+  static __m512i weights(const uint8_t* p, bool two) {
+    const int8_t* t = T == MXFP4 ? KVALUES_MXFP4 : T == IQ4_NL ? KVALUES_IQ4NL : VALUES_Q4_0;
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + Q));
+    const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + BYTES + Q)) : _mm_setzero_si128();
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+    // 128-bit lanes [q0, q1, q0 >> 4, q1 >> 4] -> [q0, q0 >> 4, q1, q1 >> 4]: each block's low nibbles, then high
+    const __m512i v = _mm512_shuffle_i64x2(
+        _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1),
+        _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), 0xD8);
+    return _mm512_shuffle_epi8(tab, _mm512_and_si512(v, _mm512_set1_epi8(0x0F)));
+  }
+  static float scale(const uint8_t* p) { return T == MXFP4 ? e8m0_half(p[0]) : h2f(p); }
+};
+template <>
+struct Blocks32<Q4_0> : Nibbles32<Q4_0> {};
+template <>
+struct Blocks32<IQ4_NL> : Nibbles32<IQ4_NL> {};
+template <>
+struct Blocks32<MXFP4> : Nibbles32<MXFP4> {};
+
+// 32-weight blocks x A32, tokens t < TT: per pair of blocks (64 weights, lanes 0..7 the first block's,
+// 8..15 the second's) dpbusd(x + 128, w) - 128 sum(w), times the two scales
+template <int T, int TT>
+void b32_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const float* const* xd, float* y, int64_t ldy,
+             int64_t ahead) {
+  using B = Blocks32<T>;
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t g = 0; 2 * g < nb; ++g) {
-    const uint8_t* p = row + 68 * g;
+    const uint8_t* p = row + 2 * B::BYTES * g;
     const bool two = 2 * g + 1 < nb;
-    if (ahead) prefetch_block(p + ahead, two ? 68 : 34);
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-    const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 36)) : _mm256_setzero_si256();
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-    const __m512 dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(h2f(p)), _mm512_set1_ps(two ? h2f(p + 34) : 0.f));
+    if (ahead) prefetch_block(p + ahead, two ? 2 * B::BYTES : B::BYTES);
+    const __m512i w = B::weights(p, two);
+    const __m512 dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(B::scale(p)),
+                                           _mm512_set1_ps(two ? B::scale(p + B::BYTES) : 0.f));
     const __m512i ws = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w), 7);
     for (int t = 0; t < TT; ++t) {
       const __m512i s = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xq[t] + 64 * g), w), ws);
@@ -305,7 +346,7 @@ constexpr int TQ = 8;  // tokens per pass over a row in fast math
 
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
              const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf) {
-  const int64_t nb = K / (type == Q8_0 ? 32 : 256);
+  const int64_t nb = K / (act_of(type) == A32 ? 32 : 256);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t ahead = pf && n + pf < N ? pf * w_row : 0;
     const uint8_t* r = w + n * w_row;
@@ -316,7 +357,10 @@ void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, co
       auto go = [&](auto tc) __attribute__((always_inline)) {
         constexpr int TT = decltype(tc)::value;
         const int8_t* const* xq = reinterpret_cast<const int8_t* const*>(q + t0);
-        if (type == Q8_0) q8_0_row<TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        if (type == Q8_0) b32_row<Q8_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == Q4_0) b32_row<Q4_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == IQ4_NL) b32_row<IQ4_NL, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == MXFP4) b32_row<MXFP4, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == Q4_K) k_row<Q4_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
         else k_row<Q6_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
       };

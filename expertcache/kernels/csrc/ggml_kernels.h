@@ -20,8 +20,9 @@
 // package's dequantiser gives (the products d * sc * q are exact in float32; q4_k / q5_k's d sc q - dmin m
 // rounds once, as float32 numpy does), AVX-512 (F/BW/VL) or AVX2 + FMA + F16C. Fast math (AVX-512 VNNI):
 // activations quantised as llama.cpp pairs them, then integer dot products:
-//   q8_0           x per block of 32 to int8 (scale max|x| / 127, nearest even), stored + 128 (unsigned)
-//                  for vpdpbusd against the signed weights, 128 x the weights' sum taken off
+//   q8_0, q4_0,    x per block of 32 to int8 (scale max|x| / 127, nearest even), stored + 128 (unsigned)
+//   iq4_nl, mxfp4  for vpdpbusd against the signed weights (the 4-bit codes through a 16-entry int8 table by
+//                  vpshufb: code - 8, kvalues, 2 x e2m1), 128 x the weights' sum taken off
 //   q4_k, q6_k     x per block of 256 (Q8_K: scale max|x| / 127, nearest even) with the code sums per 16;
 //                  vpmaddubsw (weights unsigned) then vpdpwssd by the sub-block scales, in int32 for a
 //                  block; q4_k's mins and q6_k's -32 through the code sums
@@ -30,7 +31,7 @@
 // Shape legend (K features, a multiple of QK):
 //   W row        uint8 [K / QK * BYTES] at w + n * w_row
 //   x            float32 rows [K] (exact), y[t * ldy + n] for tokens t < T and rows n < N
-//   prepared q8 (kind A32, q8_0)   uint8 [Kp]  code + 128, Kp = K rounded up to 64 (128 past K)
+//   prepared q8 (kind A32)         uint8 [Kp]  code + 128, Kp = K rounded up to 64 (128 past K)
 //                                  float [Kp / 4] per 64 features 16 lanes: block 2g's scale in lanes 0..7,
 //                                  2g + 1's in 8..15 (NaN when the block is not finite)
 //   prepared q8 (kind A256, q4_k, q6_k)  int8 [K] codes, float [K / 256] scales, int16 [K / 16] code sums
