@@ -440,11 +440,12 @@ using pool::run_units;  // units handed out dynamically, so uneven units balance
 // activations by the AVX2 kernels above.
 enum Math { EXACT = 0, FAST = 1 };
 // GGUF blocks (ggml_kernels.h) go through ggml's AVX-512 kernels (or AVX2 where those are not allowed) in
-// exact math; q8_0, q4_k and q6_k through its VNNI kernels in fast math (P_GA32 / P_GA256: activations as
-// llama.cpp's Q8_0 / Q8_K), where the AVX-512 kernels are allowed.
-enum Prep { NONE = -1, P_BF16 = 0, P_Q8 = 1, P_MXF = 2, P_MXQ = 3, P_I4F = 4, P_I4Q = 5, P_GA32 = 6, P_GA256 = 7 };
+// exact math; q8_0, q4_0, iq4_nl, mxfp4, q4_k and q6_k through its VNNI kernels in fast math (P_GA32 +
+// ggml::act_of(type): activations as llama.cpp's Q8_0 / Q8_K), where the AVX-512 kernels are allowed.
+enum Prep { NONE = -1, P_BF16 = 0, P_Q8 = 1, P_MXF = 2, P_MXQ = 3, P_I4F = 4, P_I4Q = 5, P_GA32 = 6, P_GA256 = 7, P_GA32N = 8 };
 inline bool nibble_prep(int kind) { return kind >= P_MXF && kind <= P_I4Q; }
-inline bool ggml_prep(int kind) { return kind == P_GA32 || kind == P_GA256; }
+inline bool ggml_prep(int kind) { return kind >= P_GA32 && kind <= P_GA32N; }
+inline int ggml_act(int kind) { return kind - P_GA32; }  // ggml::Act
 
 bool fast_reads(const WView& W) {
   return W.fmt == BF16 || (W.fmt == INT8 && W.Bo == 1 && (W.G >= W.K || W.G % fastk::BLOCK == 0));
@@ -483,7 +484,7 @@ int prep_of(const WView& W, int64_t math) {
   if (W.fmt == INT4 && W.G % nib::BLOCK == 0 && W.Bo == 1 && nibble_avx512()) return math == FAST ? P_I4Q : P_I4F;
   if (ggml::is_type(W.fmt)) {
     const int act = ggml::act_of(W.fmt);
-    return math == FAST && act >= 0 && ggml_avx512() && ggml::fast_supported() ? (act == ggml::A32 ? P_GA32 : P_GA256)
+    return math == FAST && act >= 0 && ggml_avx512() && ggml::fast_supported() ? P_GA32 + act
                                                                               : NONE;
   }
   if (math == FAST && fast_reads(W)) return W.fmt == BF16 ? P_BF16 : P_Q8;
@@ -492,7 +493,7 @@ int prep_of(const WView& W, int64_t math) {
 
 // features per piece a prepared row is built from (FastX::part)
 int64_t prep_unit(int kind) {
-  return nibble_prep(kind) ? nib::GROUP : ggml_prep(kind) ? ggml::act_unit(kind == P_GA32 ? ggml::A32 : ggml::A256)
+  return nibble_prep(kind) ? nib::GROUP : ggml_prep(kind) ? ggml::act_unit(ggml_act(kind))
                                                           : fastk::BLOCK;
 }
 
@@ -504,8 +505,7 @@ std::string kernel_of(const WView& W, int64_t math) {
   const int kind = prep_of(W, check_math(math));
   if (ggml::is_type(W.fmt)) {
     const std::string t = ggml::type_name(W.fmt);
-    if (kind == P_GA32) return "avx512vnni-" + t + "-q8_0act";
-    if (kind == P_GA256) return "avx512vnni-" + t + "-q8_kact";
+    if (ggml_prep(kind)) return "avx512vnni-" + t + (ggml_act(kind) == ggml::A256 ? "-q8_kact" : "-q8_0act");
     return (ggml_avx512() ? "avx512-" : "avx2-") + t + "-f32act";
   }
   switch (kind) {
@@ -530,18 +530,18 @@ struct FastX {
   std::vector<float> fs;     // P_I4F [T, Kp / 8]
   std::vector<int8_t> mq;    // P_MXQ, P_I4Q [T, Kp]
   std::vector<int32_t> mc;   // P_MXQ, P_I4Q [T, Kp / 8]
-  std::vector<int16_t> gb;   // P_GA256 [T, Kp / 16]
+  std::vector<int16_t> gb;   // P_GA256 [T, Kp / 16] (P_GA*: codes in q, scales in s, ggml_kernels.h)
 
   static int64_t padded(int kind, int64_t K) {
     return nibble_prep(kind) ? nib::padded(K)
-           : ggml_prep(kind) ? ggml::act_padded(kind == P_GA32 ? ggml::A32 : ggml::A256, K)
+           : ggml_prep(kind) ? ggml::act_padded(ggml_act(kind), K)
                              : fastk::padded(K);
   }
   FastX(int kind_, int64_t T, int64_t K_)  // allocated, not prepared
       : kind(kind_), K(K_), Kp(padded(kind_, K_)) {
-    if (kind == P_GA32 || kind == P_GA256) {  // q: codes; s: P_GA32 [T, Kp / 4] lanes, P_GA256 [T, Kp / 256]
+    if (ggml_prep(kind)) {
       q.resize(T * Kp);
-      s.resize(T * (kind == P_GA32 ? Kp / 4 : Kp / 256));
+      s.resize(T * (Kp / ggml::act_scale_div(ggml_act(kind))));
       if (kind == P_GA256) gb.resize(T * (Kp / 16));
     } else if (kind == P_BF16) {
       bf.resize(T * Kp);
@@ -567,8 +567,9 @@ struct FastX {
   // row t's features [k0, k1) from x (the row's start); k0 a multiple of prep_unit(kind), k1 one too or K
   void part(int64_t t, const float* x, int64_t k0, int64_t k1) {
     const int64_t o = t * Kp + k0;
-    if (kind == P_GA32) ggml::prep_q8(ggml::A32, x + k0, k1 - k0, q.data() + o, s.data() + o / 4, nullptr);
-    else if (kind == P_GA256) ggml::prep_q8(ggml::A256, x + k0, k1 - k0, q.data() + o, s.data() + o / 256, gb.data() + o / 16);
+    if (ggml_prep(kind))
+      ggml::prep_q8(ggml_act(kind), x + k0, k1 - k0, q.data() + o, s.data() + o / ggml::act_scale_div(ggml_act(kind)),
+                    kind == P_GA256 ? gb.data() + o / 16 : nullptr);
     else if (kind == P_BF16) fastk::prep_bf16(x + k0, k1 - k0, bf.data() + o);
     else if (kind == P_Q8) fastk::prep_q8(x + k0, k1 - k0, q.data() + o, s.data() + o / fastk::BLOCK);
     else if (kind == P_MXF || kind == P_I4F)
@@ -592,7 +593,7 @@ struct FastRows {
       const int64_t o = i * x.Kp;
       if (ggml_prep(kind)) {
         q.push_back(x.q.data() + o);
-        s.push_back(x.s.data() + (kind == P_GA32 ? o / 4 : o / 256));
+        s.push_back(x.s.data() + o / ggml::act_scale_div(ggml_act(kind)));
         gb.push_back(kind == P_GA256 ? x.gb.data() + o / 16 : nullptr);
       } else if (kind == P_BF16) {
         bf.push_back(x.bf.data() + o);

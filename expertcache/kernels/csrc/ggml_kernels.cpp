@@ -47,7 +47,7 @@ bool avx512_supported() {
 bool fast_supported() { return avx512_supported() && __builtin_cpu_supports("avx512vnni"); }
 
 int act_of(int type) {
-  return (type == Q8_0 || type == Q4_0 || type == IQ4_NL || type == MXFP4) ? A32 : (type == Q4_K || type == Q6_K) ? A256 : -1;
+  return type == Q8_0 ? A32 : (type == Q4_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q6_K) ? A256 : -1;
 }
 
 const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -186,6 +186,19 @@ void prep_a32(const float* x, int64_t K, uint8_t* q, float* d) {
     }
 }
 
+void prep_a32n(const float* x, int64_t K, uint8_t* q, float* d) {
+  for (int64_t g = 0; g * 128 < K; ++g)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t k = 128 * g + 32 * j;
+      __m512i c[2];
+      const float s = quantize<2>(x + k, K - k, c);
+      for (int i = 0; i < 2; ++i)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 128 * g + 64 * i + 16 * j),
+                         _mm_xor_si128(_mm512_cvtsepi32_epi8(c[i]), _mm_set1_epi8(char(0x80))));
+      _mm_storeu_ps(d + 16 * g + 4 * j, _mm_set1_ps(s));
+    }
+}
+
 void prep_a256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
   for (int64_t b = 0; b * 256 < K; ++b) {
     __m512i c[16];
@@ -197,9 +210,9 @@ void prep_a256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
   }
 }
 
-// the 64 int8 weights of the blocks at p and p + BYTES (the second: zero when !two) and their scales
-// in lanes 0..7 / 8..15; the 4-bit types' codes through a 16-entry int8 table by vpshufb (q4_0: code - 8,
-// iq4_nl: kvalues, mxfp4: 2 x e2m1 with the half scale 2^(e - 128))
+// Blocks32<Q8_0>: the 64 int8 weights of the blocks at p and p + BYTES (the second: zero when !two), and
+// a block's scale; Nibbles32: the 4-bit types' block (q4_0: code - 8, iq4_nl: kvalues, mxfp4: 2 x e2m1 with
+// the half scale 2^(e - 128))
 template <int T>
 struct Blocks32;
 template <>
@@ -215,28 +228,75 @@ struct Blocks32<Q8_0> {
 template <int T>
 struct Nibbles32 {
   static constexpr int64_t BYTES = T == MXFP4 ? 17 : 18, Q = T == MXFP4 ? 1 : 2;  // Q: the codes' offset
-  static __m512i weights(const uint8_t* p, bool two) {
-    const int8_t* t = T == MXFP4 ? KVALUES_MXFP4 : T == IQ4_NL ? KVALUES_IQ4NL : VALUES_Q4_0;
-    const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + Q));
-    const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + BYTES + Q)) : _mm_setzero_si128();
-    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
-    // 128-bit lanes [q0, q1, q0 >> 4, q1 >> 4] -> [q0, q0 >> 4, q1, q1 >> 4]: each block's low nibbles, then high
-    const __m512i v = _mm512_shuffle_i64x2(
-        _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1),
-        _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), 0xD8);
-    return _mm512_shuffle_epi8(tab, _mm512_and_si512(v, _mm512_set1_epi8(0x0F)));
-  }
   static float scale(const uint8_t* p) { return T == MXFP4 ? e8m0_half(p[0]) : h2f(p); }
+  // the scales of the 4 blocks from p, in registers (4 scalar stores read back as a vector would stall)
+  static __m128 scale4(const uint8_t* p) {
+    if constexpr (T == MXFP4) {
+      const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(uint32_t(p[0]) | uint32_t(p[BYTES]) << 8 |
+                                                                  uint32_t(p[2 * BYTES]) << 16 | uint32_t(p[3 * BYTES]) << 24)));
+      const __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);  // e >= 2: (e - 1) << 23
+      const __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);          // e < 2: 0x00200000 << e
+      return _mm_castsi128_ps(_mm_blendv_epi8(big, small, _mm_cmplt_epi32(e, _mm_set1_epi32(2))));
+    } else {
+      uint16_t h[4];
+      for (int j = 0; j < 4; ++j) __builtin_memcpy(&h[j], p + j * BYTES, 2);
+      const uint64_t v = uint64_t(h[0]) | uint64_t(h[1]) << 16 | uint64_t(h[2]) << 32 | uint64_t(h[3]) << 48;
+      return _mm_cvtph_ps(_mm_cvtsi64_si128(int64_t(v)));
+    }
+  }
 };
-template <>
-struct Blocks32<Q4_0> : Nibbles32<Q4_0> {};
-template <>
-struct Blocks32<IQ4_NL> : Nibbles32<IQ4_NL> {};
-template <>
-struct Blocks32<MXFP4> : Nibbles32<MXFP4> {};
 
-// 32-weight blocks x A32, tokens t < TT: per pair of blocks (64 weights, lanes 0..7 the first block's,
+// q4_0 / iq4_nl / mxfp4 x A32N, tokens t < TT: 4 blocks a step, their codes one 64-byte vector (128-bit lane
+// j: block j's 16 bytes), the low nibbles against the prepared codes 0..63, the high against 64..127; int32
+// lanes 4j..4j+3 block j's, dpbusd(x + 128, w) - 128 sum(w), times the 4 scales
+template <int T, int TT>
+void n32_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const float* const* xd, float* y, int64_t ldy,
+             int64_t ahead) {
+  using B = Nibbles32<T>;
+  const int8_t* tv = T == MXFP4 ? KVALUES_MXFP4 : T == IQ4_NL ? KVALUES_IQ4NL : VALUES_Q4_0;
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tv)));
+  const __m512i ones = _mm512_set1_epi8(1), nib = _mm512_set1_epi8(0x0F);
+  const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; 4 * g < nb; ++g) {
+    const uint8_t* p = row + 4 * B::BYTES * g;
+    const int64_t n = nb - 4 * g < 4 ? nb - 4 * g : 4;
+    if (ahead) prefetch_block(p + ahead, n * B::BYTES);
+    __m512i v;
+    __m128 d4;
+    if (n == 4) {
+      v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + B::Q)));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + B::BYTES + B::Q)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * B::BYTES + B::Q)), 2);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * B::BYTES + B::Q)), 3);
+      d4 = B::scale4(p);
+    } else {  // the row's last blocks: the missing ones zero
+      alignas(64) uint8_t codes[64] = {};
+      alignas(16) float ds[4];
+      for (int64_t j = 0; j < 4; ++j) {
+        ds[j] = j < n ? B::scale(p + j * B::BYTES) : 0.f;
+        for (int i = 0; j < n && i < 16; ++i) codes[16 * j + i] = p[j * B::BYTES + B::Q + i];
+      }
+      v = _mm512_load_si512(codes);
+      d4 = _mm_load_ps(ds);
+    }
+    const __m512i wl = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, nib));
+    const __m512i wh = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+    const __m512i ws = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wl), ones, wh), 7);
+    const __m512 dw = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(d4));
+    for (int t = 0; t < TT; ++t) {
+      const uint8_t* x = xq[t] + 128 * g;
+      const __m512i s = _mm512_sub_epi32(
+          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(x), wl), _mm512_loadu_si512(x + 64), wh),
+          ws);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_loadu_ps(xd[t] + 16 * g)), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
+}
+
+// q8_0 x A32, tokens t < TT: per pair of blocks (64 weights, lanes 0..7 the first block's,
 // 8..15 the second's) dpbusd(x + 128, w) - 128 sum(w), times the two scales
 template <int T, int TT>
 void b32_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const float* const* xd, float* y, int64_t ldy,
@@ -293,10 +353,10 @@ void k_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float*
     if constexpr (T == Q4_K) {
       dd = h2f(p);
       dm = h2f(p + 2);
-      uint8_t sc[8], m[8];
-      scale_min_k4(p + 4, sc, m);
-      const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-      m16 = _mm256_permutexvar_epi16(mdup, _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)))));
+      uint64_t sc8, m8;
+      scale_min_k4_64(p + 4, sc8, m8);
+      const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc8))));
+      m16 = _mm256_permutexvar_epi16(mdup, _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(m8)))));
       for (int v = 0; v < 4; ++v) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * v));
         wv[v] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, nib8)),
@@ -346,7 +406,7 @@ constexpr int TQ = 8;  // tokens per pass over a row in fast math
 
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
              const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf) {
-  const int64_t nb = K / (act_of(type) == A32 ? 32 : 256);
+  const int64_t nb = K / block_elems(type);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t ahead = pf && n + pf < N ? pf * w_row : 0;
     const uint8_t* r = w + n * w_row;
@@ -358,9 +418,9 @@ void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, co
         constexpr int TT = decltype(tc)::value;
         const int8_t* const* xq = reinterpret_cast<const int8_t* const*>(q + t0);
         if (type == Q8_0) b32_row<Q8_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
-        else if (type == Q4_0) b32_row<Q4_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
-        else if (type == IQ4_NL) b32_row<IQ4_NL, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
-        else if (type == MXFP4) b32_row<MXFP4, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == Q4_0) n32_row<Q4_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == IQ4_NL) n32_row<IQ4_NL, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == MXFP4) n32_row<MXFP4, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == Q4_K) k_row<Q4_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
         else k_row<Q6_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
       };
@@ -396,6 +456,7 @@ void dequant(int type, bool avx512, const uint8_t* w, int64_t w_row, int64_t N, 
 
 void prep_q8(int act, const float* x, int64_t K, uint8_t* q, float* d, int16_t* bsum) {
   if (act == A32) avx512::prep_a32(x, K, q, d);
+  else if (act == A32N) avx512::prep_a32n(x, K, q, d);
   else avx512::prep_a256(x, K, reinterpret_cast<int8_t*>(q), d, bsum);
 }
 

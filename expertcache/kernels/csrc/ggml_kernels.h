@@ -21,8 +21,9 @@
 // rounds once, as float32 numpy does), AVX-512 (F/BW/VL) or AVX2 + FMA + F16C. Fast math (AVX-512 VNNI):
 // activations quantised as llama.cpp pairs them, then integer dot products:
 //   q8_0, q4_0,    x per block of 32 to int8 (scale max|x| / 127, nearest even), stored + 128 (unsigned)
-//   iq4_nl, mxfp4  for vpdpbusd against the signed weights (the 4-bit codes through a 16-entry int8 table by
-//                  vpshufb: code - 8, kvalues, 2 x e2m1), 128 x the weights' sum taken off
+//   iq4_nl, mxfp4  for vpdpbusd against the signed weights, 128 x the weights' sum taken off; the 4-bit
+//                  codes of 4 blocks a 64-byte vector, through a 16-entry int8 table by vpshufb (code - 8,
+//                  kvalues, 2 x e2m1), against activations in that order (A32N)
 //   q4_k, q6_k     x per block of 256 (Q8_K: scale max|x| / 127, nearest even) with the code sums per 16;
 //                  vpmaddubsw (weights unsigned) then vpdpwssd by the sub-block scales, in int32 for a
 //                  block; q4_k's mins and q6_k's -32 through the code sums
@@ -34,6 +35,9 @@
 //   prepared q8 (kind A32)         uint8 [Kp]  code + 128, Kp = K rounded up to 64 (128 past K)
 //                                  float [Kp / 4] per 64 features 16 lanes: block 2g's scale in lanes 0..7,
 //                                  2g + 1's in 8..15 (NaN when the block is not finite)
+//   prepared q8 (kind A32N, q4_0, iq4_nl, mxfp4)  as A32, per 128 features (4 blocks): the blocks' first 16
+//                                  codes at 16 j, their last 16 at 64 + 16 j; float [Kp / 8]: block j's
+//                                  scale in lanes 4j..4j+3 (Kp = K rounded up to 128)
 //   prepared q8 (kind A256, q4_k, q6_k)  int8 [K] codes, float [K / 256] scales, int16 [K / 16] code sums
 #pragma once
 
@@ -60,9 +64,10 @@ void rows_f32(int type, bool avx512, const uint8_t* w, int64_t w_row, int64_t N,
 void dequant(int type, bool avx512, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, float* out, int64_t ld);
 
 // ---- fast math (only where fast_supported()) ----
-enum Act { A32 = 0, A256 = 1 };
+enum Act { A32 = 0, A256 = 1, A32N = 2 };
 int act_of(int type);  // the activations' kind a fast kernel of `type` reads; -1: no fast kernel
-inline int64_t act_unit(int act) { return act == A32 ? 64 : 256; }  // features per piece of a prepared row
+inline int64_t act_unit(int act) { return act == A32 ? 64 : act == A32N ? 128 : 256; }  // features per piece of a prepared row
+inline int64_t act_scale_div(int act) { return act == A32 ? 4 : act == A32N ? 8 : 256; }  // features per scale float
 inline int64_t act_padded(int act, int64_t K) { return (K + act_unit(act) - 1) / act_unit(act) * act_unit(act); }
 
 // features [0, K) of x (K a multiple of act_unit or the row's end) -> q [Kp], d, bsum (A32: bsum unused)

@@ -50,6 +50,16 @@ inline void scale_min_k4(const uint8_t* s, uint8_t sc[8], uint8_t m[8]) {
   __builtin_memcpy(m + 4, &d, 4);
 }
 
+// the same 8 scales and 8 mins as the bytes of two integers, for a vector made in registers (two 4-byte
+// stores read back by one 8-byte load would stall the load)
+inline void scale_min_k4_64(const uint8_t* s, uint64_t& sc, uint64_t& m) {
+  const uint32_t w0 = u32(s), w1 = u32(s + 4), w2 = u32(s + 8);
+  const uint32_t c = (w2 & 0x0F0F0F0Fu) | (((w0 >> 6) & 0x03030303u) << 4);
+  const uint32_t d = ((w2 >> 4) & 0x0F0F0F0Fu) | (((w1 >> 6) & 0x03030303u) << 4);
+  sc = uint64_t(w0 & 0x3F3F3F3Fu) | uint64_t(c) << 32;
+  m = uint64_t(w1 & 0x3F3F3F3Fu) | uint64_t(d) << 32;
+}
+
 // q4_0, iq4_nl, mxfp4, iq4_xs: a 16-entry table by code, scaled by d once (each entry d x value, exact:
 // an fp16 d times a value of at most 8 bits, or iq4_xs's d x ls of 17 bits times one of 7)
 template <class Tab>
@@ -166,9 +176,11 @@ struct DecK {
     const uint8_t* qs = p + (Q5 ? 48 : 16);
     const typename V::I nib = V::set1i(15), one = V::set1i(1);
     if constexpr (!Q5 && V::W == 16) {  // q4_k on AVX-512: each sub-block's 16 values d sc q - dmin m as a table
-      const __m512 ds = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))),
+      uint64_t sc8, m8;
+      scale_min_k4_64(p + 4, sc8, m8);
+      const __m512 ds = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8)))),
                                       _mm512_set1_ps(d));
-      const __m512 ms = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)))),
+      const __m512 ms = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(m8)))),
                                       _mm512_set1_ps(dmin));
       const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       auto table = [&](int j) __attribute__((always_inline)) {
