@@ -47,7 +47,7 @@ bool avx512_supported() {
 bool fast_supported() { return avx512_supported() && __builtin_cpu_supports("avx512vnni"); }
 
 int act_of(int type) {
-  return type == Q8_0 ? A32 : (type == Q4_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q6_K) ? A256 : -1;
+  return type == Q8_0 ? A32 : (type == Q4_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q5_K || type == Q6_K) ? A256 : -1;
 }
 
 const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -321,24 +321,25 @@ void b32_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const flo
   for (int t = 0; t < TT; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
 }
 
-// q4_k / q6_k x A256, tokens t < TT: a block's 4 vectors of 64 weights (unsigned codes) by vpmaddubsw
+// q4_k / q5_k / q6_k x A256, tokens t < TT: a block's 4 vectors of 64 weights (unsigned codes) by vpmaddubsw
 // against the int8 activations, then vpdpwssd by the sub-block scales (int16 lanes), in int32 for the
-// block, times d x the activations' scale; q4_k's dmin m and q6_k's -32 through the code sums
+// block, times d x the activations' scale; q4_k / q5_k's dmin m and q6_k's -32 through the code sums
 template <int T, int TT>
 void k_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xd, const int16_t* const* xb,
            float* y, int64_t ldy, int64_t ahead) {
-  constexpr int64_t BYTES = T == Q4_K ? 144 : 210;
+  constexpr bool K45 = T == Q4_K || T == Q5_K;  // d, dmin, 6-bit scales and mins (else q6_k)
+  constexpr int64_t BYTES = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
   __m512 acc[TT];
   __m256 accm[TT];
   for (int t = 0; t < TT; ++t) {
     acc[t] = _mm512_setzero_ps();
     accm[t] = _mm256_setzero_ps();
   }
-  // int16 lane k of weight vector v's scale: q4_k sub-block 2v + k / 16; q6_k group 4v + k / 8
+  // int16 lane k of weight vector v's scale: q4_k / q5_k sub-block 2v + k / 16; q6_k group 4v + k / 8
   __m512i sidx[4];
   for (int v = 0; v < 4; ++v) {
     alignas(64) int16_t ix[32];
-    for (int k = 0; k < 32; ++k) ix[k] = int16_t(T == Q4_K ? 2 * v + k / 16 : 4 * v + k / 8);
+    for (int k = 0; k < 32; ++k) ix[k] = int16_t(K45 ? 2 * v + k / 16 : 4 * v + k / 8);
     sidx[v] = _mm512_load_si512(ix);
   }
   const __m256i mdup = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -350,17 +351,23 @@ void k_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float*
     __m512i wv[4], sv[4];
     float dd, dm = 0.f;
     __m256i m16 = _mm256_setzero_si256(), sc16 = _mm256_setzero_si256();
-    if constexpr (T == Q4_K) {
+    if constexpr (K45) {
       dd = h2f(p);
       dm = h2f(p + 2);
       uint64_t sc8, m8;
       scale_min_k4_64(p + 4, sc8, m8);
       const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc8))));
       m16 = _mm256_permutexvar_epi16(mdup, _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(m8)))));
+      const __m256i qh = T == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)) : _mm256_setzero_si256();
+      const __m256i one8 = _mm256_set1_epi8(1);
       for (int v = 0; v < 4; ++v) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * v));
-        wv[v] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, nib8)),
-                                   _mm256_and_si256(_mm256_srli_epi16(q, 4), nib8), 1);
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (T == Q5_K ? 48 : 16) + 32 * v));
+        __m256i lo = _mm256_and_si256(q, nib8), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib8);
+        if constexpr (T == Q5_K) {  // sub-block s's fifth bits: bit s of qh[l], to bit 4
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * v)), one8), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * v + 1)), one8), 4));
+        }
+        wv[v] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
         sv[v] = _mm512_permutexvar_epi16(sidx[v], scz);
       }
     } else {
@@ -391,13 +398,13 @@ void k_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float*
       if constexpr (T == Q6_K)  // sum sc (q - 32) x = sum sc q x - 32 sum sc (code sum per 16)
         a = _mm512_sub_epi32(a, _mm512_slli_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc16, bsv)), 5));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(dd * dx), acc[t]);
-      if constexpr (T == Q4_K)
+      if constexpr (K45)
         accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(m16, bsv)), _mm256_set1_ps(dm * dx), accm[t]);
     }
   }
   for (int t = 0; t < TT; ++t) {
     float v = _mm512_reduce_add_ps(acc[t]);
-    if constexpr (T == Q4_K) v -= _mm512_reduce_add_ps(_mm512_zextps256_ps512(accm[t]));
+    if constexpr (K45) v -= _mm512_reduce_add_ps(_mm512_zextps256_ps512(accm[t]));
     y[t * ldy] = v;
   }
 }
@@ -422,6 +429,7 @@ void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, co
         else if (type == IQ4_NL) n32_row<IQ4_NL, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == MXFP4) n32_row<MXFP4, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == Q4_K) k_row<Q4_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
+        else if (type == Q5_K) k_row<Q5_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
         else k_row<Q6_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
       };
       switch (tt) {
