@@ -47,7 +47,7 @@ bool avx512_supported() {
 bool fast_supported() { return avx512_supported() && __builtin_cpu_supports("avx512vnni"); }
 
 int act_of(int type) {
-  return type == Q8_0 ? A32 : (type == Q4_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q5_K || type == Q6_K) ? A256 : -1;
+  return type == Q8_0 ? A32 : (type == Q4_0 || type == Q5_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q5_K || type == Q6_K) ? A256 : -1;
 }
 
 const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -227,7 +227,8 @@ struct Blocks32<Q8_0> {
 };
 template <int T>
 struct Nibbles32 {
-  static constexpr int64_t BYTES = T == MXFP4 ? 17 : 18, Q = T == MXFP4 ? 1 : 2;  // Q: the codes' offset
+  static constexpr int64_t BYTES = T == MXFP4 ? 17 : T == Q5_0 ? 22 : 18;
+  static constexpr int64_t Q = T == MXFP4 ? 1 : T == Q5_0 ? 6 : 2;  // the codes' offset
   static float scale(const uint8_t* p) { return T == MXFP4 ? e8m0_half(p[0]) : h2f(p); }
   // the scales of the 4 blocks from p, in registers (4 scalar stores read back as a vector would stall)
   static __m128 scale4(const uint8_t* p) {
@@ -246,8 +247,9 @@ struct Nibbles32 {
   }
 };
 
-// q4_0 / iq4_nl / mxfp4 x A32N, tokens t < TT: 4 blocks a step, their codes one 64-byte vector (128-bit lane
-// j: block j's 16 bytes), the low nibbles against the prepared codes 0..63, the high against 64..127; int32
+// q4_0 / q5_0 / iq4_nl / mxfp4 x A32N, tokens t < TT: 4 blocks a step, their codes one 64-byte vector
+// (128-bit lane j: block j's 16 bytes), the low nibbles against the prepared codes 0..63, the high against
+// 64..127 (q5_0: the fifth bits from qh as a byte mask, then - 16; the others through the table); int32
 // lanes 4j..4j+3 block j's, dpbusd(x + 128, w) - 128 sum(w), times the 4 scales
 template <int T, int TT>
 void n32_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const float* const* xd, float* y, int64_t ldy,
@@ -281,8 +283,22 @@ void n32_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const flo
       v = _mm512_load_si512(codes);
       d4 = _mm_load_ps(ds);
     }
-    const __m512i wl = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, nib));
-    const __m512i wh = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+    __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    if constexpr (T == Q5_0) {  // byte 16 j + i of the low / high codes: bit i / 16 + i of block j's qh
+      uint64_t ml = 0, mh = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        uint32_t qh;
+        __builtin_memcpy(&qh, p + j * B::BYTES + 2, 4);
+        ml |= uint64_t(qh & 0xFFFFu) << (16 * j);
+        mh |= uint64_t(qh >> 16) << (16 * j);
+      }
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      wl = _mm512_sub_epi8(_mm512_or_si512(wl, _mm512_maskz_mov_epi8(ml, sixteen)), sixteen);
+      wh = _mm512_sub_epi8(_mm512_or_si512(wh, _mm512_maskz_mov_epi8(mh, sixteen)), sixteen);
+    } else {
+      wl = _mm512_shuffle_epi8(tab, wl);
+      wh = _mm512_shuffle_epi8(tab, wh);
+    }
     const __m512i ws = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wl), ones, wh), 7);
     const __m512 dw = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(d4));
     for (int t = 0; t < TT; ++t) {
@@ -426,6 +442,7 @@ void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, co
         const int8_t* const* xq = reinterpret_cast<const int8_t* const*>(q + t0);
         if (type == Q8_0) b32_row<Q8_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == Q4_0) n32_row<Q4_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == Q5_0) n32_row<Q5_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == IQ4_NL) n32_row<IQ4_NL, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == MXFP4) n32_row<MXFP4, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == Q4_K) k_row<Q4_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);

@@ -22,8 +22,9 @@
 // activations quantised as llama.cpp pairs them, then integer dot products:
 //   q8_0, q4_0,    x per block of 32 to int8 (scale max|x| / 127, nearest even), stored + 128 (unsigned)
 //   iq4_nl, mxfp4  for vpdpbusd against the signed weights, 128 x the weights' sum taken off; the 4-bit
-//                  codes of 4 blocks a 64-byte vector, through a 16-entry int8 table by vpshufb (code - 8,
-//                  kvalues, 2 x e2m1), against activations in that order (A32N)
+//   (q5_0)         codes of 4 blocks a 64-byte vector, through a 16-entry int8 table by vpshufb (code - 8,
+//                  kvalues, 2 x e2m1; q5_0: its fifth bits by a byte mask, - 16), against activations in
+//                  that order (A32N)
 //   q4_k, q5_k,    x per block of 256 (Q8_K: scale max|x| / 127, nearest even) with the code sums per 16;
 //   q6_k           vpmaddubsw (weights unsigned) then vpdpwssd by the sub-block scales, in int32 for a
 //                  block; q4_k / q5_k's mins and q6_k's -32 through the code sums
@@ -35,7 +36,7 @@
 //   prepared q8 (kind A32)         uint8 [Kp]  code + 128, Kp = K rounded up to 64 (128 past K)
 //                                  float [Kp / 4] per 64 features 16 lanes: block 2g's scale in lanes 0..7,
 //                                  2g + 1's in 8..15 (NaN when the block is not finite)
-//   prepared q8 (kind A32N, q4_0, iq4_nl, mxfp4)  as A32, per 128 features (4 blocks): the blocks' first 16
+//   prepared q8 (kind A32N, q4_0, q5_0, iq4_nl, mxfp4)  as A32, per 128 features (4 blocks): the blocks' first 16
 //                                  codes at 16 j, their last 16 at 64 + 16 j; float [Kp / 8]: block j's
 //                                  scale in lanes 4j..4j+3 (Kp = K rounded up to 128)
 //   prepared q8 (kind A256, q4_k, q5_k, q6_k)  int8 [K] codes, float [K / 256] scales, int16 [K / 16] code sums
