@@ -8,9 +8,9 @@
   multiple of anything, a slot of a pool; the fused MoE call with SwiGLU and with GPT-OSS's clamped SwiGLU
   and biases, several experts, repeated and skipped pairs, a slot not taken, q4_k gate/up beside a q6_k
   down as Q4_K_M stores them.
-- Fast math (q8_0, q4_0, q5_0, iq4_nl, mxfp4, q4_k, q5_k, q6_k): against the float64 sum over the activations quantised
+- Fast math (every type): against the float64 sum over the activations quantised
   as the kernels define (int8 per 32 for the 32-weight blocks, per 256 for the K-quants; scale max|x| / 127, nearest even), so the
-  kernels may differ only by float32 rounding; the other types stay exact in fast math.
+  kernels may differ only by float32 rounding.
 - kernel_of names each kernel; a bad block shape is refused naming the tensor.
 """
 
@@ -34,7 +34,7 @@ needs_cpp = pytest.mark.skipif(kernels.backend() != "cpp", reason=f"C++ kernels 
 AVX512 = kernels.backend() == "cpp" and kernels.extension().avx512_supported()
 FAST = kernels.backend() == "cpp" and kernels.extension().fast_supported()
 TYPES = list(GGUF_TYPES)
-FAST_TYPES = ["q8_0", "q4_0", "q5_0", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k"]
+FAST_TYPES = TYPES
 QUANTISED = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q5_0": "Q5_0", "mxfp4": "MXFP4"}  # types gguf can quantise
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 40]
 SMALL_T = 16  # the linear tests' row-pass limit: T = 40 takes the tiled path
@@ -211,7 +211,7 @@ def test_linear_fast_against_float64_of_quantised_activations(t):
 @needs_cpp
 @pytest.mark.parametrize("act", ["silu", "clamped_swiglu"])
 @pytest.mark.parametrize("gt,dt", [("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q8_0", "q8_0"), ("mxfp4", "mxfp4"),
-                                   ("q4_0", "iq4_nl"), ("q5_k", "q6_k"), ("q5_0", "q8_0")])
+                                   ("q4_0", "iq4_nl"), ("q5_k", "q6_k"), ("q5_0", "q8_0"), ("iq4_xs", "q4_k")])
 def test_fused_moe_fast_against_float64_of_quantised_activations(gt, dt, act):
     _skip_no_fast()
     S, A = 5, 3
@@ -223,17 +223,6 @@ def test_fused_moe_fast_against_float64_of_quantised_activations(gt, dt, act):
         out = _moe(x, slots, weights, specs, act, bias, "fast", SMALL_T)
         ref, slack = moe_reference(x, slots, weights, gw, uw, dw, rnd=_act_rounding(gt), act=act, biases=bias)
         assert_moe_close(out, ref, slack, f"{gt}/{dt} fast {act} T={T}")
-
-
-@needs_cpp
-@pytest.mark.parametrize("t", [t for t in TYPES if t not in FAST_TYPES])
-def test_types_without_a_fast_kernel_stay_exact(t):
-    _skip_no_fast()
-    n, k = shapes(t)[1]
-    data, _ = pool(t, n, k, 1, seed=2)
-    spec = spec_of(t, data, k)
-    x = _x(5, k, 3)
-    assert torch.equal(_linear(x, spec, "fast"), _linear(x, spec, "exact"))
 
 
 @needs_cpp

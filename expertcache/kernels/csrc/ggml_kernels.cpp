@@ -47,7 +47,7 @@ bool avx512_supported() {
 bool fast_supported() { return avx512_supported() && __builtin_cpu_supports("avx512vnni"); }
 
 int act_of(int type) {
-  return type == Q8_0 ? A32 : (type == Q4_0 || type == Q5_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q5_K || type == Q6_K) ? A256 : -1;
+  return type == Q8_0 ? A32 : (type == Q4_0 || type == Q5_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS) ? A256 : -1;
 }
 
 const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -425,6 +425,57 @@ void k_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float*
   }
 }
 
+// iq4_xs x A256, tokens t < TT: per 64 weights (sub-blocks 2v, 2v + 1) the kvalues + 128 (unsigned, by
+// vpshufb) by vpdpbusd against the int8 activations, times the sub-blocks' scales ls (int32 lanes 0..7 /
+// 8..15), less 128 ls x the code sums; in int32 for the block, times d x the activations' scale
+template <int TT>
+void xs_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xd, const int16_t* const* xb,
+            float* y, int64_t ldy, int64_t ahead) {
+  constexpr int64_t BYTES = 136;
+  alignas(16) int8_t kv[16];
+  for (int i = 0; i < 16; ++i) kv[i] = int8_t(KVALUES_IQ4NL[i] + 128);  // as unsigned bytes 1..241
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kv)));
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m256i mdup = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m256i sl_shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), sh_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  __m512i lidx[4];
+  for (int v = 0; v < 4; ++v)
+    lidx[v] = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * v), _mm512_set1_epi32(2 * v + 1));
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * BYTES;
+    if (ahead) prefetch_block(p + ahead, BYTES);
+    const float dd = h2f(p);
+    uint16_t sh;
+    __builtin_memcpy(&sh, p + 2, 2);
+    // ls_j = (low 4 bits: nibble j of scales_l) | (2 bits j of scales_h) << 4, - 32; int32 lane j
+    const __m256i ls = _mm256_sub_epi32(
+        _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(u32(p + 4))), sl_shift), _mm256_set1_epi32(15)),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(sh), sh_shift), _mm256_set1_epi32(3)), 4)),
+        _mm256_set1_epi32(32));
+    const __m256i ls16 = _mm256_permutexvar_epi16(mdup, _mm256_castsi128_si256(_mm256_cvtepi32_epi16(ls)));
+    __m512i wv[4], lv[4];
+    for (int v = 0; v < 4; ++v) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 + 32 * v));
+      const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+      // 128-bit lanes [q0, q1, q0 >> 4, q1 >> 4] -> [q0, q0 >> 4, q1, q1 >> 4]: sub-block 2v's, then 2v + 1's
+      wv[v] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_shuffle_i64x2(z, z, 0xD8), nib));
+      lv[v] = _mm512_permutexvar_epi32(lidx[v], _mm512_castsi256_si512(ls));
+    }
+    for (int t = 0; t < TT; ++t) {
+      const int8_t* x = xq[t] + 256 * b;
+      __m512i a = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v)
+        a = _mm512_add_epi32(a, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[v], _mm512_loadu_si512(x + 64 * v)), lv[v]));
+      const __m256i bsv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[t] + 16 * b));
+      a = _mm512_sub_epi32(a, _mm512_slli_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(ls16, bsv)), 7));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(dd * xd[t][b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
+}
+
 constexpr int TQ = 8;  // tokens per pass over a row in fast math
 
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
@@ -447,6 +498,7 @@ void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, co
         else if (type == MXFP4) n32_row<MXFP4, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == Q4_K) k_row<Q4_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
         else if (type == Q5_K) k_row<Q5_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
+        else if (type == IQ4_XS) xs_row<TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
         else k_row<Q6_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
       };
       switch (tt) {

@@ -28,7 +28,8 @@
 //   q4_k, q5_k,    x per block of 256 (Q8_K: scale max|x| / 127, nearest even) with the code sums per 16;
 //   q6_k           vpmaddubsw (weights unsigned) then vpdpwssd by the sub-block scales, in int32 for a
 //                  block; q4_k / q5_k's mins and q6_k's -32 through the code sums
-// Other types in fast math: the exact kernels.
+//   iq4_xs         x as Q8_K; kvalues + 128 by vpshufb, vpdpbusd, times the sub-block scales (vpmulld), less
+//                  128 ls x the code sums
 //
 // Shape legend (K features, a multiple of QK):
 //   W row        uint8 [K / QK * BYTES] at w + n * w_row
@@ -39,7 +40,7 @@
 //   prepared q8 (kind A32N, q4_0, q5_0, iq4_nl, mxfp4)  as A32, per 128 features (4 blocks): the blocks' first 16
 //                                  codes at 16 j, their last 16 at 64 + 16 j; float [Kp / 8]: block j's
 //                                  scale in lanes 4j..4j+3 (Kp = K rounded up to 128)
-//   prepared q8 (kind A256, q4_k, q5_k, q6_k)  int8 [K] codes, float [K / 256] scales, int16 [K / 16] code sums
+//   prepared q8 (kind A256, q4_k, q5_k, q6_k, iq4_xs)  int8 [K] codes, float [K / 256] scales, int16 [K / 16] code sums
 #pragma once
 
 #include <cstdint>
