@@ -440,8 +440,8 @@ using pool::run_units;  // units handed out dynamically, so uneven units balance
 // activations by the AVX2 kernels above.
 enum Math { EXACT = 0, FAST = 1 };
 // GGUF blocks (ggml_kernels.h) go through ggml's AVX-512 kernels (or AVX2 where those are not allowed) in
-// exact math; q8_0, q4_0, iq4_nl, mxfp4, q4_k and q6_k through its VNNI kernels in fast math (P_GA32 +
-// ggml::act_of(type): activations as llama.cpp's Q8_0 / Q8_K), where the AVX-512 kernels are allowed.
+// exact math; through its VNNI kernels in fast math (P_GA32 + ggml::act_of(type): activations as llama.cpp's
+// Q8_0 / Q8_K), where the AVX-512 kernels are allowed.
 enum Prep { NONE = -1, P_BF16 = 0, P_Q8 = 1, P_MXF = 2, P_MXQ = 3, P_I4F = 4, P_I4Q = 5, P_GA32 = 6, P_GA256 = 7, P_GA32N = 8 };
 inline bool nibble_prep(int kind) { return kind >= P_MXF && kind <= P_I4Q; }
 inline bool ggml_prep(int kind) { return kind >= P_GA32 && kind <= P_GA32N; }
