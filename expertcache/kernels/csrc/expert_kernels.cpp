@@ -11,6 +11,8 @@
 //   4 int8 symmetric, scale float32 [S, N, ceil(K/G)]
 //   5 int4 (two codes per byte, low nibble first), scale float32 [S, N, ceil(K/G)], zero uint8 [S, N, ceil(K/G)]
 //   6 mxfp4 e2m1 (same nibble order), e8m0 scales uint8 [S, N, K/32] (passed as `zero`), G = 32
+//   7..15 GGUF blocks as the file stores them (ggml_kernels.h: q8_0, q4_0, q5_0, iq4_nl, mxfp4, q4_k, q5_k,
+//         q6_k, iq4_xs), data uint8 [S, N, K / QK * block bytes], no scale / zero, G = QK
 // Conversion happens in registers, 8 weights at a time, group constants loaded once per group:
 //   w = code * s (+ b for int4's zero point: b = -zero * s). Nothing of W is materialised in float32,
 //   except in the tiled path (T > small_t), which converts one tile of rows at a time into a
@@ -24,6 +26,7 @@
 #include <immintrin.h>
 
 #include "fast_kernels.h"
+#include "ggml_kernels.h"
 #include "nibble_kernels.h"
 #include "ops.h"
 #include "registry.h"
@@ -364,14 +367,11 @@ inline void outer(const float* pk, int64_t kc, const float* const* xr, int64_t k
   }
 }
 
-// y[t * ldy + (n - n0)] = sum_k W[n, k] * xr[t][k] for n in [n0, n1), t < T
-template <int F>
-void gemm_rows(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y,
-               int64_t ldy, int64_t small_t) {
-  if (T <= small_t) {
-    gemv_rows<F>(W, slot, n0, n1, xr, T, y, ldy);
-    return;
-  }
+// y[t * ldy + (n - n0)] = sum_k W[n, k] * xr[t][k] for n in [n0, n1), t < T, rows a..b-1 decoded to float32
+// by decode(a, b, dst, ld) a tile at a time
+template <class Decode>
+void tiled_rows(const WView& W, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y, int64_t ldy,
+                Decode decode) {
   const int64_t K = W.K;
   std::vector<float>& rowsbuf = scratch(3);
   std::vector<float>& packed = scratch(4);
@@ -379,7 +379,7 @@ void gemm_rows(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float
   packed.resize(KC * TN);
   for (int64_t a = n0; a < n1; a += TN) {
     const int64_t b = std::min(a + TN, n1), nn = b - a;
-    decode_rows<F>(W, slot, a, b, rowsbuf.data(), K);
+    decode(a, b, rowsbuf.data(), K);
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
       const int64_t kc = std::min(KC, K - k0);
       for (int64_t j = 0; j < TN; ++j) {
@@ -402,8 +402,22 @@ void gemm_rows(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float
   }
 }
 
+// y[t * ldy + (n - n0)] = sum_k W[n, k] * xr[t][k] for n in [n0, n1), t < T
+template <int F>
+void gemm_rows(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y,
+               int64_t ldy, int64_t small_t) {
+  if (T <= small_t) gemv_rows<F>(W, slot, n0, n1, xr, T, y, ldy);
+  else tiled_rows(W, n0, n1, xr, T, y, ldy, [&](int64_t a, int64_t b, float* dst, int64_t ld) {
+    decode_rows<F>(W, slot, a, b, dst, ld);
+  });
+}
+
+void ggml_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y,
+               int64_t ldy, int64_t small_t);
+
 void gemm_any(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y,
               int64_t ldy, int64_t small_t) {
+  if (ggml::is_type(W.fmt)) return ggml_gemm(W, slot, n0, n1, xr, T, y, ldy, small_t);
   switch (W.fmt) {
     case F32: gemm_rows<F32>(W, slot, n0, n1, xr, T, y, ldy, small_t); break;
     case BF16: gemm_rows<BF16>(W, slot, n0, n1, xr, T, y, ldy, small_t); break;
@@ -425,8 +439,13 @@ using pool::run_units;  // units handed out dynamically, so uneven units balance
 // (EXPERTCACHE_CPU_ISA=avx2 or set_avx512(false)); every other weight is computed from float32
 // activations by the AVX2 kernels above.
 enum Math { EXACT = 0, FAST = 1 };
-enum Prep { NONE = -1, P_BF16 = 0, P_Q8 = 1, P_MXF = 2, P_MXQ = 3, P_I4F = 4, P_I4Q = 5 };
-inline bool nibble_prep(int kind) { return kind >= P_MXF; }
+// GGUF blocks (ggml_kernels.h) go through ggml's AVX-512 kernels (or AVX2 where those are not allowed) in
+// exact math; through its VNNI kernels in fast math (P_GA32 + ggml::act_of(type): activations as llama.cpp's
+// Q8_0 / Q8_K), where the AVX-512 kernels are allowed.
+enum Prep { NONE = -1, P_BF16 = 0, P_Q8 = 1, P_MXF = 2, P_MXQ = 3, P_I4F = 4, P_I4Q = 5, P_GA32 = 6, P_GA256 = 7, P_GA32N = 8 };
+inline bool nibble_prep(int kind) { return kind >= P_MXF && kind <= P_I4Q; }
+inline bool ggml_prep(int kind) { return kind >= P_GA32 && kind <= P_GA32N; }
+inline int ggml_act(int kind) { return kind - P_GA32; }  // ggml::Act
 
 bool fast_reads(const WView& W) {
   return W.fmt == BF16 || (W.fmt == INT8 && W.Bo == 1 && (W.G >= W.K || W.G % fastk::BLOCK == 0));
@@ -448,6 +467,11 @@ bool nibble_avx512() {
   return cpu && avx512_allowed.load(std::memory_order_relaxed);
 }
 
+bool ggml_avx512() {
+  static const bool cpu = ggml::avx512_supported();
+  return cpu && avx512_allowed.load(std::memory_order_relaxed);
+}
+
 int64_t check_math(int64_t math) {
   TORCH_CHECK(math == EXACT || math == FAST, "math must be 0 (exact) or 1 (fast), got ", math);
   TORCH_CHECK(math == EXACT || fastk::supported(), "the fast CPU math needs AVX-512 F/BW/VL/BF16/VNNI");
@@ -458,19 +482,33 @@ int64_t check_math(int64_t math) {
 int prep_of(const WView& W, int64_t math) {
   if (W.fmt == MXFP4 && W.G == nib::BLOCK && W.Bo == 1 && nibble_avx512()) return math == FAST ? P_MXQ : P_MXF;
   if (W.fmt == INT4 && W.G % nib::BLOCK == 0 && W.Bo == 1 && nibble_avx512()) return math == FAST ? P_I4Q : P_I4F;
+  if (ggml::is_type(W.fmt)) {
+    const int act = ggml::act_of(W.fmt);
+    return math == FAST && act >= 0 && ggml_avx512() && ggml::fast_supported() ? P_GA32 + act
+                                                                              : NONE;
+  }
   if (math == FAST && fast_reads(W)) return W.fmt == BF16 ? P_BF16 : P_Q8;
   return NONE;
 }
 
 // features per piece a prepared row is built from (FastX::part)
-int64_t prep_unit(int kind) { return nibble_prep(kind) ? nib::GROUP : fastk::BLOCK; }
+int64_t prep_unit(int kind) {
+  return nibble_prep(kind) ? nib::GROUP : ggml_prep(kind) ? ggml::act_unit(ggml_act(kind))
+                                                          : fastk::BLOCK;
+}
 
 // the 4-bit fast kernels' prefill part of a kernel name: strips (on AMX or on VNNI), or none
 const char* strips_name() { return nib::strip_tokens() == 0 ? "" : nib::amx() ? "+strips-amx" : "+strips"; }
 
 // which kernel computes a weight of `spec` in CPU math `math` (benchmarks print it)
 std::string kernel_of(const WView& W, int64_t math) {
-  switch (prep_of(W, check_math(math))) {
+  const int kind = prep_of(W, check_math(math));
+  if (ggml::is_type(W.fmt)) {
+    const std::string t = ggml::type_name(W.fmt);
+    if (ggml_prep(kind)) return "avx512vnni-" + t + (ggml_act(kind) == ggml::A256 ? "-q8_kact" : "-q8_0act");
+    return (ggml_avx512() ? "avx512-" : "avx2-") + t + "-f32act";
+  }
+  switch (kind) {
     case P_BF16: return "avx512bf16-bf16act";
     case P_Q8: return "avx512vnni-q8act64";
     case P_MXF: return "avx512-mxfp4-f32act";
@@ -492,10 +530,20 @@ struct FastX {
   std::vector<float> fs;     // P_I4F [T, Kp / 8]
   std::vector<int8_t> mq;    // P_MXQ, P_I4Q [T, Kp]
   std::vector<int32_t> mc;   // P_MXQ, P_I4Q [T, Kp / 8]
+  std::vector<int16_t> gb;   // P_GA256 [T, Kp / 16] (P_GA*: codes in q, scales in s, ggml_kernels.h)
 
+  static int64_t padded(int kind, int64_t K) {
+    return nibble_prep(kind) ? nib::padded(K)
+           : ggml_prep(kind) ? ggml::act_padded(ggml_act(kind), K)
+                             : fastk::padded(K);
+  }
   FastX(int kind_, int64_t T, int64_t K_)  // allocated, not prepared
-      : kind(kind_), K(K_), Kp(nibble_prep(kind_) ? nib::padded(K_) : fastk::padded(K_)) {
-    if (kind == P_BF16) {
+      : kind(kind_), K(K_), Kp(padded(kind_, K_)) {
+    if (ggml_prep(kind)) {
+      q.resize(T * Kp);
+      s.resize(T * (Kp / ggml::act_scale_div(ggml_act(kind))));
+      if (kind == P_GA256) gb.resize(T * (Kp / 16));
+    } else if (kind == P_BF16) {
       bf.resize(T * Kp);
     } else if (kind == P_Q8) {
       q.resize(T * Kp);
@@ -519,7 +567,10 @@ struct FastX {
   // row t's features [k0, k1) from x (the row's start); k0 a multiple of prep_unit(kind), k1 one too or K
   void part(int64_t t, const float* x, int64_t k0, int64_t k1) {
     const int64_t o = t * Kp + k0;
-    if (kind == P_BF16) fastk::prep_bf16(x + k0, k1 - k0, bf.data() + o);
+    if (ggml_prep(kind))
+      ggml::prep_q8(ggml_act(kind), x + k0, k1 - k0, q.data() + o, s.data() + o / ggml::act_scale_div(ggml_act(kind)),
+                    kind == P_GA256 ? gb.data() + o / 16 : nullptr);
+    else if (kind == P_BF16) fastk::prep_bf16(x + k0, k1 - k0, bf.data() + o);
     else if (kind == P_Q8) fastk::prep_q8(x + k0, k1 - k0, q.data() + o, s.data() + o / fastk::BLOCK);
     else if (kind == P_MXF || kind == P_I4F)
       nib::prep_f32(x + k0, k1 - k0, f.data() + o, kind == P_I4F ? fs.data() + o / 8 : nullptr);
@@ -536,10 +587,15 @@ struct FastRows {
   std::vector<const float*> s, f, fs;
   std::vector<const int8_t*> mq;
   std::vector<const int32_t*> mc;
+  std::vector<const int16_t*> gb;
   FastRows(const FastX& x, const std::vector<int64_t>& rows) : kind(x.kind) {
     for (int64_t i : rows) {
       const int64_t o = i * x.Kp;
-      if (kind == P_BF16) {
+      if (ggml_prep(kind)) {
+        q.push_back(x.q.data() + o);
+        s.push_back(x.s.data() + o / ggml::act_scale_div(ggml_act(kind)));
+        gb.push_back(kind == P_GA256 ? x.gb.data() + o / 16 : nullptr);
+      } else if (kind == P_BF16) {
         bf.push_back(x.bf.data() + o);
       } else if (kind == P_Q8) {
         q.push_back(x.q.data() + o);
@@ -566,7 +622,10 @@ void fast_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const FastR
                float* y, int64_t ldy) {
   const int64_t pf = prefetch_rows.load(std::memory_order_relaxed);
   const uint8_t* d = W.d + slot * W.d_slot + n0 * W.d_row;
-  if (fr.kind == P_BF16) {
+  if (ggml_prep(fr.kind)) {
+    ggml::rows_q8(W.fmt, d, W.d_row, n1 - n0, W.K, fr.q.data() + off, fr.s.data() + off, fr.gb.data() + off, T, y, ldy,
+                  T < 4 ? pf : 0);
+  } else if (fr.kind == P_BF16) {
     fastk::rows_bf16(d, W.d_row, n1 - n0, W.K, fr.bf.data() + off, T, y, ldy, 0);  // prefetch: slower (below)
   } else if (fr.kind == P_Q8) {
     const float* s = W.s + slot * W.s_slot + n0 * W.s_row;
@@ -584,6 +643,21 @@ void fast_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const FastR
   }
 }
 
+// GGUF blocks, exact math: a row at a time up to small_t tokens, else the tiled path over rows decoded to float32
+void ggml_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const float* const* xr, int64_t T, float* y,
+               int64_t ldy, int64_t small_t) {
+  const bool v512 = ggml_avx512();
+  const uint8_t* d = W.d + slot * W.d_slot;
+  if (T <= small_t) {
+    const int64_t pf = T < 4 ? prefetch_rows.load(std::memory_order_relaxed) : 0;
+    ggml::rows_f32(W.fmt, v512, d + n0 * W.d_row, W.d_row, n1 - n0, W.K, xr, T, y, ldy, pf);
+    return;
+  }
+  tiled_rows(W, n0, n1, xr, T, y, ldy, [&](int64_t a, int64_t b, float* dst, int64_t ld) {
+    ggml::dequant(W.fmt, v512, d + a * W.d_row, W.d_row, b - a, W.K, dst, ld);
+  });
+}
+
 std::vector<int64_t> iota(int64_t n) {
   std::vector<int64_t> v(n);
   for (int64_t i = 0; i < n; ++i) v[i] = i;
@@ -596,7 +670,7 @@ WView view_of(const py::tuple& spec, const char* what) {
   TORCH_CHECK(spec.size() == 8, what, ": weight spec must have 8 fields");
   WView w;
   w.fmt = spec[0].cast<int>();
-  TORCH_CHECK(w.fmt >= F32 && w.fmt <= MXFP4, what, ": unknown weight format code ", w.fmt);
+  TORCH_CHECK((w.fmt >= F32 && w.fmt <= MXFP4) || ggml::is_type(w.fmt), what, ": unknown weight format code ", w.fmt);
   const at::Tensor d = spec[1].cast<at::Tensor>();
   w.N = spec[4].cast<int64_t>();
   w.K = spec[5].cast<int64_t>();
@@ -629,6 +703,13 @@ WView view_of(const py::tuple& spec, const char* what) {
     w.z = z.data_ptr<uint8_t>();
     w.z_slot = z.stride(0);
     w.z_row = z.stride(1);
+  }
+  if (ggml::is_type(w.fmt)) {
+    const int64_t qk = ggml::block_elems(w.fmt), bytes = w.K / qk * ggml::block_bytes(w.fmt);
+    TORCH_CHECK(w.G == qk && w.Bo == 1 && w.K % qk == 0, what, ": ", ggml::type_name(w.fmt), " needs G = ", qk,
+                " and K a multiple of it, got G = ", w.G, ", K = ", w.K);
+    TORCH_CHECK(d.scalar_type() == at::kByte && d.dim() == 3 && d.size(2) == bytes, what, ": ",
+                ggml::type_name(w.fmt), " data must be uint8 [S, N, ", bytes, "], got ", d.sizes());
   }
   const bool needs_s = w.fmt == FP8 || w.fmt == INT8 || w.fmt == INT4;
   TORCH_CHECK(!needs_s || w.s, what, ": format needs a float32 scale");

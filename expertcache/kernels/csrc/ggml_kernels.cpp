@@ -1,0 +1,545 @@
+// GGUF quant blocks read in their own bytes (ggml_kernels.h): the exact-math kernels' body
+// (ggml_kernels_isa.h) compiled for AVX2 and, under a target pragma, for AVX-512; the fast-math kernels
+// (AVX-512 VNNI) below it.
+//
+// As in fast_kernels.cpp, the AVX-512 region uses no inline function of a torch or standard header (a copy
+// compiled here could be the one the linker keeps for the whole module); it is reached only through the
+// entry points at the bottom, called only where avx512_supported() / fast_supported() say so.
+//
+// Loop shapes: one row at a time (one sequential stream through memory, the row `pf` rows ahead asked
+// for), up to TMAX tokens a pass over it (6 on AVX-512, 3 on AVX2: the accumulators of a 32-weight
+// sub-block per token in registers), one token with two sets of accumulators; fast math up to 8 tokens
+// a pass.
+
+#include "ggml_kernels.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace ggml {
+
+int64_t block_elems(int type) { return type >= Q4_K ? 256 : 32; }
+
+int64_t block_bytes(int type) {
+  switch (type) {
+    case Q8_0: return 34;
+    case Q4_0: return 18;
+    case Q5_0: return 22;
+    case IQ4_NL: return 18;
+    case MXFP4: return 17;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 136;  // IQ4_XS
+  }
+}
+
+const char* type_name(int type) {
+  static const char* names[] = {"q8_0", "q4_0", "q5_0", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k", "iq4_xs"};
+  return is_type(type) ? names[type - FIRST] : "?";
+}
+
+bool avx512_supported() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+bool fast_supported() { return avx512_supported() && __builtin_cpu_supports("avx512vnni"); }
+
+int act_of(int type) {
+  return type == Q8_0 ? A32 : (type == Q4_0 || type == Q5_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS) ? A256 : -1;
+}
+
+const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // 2 x e2m1
+const int8_t VALUES_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};  // code - 8
+
+// ---- AVX2 -------------------------------------------------------------------------------------------
+namespace avx2 {
+
+struct V {
+  static constexpr int W = 8;
+  using F = __m256;
+  using I = __m256i;
+  struct Tab {
+    __m256 lo, hi;
+  };
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float a) { return _mm256_set1_ps(a); }
+  static I set1i(int32_t a) { return _mm256_set1_epi32(a); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static float hsum(F v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+  }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static I u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I srli(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static I slli(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I srlv(I a, I n) { return _mm256_srlv_epi32(a, n); }
+  static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static Tab table(const int8_t* t) {
+    return {_mm256_setr_ps(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]),
+            _mm256_setr_ps(t[8], t[9], t[10], t[11], t[12], t[13], t[14], t[15])};
+  }
+  static Tab iq4nl() { return table(KVALUES_IQ4NL); }
+  static Tab e2m1x2() { return table(KVALUES_MXFP4); }
+  static Tab q4_0() { return table(VALUES_Q4_0); }
+  static Tab tmul(const Tab& t, F d) { return {_mm256_mul_ps(t.lo, d), _mm256_mul_ps(t.hi, d)}; }
+  // entry (c & 15): two 8-entry permutes, chosen by bit 3 moved to the sign
+  static F lut(I c, const Tab& t) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, c), _mm256_permutevar8x32_ps(t.hi, c),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+  }
+};
+
+#include "ggml_kernels_isa.h"
+
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+
+// ---- AVX-512 ----------------------------------------------------------------------------------------
+namespace avx512 {
+
+struct V {
+  static constexpr int W = 16;
+  using F = __m512;
+  using I = __m512i;
+  using Tab = __m512;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float a) { return _mm512_set1_ps(a); }
+  static I set1i(int32_t a) { return _mm512_set1_epi32(a); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static I u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I s8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I srli(I a, int n) { return _mm512_srli_epi32(a, n); }
+  static I slli(I a, int n) { return _mm512_slli_epi32(a, n); }
+  static I srlv(I a, I n) { return _mm512_srlv_epi32(a, n); }
+  static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static Tab table(const int8_t* t) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)))); }
+  static Tab iq4nl() { return table(KVALUES_IQ4NL); }
+  static Tab e2m1x2() { return table(KVALUES_MXFP4); }
+  static Tab q4_0() { return table(VALUES_Q4_0); }
+  static Tab tmul(const Tab& t, F d) { return _mm512_mul_ps(t, d); }
+  static F lut(I c, const Tab& t) { return _mm512_permutexvar_ps(c, t); }  // vpermps reads c's low 4 bits
+};
+
+#include "ggml_kernels_isa.h"
+
+// ---- fast math: int8 activations --------------------------------------------------------------------
+inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1); }
+
+// the int8 codes of n <= 16 * NVEC floats at x (zero past n) with their scale max|x| / 127 (nearest even;
+// NaN when not all finite): codes c[v] (16 int32 lanes each), scale s
+template <int NVEC>
+inline float quantize(const float* x, int64_t n, __m512i* c) {
+  __m512 v[NVEC];
+  __m512 amax = _mm512_setzero_ps();
+  __mmask16 finite = 0xFFFF;
+  for (int i = 0; i < NVEC; ++i) {
+    v[i] = _mm512_maskz_loadu_ps(mask16(n - 16 * i), x + 16 * i);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+    finite &= _mm512_cmp_ps_mask(_mm512_sub_ps(v[i], v[i]), _mm512_setzero_ps(), _CMP_EQ_OQ);  // x - x: 0 or NaN
+  }
+  const float m = _mm512_reduce_max_ps(amax);
+  const float s = finite == 0xFFFF ? m / 127.f : __builtin_nanf("");
+  for (int i = 0; i < NVEC; ++i)
+    c[i] = finite == 0xFFFF && m > 0.f ? _mm512_cvtps_epi32(_mm512_div_ps(v[i], _mm512_set1_ps(s))) : _mm512_setzero_si512();
+  return s;
+}
+
+void prep_a32(const float* x, int64_t K, uint8_t* q, float* d) {
+  for (int64_t g = 0; g * 64 < K; ++g)
+    for (int j = 0; j < 2; ++j) {
+      const int64_t k = 64 * g + 32 * j;
+      __m512i c[2];
+      const float s = quantize<2>(x + k, K - k, c);
+      for (int i = 0; i < 2; ++i)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k + 16 * i),
+                         _mm_xor_si128(_mm512_cvtsepi32_epi8(c[i]), _mm_set1_epi8(char(0x80))));
+      _mm256_storeu_ps(d + 16 * g + 8 * j, _mm256_set1_ps(s));
+    }
+}
+
+void prep_a32n(const float* x, int64_t K, uint8_t* q, float* d) {
+  for (int64_t g = 0; g * 128 < K; ++g)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t k = 128 * g + 32 * j;
+      __m512i c[2];
+      const float s = quantize<2>(x + k, K - k, c);
+      for (int i = 0; i < 2; ++i)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 128 * g + 64 * i + 16 * j),
+                         _mm_xor_si128(_mm512_cvtsepi32_epi8(c[i]), _mm_set1_epi8(char(0x80))));
+      _mm_storeu_ps(d + 16 * g + 4 * j, _mm_set1_ps(s));
+    }
+}
+
+void prep_a256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
+  for (int64_t b = 0; b * 256 < K; ++b) {
+    __m512i c[16];
+    d[b] = quantize<16>(x + 256 * b, K - 256 * b, c);
+    for (int i = 0; i < 16; ++i) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 256 * b + 16 * i), _mm512_cvtsepi32_epi8(c[i]));
+      bs[16 * b + i] = int16_t(_mm512_reduce_add_epi32(c[i]));
+    }
+  }
+}
+
+// Blocks32<Q8_0>: the 64 int8 weights of the blocks at p and p + BYTES (the second: zero when !two), and
+// a block's scale; Nibbles32: the 4-bit types' block (q4_0: code - 8, iq4_nl: kvalues, mxfp4: 2 x e2m1 with
+// the half scale 2^(e - 128))
+template <int T>
+struct Blocks32;
+template <>
+struct Blocks32<Q8_0> {
+  static constexpr int64_t BYTES = 34;
+  static __m512i weights(const uint8_t* p, bool two) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 36)) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+  }
+  static float scale(const uint8_t* p) { return h2f(p); }
+};
+template <int T>
+struct Nibbles32 {
+  static constexpr int64_t BYTES = T == MXFP4 ? 17 : T == Q5_0 ? 22 : 18;
+  static constexpr int64_t Q = T == MXFP4 ? 1 : T == Q5_0 ? 6 : 2;  // the codes' offset
+  static float scale(const uint8_t* p) { return T == MXFP4 ? e8m0_half(p[0]) : h2f(p); }
+  // the scales of the 4 blocks from p, in registers (4 scalar stores read back as a vector would stall)
+  static __m128 scale4(const uint8_t* p) {
+    if constexpr (T == MXFP4) {
+      const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(uint32_t(p[0]) | uint32_t(p[BYTES]) << 8 |
+                                                                  uint32_t(p[2 * BYTES]) << 16 | uint32_t(p[3 * BYTES]) << 24)));
+      const __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);  // e >= 2: (e - 1) << 23
+      const __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);          // e < 2: 0x00200000 << e
+      return _mm_castsi128_ps(_mm_blendv_epi8(big, small, _mm_cmplt_epi32(e, _mm_set1_epi32(2))));
+    } else {
+      uint16_t h[4];
+      for (int j = 0; j < 4; ++j) __builtin_memcpy(&h[j], p + j * BYTES, 2);
+      const uint64_t v = uint64_t(h[0]) | uint64_t(h[1]) << 16 | uint64_t(h[2]) << 32 | uint64_t(h[3]) << 48;
+      return _mm_cvtph_ps(_mm_cvtsi64_si128(int64_t(v)));
+    }
+  }
+};
+
+// q4_0 / q5_0 / iq4_nl / mxfp4 x A32N, tokens t < TT: 4 blocks a step, their codes one 64-byte vector
+// (128-bit lane j: block j's 16 bytes), the low nibbles against the prepared codes 0..63, the high against
+// 64..127 (q5_0: the fifth bits from qh as a byte mask, then - 16; the others through the table); int32
+// lanes 4j..4j+3 block j's, dpbusd(x + 128, w) - 128 sum(w), times the 4 scales
+template <int T, int TT>
+void n32_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const float* const* xd, float* y, int64_t ldy,
+             int64_t ahead) {
+  using B = Nibbles32<T>;
+  const int8_t* tv = T == MXFP4 ? KVALUES_MXFP4 : T == IQ4_NL ? KVALUES_IQ4NL : VALUES_Q4_0;
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tv)));
+  const __m512i ones = _mm512_set1_epi8(1), nib = _mm512_set1_epi8(0x0F);
+  const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; 4 * g < nb; ++g) {
+    const uint8_t* p = row + 4 * B::BYTES * g;
+    const int64_t n = nb - 4 * g < 4 ? nb - 4 * g : 4;
+    if (ahead) prefetch_block(p + ahead, n * B::BYTES);
+    __m512i v;
+    __m128 d4;
+    if (n == 4) {
+      v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + B::Q)));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + B::BYTES + B::Q)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * B::BYTES + B::Q)), 2);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * B::BYTES + B::Q)), 3);
+      d4 = B::scale4(p);
+    } else {  // the row's last blocks: the missing ones zero
+      alignas(64) uint8_t codes[64] = {};
+      alignas(16) float ds[4];
+      for (int64_t j = 0; j < 4; ++j) {
+        ds[j] = j < n ? B::scale(p + j * B::BYTES) : 0.f;
+        for (int i = 0; j < n && i < 16; ++i) codes[16 * j + i] = p[j * B::BYTES + B::Q + i];
+      }
+      v = _mm512_load_si512(codes);
+      d4 = _mm_load_ps(ds);
+    }
+    __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    if constexpr (T == Q5_0) {  // byte 16 j + i of the low / high codes: bit i / 16 + i of block j's qh
+      uint64_t ml = 0, mh = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        uint32_t qh;
+        __builtin_memcpy(&qh, p + j * B::BYTES + 2, 4);
+        ml |= uint64_t(qh & 0xFFFFu) << (16 * j);
+        mh |= uint64_t(qh >> 16) << (16 * j);
+      }
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      wl = _mm512_sub_epi8(_mm512_or_si512(wl, _mm512_maskz_mov_epi8(ml, sixteen)), sixteen);
+      wh = _mm512_sub_epi8(_mm512_or_si512(wh, _mm512_maskz_mov_epi8(mh, sixteen)), sixteen);
+    } else {
+      wl = _mm512_shuffle_epi8(tab, wl);
+      wh = _mm512_shuffle_epi8(tab, wh);
+    }
+    const __m512i ws = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wl), ones, wh), 7);
+    const __m512 dw = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(d4));
+    for (int t = 0; t < TT; ++t) {
+      const uint8_t* x = xq[t] + 128 * g;
+      const __m512i s = _mm512_sub_epi32(
+          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(x), wl), _mm512_loadu_si512(x + 64), wh),
+          ws);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_loadu_ps(xd[t] + 16 * g)), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
+}
+
+// q8_0 x A32, tokens t < TT: per pair of blocks (64 weights, lanes 0..7 the first block's,
+// 8..15 the second's) dpbusd(x + 128, w) - 128 sum(w), times the two scales
+template <int T, int TT>
+void b32_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const float* const* xd, float* y, int64_t ldy,
+             int64_t ahead) {
+  using B = Blocks32<T>;
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t g = 0; 2 * g < nb; ++g) {
+    const uint8_t* p = row + 2 * B::BYTES * g;
+    const bool two = 2 * g + 1 < nb;
+    if (ahead) prefetch_block(p + ahead, two ? 2 * B::BYTES : B::BYTES);
+    const __m512i w = B::weights(p, two);
+    const __m512 dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(B::scale(p)),
+                                           _mm512_set1_ps(two ? B::scale(p + B::BYTES) : 0.f));
+    const __m512i ws = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w), 7);
+    for (int t = 0; t < TT; ++t) {
+      const __m512i s = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xq[t] + 64 * g), w), ws);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_loadu_ps(xd[t] + 16 * g)), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
+}
+
+// q4_k / q5_k / q6_k x A256, tokens t < TT: a block's 4 vectors of 64 weights (unsigned codes) by vpmaddubsw
+// against the int8 activations, then vpdpwssd by the sub-block scales (int16 lanes), in int32 for the
+// block, times d x the activations' scale; q4_k / q5_k's dmin m and q6_k's -32 through the code sums
+template <int T, int TT>
+void k_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xd, const int16_t* const* xb,
+           float* y, int64_t ldy, int64_t ahead) {
+  constexpr bool K45 = T == Q4_K || T == Q5_K;  // d, dmin, 6-bit scales and mins (else q6_k)
+  constexpr int64_t BYTES = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+  __m512 acc[TT];
+  __m256 accm[TT];
+  for (int t = 0; t < TT; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    accm[t] = _mm256_setzero_ps();
+  }
+  // int16 lane k of weight vector v's scale: q4_k / q5_k sub-block 2v + k / 16; q6_k group 4v + k / 8
+  __m512i sidx[4];
+  for (int v = 0; v < 4; ++v) {
+    alignas(64) int16_t ix[32];
+    for (int k = 0; k < 32; ++k) ix[k] = int16_t(K45 ? 2 * v + k / 16 : 4 * v + k / 8);
+    sidx[v] = _mm512_load_si512(ix);
+  }
+  const __m256i mdup = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m256i nib8 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * BYTES;
+    if (ahead) prefetch_block(p + ahead, BYTES);
+    __m512i wv[4], sv[4];
+    float dd, dm = 0.f;
+    __m256i m16 = _mm256_setzero_si256(), sc16 = _mm256_setzero_si256();
+    if constexpr (K45) {
+      dd = h2f(p);
+      dm = h2f(p + 2);
+      uint64_t sc8, m8;
+      scale_min_k4_64(p + 4, sc8, m8);
+      const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc8))));
+      m16 = _mm256_permutexvar_epi16(mdup, _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(m8)))));
+      const __m256i qh = T == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)) : _mm256_setzero_si256();
+      const __m256i one8 = _mm256_set1_epi8(1);
+      for (int v = 0; v < 4; ++v) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (T == Q5_K ? 48 : 16) + 32 * v));
+        __m256i lo = _mm256_and_si256(q, nib8), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib8);
+        if constexpr (T == Q5_K) {  // sub-block s's fifth bits: bit s of qh[l], to bit 4
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * v)), one8), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * v + 1)), one8), 4));
+        }
+        wv[v] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        sv[v] = _mm512_permutexvar_epi16(sidx[v], scz);
+      }
+    } else {
+      dd = h2f(p + 208);
+      sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+      const __m512i scz = _mm512_castsi256_si512(sc16);
+      const __m512i three = _mm512_set1_epi8(3);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+        const __m512i qa = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        const __m512i qb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 4)), _mm256_srli_epi16(qh, 6), 1);
+        wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, nib), _mm512_slli_epi16(_mm512_and_si512(qa, three), 4));
+        wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib),
+                                        _mm512_slli_epi16(_mm512_and_si512(qb, three), 4));
+      }
+      for (int v = 0; v < 4; ++v) sv[v] = _mm512_permutexvar_epi16(sidx[v], scz);
+    }
+    for (int t = 0; t < TT; ++t) {
+      const int8_t* x = xq[t] + 256 * b;
+      __m512i a0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(wv[0], _mm512_loadu_si512(x)), sv[0]);
+      __m512i a1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(wv[1], _mm512_loadu_si512(x + 64)), sv[1]);
+      a0 = _mm512_dpwssd_epi32(a0, _mm512_maddubs_epi16(wv[2], _mm512_loadu_si512(x + 128)), sv[2]);
+      a1 = _mm512_dpwssd_epi32(a1, _mm512_maddubs_epi16(wv[3], _mm512_loadu_si512(x + 192)), sv[3]);
+      __m512i a = _mm512_add_epi32(a0, a1);
+      const __m256i bsv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[t] + 16 * b));
+      const float dx = xd[t][b];
+      if constexpr (T == Q6_K)  // sum sc (q - 32) x = sum sc q x - 32 sum sc (code sum per 16)
+        a = _mm512_sub_epi32(a, _mm512_slli_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(sc16, bsv)), 5));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(dd * dx), acc[t]);
+      if constexpr (K45)
+        accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(m16, bsv)), _mm256_set1_ps(dm * dx), accm[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    float v = _mm512_reduce_add_ps(acc[t]);
+    if constexpr (K45) v -= _mm512_reduce_add_ps(_mm512_zextps256_ps512(accm[t]));
+    y[t * ldy] = v;
+  }
+}
+
+// iq4_xs x A256, tokens t < TT: per 64 weights (sub-blocks 2v, 2v + 1) the kvalues + 128 (unsigned, by
+// vpshufb) by vpdpbusd against the int8 activations, times the sub-blocks' scales ls (int32 lanes 0..7 /
+// 8..15), less 128 ls x the code sums; in int32 for the block, times d x the activations' scale
+template <int TT>
+void xs_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xd, const int16_t* const* xb,
+            float* y, int64_t ldy, int64_t ahead) {
+  constexpr int64_t BYTES = 136;
+  alignas(16) int8_t kv[16];
+  for (int i = 0; i < 16; ++i) kv[i] = int8_t(KVALUES_IQ4NL[i] + 128);  // as unsigned bytes 1..241
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kv)));
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m256i mdup = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m256i sl_shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), sh_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  __m512i lidx[4];
+  for (int v = 0; v < 4; ++v)
+    lidx[v] = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * v), _mm512_set1_epi32(2 * v + 1));
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * BYTES;
+    if (ahead) prefetch_block(p + ahead, BYTES);
+    const float dd = h2f(p);
+    uint16_t sh;
+    __builtin_memcpy(&sh, p + 2, 2);
+    // ls_j = (low 4 bits: nibble j of scales_l) | (2 bits j of scales_h) << 4, - 32; int32 lane j
+    const __m256i ls = _mm256_sub_epi32(
+        _mm256_or_si256(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(u32(p + 4))), sl_shift), _mm256_set1_epi32(15)),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(sh), sh_shift), _mm256_set1_epi32(3)), 4)),
+        _mm256_set1_epi32(32));
+    const __m256i ls16 = _mm256_permutexvar_epi16(mdup, _mm256_castsi128_si256(_mm256_cvtepi32_epi16(ls)));
+    __m512i wv[4], lv[4];
+    for (int v = 0; v < 4; ++v) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 + 32 * v));
+      const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+      // 128-bit lanes [q0, q1, q0 >> 4, q1 >> 4] -> [q0, q0 >> 4, q1, q1 >> 4]: sub-block 2v's, then 2v + 1's
+      wv[v] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_shuffle_i64x2(z, z, 0xD8), nib));
+      lv[v] = _mm512_permutexvar_epi32(lidx[v], _mm512_castsi256_si512(ls));
+    }
+    for (int t = 0; t < TT; ++t) {
+      const int8_t* x = xq[t] + 256 * b;
+      __m512i a = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v)
+        a = _mm512_add_epi32(a, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[v], _mm512_loadu_si512(x + 64 * v)), lv[v]));
+      const __m256i bsv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[t] + 16 * b));
+      a = _mm512_sub_epi32(a, _mm512_slli_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(ls16, bsv)), 7));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(dd * xd[t][b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
+}
+
+constexpr int TQ = 8;  // tokens per pass over a row in fast math
+
+void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
+             const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf) {
+  const int64_t nb = K / block_elems(type);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t ahead = pf && n + pf < N ? pf * w_row : 0;
+    const uint8_t* r = w + n * w_row;
+    for (int64_t t0 = 0; t0 < T; t0 += TQ) {
+      const int64_t tt = T - t0 < TQ ? T - t0 : TQ;
+      float* yt = y + t0 * ldy + n;
+      const int64_t a = t0 == 0 ? ahead : 0;
+      auto go = [&](auto tc) __attribute__((always_inline)) {
+        constexpr int TT = decltype(tc)::value;
+        const int8_t* const* xq = reinterpret_cast<const int8_t* const*>(q + t0);
+        if (type == Q8_0) b32_row<Q8_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == Q4_0) n32_row<Q4_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == Q5_0) n32_row<Q5_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == IQ4_NL) n32_row<IQ4_NL, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == MXFP4) n32_row<MXFP4, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
+        else if (type == Q4_K) k_row<Q4_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
+        else if (type == Q5_K) k_row<Q5_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
+        else if (type == IQ4_XS) xs_row<TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
+        else k_row<Q6_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
+      };
+      switch (tt) {
+        case 1: go(Slot<1>{}); break;
+        case 2: go(Slot<2>{}); break;
+        case 3: go(Slot<3>{}); break;
+        case 4: go(Slot<4>{}); break;
+        case 5: go(Slot<5>{}); break;
+        case 6: go(Slot<6>{}); break;
+        case 7: go(Slot<7>{}); break;
+        default: go(Slot<TQ>{}); break;
+      }
+    }
+  }
+}
+
+}  // namespace avx512
+
+#pragma GCC pop_options
+
+// ---- entry points ------------------------------------------------------------------------------------
+void rows_f32(int type, bool avx512, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const float* const* x,
+              int64_t T, float* y, int64_t ldy, int64_t pf) {
+  if (avx512) avx512::rows_f32(type, w, w_row, N, K, x, T, y, ldy, pf);
+  else avx2::rows_f32(type, w, w_row, N, K, x, T, y, ldy, pf);
+}
+
+void dequant(int type, bool avx512, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, float* out, int64_t ld) {
+  if (avx512) avx512::dequant(type, w, w_row, N, K, out, ld);
+  else avx2::dequant(type, w, w_row, N, K, out, ld);
+}
+
+void prep_q8(int act, const float* x, int64_t K, uint8_t* q, float* d, int16_t* bsum) {
+  if (act == A32) avx512::prep_a32(x, K, q, d);
+  else if (act == A32N) avx512::prep_a32n(x, K, q, d);
+  else avx512::prep_a256(x, K, reinterpret_cast<int8_t*>(q), d, bsum);
+}
+
+void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
+             const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf) {
+  avx512::rows_q8(type, w, w_row, N, K, q, d, bs, T, y, ldy, pf);
+}
+
+}  // namespace ggml
