@@ -31,7 +31,7 @@ import torch
 
 from . import prefill_gemm
 from .build import extension, why
-from .formats import Unsupported, plain_spec, quant_spec
+from .formats import GGUF_SMALL_T, GGUF_UNIT_ROWS, Unsupported, plain_spec, quant_spec
 
 # Tokens of one weight above which the tiled path (convert a tile once, reuse it for every token)
 # replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code.
@@ -51,6 +51,8 @@ SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6
 # GB/s): 256 rows 25.2 / 28.7, 512 27.2 / 34.2, 1024 25.7 / 32.9.
 ROWS_PER_UNIT = 256
 UNIT_ROWS = {0: 0.5, 1: 1, 2: 1, 3: 2, 4: 2, 5: 4, 6: 4}
+SMALL_T.update(GGUF_SMALL_T)  # the GGUF block formats (codes 7-15, csrc/ggml_kernels.cpp)
+UNIT_ROWS.update(GGUF_UNIT_ROWS)
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # The CPU math of the kernels (`--cpu-math`). exact: float32 activations, the fp32 logits within 1e-4
 # of the torch path. fast: as llama.cpp computes, bf16 weights against activations rounded to bf16
