@@ -60,6 +60,9 @@ def plain_spec(w: torch.Tensor) -> Spec:
 
 def quant_spec(method, parts: dict[str, torch.Tensor], proj: str, N: int, K: int) -> Spec:
     """Pool parts {"<proj>.<suffix>": [S, ...]} of QuantMethod `method` -> spec of projection `proj`."""
+    subs = getattr(method, "projections", None)  # per-projection formats (GGUF gate/up Q4_K, down Q6_K)
+    if subs is not None and proj in subs:
+        method = subs[proj]
     fn = SPECS.get(method.name)
     if fn is None:
         raise Unsupported(f"no kernel for quant format {method.name!r}")
