@@ -8,7 +8,8 @@
    cap's) memory: refused in one line before a weight byte is read when it does not fit;
 3. allocate (allocate.py), every persistent tensor through the Ledger (ledger.py): KV cache and
    linear-attention state, then the dense weights as fill.py reads them, then expert slots and staging;
-4. fill (fill.py): the experts read into their slots; the model assembled from what was read;
+4. fill (fill.py): the experts read into their slots; the model assembled from what was read (it
+   reads nothing itself);
 5. the runner and the engine.
 """
 
@@ -70,13 +71,13 @@ def build_engine(config, group=None, serve=None) -> Made:
         if placement is not None:
             experts, line = parallel_provider(ck, config, group, placement, experts)
             memory.lines += [line] if line else []
+        model = MoETransformer(ck.cfg, dense, experts, device, dtype, config.kernels.cpu_math)
     except BaseException:
         if experts is not None:
             experts.close()  # its I/O threads
         if started and group is not None:
             group.close()  # the ranks it spawned
         raise
-    model = MoETransformer(ck.cfg, dense, experts, device, dtype, config.kernels.cpu_math)
     memory.loaded_lines = _loaded_lines(ck, config, memory.plan, model, states)
     memory.lines += memory.loaded_lines
     # ==== runner and engine ====
@@ -129,7 +130,8 @@ def _join_group(ck, config, group, serve):
     if group is None:
         _, group = start(config.parallel, config.load.torch_device, {"config": rank_config}, serve)
     group.check_same("checkpoint (config.json + safetensors headers)", checkpoint_fingerprint(ck.model_dir))
-    group.check_same("engine config", json.dumps(rank_config, sort_keys=True))
+    same = {**rank_config, "load": {**rank_config["load"], "model": None}}  # (torchrun: paths may differ by machine)
+    group.check_same("engine config", json.dumps(same, sort_keys=True))
     return group
 
 

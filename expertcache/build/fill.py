@@ -2,8 +2,8 @@
 experts into what allocate.py made.
 
 `read_dense` returns the `DenseWeights` MoETransformer is assembled from (it reads nothing itself):
-each weight is read, checked for NaN/inf, converted to the dtype it is held in (kernels.dense_dtype),
-and derived as the model keeps it (q/k/v fused, `--dense` / `--lm-head` quantized, zero-centred norms
+each weight is read on the host, checked for NaN/inf, converted to the dtype it is held in
+(kernels.dense_dtype), and derived as the model keeps it (q/k/v fused, `--dense` / `--lm-head` quantized, zero-centred norms
 offset, a linear-attention layer's derived tensors); the tensor the model keeps is then allocated
 through the ledger under "dense" and the read copied into it. What a layer object derives from its
 weights (Rotary's frequencies, GatedDeltaNet's -exp(A_log) and transposed conv) and a quantized
@@ -55,14 +55,15 @@ class DenseReader:
 
     # -- one tensor ---------------------------------------------------------------------------------
     def read(self, name: str, shape, as_dtype=None) -> torch.Tensor:
-        """A temporary: read, checked, in the dtype it is held in, on the device."""
+        """A temporary on the host: read, checked, in the dtype it is held in (keep copies it to the
+        device: no second copy of it is made there)."""
         index = self.ck.index
         t = load_dense(index, name, shape, self.ck.quant)
         check_dense(index, name, t, self.check_finite)
         held = as_dtype or kernels.dense_dtype(t.dtype, t.dim(), self.device, self.dtype, self.low_memory)
         if self.progress:
             self.progress(t.numel() * index.info(name).dtype.itemsize)
-        return t.to(device=self.device, dtype=held)
+        return t.to(dtype=held)
 
     def keep(self, tree):
         """Every tensor of `tree` (a tensor, tuple or dict of them) copied into one allocated through the
@@ -84,7 +85,7 @@ class DenseReader:
         return self.keep(t + self.ck.cfg.norm_offset if self.ck.cfg.norm_offset else t)
 
     def quantize(self, w: torch.Tensor, method) -> QuantizedWeight:
-        q = QuantizedWeight(w, method)
+        q = QuantizedWeight(w.to(self.device), method)  # packed where it is computed from
         self.ledger.charge("dense", q.parts)
         return q
 
@@ -115,7 +116,7 @@ class DenseReader:
         elif keep:
             t = ck.index.load(emb.name, tuple(emb.shape))
             check_dense(ck.index, emb.name, t, self.check_finite)
-            table = Table(self.keep(t.to(self.device)))
+            table = Table(self.keep(t))
         else:
             return Table(self.load(emb.name, tuple(emb.shape)))
         if self.progress:  # (on disk: counted as done, nothing of it is read at load)

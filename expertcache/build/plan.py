@@ -306,22 +306,12 @@ def plan_tiers(source, device: torch.device, dtype: torch.dtype, device_memory=N
               f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})")]
     ram, why = ramlimit.available()  # read once per plan: every `auto` budget below takes it
     ram_text = f"available RAM {fmt_bytes(ram)} ({why})"
-    auto_dev = 0
     if _is_auto(device_memory) and device.type == "cuda":
         raise ValueError("device_memory 'auto' on cuda is resolved by plan_device; give the fastest tier's "
                          "budget in bytes or as a share here")
-    if _is_auto(device_memory) and low_cpu:
-        if _is_auto(host_memory):
-            host_memory = 0
-        host = resolve(host_memory, source.total_nbytes, 0, "host_memory")
-        margin = max(LOW_MEMORY_MARGIN, ram // 20)
-        auto_dev = max(0, ram - other_ram - host - margin)
-        lines.append(f"auto device budget (CPU, low memory) = {ram_text} - the engine's other terms "
-                     f"{fmt_bytes(other_ram)} - host tier {fmt_bytes(host)} - margin {fmt_bytes(margin)} = "
-                     f"{fmt_bytes(auto_dev)}")
-    elif _is_auto(device_memory):
-        auto_dev = ram // 2
-        lines.append(f"auto device budget (CPU) = half of {ram_text} = {fmt_bytes(auto_dev)}")
+    if _is_auto(device_memory) and low_cpu and _is_auto(host_memory):
+        host_memory = 0  # a second copy in the same RAM buys nothing
+    auto_dev = _auto_cpu_device(source, device_memory, host_memory, low_cpu, other_ram, ram, ram_text, lines)
     staging = dev_bytes if device.type == "cuda" else 0
     dplan = plan_tier("auto" if device_memory is None else device_memory, "device_memory", dev_bytes, L, E, K,
                       auto_dev, reserve=staging)
@@ -345,6 +335,23 @@ def plan_tiers(source, device: torch.device, dtype: torch.dtype, device_memory=N
                                                   "; the rest streamed from disk"))
     lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
     return MemoryPlan(dplan, hplan, staging, L, dev_parts, lines)
+
+
+def _auto_cpu_device(source, device_memory, host_memory, low_cpu: bool, other_ram: int, ram: int, ram_text: str,
+                     lines: list[str]) -> int:
+    """The fastest tier's `auto` budget on the CPU (0 when device_memory is not auto), its line appended."""
+    if not _is_auto(device_memory):
+        return 0
+    if not low_cpu:
+        lines.append(f"auto device budget (CPU) = half of {ram_text} = {fmt_bytes(ram // 2)}")
+        return ram // 2
+    host = resolve(host_memory, source.total_nbytes, 0, "host_memory")
+    margin = max(LOW_MEMORY_MARGIN, ram // 20)
+    auto_dev = max(0, ram - other_ram - host - margin)
+    lines.append(f"auto device budget (CPU, low memory) = {ram_text} - the engine's other terms "
+                 f"{fmt_bytes(other_ram)} - host tier {fmt_bytes(host)} - margin {fmt_bytes(margin)} = "
+                 f"{fmt_bytes(auto_dev)}")
+    return auto_dev
 
 
 # -- every term on the device ------------------------------------------------------------------

@@ -98,7 +98,6 @@ def _profile(spec: str | None, device: str, model_dir):
 
 def build_report(args: argparse.Namespace) -> dict:
     """Everything `plan` prints, as a JSON-ready dict (keys documented by tests/test_plan.py)."""
-    from ..config import EngineConfig
     from ..engine.kv_cache import default_max_model_len
     from .model import device_plan, model_sizes, read_model
 
@@ -111,16 +110,7 @@ def build_report(args: argparse.Namespace) -> dict:
         from ..hub import resolve_model
 
         model_dir = resolve_model(model_dir, args.revision, download=False)
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: an integer >= 1, got {v}")
-    # the engine's own config from the flags it shares with generate/serve (config.py checks them)
-    config = EngineConfig.from_kwargs(
-        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-        low_memory=args.low_memory, dense=args.dense, lm_head=args.lm_head, device_memory=args.device_memory,
-        host_memory=args.host_memory)
+    config = engine_config(args)
     dev, dtype = config.load.torch_device, config.load.torch_dtype
     info = read_model(model_dir)
     cfg, sizes = info.cfg, model_sizes(info, config)
@@ -159,6 +149,21 @@ def build_report(args: argparse.Namespace) -> dict:
     report["kv"].update(device_free=free, tokens_in_device_free=free // sizes.kv_per_token)
     report["speed"] = _speed(args, info, sizes, mp, dev.type, model_dir)
     return report
+
+
+PLAN_FLAGS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+              "low_memory", "dense", "lm_head", "device_memory", "host_memory")  # EngineConfig keywords
+
+
+def engine_config(args: argparse.Namespace):
+    """The engine's own EngineConfig from the flags `plan` shares with generate/serve (config.py checks them)."""
+    from ..config import EngineConfig
+
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: an integer >= 1, got {v}")
+    return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in PLAN_FLAGS})
 
 
 def _card(name: str | None, dev):
