@@ -202,8 +202,9 @@ def logits_block_rows(vocab_size: int, dtype: torch.dtype, device: torch.device,
 
 
 def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int,
-                    max_model_len: int, device: torch.device = torch.device("cpu")) -> tuple[int, int]:
-    """(activations, logits) of the widest step: the formulas in the module docstring."""
+                    max_model_len: int, device: torch.device | None = None) -> tuple[int, int]:
+    """(activations, logits) of the widest step: the formulas in the module docstring (device None: the CPU)."""
+    device = torch.device("cpu") if device is None else device
     T, H = max_num_batched_tokens, cfg.hidden_size
     q_rows = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
     widest = max(q_rows + 2 * cfg.num_kv_heads * cfg.head_dim, 2 * (cfg.intermediate_size or 0),

@@ -223,11 +223,11 @@ def text_lines(r: dict) -> list[str]:
     """The human-readable report."""
     m, b, p, kv = r["model"], r["bytes"], r["plan"], r["kv"]
     out = [f"model: {m['dir']} ({m['architecture']}, {fmt_bytes(m['dir_bytes'])} on disk)",
-           f"bytes: dense {fmt_bytes(b['dense_stored'])} stored, {fmt_bytes(b['dense_compute'])} as {r['dtype']}; "
-           f"routed experts {fmt_bytes(b['experts_stored'])} ({m['moe_layers']} MoE layers x {m['num_experts']} "
-           f"experts, top_k {m['top_k']})",
-           f"one expert: {fmt_bytes(b['expert_stored'])} stored ({b['stored_format']}), "
-           f"{fmt_bytes(b['expert_fast'])} in the fastest tier ({b['fast_format']})",
+           (f"bytes: dense {fmt_bytes(b['dense_stored'])} stored, {fmt_bytes(b['dense_compute'])} as held "
+            f"({r['dtype']}: the device plan's dense term); routed experts {fmt_bytes(b['experts_stored'])} "
+            f"({m['moe_layers']} MoE layers x {m['num_experts']} experts, top_k {m['top_k']})"),
+           (f"one expert: {fmt_bytes(b['expert_stored'])} stored ({b['stored_format']}), "
+            f"{fmt_bytes(b['expert_fast'])} in the fastest tier ({b['fast_format']})"),
            f"memory plan (--device {r['device']}, the engine's own arithmetic):"]
     if not p["fits"]:
         return out + [f"  does not fit: {p['error']}"]
