@@ -137,7 +137,8 @@ def run_one(args) -> int:
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    from expertcache.engine.device_plan import EngineShape, GpuSpec
+    from expertcache.build.plan import GpuSpec
+    from expertcache.config import EngineConfig
     from expertcache.plan.model import budget_for_slots, device_plan, read_model
 
     info = read_model(args.model)
@@ -146,16 +147,16 @@ def run_one(args) -> int:
     dtype = default_dtype(device)
     # the KV cache: two sequences of max_model_len (k and v per layer), given to the engine as its budget
     kv = 2 * args.max_model_len * 2 * L * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-    shape = EngineShape(args.max_model_len, kv_cache_memory=kv)
+    base = {"device": args.device, "max_model_len": args.max_model_len, "kv_cache_memory": kv}
     gpu = GpuSpec.from_device(device) if cuda else None
     ctx = {"num_experts": E, "top_k": K, "host_slot_bytes": source.stored_nbytes * L,
-           "top_k_budget": budget_for_slots(info, device, dtype, K, shape, gpu)}
+           "top_k_budget": budget_for_slots(info, EngineConfig.from_kwargs(**base, device_memory="auto"), K, gpu)}
     kw = options(args.one, args.share, ctx)
     experts_bytes = source.total_nbytes
     cap = 0
     if cuda and args.one != "resident":
         # the engine's own device plan for this configuration is the cap (every term counted there)
-        plan = device_plan(info, device, dtype, kw["device_memory"], kw.get("host_memory", "auto"), shape, gpu)
+        plan = device_plan(info, EngineConfig.from_kwargs(**base, **{"host_memory": "auto", **kw}), gpu)
         cap = plan.total + MARGIN
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)

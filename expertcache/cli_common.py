@@ -1,8 +1,9 @@
 """What every command that loads a model shares, below the commands themselves.
 
 cli.py, chat_cli.py and server/ take these from here (so chat_cli.py and server/ never import
-cli.py, which registers them as subcommands): the engine flags (`add_engine_args`) and their LLM keywords (`engine_kwargs`, the expert-parallel
-`parallel_config`), the model argument (`resolve_model_arg`, `model_dir_arg`), one prompt streamed
+cli.py, which registers them as subcommands): the engine flags (`add_engine_args`) and their LLM
+keywords (`engine_kwargs`: the flags are EngineConfig's fields by name, `engine_flags`; the
+expert-parallel `parallel_config`), the model argument (`resolve_model_arg`, `model_dir_arg`), one prompt streamed
 to the terminal (`stream_request`), `error_line` (any error as one line, also for /health) and
 `run_command`: any error one line on stderr, exit 2 (`--debug`: the traceback).
 Light to import (argparse; torch and the model only when a command runs).
@@ -125,20 +126,32 @@ def parallel_config(args: argparse.Namespace):
                           args.eplb_step_interval, exit_on_failure=True, **timeout, **peer)
 
 
+# flags that are not engine options: what the command does around the engine (--revision: the model
+# argument is resolved to its snapshot directory by resolve_model_arg before the engine starts)
+COMMAND_FLAGS = ("threads", "save_expert_stats", "revision")
+# flags of add_parallel_args: they make the one `expert_parallel` option (parallel_config)
+PARALLEL_FLAGS = ("expert_parallel", "num_redundant_experts", "enable_eplb", "eplb_window_size", "eplb_step_interval",
+                  "peer_tier", "ep_timeout")
+FLAG_KEYWORDS = {"load_expert_stats": "load_stats"}  # a flag's dest -> its EngineConfig keyword, where they differ
+
+
+def engine_flags() -> list[str]:
+    """The dests of add_engine_args' flags that are engine options (config.EngineConfig keywords, after
+    FLAG_KEYWORDS): tests/test_cli_errors.py checks them against EngineConfig.keywords()."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    dests = dict.fromkeys(a.dest for a in p._actions)
+    return [d for d in dests if d not in COMMAND_FLAGS and d not in PARALLEL_FLAGS]
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The flags given as LLM's keywords (EngineConfig's fields by name; a flag left at None is not given)."""
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    kw = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, progress=True,
-              low_memory=args.low_memory, record_routing=args.record_routing, check_finite=args.check_finite,
-              lm_head=args.lm_head, cpu_math=args.cpu_math, dense=args.dense)
-    cache = {"device_memory": args.device_memory, "host_memory": args.host_memory, "cache_policy": args.cache_policy,
-             "cpu_compute": args.cpu_compute, "load_stats": args.load_expert_stats, "moe_kernel": args.moe_kernel}
-    if args.prefetch is not None:
-        cache["prefetch"] = args.prefetch
-    kw.update({k: v for k, v in cache.items() if v is not None})
+    kw = {FLAG_KEYWORDS.get(d, d): getattr(args, d) for d in engine_flags() if getattr(args, d) is not None}
+    kw["progress"] = True
     ep = parallel_config(args)
     if ep is not None:
         kw["expert_parallel"] = ep
@@ -208,7 +221,7 @@ def run_command(func, args, debug: bool = False) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - the command line shows one line, never a traceback
+    except Exception as e:
         if debug:
             raise
         print(f"error: {error_line(e)} (--debug shows the traceback)", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""LLM: the Python API, a thin facade. build.py constructs the engine (plan -> allocate -> fill); LLM
+"""LLM: the Python API, a thin facade. build/ constructs the engine (plan -> allocate -> fill); LLM
 generates, evaluates logits, reports expert statistics and closes.
 
     llm = LLM("path/to/Qwen3-30B-A3B", device="cpu")
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import fields
-from pathlib import Path
+from operator import attrgetter
 
 import torch
 from tqdm import tqdm
 
-from .build import EngineOptions, build_engine, default_dtype, eos_ids
+from .build import build_engine, eos_ids
+from .config import EngineConfig
 from .engine.params import RequestOutput, SamplingParams
 from .engine.sequence import Sequence
 from .engine.tokenizer import Tokenizer
@@ -24,36 +24,54 @@ from .errors import CheckpointError
 __all__ = ["LLM", "default_dtype", "run_torchrun_worker", "serve_ep_rank"]
 
 
-class LLM:
-    """The facade: construction is build.build_engine's (plan -> allocate -> fill); generation is the engine's."""
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The compute dtype when none is given (config.LoadConfig.torch_dtype)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
-    def __init__(self, model: str | Path | None = None, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: str | int | None = "auto", block_size: int = 16, prefix_caching: bool = True,
-                 progress=False, verbose: bool = False, low_memory: bool = False,
-                 record_routing: str | None = None, expert_parallel=None, check_finite: bool = True,
-                 revision: str | None = None, lm_head: str | None = None, cpu_math: str = "exact", dense: str | None = None,
-                 **cache_options):
-        # the arguments every expert-parallel rank builds its own LLM from (callables stay here)
-        worker_kwargs = dict(model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             kv_cache_memory=kv_cache_memory, block_size=block_size,
-                             prefix_caching=prefix_caching, low_memory=low_memory, check_finite=check_finite,
-                             revision=revision, lm_head=lm_head, cpu_math=cpu_math, dense=dense, **cache_options)
-        options = EngineOptions(model, device, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-                                kv_cache_memory, block_size, prefix_caching, progress, low_memory, expert_parallel,
-                                check_finite, revision, lm_head, cpu_math, dense, cache_options)
-        built = build_engine(options, worker_kwargs, serve_ep_rank)
-        for f in fields(built):
-            setattr(self, f.name, getattr(built, f.name))
-        self.record_routing = record_routing  # trace file written by close()
-        if record_routing:
+
+def _via(path: str) -> property:
+    """A read-only attribute of what construction made (llm.cfg is llm.checkpoint.cfg, ...)."""
+    return property(attrgetter(path))
+
+
+class LLM:
+    """The facade: `LLM(model, **kwargs)` fills an EngineConfig by keyword (config.py: the one list of
+    options; an unknown keyword is refused by name) and build.build_engine constructs from it."""
+
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs):
+        self._start(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, group=None) -> LLM:
+        """From a whole EngineConfig; `group`: an expert-parallel rank's joined group (serve_ep_rank)."""
+        llm = cls.__new__(cls)
+        llm._start(config, group)
+        return llm
+
+    def _start(self, config: EngineConfig, group=None) -> None:
+        self.config = config
+        made = build_engine(config, group, serve_ep_rank)
+        self.checkpoint, self.memory, self.engine, self.group = made.checkpoint, made.memory, made.engine, made.group
+        self.record_routing = config.record_routing  # trace file written by close()
+        if config.record_routing:
             from .trace.recorder import RoutingRecorder
 
             self.engine.recorder = RoutingRecorder(self)
-        if verbose:
+        if config.verbose:
             for line in self.plan_lines:
                 print(line)
+
+    # what construction made, by name (build/: checkpoint = the headers' answers, memory = plan + ledger)
+    model_dir, family, cfg, hf_config = _via("checkpoint.model_dir"), _via("checkpoint.family"), \
+        _via("checkpoint.cfg"), _via("checkpoint.hf_config")
+    index, quant, source, mtp_layers = _via("checkpoint.index"), _via("checkpoint.quant"), \
+        _via("checkpoint.source"), _via("checkpoint.mtp_layers")
+    tokenizer, max_model_len = _via("engine.tokenizer"), _via("engine.max_model_len")
+    model, kv, states = _via("engine.runner.model"), _via("engine.runner.kv"), _via("engine.runner.states")
+    experts, device, dtype = _via("engine.runner.model.experts"), _via("engine.runner.model.device"), \
+        _via("engine.runner.model.dtype")
+    device_plan, ledger = _via("memory.plan"), _via("memory.ledger")
+    plan_lines, loaded_lines = _via("memory.lines"), _via("memory.loaded_lines")
 
     def serve_worker(self) -> None:
         """Expert-parallel ranks 1..N-1: mirror rank 0's forwards until it stops."""
@@ -105,7 +123,7 @@ class LLM:
         The prompt is run `block_rows` tokens at a time (at most the scheduler's token budget), each
         block's logits moved to the host before the next: on a GPU the device never holds more than
         one block's [rows, vocab]. Default: the scheduler's bound on a step's logits rows (the token
-        budget on the CPU; on a GPU the rows the device plan counts, engine/device_plan.py)."""
+        budget on the CPU; on a GPU the rows the device plan counts, build/plan.py)."""
         seq = Sequence(list(token_ids), SamplingParams(max_tokens=1))
         if not token_ids or len(token_ids) > self.max_model_len:
             raise ValueError(f"token_ids must have 1..{self.max_model_len} tokens, got {len(token_ids)}")
@@ -158,11 +176,10 @@ class LLM:
             self.group = None
 
 
-def serve_ep_rank(kwargs: dict, group) -> None:
-    """A spawned expert-parallel rank 1..N-1 (parallel/worker.py joined `group`): build the same LLM
-    and mirror rank 0 until it stops."""
-    cfg = kwargs.pop("expert_parallel")
-    llm = LLM(**kwargs, expert_parallel=(cfg, group))
+def serve_ep_rank(payload: dict, group) -> None:
+    """A spawned expert-parallel rank 1..N-1 (parallel/worker.py joined `group`): build the same LLM from
+    rank 0's whole EngineConfig (payload["config"], plain data) and mirror rank 0 until it stops."""
+    llm = LLM.from_config(EngineConfig.from_dict(payload["config"]), group)
     try:
         llm.serve_worker()
     finally:

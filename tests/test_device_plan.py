@@ -15,23 +15,36 @@ import re
 
 import pytest
 import torch
+from test_gpt_oss_layout import EXPERT_BYTES as GPT_OSS_EXPERT
+from test_gpt_oss_layout import write_hub_layout, write_sparse_safetensors
 
-from expertcache import LLM, devmem
+from expertcache import LLM
+from expertcache.build import ledger as devmem
+from expertcache.build import plan as dp_module
+from expertcache.build.plan import GpuSpec
 from expertcache.cli import main
-from expertcache.engine import device_plan as dp_module
-from expertcache.engine.device_plan import GpuSpec
+from expertcache.config import EngineConfig
 from expertcache.cost.profiles import get_profile
 from expertcache.errors import BudgetError
-from expertcache.units import fmt_bytes
-from expertcache.engine.device_plan import EngineShape
 from expertcache.experts.layout import ExpertSource
 from expertcache.loader.disk import DiskReader
 from expertcache.loader.safetensors_index import TensorIndex
+from expertcache.parallel.config import ParallelConfig
 from expertcache.plan.model import budget_for_slots, device_plan, read_model
-from test_gpt_oss_layout import EXPERT_BYTES as GPT_OSS_EXPERT, write_hub_layout, write_sparse_safetensors
+from expertcache.units import fmt_bytes
 
 GiB = 1 << 30
 CUDA = torch.device("cuda")
+
+
+def cuda_config(device_memory, **kw) -> EngineConfig:
+    """A bf16 CUDA engine at max_model_len 4096 with this device_memory (host_memory auto)."""
+    return EngineConfig.from_kwargs(device="cuda", max_model_len=4096, device_memory=device_memory,
+                                    host_memory="auto", **kw)
+
+
+def cpu_config(device_memory, **kw) -> EngineConfig:
+    return EngineConfig.from_kwargs(device="cpu", device_memory=device_memory, host_memory="auto", **kw)
 
 # Qwen/Qwen3-30B-A3B as published (config.json fields that size it)
 Q = dict(H=2048, I=6144, MOE_I=768, L=48, E=128, K=8, HEADS=32, KV_HEADS=4, D=128, V=151936)
@@ -106,7 +119,7 @@ def qwen3_info(qwen3_30b):
 def test_qwen3_30b_terms(qwen3_info):
     """(Through plan/model.py's device_plan, the function `plan` calls: the command's speed band replays
     48 x 128 experts for a minute, so the command itself is run on gpt-oss-20b below.)"""
-    p = device_plan(qwen3_info, CUDA, torch.bfloat16, "12GiB", "auto", EngineShape(4096, max_num_batched_tokens=512),
+    p = device_plan(qwen3_info, cuda_config("12GiB", max_num_batched_tokens=512),
                     card("rtx3060-12gb"))
     t = p.terms
     expert = 3 * Q["MOE_I"] * Q["H"] * 2
@@ -147,22 +160,21 @@ def test_smallest_budget_is_exact(which, request):
     """The refusal's smallest budget holds top_k slots per layer; one byte less is refused."""
     info = read_model(request.getfixturevalue(which))
     K, L = (Q["K"], Q["L"]) if which == "qwen3_30b" else (4, 24)
-    shape, gpu = EngineShape(4096), card("a100-80gb")
-    p = device_plan(info, CUDA, torch.bfloat16, "25%", "auto", shape, gpu)
+    gpu = card("a100-80gb")
+    p = device_plan(info, cuda_config("25%"), gpu)
     expert = p.terms["staging"]
     need = sum(v for k, v in p.terms.items() if k not in ("expert_slots", "staging")) + K * L * expert + expert
-    p = device_plan(info, CUDA, torch.bfloat16, need, "auto", shape, gpu)
+    p = device_plan(info, cuda_config(need), gpu)
     assert p.experts.device.slots == K and p.total == need
     with pytest.raises(BudgetError, match=f"top_k={K} .*; give at least {re.escape(fmt_bytes(need))}"):
-        device_plan(info, CUDA, torch.bfloat16, need - 1, "auto", shape, gpu)
+        device_plan(info, cuda_config(need - 1), gpu)
 
 
 @pytest.mark.parametrize("which", ["qwen3_30b", "gpt_oss_20b"])
 def test_plan_equals_the_engines(which, request, capsys, monkeypatch):
     """LLM(device='cuda') plans the numbers and lines `plan` prints (a card stands in for the GPU;
     construction stops right after the plan)."""
-    import expertcache.build as build
-    import expertcache.ramlimit as ramlimit
+    from expertcache import build, ramlimit
 
     d = request.getfixturevalue(which)
     monkeypatch.setattr(ramlimit, "available", lambda: (32 * GiB, "MemAvailable"))  # free RAM moves on a shared machine
@@ -171,7 +183,7 @@ def test_plan_equals_the_engines(which, request, capsys, monkeypatch):
         assert rc == 0
         terms, lines = r["device_plan"]["terms"], r["plan"]["lines"]
     else:
-        p = device_plan(read_model(d), CUDA, torch.bfloat16, "16GiB", "auto", EngineShape(4096), card("rtx4090-24gb"))
+        p = device_plan(read_model(d), cuda_config("16GiB"), card("rtx4090-24gb"))
         terms, lines = p.terms, p.lines
     seen = []
 
@@ -195,14 +207,14 @@ def test_auto_is_free_memory_less_the_margin(gpt_oss_20b):
     beyond what is free is refused naming the free bytes."""
     info = read_model(gpt_oss_20b)
     gpu = GpuSpec("test-gpu", total=24 * GiB, free=20 * GiB, context=300 << 20, capability=(8, 9))
-    p = device_plan(info, CUDA, torch.bfloat16, "auto", "auto", EngineShape(4096), gpu)
+    p = device_plan(info, cuda_config("auto"), gpu)
     assert p.budget == 20 * GiB + (300 << 20) - dp_module.AUTO_MARGIN
     assert p.total <= p.budget < p.total + 24 * GPT_OSS_EXPERT or p.experts.resident
     assert p.lines[1].startswith("auto device budget = free 20.00 GiB + CUDA context 300.00 MiB - margin 512.00 MiB")
     small = GpuSpec("test-gpu", total=16 * GiB, free=12 * GiB, context=300 << 20, capability=(8, 9))
     for value in ("100%", "14GiB"):  # every expert; a budget beyond what is free
         with pytest.raises(BudgetError, match="but test-gpu has 12.00 GiB free"):
-            device_plan(info, CUDA, torch.bfloat16, value, "auto", EngineShape(4096), small)
+            device_plan(info, cuda_config(value), small)
 
 
 # -- allocated == plan, on real tiny models (the CPU as the device) --------------------------------
@@ -216,6 +228,9 @@ CASES = {
     "mla": ("deepseek_v3", {}, {}),
     "int8-dense": ("qwen2_moe", {}, {"dense": "int8", "lm_head": "int8", "device_memory": "50%"}),
     "int4-dense": ("qwen3_moe", {}, {"dense": "int4", "lm_head": "int4", "device_memory": "50%"}),
+    # rank 0 of 2 (the cap is this process's): its own half of every layer's experts, all resident
+    "expert-parallel": ("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 2},
+                        {"expert_parallel": ParallelConfig(2, peer_tier="off")}),
 }
 
 
@@ -244,10 +259,18 @@ def test_allocated_equals_plan(case, checkpoint, request):
     try:
         plan, ledger = llm.device_plan, llm.ledger
         counted = {k: ledger.terms.get(k, 0) for k in plan.allocated}
-        assert counted == plan.allocated
+        assert counted == plan.allocated  # term by term
+        assert set(ledger.terms) <= set(plan.allocated)  # nothing counted outside the plan's terms
         assert plan.allocated["dense"] > 0 and plan.allocated["kv_cache"] > 0 and plan.allocated["expert_slots"] > 0
         assert (plan.allocated["linear_state"] > 0) == (case == "hybrid")
         assert ledger.cap == (1 << 40) - plan.terms["activations"] - plan.terms["logits"]
+        if case == "expert-parallel":  # this rank's pools: its share of the experts, counted by the ledger
+            owned = sum(p["gate_up"].shape[0] if "gate_up" in p else next(iter(p.values())).shape[0]
+                        for p in llm.experts.local.pools.values())
+            assert owned == len(llm.source.layers) * 16 // 2
+            assert ledger.terms["expert_slots"] == owned * llm.source.expert_nbytes
+            assert sum(t.numel() * t.element_size() for p in llm.experts.local.pools.values()
+                       for t in p.values()) == ledger.terms["expert_slots"]
     finally:
         llm.close()
 
@@ -301,7 +324,7 @@ class _Reads:
         monkeypatch.setattr(DiskReader, "read_parts", parts)
 
 
-@pytest.mark.parametrize("case", ["resident", "tiered", "hybrid"])
+@pytest.mark.parametrize("case", ["resident", "tiered", "low-memory", "hybrid", "mla", "int8-dense", "expert-parallel"])
 def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
     family, overrides, opts = CASES[case]
     path = checkpoint(family, **overrides)
@@ -312,7 +335,7 @@ def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
         c.startswith("load ") for c in reads.calls)
     # plan -> allocate -> fill: every dense weight is read before the first expert, every device tensor
     # is counted in order (KV cache and state first)
-    first_expert = next(i for i, c in enumerate(reads.calls) if c.startswith("expert"))
+    first_expert = next((i for i, c in enumerate(reads.calls) if c.startswith("expert")), len(reads.calls))
     assert max(i for i, c in enumerate(reads.calls) if c.startswith("load ")) < first_expert
     order = list(llm.ledger.terms)
     assert order[:2 if case == "hybrid" else 1] == (["kv_cache", "linear_state"] if case == "hybrid" else ["kv_cache"])
@@ -366,11 +389,10 @@ def test_budget_for_slots_gives_exactly_that_many(gpt_oss_20b, slots):
     """The whole-engine budget for N slots per layer (used by the GPU tests and the device check)."""
     info = read_model(gpt_oss_20b)
     gpu = card("a100-80gb")
-    b = budget_for_slots(info, CUDA, torch.bfloat16, slots, gpu=gpu)
-    p = device_plan(info, CUDA, torch.bfloat16, b, "auto", gpu=gpu)
+    b = budget_for_slots(info, cuda_config("auto"), slots, gpu)
+    p = device_plan(info, cuda_config(b), gpu)
     assert p.experts.device.slots == slots and p.total <= b
     # on the CPU the budget is the expert tier alone: the slots and the half-slot margin, nothing else
-    cpu = torch.device("cpu")
-    b = budget_for_slots(info, cpu, torch.float32, slots)
-    assert device_plan(info, cpu, torch.float32, b, "auto").experts.device.slots == slots
-    assert b < (slots + 1) * 24 * device_plan(info, cpu, torch.float32, b, "auto").experts.device.expert_bytes
+    b = budget_for_slots(info, cpu_config("auto"), slots)
+    assert device_plan(info, cpu_config(b)).experts.device.slots == slots
+    assert b < (slots + 1) * 24 * device_plan(info, cpu_config(b)).experts.device.expert_bytes

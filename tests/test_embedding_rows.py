@@ -20,13 +20,13 @@ from safetensors.torch import save_file
 import checkpoints as C
 import gpt_oss_checkpoints as G
 from expertcache import LLM, SamplingParams
-from expertcache.build import model_tensors
 from expertcache.cli import main
-from expertcache.engine.device_plan import dense_bytes
+from expertcache.build.plan import dense_bytes
 from expertcache.errors import CheckpointError
 from expertcache.loader.rows import RowReader, readable
 from expertcache.loader.safetensors_index import TensorIndex
-from expertcache.models import embedding, transformer
+from expertcache.build import fill
+from expertcache.models import embedding
 from expertcache.units import fmt_bytes
 
 EMBED = "model.embed_tokens.weight"
@@ -137,7 +137,8 @@ def _run(path, **kw):
         logits = llm.logits(PROMPTS[0])
         toks = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         V, H = llm.cfg.vocab_size, llm.cfg.hidden_size
-        tables = sum(1 for t in model_tensors(llm.model) if tuple(t.shape) == (V, H))
+        held = (getattr(llm.model.embed, "table", None), llm.model.lm_head)  # the model's [V, H] tables
+        tables = len({id(t) for t in held if isinstance(t, torch.Tensor) and tuple(t.shape) == (V, H)})
         read = getattr(llm.model.embed, "bytes_read", None)
         return logits, toks, tables, read
     finally:
@@ -147,11 +148,11 @@ def _run(path, **kw):
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gpt_oss_mxfp4", "mixtral", "deepseek_v3"])
 def test_rows_on_disk_give_the_held_tables_output(family, checkpoint, request, tmp_path_factory, monkeypatch):
     """Bitwise: the same low-memory model, once with its table held (models/embedding.on_disk turned off
-    for the model) and once reading rows; the on-disk one holds lm_head as its only [V, H] tensor."""
+    where the dense weights are read, build/fill.py) and once reading rows; the on-disk one holds lm_head as its only [V, H] tensor."""
     path = _path(family, checkpoint, request, tmp_path_factory)
     logits, toks, tables, read = _run(path, **LOW)
     with monkeypatch.context() as m:
-        m.setattr(transformer, "on_disk", lambda *a: False)
+        m.setattr(fill, "on_disk", lambda *a: False)
         held_logits, held_toks, held_tables, _ = _run(path, **LOW)
     assert torch.equal(logits, held_logits) and toks == held_toks
     assert (tables, held_tables) == (1, 2)

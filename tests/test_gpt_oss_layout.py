@@ -127,18 +127,21 @@ def test_plan_sizes(hub):
     token and the device slots of an 8 GiB CUDA budget, as `expertcache plan` computes them."""
     import torch
 
-    from expertcache.plan.model import model_sizes, plan_memory, read_model
+    from expertcache.config import EngineConfig
+    from expertcache.plan.model import device_plan, model_sizes, plan_memory, read_model
 
     name, spec, d, total = hub
     L, E = spec["layers"], spec["experts"]
     info = read_model(d)
-    s = model_sizes(info, torch.bfloat16)
+    config = EngineConfig.from_kwargs(device="cuda", device_memory="100%")
+    s = model_sizes(info, config)
     assert s.expert_stored == s.expert_fast == EXPERT_BYTES and s.stored_dtype == "mxfp4"
     assert s.experts_stored == L * E * EXPERT_BYTES
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     attn = (2 * H * q + 2 * H * kv + 2 * q + 2 * kv + H - q) * 2 + HEADS * 2  # q, k, v, o (+ biases), sinks
     per_layer = attn + (E * H + E) * 2 + 2 * H * 2  # router, two norms
-    assert s.dense_stored == s.dense_compute == total - L * E * EXPERT_BYTES == 2 * VOCAB * H * 2 + H * 2 + L * per_layer
+    assert s.dense_stored == total - L * E * EXPERT_BYTES == 2 * VOCAB * H * 2 + H * 2 + L * per_layer
+    assert s.dense_compute == device_plan(info, config).terms["dense"]  # the one dense figure
     assert s.kv_per_token == L * 2 * kv * 2  # k and v, bf16
     plan = plan_memory(info, torch.device("cuda"), torch.bfloat16, "8GiB", "16GiB")
     assert plan.device.slots == min(E, ((8 << 30) - EXPERT_BYTES) // (L * EXPERT_BYTES))  # less one staging slot

@@ -34,11 +34,13 @@ def expert_bytes(ckpt, dtype: torch.dtype) -> tuple[int, int]:
 def device_budget(ckpt, slots: int, dtype=torch.float32) -> int:
     """The engine's whole device budget that leaves exactly `slots` expert slots per layer (the plan's
     other terms for LLM's default options on this GPU, plus the slots)."""
-    from expertcache.engine.device_plan import GpuSpec
+    from expertcache.build.plan import GpuSpec
+    from expertcache.config import EngineConfig
     from expertcache.plan.model import budget_for_slots, read_model
 
     cuda = torch.device("cuda")
-    return budget_for_slots(read_model(ckpt), cuda, dtype, slots, gpu=GpuSpec.from_device(cuda))
+    config = EngineConfig.from_kwargs(device="cuda", dtype=str(dtype).removeprefix("torch."), device_memory="auto")
+    return budget_for_slots(read_model(ckpt), config, slots, GpuSpec.from_device(cuda))
 
 
 def host_budget(ckpt, slots: int) -> int:

@@ -22,6 +22,7 @@ import checkpoints
 import int4_packers as packers
 from expertcache import LLM, SamplingParams, kernels
 from expertcache.errors import CheckpointError, ConfigError
+from expertcache.config import EngineConfig
 from expertcache.plan.model import model_sizes, read_model
 
 H, I, E, L, K = 64, 48, 16, 2, 2
@@ -162,7 +163,7 @@ def test_quantization_visibly_changes_the_model(written, twin_results, base):
 @pytest.mark.parametrize("case", ["gptq4-g16-asym", "awq-g16", "ct-w4a16-channel-asym", "gptq4-act-order"])
 def test_plan_counts_the_shipped_bytes(case, written):
     qdir, _ = written(case)
-    sizes = model_sizes(read_model(qdir), torch.float32, torch.device("cpu"))
+    sizes = model_sizes(read_model(qdir), EngineConfig.from_kwargs(device="cpu"))
     one = expert_stored_bytes(qdir)
     assert sizes.expert_stored == one == expert_stored_bytes(qdir, L - 1, E - 1)
     assert sizes.experts_stored == one * L * E

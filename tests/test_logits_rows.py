@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from expertcache import LLM, SamplingParams
-from expertcache.engine.device_plan import LOGITS_BLOCK_BYTES, logits_block_rows, workspace_bytes
+from expertcache.build.plan import LOGITS_BLOCK_BYTES, logits_block_rows, workspace_bytes
 
 
 def test_prompt_logprobs_steps_hold_the_logits_bound(qwen3_checkpoint):

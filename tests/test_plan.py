@@ -130,6 +130,28 @@ def test_slots_equal_the_engines(ckpt, capsys, monkeypatch, device_memory, host_
         llm.close()
 
 
+@pytest.mark.parametrize("flags", [[], ["--dense", "int8", "--lm-head", "int4"], ["--low-memory"]])
+def test_plan_prints_the_dense_term_the_engine_allocates(ckpt, capsys, flags):
+    """One dense figure: what `plan` prints as the dense bytes is the device plan's dense term, the one a
+    refusal names, and what the engine's ledger counted when it loaded the dense weights."""
+    from expertcache.build import ledger
+
+    rc, r = plan_json(capsys, ckpt, "--device-memory", "50%", "--host-memory", "100%", *flags)
+    assert rc == 0 and r["bytes"]["dense_compute"] == r["device_plan"]["terms"]["dense"]
+    assert main(["plan", str(ckpt), "--device-memory", "50%", "--host-memory", "100%", *flags]) == 0
+    from expertcache.units import fmt_bytes
+
+    assert f"dense {fmt_bytes(r['bytes']['dense_stored'])} stored, {fmt_bytes(r['bytes']['dense_compute'])} as" in \
+        capsys.readouterr().out
+    kw = {f.lstrip("-").replace("-", "_"): v for f, v in zip(flags[::2], flags[1::2])} if "--dense" in flags else {}
+    with ledger.simulate(1 << 40):
+        llm = LLM(str(ckpt), device_memory="50%", host_memory="100%", low_memory="--low-memory" in flags, **kw)
+    try:
+        assert llm.ledger.terms["dense"] == llm.device_plan.terms["dense"] == r["bytes"]["dense_compute"]
+    finally:
+        llm.close()
+
+
 def test_cuda_plan_needs_no_gpu(ckpt, capsys):
     # a share of the experts: the slots are that share; the other terms are added on top
     rc, r = plan_json(capsys, ckpt, "--device", "cuda", "--device-memory", "25%")

@@ -137,7 +137,7 @@ def test_pin_is_refused_for_a_device_tier():
 
 def test_the_memory_plan_is_what_the_tiers_allocate(cache_checkpoint):
     from expertcache import LLM
-    from expertcache.experts.budget import plan_memory
+    from expertcache.build.plan import plan_tiers as plan_memory
 
     llm = LLM(str(cache_checkpoint), device="cpu", device_memory="25%", host_memory="50%")
     try:

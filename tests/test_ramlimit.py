@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from expertcache import LLM, ramlimit
-from expertcache.experts import budget
+from expertcache.build import plan as budget
 
 GiB = 1 << 30
 

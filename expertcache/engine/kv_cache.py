@@ -48,10 +48,12 @@ class KVCache:
     tensors are `tensors[l]`, each [num_blocks, block_size, *shape]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, token_shapes: tuple[tuple[int, ...], ...],
-                 dtype: torch.dtype, device: torch.device, prefix_caching: bool = True):
+                 dtype: torch.dtype, device: torch.device, prefix_caching: bool = True, alloc=None):
+        """`alloc(shape, dtype)`: how the zeroed blocks are allocated (construction's ledger; default torch.zeros)."""
         if num_blocks < 1:
             raise ValueError("KV cache needs at least one block")
-        self.tensors = [tuple(torch.zeros((num_blocks, block_size, *s), dtype=dtype, device=device) for s in token_shapes)
+        alloc = alloc or (lambda shape, dt: torch.zeros(shape, dtype=dt, device=device))
+        self.tensors = [tuple(alloc((num_blocks, block_size, *s), dtype) for s in token_shapes)
                         for _ in range(num_layers)]
         self.block_size, self.num_blocks, self.prefix_caching = block_size, num_blocks, prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]

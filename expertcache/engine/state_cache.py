@@ -24,17 +24,18 @@ from ..spec.model_config import ModelConfig
 
 
 class StateCache:
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device, alloc=None):
+        """`alloc(shape, dtype)`: how the zeroed states are allocated (construction's ledger; default torch.zeros)."""
         la = cfg.linear_attn
+        alloc = alloc or (lambda shape, dt: torch.zeros(shape, dtype=dt, device=device))
         if la is None:
             raise ValueError("StateCache: the model has no linear-attention layers")
         if num_slots < 1:
             raise ValueError("StateCache needs at least one slot")
         self.num_slots = num_slots
         self.layers = {
-            i: (torch.zeros(num_slots, la.conv_kernel - 1, la.conv_dim, dtype=dtype, device=device),
-                torch.zeros(num_slots, la.num_v_heads, la.k_head_dim, la.v_head_dim, dtype=torch.float32,
-                            device=device))
+            i: (alloc((num_slots, la.conv_kernel - 1, la.conv_dim), dtype),
+                alloc((num_slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32))
             for i in range(cfg.num_layers) if la.layers[i]
         }
         self.free = list(range(num_slots - 1, -1, -1))

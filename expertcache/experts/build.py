@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .budget import MemoryPlan
 from .config import CacheConfig
 from .layout import ExpertSource
 from .manager import TieredExperts, is_direct
@@ -17,9 +16,9 @@ PREFETCH_SAYS = {"device": "next layer's predicted experts into the fastest tier
 
 
 def build_expert_cache(source: ExpertSource, device: torch.device, dtype: torch.dtype, cfg: CacheConfig,
-                       plan: MemoryPlan, *, progress=None, on_plan=None, alloc=None, load: bool = True):
+                       plan, *, progress=None, on_plan=None, alloc=None, load: bool = True):
     """-> (provider, plan lines). `cfg` is validated already; `plan`: the tiers of the engine's device
-    plan (engine/device_plan.py, experts/budget.py plan_memory); `on_plan(lines)` is called before any
+    plan (build/plan.py MemoryPlan); `on_plan(lines)` is called before any
     expert is loaded; `alloc(shape, dtype)`: how resident pools are allocated; `load` False: a resident
     provider is returned allocated, not read (its `load()` reads it)."""
     lines = list(plan.lines)

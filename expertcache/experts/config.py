@@ -2,7 +2,7 @@
 
 Built from `LLM(...)` keywords (`CacheConfig.from_options`) or the CLI flags (cli.engine_kwargs
 passes the same keywords). Invariants once constructed:
-- budgets parse (bytes like "512MiB", a share "25%" in (0, 100], "auto", or None) and are >= 0;
+- budgets parse (parse_budget: bytes like "512MiB", a share "25%" in (0, 100], "auto", or None) and are >= 0;
 - `policy` is an online policy of the registry (None = the default), `prefetch` a mode,
   `cpu_compute` one of auto | always | never, `prefill_admit_tokens` >= 0, `load_stats` a file,
   `moe_kernel` one of auto | triton | torch (whether triton runs on the device: compute.with_moe_kernel);
@@ -55,11 +55,38 @@ class CacheAblation:
             raise ConfigError(f"prefetch_gate: a score threshold in [-1, 1] or None, got {g!r}")
 
 
-def _check_budget(value, name: str) -> None:
-    if value is None or isinstance(value, bool):
-        if isinstance(value, bool):
-            raise ConfigError(f"{name}: expected a size (512MiB), a share (25%) or 'auto', got {value!r}")
-        return
+@dataclass(frozen=True)
+class Budget:
+    """A byte budget as written: "auto", a share of some total ("25%"), or a size ("512MiB", 2**30).
+
+    The one parser of budgets (device_memory, host_memory, kv_cache_memory): build/plan.py resolves
+    them, CacheConfig checks them."""
+
+    kind: str  # "auto" | "share" | "bytes"
+    amount: float = 0  # share: the percentage in (0, 100]; bytes: the size
+
+    @property
+    def auto(self) -> bool:
+        return self.kind == "auto"
+
+    @property
+    def share(self) -> bool:
+        return self.kind == "share"
+
+    def bytes(self, total: int, auto: int) -> int:
+        """The budget in bytes: a share of `total`, `auto` for "auto", else the size."""
+        if self.kind == "share":
+            return int(total * self.amount / 100)
+        return auto if self.kind == "auto" else int(self.amount)
+
+
+def parse_budget(value, name: str) -> Budget | None:
+    """None -> None; "auto" -> Budget("auto"); "N%" with N in (0, 100]; a size -> Budget("bytes", n).
+    Raises ConfigError naming `name`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{name}: expected a size (512MiB), a share (25%) or 'auto', got {value!r}")
     if isinstance(value, str) and value.strip().endswith("%"):
         try:
             pct = float(value.strip()[:-1])
@@ -67,13 +94,12 @@ def _check_budget(value, name: str) -> None:
             raise ConfigError(f"{name}: cannot parse {value!r} (examples: 25%, 512MiB, auto)") from None
         if not 0 < pct <= 100:
             raise ConfigError(f"{name}: a percentage must lie in (0, 100], got {value!r}")
-        return
-    if not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{name}: expected a size (512MiB), a share (25%) or 'auto', got {value!r}")
+        return Budget("share", pct)
     try:
-        parse_bytes(value, name)
+        n = parse_bytes(value, name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return Budget("auto") if n is None else Budget("bytes", n)
 
 
 @dataclass(frozen=True)
@@ -91,8 +117,8 @@ class CacheConfig:
     ablation: CacheAblation = field(default_factory=CacheAblation)
 
     def __post_init__(self):
-        _check_budget(self.device_memory, "device_memory")
-        _check_budget(self.host_memory, "host_memory")
+        parse_budget(self.device_memory, "device_memory")
+        parse_budget(self.host_memory, "host_memory")
         if self.policy is not None and self.policy not in ONLINE:
             extra = " ('min' needs future knowledge: trace replay only)" if self.policy == "min" else ""
             raise ConfigError(f"cache_policy: unknown {self.policy!r}{extra}; choose one of {', '.join(ONLINE)}")
@@ -142,7 +168,7 @@ class CacheConfig:
         return out
 
     @classmethod
-    def from_options(cls, **options) -> "CacheConfig":
+    def from_options(cls, **options) -> CacheConfig:
         """From LLM(...) keywords: device_memory, host_memory, cache_policy, prefetch (a mode or a bool),
         cpu_compute, load_stats, prefill_admit_tokens, low_memory, cost_profile, moe_kernel and the CacheAblation
         switches."""

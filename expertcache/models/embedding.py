@@ -5,7 +5,7 @@ Shapes: V = vocab, H = hidden size, T = tokens.
 `on_disk`: under --low-memory on a CPU device, an embedding not tied to lm_head and stored as a plain
 float tensor stays in the checkpoint; a step reads its tokens' rows (loader/rows.py `RowReader`). Tied,
 lm_head needs the whole table in memory anyway. models/transformer.py builds the embedding from this
-decision and engine/device_plan.py `dense_bytes` leaves the table out of the dense term by it.
+decision and build/plan.py `dense_bytes` leaves the table out of the dense term by it.
 
 Both kinds gather with one call, `rows(ids [T]) -> [T, H]` in the held dtype: `Table` (resident) or
 `RowReader` (on disk).

@@ -24,22 +24,36 @@ from ..experts.provider import ExpertProvider
 
 class LocalExperts(ExpertProvider):
     def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, owned: dict[int, list[int]],
-                 progress=None):
+                 progress=None, alloc=None, load: bool = True):
+        """`alloc(shape, dtype)`: how the first pools are allocated (construction's Ledger; default
+        torch.empty on `device`); `load` False: allocated only, `load()` reads this rank's experts."""
         self.source, self.device, self.dtype, self.progress = source, device, dtype, progress
         self.parts = source.compute_parts(dtype, device)
         self.method, self.ffn = source.method, source.ffn
         self.pools, self.slot_of, self.disk_bytes, self.peer_bytes = {}, {}, 0, 0
-        self.pools, self.slot_of, _, _ = self._build(owned, {}, {})
+        self._owned = owned
+        if load:
+            self.pools, self.slot_of, _, _ = self._build(owned, {}, {})
+        else:
+            self.pools = {layer: self._empty(len(experts), alloc) for layer, experts in owned.items()}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ep-rearrange")
         self._next: Future | None = None
 
-    def _build(self, owned, old_pools, old_slot_of, moves=None, group=None, rank=0):
+    def _empty(self, n: int, alloc=None) -> dict[str, torch.Tensor]:
+        alloc = alloc or (lambda shape, dt: torch.empty(shape, dtype=dt, device=self.device))
+        return {p.name: alloc((n, *p.shape), p.dtype) for p in self.parts}
+
+    def load(self, progress=None) -> None:
+        """This rank's experts read into the pools allocated at construction."""
+        self.progress = progress or self.progress
+        self.pools, self.slot_of, _, _ = self._build(self._owned, {}, {}, into=self.pools)
+
+    def _build(self, owned, old_pools, old_slot_of, moves=None, group=None, rank=0, into=None):
         E, pools, slot_of, read = self.source.cfg.num_experts, {}, {}, 0
         incoming = {(layer, e): src for src, dst, layer, e in moves or () if dst == rank}
         recvs = []
         for layer, experts in owned.items():
-            pool = {p.name: torch.empty((len(experts), *p.shape), dtype=p.dtype, device=self.device)
-                    for p in self.parts}
+            pool = into[layer] if into is not None else self._empty(len(experts))
             where = torch.full((E,), -1, dtype=torch.int64)
             old = old_slot_of.get(layer)
             for s, e in enumerate(experts):

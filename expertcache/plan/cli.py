@@ -10,7 +10,7 @@ it fits, room for the KV cache and a predicted decode tok/s band (plan/speed.py)
                      [--low-memory] [--profile NAME|FILE.toml[:NAME]|this-cpu] [--trace TRACE.npz]
                      [--policy adaptive] [--json]
 
-On cuda, --device-memory SIZE is everything the engine takes on the GPU (engine/device_plan.py: dense
+On cuda, --device-memory SIZE is everything the engine takes on the GPU (build/plan.py: dense
 weights, KV cache, activations, logits, expert slots, staging, CUDA context, allocator slack); the
 card comes from --gpu NAME (a card profile), else the visible GPU, else DEFAULT_CARD.
 
@@ -98,9 +98,8 @@ def _profile(spec: str | None, device: str, model_dir):
 
 def build_report(args: argparse.Namespace) -> dict:
     """Everything `plan` prints, as a JSON-ready dict (keys documented by tests/test_plan.py)."""
-    from ..engine.device_plan import EngineShape
     from ..engine.kv_cache import default_max_model_len
-    from .model import device_plan, model_sizes, read_model, resolve_device
+    from .model import device_plan, model_sizes, read_model
 
     model_dir = args.model
     if model_dir is None:
@@ -111,9 +110,10 @@ def build_report(args: argparse.Namespace) -> dict:
         from ..hub import resolve_model
 
         model_dir = resolve_model(model_dir, args.revision, download=False)
-    dev, dtype = resolve_device(args.device, args.dtype)
+    config = engine_config(args)
+    dev, dtype = config.load.torch_device, config.load.torch_dtype
     info = read_model(model_dir)
-    cfg, sizes = info.cfg, model_sizes(info, dtype, dev)
+    cfg, sizes = info.cfg, model_sizes(info, config)
     report = {
         "model": {"dir": str(info.model_dir), "dir_bytes": info.dir_bytes,
                   "architecture": (info.hf.get("architectures") or ["?"])[0], "layers": cfg.num_layers,
@@ -131,16 +131,10 @@ def build_report(args: argparse.Namespace) -> dict:
                "state_bytes_per_sequence": sizes.state_per_sequence, **_auto_kv(cfg, sizes.kv_per_token)},
         "speed": None,
     }
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: an integer >= 1, got {v}")
     mml = args.max_model_len or default_max_model_len(cfg.max_position_embeddings)
-    shape = EngineShape(mml, args.max_num_seqs, args.max_num_batched_tokens, 16, args.kv_cache_memory,
-                        low_memory=args.low_memory, dense=args.dense, lm_head=args.lm_head)
     gpu = _card(args.gpu, dev) if dev.type == "cuda" else None
     try:
-        dp = device_plan(info, dev, dtype, args.device_memory, args.host_memory, shape, gpu)
+        dp = device_plan(info, config, gpu)
     except BudgetError as e:
         report["plan"]["error"] = str(e)
         return report
@@ -157,12 +151,27 @@ def build_report(args: argparse.Namespace) -> dict:
     return report
 
 
+PLAN_FLAGS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+              "low_memory", "dense", "lm_head", "device_memory", "host_memory")  # EngineConfig keywords
+
+
+def engine_config(args: argparse.Namespace):
+    """The engine's own EngineConfig from the flags `plan` shares with generate/serve (config.py checks them)."""
+    from ..config import EngineConfig
+
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: an integer >= 1, got {v}")
+    return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in PLAN_FLAGS})
+
+
 def _card(name: str | None, dev):
     """The GpuSpec of a cuda plan: --gpu's card profile, else the visible GPU, else DEFAULT_CARD."""
     import torch
 
+    from ..build.plan import GpuSpec
     from ..cost.profiles import get_profile
-    from ..engine.device_plan import GpuSpec
 
     if name is None and torch.cuda.is_available():
         return GpuSpec.from_device(dev)
@@ -181,9 +190,9 @@ def _auto_kv(cfg, kv_per_token: int, max_num_seqs: int = 16, block_size: int = 1
 
 def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
     """The predicted decode tok/s band of plan `mp` (see plan/speed.py)."""
-    from .speed import SYNTH_HIGH, SYNTH_LOW, speed_band
     from ..trace.format import load_trace
     from ..trace.simulate import ModelShape
+    from .speed import SYNTH_HIGH, SYNTH_LOW, speed_band
 
     prof, how = _profile(args.profile or (args.gpu if device == "cuda" else None), device, model_dir)
     trace = load_trace(args.trace, "--trace") if args.trace else None
@@ -214,11 +223,11 @@ def text_lines(r: dict) -> list[str]:
     """The human-readable report."""
     m, b, p, kv = r["model"], r["bytes"], r["plan"], r["kv"]
     out = [f"model: {m['dir']} ({m['architecture']}, {fmt_bytes(m['dir_bytes'])} on disk)",
-           f"bytes: dense {fmt_bytes(b['dense_stored'])} stored, {fmt_bytes(b['dense_compute'])} as {r['dtype']}; "
-           f"routed experts {fmt_bytes(b['experts_stored'])} ({m['moe_layers']} MoE layers x {m['num_experts']} "
-           f"experts, top_k {m['top_k']})",
-           f"one expert: {fmt_bytes(b['expert_stored'])} stored ({b['stored_format']}), "
-           f"{fmt_bytes(b['expert_fast'])} in the fastest tier ({b['fast_format']})",
+           (f"bytes: dense {fmt_bytes(b['dense_stored'])} stored, {fmt_bytes(b['dense_compute'])} as held "
+            f"({r['dtype']}: the device plan's dense term); routed experts {fmt_bytes(b['experts_stored'])} "
+            f"({m['moe_layers']} MoE layers x {m['num_experts']} experts, top_k {m['top_k']})"),
+           (f"one expert: {fmt_bytes(b['expert_stored'])} stored ({b['stored_format']}), "
+            f"{fmt_bytes(b['expert_fast'])} in the fastest tier ({b['fast_format']})"),
            f"memory plan (--device {r['device']}, the engine's own arithmetic):"]
     if not p["fits"]:
         return out + [f"  does not fit: {p['error']}"]

@@ -2,8 +2,8 @@
 
 Everything here comes from config.json and the safetensors headers (TensorIndex,
 ExpertSource): no weight byte is read. `device_plan` is the engine's own plan
-(engine.device_plan.plan_device, which build.py calls), so the terms and slot counts are
-the ones the engine allocates; tests/test_plan.py checks the printed lines against a
+(build/plan.py plan_device, which build_engine calls), so the terms, slot counts and the dense
+figure are the ones the engine allocates; tests/test_plan.py checks the printed lines against a
 real LLM's and tests/test_device_plan.py the bytes against what the engine allocates.
 """
 
@@ -14,14 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .. import kernels
-from ..engine.device_plan import DevicePlan, EngineShape, GpuSpec, plan_device
+from ..build.plan import DevicePlan, GpuSpec, MemoryPlan, dense_bytes, plan_device, plan_tiers
+from ..config import EngineConfig
 from ..engine.kv_cache import KVCache, default_max_model_len
 from ..engine.state_cache import StateCache
-from ..experts.budget import MemoryPlan, dense_compute_bytes
-from ..experts.budget import plan_memory as budget_plan
 from ..experts.layout import ExpertSource
-from ..llm import default_dtype
 from ..loader.safetensors_index import TensorIndex
 from ..models.mtp import drop_mtp_layers
 from ..models.registry import open_index, read_config
@@ -64,7 +61,7 @@ class Sizes:
     """Bytes by kind; "fast" = the fastest tier's format (compute dtype, or as stored when quantized)."""
 
     dense_stored: int
-    dense_compute: int  # dense weights as the engine holds them (compute dtype, scales folded in)
+    dense_compute: int  # dense weights as the engine holds them: the device plan's dense term
     experts_stored: int
     expert_stored: int
     expert_fast: int
@@ -76,10 +73,11 @@ class Sizes:
     state_per_sequence: int  # linear-attention conv + recurrent state (hybrid models), any context length
 
 
-def model_sizes(info: ModelInfo, dtype: torch.dtype, device: torch.device | None = None) -> Sizes:
+def model_sizes(info: ModelInfo, config: EngineConfig) -> Sizes:
     src, cfg = info.source, info.cfg
+    dtype, device, k = config.load.torch_dtype, config.load.torch_device, config.kernels
     dense_stored = info.index.nbytes() - src.total_nbytes
-    dense_compute = dense_compute_bytes(info.index, dtype, device)
+    dense_compute = dense_bytes(info.index, cfg, info.names, dtype, device, config.cache.low_memory, k.dense, k.lm_head)
     fast_parts = src.compute_parts(dtype, device)
     fast = sum(p.nbytes for p in fast_parts)
     method = src.method.name if src.method is not None else None
@@ -98,41 +96,34 @@ def model_sizes(info: ModelInfo, dtype: torch.dtype, device: torch.device | None
 
 def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
                 host_memory="auto") -> MemoryPlan:
-    """The expert tiers alone for a fastest-tier budget (experts/budget.py, the function the device
-    plan calls; on CUDA the device plan gives it what is left after every other term)."""
-    return budget_plan(info.source, device, dtype, device_memory, host_memory)
+    """The expert tiers alone for a fastest-tier budget (build/plan.py plan_tiers, the function the
+    device plan calls; on CUDA the device plan gives it what is left after every other term)."""
+    return plan_tiers(info.source, device, dtype, device_memory, host_memory)
 
 
-def device_plan(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
-                host_memory="auto", shape: EngineShape | None = None, gpu: GpuSpec | None = None) -> DevicePlan:
-    """Every byte the engine would take on the device, with its expert tiers: the function build.py
-    calls (engine.device_plan.plan_device), for these budgets and engine options."""
-    from ..experts.config import CacheConfig
-
-    shape = shape or EngineShape(default_max_model_len(info.cfg.max_position_embeddings))
-    options = CacheConfig.from_options(device_memory=device_memory, host_memory=host_memory,
-                                       low_memory=shape.low_memory)
-    return plan_device(info.source, info.names, device, dtype, shape, options, gpu)
+def device_plan(info: ModelInfo, config: EngineConfig, gpu: GpuSpec | None = None) -> DevicePlan:
+    """Every byte the engine would take on the device, with its expert tiers, for this config: the
+    function build_engine calls (build/plan.py plan_device)."""
+    mml = config.scheduler.max_model_len or default_max_model_len(info.cfg.max_position_embeddings)
+    return plan_device(info.source, info.names, config, mml, gpu)
 
 
-def budget_for_slots(info: ModelInfo, device: torch.device, dtype: torch.dtype, slots: int,
-                     shape: EngineShape | None = None, gpu: GpuSpec | None = None, host_memory="auto") -> int:
-    """The --device-memory that gives exactly `slots` expert slots per layer for these options: on CUDA
-    (the engine's total) every other term of the plan plus the slots, on the CPU (the expert tier alone)
-    the slots; plus half a layer's worth of one more slot as margin for a CUDA context measured a
-    little differently at start-up."""
-    p = device_plan(info, device, dtype, "100%", host_memory, shape, gpu)
+def budget_for_slots(info: ModelInfo, config: EngineConfig, slots: int, gpu: GpuSpec | None = None) -> int:
+    """The --device-memory that gives exactly `slots` expert slots per layer for this config (its
+    device_memory replaced): on CUDA (the engine's total) every other term of the plan plus the slots,
+    on the CPU (the expert tier alone) the slots; plus half a layer's worth of one more slot as margin
+    for a CUDA context measured a little differently at start-up."""
+    from dataclasses import replace
+
+    p = device_plan(info, replace(config, cache=replace(config.cache, device_memory="100%")), gpu)
     layer_slot = len(info.source.layers) * p.experts.device.expert_bytes
-    others = sum(v for k, v in p.terms.items() if k != "expert_slots") if device.type == "cuda" else 0
+    others = sum(v for k, v in p.terms.items() if k != "expert_slots") if config.load.torch_device.type == "cuda" else 0
     return others + slots * layer_slot + layer_slot // 2
 
 
 def resolve_device(device: str, dtype: str | None) -> tuple[torch.device, torch.dtype]:
     """Device and compute dtype as LLM picks them (float32 on CPU, bfloat16 on CUDA by default)."""
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device: expected cpu or cuda, got {device!r}")
-    dt = getattr(torch, dtype) if dtype else default_dtype(dev)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"--dtype: unknown {dtype!r}")
-    return dev, dt
+    from ..config import LoadConfig
+
+    load = LoadConfig(device=device, dtype=dtype)
+    return load.torch_device, load.torch_dtype

@@ -2,10 +2,10 @@
 
     ledger = Ledger(torch.device("cuda"), cap=plan.budget)
     pool = ledger.alloc((slots, *shape), torch.bfloat16, "expert_slots")   # allocated and counted
-    ledger.charge("dense", model_tensors)                                    # made elsewhere, counted here
+    ledger.charge("kv_cache", kv.tensors)                                    # made by another class, counted as made
     ledger.terms -> {"dense": bytes, "kv_cache": bytes, ...}
 
-A term is one of the device plan's (engine/device_plan.py TERMS). Bytes are the byte ranges the
+A term is one of the device plan's (build/plan.py TERMS). Bytes are the byte ranges the
 tensors cover in their storages, each byte counted once across all terms: a view of a counted tensor
 adds nothing, and a tensor of hostmem.empty counts its own bytes, not the untouched slack of its
 mapping. (A kept slice of a larger temporary would count only the slice: the GPU check compares
@@ -23,9 +23,9 @@ import math
 
 import torch
 
-from . import hostmem
-from .errors import BudgetError
-from .units import fmt_bytes
+from .. import hostmem
+from ..errors import BudgetError
+from ..units import fmt_bytes
 
 _SIMULATED: list[int] = []  # the cap of the innermost simulate() block
 

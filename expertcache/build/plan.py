@@ -23,13 +23,22 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
     allocator_slack  SLACK x (dense + kv_cache + linear_state + activations + logits) + SLACK_FLOOR: the
                      caching allocator's rounding and fragmentation, its small-block segments and
                      cuBLAS's workspaces
-`ALLOCATED` terms are persistent tensors the builder counts through devmem.Ledger; the others are
-transient or outside torch's allocator.
+`ALLOCATED` terms are persistent tensors build/allocate.py makes through the Ledger (build/ledger.py);
+the others are transient or outside torch's allocator.
 
-On CUDA, --device-memory SIZE is the total of all terms; `auto` is the device's free memory plus what
-this process's context already took, less AUTO_MARGIN; "N%" keeps its meaning (that share of the
-experts in the device tier) and the other terms are added to it. On the CPU the budget stays the
-expert tier's (experts/budget.py), and the other terms are counted beside it.
+What a budget means (experts/config.py parse_budget reads them; `plan_device` is the one place they
+are resolved, on every device):
+- device_memory on CUDA: SIZE is the total of all terms; `auto` is the device's free memory plus what
+  this process's context already took, less AUTO_MARGIN; "N%" is that share of the experts in the
+  device tier, the other terms added to it.
+- device_memory on the CPU: the fastest expert tier's bytes ("N%" of all routed experts; `auto` half
+  of available RAM, or under --low-memory the RAM left after every other term, the host tier and a
+  margin); the other terms are counted beside it (and under ledger.simulate's cap, the total).
+- host_memory: the host tier's experts in their stored format ("N%", a size, `auto` = half of
+  available RAM; 0 only under --low-memory on the CPU: misses read from disk into device slots).
+Available RAM is MemAvailable, or the room under this process's memory cgroup limit (ramlimit.py).
+Slots are split evenly across MoE layers; a tier that cannot hold top_k experts of a layer is an
+error at startup, never a failure mid-generation.
 """
 
 from __future__ import annotations
@@ -40,15 +49,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import kernels
+from .. import kernels, ramlimit
+from ..engine.kv_cache import KVCache, auto_kv_blocks
+from ..engine.state_cache import StateCache
 from ..errors import BudgetError, ConfigError
-from ..experts.budget import MemoryPlan, plan_memory
+from ..experts.config import parse_budget
 from ..layers.basic import load_quant_method
 from ..models import embedding
 from ..spec.model_config import ModelConfig, rope_inv_freq
-from ..units import fmt_bytes, parse_bytes
-from .kv_cache import KVCache, auto_kv_blocks
-from .state_cache import StateCache
+from ..units import fmt_bytes
 
 TERMS = ("dense", "kv_cache", "linear_state", "activations", "logits", "expert_slots", "staging", "cuda_context",
          "allocator_slack")
@@ -73,7 +82,7 @@ class GpuSpec:
     capability: tuple[int, int]
 
     @classmethod
-    def from_profile(cls, prof) -> "GpuSpec":
+    def from_profile(cls, prof) -> GpuSpec:
         """A named card profile (cost/profiles.py: vram_gib, context_mib, capability)."""
         if not prof.vram_gib:
             raise ConfigError(f"--gpu {prof.name}: this profile has no card fields (vram_gib, context_mib, "
@@ -83,7 +92,7 @@ class GpuSpec:
         return cls(prof.name, total, total - ctx, ctx, (major, minor))
 
     @classmethod
-    def from_device(cls, device: torch.device) -> "GpuSpec":
+    def from_device(cls, device: torch.device) -> GpuSpec:
         """The visible device: memory from cudaMemGetInfo; the context = in use outside torch's allocator."""
         free, total = torch.cuda.mem_get_info(device)
         p = torch.cuda.get_device_properties(device)
@@ -115,7 +124,8 @@ def plan_kv(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_se
     per_block = max(1, KVCache.bytes_per_block(kv_layers, block_size, cfg.kv_token_shapes, dtype))
     state_slots = max_num_seqs + 1 if cfg.linear_attn is not None else 0
     min_blocks = math.ceil(max_model_len / block_size)
-    budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
+    b = parse_budget(kv_cache_memory, "kv_cache_memory")
+    budget = None if b is None or b.auto else int(b.amount)
     if budget is None:
         num_blocks = auto_kv_blocks(max_model_len, max_num_seqs, per_block, block_size)
     else:
@@ -192,8 +202,9 @@ def logits_block_rows(vocab_size: int, dtype: torch.dtype, device: torch.device,
 
 
 def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int,
-                    max_model_len: int, device: torch.device = torch.device("cpu")) -> tuple[int, int]:
-    """(activations, logits) of the widest step: the formulas in the module docstring."""
+                    max_model_len: int, device: torch.device | None = None) -> tuple[int, int]:
+    """(activations, logits) of the widest step: the formulas in the module docstring (device None: the CPU)."""
+    device = torch.device("cpu") if device is None else device
     T, H = max_num_batched_tokens, cfg.hidden_size
     q_rows = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
     widest = max(q_rows + 2 * cfg.num_kv_heads * cfg.head_dim, 2 * (cfg.intermediate_size or 0),
@@ -203,6 +214,148 @@ def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens
     rows = min(T, max_num_seqs + logits_block_rows(cfg.vocab_size, dtype, device, T))
     return T * (6 * H + widest) * 4 + gather, rows * cfg.vocab_size * (dtype.itemsize + 4)
 
+
+# -- the expert tiers ---------------------------------------------------------------------------
+
+LOW_MEMORY_MARGIN = 256 << 20  # left free by a low-memory CPU plan's auto budget (at least; 5% of the room above it)
+
+
+def resolve(value, total: int, auto: int, name: str) -> int:
+    """A budget in bytes: a share of `total`, `auto` for None or "auto", else the size."""
+    b = parse_budget(value, name)
+    return auto if b is None else b.bytes(total, auto)
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    slots: int  # per MoE layer
+    expert_bytes: int  # one expert in this tier's format
+    budget: int
+
+    def describe(self, name: str, num_layers: int, num_experts: int) -> str:
+        used = self.slots * num_layers * self.expert_bytes
+        return (f"{name}: {self.slots} slots/layer x {num_layers} layers x {fmt_bytes(self.expert_bytes)} = "
+                f"{fmt_bytes(used)} ({self.slots / num_experts:.0%} of experts; budget {fmt_bytes(self.budget)})")
+
+
+def plan_tier(value, name: str, expert_bytes: int, num_layers: int, num_experts: int, top_k: int,
+              auto: int, reserve: int = 0) -> TierPlan:
+    total = expert_bytes * num_layers * num_experts
+    budget = resolve(value, total, auto, name)
+    slots = min(num_experts, max(0, budget - reserve) // (expert_bytes * num_layers))
+    if slots < top_k:
+        need = top_k * expert_bytes * num_layers + reserve
+        raise BudgetError(
+            f"{name}={fmt_bytes(budget)} holds {slots} experts per layer, but a token needs top_k={top_k}: "
+            f"give at least {fmt_bytes(need)} ({top_k} x {num_layers} layers x {fmt_bytes(expert_bytes)}"
+            + (f" + {fmt_bytes(reserve)} staging" if reserve else "") + ")"
+        )
+    return TierPlan(slots, expert_bytes, budget)
+
+
+@dataclass
+class MemoryPlan:
+    """The tiers the engine allocates for given budgets; `host` is None when every expert is on the device."""
+
+    device: TierPlan
+    host: TierPlan | None
+    staging: int  # one expert in the fastest tier's format on CUDA (experts streamed in waves)
+    layers: int
+    dev_parts: tuple = ()  # the fastest tier's parts (compute format, or stored in low-memory mode)
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def resident(self) -> bool:
+        return self.host is None
+
+
+    @property
+    def device_used(self) -> int:
+        return self.device.slots * self.device.expert_bytes * self.layers + self.staging
+
+    @property
+    def host_used(self) -> int:
+        return 0 if self.host is None else self.host.slots * self.host.expert_bytes * self.layers
+
+
+def _is_auto(value) -> bool:
+    return value is None or parse_budget(value, "budget").auto
+
+
+def _share(value) -> bool:
+    return value is not None and parse_budget(value, "budget").share
+
+
+def plan_tiers(source, device: torch.device, dtype: torch.dtype, device_memory=None, host_memory=None,
+               low_memory: bool = False, other_ram: int = 0) -> MemoryPlan:
+    """Budgets -> the expert tiers, with the lines the engine prints (plan_device's expert half: on
+    CUDA it is handed what is left of the GPU after every other term). Reads headers only.
+
+    Low memory on a CPU device: the fastest tier keeps the stored format (converted per use) and
+    host_memory may be 0 (no second copy in RAM: misses are read from disk into device slots). There
+    an `auto` device budget is the RAM left after `other_ram` (every other term of the engine's plan:
+    dense weights, KV cache, activations, logits), the host tier (0 when it is auto too: a second copy
+    in the same RAM buys nothing) and a margin; available RAM honours a memory cgroup's limit.
+    """
+    cfg = source.cfg
+    L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
+    low_cpu = low_memory and device.type == "cpu"
+    dev_parts = fastest_parts(source, device, dtype, low_memory)
+    dev_bytes = sum(p.nbytes for p in dev_parts)
+    lines = [(f"experts: {L} layers x {E} experts x {fmt_bytes(source.stored_nbytes)} = "
+              f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "
+              f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})")]
+    ram, why = ramlimit.available()  # read once per plan: every `auto` budget below takes it
+    ram_text = f"available RAM {fmt_bytes(ram)} ({why})"
+    if _is_auto(device_memory) and device.type == "cuda":
+        raise ValueError("device_memory 'auto' on cuda is resolved by plan_device; give the fastest tier's "
+                         "budget in bytes or as a share here")
+    if _is_auto(device_memory) and low_cpu and _is_auto(host_memory):
+        host_memory = 0  # a second copy in the same RAM buys nothing
+    auto_dev = _auto_cpu_device(source, device_memory, host_memory, low_cpu, other_ram, ram, ram_text, lines)
+    staging = dev_bytes if device.type == "cuda" else 0
+    dplan = plan_tier("auto" if device_memory is None else device_memory, "device_memory", dev_bytes, L, E, K,
+                      auto_dev, reserve=staging)
+    if dplan.slots >= E:
+        lines.append(dplan.describe("device", L, E) + ": every expert resident, loaded once")
+        return MemoryPlan(dplan, None, 0, L, dev_parts, lines)
+    lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
+    host_auto = ram // 2
+    if low_cpu and not _is_auto(host_memory) and \
+            resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0:
+        hplan = TierPlan(0, source.expert_nbytes, 0)
+    else:
+        if not _is_auto(host_memory) and resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0:
+            raise BudgetError("host_memory=0: no expert could be staged in RAM; on CPU add --low-memory (misses "
+                              "are then read from disk straight into the expert slots), or give a host budget")
+        hplan = plan_tier("auto" if host_memory is None else host_memory, "host_memory", source.expert_nbytes,
+                          L, E, K, host_auto)
+    if _is_auto(host_memory):
+        lines.append(f"auto host budget = half of {ram_text} = {fmt_bytes(host_auto)}")
+    lines.append(hplan.describe("host", L, E) + (": every expert in RAM" if hplan.slots >= E else
+                                                  "; the rest streamed from disk"))
+    lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
+    return MemoryPlan(dplan, hplan, staging, L, dev_parts, lines)
+
+
+def _auto_cpu_device(source, device_memory, host_memory, low_cpu: bool, other_ram: int, ram: int, ram_text: str,
+                     lines: list[str]) -> int:
+    """The fastest tier's `auto` budget on the CPU (0 when device_memory is not auto), its line appended."""
+    if not _is_auto(device_memory):
+        return 0
+    if not low_cpu:
+        lines.append(f"auto device budget (CPU) = half of {ram_text} = {fmt_bytes(ram // 2)}")
+        return ram // 2
+    host = resolve(host_memory, source.total_nbytes, 0, "host_memory")
+    margin = max(LOW_MEMORY_MARGIN, ram // 20)
+    auto_dev = max(0, ram - other_ram - host - margin)
+    lines.append(f"auto device budget (CPU, low memory) = {ram_text} - the engine's other terms "
+                 f"{fmt_bytes(other_ram)} - host tier {fmt_bytes(host)} - margin {fmt_bytes(margin)} = "
+                 f"{fmt_bytes(auto_dev)}")
+    return auto_dev
+
+
+# -- every term on the device ------------------------------------------------------------------
 
 @dataclass
 class DevicePlan:
@@ -223,7 +376,7 @@ class DevicePlan:
 
     @property
     def allocated(self) -> dict[str, int]:
-        """The persistent tensors' terms (what devmem.Ledger counts)."""
+        """The persistent tensors' terms (what build/ledger.py's Ledger counts)."""
         return {k: self.terms[k] for k in ALLOCATED}
 
     def arithmetic(self) -> str:
@@ -231,78 +384,50 @@ class DevicePlan:
         return f"{parts} = {fmt_bytes(self.total)}"
 
 
-@dataclass(frozen=True)
-class EngineShape:
-    """The engine options that size the device terms (LLM's keywords)."""
-
-    max_model_len: int
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: str | int | None = "auto"
-    low_memory: bool = False
-    dense: str | None = None
-    lm_head: str | None = None
-
-
-def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: EngineShape, cache_options,
-                gpu: GpuSpec | None = None, cap: int | None = None) -> DevicePlan:
-    """Every term of the device plan and the expert tiers (experts.budget.plan_memory: the same slot
-    arithmetic on every device). `cache_options`: a CacheConfig; `gpu`: the CUDA device or card (None
-    on the CPU); `cap`: a CPU stand-in's limit (devmem.simulate). Raises BudgetError in one line naming
-    every term and the smallest budget that fits."""
-    cfg, index = source.cfg, source.index
-    kv = plan_kv(cfg, dtype, shape.max_model_len, shape.max_num_seqs, shape.block_size, shape.kv_cache_memory)
-    act, logits = workspace_bytes(cfg, dtype, shape.max_num_batched_tokens, shape.max_num_seqs, shape.max_model_len,
-                                  device)
-    fixed = {"dense": dense_bytes(index, cfg, names, dtype, device, shape.low_memory, shape.dense, shape.lm_head),
+def plan_device(source, names, config, max_model_len: int, gpu: GpuSpec | None = None,
+                cap: int | None = None, owned: int | None = None) -> DevicePlan:
+    """Every byte the engine takes on its device, by term, and the expert tiers: the one answer to
+    "how many bytes may X take on device D". `config`: an EngineConfig (config.py); `gpu`: the CUDA
+    device or a card (None on the CPU); `cap`: a CPU stand-in's limit (build/ledger.py simulate);
+    `owned`: an expert-parallel rank's experts (all layers) when it holds them all resident.
+    Raises BudgetError in one line naming every term and the smallest budget that fits."""
+    cfg, index, sched, cache = source.cfg, source.index, config.scheduler, config.cache
+    device, dtype, low_memory = config.load.torch_device, config.load.torch_dtype, cache.low_memory
+    kv = plan_kv(cfg, dtype, max_model_len, sched.max_num_seqs, sched.block_size, sched.kv_cache_memory)
+    act, logits = workspace_bytes(cfg, dtype, sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len, device)
+    fixed = {"dense": dense_bytes(index, cfg, names, dtype, device, low_memory, config.kernels.dense,
+                                  config.kernels.lm_head),
              "kv_cache": kv.kv_bytes, "linear_state": kv.state_bytes, "activations": act, "logits": logits}
     cuda = device.type == "cuda"
     slack = int(SLACK * sum(fixed.values())) + SLACK_FLOOR if cuda else 0
     context = gpu.context if cuda and gpu is not None else 0
     outside = sum(fixed.values()) + context + slack  # every term but the experts'
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
-    low = shape.low_memory and not cuda
-    dev_parts = source.parts if low else source.compute_parts(dtype, device)
-    per_expert = sum(p.nbytes for p in dev_parts)
+    per_expert = sum(p.nbytes for p in fastest_parts(source, device, dtype, low_memory))
     staging = per_expert if cuda else 0
-    lines: list[str] = []
-    value = cache_options.device_memory
-    budget = cap  # the CPU: a stand-in's cap, or none (the expert tier's budget is experts/budget.py's)
-    if cuda:
-        budget = None  # every expert resident (no budget), or a share of the experts
-        if cache_options.tiered and not _share(value):
-            if value is None or str(value).strip().lower() == "auto":
-                if gpu is None:
-                    raise ConfigError("device_memory: 'auto' on cuda needs a visible GPU or a card (--gpu NAME)")
-                budget = max(0, gpu.free + gpu.context - AUTO_MARGIN)
-                lines.append(f"auto device budget = free {fmt_bytes(gpu.free)} + CUDA context "
-                             f"{fmt_bytes(gpu.context)} - margin {fmt_bytes(AUTO_MARGIN)} = {fmt_bytes(budget)} "
-                             f"({gpu.name})")
-            else:
-                budget = parse_bytes(value, "device_memory")
+    value, lines = cache.device_memory, []
+    budget = cap if not cuda else _cuda_budget(value, cache.tiered, gpu, lines)
     label = (f"the device cap {fmt_bytes(cap)}" if cap is not None else
-             f"device_memory=auto ({fmt_bytes(budget)})" if budget is not None and str(value).strip().lower() == "auto"
+             f"device_memory=auto ({fmt_bytes(budget)})" if budget is not None and _is_auto(value)
              else f"device_memory={fmt_bytes(budget or 0)}")
     need = outside + staging + K * L * per_expert  # the smallest plan: top_k slots per layer
+    refusal = BudgetError(_refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda))
     if budget is not None and budget < need:
-        raise BudgetError(_refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda))
+        raise refusal
     experts = None
-    if cache_options.tiered:
+    if cache.tiered:
         tier_budget = value if (not cuda or _share(value)) else max(0, budget - outside)
         try:
-            experts = plan_memory(source, device, dtype, tier_budget, cache_options.host_memory,
-                                  cache_options.low_memory, other_ram=0 if cuda else outside)
+            experts = plan_tiers(source, device, dtype, tier_budget, cache.host_memory, low_memory,
+                                 other_ram=0 if cuda else outside)
         except BudgetError:
             if not cuda:
                 raise
-            raise BudgetError(_refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda)) \
-                from None
+            raise refusal from None
         lines = experts.lines[:1] + lines + experts.lines[1:]
-        slots, staging = experts.device.slots * L * per_expert, experts.staging
-        host = experts.host_used
+        slots, staging, host = experts.device.slots * L * per_expert, experts.staging, experts.host_used
     else:
-        slots, staging, host = L * E * per_expert, 0, 0
+        slots, staging, host = (L * E if owned is None else owned) * per_expert, 0, 0
     terms = {**fixed, "expert_slots": slots, "staging": staging, "cuda_context": context, "allocator_slack": slack}
     plan = DevicePlan(device, budget, terms, experts, kv, host, gpu, lines)
     if cuda:
@@ -319,8 +444,25 @@ def plan_device(source, names, device: torch.device, dtype: torch.dtype, shape: 
     return plan
 
 
-def _share(value) -> bool:
-    return isinstance(value, str) and value.strip().endswith("%")
+def fastest_parts(source, device: torch.device, dtype: torch.dtype, low_memory: bool) -> tuple:
+    """The fastest tier's expert parts: the stored format under low memory on the CPU (converted per
+    use), else the compute format (ExpertSource.compute_parts)."""
+    return source.parts if low_memory and device.type == "cpu" else source.compute_parts(dtype, device)
+
+
+def _cuda_budget(value, tiered: bool, gpu: GpuSpec | None, lines: list[str]) -> int | None:
+    """The engine's total on CUDA: None (every expert resident without a budget, or a share of the
+    experts), a size, or `auto` from the GPU's free memory (its line appended to `lines`)."""
+    if not tiered or _share(value):
+        return None
+    if not _is_auto(value):
+        return parse_budget(value, "device_memory").bytes(0, 0)
+    if gpu is None:
+        raise ConfigError("device_memory: 'auto' on cuda needs a visible GPU or a card (--gpu NAME)")
+    budget = max(0, gpu.free + gpu.context - AUTO_MARGIN)
+    lines.append(f"auto device budget = free {fmt_bytes(gpu.free)} + CUDA context {fmt_bytes(gpu.context)} - "
+                 f"margin {fmt_bytes(AUTO_MARGIN)} = {fmt_bytes(budget)} ({gpu.name})")
+    return budget
 
 
 def _refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda) -> str:
@@ -335,5 +477,5 @@ def _refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda
             f"--kv-cache-memory, --max-num-batched-tokens)")
 
 
-__all__ = ["ALLOCATED", "TERMS", "DevicePlan", "EngineShape", "GpuSpec", "KVPlan", "dense_bytes", "plan_device",
-           "plan_kv", "workspace_bytes"]
+__all__ = ["ALLOCATED", "TERMS", "DevicePlan", "GpuSpec", "KVPlan", "MemoryPlan", "TierPlan", "dense_bytes",
+           "fastest_parts", "plan_device", "plan_kv", "plan_tiers", "workspace_bytes"]
