@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the Hugging Face cache, else downloaded if huggingface_hub is installed), or a hub-cache "
                         "folder models--ORG--NAME; default: the built-in demo model")
     p.add_argument("--revision", default=None, help="hub id only: branch, tag or commit (default: main)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a directory with tokenizer.json (+ tokenizer_config.json) to use instead of the model's "
+                        "own (default: the checkpoint's, or a GGUF file's metadata)")
     p.add_argument("--device", default="cpu", help="compute device: cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default: min(model, 4096))")

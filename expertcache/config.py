@@ -48,6 +48,7 @@ class LoadConfig:
     device: str = "cpu"
     dtype: str | None = None  # compute dtype; None: float32 on the CPU, bfloat16 on CUDA
     check_finite: bool = True  # NaN/inf scan of dense weights at load, of each expert at its first read
+    tokenizer: str | None = None  # a directory with tokenizer.json to use instead of the model's own
 
     def __post_init__(self):
         if isinstance(self.model, Path):
@@ -67,6 +68,10 @@ class LoadConfig:
                                                                                        torch.dtype)
                                            and getattr(torch, self.dtype).is_floating_point):
             raise ConfigError(f"dtype: a torch floating dtype such as bfloat16 or float32, got {self.dtype!r}")
+        if isinstance(self.tokenizer, Path):
+            object.__setattr__(self, "tokenizer", str(self.tokenizer))
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ConfigError(f"tokenizer: a directory holding tokenizer.json, got {self.tokenizer!r}")
         _bool(self.check_finite, "check_finite")
 
     @property

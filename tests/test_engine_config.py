@@ -115,3 +115,18 @@ def test_cli_flags_make_the_config_llm_makes():
                                          expert_parallel=ParallelConfig(2, peer_tier="off", exit_on_failure=True))
     defaults = EngineConfig.from_kwargs(**engine_kwargs(_parser().parse_args([])))
     assert dataclasses.replace(defaults, progress=False) == EngineConfig()  # the flags' defaults are the config's
+
+
+def test_a_tokenizer_directory_replaces_the_models_own(tmp_path):
+    from fixture_paths import QWEN3_TOKENIZER_DIR
+
+    from expertcache import LLM
+    from expertcache.errors import CheckpointError
+
+    llm = LLM(tokenizer=str(QWEN3_TOKENIZER_DIR))
+    try:
+        assert llm.tokenizer.encode("Hello world") == [9707, 1879]  # the Qwen3 tokenizer's ids, not the demo's
+    finally:
+        llm.close()
+    with pytest.raises(CheckpointError, match=r"--tokenizer .*: no tokenizer.json in that directory"):
+        LLM(tokenizer=str(tmp_path))

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..engine.kv_cache import default_max_model_len
-from ..engine.tokenizer import Tokenizer
+from ..engine.tokenizer import Tokenizer, load_tokenizer
 from ..errors import CheckpointError, ConfigError
 from ..experts.compute import with_moe_kernel
 from ..experts.layout import ExpertSource
@@ -65,9 +65,9 @@ def read_checkpoint(config) -> Checkpoint:
     source.check_finite = load.check_finite  # experts: at their first read into any tier
     source.ffn = with_moe_kernel(source.ffn, config.cache.moe_kernel, device, quant)
     try:
-        tokenizer: Tokenizer | None = Tokenizer(model_dir)
+        tokenizer: Tokenizer | None = load_tokenizer(model_dir, load.tokenizer)
     except CheckpointError as e:
-        if "missing tokenizer.json" not in str(e):
+        if load.tokenizer is not None or "missing tokenizer.json" not in str(e):
             raise
         tokenizer = None  # token-id prompts still work; text raises
     prefix_caching = sched.prefix_caching
