@@ -57,11 +57,14 @@ if triton is not None:
 
     @triton.jit
     def _to_dot(t, DOT: tl.constexpr):
+        # one return: compiled Triton refuses returns of different types, even in constexpr branches
         if DOT == 1:
-            return t.to(tl.bfloat16)
-        if DOT == 2:
-            return t.to(tl.float16)
-        return t.to(tl.float32)
+            r = t.to(tl.bfloat16)
+        elif DOT == 2:
+            r = t.to(tl.float16)
+        else:
+            r = t.to(tl.float32)
+        return r
 
     @triton.jit
     def _dot(a, b, acc, DOT: tl.constexpr):
