@@ -110,7 +110,7 @@ for T in (1, 3, 8, 17):
     slots = torch.arange(T * 2).remainder(2).view(T, 2)
     al = M.alignment_to(M.host_alignment(slots, 2, 64), "cpu")
     x = torch.zeros(T, A.SHAPE["H"], dtype=torch.bfloat16)
-    launches = M._launch(x, pool, method, ffn, torch.zeros(T, 2), al, torch.zeros_like(x), M.CONFIGS["prefill"], proj)
+    launches = M.launches(x, pool, method, ffn, torch.zeros(T, 2), al, torch.zeros_like(x), M.CONFIGS["prefill"], proj)
     keys.append([A.spec_key(A.bind(k, a, c, o, backend, binders)) for k, _g, a, c, o in launches])
 print(all(k == keys[0] for k in keys))
 '''

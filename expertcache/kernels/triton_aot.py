@@ -8,7 +8,7 @@ What is enumerated comes from the code's own tables: the slot formats (triton_po
 launch configurations (triton_moe.CONFIGS), the family variants (VARIANTS: SwiGLU without biases, the
 GPT-OSS expert: clamped SwiGLU, interleaved gate_up, biases, transposed plain parts or fused quantized
 ones) and the activation dtypes the engine runs with (DTYPES). For each, a small pool of that format is
-packed with the project's QuantMethod, and `triton_moe._launch` (what fused_moe launches) gives each
+packed with the project's QuantMethod, and `triton_moe.launches` (what fused_moe launches) gives each
 kernel's arguments; Triton's own binder turns them into the signature, constexprs and attributes a
 launch would compile (dtypes, 16-byte alignment, integers equal to 1 or divisible by 16), deduplicated.
 Compiled kernels land in Triton's cache (TRITON_CACHE_DIR), so a second run costs little.
@@ -56,6 +56,17 @@ class Variant(NamedTuple):
     bias: bool
 
 
+class FFN(NamedTuple):
+    """What the kernels read of an experts.compute.ExpertFFN (that module sits above this layer)."""
+
+    act: str
+    interleaved: bool
+    transposed: bool
+    fused_quant: bool
+    alpha: float
+    limit: float
+
+
 VARIANTS = {
     "swiglu": Variant("silu", False, False, False, False),
     "gpt-oss": Variant("clamped_swiglu", True, True, True, True),
@@ -91,14 +102,13 @@ def _pool(fmt: str, variant: Variant, dtype):
     plain experts in another dtype than the activations (the engine holds them in that dtype)."""
     import torch
 
-    from ..experts.compute import ExpertFFN
     from ..quant.method import make_quant_method
 
     S, H, I = SHAPE["S"], SHAPE["H"], SHAPE["I"]
     g = torch.Generator().manual_seed(0)
     plain = fmt in ("bf16", "fp16", "fp32")
-    ffn = ExpertFFN(act=variant.act, interleaved=variant.interleaved, transposed=variant.transposed and plain,
-                    fused_quant=variant.fused_quant and not plain, alpha=1.702, limit=7.0)
+    ffn = FFN(act=variant.act, interleaved=variant.interleaved, transposed=variant.transposed and plain,
+              fused_quant=variant.fused_quant and not plain, alpha=1.702, limit=7.0)
     if plain:
         wdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt]
         if wdt != dtype:
@@ -159,7 +169,7 @@ def specializations(target_cc: int, dtypes=DTYPES) -> list[Spec]:
                     x = torch.zeros(T, H, dtype=dtype)
                     w = torch.zeros(T, K)
                     out_t = torch.zeros_like(x)
-                    for kernel, _grid, args, consts, opts in triton_moe._launch(x, pool, method, ffn, w, al, out_t,
+                    for kernel, _grid, args, consts, opts in triton_moe.launches(x, pool, method, ffn, w, al, out_t,
                                                                                  cfg, proj):
                         spec = bind(kernel, args, consts, opts, backend, binders, f"{fmt}/{vname}/{dname}/{cname}")
                         if spec_key(spec) not in seen:

@@ -287,7 +287,7 @@ def fused_moe(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor
     if alignment.block_slot.numel() == 0:  # a host alignment with no pair for this pool
         return out
     target = out if out.stride(-1) == 1 else out.contiguous()  # the sum's kernel writes rows of unit stride
-    launch = _launch(x, pool, method, ffn, weights, alignment, target, cfg, (fmt, I, g, u, d))
+    launch = launches(x, pool, method, ffn, weights, alignment, target, cfg, (fmt, I, g, u, d))
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # Triton launches there
         for kernel, grid, args, consts, opts in launch:
             kernel[grid](*args, **consts, **opts)
@@ -296,7 +296,7 @@ def fused_moe(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor
     return out
 
 
-def _launch(x, pool, method, ffn, weights, al: Alignment, out, cfg, proj) -> list[tuple]:
+def launches(x, pool, method, ffn, weights, al: Alignment, out, cfg, proj) -> list[tuple]:
     """The call's three launches as (kernel, grid, positional args, constexprs, launch options): one
     source for fused_moe and the ahead-of-time compile (triton_aot.py) that checks every one."""
     fmt, I, g, u, d = proj
