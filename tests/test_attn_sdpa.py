@@ -136,20 +136,28 @@ def test_spans_given_or_read_and_query_chunks_give_the_same(monkeypatch):
 
 
 def test_without_window_or_sinks_sdpa_gets_no_mask_tensor(monkeypatch):
-    """The fused backends' case: each sequence's call has a lower-right CausalBias (no materialised mask),
-    the grouped KV heads as stored (enable_gqa), and keys of that sequence only (its context length)."""
+    """The fused backends' case: per sequence no mask tensor (none for one query, the causal flag for a
+    prompt's first chunk, a lower-right CausalBias after cached tokens), the grouped KV heads as stored
+    (enable_gqa), and keys of that sequence only (its context length)."""
     attn, batch, q, k, v, kc, vc = make()
-    calls, real = [], CausalBias._dispatch
+    calls, real = [], F.scaled_dot_product_attention
 
-    def spy(qs, keys, vals, attn_mask=None, *a, **kw):  # SDPA hands a CausalBias mask to this
-        calls.append((qs.shape, keys.shape, type(attn_mask).__name__, kw.get("enable_gqa")))
-        return real(qs, keys, vals, attn_mask, *a, **kw)
-    monkeypatch.setattr(CausalBias, "_dispatch", staticmethod(spy))
+    def spy(qs, keys, vals, attn_mask=None, **kw):
+        kind = type(attn_mask).__name__ if attn_mask is not None else None
+        calls.append((qs.shape[2], keys.shape[1], keys.shape[2], kind, kw.get("is_causal"), kw.get("enable_gqa")))
+        if isinstance(attn_mask, CausalBias):  # dispatches itself (SDPA's own check is by identity)
+            monkeypatch.setattr(F, "scaled_dot_product_attention", real)  # its CPU fallback calls SDPA again
+            try:
+                return CausalBias._dispatch(qs, keys, vals, attn_mask, **kw)
+            finally:
+                monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+        return real(qs, keys, vals, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     got = attn._torch(q, k, v, batch, kc, vc)
     monkeypatch.undo()
     torch.testing.assert_close(got, replaced_path(attn, batch, q, k, v, kc, vc), atol=2e-2, rtol=2e-2)
-    assert [(c[0][2], c[1][1], c[1][2], c[2], c[3]) for c in calls] == [
-        (n, G, s + n, "CausalBias", True) for s, n in SPANS]
+    want = {(0, 5): (None, True), (7, 1): (None, False), (3, 4): ("CausalBias", False), (9, 3): ("CausalBias", False)}
+    assert calls == [(n, G, s + n, *want[s, n], True) for s, n in SPANS]
 
 
 def test_the_masked_path_expands_heads_in_the_compute_dtype(monkeypatch):
@@ -157,7 +165,7 @@ def test_the_masked_path_expands_heads_in_the_compute_dtype(monkeypatch):
     seen, real = [], F.scaled_dot_product_attention
 
     def spy(qs, keys, vals, attn_mask=None, **kw):
-        kind = "causal" if isinstance(attn_mask, CausalBias) else attn_mask.dtype
+        kind = "causal" if attn_mask is None or isinstance(attn_mask, CausalBias) else attn_mask.dtype
         seen.append((keys.dtype, keys.shape[1], kind, keys.shape[2]))
         if isinstance(attn_mask, CausalBias):  # dispatches itself (SDPA's own check is by identity)
             monkeypatch.setattr(F, "scaled_dot_product_attention", real)  # its CPU fallback calls SDPA again

@@ -368,3 +368,18 @@ def test_grouped_mm_is_gated_on_compute_capability(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
         assert compute.grouped_mm_ok(cuda, dtype) is ok, (cap, dtype)
     assert compute.grouped_mm_ok(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("T,K,S", [(1, 8, 32), (3, 2, 5), (40, 4, 6), (300, 8, 64)])
+def test_host_alignment_python_and_numpy_paths_agree(T, K, S, monkeypatch):
+    """Few pairs (decode) are aligned in plain Python, many with numpy: the same arrays either way."""
+    g = torch.Generator().manual_seed(T)
+    slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
+    slots[torch.rand(T, K, generator=g) < 0.25] = -1
+    got = {}
+    for name, limit in (("python", 10**9), ("numpy", 0)):
+        monkeypatch.setattr(triton_moe, "SMALL_ALIGN", limit)
+        got[name] = host_alignment(slots, S)
+        check_alignment(got[name], slots.reshape(-1), S, got[name].block_m, exact=True)
+    for a, b in zip(got["python"], got["numpy"]):
+        assert (a == b) if isinstance(a, int) else (a.dtype == b.dtype == np.int64 and np.array_equal(a, b))

@@ -111,12 +111,19 @@ def host_alignment(slots, num_slots: int, block_m: int | None = None) -> Alignme
     the exact grid (no sentinel blocks) and num_rows = R. Computed on the host from the slot table a
     scheduled step already holds, so the call spends no device launch on it; send it with
     `alignment_to` (one copy). block_m: pick_config's for the call's shape when None."""
-    sl = np.asarray(slots.numpy() if isinstance(slots, torch.Tensor) else slots).reshape(-1).astype(np.int64)
+    sl = np.asarray(slots.numpy() if isinstance(slots, torch.Tensor) else slots).reshape(-1)
     P = sl.size
     if block_m is None:
         block_m = CONFIGS[config_name(P, num_slots)]["block_m"]
-    if P and (sl.max() >= num_slots or sl.min() < -1):
-        raise ValueError(f"host_alignment slots: values in [-1, {num_slots}), got {sl.min()}..{sl.max()}")
+    small = P <= SMALL_ALIGN
+    if small:
+        sl = sl.tolist()
+    lo, hi = (min(sl), max(sl)) if P else (0, 0)
+    if hi >= num_slots or lo < -1:
+        raise ValueError(f"host_alignment slots: values in [-1, {num_slots}), got {lo}..{hi}")
+    if small:
+        return _small_alignment(sl, block_m)
+    sl = sl.astype(np.int64, copy=False)
     pairs = np.flatnonzero(sl >= 0)
     order = np.argsort(sl[pairs], kind="stable")
     pair_of_row, sk = pairs[order], sl[pairs[order]]
@@ -134,6 +141,30 @@ def host_alignment(slots, num_slots: int, block_m: int | None = None) -> Alignme
     return Alignment(sorted_rows, block_slot, pair_of_row.astype(np.int64), row_of_pair, block_m, R)
 
 
+SMALL_ALIGN = 64  # pairs up to which host_alignment runs in plain Python (fewer numpy calls: decode)
+
+
+def _small_alignment(sl: list[int], block_m: int) -> Alignment:
+    """host_alignment for a few pairs, in Python lists: the same arrays."""
+    pair_of_row = sorted((p for p in range(len(sl)) if sl[p] >= 0), key=sl.__getitem__)  # stable
+    R = len(pair_of_row)
+    sorted_rows, block_slot, row_of_pair = [], [], [-1] * len(sl)
+    r = 0
+    while r < R:
+        s, start = sl[pair_of_row[r]], r
+        while r < R and sl[pair_of_row[r]] == s:
+            r += 1
+        n = -(-(r - start) // block_m)
+        sorted_rows += range(start, r)
+        sorted_rows += [R] * (n * block_m - (r - start))
+        block_slot += [s] * n
+    for row, p in enumerate(pair_of_row):
+        row_of_pair[p] = row
+    i64 = np.int64
+    return Alignment(np.array(sorted_rows, i64), np.array(block_slot, i64), np.array(pair_of_row, i64),
+                     np.array(row_of_pair, i64), block_m, R)
+
+
 def alignment_to(al: Alignment, device, pin: bool = True) -> Alignment:
     """A host Alignment on `device` in one copy: the four arrays packed into one int64 buffer (pinned when
     `pin` and the device is CUDA, so the copy is asynchronous) and viewed apart there."""
@@ -141,11 +172,12 @@ def alignment_to(al: Alignment, device, pin: bool = True) -> Alignment:
     # each array on a 128-byte boundary of the buffer: the kernels' pointers keep the 16-byte alignment
     # Triton specialises on (as a fresh allocation has), so this compiles what align_by_slot's does
     size = [-(-a.size // ALIGN_INTS) * ALIGN_INTS for a in arrays]
-    packed = torch.zeros(sum(size), dtype=torch.int64)
+    buf = np.zeros(sum(size), dtype=np.int64)  # packed in numpy: no torch op until the copy
     at = 0
     for a, n in zip(arrays, size):
-        packed[at:at + a.size] = torch.from_numpy(a)
+        buf[at:at + a.size] = a
         at += n
+    packed = torch.from_numpy(buf)
     device = torch.device(device)
     if device.type == "cuda" and pin:
         packed = packed.pin_memory()

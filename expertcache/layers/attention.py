@@ -144,8 +144,9 @@ class Attention:
     def _sequence(self, q, b: int, start: int, n: int, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor:
         """One sequence's n new queries q [n, h, D] at positions start.. over its own keys, sliced to what
         they can see (the window's start on; through the block table, no padded gather) -> [n, h, D].
-        Without a window or sinks the causal mask is SDPA's lower-right CausalBias (no mask tensor) with
-        the grouped KV heads as stored (enable_gqa): flash attention takes it on a GPU. Else a boolean
+        Without a window band or sinks: no mask (one query), SDPA's causal flag (a prompt's first chunk)
+        or its lower-right CausalBias (a chunk after cached tokens), never a mask tensor, with the grouped
+        KV heads as stored (enable_gqa): flash attention takes it on a GPU. Else a boolean
         (sinks: additive) mask in the compute dtype, K/V expanded per query head in that dtype (the
         memory-efficient backend takes masks but not grouped heads), queries in chunks whose mask stays
         within ATTN_MASK_BYTES: never the float32 math backend's [B, h, Q, L] scores."""
@@ -161,8 +162,10 @@ class Attention:
         keys, vals, qs = ctx(k_cache), ctx(v_cache), q.transpose(0, 1).unsqueeze(0)  # qs [1, h, n, D]
         Lk = L - lo
         if self.sinks is None and (not self.window or n == 1 or L <= self.window):  # no band to mask
-            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=causal_lower_right(n, Lk), scale=self.scale,
-                                               enable_gqa=self.g != self.h)
+            # one query sees every key; n == Lk: SDPA's (top-left) causal flag is the lower-right one
+            mask = None if n == 1 or n == Lk else causal_lower_right(n, Lk)
+            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, is_causal=n > 1 and n == Lk,
+                                               scale=self.scale, enable_gqa=self.g != self.h)
             return o[0].transpose(0, 1)
         if self.g != self.h:
             keys, vals = (t.repeat_interleave(self.h // self.g, dim=1) for t in (keys, vals))
