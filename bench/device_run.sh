@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.." || exit 2
 BUDGET=${BUDGET:-560}
 PY=${PYTHON:-python3}
 R=${OUT:-/tmp/gpu_check/results}
-G=/tmp/gpu_check
+G=${WORK:-/tmp/gpu_check}  # the work folder: checkpoint, trace, full logs
 CONFIGS=${CONFIGS:-resident default sync-lru cpu-moe}
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu: the dry run at toy sizes (no checkpoint written in the background)
 mkdir -p "$R" "$G/logs"

@@ -346,6 +346,31 @@ def child(args, config: str, routing: str, model: Path, trace: Path, timeout: in
     return parse_line(line)
 
 
+def gpu_name() -> str:
+    """The GPU's name from nvidia-smi: this process never initialises CUDA (a context here would hold
+    device memory the children's plans and the tests' exact slot counts do not expect)."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False,
+                           capture_output=True, text=True, timeout=20)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else "none"
+    except (OSError, subprocess.TimeoutExpired):
+        return "none"
+
+
+def parent_hardware_line(kernels: bool = True) -> str:
+    """bench/common.py's hardware line, the GPU named without initialising CUDA; `kernels` False: without
+    the C++ kernels' backend (asking builds them; bench/device_run.sh builds them beside the tests)."""
+    real = torch.cuda.get_device_name
+    torch.cuda.get_device_name = lambda *_: gpu_name()
+    try:
+        line = hardware_line() if kernels else None
+    finally:
+        torch.cuda.get_device_name = real
+    if line is None:
+        line = f"hardware: gpu={gpu_name()!r} torch={torch.__version__} cores={os.cpu_count()} cpu_kernels=not-asked"
+    return line
+
+
 def plan_runs(configs, routings) -> list[tuple[str, str]]:
     """(configuration, routing) in run order: routing by routing; resident and torch-moe with recorded
     routing only (routing does not change what a resident model moves; the kernels' ratio needs one)."""
@@ -391,7 +416,7 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA device (use --device cpu for the dry run)", file=sys.stderr)
         return 2
     report = args.report = Report(args.results)
-    report(hardware_line())
+    report(parent_hardware_line(kernels=not args.tests_only))
     try:
         if not args.skip_tests and not cpu:
             run_tests(args, report)

@@ -216,3 +216,34 @@ def test_with_a_cuda_device_the_triton_tests_compile_rather_than_interpret(tmp_p
                        timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["None", "False", "cuda"]
+
+
+@pytest.mark.slow  # the dry run of the one-command device check: about two minutes here
+def test_device_run_script_leaves_only_a_summary(tmp_path):
+    env = device_like_env(tmp_path)
+    env.update(OUT=str(tmp_path / "results"), WORK=str(tmp_path / "work"), DEVICE="cpu", PYTHON=sys.executable,
+               CONFIGS="resident default")
+    env.setdefault("XDG_CACHE_HOME", str(Path.home() / ".cache"))  # the built C++ kernels
+    r = subprocess.run(["bash", str(ROOT / "bench" / "device_run.sh")], check=False, capture_output=True,
+                       text=True, env=env, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    files = sorted(p.name for p in (tmp_path / "results").iterdir())
+    assert files == ["child-logs.txt", "probe.txt", "summary.txt"], files
+    summary = (tmp_path / "results" / "summary.txt").read_text()
+    assert "gpu_check config=default routing=recorded decode_tok_s=" in summary
+    assert "gpu_check config=default routing=random decode_tok_s=" in summary
+    assert "gpu_check done failed=0" in summary
+    assert "device_run: " in r.stdout
+
+
+def test_the_parent_never_initialises_cuda(monkeypatch):
+    """The parent's hardware line names the GPU through nvidia-smi: a CUDA context in the parent would
+    hold device memory beside the children's plans and the tests' exact slot counts."""
+    def refuse(*a, **k):
+        raise AssertionError("the parent initialised CUDA")
+    monkeypatch.setattr(gpu_check, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_name", refuse)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", refuse)
+    line = gpu_check.parent_hardware_line(kernels=False)
+    assert "gpu='NVIDIA H200'" in line and "cpu_kernels=not-asked" in line
+    assert torch.cuda.get_device_name is refuse  # put back
