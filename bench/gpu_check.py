@@ -12,7 +12,8 @@ install (torch, triton, numpy, safetensors, tokenizers, transformers and pytest 
 2. a random checkpoint of Qwen3-30B-A3B's shape ratios written with safetensors alone (bench/gpu_check_model.py:
    12 layers x 64 experts of 9.4 MB, 7.2 GB of experts) into OUT (never into the results folder),
    VRAM capped with torch.cuda.set_per_process_memory_fraction at the engine's own device plan for the
-   configuration + 256 MiB (`--share`, 25%: the experts are 4x their VRAM); then, each configuration in
+   configuration less its CUDA context (not the allocator's) + 256 MiB (`--share`, 25%: the experts are
+   4x their VRAM); then, each configuration in
    its own process (a failure is a line, not the end; its stderr in OUT/logs/), prefill and decode tok/s
    at batch 1:
      resident         every expert in VRAM, no cap
@@ -65,7 +66,7 @@ CACHED = ("default", "sync-lru", "cpu-moe", "cpu-compute-off", "torch-moe")
 CONFIGS = ("resident", *CACHED)
 ROUTINGS = ("recorded", "random")
 LINE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
-MARGIN = 256 << 20  # above the engine's device plan (which counts activations, context and slack)
+MARGIN = 256 << 20  # above the device plan less its CUDA context (which the allocator cap does not limit)
 TRITON_TEST_FILES = ("tests/test_triton_moe.py",)  # test_triton_models.py needs the interpreter
 LOG_TAIL = 4000  # characters of each log in the results folder's child-logs.txt
 
@@ -188,7 +189,8 @@ def run_one(args) -> int:
         if cuda and args.one != "resident":
             # the engine's own device plan for this configuration is the cap (every term counted there)
             plan = device_plan(info, device, dtype, kw["device_memory"], kw.get("host_memory", "auto"), shape, gpu)
-            cap = plan.total + MARGIN
+            # the allocator's cap: the plan less the CUDA context (outside the allocator), plus a margin
+            cap = plan.total - plan.terms.get("cuda_context", 0) + MARGIN
             cap_memory(device, cap)
         t0 = time.monotonic()
         # check_finite off: the checkpoint is generated here, so it is known to be finite
