@@ -163,7 +163,8 @@ def specializations(target_cc: int, dtypes=DTYPES) -> list[Spec]:
                     T = 1 if cname == "decode" else triton_moe.DECODE_PAIRS_PER_SLOT * S // K + 1
                     if triton_moe.config_name(T * K, S) != cname:
                         raise AssertionError(f"triton_aot: {T} tokens do not pick the {cname} config")
-                    cfg = triton_moe.pick_config(T * K, S, TARGETS[target_cc][1])  # what that device gets
+                    # what that device gets (a float32 dot: x in float32)
+                    cfg = triton_moe.pick_config(T * K, S, TARGETS[target_cc][1], dtype == torch.float32)
                     slots = torch.arange(T * K).remainder(S).view(T, K)
                     al = triton_moe.alignment_to(triton_moe.host_alignment(slots, S, cfg["block_m"]), "cpu")
                     x = torch.zeros(T, H, dtype=dtype)
@@ -203,15 +204,15 @@ FMT_OF = {"bf16": "float", "fp16": "float", "fp32": "float", "fp8": "fp8", "fp8-
 
 
 def representative(specs: list[Spec]) -> list[Spec]:
-    """The specializations that bound the rest: per tile decoder, config and kernel, the bf16 one with
-    the most code (the GPT-OSS variant: biases and the clamped activation), and float32 plain experts
-    (the largest tiles in shared memory); and the reduction."""
+    """The specializations that bound the rest: per tile decoder, config, kernel and activation dtype
+    (bf16, and float32: its float32 dot needs the most shared memory), the one with the most code (the
+    GPT-OSS variant: biases and the clamped activation); and the reduction."""
     out, seen = [], set()
     for s in sorted(specs, key=lambda s: "gpt-oss" not in s.label):
         fmt, _variant, dtype, config = s.label.split("/")
         if s.kernel == "reduce_kernel":
             key = (s.kernel,)
-        elif dtype == "bfloat16" or (dtype == "float32" and fmt == "fp32"):
+        elif (dtype == "bfloat16" and fmt != "fp32") or (dtype == "float32" and fmt not in ("bf16", "fp16")):
             key = (s.kernel, FMT_OF[fmt], dtype, config)
         else:
             continue

@@ -247,13 +247,15 @@ def config_name(num_pairs: int, num_slots: int) -> str:
     return "decode" if num_pairs <= DECODE_PAIRS_PER_SLOT * num_slots else "prefill"
 
 
-def pick_config(num_pairs: int, num_slots: int, shared_limit: int | None = None) -> dict:
+def pick_config(num_pairs: int, num_slots: int, shared_limit: int | None = None, fp32_dot: bool = False) -> dict:
     """The CONFIGS entry for a call, with SMALL_SHARED's changes on a device whose shared memory per block
-    (`shared_limit`, bytes; None: no limit known) is at most SMALL_SHARED_BYTES."""
+    (`shared_limit`, bytes; None: no limit known) is at most SMALL_SHARED_BYTES; there a float32 dot
+    (`fp32_dot`) also halves block_k (fp8 weights with float32 activations needed 100-112 KiB)."""
     name = config_name(num_pairs, num_slots)
-    if shared_limit is not None and shared_limit <= SMALL_SHARED_BYTES and name in SMALL_SHARED:
-        return SMALL_SHARED[name]
-    return CONFIGS[name]
+    if shared_limit is None or shared_limit > SMALL_SHARED_BYTES:
+        return CONFIGS[name]
+    cfg = SMALL_SHARED.get(name, CONFIGS[name])
+    return dict(cfg, block_k=cfg["block_k"] // 2) if fp32_dot else cfg
 
 
 _SHARED: dict = {}
@@ -299,7 +301,7 @@ def fused_moe(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor
     K = weights.shape[1]
     fmt, I, g, u, d = projections(pool, method, ffn)
     S, P = g.w.shape[0], T * K
-    cfg = dict(pick_config(P, S, shared_limit(x.device)))
+    cfg = dict(pick_config(P, S, shared_limit(x.device), _dot_kind(x.dtype) == DOT_FP32))
     for name, given in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if given is not None:
             cfg[name] = _check_block(name, given)
