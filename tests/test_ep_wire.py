@@ -35,7 +35,7 @@ def test_step_message_round_trips_exactly():
     assert got[0] == "forward" and torch.equal(got[1], msg[1]) and got[1].dtype == torch.int64
     assert type(got[2]) is AttnBatch and got[2].max_q == 3
     for a, b in zip(got[2], msg[2]):
-        assert (a == b) if isinstance(b, int) else (torch.equal(a, b) and a.dtype == b.dtype)
+        assert (a == b) if not isinstance(b, torch.Tensor) else (torch.equal(a, b) and a.dtype == b.dtype)
     ctl = got[3]
     assert ctl["placement"] == placement and ctl["placement"].replicas[2][5] == (2,)
     assert ctl["copies"] == [(1, 2), (3, 4)] and ctl["gather"] is True and ctl["none"] is None

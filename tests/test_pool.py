@@ -1,5 +1,6 @@
 """experts/pool.py: a host tier is one region of exact size; slot views address it byte for byte;
-page-locking goes chunk by chunk and falls back to pageable memory (the CUDA runtime calls are
+page-locking goes in chunks of whole slots (no slot's bytes in two registrations) and falls back to
+pageable memory (the CUDA runtime calls are
 replaced by recorders: no GPU needed)."""
 
 from __future__ import annotations
@@ -104,19 +105,69 @@ def runtime(monkeypatch):
     return make
 
 
-def test_pinned_region_is_registered_in_bounded_chunks_and_released(runtime):
-    rt = runtime()
-    pool = SlotPool(PARTS, 20, 30, torch.device("cpu"), pin=True)
+def containing(regs, lo, hi):
+    """The registrations [(ptr, n)] that hold any byte of [lo, hi)."""
+    return [(p, n) for p, n in regs if p < hi and lo < p + n]
+
+
+def assert_registrations_tile(regs, base, total):
+    """In order, contiguous, page-aligned, covering [base, base + total) exactly."""
+    at = base
+    for p, n in regs:
+        assert p == at and (p - base) % PAGE == 0 and n > 0 and n % PAGE == 0, (p - base, n)
+        at += n
+    assert at == base + total
+
+
+# page-multiple slots (split into chunks of whole slots), slots that tile pages four to one, and odd ones
+PIN_PARTS = [Part("gate_up", (2, 1024), torch.bfloat16), Part("down", (512,), torch.bfloat16),
+             Part("scale", (7,), torch.uint8)]
+
+
+def test_pinned_region_is_registered_in_slot_aligned_chunks_and_released(runtime):
+    rt = runtime(chunk=3 * 8192)
+    pool = SlotPool(PIN_PARTS, 5, 6, torch.device("cpu"), pin=True)
     base, total = pool.region.data_ptr(), pool.reserved_bytes
     assert pool.pinned and pool.pinned_bytes == total
-    # contiguous chunks of at most 8192 bytes covering the region exactly
-    assert all(n <= 8192 for _, n in rt.registered)
-    assert [p for p, _ in rt.registered] == [base + o for o, _ in _chunks(total, 8192)]
-    assert sum(n for _, n in rt.registered) == total
+    assert_registrations_tile(rt.registered, base, total)
+    # every copy the engine makes from a host slot (one part of one slot) lies in exactly one registration
+    for i in range(5):
+        for s in range(6):
+            for name, t in pool.views(i, s).items():
+                lo = t.data_ptr()
+                assert len(containing(rt.registered, lo, lo + t.numel() * t.element_size())) == 1, (name, i, s)
+    # chunks of whole slots, about PIN_CHUNK: gate_up (4 KiB slots) in chunks of 6 slots; down's 1 KiB slots
+    # four to a page, so chunks of 24; scale's 7-byte slots never end on a page: one registration
+    # (down: 30 KiB of slots in a 32 KiB page-rounded part)
+    assert [n for _, n in rt.registered] == [6 * 4096] * 5 + [24 * 1024, 6 * 1024 + 2048] + [PAGE]
     assert rt.unregistered == []
     del pool
     gc.collect()
     assert rt.unregistered == [p for p, _ in rt.registered]
+
+
+def test_no_slot_of_a_qwen3_sized_tier_straddles_two_registrations():
+    """Qwen3-30B-A3B's parts (gate_up 6 MiB, down 3 MiB per slot; 48 layers x 128 experts) with 1 GiB
+    chunks: each slot's byte range in one registration (1 GiB is 170.67 gate_up slots: cutting the
+    region every 1 GiB, as before, splits a slot at every boundary)."""
+    slots = 48 * 128
+    parts, at = [], 0
+    for slot in (2 * 768 * 2048 * 2, 2048 * 768 * 2):
+        parts.append((at, slot, slots))
+        at += -(-slot * slots // PAGE) * PAGE
+    chunks = pool_mod.pin_chunks(parts, at)
+    assert_registrations_tile(chunks, 0, at)
+    assert max(n for _, n in chunks) <= pool_mod.PIN_CHUNK
+    import numpy as np
+
+    starts = np.array([o for o, _ in chunks])
+    for off, slot, n in parts:
+        lo = off + slot * np.arange(n)
+        first, last = np.searchsorted(starts, lo, "right"), np.searchsorted(starts, lo + slot - 1, "right")
+        assert (first == last).all()  # the first and the last byte of each slot in the same chunk
+    naive = np.arange(0, at, 1 << 30)
+    lo = parts[0][0] + parts[0][1] * np.arange(slots)
+    assert (np.searchsorted(naive, lo, "right") != np.searchsorted(naive, lo + parts[0][1] - 1, "right")).sum() > 0
 
 
 def test_pinning_failure_falls_back_to_pageable_with_a_note(runtime, capsys):

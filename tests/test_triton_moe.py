@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():  # with a GPU the kernels compile for it (never interpreted on CUDA tensors)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from expertcache.experts.compute import ExpertFFN  # noqa: E402
 from expertcache.kernels import triton_moe, triton_moe_jit, triton_pool  # noqa: E402
-from expertcache.kernels.triton_moe import align_by_slot, fused_moe, num_blocks_bound  # noqa: E402
+from expertcache.kernels.triton_moe import (align_by_slot, alignment_to, fused_moe, host_alignment,  # noqa: E402
+                                            num_blocks_bound)
 from expertcache.quant.method import make_quant_method  # noqa: E402
 from kernel_refs import F32ACT, moe_reference  # noqa: E402  (tests/: the kernels' float64 MoE sum)
 
@@ -191,22 +194,93 @@ def test_adds_into_the_given_output():
     torch.testing.assert_close(got.double(), base.double() + reference(x, slots, w, stored), atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_align_by_slot_is_a_padded_permutation(block_m):
-    slots = torch.tensor([3, 0, 3, -1, 3, 1, 0, -1, 3] * 5)
-    P, S = slots.numel(), 5
-    sorted_ids, bslot = align_by_slot(slots, num_slots=S, block_m=block_m)
-    assert bslot.numel() == num_blocks_bound(P, S, block_m) and sorted_ids.numel() == bslot.numel() * block_m
+def check_alignment(al, slots, S, block_m, exact):
+    """Brute force: every block is one slot's rows (padding = num_rows), each row's pair has that slot,
+    rows are the pairs with a slot, each once, in slot order (stable); row_of_pair inverts pair_of_row."""
+    sl = [int(v) for v in slots]
+    P = len(sl)
+    want = sorted((s, i) for i, s in enumerate(sl) if s >= 0)  # (slot, pair): the stable order
+    sorted_rows, bslot = [int(v) for v in al.sorted_rows], [int(v) for v in al.block_slot]
+    pair_of_row, row_of_pair = [int(v) for v in al.pair_of_row], [int(v) for v in al.row_of_pair]
+    assert len(sorted_rows) == len(bslot) * block_m and al.block_m == block_m
+    blocks_needed = sum(-(-sl.count(s) // block_m) for s in range(S))
+    if exact:
+        assert len(bslot) == blocks_needed and al.num_rows == len(want)
+    else:
+        assert len(bslot) == num_blocks_bound(P, S, block_m) and al.num_rows == P
     seen = []
-    for b, s in enumerate(bslot.tolist()):
-        rows = [r for r in sorted_ids.view(-1, block_m)[b].tolist() if r < P]
+    for b, s in enumerate(bslot):
+        rows = [r for r in sorted_rows[b * block_m:(b + 1) * block_m] if r < al.num_rows]
+        assert all(r == al.num_rows for r in sorted_rows[b * block_m:(b + 1) * block_m] if r >= al.num_rows)
         if s < 0:
             assert rows == []
         else:
-            assert rows and all(int(slots[r]) == s for r in rows)
+            assert rows and all(sl[pair_of_row[r]] == s for r in rows)
             seen += rows
-    assert sorted(seen) == [i for i in range(P) if slots[i] >= 0]
-    assert len([s for s in bslot.tolist() if s >= 0]) == sum(-(-int((slots == s).sum()) // block_m) for s in range(S))
+    assert len([s for s in bslot if s >= 0]) == blocks_needed
+    assert seen == list(range(len(want)))  # rows 0..R-1, each once, in order
+    assert [pair_of_row[r] for r in seen] == [i for _, i in want]
+    assert [row_of_pair[i] for i in range(P)] == [seen[[p for _, p in want].index(i)] if sl[i] >= 0 else -1
+                                                 for i in range(P)]
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_both_alignments_are_padded_permutations(block_m):
+    slots = torch.tensor([3, 0, 3, -1, 3, 1, 0, -1, 3] * 5)
+    S = 5
+    check_alignment(align_by_slot(slots, num_slots=S, block_m=block_m), slots, S, block_m, exact=False)
+    check_alignment(host_alignment(slots.numpy(), S, block_m), slots, S, block_m, exact=True)
+    empty = host_alignment(torch.full((4, 2), -1), S, block_m)  # no pair for this pool: no block
+    assert empty.block_slot.size == 0 and empty.num_rows == 0 and (empty.row_of_pair == -1).all()
+    with pytest.raises(ValueError, match="host_alignment slots"):
+        host_alignment(np.array([0, 5]), S, block_m)
+
+
+@pytest.mark.parametrize("T,S,missing", [(1, 8, 0.0), (3, 8, 0.5), (40, 6, 0.3), (2, 4, 1.0)])
+def test_a_host_alignment_gives_the_device_alignments_output(T, S, missing):
+    """fused_moe with the alignment made on the host (numpy, sent in one copy, `slots` not passed) equals
+    the call that aligns on the device, byte for byte: the same rows in the same order, the same sums."""
+    H, I, K = 32, 32, 2
+    pool, _ = float_pool(canonical(S, H, I, seed=11, bias=True), torch.float32, bias=True)
+    g = torch.Generator().manual_seed(12)
+    slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
+    slots[torch.rand(T, K, generator=g) < missing] = -1
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    on = {n: t.to(DEV) for n, t in pool.items()}
+    base = torch.randn(T, H, generator=g).to(DEV)
+    dev = fused_moe(x.to(DEV), slots.to(DEV), w.to(DEV), on, out=base.clone())
+    al = alignment_to(host_alignment(slots, S), DEV)
+    host = fused_moe(x.to(DEV), None, w.to(DEV), on, out=base.clone(), alignment=al)
+    assert torch.equal(dev.cpu(), host.cpu())
+
+
+def test_workspace_bytes_counts_the_calls_buffers(monkeypatch):
+    """The temporaries a call allocates (inter, out_rows, the weights) are within workspace_bytes."""
+    S, H, I, T, K = 4, 32, 64, 9, 2
+    pool, _ = float_pool(canonical(S, H, I, seed=13), torch.float32)
+    x, slots, w = case(T, K, S, H, seed=13)
+    made, real_empty = [], torch.empty
+
+    def empty(*a, **k):
+        t = real_empty(*a, **k)
+        made.append(t.numel() * t.element_size())
+        return t
+    monkeypatch.setattr(torch, "empty", empty)
+    al = alignment_to(host_alignment(slots, S), DEV)
+    fused_moe(x.to(DEV), None, w.to(DEV), {n: t.to(DEV) for n, t in pool.items()}, alignment=al)
+    monkeypatch.undo()
+    rows = int((slots >= 0).sum())
+    assert sum(made) >= rows * (I + H) * 4  # inter and out_rows for the call's own rows, no more
+    assert sum(made) <= triton_moe.workspace_bytes(rows, H, I, torch.float32, S)
+    assert triton_moe.workspace_bytes(T * K, H, I, torch.bfloat16, S) < triton_moe.workspace_bytes(
+        T * K, H, I, torch.float32, S)
+
+
+def test_warm_up_runs_each_config_once():
+    S, H, I = 4, 32, 32
+    pool, _ = float_pool(canonical(S, H, I, seed=14), torch.float32)
+    on = {n: t.to(DEV) for n, t in pool.items()}
+    assert triton_moe.warm_up(on, dtype=torch.float32, top_k=2, configs=("decode", "prefill")) == 2
 
 
 def test_no_host_read(monkeypatch):
@@ -294,3 +368,18 @@ def test_grouped_mm_is_gated_on_compute_capability(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
         assert compute.grouped_mm_ok(cuda, dtype) is ok, (cap, dtype)
     assert compute.grouped_mm_ok(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("T,K,S", [(1, 8, 32), (3, 2, 5), (40, 4, 6), (300, 8, 64)])
+def test_host_alignment_python_and_numpy_paths_agree(T, K, S, monkeypatch):
+    """Few pairs (decode) are aligned in plain Python, many with numpy: the same arrays either way."""
+    g = torch.Generator().manual_seed(T)
+    slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
+    slots[torch.rand(T, K, generator=g) < 0.25] = -1
+    got = {}
+    for name, limit in (("python", 10**9), ("numpy", 0)):
+        monkeypatch.setattr(triton_moe, "SMALL_ALIGN", limit)
+        got[name] = host_alignment(slots, S)
+        check_alignment(got[name], slots.reshape(-1), S, got[name].block_m, exact=True)
+    for a, b in zip(got["python"], got["numpy"]):
+        assert (a == b) if isinstance(a, int) else (a.dtype == b.dtype == np.int64 and np.array_equal(a, b))

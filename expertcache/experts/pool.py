@@ -12,8 +12,11 @@ Memory:
   length = each part's bytes rounded up to 4 KiB: never more than PAGE - 1 bytes per part above
   `nbytes`, and nothing rounded to a power of two;
 - `pin=True` (the compute device is CUDA): the region is registered with the CUDA runtime
-  (cudaHostRegister) in chunks of at most PIN_CHUNK bytes, so copies from it to the device are
-  asynchronous DMA. PyTorch's own pinned allocator (`pin_memory=True`) rounds every block up to
+  (cudaHostRegister) so copies from it to the device are asynchronous DMA, in chunks that never cut
+  a slot (`pin_chunks`): each part's bytes alone, split only between whole slots at page boundaries
+  into chunks of about PIN_CHUNK bytes (a part whose slots never end on a page is registered whole).
+  So every copy of one slot's part lies in one registration (CUDA defines a copy from a range that
+  spans two registrations nowhere). PyTorch's own pinned allocator (`pin_memory=True`) rounds every block up to
   a power of two: 54 GiB of Qwen3-30B-A3B experts would lock 96 GiB; this locks `reserved_bytes`.
   `pinned_bytes` is what is locked. If a chunk cannot be registered (locked-memory limit, RAM),
   every registered chunk is released, a note is printed and the tier stays pageable:
@@ -23,6 +26,7 @@ Memory:
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from concurrent.futures import Future
@@ -33,7 +37,7 @@ from .. import hostmem
 from ..units import fmt_bytes
 
 PAGE = 4096  # each part of a host region starts on a page boundary
-PIN_CHUNK = 1 << 30  # bytes registered with the CUDA runtime per call
+PIN_CHUNK = 1 << 30  # about this many bytes registered with the CUDA runtime per call (whole slots)
 
 
 class InFlight:
@@ -78,10 +82,24 @@ def clear_cuda_error() -> None:
         pass
 
 
-def pin_chunks(nbytes: int) -> list[tuple[int, int]]:
-    """[0, nbytes) as (offset, length) chunks of at most PIN_CHUNK bytes, in order."""
-    chunk = PIN_CHUNK
-    return [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
+def pin_chunks(parts: list[tuple[int, int, int]], total: int) -> list[tuple[int, int]]:
+    """The registrations of a region of `total` bytes holding `parts` [(offset, slot bytes, slots)] (each
+    offset on a page, in order) -> (offset, length) chunks covering [0, total) in order. A chunk is a
+    whole number of one part's slots and starts and ends on a page (two registrations never share one):
+    a part is split every lcm(slot bytes, PAGE) * n bytes (n slots' worth of about PIN_CHUNK bytes, at
+    least one such step), its last chunk running to the next part's offset (or the region's end)."""
+    out = []
+    for j, (off, slot, n) in enumerate(parts):
+        end = parts[j + 1][0] if j + 1 < len(parts) else total
+        if off % PAGE or end < off + slot * n:
+            raise ValueError(f"pin_chunks: part {j} at byte {off} ({n} slots of {slot} B) is not page-aligned "
+                             f"or overruns byte {end}")
+        step = math.lcm(slot, PAGE) if slot else end - off
+        step *= max(1, PIN_CHUNK // step)
+        out += [(o, min(step, end - o)) for o in range(off, end, step)] if end > off else []
+        if out and out[-1][0] + out[-1][1] != end:
+            raise AssertionError("pin_chunks: chunks do not cover the part")
+    return out
 
 
 def _release(ptrs: list[int], keep: torch.Tensor) -> None:
@@ -100,6 +118,7 @@ class SlotPool:
         self.pinned_bytes = 0
         self.region: torch.Tensor | None = None  # host tiers: the uint8 bytes every part lives in
         self.offsets: dict[str, int] = {}  # host tiers: part -> its byte offset in the region
+        self.layout: list[tuple[int, int, int]] = []  # host tiers: (offset, slot bytes, slots) per part
         self.nbytes = layers * slots * sum(p.nbytes for p in parts)
         if device.type == "cpu":
             self.buf = self._host_region(parts, layers, slots)
@@ -120,6 +139,7 @@ class SlotPool:
         total = 0
         for p, n in zip(parts, sizes):
             self.offsets[p.name] = total
+            self.layout.append((total, p.nbytes, layers * slots))
             total += -(-n // PAGE) * PAGE
         self.region = hostmem.empty((total,), torch.uint8)
         return {p.name: self.region[self.offsets[p.name]:self.offsets[p.name] + n].view(p.dtype)
@@ -127,7 +147,7 @@ class SlotPool:
 
     def _pin(self) -> None:
         base, done = self.region.data_ptr(), []
-        for off, n in pin_chunks(self.region.numel()):
+        for off, n in pin_chunks(self.layout, self.region.numel()):
             if not cuda_host_register(base + off, n):
                 clear_cuda_error()
                 _release(done, self.region)

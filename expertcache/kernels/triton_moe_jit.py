@@ -1,10 +1,15 @@
 """The Triton jit functions of the fused MoE (host side: triton_moe.py; the pool's parts: triton_pool.py).
 
-Shape legend (as triton_moe.py): BM pairs x BN outputs per program, BK inputs per step; P routed pairs,
-H hidden, I moe intermediate. `gate_up_kernel`: inter[pair, n] = act(x[tok] W_gate[n]^T + bg, x[tok]
-W_up[n]^T + bu); `down_kernel`: out_pairs[pair, n] = w_pair * (inter[pair] W_down[n]^T + bd). A program
-whose block reads slot -1 (past the padded runs) exits. Constexpr FMT picks the tile decoder
-(`_tile`), ACT the activation, DOT the dot's input dtype.
+Shape legend (as triton_moe.py): BM rows x BN outputs per program, BK inputs per step; P routed pairs,
+R rows (the call's own pairs: those with a slot), NR rows allocated (R, or P when R is not known on the
+host), H hidden, I moe intermediate. Rows are the call's pairs in slot order: `sorted` [blocks * BM]
+holds row ids in runs of one slot (padding NR), `pair_of_row` [NR] each row's pair (token = pair // K).
+`gate_up_kernel`: inter[row, n] = act(x[tok] W_gate[n]^T + bg, x[tok] W_up[n]^T + bu); `down_kernel`:
+out_rows[row, n] = w_pair * (inter[row] W_down[n]^T + bd); `reduce_kernel`: out[t] += sum over k in
+order of out_rows[row_of_pair[t * K + k]] (-1: not this call's), deterministic, no atomics. A program
+whose block reads slot -1 (past the padded runs) exits. Constexpr FMT picks the tile decoder (`_tile`),
+ACT the activation, DOT the dot's input dtype. Pair and token counts are not specialised on
+(`do_not_specialize`): a new batch size compiles nothing.
 """
 
 from __future__ import annotations
@@ -57,11 +62,14 @@ if triton is not None:
 
     @triton.jit
     def _to_dot(t, DOT: tl.constexpr):
+        # one return: compiled Triton refuses returns of different types, even in constexpr branches
         if DOT == 1:
-            return t.to(tl.bfloat16)
-        if DOT == 2:
-            return t.to(tl.float16)
-        return t.to(tl.float32)
+            r = t.to(tl.bfloat16)
+        elif DOT == 2:
+            r = t.to(tl.float16)
+        else:
+            r = t.to(tl.float32)
+        return r
 
     @triton.jit
     def _dot(a, b, acc, DOT: tl.constexpr):
@@ -69,18 +77,18 @@ if triton is not None:
             return acc + tl.dot(a, b, input_precision="ieee")
         return acc + tl.dot(a, b)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["NR"])
     def gate_up_kernel(x_ptr, gw_ptr, gs_ptr, gz_ptr, uw_ptr, us_ptr, uz_ptr, gb_ptr, ub_ptr, lut_ptr,
-                        inter_ptr, sorted_ptr, bslot_ptr,
-                        H, I, TOPK, P, sx_t, w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n, alpha, limit,
+                        inter_ptr, sorted_ptr, bslot_ptr, pair_ptr,
+                        H, I, TOPK, NR, sx_t, w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n, alpha, limit,
                         FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         b, nb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(bslot_ptr + b)
         if slot >= 0:
-            rows = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))  # int64 pair ids, P = padding
-            valid = rows < P
-            tok = rows // TOPK
+            rows = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))  # int64 row ids, NR = padding
+            valid = rows < NR
+            tok = tl.load(pair_ptr + rows, mask=valid, other=0) // TOPK
             offs_n = nb * BN + tl.arange(0, BN)
             nmask = offs_n < I
             wbase, sbase = slot_base(slot, w_s), slot_base(slot, s_s)
@@ -111,16 +119,17 @@ if triton is not None:
             tl.store(inter_ptr + rows[:, None] * I + offs_n[None, :], _to_dot(h, DOT),
                      mask=valid[:, None] & nmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["NR"])
     def down_kernel(inter_ptr, dw_ptr, ds_ptr, dz_ptr, db_ptr, lut_ptr, rw_ptr, out_ptr, sorted_ptr, bslot_ptr,
-                     H, I, P, w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n,
+                     pair_ptr, H, I, NR, w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n,
                      FMT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         b, nb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(bslot_ptr + b)
         if slot >= 0:
             rows = tl.load(sorted_ptr + b * BM + tl.arange(0, BM))
-            valid = rows < P
+            valid = rows < NR
+            pair = tl.load(pair_ptr + rows, mask=valid, other=0)
             offs_n = nb * BN + tl.arange(0, BN)
             nmask = offs_n < H
             wbase, sbase = slot_base(slot, w_s), slot_base(slot, s_s)
@@ -136,7 +145,24 @@ if triton is not None:
             if HAS_BIAS:
                 acc += tl.load(db_ptr + slot_base(slot, b_s) + offs_n * b_n, mask=nmask,
                                other=0.0).to(tl.float32)[None, :]
-            acc *= tl.load(rw_ptr + rows, mask=valid, other=0.0)[:, None]  # the routing weight
+            acc *= tl.load(rw_ptr + pair, mask=valid, other=0.0)[:, None]  # the routing weight
             tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc, mask=valid[:, None] & nmask[None, :])
+
+    @triton.jit(do_not_specialize=["T"])
+    def reduce_kernel(rows_ptr, row_of_pair_ptr, out_ptr, T, H, TOPK, so_t, BT: tl.constexpr, BH: tl.constexpr):
+        tb, hb = tl.program_id(0), tl.program_id(1)
+        tok = tb * BT + tl.arange(0, BT)
+        tmask = tok < T
+        offs_h = hb * BH + tl.arange(0, BH)
+        hmask = offs_h < H
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        for k in range(TOPK):  # in order: the same sum every run
+            r = tl.load(row_of_pair_ptr + tok.to(tl.int64) * TOPK + k, mask=tmask, other=-1)
+            m = (r >= 0)[:, None] & hmask[None, :]
+            acc += tl.load(rows_ptr + r[:, None] * H + offs_h[None, :], mask=m, other=0.0)
+        o = out_ptr + tok[:, None].to(tl.int64) * so_t + offs_h[None, :]
+        m = tmask[:, None] & hmask[None, :]
+        prev = tl.load(o, mask=m, other=0.0).to(tl.float32)
+        tl.store(o, (prev + acc).to(out_ptr.dtype.element_ty), mask=m)
 else:
-    slot_base = gate_up_kernel = down_kernel = None
+    slot_base = gate_up_kernel = down_kernel = reduce_kernel = None

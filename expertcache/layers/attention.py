@@ -27,9 +27,10 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
-from ..spec.model_config import ModelConfig
 from ..kernels.attention import attend
+from ..spec.model_config import ModelConfig
 from .basic import Rotary, linear, rms_norm
 
 
@@ -41,6 +42,9 @@ class AttnBatch(NamedTuple):
     row_of_token: torch.Tensor  # [T] int64, index j of the token within its sequence's new tokens
     max_q: int
     query_pos: torch.Tensor  # [B, Q] positions of each sequence's new tokens (padding 0)
+    # per sequence (first new position, new tokens) on the host, tokens flattened sequence after sequence;
+    # None: read from query_pos / seq_of_token once per batch (a device -> host read on a GPU)
+    spans: tuple[tuple[int, int], ...] | None = None
 
 
 class Attention:
@@ -129,31 +133,97 @@ class Attention:
             k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
         q, k = self.rotary(q, k, batch.positions)
 
-        bs = k_cache.shape[1]
         k_cache.view(-1, self.g, self.d)[batch.slot_mapping] = k.to(k_cache.dtype)
         v_cache.view(-1, self.g, self.d)[batch.slot_mapping] = v.to(v_cache.dtype)
-        B, nb = batch.block_tables.shape
-        keys = k_cache[batch.block_tables].view(B, nb * bs, self.g, self.d).transpose(1, 2).to(q.dtype)
-        vals = v_cache[batch.block_tables].view(B, nb * bs, self.g, self.d).transpose(1, 2).to(q.dtype)
+        o, off = [], 0
+        for b, (start, n) in enumerate(host_spans(batch)):
+            o.append(self._sequence(q[off:off + n], b, start, n, batch, k_cache, v_cache))
+            off += n
+        return torch.cat(o) if len(o) > 1 else o[0]
 
-        mask = visible(batch, nb * bs, self.window)[:, None]  # [B, 1, Q, L]
+    def _sequence(self, q, b: int, start: int, n: int, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor:
+        """One sequence's n new queries q [n, h, D] at positions start.. over its own keys, sliced to what
+        they can see (the window's start on; through the block table, no padded gather) -> [n, h, D].
+        Without a window band or sinks: no mask (one query), SDPA's causal flag (a prompt's first chunk)
+        or its lower-right CausalBias (a chunk after cached tokens), never a mask tensor, with the grouped
+        KV heads as stored (enable_gqa): flash attention takes it on a GPU. Else a boolean
+        (sinks: additive) mask in the compute dtype, K/V expanded per query head in that dtype (the
+        memory-efficient backend takes masks but not grouped heads), queries in chunks whose mask stays
+        within ATTN_MASK_BYTES: never the float32 math backend's [B, h, Q, L] scores."""
+        L = start + n
+        lo = max(0, start - self.window + 1) if self.window else 0  # the first key any query sees
+        bs = k_cache.shape[1]
+        blocks = batch.block_tables[b, lo // bs:-(-L // bs)]
+        cut = slice(lo - lo // bs * bs, L - lo // bs * bs)
+
+        def ctx(cache):  # [1, g, Lk, D]
+            return cache[blocks].view(-1, self.g, self.d)[cut].transpose(0, 1).unsqueeze(0).to(q.dtype)
+
+        keys, vals, qs = ctx(k_cache), ctx(v_cache), q.transpose(0, 1).unsqueeze(0)  # qs [1, h, n, D]
+        Lk = L - lo
+        if self.sinks is None and (not self.window or n == 1 or L <= self.window):  # no band to mask
+            # one query sees every key; n == Lk: SDPA's (top-left) causal flag is the lower-right one
+            mask = None if n == 1 or n == Lk else causal_lower_right(n, Lk)
+            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, is_causal=n > 1 and n == Lk,
+                                               scale=self.scale, enable_gqa=self.g != self.h)
+            return o[0].transpose(0, 1)
+        if self.g != self.h:
+            keys, vals = (t.repeat_interleave(self.h // self.g, dim=1) for t in (keys, vals))
         if self.sinks is not None:
-            keys, vals, mask = self._sink_column(keys, vals, mask, q.dtype)
-        o = F.scaled_dot_product_attention(
-            pad_queries(batch, q).transpose(1, 2), keys, vals, attn_mask=mask, scale=self.scale,
-            enable_gqa=self.g != self.h
-        )  # [B, h, Q, D]
-        return o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token]
+            keys, vals = F.pad(keys, (0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 1))
+        heads = self.h if self.sinks is not None else 1
+        step = max(1, ATTN_MASK_BYTES // max(1, heads * (Lk + 1) * q.element_size()))
+        kpos = torch.arange(lo, L, device=q.device)
+        out = []
+        for a in range(0, n, step):
+            qpos = torch.arange(start + a, start + min(n, a + step), device=q.device)[:, None]
+            mask = kpos <= qpos
+            if self.window:
+                mask &= kpos > qpos - self.window
+            if self.sinks is not None:
+                bias = torch.zeros(1, self.h, qpos.shape[0], Lk + 1, dtype=q.dtype, device=q.device)
+                bias[..., :Lk].masked_fill_(~mask, float("-inf"))
+                bias[..., Lk] = self.sinks.to(q.dtype)[None, :, None]
+                mask = bias
+            out.append(F.scaled_dot_product_attention(qs[:, :, a:a + qpos.shape[0]], keys, vals, attn_mask=mask,
+                                                      scale=self.scale))
+        return torch.cat(out, 2)[0].transpose(0, 1)
 
-    def _sink_column(self, keys, vals, mask, dtype):
-        """keys/vals [B, g, L, D] -> [B, g, L+1, D] (a zero key and value last); the boolean mask
-        [B, 1, Q, L] -> an additive one [B, h, Q, L+1] whose last column is each head's sink logit."""
-        keys, vals = F.pad(keys, (0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 1))
-        B, _, Q, L = mask.shape
-        bias = torch.zeros(B, self.h, Q, L + 1, dtype=dtype, device=mask.device)
-        bias[..., :L].masked_fill_(~mask, float("-inf"))
-        bias[..., L] = self.sinks.to(dtype)[None, :, None]
-        return keys, vals, bias
+
+ATTN_MASK_BYTES = 64 << 20  # the masked path's mask per SDPA call (queries taken in chunks to stay under it)
+_SPANS: dict = {}  # id(query_pos) -> spans: the last batch's, read once for all its layers
+
+
+def host_spans(batch: AttnBatch) -> tuple[tuple[int, int], ...]:
+    """Each sequence's (first new position, new tokens): batch.spans, else read from the batch's tensors
+    once per batch (the tokens must be flattened sequence after sequence, as engine/runner.py builds them)."""
+    if batch.spans is not None:
+        return batch.spans
+    key = id(batch.query_pos)
+    got = _SPANS.get(key)
+    if got is None or got[0] is not batch.query_pos:
+        seq = batch.seq_of_token.tolist()
+        if seq != sorted(seq):
+            raise ValueError("AttnBatch.seq_of_token: tokens must come sequence after sequence")
+        counts = torch.bincount(batch.seq_of_token.cpu(), minlength=batch.block_tables.shape[0]).tolist()
+        first = batch.query_pos[:, 0].tolist()
+        _SPANS.clear()
+        _SPANS[key] = got = (batch.query_pos, tuple(zip(first, counts)))
+    return got[1]
+
+
+def workspace_bytes(cfg: ModelConfig, tokens: int, context: int, dtype: torch.dtype) -> int:
+    """Worst-case device bytes of one layer's torch attention (the SDPA path) for `tokens` new tokens of one
+    sequence at `context` positions (the longest chunk at max_model_len): the sequence's K and V gathered
+    and cast, expanded per query head and padded with the sink column where the masked path runs, the
+    mask or bias within ATTN_MASK_BYTES, and the output; flash attention's own buffers (float32 row
+    statistics) are counted as [h, tokens] float32 twice."""
+    e, h, g, d = dtype.itemsize, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    keys = 2 * context * g * d * e
+    masked = any(cfg.sliding_window) or cfg.attn_sinks
+    expanded = 2 * (context + 1) * h * d * e if masked else 0
+    mask = min(ATTN_MASK_BYTES + tokens * (context + 1), h * tokens * (context + 1) * e) if masked else 0
+    return keys + expanded + mask + 2 * tokens * h * d * e + 2 * h * tokens * 4
 
 
 def pad_queries(batch: AttnBatch, q: torch.Tensor) -> torch.Tensor:
