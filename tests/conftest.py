@@ -7,11 +7,18 @@ arguments. transformers is only the test oracle; the engine never imports it.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# The Triton tests run the kernels interpreted on CPU tensors. Triton reads the variable when its language
+# module is first imported, which any test module may cause (torch.nn.attention.bias pulls in torch._dynamo
+# and triton), so it is set here, before every test module, and only where no GPU would compile the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:

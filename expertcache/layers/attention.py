@@ -27,7 +27,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels.attention import attend
 from ..spec.model_config import ModelConfig
@@ -163,7 +162,11 @@ class Attention:
         Lk = L - lo
         if self.sinks is None and (not self.window or n == 1 or L <= self.window):  # no band to mask
             # one query sees every key; n == Lk: SDPA's (top-left) causal flag is the lower-right one
-            mask = None if n == 1 or n == Lk else causal_lower_right(n, Lk)
+            mask = None
+            if n > 1 and n != Lk:  # imported here: the module pulls in torch._dynamo (and triton) at import
+                from torch.nn.attention.bias import causal_lower_right
+
+                mask = causal_lower_right(n, Lk)
             o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, is_causal=n > 1 and n == Lk,
                                                scale=self.scale, enable_gqa=self.g != self.h)
             return o[0].transpose(0, 1)
