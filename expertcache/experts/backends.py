@@ -32,7 +32,6 @@ import torch
 from .. import kernels
 from ..errors import ConfigError
 from .ffn import SWIGLU, ExpertFFN, torch_moe
-from .host_routing import to_device
 from .prefill import prefill_moe
 
 Pool = dict[str, torch.Tensor]
@@ -198,8 +197,10 @@ def _triton_why_not(pool: Pool, device: torch.device, options: MoEOptions) -> st
 def _triton(x, slots, weights, pool, method, ffn, out, host) -> torch.Tensor:
     from ..kernels import triton_moe  # looked up per call: tests count its calls
 
-    if slots.device != x.device:  # the host ids' slots: one non-blocking copy
-        slots = to_device(slots, x.device)
+    if host or slots.device != x.device:  # the host ids' slots: aligned on the host, sent in one copy
+        num_slots = next(iter(pool.values())).shape[0]
+        al = triton_moe.alignment_to(triton_moe.host_alignment(slots, num_slots), x.device)
+        return triton_moe.fused_moe(x, None, weights, pool, method, ffn, out=out, alignment=al)
     return triton_moe.fused_moe(x, slots, weights, pool, method, ffn, out=out)
 
 
