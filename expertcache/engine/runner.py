@@ -32,7 +32,8 @@ def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch
     def t(x):
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    batch = AttnBatch(t(pos), t(slots), t(tables), t(seq_of), t(row_of), max_q, t(qpos))
+    spans = tuple((seq.num_computed, n) for seq, n in work)  # the torch attention's per-sequence view, no read
+    batch = AttnBatch(t(pos), t(slots), t(tables), t(seq_of), t(row_of), max_q, t(qpos), spans)
     return t(ids), batch, t(last)
 
 
