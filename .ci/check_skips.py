@@ -18,6 +18,7 @@ ALLOWED = (
     "needs the C++ kernels on a CPU without AVX-512 BF16/VNNI",  # test_fast_math: CPU with them
     "no transparent huge pages on this machine",  # test_hostmem: kernel without THP
     "needs a CPU with AMX-TILE/INT8 whose OS grants the tile state",  # test_kernels_nibble_strips: CPU without AMX
+    "llama.cpp's converter absent (bench/peers: EXPERTCACHE_LLAMA_CPP)",  # test_gguf_converter: an optional peer
 )
 
 

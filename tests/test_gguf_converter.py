@@ -26,7 +26,7 @@ CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
 TEXT = "Hello world, 你好世界! Привет. def f(x): return x ** 2"
 
 
-@pytest.mark.skipif(not CONVERTER.is_file(), reason=f"llama.cpp's converter absent ({CONVERTER})")
+@pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter absent (bench/peers: EXPERTCACHE_LLAMA_CPP)")
 @pytest.mark.parametrize("outtype", ["q8_0"])
 def test_llama_cpp_converter_output_loads(tmp_path, outtype):
     ckpt = C.make_checkpoint(tmp_path, "qwen3_moe", name="q", tokenizer=False, vocab_size=151936)
