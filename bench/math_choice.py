@@ -2,7 +2,7 @@
 with exact math on every family's tiny checkpoint, under `--cpu-math exact` and `fast`. Deterministic
 (no timings): the same figures on every run on one machine.
 
-    python bench/math_choice.py [--tolerance-ppl 0.005] [--tolerance-agree 0.95] [--windows 16] [--window 256]
+    python bench/math_choice.py [--tolerance-ppl 0.005] [--tolerance-agree 0.90] [--windows 16] [--window 256]
         [--families all] [--prompts 8] [--new 32] [--work /tmp/math_choice]
 
 Perplexity (`llm.logits` over --windows windows of --window held-out tokens, the nll summed in float64):
