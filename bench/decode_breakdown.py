@@ -18,8 +18,9 @@ tokens), `loop` (every layer's MoE call with random distinct experts, --tokens t
 `loop-attn` (the same with the layer's attention projections and, per token, lm_head between:
 their bytes stream through the caches as in the model), `loop-6` (layers 0-5 only: the experts of 6
 layers, as a 6-layer checkpoint holds them), `loop-spin` (`loop` with the attention projections' time
-slept instead, the helper idle as long as between two MoE calls in the model). Lines: `gap:` per
-configuration (median of rounds): wall-clock us per MoE job and its GB/s of expert bytes, and the same
+slept instead, the helper idle as long as between two MoE calls in the model), `loop-model-inputs`
+(the model's own MoE inputs and routing of its warm-up decode, replayed back to back). Lines: `gap:` per
+configuration (median of rounds; `model`: its decode steps only, a prompt-only run's MoE jobs taken off): wall-clock us per MoE job and its GB/s of expert bytes, and the same
 in CPU time (`cpu_us`: the threads' CPU time in the job's units; `expert_GBps_cpu`: the bytes over that
 time divided by the threads, the rate with no thread descheduled: on a shared machine the figure to
 compare); `pages:` the process's memory on 2 MiB pages.
@@ -134,7 +135,17 @@ def moe_gap(a) -> None:
     m, src = llm.model, llm.source
     prompt = [3 + i % 2000 for i in range(a.prompt)]
     params = SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True)
+    recorded = []  # the model's own MoE inputs (layer, x, ids, weights), for `loop-model-inputs`
+    forward = m.experts.forward
+
+    def record(i, x, ids, w):
+        if x.shape[0] == 1:
+            recorded.append((i, x.clone(), ids.clone(), w.float().clone()))
+        return forward(i, x, ids, w)
+
+    m.experts.forward = record
     llm.generate([prompt], params)  # warm-up
+    m.experts.forward = forward
     ext = K.extension()
     lib = ctypes.CDLL(ext.__file__)
     H, E, k = m.cfg.hidden_size, src.cfg.num_experts, src.cfg.top_k
@@ -179,8 +190,15 @@ def moe_gap(a) -> None:
                 if with_attn:
                     K.dense_linear(x_attn, m.lm_head) if isinstance(m.lm_head, torch.Tensor) else None
 
+        def replay():
+            for i, x, ids, wt in recorded:
+                out = torch.zeros(1, H)
+                ext.moe(x.contiguous(), ids.to(torch.int64), wt.contiguous(), *args[i][:9], out, *args[i][9:], math)
+
+        prompt_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         configs = {
             "model": lambda: llm.generate([prompt], params),
+            "loop-model-inputs": replay,
             "loop": lambda: loop(layers),
             "loop-attn": lambda: loop(layers, with_attn=True),
             "loop-6": lambda: loop(layers[:6]),
@@ -189,11 +207,17 @@ def moe_gap(a) -> None:
         res = {c: [] for c in configs}
         for r in range(a.rounds):
             for c in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
+                prompt_step = (0,) * 8
+                if c == "model":  # the prompt's step (9 tokens: most experts) counted apart and taken off
+                    pool_stats(lib)
+                    llm.generate([prompt], prompt_only)
+                    prompt_step = pool_stats(lib).get(site, prompt_step)
                 pool_stats(lib)
                 t0 = time.perf_counter()
                 configs[c]()
                 wall = time.perf_counter() - t0
-                jobs, units, hu, ns, work, wait, start, cpu = pool_stats(lib).get(site, (0,) * 8)
+                got = pool_stats(lib).get(site, (0,) * 8)
+                jobs, units, hu, ns, work, wait, start, cpu = (x - y for x, y in zip(got, prompt_step))
                 if jobs:
                     res[c].append((ns / jobs / 1e3, per_call * jobs / ns, work / jobs / 1e3, wait / jobs / 1e3,
                                    start / jobs / 1e3, hu / units, wall, jobs, per_call * jobs * a.threads / cpu,
