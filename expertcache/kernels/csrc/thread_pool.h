@@ -19,7 +19,7 @@
 // its invoker's address), jobs, units, the units the helpers took, and the job's wall time split into
 // the caller's own work, its wait after it (the helpers' last units, or a helper that has not let go
 // of the job) and the delay until a helper took its first unit. Read and reset through
-// expertcache_pool_stats (fast_kernels.cpp; bench/decode_breakdown.py --pool-stats).
+// expertcache_pool_stats (fast_kernels.cpp; bench/decode_breakdown.py --moe-gap).
 
 #pragma once
 
