@@ -1,9 +1,9 @@
 """expertcache and llama.cpp side by side at the shapes and formats people download: random-weight
 checkpoints with the exact shapes and shipped layouts of gpt-oss-20b (MXFP4 experts) and
-Qwen3-30B-A3B (bf16; int4), fewer layers with --layers, converted with llama.cpp's own converter,
-llama-bench and expertcache run alternately in one run, 2 threads.
+Qwen3-30B-A3B (bf16; int4), at the model's full depth (fewer layers with --layers, for quick runs),
+converted with llama.cpp's own converter, llama-bench and expertcache run alternately in one run, 2 threads.
 
-    python bench/real_scale.py --model gpt-oss-20b --layers 6 [--rounds 3] [--threads 2]
+    python bench/real_scale.py --model gpt-oss-20b [--layers 24] [--rounds 3] [--threads 2]
         [--prompts 128 512] [--gen 32] [--cpu-math exact fast] [--parts resident cgroup]
         [--cgroup-share 0.45] [--dir ~/.cache/expertcache-realscale] [--keep]
     python bench/real_scale.py --model qwen3-30b-a3b --format bf16|int4 --layers 4 ...
@@ -22,7 +22,10 @@ Both carry the Qwen3 tokenizer (--tokenizer): the converter identifies a tokeniz
 pre-tokenizer, the prompts are token ids, and the tokenizer changes no timing.
 
 resident: everything in RAM (llama.cpp: mmap, warm page cache; expertcache: one long-lived process per
---cpu-math, prefix caching off). Per round: llama-bench `-p 128,512 -n GEN -r 1` then each
+--cpu-math, prefix caching off). Where the checkpoint and the GGUF together do not fit in RAM (MemTotal
+less --ram-reserve; the full gpt-oss-20b on a 24 GiB machine), the engines take turns: each round starts
+every expertcache process (loaded and warmed up, not timed) and closes it before llama-bench, whose file
+then fills the page cache again in its own warm-up run (`--fresh-workers` forces this). Per round: llama-bench `-p 128,512 -n GEN -r 1` then each
 expertcache process: a 128-token prompt and GEN tokens (decode after that prompt), then the 512-token
 prompt alone. cgroup: each engine in its own memory cgroup (v1) of --cgroup-share x its model file's
 size, page cache dropped before each llama-bench run; llama.cpp mmap, expertcache --low-memory (expert
@@ -32,7 +35,8 @@ the disk's O_DIRECT read speed (the engine's DiskReader, 16 threads, 48 whole ex
 checkpoint, once per round).
 
 Lines (after the hardware line): `layout:` (bytes per layer and outside the layers), `round:` per
-engine and round, `summary:` per test and cpu-math (medians of the rounds, ratio of the medians,
+engine and round (with that round's read probe and, for expertcache's decode, its bytes per token x
+the probe as the round's limit and the share of it reached), `summary:` per test and cpu-math (medians of the rounds, ratio of the medians,
 median and range of the per-round ratios, the physical limit beside each figure).
 Not part of CI: it needs the llama.cpp build of bench/peers/llama_cpp_bench.py and ~5-13 GB of disk.
 """
@@ -42,8 +46,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -183,7 +187,7 @@ def layout(ckpt: Path) -> dict:
     outside = 0
     for f in sorted(ckpt.glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
-            for k in h.keys():
+            for k in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 sl = h.get_slice(k)
                 n = 1
                 for d in sl.get_shape():
@@ -226,6 +230,7 @@ def gguf_for(ckpt: Path, out: Path, cache: Path, bindir: Path, peer: str, output
 def disk_speed(ckpt: Path, threads: int = 16, experts: int = 48) -> tuple[float, bool]:
     """MB/s of whole experts read from `ckpt` with the engine's DiskReader (O_DIRECT when available)."""
     from disk_read import read_experts
+
     from expertcache.experts.layout import ExpertSource
     from expertcache.loader.safetensors_index import TensorIndex
     from expertcache.models.registry import read_config
@@ -316,7 +321,7 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt-oss-20b")
     ap.add_argument("--format", default=None,
                     help="gpt-oss-20b: mxfp4; qwen3-30b-a3b: bf16 or int4 (default: the first)")
-    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=None, help="layers written (default: the model's full depth)")
     ap.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "expertcache-realscale")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "expertcache-peers",
                     help="the llama.cpp build of bench/peers/llama_cpp_bench.py")
@@ -341,6 +346,11 @@ def main() -> None:
                     "bytes of --lm-head int8); default: llama-quantize's choice (Q6_K)")
     ap.add_argument("--llama-extra", type=shlex.split, default=[],
                     help="further llama-bench flags in one quoted string, e.g. --llama-extra '--repack 0'")
+    ap.add_argument("--fresh-workers", action="store_true",
+                    help="start and close the expertcache processes every round (default: only where the checkpoint "
+                    "and the GGUF do not fit in RAM together)")
+    ap.add_argument("--ram-reserve", type=float, default=4.0,
+                    help="GiB of RAM left to everything else when judging whether both engines' weights fit")
     ap.add_argument("--write-only", action="store_true", help="write the checkpoint and print its layout line")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and GGUFs (default: delete at the end)")
     args = ap.parse_args()
@@ -348,6 +358,8 @@ def main() -> None:
     if fmt not in FORMATS[args.model]:
         raise SystemExit(f"--format {fmt}: {args.model} comes as {', '.join(FORMATS[args.model])}")
     peer = FORMATS[args.model][fmt]
+    if args.layers is None:
+        args.layers = MODELS[args.model]["num_hidden_layers"]
     torch.set_num_threads(args.threads)
     from common import hardware_line
 
@@ -377,11 +389,10 @@ def main() -> None:
           flush=True)
     if args.write_only:
         return
-    from kernel_bench import read_bandwidth
-    from llama_cpp_bench import Worker, build_llama_cpp, llama_bench_rows
+    from llama_cpp_bench import build_llama_cpp
 
     bindir = build_llama_cpp(args.cache)
-    ver = subprocess.run([str(bindir / "llama-bench"), "--version"], capture_output=True, text=True)
+    ver = subprocess.run([str(bindir / "llama-bench"), "--version"], check=False, capture_output=True, text=True)
     print(f"llama.cpp: {(ver.stdout + ver.stderr).strip().splitlines()[-1]} extra_flags={args.llama_extra or 'none'}",
           flush=True)
     t0 = time.perf_counter()
@@ -396,38 +407,7 @@ def main() -> None:
     pp = ",".join(map(str, args.prompts))
     try:
         if "resident" in args.parts:
-            extra = {k: v for k, v in (("lm_head", args.lm_head), ("dense", args.dense)) if v}
-            workers = {m: Worker(ckpt, max(args.prompts), args.gen, args.threads, {"cpu_math": m, **extra},
-                                 warm=tuple(args.prompts))
-                       for m in args.cpu_math}
-            res = {"llama.cpp": [], **{m: [] for m in workers}}
-            bws = []
-            try:
-                for r in range(args.rounds):
-                    bws.append(read_bandwidth())
-                    for engine in res:
-                        t1 = time.perf_counter()
-                        if engine == "llama.cpp":
-                            got = rows_by_test(llama_bench_rows(bindir, gguf, pp, args.gen, args.threads,
-                                                                tuple(args.llama_extra)))
-                        else:
-                            got = {}
-                            for i, n in enumerate(args.prompts):  # decode after the first prompt
-                                m = workers[engine].measure(n, args.gen if i == 0 else 1)
-                                got[f"pp{n}"] = m["pp"]
-                                if i == 0:
-                                    got[f"tg{args.gen}"] = m["tg"]
-                        res[engine].append(got)
-                        print(f"round: {tag} part=resident round={r} engine={engine} "
-                              + " ".join(f"{t}_tok_s={v:.2f}" for t, v in sorted(got.items()))
-                              + f" read_GBps={bws[-1]:.1f} wall_s={time.perf_counter() - t1:.0f}", flush=True)
-            finally:
-                for w in workers.values():
-                    w.close()
-            bpt = next(iter(workers.values())).info["bytes_per_token"] / 1e9
-            bw = statistics.median(bws)
-            limits = {f"tg{args.gen}": (bw / bpt, f"{bpt:.3f} GB per token x read {bw:.1f} GB/s")}
-            summarize(tag + " part=resident", res, limits)
+            resident_part(args, tag, ckpt, gguf, bindir, pp)
         if "cgroup" in args.parts:
             cgroup_part(args, tag, ckpt, gguf, bindir)
     finally:
@@ -435,6 +415,70 @@ def main() -> None:
             for p in (base, ckpt):
                 shutil.rmtree(p, ignore_errors=True)
             gguf.unlink(missing_ok=True)
+
+
+def mem_total() -> int:
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal:"))
+    return int(line.split()[1]) << 10
+
+
+def resident_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path, pp: str) -> None:
+    from kernel_bench import read_bandwidth
+    from llama_cpp_bench import Worker, llama_bench_rows
+
+    extra = {k: v for k, v in (("lm_head", args.lm_head), ("dense", args.dense)) if v}
+    need, have = dir_bytes(ckpt) + gguf.stat().st_size, mem_total() - int(args.ram_reserve * 2 ** 30)
+    fresh = args.fresh_workers or need > have
+    print(f"resident: weights_GB={need / 1e9:.2f} (checkpoint + GGUF) ram_GB={have / 1e9:.2f} (MemTotal less "
+          f"--ram-reserve) workers={'started every round' if fresh else 'long-lived'}", flush=True)
+
+    def start(m: str) -> Worker:
+        return Worker(ckpt, max(args.prompts), args.gen, args.threads, {"cpu_math": m, **extra},
+                      warm=tuple(args.prompts))
+
+    workers = {} if fresh else {m: start(m) for m in args.cpu_math}
+    res = {"llama.cpp": [], **{m: [] for m in args.cpu_math}}
+    bws, bpt = [], None
+    try:
+        for r in range(args.rounds):
+            bws.append(read_bandwidth())
+            for engine, runs in res.items():
+                t1 = time.perf_counter()
+                if engine == "llama.cpp":
+                    got = rows_by_test(llama_bench_rows(bindir, gguf, pp, args.gen, args.threads,
+                                                        tuple(args.llama_extra)))
+                else:
+                    w = workers[engine] if not fresh else start(engine)
+                    bpt = w.info["bytes_per_token"] / 1e9
+                    t2 = time.perf_counter()
+                    got = {}
+                    for i, n in enumerate(args.prompts):  # decode after the first prompt
+                        m = w.measure(n, args.gen if i == 0 else 1)
+                        got[f"pp{n}"] = m["pp"]
+                        if i == 0:
+                            got[f"tg{args.gen}"] = m["tg"]
+                    if fresh:
+                        w.close()
+                    t1 = t2
+                runs.append(got)
+                share = ""
+                if engine != "llama.cpp":
+                    lim = bws[-1] / bpt
+                    share = (f" round_limit_tok_s={lim:.2f} ({bpt:.3f} GB/token x {bws[-1]:.1f} GB/s) "
+                             f"share_of_round_limit={got[f'tg{args.gen}'] / lim:.0%}")
+                print(f"round: {tag} part=resident round={r} engine={engine} "
+                      + " ".join(f"{t}_tok_s={v:.2f}" for t, v in sorted(got.items()))
+                      + f" read_GBps={bws[-1]:.1f}{share} wall_s={time.perf_counter() - t1:.0f}", flush=True)
+    finally:
+        for w in workers.values():
+            w.close()
+    tg = f"tg{args.gen}"
+    shares = sorted(e[tg] * bpt / b for e, b in zip(res[args.cpu_math[0]], bws))
+    bw = statistics.median(bws)
+    limits = {tg: (bw / bpt, f"{bpt:.3f} GB per token x read {bw:.1f} GB/s")}
+    summarize(tag + " part=resident", res, limits,
+              f" {args.cpu_math[0]}_share_of_round_limit_median={statistics.median(shares):.0%} "
+              f"({shares[0]:.0%}-{shares[-1]:.0%})")
 
 
 def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
@@ -467,7 +511,7 @@ def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
         disk_per_token = []
         for r in range(args.rounds):
             disks.append(disk_speed(ckpt)[0])
-            for engine in res:
+            for engine, runs in res.items():
                 t1 = time.perf_counter()
                 if engine == "llama.cpp":
                     drop_page_cache()
@@ -483,7 +527,7 @@ def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
                     got = {test: m["tg"]}
                     disk_per_token.append((m["disk_bytes"] - before) / (args.cgroup_gen + 1))
                     before = m["disk_bytes"]
-                res[engine].append(got)
+                runs.append(got)
                 print(f"round: {tag} round={r} engine={engine} {test}_tok_s={got[test]:.3f} disk_MBps={disks[-1]:.0f} "
                       + (f"disk_GB_per_token={disk_per_token[-1] / 1e9:.3f} " if engine != "llama.cpp" else "")
                       + f"wall_s={time.perf_counter() - t1:.0f}", flush=True)

@@ -161,7 +161,7 @@ def loaded(request, checkpoint, expertcache_api, tmp_path_factory):
         path = C.copy_checkpoint(path, tmp_path_factory.mktemp(case.id) / "model")
         case.edit(path)
     reference = C.load_reference(path, dtype=torch.float32)
-    llm = expertcache_api.LLM(str(path), device="cpu")
+    llm = expertcache_api.LLM(str(path), device="cpu", cpu_math="exact")
     prompt = PROMPT
     yield Loaded(case, path, reference, llm, prompt)
     del llm
@@ -230,8 +230,8 @@ def test_batched_greedy_matches_transformers(loaded, expertcache_api):
 def test_chunked_prefill_matches_transformers(loaded, expertcache_api):
     """A 5-token step budget splits every prefill into chunks and interleaves them with decodes;
     max_num_seqs=2 queues the third prompt; no prefix cache."""
-    llm = expertcache_api.LLM(str(loaded.path), device="cpu", max_num_batched_tokens=5, max_num_seqs=2,
-                              prefix_caching=False)
+    llm = expertcache_api.LLM(str(loaded.path), device="cpu", cpu_math="exact", max_num_batched_tokens=5,
+                              max_num_seqs=2, prefix_caching=False)
     torch.testing.assert_close(llm.logits(loaded.prompt), reference_logits(loaded.reference, loaded.prompt),
                                atol=ATOL, rtol=RTOL, msg=lambda m: f"{loaded.case.id} (chunked logits): {m}")
     prompts = loaded.batch_prompts()
@@ -246,7 +246,7 @@ def test_fused_expert_layout_same_logits(loaded, expertcache_api, tmp_path):
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in names) or not any(
         ".experts." in k for k in C.tensor_files(loaded.path)
     )
-    llm = expertcache_api.LLM(str(fused), device="cpu")
+    llm = expertcache_api.LLM(str(fused), device="cpu", cpu_math="exact")
     got = llm.logits(loaded.prompt)
     expected = reference_logits(loaded.reference, loaded.prompt)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL,

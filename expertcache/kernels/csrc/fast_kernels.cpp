@@ -330,3 +330,20 @@ void rows_q8(const uint8_t* w, int64_t w_row, const float* s, int64_t s_row, int
 #pragma GCC pop_options
 
 }  // namespace fastk
+
+// The thread pool's per-site timing (thread_pool.h; EXPERTCACHE_POOL_STATS=1), for ctypes: 9 int64 a site
+// (site address, jobs, units, helper units, ns, caller's work ns, caller's wait ns, ns to a helper's
+// first unit, CPU ns in units) into out, at most max sites -> the sites written; reset: zero the sums after.
+#include "thread_pool.h"
+
+extern "C" __attribute__((visibility("default"))) int expertcache_pool_stats(int64_t* out, int max, int reset) {
+  pool::SiteStats st[pool::MAX_SITES];
+  const int k = pool::instance().copy_stats(st, max < pool::MAX_SITES ? max : pool::MAX_SITES, reset != 0);
+  for (int i = 0; i < k; ++i) {
+    const int64_t v[9] = {int64_t(reinterpret_cast<uintptr_t>(st[i].site)), st[i].jobs,   st[i].units,
+                          st[i].helper_units, st[i].ns, st[i].caller_work_ns, st[i].wait_ns, st[i].helper_start_ns,
+                          st[i].work_cpu_ns};
+    for (int j = 0; j < 9; ++j) out[i * 9 + j] = v[j];
+  }
+  return k;
+}
