@@ -110,7 +110,7 @@ class SchedulerConfig:
 class KernelConfig:
     lm_head: str | None = None  # quantize lm_head at load (layers/basic.py LOAD_FORMATS)
     dense: str | None = None  # quantize the dense projections at load
-    cpu_math: str = "exact"  # kernels.CPU_MATHS
+    cpu_math: str = "auto"  # kernels.CPU_MATHS; auto: fast where this CPU has it, else exact (docs/numerics.md)
 
     def __post_init__(self):
         from . import kernels
@@ -122,6 +122,8 @@ class KernelConfig:
                     load_quant_method(getattr(self, name), name)  # an unknown format names the field
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.cpu_math == "auto":  # the default, chosen by held-out perplexity (bench/math_choice.py)
+            object.__setattr__(self, "cpu_math", "fast" if kernels.cpu_math_unavailable("fast") is None else "exact")
         try:
             unavailable = kernels.cpu_math_unavailable(self.cpu_math)
         except ValueError as e:
