@@ -19,6 +19,7 @@ what expert-parallel ranks are started from (the whole config, progress left out
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
+import os
 from pathlib import Path
 
 import torch
@@ -122,8 +123,12 @@ class KernelConfig:
                     load_quant_method(getattr(self, name), name)  # an unknown format names the field
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.cpu_math == "auto":  # the default, chosen by held-out perplexity (bench/math_choice.py)
-            object.__setattr__(self, "cpu_math", "fast" if kernels.cpu_math_unavailable("fast") is None else "exact")
+        if self.cpu_math == "auto":  # the default, chosen by held-out perplexity (bench/math_choice.py):
+            # $EXPERTCACHE_CPU_MATH if set (the test suite sets exact: its oracle is transformers), else fast
+            # where this CPU has it
+            env = os.environ.get("EXPERTCACHE_CPU_MATH", "").strip()
+            auto = "fast" if kernels.cpu_math_unavailable("fast") is None else "exact"
+            object.__setattr__(self, "cpu_math", env or auto)
         try:
             unavailable = kernels.cpu_math_unavailable(self.cpu_math)
         except ValueError as e:

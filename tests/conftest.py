@@ -20,6 +20,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The engine's default CPU math is fast where the CPU has it; the suite's oracle is transformers' float32
+# math, so its default is exact (tests of the fast math and of the default itself say so explicitly).
+os.environ.setdefault("EXPERTCACHE_CPU_MATH", "exact")
+
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))

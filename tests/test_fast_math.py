@@ -148,6 +148,22 @@ def test_cli_passes_cpu_math():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     assert engine_kwargs(p.parse_args(["--cpu-math", "fast"]))["cpu_math"] == "fast"
-    assert engine_kwargs(p.parse_args([]))["cpu_math"] == "exact"
+    assert engine_kwargs(p.parse_args([]))["cpu_math"] == "auto"
     with pytest.raises(SystemExit):
         p.parse_args(["--cpu-math", "turbo"])
+
+
+def test_the_default_math_is_fast_where_the_cpu_has_it(monkeypatch):
+    """Unset (a user's process), auto resolves to fast on a CPU with AVX-512 BF16/VNNI and the kernels,
+    else to exact; $EXPERTCACHE_CPU_MATH overrides it (the suite runs with exact)."""
+    from expertcache.config import EngineConfig
+
+    monkeypatch.delenv("EXPERTCACHE_CPU_MATH", raising=False)
+    want = "fast" if kernels.cpu_math_unavailable("fast") is None else "exact"
+    assert EngineConfig.from_kwargs().kernels.cpu_math == want
+    assert EngineConfig.from_kwargs(cpu_math="exact").kernels.cpu_math == "exact"
+    monkeypatch.setenv("EXPERTCACHE_CPU_MATH", "exact")
+    assert EngineConfig.from_kwargs().kernels.cpu_math == "exact"
+    monkeypatch.setenv("EXPERTCACHE_CPU_MATH", "turbo")
+    with pytest.raises(ConfigError, match="cpu_math: one of exact, fast, got 'turbo'"):
+        EngineConfig.from_kwargs()
