@@ -35,6 +35,7 @@ demo: setup
 	$(VENV)/bin/expertcache demo $(MODEL) $(ARGS)
 
 test: setup-test
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -rs --junitxml=$(TEST_REPORT)
 
 clean:

@@ -33,12 +33,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-from pathlib import Path
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
-
 from common import hardware_line, timed_generate
 
 
@@ -69,10 +68,21 @@ def configs(share: float, host: str | None):
     cache = {"device_memory": f"{share:.0%}", "host_memory": host}
     return {
         "resident": {},
-        "no-cache": {"cache_policy": "lru", "prefetch": False, "cpu_compute": "never", "min_slots": True,
-                     "exclusive": False},
-        "sync-lru": {**cache, "cache_policy": "lru", "prefetch": False, "cpu_compute": "never", "overlap_io": False,
-                     "exclusive": False},
+        "no-cache": {
+            "cache_policy": "lru",
+            "prefetch": False,
+            "cpu_compute": "never",
+            "min_slots": True,
+            "exclusive": False,
+        },
+        "sync-lru": {
+            **cache,
+            "cache_policy": "lru",
+            "prefetch": False,
+            "cpu_compute": "never",
+            "overlap_io": False,
+            "exclusive": False,
+        },
         "static": {**cache, "cache_policy": "static", "prefetch": False, "load_stats": True},
         "default": {**cache},
         "default+prefetch": {**cache, "prefetch": "device"},
@@ -125,25 +135,41 @@ def main():
             model_dir, host = str(Path(__file__).resolve().parents[2] / "shared/models/tinymoe-py16"), "25%"
             prompt_ids = torch.load(Path(model_dir) / "heldout_ids.pt").flatten().tolist()
         else:  # 1.5 GiB of bf16 experts; host RAM tier holds a quarter, the rest streams from disk
-            model_dir = str(build_demo_model(f"{tmp}/big", num_layers=16, num_experts=64, top_k=8, hidden=512,
-                                             moe_intermediate=512, num_heads=8, num_kv_heads=4, num_shards=4))
+            model_dir = str(
+                build_demo_model(
+                    f"{tmp}/big",
+                    num_layers=16,
+                    num_experts=64,
+                    top_k=8,
+                    hidden=512,
+                    moe_intermediate=512,
+                    num_heads=8,
+                    num_kv_heads=4,
+                    num_shards=4,
+                )
+            )
             host = "25%"
         stats_path = f"{tmp}/{model}-stats.json"
         for routing in args.routing:
             params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True)
             rng = torch.Generator().manual_seed(1)
-            prompts = [torch.randint(3, 2000, (args.prompt_len,), generator=rng).tolist() for _ in range(args.repeats)]
+            prompts = [
+                torch.randint(3, 2000, (args.prompt_len,), generator=rng).tolist()
+                for _ in range(args.repeats)
+            ]
             warm_prompt = torch.randint(3, 2000, (args.prompt_len,), generator=rng).tolist()
             if prompt_ids:  # real text: held-out stretches, the warm-up statistics from a different one
                 n = args.prompt_len
-                prompts = [prompt_ids[r * 1000: r * 1000 + n] for r in range(args.repeats)]
-                warm_prompt = prompt_ids[50000:50000 + n]
+                prompts = [prompt_ids[r * 1000 : r * 1000 + n] for r in range(args.repeats)]
+                warm_prompt = prompt_ids[50000 : 50000 + n]
             llms = {}
             for name, kw in configs(args.device_share, host).items():
                 if args.only and name not in args.only:
                     continue
                 if name == "static":  # statistics from a different prompt, saved by a warm-up run
-                    warm = make_llm(model_dir, configs(args.device_share, host)["sync-lru"], stats_path, args.device)
+                    warm = make_llm(
+                        model_dir, configs(args.device_share, host)["sync-lru"], stats_path, args.device
+                    )
                     _route(warm, routing, 2)
                     warm.generate([warm_prompt], params)
                     warm.experts.save_stats(stats_path)
@@ -165,21 +191,29 @@ def main():
             for name, llm in llms.items():
                 dec = statistics.median(r["decode_tok_s"] for r in runs[name])
                 pre = statistics.median(r["prefill_tok_s"] for r in runs[name])
-                s = llm.expert_stats() or {"hit_rate": 1.0, "bytes_moved": 0,
-                                           "per_tier": {"host": {"hits": 0, "misses": 0}}}
+                s = llm.expert_stats() or {
+                    "hit_rate": 1.0,
+                    "bytes_moved": 0,
+                    "per_tier": {"host": {"hits": 0, "misses": 0}},
+                }
                 host_t = s["per_tier"]["host"]
                 hu = host_t["hits"] + host_t["misses"]
                 results[name] = dec
-                print(f"model={model} routing={routing} config={name} decode_tok_s={dec:.2f} prefill_tok_s={pre:.1f} "
-                      f"decode_runs={','.join(format(r['decode_tok_s'], '.1f') for r in runs[name])} "
-                      f"device_hit={s['hit_rate']:.3f} host_hit={host_t['hits'] / hu if hu else 1.0:.3f} "
-                      f"host_prefetch={host_t.get('prefetch_useful', 0)}/{host_t.get('prefetch_issued', 0)} "
-                      f"moved_GB={s['bytes_moved'] / 1e9:.3f} GB_per_s={s['bytes_moved'] / 1e9 / walls[name]:.3f}",
-                      flush=True)
+                print(
+                    f"model={model} routing={routing} config={name} decode_tok_s={dec:.2f} prefill_tok_s={pre:.1f} "
+                    f"decode_runs={','.join(format(r['decode_tok_s'], '.1f') for r in runs[name])} "
+                    f"device_hit={s['hit_rate']:.3f} host_hit={host_t['hits'] / hu if hu else 1.0:.3f} "
+                    f"host_prefetch={host_t.get('prefetch_useful', 0)}/{host_t.get('prefetch_issued', 0)} "
+                    f"moved_GB={s['bytes_moved'] / 1e9:.3f} GB_per_s={s['bytes_moved'] / 1e9 / walls[name]:.3f}",
+                    flush=True,
+                )
                 llm.close()
             if {"default", "sync-lru", "resident"} <= set(results):
-                print(f"model={model} routing={routing} default/sync-lru={results['default'] / results['sync-lru']:.2f}x "
-                      f"default/resident={results['default'] / results['resident']:.2f}x", flush=True)
+                print(
+                    f"model={model} routing={routing} default/sync-lru={results['default'] / results['sync-lru']:.2f}x "
+                    f"default/resident={results['default'] / results['resident']:.2f}x",
+                    flush=True,
+                )
 
 
 _TRACES = {}
@@ -195,9 +229,17 @@ def _route(llm, routing: str, seed: int) -> None:
     cfg = llm.cfg
     key = (cfg.num_layers, cfg.num_experts, cfg.top_k, seed)
     if key not in _TRACES:
-        _TRACES[key] = synth_trace(layers=len(cfg.moe_layer_ids), experts=cfg.num_experts, top_k=cfg.top_k,
-                                   tokens=4096, zipf=1.1, reuse=0.4, shift_every=256, seed=seed,
-                                   lookahead_recall=LOOKAHEAD_RECALL)
+        _TRACES[key] = synth_trace(
+            layers=len(cfg.moe_layer_ids),
+            experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            tokens=4096,
+            zipf=1.1,
+            reuse=0.4,
+            shift_every=256,
+            seed=seed,
+            lookahead_recall=LOOKAHEAD_RECALL,
+        )
     llm.model.route_override = TraceRouter(_TRACES[key], cfg.moe_layer_ids[0], cfg.moe_layer_ids)
 
 

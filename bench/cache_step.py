@@ -36,7 +36,9 @@ def main():
     ap.add_argument("--device-memory", default="75%")
     ap.add_argument("--host-memory", default="100%")
     ap.add_argument("--policies", nargs="+", default=["default", "lru"])
-    ap.add_argument("--prefetch", default=None, help="the tiered configurations' prefetch (default: the engine's)")
+    ap.add_argument(
+        "--prefetch", default=None, help="the tiered configurations' prefetch (default: the engine's)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from expertcache import LLM, SamplingParams
@@ -50,8 +52,13 @@ def main():
         kw = {} if p == "default" else {"cache_policy": p}
         if args.prefetch is not None:
             kw["prefetch"] = args.prefetch
-        llms[f"tiered-{p}"] = LLM(model_dir, prefix_caching=False,
-                                  device_memory=args.device_memory, host_memory=args.host_memory, **kw)
+        llms[f"tiered-{p}"] = LLM(
+            model_dir,
+            prefix_caching=False,
+            device_memory=args.device_memory,
+            host_memory=args.host_memory,
+            **kw,
+        )
     moe_layers = len(llms["tiered-" + args.policies[0]].experts.layers)
     gen = torch.Generator().manual_seed(0)
     vocab = llms["resident"].cfg.vocab_size
@@ -73,14 +80,19 @@ def main():
             cpu[k].append((time.process_time() - c0) / args.gen)
             pre[k].append(timed_generate(llms[k], [prefill_prompt], one)["prefill_tok_s"])
     base, base_cpu = statistics.median(dec["resident"]), statistics.median(cpu["resident"])
-    print(f"model={model_dir} moe_layers={moe_layers} threads={args.threads} device_memory={args.device_memory} "
-          f"host_memory={args.host_memory} prefetch={args.prefetch or 'default'} rounds={args.rounds} gen={args.gen}")
+    print(
+        f"model={model_dir} moe_layers={moe_layers} threads={args.threads} device_memory={args.device_memory} "
+        f"host_memory={args.host_memory} prefetch={args.prefetch or 'default'} rounds={args.rounds} gen={args.gen}"
+    )
     for k in llms:
         d, p = statistics.median(dec[k]), statistics.median(pre[k])
         us = (1 / d - 1 / base) / moe_layers * 1e6
         cus = (statistics.median(cpu[k]) - base_cpu) / moe_layers * 1e6
-        print(f"config={k} decode_tok_s={d:.1f} prefill_tok_s={p:.1f} step_us_per_layer={us:.1f} "
-              f"step_cpu_us_per_layer={cus:.1f}", flush=True)
+        print(
+            f"config={k} decode_tok_s={d:.1f} prefill_tok_s={p:.1f} step_us_per_layer={us:.1f} "
+            f"step_cpu_us_per_layer={cus:.1f}",
+            flush=True,
+        )
     for llm in llms.values():
         llm.close()
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import time
 import platform
+import time
 
 import torch
 
@@ -19,8 +19,10 @@ def hardware_line() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     from expertcache import kernels
 
-    return (f"hardware: cpu={cpu!r} cores={os.cpu_count()} torch_threads={torch.get_num_threads()} "
-            f"gpu={gpu!r} torch={torch.__version__} cpu_kernels={kernels.backend()}")
+    return (
+        f"hardware: cpu={cpu!r} cores={os.cpu_count()} torch_threads={torch.get_num_threads()} "
+        f"gpu={gpu!r} torch={torch.__version__} cpu_kernels={kernels.backend()}"
+    )
 
 
 def timed_generate(llm, prompts, params) -> dict:
@@ -32,8 +34,14 @@ def timed_generate(llm, prompts, params) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
-    pt, gt, ps, ds = (a - b for a, b in zip((c.prompt_tokens, c.generated_tokens, c.prefill_seconds,
-                                             c.decode_seconds), before))
+    pt, gt, ps, ds = (
+        a - b
+        for a, b in zip((c.prompt_tokens, c.generated_tokens, c.prefill_seconds, c.decode_seconds), before)
+    )
     decoded = gt - len(prompts)  # the first token of each sequence comes out of prefill
     ds = max(wall - ps, 1e-9) if ds else 0.0
-    return {"prefill_tok_s": pt / ps if ps else 0.0, "decode_tok_s": decoded / ds if ds else 0.0, "outputs": outs}
+    return {
+        "prefill_tok_s": pt / ps if ps else 0.0,
+        "decode_tok_s": decoded / ds if ds else 0.0,
+        "outputs": outs,
+    }

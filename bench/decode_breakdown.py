@@ -45,16 +45,24 @@ from common import hardware_line
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default=str(Path.home() / ".cache" / "expertcache-peers" / "yardstick"))
+    ap.add_argument(
+        "model", nargs="?", default=str(Path.home() / ".cache" / "expertcache-peers" / "yardstick")
+    )
     ap.add_argument("--lm-head", default=None)
     ap.add_argument("--cpu-math", default="exact", choices=["exact", "fast"])
     ap.add_argument("--dense", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompt", type=int, default=9, help="prompt tokens (--prompt 128 --tokens 0: a prefill alone)")
-    ap.add_argument("--fused-blocks", action="store_true", help="the one-call attention block (default: the Python path)")
-    ap.add_argument("--moe-gap", action="store_true", help="the MoE call in the model against loops (see above)")
+    ap.add_argument(
+        "--prompt", type=int, default=9, help="prompt tokens (--prompt 128 --tokens 0: a prefill alone)"
+    )
+    ap.add_argument(
+        "--fused-blocks", action="store_true", help="the one-call attention block (default: the Python path)"
+    )
+    ap.add_argument(
+        "--moe-gap", action="store_true", help="the MoE call in the model against loops (see above)"
+    )
     a = ap.parse_args()
     if a.moe_gap:
         os.environ["EXPERTCACHE_POOL_STATS"] = "1"  # read by the pool at its first job
@@ -67,8 +75,15 @@ def main() -> None:
     from expertcache.layers import attention
     from expertcache.models import transformer
 
-    llm = LLM(a.model, max_model_len=max(512, a.prompt + a.tokens + 8), kv_cache_memory="64MiB", prefix_caching=False, lm_head=a.lm_head,
-              cpu_math=a.cpu_math, dense=a.dense)
+    llm = LLM(
+        a.model,
+        max_model_len=max(512, a.prompt + a.tokens + 8),
+        kv_cache_memory="64MiB",
+        prefix_caching=False,
+        lm_head=a.lm_head,
+        cpu_math=a.cpu_math,
+        dense=a.dense,
+    )
     prompt = [3 + i % 2000 for i in range(a.prompt)]
     llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     spent, calls = collections.Counter(), collections.Counter()
@@ -88,12 +103,19 @@ def main() -> None:
 
     m = llm.model
     m.fused_blocks = a.fused_blocks
-    for obj, name, key in [(attention.Attention, "__call__", "attention"), (m, "_moe", "moe_total"),
-                           (m.experts, "forward", "experts.forward"), (m, "_route", "route"),
-                           (m, "forward", "forward"), (transformer, "linear", "lm_head"),
-                           (K, "moe_out", "kernels.moe"), (K, "attn_block", "kernels.attn_block"),
-                           (K, "dense_linear", "kernels.dense_linear"),
-                           (K, "quant_linear", "kernels.quant_linear"), (attention, "attend", "kernels.attend")]:
+    for obj, name, key in [
+        (attention.Attention, "__call__", "attention"),
+        (m, "_moe", "moe_total"),
+        (m.experts, "forward", "experts.forward"),
+        (m, "_route", "route"),
+        (m, "forward", "forward"),
+        (transformer, "linear", "lm_head"),
+        (K, "moe_out", "kernels.moe"),
+        (K, "attn_block", "kernels.attn_block"),
+        (K, "dense_linear", "kernels.dense_linear"),
+        (K, "quant_linear", "kernels.quant_linear"),
+        (attention, "attend", "kernels.attend"),
+    ]:
         wrap(obj, name, key)
     params = SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True)
     print(hardware_line())
@@ -104,10 +126,14 @@ def main() -> None:
         llm.generate([prompt], params)
         wall = time.perf_counter() - t0
     steps = calls["forward"]
-    print(f"decode: model={Path(a.model).name} steps={steps} tok_s={steps / wall:.2f} (wall, the prompt's step included)")
+    print(
+        f"decode: model={Path(a.model).name} steps={steps} tok_s={steps / wall:.2f} (wall, the prompt's step included)"
+    )
     for key, v in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"piece: name={key} ms_per_step={v / steps * 1e3:.3f} calls_per_step={calls[key] / steps:.1f} "
-              f"us_per_call={v / calls[key] * 1e6:.1f}")
+        print(
+            f"piece: name={key} ms_per_step={v / steps * 1e3:.3f} calls_per_step={calls[key] / steps:.1f} "
+            f"us_per_call={v / calls[key] * 1e6:.1f}"
+        )
     print(f"piece: name=outside_forward ms_per_step={(wall - spent['forward']) / steps * 1e3:.3f}")
 
 
@@ -116,22 +142,31 @@ def pool_stats(lib, reset: bool = True) -> dict[int, tuple]:
     caller wait ns, ns to a helper's first unit, CPU ns in units)."""
     buf = (ctypes.c_int64 * (9 * 64))()
     n = lib.expertcache_pool_stats(buf, 64, int(reset))
-    return {buf[9 * i]: tuple(buf[9 * i + 1:9 * i + 9]) for i in range(n)}
+    return {buf[9 * i]: tuple(buf[9 * i + 1 : 9 * i + 9]) for i in range(n)}
 
 
 def huge_pages_line() -> str:
     rows = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
     kb = lambda k: int(rows.get(k, "0 kB").split()[0])
-    return (f"pages: anon_GB={kb('Anonymous') / 1e6:.2f} anon_huge_GB={kb('AnonHugePages') / 1e6:.2f} "
-            f"rss_GB={kb('Rss') / 1e6:.2f}")
+    return (
+        f"pages: anon_GB={kb('Anonymous') / 1e6:.2f} anon_huge_GB={kb('AnonHugePages') / 1e6:.2f} "
+        f"rss_GB={kb('Rss') / 1e6:.2f}"
+    )
 
 
 def moe_gap(a) -> None:
     import expertcache.kernels as K
     from expertcache import LLM, SamplingParams
 
-    llm = LLM(a.model, max_model_len=max(512, a.prompt + a.tokens + 8), kv_cache_memory="64MiB", prefix_caching=False,
-              lm_head=a.lm_head, cpu_math=a.cpu_math, dense=a.dense)
+    llm = LLM(
+        a.model,
+        max_model_len=max(512, a.prompt + a.tokens + 8),
+        kv_cache_memory="64MiB",
+        prefix_caching=False,
+        lm_head=a.lm_head,
+        cpu_math=a.cpu_math,
+        dense=a.dense,
+    )
     m, src = llm.model, llm.source
     prompt = [3 + i % 2000 for i in range(a.prompt)]
     params = SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True)
@@ -152,8 +187,13 @@ def moe_gap(a) -> None:
     args = {i: m.experts.kernel_moe_args(i, H) for i, layer in enumerate(m.layers) if "router" in layer}
     layers = [i for i, v in args.items() if v is not None]
     if not layers:
-        raise SystemExit(f"--moe-gap: no MoE layer of {a.model} runs on the fused MoE kernel (experts not resident?)")
-    attn = {i: (m.layers[i]["attn"].w.get("qkv_proj.weight"), m.layers[i]["attn"].w.get("o_proj.weight")) for i in layers}
+        raise SystemExit(
+            f"--moe-gap: no MoE layer of {a.model} runs on the fused MoE kernel (experts not resident?)"
+        )
+    attn = {
+        i: (m.layers[i]["attn"].w.get("qkv_proj.weight"), m.layers[i]["attn"].w.get("o_proj.weight"))
+        for i in layers
+    }
     per_call = src.expert_nbytes * k
     g = torch.Generator().manual_seed(0)
     xs = torch.randn(len(layers), 1, H, generator=g)
@@ -171,7 +211,9 @@ def moe_gap(a) -> None:
 
         pool_stats(lib)
         call(layers[0], xs[0])
-        site = max(pool_stats(lib).items(), key=lambda kv: kv[1][3])[0]  # the MoE job (its add is serial at T=1)
+        site = max(pool_stats(lib).items(), key=lambda kv: kv[1][3])[
+            0
+        ]  # the MoE job (its add is serial at T=1)
         x_attn = torch.randn(1, H, generator=g)
         qkv_t = []
 
@@ -193,7 +235,15 @@ def moe_gap(a) -> None:
         def replay():
             for i, x, ids, wt in recorded:
                 out = torch.zeros(1, H)
-                ext.moe(x.contiguous(), ids.to(torch.int64), wt.contiguous(), *args[i][:9], out, *args[i][9:], math)
+                ext.moe(
+                    x.contiguous(),
+                    ids.to(torch.int64),
+                    wt.contiguous(),
+                    *args[i][:9],
+                    out,
+                    *args[i][9:],
+                    math,
+                )
 
         prompt_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         configs = {
@@ -206,7 +256,7 @@ def moe_gap(a) -> None:
         }
         res = {c: [] for c in configs}
         for r in range(a.rounds):
-            for c in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
+            for c in list(configs) if r % 2 == 0 else list(configs)[::-1]:
                 prompt_step = (0,) * 8
                 if c == "model":  # the prompt's step (9 tokens: most experts) counted apart and taken off
                     pool_stats(lib)
@@ -219,21 +269,34 @@ def moe_gap(a) -> None:
                 got = pool_stats(lib).get(site, (0,) * 8)
                 jobs, units, hu, ns, work, wait, start, cpu = (x - y for x, y in zip(got, prompt_step))
                 if jobs:
-                    res[c].append((ns / jobs / 1e3, per_call * jobs / ns, work / jobs / 1e3, wait / jobs / 1e3,
-                                   start / jobs / 1e3, hu / units, wall, jobs, per_call * jobs * a.threads / cpu,
-                                   cpu / jobs / 1e3))
+                    res[c].append(
+                        (
+                            ns / jobs / 1e3,
+                            per_call * jobs / ns,
+                            work / jobs / 1e3,
+                            wait / jobs / 1e3,
+                            start / jobs / 1e3,
+                            hu / units,
+                            wall,
+                            jobs,
+                            per_call * jobs * a.threads / cpu,
+                            cpu / jobs / 1e3,
+                        )
+                    )
     loop_gbps = statistics.median(v[1] for v in res["loop"])
     loop_cpu = statistics.median(v[8] for v in res["loop"])
     for c, v in res.items():
         if not v:
             continue
         med = [statistics.median(x[j] for x in v) for j in range(10)]
-        print(f"gap: config={c} model={Path(a.model).name} cpu_math={a.cpu_math} threads={a.threads} rounds={len(v)} "
-              f"moe_calls={med[7]:.0f} expert_MB_per_call={per_call / 1e6:.1f} moe_us={med[0]:.0f} "
-              f"expert_GBps={med[1]:.1f} of_loop={med[1] / loop_gbps:.0%} caller_work_us={med[2]:.0f} "
-              f"caller_wait_us={med[3]:.0f} helper_start_us={med[4]:.0f} helper_units={med[5]:.0%} "
-              f"cpu_us={med[9]:.0f} expert_GBps_cpu={med[8]:.1f} cpu_of_loop={med[8] / loop_cpu:.0%} "
-              f"wall_s={med[6]:.2f}")
+        print(
+            f"gap: config={c} model={Path(a.model).name} cpu_math={a.cpu_math} threads={a.threads} rounds={len(v)} "
+            f"moe_calls={med[7]:.0f} expert_MB_per_call={per_call / 1e6:.1f} moe_us={med[0]:.0f} "
+            f"expert_GBps={med[1]:.1f} of_loop={med[1] / loop_gbps:.0%} caller_work_us={med[2]:.0f} "
+            f"caller_wait_us={med[3]:.0f} helper_start_us={med[4]:.0f} helper_units={med[5]:.0%} "
+            f"cpu_us={med[9]:.0f} expert_GBps_cpu={med[8]:.1f} cpu_of_loop={med[8] / loop_cpu:.0%} "
+            f"wall_s={med[6]:.2f}"
+        )
     print(huge_pages_line())
 
 

@@ -42,8 +42,20 @@ def main() -> None:
     trained = pathlib.Path(args.model) if args.model else demo.demo_model_dir()
     p = json.loads((trained / demo.MANIFEST).read_text())["params"]
     work = pathlib.Path(tempfile.mkdtemp(prefix="expertcache-routing-"))
-    sizes = {k: p[k] for k in ("num_layers", "num_experts", "top_k", "hidden", "moe_intermediate", "num_heads",
-                               "num_kv_heads", "head_dim", "vocab")}
+    sizes = {
+        k: p[k]
+        for k in (
+            "num_layers",
+            "num_experts",
+            "top_k",
+            "hidden",
+            "moe_intermediate",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab",
+        )
+    }
     rnd = demo.build_demo_model(work / "random", num_shards=1, **sizes)
     shutil.copy(trained / "tokenizer.json", rnd / "tokenizer.json")  # the same tokens for both
     text = (trained / "heldout.txt").read_text()
@@ -56,7 +68,9 @@ def main() -> None:
         llm.generate([ids], SamplingParams(max_tokens=args.new, temperature=0.0))
         llm.close()
         t = RoutingTrace.load(trace_path)
-        print(f"model={name} rows={len(t)} reuse={reuse_fraction(t):.3f} chance={t.top_k / t.num_experts:.3f}")
+        print(
+            f"model={name} rows={len(t)} reuse={reuse_fraction(t):.3f} chance={t.top_k / t.num_experts:.3f}"
+        )
         for cap in (int(c) for c in args.capacities.split(",")):
             r = replay(t, "lru", cap)
             print(f"model={name} slots={cap} lru_hit={r.hit_rate:.3f} min_hit={r.min_hit_rate:.3f}")

@@ -16,7 +16,6 @@ import time
 from concurrent.futures import wait
 
 import torch
-
 from common import hardware_line
 
 
@@ -28,7 +27,11 @@ def read_experts(source, chosen, threads: int) -> tuple[float, bool]:
     reader = DiskReader(threads=threads)
     bufs = [{p.name: torch.empty(p.shape, dtype=p.dtype) for p in source.parts} for _ in chosen]
     t0 = time.perf_counter()
-    futs = [reader.submit(source.ranges(layer, e)[n], t) for (layer, e), b in zip(chosen, bufs) for n, t in b.items()]
+    futs = [
+        reader.submit(source.ranges(layer, e)[n], t)
+        for (layer, e), b in zip(chosen, bufs)
+        for n, t in b.items()
+    ]
     wait(futs)
     for f in futs:
         f.result()
@@ -50,9 +53,19 @@ def main():
     from expertcache.models.registry import read_config
 
     print(hardware_line(), flush=True)
-    model = args.model or str(build_demo_model(f"{tempfile.mkdtemp(prefix='expertcache-disk-')}/big", num_layers=16,
-                                               num_experts=64, top_k=8, hidden=512, moe_intermediate=512,
-                                               num_heads=8, num_kv_heads=4, num_shards=4))
+    model = args.model or str(
+        build_demo_model(
+            f"{tempfile.mkdtemp(prefix='expertcache-disk-')}/big",
+            num_layers=16,
+            num_experts=64,
+            top_k=8,
+            hidden=512,
+            moe_intermediate=512,
+            num_heads=8,
+            num_kv_heads=4,
+            num_shards=4,
+        )
+    )
     family, cfg, _ = read_config(model)
     source = ExpertSource(TensorIndex(model), cfg, family.names)
     pairs = [(layer, e) for layer in source.layers for e in range(cfg.num_experts)]
@@ -60,10 +73,13 @@ def main():
     if len(pairs) < args.experts * len(args.threads):
         raise SystemExit(f"{model} has {len(pairs)} experts, need {args.experts * len(args.threads)}")
     for k, threads in enumerate(args.threads):
-        chosen = pairs[k * args.experts:(k + 1) * args.experts]
+        chosen = pairs[k * args.experts : (k + 1) * args.experts]
         mbs, direct = read_experts(source, chosen, threads)
-        print(f"threads={threads} expert_MB={source.expert_nbytes / 1e6:.2f} experts={len(chosen)} "
-              f"MB_per_s={mbs:.0f} o_direct={direct}", flush=True)
+        print(
+            f"threads={threads} expert_MB={source.expert_nbytes / 1e6:.2f} experts={len(chosen)} "
+            f"MB_per_s={mbs:.0f} o_direct={direct}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import argparse
 import time
 
 import torch
-
 from common import hardware_line, timed_generate
 
 
@@ -27,8 +26,11 @@ def run_transformers(model_dir, prompts, gen):
     batch = len(prompts)
     kw = dict(do_sample=False, max_new_tokens=gen, min_new_tokens=gen, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]),
-                       **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        model.generate(
+            ids[:, :8],
+            attention_mask=torch.ones_like(ids[:, :8]),
+            **{**kw, "max_new_tokens": 4, "min_new_tokens": 4},
+        )  # warm-up
         t0 = time.perf_counter()
         model(ids)
         prefill = time.perf_counter() - t0
@@ -60,15 +62,23 @@ def main():
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     for b in args.batch:
         ours = timed_generate(llm, prompts[:b], params)
-        line = (f"engine=expertcache batch={b} prompt_len={args.prompt_len} gen={args.gen} "
-                f"prefill_tok_s={ours['prefill_tok_s']:.1f} decode_tok_s={ours['decode_tok_s']:.1f}")
+        line = (
+            f"engine=expertcache batch={b} prompt_len={args.prompt_len} gen={args.gen} "
+            f"prefill_tok_s={ours['prefill_tok_s']:.1f} decode_tok_s={ours['decode_tok_s']:.1f}"
+        )
         print(line, flush=True)
         if not args.no_transformers:
             ref = run_transformers(model_dir, prompts[:b], args.gen)
-            print(f"engine=transformers batch={b} prompt_len={args.prompt_len} gen={args.gen} "
-                  f"prefill_tok_s={ref['prefill_tok_s']:.1f} decode_tok_s={ref['decode_tok_s']:.1f}", flush=True)
-            print(f"ratio batch={b} prefill={ours['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x "
-                  f"decode={ours['decode_tok_s'] / ref['decode_tok_s']:.2f}x", flush=True)
+            print(
+                f"engine=transformers batch={b} prompt_len={args.prompt_len} gen={args.gen} "
+                f"prefill_tok_s={ref['prefill_tok_s']:.1f} decode_tok_s={ref['decode_tok_s']:.1f}",
+                flush=True,
+            )
+            print(
+                f"ratio batch={b} prefill={ours['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x "
+                f"decode={ours['decode_tok_s'] / ref['decode_tok_s']:.2f}x",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

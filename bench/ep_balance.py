@@ -32,8 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import hardware_line  # noqa: E402
 
-from expertcache.parallel.placement import (balanced_placement, coactivation, rank_loads,  # noqa: E402
-                                            static_placement, worth_moving)
+from expertcache.parallel.placement import (
+    balanced_placement,
+    coactivation,
+    rank_loads,  # noqa: E402
+    static_placement,
+    worth_moving,
+)
 from expertcache.trace.format import RoutingTrace  # noqa: E402
 
 LINKS_GBS = {"nvlink": 300.0, "pcie-p2p": 25.0, "ethernet-100g": 12.5}
@@ -46,7 +51,7 @@ def lockstep_steps(tr: RoutingTrace, batch: int) -> list[np.ndarray]:
     seqs = [tr.experts[tr.seq == s] for s in np.unique(tr.seq)]
     out = []
     for g in range(0, len(seqs) - batch + 1, batch):
-        group = seqs[g:g + batch]
+        group = seqs[g : g + batch]
         n = min(len(s) for s in group)
         out += [np.stack([s[t] for s in group]) for t in range(n)]
     return out
@@ -67,7 +72,9 @@ def balance_run(steps, L, E, N, redundant, window, interval, eplb):
             load = torch.stack(list(hist)).sum(0)
             new = balanced_placement(load, layers, N, redundant, pl.version + 1)
             if new.replicas != pl.replicas and worth_moving(pl, new, load, layers):
-                moved += sum(len(set(new.owned(r)[l]) - set(pl.owned(r)[l])) for r in range(N) for l in layers)
+                moved += sum(
+                    len(set(new.owned(r)[l]) - set(pl.owned(r)[l])) for r in range(N) for l in layers
+                )
                 pl, rearr = new, rearr + 1
                 tables = {l: pl.rank_table(l) for l in layers}
         pairs = torch.zeros(N, dtype=torch.int64)
@@ -145,17 +152,30 @@ def main(argv=None) -> None:
         for B in args.batch:
             steps = lockstep_steps(tr, B)
             for N in args.ranks:
-                for name, red, eplb in (("static", 0, False), (f"eplb-E/16={max(1, E // 16)}", max(1, E // 16), True),
-                                        (f"eplb-E/8={max(1, E // 8)}", max(1, E // 8), True)):
-                    mean, p95, rearr, moved = balance_run(steps, L, E, N, red, args.window, args.interval, eplb)
-                    print(f"balance trace={Path(path).name} batch={B} ranks={N} placement={name} steps={len(steps)} "
-                          f"max_over_mean={mean:.3f} p95={p95:.3f} rearrangements={rearr} "
-                          f"experts_moved={moved} bytes_moved={moved * tr.expert_bytes}")
-                for name, red, co in (("oracle-static", 0, False), (f"oracle-E/8={max(1, E // 8)}", max(1, E // 8), False),
-                                      ("oracle-coact", 0, True), (f"oracle-coact-E/8={max(1, E // 8)}", max(1, E // 8), True)):
+                for name, red, eplb in (
+                    ("static", 0, False),
+                    (f"eplb-E/16={max(1, E // 16)}", max(1, E // 16), True),
+                    (f"eplb-E/8={max(1, E // 8)}", max(1, E // 8), True),
+                ):
+                    mean, p95, rearr, moved = balance_run(
+                        steps, L, E, N, red, args.window, args.interval, eplb
+                    )
+                    print(
+                        f"balance trace={Path(path).name} batch={B} ranks={N} placement={name} steps={len(steps)} "
+                        f"max_over_mean={mean:.3f} p95={p95:.3f} rearrangements={rearr} "
+                        f"experts_moved={moved} bytes_moved={moved * tr.expert_bytes}"
+                    )
+                for name, red, co in (
+                    ("oracle-static", 0, False),
+                    (f"oracle-E/8={max(1, E // 8)}", max(1, E // 8), False),
+                    ("oracle-coact", 0, True),
+                    (f"oracle-coact-E/8={max(1, E // 8)}", max(1, E // 8), True),
+                ):
                     mean, p95 = oracle_run(steps, L, E, N, red, co)
-                    print(f"balance trace={Path(path).name} batch={B} ranks={N} placement={name} steps={len(steps)} "
-                          f"max_over_mean={mean:.3f} p95={p95:.3f}")
+                    print(
+                        f"balance trace={Path(path).name} batch={B} ranks={N} placement={name} steps={len(steps)} "
+                        f"max_over_mean={mean:.3f} p95={p95:.3f}"
+                    )
         # Part 2: simulated peer tier, 2 ranks, rank 0 owns E/2 experts per layer
         steps = lockstep_steps(tr, 1)
         own = E // 2
@@ -163,15 +183,22 @@ def main(argv=None) -> None:
             slots = max(tr.top_k, int(own * frac))
             h, p0, m0 = peer_sim(steps, L, E, slots, 0)
             _, p1, m1 = peer_sim(steps, L, E, slots, own - slots)
-            base = {"host": m0 * EXPERT_BYTES / (HOST_GBS * 1e9), "nvme": m0 * EXPERT_BYTES / (NVME_GBS * 1e9)}
+            base = {
+                "host": m0 * EXPERT_BYTES / (HOST_GBS * 1e9),
+                "nvme": m0 * EXPERT_BYTES / (NVME_GBS * 1e9),
+            }
             for src, t in base.items():
-                print(f"SIMULATED peer trace={Path(path).name} device_share={frac} tier={src} "
-                      f"misses_per_token={m0:.2f} move_ms_per_token={t * 1e3:.2f}")
+                print(
+                    f"SIMULATED peer trace={Path(path).name} device_share={frac} tier={src} "
+                    f"misses_per_token={m0:.2f} move_ms_per_token={t * 1e3:.2f}"
+                )
             for link, bw in LINKS_GBS.items():
                 t = p1 * EXPERT_BYTES / (bw * 1e9) + m1 * EXPERT_BYTES / (HOST_GBS * 1e9)
-                print(f"SIMULATED peer trace={Path(path).name} device_share={frac} tier=peer-{link}+host "
-                      f"peer_hits_per_token={p1:.2f} misses_per_token={m1:.2f} move_ms_per_token={t * 1e3:.2f} "
-                      f"speedup_vs_host={base['host'] / t if t else float('inf'):.2f}x")
+                print(
+                    f"SIMULATED peer trace={Path(path).name} device_share={frac} tier=peer-{link}+host "
+                    f"peer_hits_per_token={p1:.2f} misses_per_token={m1:.2f} move_ms_per_token={t * 1e3:.2f} "
+                    f"speedup_vs_host={base['host'] / t if t else float('inf'):.2f}x"
+                )
 
 
 if __name__ == "__main__":

@@ -51,9 +51,18 @@ def main(argv=None) -> None:
     model = root / "model"
     if not (model / "config.json").exists():
         root.mkdir(parents=True, exist_ok=True)
-        checkpoints.make_checkpoint(root, "qwen3_moe", name="model", dtype=torch.bfloat16, num_experts=32,
-                                    num_experts_per_tok=4, num_hidden_layers=8, hidden_size=512,
-                                    moe_intermediate_size=512, intermediate_size=1024)
+        checkpoints.make_checkpoint(
+            root,
+            "qwen3_moe",
+            name="model",
+            dtype=torch.bfloat16,
+            num_experts=32,
+            num_experts_per_tok=4,
+            num_hidden_layers=8,
+            hidden_size=512,
+            moe_intermediate_size=512,
+            intermediate_size=1024,
+        )
     print(hardware_line())
     if args.peer:
         return peer_runs(args, model)
@@ -80,8 +89,11 @@ def _rank_totals(llm) -> tuple[int, int, int]:
     """(disk bytes read, peer hits, peer bytes in) summed over every rank, as of now."""
     ranks = llm.expert_stats()["expert_parallel"]["ranks"]
     tiers = [r["cache"]["per_tier"] for r in ranks]
-    return (sum(t["disk"]["bytes_read"] for t in tiers), sum(t.get("peer", {}).get("hits", 0) for t in tiers),
-            sum(t.get("peer", {}).get("bytes_in", 0) for t in tiers))
+    return (
+        sum(t["disk"]["bytes_read"] for t in tiers),
+        sum(t.get("peer", {}).get("hits", 0) for t in tiers),
+        sum(t.get("peer", {}).get("bytes_in", 0) for t in tiers),
+    )
 
 
 def peer_runs(args, model: Path) -> None:
@@ -113,9 +125,11 @@ def peer_runs(args, model: Path) -> None:
             med = statistics.median(runs[(n, mode), B])
             disk, hits, peer = (statistics.median(m[i] for m in moved[(n, mode), B]) for i in range(3))
             base = statistics.median(runs[(n, "off"), B])
-            print(f"ep_speed_peer ranks={n} peer={mode} batch={B} budget={args.budget} redundant={args.redundant} "
-                  f"decode_tok_s={med:.2f} vs_peer_off={med / base:.2f}x disk_MB={disk / 1e6:.1f} "
-                  f"peer_hits={hits:.0f} peer_MB={peer / 1e6:.1f}")
+            print(
+                f"ep_speed_peer ranks={n} peer={mode} batch={B} budget={args.budget} redundant={args.redundant} "
+                f"decode_tok_s={med:.2f} vs_peer_off={med / base:.2f}x disk_MB={disk / 1e6:.1f} "
+                f"peer_hits={hits:.0f} peer_MB={peer / 1e6:.1f}"
+            )
 
 
 if __name__ == "__main__":

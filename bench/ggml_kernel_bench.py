@@ -65,7 +65,7 @@ def _pool_specs(t: str, buf: torch.Tensor, E: int = L * S) -> tuple[tuple, int]:
     specs, off = [], 0
     for pt, (n, k) in zip(types_, shapes):
         nbytes = E * _proj_bytes(pt, n, k)
-        data = buf[off:off + nbytes]
+        data = buf[off : off + nbytes]
         off += nbytes
         if pt in OWN:
             codes = data.view(E, n, k // 2)
@@ -101,16 +101,21 @@ def resident(a) -> None:
                 for _ in range(5):
                     ext.linear(x, spec, 0, 16, 1 << 20, math)
                 ts.append((time.thread_time() - c) / 5)
-            print(f"resident: type={t} shape={I}x{H} cpu_math={m} threads=1 tokens={a.tokens} "
-                  f"kernel={ext.kernel_of(spec, math)} weight_MB={nbytes / 1e6:.2f} "
-                  f"cpu_GBps={nbytes / statistics.median(ts) / 1e9:.1f}")
+            print(
+                f"resident: type={t} shape={I}x{H} cpu_math={m} threads=1 tokens={a.tokens} "
+                f"kernel={ext.kernel_of(spec, math)} weight_MB={nbytes / 1e6:.2f} "
+                f"cpu_GBps={nbytes / statistics.median(ts) / 1e9:.1f}"
+            )
     ext.set_threads(0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--types", nargs="+", default=["q4_k", "q4_k_m", "q6_k", "q8_0", "q5_k", "iq4_xs", "q4_0",
-                                                  "mxfp4", "int4", "own-mxfp4"])
+    ap.add_argument(
+        "--types",
+        nargs="+",
+        default=["q4_k", "q4_k_m", "q6_k", "q8_0", "q5_k", "iq4_xs", "q4_0", "mxfp4", "int4", "own-mxfp4"],
+    )
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--cpu-math", nargs="+", default=["exact", "fast"], choices=list(kernels.CPU_MATHS))
     ap.add_argument("--tokens", type=int, default=1)
@@ -125,15 +130,19 @@ def main() -> None:
             sys.exit(f"--cpu-math {m}: {kernels.cpu_math_unavailable(m)}")
     for t in a.types:
         if t not in GGUF_TYPES and t not in MIXES and t not in OWN:
-            sys.exit(f"--types: unknown type {t!r} (GGUF: {', '.join(GGUF_TYPES)}, mixes: {', '.join(MIXES)}, "
-                     f"the project's: {', '.join(OWN)})")
+            sys.exit(
+                f"--types: unknown type {t!r} (GGUF: {', '.join(GGUF_TYPES)}, mixes: {', '.join(MIXES)}, "
+                f"the project's: {', '.join(OWN)})"
+            )
     torch.manual_seed(0)
     print(hardware_line())
     if a.resident:
         resident(a)
         return
-    need = max(sum(L * S * _proj_bytes(pt, n, k) for pt, (n, k) in zip(_projections(t), ((I, H), (I, H), (H, I))))
-               for t in a.types)
+    need = max(
+        sum(L * S * _proj_bytes(pt, n, k) for pt, (n, k) in zip(_projections(t), ((I, H), (I, H), (H, I))))
+        for t in a.types
+    )
     buf = torch.randint(0x20, 0x3C, (need,), dtype=torch.uint8)
     pools = {t: _pool_specs(t, buf) for t in a.types}
     ext = kernels.extension()
@@ -151,30 +160,48 @@ def main() -> None:
             if rnd >= 2:
                 probes[n].append(probe[n])
         torch.set_num_threads(1)
-        for t, m, n in (configs if rnd % 2 else configs[::-1]):
+        for t, m, n in configs if rnd % 2 else configs[::-1]:
             specs, per_expert = pools[t]
             ext.set_threads(n)
             small_t = kernels.SMALL_T.get(specs[0][0], 16)
             t0 = time.perf_counter()
             for j in range(L):
-                ext.moe(x, slots[j], w, *specs, 0, 1.0, float("inf"), None, None, None, None, small_t,
-                        256, kernels.CPU_MATHS[m])
+                ext.moe(
+                    x,
+                    slots[j],
+                    w,
+                    *specs,
+                    0,
+                    1.0,
+                    float("inf"),
+                    None,
+                    None,
+                    None,
+                    None,
+                    small_t,
+                    256,
+                    kernels.CPU_MATHS[m],
+                )
             dt = (time.perf_counter() - t0) / L
             if rnd >= 2:
                 gbps = distinct * per_expert / dt / 1e9
                 res[t, m, n].append((dt, gbps, gbps / probe[n]))
     ext.set_threads(0)
     for n in a.threads:
-        print(f"memory: threads={n} read_GBps={statistics.median(probes[n]):.1f} "
-              f"({a.probe_mib} MiB float32 sum, median of {len(probes[n])} rounds)")
+        print(
+            f"memory: threads={n} read_GBps={statistics.median(probes[n]):.1f} "
+            f"({a.probe_mib} MiB float32 sum, median of {len(probes[n])} rounds)"
+        )
     for (t, m, n), v in res.items():
         specs, per_expert = pools[t]
         kernel = "/".join(dict.fromkeys(ext.kernel_of(s, kernels.CPU_MATHS[m]) for s in specs))
         share = [x[2] for x in v]
-        print(f"ggml: type={t} shape=qwen3-30b-a3b cpu_math={m} threads={n} tokens={a.tokens} kernel={kernel} "
-              f"expert_MB={per_expert / 1e6:.2f} ms_per_layer={statistics.median(x[0] for x in v) * 1e3:.2f} "
-              f"moe_GBps={statistics.median(x[1] for x in v):.1f} of_round_read={100 * statistics.median(share):.0f}% "
-              f"({100 * min(share):.0f}-{100 * max(share):.0f})")
+        print(
+            f"ggml: type={t} shape=qwen3-30b-a3b cpu_math={m} threads={n} tokens={a.tokens} kernel={kernel} "
+            f"expert_MB={per_expert / 1e6:.2f} ms_per_layer={statistics.median(x[0] for x in v) * 1e3:.2f} "
+            f"moe_GBps={statistics.median(x[1] for x in v):.1f} of_round_read={100 * statistics.median(share):.0f}% "
+            f"({100 * min(share):.0f}-{100 * max(share):.0f})"
+        )
 
 
 if __name__ == "__main__":

@@ -30,25 +30,63 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import hardware_line, timed_generate  # noqa: E402
 
-SHAPE = dict(layers=12, experts=32, top_k=4, hidden=640, intermediate=640, heads=16, kv_heads=2, head_dim=64,
-             vocab=32000, window=128, seed=0)
+SHAPE = dict(
+    layers=12,
+    experts=32,
+    top_k=4,
+    hidden=640,
+    intermediate=640,
+    heads=16,
+    kv_heads=2,
+    head_dim=64,
+    vocab=32000,
+    window=128,
+    seed=0,
+)
 
 
 def config_json(s: dict, fmt: str) -> dict:
     cfg = {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
-        "hidden_size": s["hidden"], "intermediate_size": s["intermediate"], "head_dim": s["head_dim"],
-        "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "num_hidden_layers": s["layers"],
-        "num_local_experts": s["experts"], "num_experts_per_tok": s["top_k"], "vocab_size": s["vocab"],
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "attention_bias": True,
+        "hidden_size": s["hidden"],
+        "intermediate_size": s["intermediate"],
+        "head_dim": s["head_dim"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "num_hidden_layers": s["layers"],
+        "num_local_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "vocab_size": s["vocab"],
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(s["layers"])],
-        "sliding_window": s["window"], "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": 4096},
-        "rope_theta": 150000, "swiglu_limit": 7.0, "tie_word_embeddings": False, "eos_token_id": 2, "pad_token_id": 1,
+        "sliding_window": s["window"],
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "rope_theta": 150000,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+        "pad_token_id": 1,
     }
     if fmt == "mxfp4":
-        cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        cfg["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        }
     return cfg
 
 
@@ -69,20 +107,23 @@ def build(out: Path, s: dict, fmt: str) -> Path:
     def rnd(*shape, std):
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
-    t = {"model.embed_tokens.weight": rnd(V, H, std=1.0), "lm_head.weight": rnd(V, H, std=H ** -0.5),
-         "model.norm.weight": (1 + rnd(H, std=0.1).float()).bfloat16()}
+    t = {
+        "model.embed_tokens.weight": rnd(V, H, std=1.0),
+        "lm_head.weight": rnd(V, H, std=H**-0.5),
+        "model.norm.weight": (1 + rnd(H, std=0.1).float()).bfloat16(),
+    }
     for i in range(s["layers"]):
         p = f"model.layers.{i}"
         t[f"{p}.input_layernorm.weight"] = (1 + rnd(H, std=0.1).float()).bfloat16()
         t[f"{p}.post_attention_layernorm.weight"] = (1 + rnd(H, std=0.1).float()).bfloat16()
         for n, o, inp in (("q", q, H), ("k", kv, H), ("v", kv, H), ("o", H, q)):
-            t[f"{p}.self_attn.{n}_proj.weight"] = rnd(o, inp, std=inp ** -0.5)
+            t[f"{p}.self_attn.{n}_proj.weight"] = rnd(o, inp, std=inp**-0.5)
             t[f"{p}.self_attn.{n}_proj.bias"] = rnd(o, std=0.02)
         t[f"{p}.self_attn.sinks"] = rnd(s["heads"], std=1.0)
-        t[f"{p}.mlp.router.weight"] = rnd(E, H, std=2 * H ** -0.5)
+        t[f"{p}.mlp.router.weight"] = rnd(E, H, std=2 * H**-0.5)
         t[f"{p}.mlp.router.bias"] = rnd(E, std=0.1)
-        gate_up = torch.randn(E, H, 2 * I, generator=g) * H ** -0.5  # [E, in, out] as transformers holds it
-        down = torch.randn(E, I, H, generator=g) * I ** -0.5 / s["layers"] ** 0.5
+        gate_up = torch.randn(E, H, 2 * I, generator=g) * H**-0.5  # [E, in, out] as transformers holds it
+        down = torch.randn(E, I, H, generator=g) * I**-0.5 / s["layers"] ** 0.5
         t[f"{p}.mlp.experts.gate_up_proj_bias"] = rnd(E, 2 * I, std=0.02)
         t[f"{p}.mlp.experts.down_proj_bias"] = rnd(E, H, std=0.02)
         if fmt == "mxfp4":  # shipped: [E, out, in/32, 16] blocks, [E, out, in/32] e8m0 scales
@@ -93,7 +134,9 @@ def build(out: Path, s: dict, fmt: str) -> Path:
         else:
             t[f"{p}.mlp.experts.gate_up_proj"] = gate_up.bfloat16()
             t[f"{p}.mlp.experts.down_proj"] = down.bfloat16()
-    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     (out / "config.json").write_text(json.dumps(config_json(s, fmt), indent=2))
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
@@ -115,7 +158,10 @@ def main():
     print(hardware_line(), flush=True)
     params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True)
     rng = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, SHAPE["vocab"], (args.prompt_len,), generator=rng).tolist() for _ in range(args.repeats)]
+    prompts = [
+        torch.randint(3, SHAPE["vocab"], (args.prompt_len,), generator=rng).tolist()
+        for _ in range(args.repeats)
+    ]
     llms = {}
     for fmt in args.formats:
         path = build(Path(args.dir) / fmt, SHAPE, fmt)
@@ -134,11 +180,13 @@ def main():
         toks = [list(r["outputs"][0].token_ids) for r in runs[fmt, name]]
         same = ref.setdefault(fmt, toks) == toks
         s = llm.expert_stats() or {}
-        print(f"result model=gpt-oss-like-12L-32E-top4 experts={fmt} config={name} decode_tok_s={dec:.2f} "
-              f"prefill_tok_s={pre:.1f} decode_runs={','.join(format(r['decode_tok_s'], '.1f') for r in runs[fmt, name])} "
-              f"device_hit={s.get('hit_rate', 1.0):.3f} tokens_equal_resident={same} "
-              f"expert_MB={llm.source.expert_nbytes / 1e6:.2f} experts_GB={llm.source.total_nbytes / 1e9:.3f}",
-              flush=True)
+        print(
+            f"result model=gpt-oss-like-12L-32E-top4 experts={fmt} config={name} decode_tok_s={dec:.2f} "
+            f"prefill_tok_s={pre:.1f} decode_runs={','.join(format(r['decode_tok_s'], '.1f') for r in runs[fmt, name])} "
+            f"device_hit={s.get('hit_rate', 1.0):.3f} tokens_equal_resident={same} "
+            f"expert_MB={llm.source.expert_nbytes / 1e6:.2f} experts_GB={llm.source.total_nbytes / 1e9:.3f}",
+            flush=True,
+        )
         llm.close()
 
 

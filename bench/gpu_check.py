@@ -73,8 +73,11 @@ LOG_TAIL = 4000  # characters of each log in the results folder's child-logs.txt
 
 def gpu_test_files(root: Path = ROOT) -> list[str]:
     """Every tests/ file with a `gpu`-marked test (`mark.gpu` in its text), sorted."""
-    return sorted(f"tests/{f.name}" for f in (root / "tests").glob("test_*.py")
-                  if re.search(r"\bmark\.gpu\b", f.read_text(errors="replace")))
+    return sorted(
+        f"tests/{f.name}"
+        for f in (root / "tests").glob("test_*.py")
+        if re.search(r"\bmark\.gpu\b", f.read_text(errors="replace"))
+    )
 
 
 def parse_line(line: str) -> dict | None:
@@ -106,12 +109,18 @@ def options(name: str, share: float, ctx) -> dict:
         return {**cache, "moe_kernel": "torch"}
     if name == "sync-lru":
         E = ctx["num_experts"]
-        return {**cache, "host_memory": ctx["host_slot_bytes"] * (E - 1), "cache_policy": "lru", "prefetch": "off",
-                "cpu_compute": "never", "overlap_io": False, "prefill_admit_tokens": 1 << 30}
+        return {
+            **cache,
+            "host_memory": ctx["host_slot_bytes"] * (E - 1),
+            "cache_policy": "lru",
+            "prefetch": "off",
+            "cpu_compute": "never",
+            "overlap_io": False,
+            "prefill_admit_tokens": 1 << 30,
+        }
     if name == "cpu-moe":
         # top_k device slots per layer: the smallest plan there is (plan.model.budget_for_slots)
-        return {**cache, "device_memory": ctx["top_k_budget"],
-                "prefetch": "off", "cpu_compute": "always"}
+        return {**cache, "device_memory": ctx["top_k_budget"], "prefetch": "off", "cpu_compute": "always"}
     raise ValueError(f"unknown configuration {name!r}; choose one of {', '.join(CONFIGS)}")
 
 
@@ -183,8 +192,14 @@ def run_one(args) -> int:
         kv = 2 * args.max_model_len * 2 * L * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
         base = {"device": str(device), "max_model_len": args.max_model_len, "kv_cache_memory": kv}
         gpu = GpuSpec.from_device(device) if cuda else None
-        ctx = {"num_experts": E, "top_k": K, "host_slot_bytes": source.stored_nbytes * L,
-               "top_k_budget": budget_for_slots(info, EngineConfig.from_kwargs(**base, device_memory="auto"), K, gpu)}
+        ctx = {
+            "num_experts": E,
+            "top_k": K,
+            "host_slot_bytes": source.stored_nbytes * L,
+            "top_k_budget": budget_for_slots(
+                info, EngineConfig.from_kwargs(**base, device_memory="auto"), K, gpu
+            ),
+        }
         kw = options(args.one, args.share, ctx)
         experts_bytes = source.total_nbytes
         if cuda and args.one != "resident":
@@ -195,8 +210,14 @@ def run_one(args) -> int:
             cap_memory(device, cap)
         t0 = time.monotonic()
         # check_finite off: the checkpoint is generated here, so it is known to be finite
-        llm = LLM(args.model, device=str(device), max_model_len=args.max_model_len, kv_cache_memory=kv,
-                  check_finite=False, **kw)
+        llm = LLM(
+            args.model,
+            device=str(device),
+            max_model_len=args.max_model_len,
+            kv_cache_memory=kv,
+            check_finite=False,
+            **kw,
+        )
         load_s = time.monotonic() - t0
         if args.routing == "recorded":
             import numpy as np
@@ -215,7 +236,9 @@ def run_one(args) -> int:
 
         def generate(n):
             router.restart()
-            return timed_generate(llm, prompt(), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            return timed_generate(
+                llm, prompt(), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            )
 
         generate(args.tokens)  # warm-up: kernels, caches, the host tier's first reads
         runs = [generate(args.tokens) for _ in range(args.rounds)]
@@ -234,12 +257,15 @@ def run_one(args) -> int:
         reserved = torch.cuda.memory_reserved(device) / 2**30 if cuda else 0.0
         free, total = torch.cuda.mem_get_info(device) if cuda else (0, 0)
         used = (total - free) / 2**30  # what the driver holds: the plan counts the context, the cap does not
-        print(f"{head} decode_tok_s={decode:.2f} prefill_tok_s={prefill:.2f} hit_rate={s.get('hit_rate', 1.0):.3f} "
-              f"cpu_computed_share={s.get('cpu_computed_share', 0.0):.3f} misses={s.get('misses', 0)} waves={waves} "
-              f"prefetch_issued={pf['issued']} prefetch_useful={pf['useful']} syncs_per_decode_step={syncs} "
-              f"device_slots={getattr(llm.experts, 'device_slots', E)} experts_gib={experts_bytes / 2**30:.2f} "
-              f"cap_gib={cap / 2**30:.2f} reserved_gib={reserved:.2f} device_used_gib={used:.2f} "
-              f"load_s={load_s:.1f}", flush=True)
+        print(
+            f"{head} decode_tok_s={decode:.2f} prefill_tok_s={prefill:.2f} hit_rate={s.get('hit_rate', 1.0):.3f} "
+            f"cpu_computed_share={s.get('cpu_computed_share', 0.0):.3f} misses={s.get('misses', 0)} waves={waves} "
+            f"prefetch_issued={pf['issued']} prefetch_useful={pf['useful']} syncs_per_decode_step={syncs} "
+            f"device_slots={getattr(llm.experts, 'device_slots', E)} experts_gib={experts_bytes / 2**30:.2f} "
+            f"cap_gib={cap / 2**30:.2f} reserved_gib={reserved:.2f} device_used_gib={used:.2f} "
+            f"load_s={load_s:.1f}",
+            flush=True,
+        )
         return 0
     except Exception as e:  # the parent reads this line; the other configurations still run
         import traceback
@@ -261,7 +287,9 @@ class Report:
         self.lines: list[str] = []
         self.dir = Path(results) if results else None
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)  # appended to: bench/device_run.sh runs the check twice
+            self.dir.mkdir(
+                parents=True, exist_ok=True
+            )  # appended to: bench/device_run.sh runs the check twice
 
     def __call__(self, line: str) -> None:
         print(line, flush=True)
@@ -289,19 +317,40 @@ def pytest_run(args, report: Report, name: str, extra: list[str], files: list[st
     log = Path(args.out) / "logs" / f"pytest-{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     junit = report.file(f"junit-{name}.xml") or log.with_suffix(".xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "--tb=short", "--durations=15", f"--junitxml={junit}",
-           *extra, *files]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "--tb=short",
+        "--durations=15",
+        f"--junitxml={junit}",
+        *extra,
+        *files,
+    ]
     t = time.monotonic()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=args.test_timeout).returncode
+            rc = subprocess.run(
+                cmd,
+                check=False,
+                cwd=ROOT,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=args.test_timeout,
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = f"timeout-{args.test_timeout}s"
     tail = log.read_text(errors="replace").strip().splitlines()
-    counts = next((x.strip("= ") for x in reversed(tail) if re.search(r"\d+ (passed|failed|error|skipped)", x)), "")
-    report(f"gpu_check tests={name} rc={rc} seconds={time.monotonic() - t:.0f} result={json.dumps(counts)} "
-           f"log={log}")
+    counts = next(
+        (x.strip("= ") for x in reversed(tail) if re.search(r"\d+ (passed|failed|error|skipped)", x)), ""
+    )
+    report(
+        f"gpu_check tests={name} rc={rc} seconds={time.monotonic() - t:.0f} result={json.dumps(counts)} "
+        f"log={log}"
+    )
 
 
 def run_tests(args, report: Report) -> None:
@@ -324,12 +373,36 @@ def _has_pytest_timeout() -> bool:
 
 
 def child(args, config: str, routing: str, model: Path, trace: Path, timeout: int | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--one", config, "--routing", routing, "--model", str(model),
-           "--trace", str(trace), "--device", args.device, "--tokens", str(args.tokens), "--prompt",
-           str(args.prompt), "--rounds", str(args.rounds), "--share", str(args.share),
-           "--max-model-len", str(args.max_model_len), "--sync-steps", str(args.sync_steps)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        config,
+        "--routing",
+        routing,
+        "--model",
+        str(model),
+        "--trace",
+        str(trace),
+        "--device",
+        args.device,
+        "--tokens",
+        str(args.tokens),
+        "--prompt",
+        str(args.prompt),
+        "--rounds",
+        str(args.rounds),
+        "--share",
+        str(args.share),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--sync-steps",
+        str(args.sync_steps),
+    ]
     head = f"gpu_check config={config} routing={routing}"
-    log = Path(args.out) / "logs" / f"{config}-{routing}.log"  # the child's stderr: its memory plan, tracebacks
+    log = (
+        Path(args.out) / "logs" / f"{config}-{routing}.log"
+    )  # the child's stderr: its memory plan, tracebacks
     log.parent.mkdir(parents=True, exist_ok=True)
     timeout = timeout or args.config_timeout
     t = time.monotonic()
@@ -337,8 +410,10 @@ def child(args, config: str, routing: str, model: Path, trace: Path, timeout: in
         r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout)
         out, err, why = r.stdout, r.stderr, f"process ended rc={r.returncode}: {r.stderr[-300:]}"
     except subprocess.TimeoutExpired as e:
+
         def text(b):
             return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
         out, err, why = text(e.stdout), text(e.stderr), f"over {timeout}s"
     log.write_text(err)
     line = next((x for x in out.splitlines() if x.startswith(head)), None)
@@ -353,8 +428,13 @@ def gpu_name() -> str:
     """The GPU's name from nvidia-smi: this process never initialises CUDA (a context here would hold
     device memory the children's plans and the tests' exact slot counts do not expect)."""
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False,
-                           capture_output=True, text=True, timeout=20)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else "none"
     except (OSError, subprocess.TimeoutExpired):
         return "none"
@@ -377,19 +457,28 @@ def parent_hardware_line(kernels: bool = True) -> str:
 def plan_runs(configs, routings) -> list[tuple[str, str]]:
     """(configuration, routing) in run order: routing by routing; resident and torch-moe with recorded
     routing only (routing does not change what a resident model moves; the kernels' ratio needs one)."""
-    return [(c, r) for r in routings for c in configs
-            if not (c in ("resident", "torch-moe") and r != "recorded")]
+    return [
+        (c, r) for r in routings for c in configs if not (c in ("resident", "torch-moe") and r != "recorded")
+    ]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="/tmp/gpu_check", help="work folder: checkpoint, trace, logs (never $OUT)")
-    ap.add_argument("--results", default=None, help="folder for the summary only (summary.txt, child-logs.txt, junit)")
+    ap.add_argument(
+        "--out", default="/tmp/gpu_check", help="work folder: checkpoint, trace, logs (never $OUT)"
+    )
+    ap.add_argument(
+        "--results", default=None, help="folder for the summary only (summary.txt, child-logs.txt, junit)"
+    )
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for the dry run (toy sizes)")
     ap.add_argument("--quick", action="store_true", help="6 layers, 16 tokens, recorded routing only")
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--tests-only", action="store_true", help="the pytest runs only (bench/device_run.sh's first phase)")
-    ap.add_argument("--tokens", type=int, default=None, help="decode tokens per timed run (default 32; quick 16)")
+    ap.add_argument(
+        "--tests-only", action="store_true", help="the pytest runs only (bench/device_run.sh's first phase)"
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=None, help="decode tokens per timed run (default 32; quick 16)"
+    )
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; cpu 8)")
     ap.add_argument("--rounds", type=int, default=2, help="timed runs per configuration (median)")
     ap.add_argument("--share", type=float, default=0.25, help="share of the experts cached in VRAM")
@@ -397,11 +486,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-steps", type=int, default=4, help="decode steps the host syncs are counted over")
     ap.add_argument("--config-timeout", type=int, default=90, help="seconds one configuration may take")
     ap.add_argument("--test-timeout", type=int, default=150, help="seconds one pytest run may take")
-    ap.add_argument("--deadline", type=float, default=None,
-                    help="seconds from the start: a configuration that could end past it is skipped with a line")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds from the start: a configuration that could end past it is skipped with a line",
+    )
     ap.add_argument("--only", nargs="*", default=None, help="a subset of the configurations")
-    ap.add_argument("--routings", nargs="*", default=None, choices=ROUTINGS,
-                    help="routings in run order (default recorded random; quick recorded)")
+    ap.add_argument(
+        "--routings",
+        nargs="*",
+        default=None,
+        choices=ROUTINGS,
+        help="routings in run order (default recorded random; quick recorded)",
+    )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one configuration
     ap.add_argument("--routing", default="recorded", help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -430,10 +528,16 @@ def main(argv=None) -> int:
         if args.quick and not cpu:
             shape["num_hidden_layers"] = 6
         t = time.monotonic()
-        model = M.write_checkpoint(out / ("ckpt-tiny" if cpu else f"ckpt-{shape['num_hidden_layers']}"), shape)
-        trace = M.record_demo_trace(out / f"demo-trace-{args.prompt}-{args.tokens}.npz", args.prompt, args.tokens)
-        report(f"gpu_check setup checkpoint={model} experts_gib={M.expert_bytes(shape) / 2**30:.2f} "
-               f"seconds={time.monotonic() - t:.0f}")
+        model = M.write_checkpoint(
+            out / ("ckpt-tiny" if cpu else f"ckpt-{shape['num_hidden_layers']}"), shape
+        )
+        trace = M.record_demo_trace(
+            out / f"demo-trace-{args.prompt}-{args.tokens}.npz", args.prompt, args.tokens
+        )
+        report(
+            f"gpu_check setup checkpoint={model} experts_gib={M.expert_bytes(shape) / 2**30:.2f} "
+            f"seconds={time.monotonic() - t:.0f}"
+        )
         configs = [c for c in CONFIGS if args.only is None or c in args.only]
         routings = args.routings or (("recorded",) if args.quick else ROUTINGS)
         if args.quick:
@@ -442,7 +546,9 @@ def main(argv=None) -> int:
         for config, routing in plan_runs(configs, routings):
             left = None if args.deadline is None else args.deadline - (time.monotonic() - start)
             if left is not None and left < min(args.config_timeout, 30):
-                report(f"gpu_check config={config} routing={routing} skipped=\"deadline\" left_s={max(left, 0):.0f}")
+                report(
+                    f'gpu_check config={config} routing={routing} skipped="deadline" left_s={max(left, 0):.0f}'
+                )
                 results[config, routing] = None
                 continue
             timeout = args.config_timeout if left is None else int(min(args.config_timeout, left))
@@ -453,7 +559,9 @@ def main(argv=None) -> int:
                 b = results.get((other, "recorded" if other == "resident" else routing)) or {}
                 for what in ("decode_tok_s", "prefill_tok_s"):
                     if isinstance(base.get(what), float) and isinstance(b.get(what), float) and b[what] > 0:
-                        report(f"gpu_check ratio routing={routing} {what} default/{other}={base[what] / b[what]:.2f}x")
+                        report(
+                            f"gpu_check ratio routing={routing} {what} default/{other}={base[what] / b[what]:.2f}x"
+                        )
         failed = [k for k, v in results.items() if v is None or "error" in v]
         report(f"gpu_check done failed={len(failed)} seconds={time.monotonic() - start:.0f}")
         return 1 if failed else 0

@@ -22,19 +22,49 @@ from pathlib import Path
 
 import torch
 
-BENCH = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=64, num_experts_per_tok=8,
-             num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=32000, num_hidden_layers=12)
-TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=64, num_experts_per_tok=8,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, num_hidden_layers=2)
+BENCH = dict(
+    hidden_size=2048,
+    moe_intermediate_size=768,
+    num_experts=64,
+    num_experts_per_tok=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=32000,
+    num_hidden_layers=12,
+)
+TINY = dict(
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_experts=64,
+    num_experts_per_tok=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    num_hidden_layers=2,
+)
 STD = 0.02
 
 
 def config_json(shape: dict) -> dict:
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **shape,
-            "intermediate_size": 3 * shape["hidden_size"], "hidden_act": "silu", "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "norm_topk_prob": True,
-            "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False, "torch_dtype": "bfloat16",
-            "eos_token_id": 0}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **shape,
+        "intermediate_size": 3 * shape["hidden_size"],
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "eos_token_id": 0,
+    }
 
 
 def layer_tensors(shape: dict, i: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -46,16 +76,24 @@ def layer_tensors(shape: dict, i: int, gen: torch.Generator) -> dict[str, torch.
         return (torch.randn(*s, generator=gen) * STD).to(torch.bfloat16)
 
     p = f"model.layers.{i}"
-    out = {f"{p}.input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
-           f"{p}.post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
-           f"{p}.self_attn.q_proj.weight": rnd(nq * d, H), f"{p}.self_attn.k_proj.weight": rnd(nkv * d, H),
-           f"{p}.self_attn.v_proj.weight": rnd(nkv * d, H), f"{p}.self_attn.o_proj.weight": rnd(H, nq * d),
-           f"{p}.self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
-           f"{p}.self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
-           f"{p}.mlp.gate.weight": rnd(E, H)}
+    out = {
+        f"{p}.input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+        f"{p}.post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+        f"{p}.self_attn.q_proj.weight": rnd(nq * d, H),
+        f"{p}.self_attn.k_proj.weight": rnd(nkv * d, H),
+        f"{p}.self_attn.v_proj.weight": rnd(nkv * d, H),
+        f"{p}.self_attn.o_proj.weight": rnd(H, nq * d),
+        f"{p}.self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+        f"{p}.self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+        f"{p}.mlp.gate.weight": rnd(E, H),
+    }
     for e in range(E):
         q = f"{p}.mlp.experts.{e}"
-        out |= {f"{q}.gate_proj.weight": rnd(I, H), f"{q}.up_proj.weight": rnd(I, H), f"{q}.down_proj.weight": rnd(H, I)}
+        out |= {
+            f"{q}.gate_proj.weight": rnd(I, H),
+            f"{q}.up_proj.weight": rnd(I, H),
+            f"{q}.down_proj.weight": rnd(H, I),
+        }
     return out
 
 
@@ -77,11 +115,19 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0) -> Path:
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         weight_map.update((k, name) for k in tensors)
 
-    shard("embed.safetensors", {"model.embed_tokens.weight": (torch.randn(V, H, generator=gen) * STD).bfloat16()})
+    shard(
+        "embed.safetensors",
+        {"model.embed_tokens.weight": (torch.randn(V, H, generator=gen) * STD).bfloat16()},
+    )
     for i in range(shape["num_hidden_layers"]):
         shard(f"layer-{i:03d}.safetensors", layer_tensors(shape, i, gen))
-    shard("head.safetensors", {"model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
-                               "lm_head.weight": (torch.randn(V, H, generator=gen) * STD).bfloat16()})
+    shard(
+        "head.safetensors",
+        {
+            "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+            "lm_head.weight": (torch.randn(V, H, generator=gen) * STD).bfloat16(),
+        },
+    )
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     marker.write_text(json.dumps({"config": cfg, "seed": seed}))
@@ -90,8 +136,14 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0) -> Path:
 
 def expert_bytes(shape: dict) -> int:
     """All routed experts' bytes (bf16)."""
-    return shape["num_hidden_layers"] * shape["num_experts"] * 3 * shape["hidden_size"] * shape[
-        "moe_intermediate_size"] * 2
+    return (
+        shape["num_hidden_layers"]
+        * shape["num_experts"]
+        * 3
+        * shape["hidden_size"]
+        * shape["moe_intermediate_size"]
+        * 2
+    )
 
 
 def record_demo_trace(path: Path, prompt_len: int, new_tokens: int) -> Path:
@@ -105,7 +157,9 @@ def record_demo_trace(path: Path, prompt_len: int, new_tokens: int) -> Path:
     ids = llm.require_tokenizer().encode((model / "heldout.txt").read_text(), add_special_tokens=False)
     if len(ids) < prompt_len:
         raise ValueError(f"{model / 'heldout.txt'} has {len(ids)} tokens; the prompt needs {prompt_len}")
-    llm.generate([ids[:prompt_len]], SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True))
+    llm.generate(
+        [ids[:prompt_len]], SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
+    )
     llm.close()
     return path
 
@@ -124,8 +178,10 @@ def map_trace(experts, lookahead, num_experts: int, top_k: int, layers: int, see
     N, Ld, Kd = ex.shape
     m = top_k // Kd
     if m * Kd != top_k or int(ex.max()) >= num_experts // m or num_experts % m:
-        raise ValueError(f"a trace of top-{Kd} over {int(ex.max()) + 1}+ experts cannot map onto top-{top_k} "
-                         f"of {num_experts}")
+        raise ValueError(
+            f"a trace of top-{Kd} over {int(ex.max()) + 1}+ experts cannot map onto top-{top_k} "
+            f"of {num_experts}"
+        )
     gen = torch.Generator().manual_seed(seed)
     perms = [torch.randperm(num_experts, generator=gen) for _ in range(layers)]
     j = torch.arange(m)

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import hardware_line
+
 from expertcache.engine.structured import apply_bitmask
 
 SCHEMA = {
@@ -38,15 +38,27 @@ SCHEMA = {
         "name": {"type": "string", "maxLength": 40},
         "age": {"type": "integer", "minimum": 0},
         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
         "kind": {"enum": ["person", "robot", "other"]},
     },
     "required": ["name", "age", "tags", "address", "kind"],
     "additionalProperties": False,
 }
-DOC = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engines"],
-                  "address": {"city": "London", "zip": "W1"}, "kind": "person"}, separators=(",", ":"))
+DOC = json.dumps(
+    {
+        "name": "Ada Lovelace",
+        "age": 36,
+        "tags": ["math", "poetry", "engines"],
+        "address": {"city": "London", "zip": "W1"},
+        "kind": "person",
+    },
+    separators=(",", ":"),
+)
 
 COVERAGE = {
     "enum": {"enum": ["a", "b"]},
@@ -54,9 +66,17 @@ COVERAGE = {
     "anyOf": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
     "oneOf": {"oneOf": [{"type": "string"}, {"type": "integer"}]},
     "allOf": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]},
-    "$ref/$defs": {"$defs": {"p": {"type": "integer"}}, "type": "object", "properties": {"x": {"$ref": "#/$defs/p"}}},
-    "recursive $ref": {"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
-                       "$ref": "#/$defs/n"},
+    "$ref/$defs": {
+        "$defs": {"p": {"type": "integer"}},
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/p"}},
+    },
+    "recursive $ref": {
+        "$defs": {
+            "n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}
+        },
+        "$ref": "#/$defs/n",
+    },
     "pattern": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]+$"},
     "format date-time": {"type": "string", "format": "date-time"},
     "format email": {"type": "string", "format": "email"},
@@ -87,7 +107,9 @@ class XGrammar:
         self.vocab = vocab
 
     def compile(self, schema: dict):
-        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        return self.compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":")
+        )
 
     def matchers(self, compiled, n: int):
         return [self.xgr.GrammarMatcher(compiled) for _ in range(n)]
@@ -158,7 +180,9 @@ def walk(lib, compiled, tokens: list[int], batch: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokenizer", default=str(Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "qwen3"))
+    ap.add_argument(
+        "--tokenizer", default=str(Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "qwen3")
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-engine", action="store_true", help="skip part 2 (the demo model)")
     args = ap.parse_args()
@@ -185,8 +209,10 @@ def main() -> None:
                 times[(lib.name, b)].append(walk(lib, compiled[lib.name], tokens, b))
     for (name, b), ts in times.items():
         lib_s, apply_s = statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
-        print(f"grammar_mask lib={name} batch={b} mask_us_step={lib_s * 1e6:.1f} mask_us_token={lib_s / b * 1e6:.1f} "
-              f"apply_us_step={apply_s * 1e6:.1f} compile_ms={compile_ms[name]:.1f}")
+        print(
+            f"grammar_mask lib={name} batch={b} mask_us_step={lib_s * 1e6:.1f} mask_us_token={lib_s / b * 1e6:.1f} "
+            f"apply_us_step={apply_s * 1e6:.1f} compile_ms={compile_ms[name]:.1f}"
+        )
     for lib in libs:
         failed = []
         for feature, schema in COVERAGE.items():
@@ -220,8 +246,10 @@ def engine_overhead(rounds: int, tokens: int = 32) -> None:
             plain.append(ms_per_step(b, None))
             masked.append(ms_per_step(b, grammar))
         p, m = statistics.median(plain), statistics.median(masked)
-        print(f"grammar_engine batch={b} plain_ms_step={p:.2f} grammar_ms_step={m:.2f} "
-              f"overhead_us_per_token={(m - p) / b * 1000:.0f}")
+        print(
+            f"grammar_engine batch={b} plain_ms_step={p:.2f} grammar_ms_step={m:.2f} "
+            f"overhead_us_per_token={(m - p) / b * 1000:.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -65,13 +65,24 @@ def planner_rounds(shape: str, policies: list[str], steps: int, reps: int, seed:
     total = 8 + steps * reps
     routes = [[rng.choice(E, K, replace=False).tolist() for _ in range(LAYERS)] for _ in range(total)]
     preds = [[rng.choice(E, K, replace=False).tolist() for _ in range(LAYERS)] for _ in range(total)]
-    cfg = {p: PlannerConfig(num_experts=E, device_slots=E // 4, host_slots=None, expert_bytes=cost.expert_bytes,
-                            policy=p, cpu_compute="cost", prefetch="device") for p in policies}
+    cfg = {
+        p: PlannerConfig(
+            num_experts=E,
+            device_slots=E // 4,
+            host_slots=None,
+            expert_bytes=cost.expert_bytes,
+            policy=p,
+            cpu_compute="cost",
+            prefetch="device",
+        )
+        for p in policies
+    }
     planners = {p: StepPlanner(cfg[p], LAYERS, cpu_faster=cost.cpu_faster) for p in policies}
     ones = [1] * K
     clock = {p: 0 for p in policies}
-    out: dict[str, dict[str, list[float]]] = {p: {"plan_step": [], "plan_prefetch": [], "end_step": []}
-                                              for p in policies}
+    out: dict[str, dict[str, list[float]]] = {
+        p: {"plan_step": [], "plan_prefetch": [], "end_step": []} for p in policies
+    }
 
     def run(p: str, n: int, record: bool) -> None:
         pl, tt = planners[p], time.thread_time
@@ -115,8 +126,16 @@ def checkpoint(shape: str, root: Path) -> Path:
     E, K, _, _ = SHAPES[shape]
     path = root / f"host-cost-{shape}"
     if not (path / "config.json").exists():
-        C.make_checkpoint(root, "qwen3_moe", name=path.name, num_experts=E, num_experts_per_tok=K,
-                          num_hidden_layers=4, hidden_size=64, moe_intermediate_size=32)
+        C.make_checkpoint(
+            root,
+            "qwen3_moe",
+            name=path.name,
+            num_experts=E,
+            num_experts_per_tok=K,
+            num_hidden_layers=4,
+            hidden_size=64,
+            moe_intermediate_size=32,
+        )
     return path
 
 
@@ -126,8 +145,15 @@ def engine_policy(path: Path, p: str, tokens: int, reps: int) -> dict:
 
     llm = LLM(str(path), device_memory="25%", cache_policy=p, max_model_len=256, kv_cache_memory="16MiB")
     cache = llm.experts
-    acc = {"layer": 0.0, "planner": 0.0, "schedule": 0.0, "schedule_calls": 0, "ops": 0, "calls": 0,
-           "counted": 0}
+    acc = {
+        "layer": 0.0,
+        "planner": 0.0,
+        "schedule": 0.0,
+        "schedule_calls": 0,
+        "ops": 0,
+        "calls": 0,
+        "counted": 0,
+    }
     timing = {"on": False, "count": False}
 
     def timed(fn, key):
@@ -140,6 +166,7 @@ def engine_policy(path: Path, p: str, tokens: int, reps: int) -> dict:
             finally:
                 acc[key] += time.thread_time() - t0
                 acc[key + "_calls"] = acc.get(key + "_calls", 0) + 1
+
         return wrapper
 
     for m in ("plan_step", "plan_prefetch", "end_step"):
@@ -179,8 +206,13 @@ def engine_policy(path: Path, p: str, tokens: int, reps: int) -> dict:
     llm.generate([[5, 6, 7, 8]], params)
     n = max(acc["calls"], 1)
     sched = acc["schedule"] / n * 1e6 if acc["schedule_calls"] else float("nan")  # nan: no schedule built
-    r = {"layer_us": acc["layer"] / n * 1e6, "planner_us": acc["planner"] / n * 1e6,
-         "schedule_us": sched, "aten_ops": acc["ops"] / max(acc["counted"], 1), "calls": acc["calls"]}
+    r = {
+        "layer_us": acc["layer"] / n * 1e6,
+        "planner_us": acc["planner"] / n * 1e6,
+        "schedule_us": sched,
+        "aten_ops": acc["ops"] / max(acc["counted"], 1),
+        "calls": acc["calls"],
+    }
     r["rest_us"] = r["layer_us"] - r["planner_us"] - (sched if acc["schedule_calls"] else 0.0)
     llm.close()
     return r
@@ -213,19 +245,25 @@ def main(argv=None) -> None:
             raise SystemExit(f"--shapes: unknown {shape!r}; known: {', '.join(SHAPES)}")
         for p, r in planner_rounds(shape, names, a.steps, a.reps).items():
             tot = sum(r.values())
-            print(f"host_cost part=planner shape={shape} policy={p} default={int(p == DEFAULT_POLICY)} "
-                  f"plan_step_us={r['plan_step']:.1f} plan_prefetch_us={r['plan_prefetch']:.1f} "
-                  f"end_step_us={r['end_step']:.1f} planner_us={tot:.1f}", flush=True)
+            print(
+                f"host_cost part=planner shape={shape} policy={p} default={int(p == DEFAULT_POLICY)} "
+                f"plan_step_us={r['plan_step']:.1f} plan_prefetch_us={r['plan_prefetch']:.1f} "
+                f"end_step_us={r['end_step']:.1f} planner_us={tot:.1f}",
+                flush=True,
+            )
     if a.no_engine:
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.dir) if a.dir else Path(tmp)
         for shape in a.shapes.split(","):
             for p, r in engine_rounds(shape, names, a.tokens, a.reps, root).items():
-                print(f"host_cost part=engine shape={shape} policy={p} default={int(p == DEFAULT_POLICY)} "
-                      f"layer_us={r['layer_us']:.1f} planner_us={r['planner_us']:.1f} "
-                      f"schedule_us={r['schedule_us']:.1f} rest_us={r['rest_us']:.1f} "
-                      f"aten_ops={r['aten_ops']:.1f} calls={r['calls']}", flush=True)
+                print(
+                    f"host_cost part=engine shape={shape} policy={p} default={int(p == DEFAULT_POLICY)} "
+                    f"layer_us={r['layer_us']:.1f} planner_us={r['planner_us']:.1f} "
+                    f"schedule_us={r['schedule_us']:.1f} rest_us={r['rest_us']:.1f} "
+                    f"aten_ops={r['aten_ops']:.1f} calls={r['calls']}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

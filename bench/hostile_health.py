@@ -44,7 +44,7 @@ def cases() -> dict:
 
     def chunked():
         for i in range(0, len(big), 1 << 20):
-            yield big[i:i + (1 << 20)]
+            yield big[i : i + (1 << 20)]
 
     return {
         "idle": None,
@@ -54,11 +54,17 @@ def cases() -> dict:
         "nested-100000": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
         "int-5000-digits": b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
         "lone-surrogate": b'{"prompt": "hi \\ud800"}',
-        "95000-stops-n4": json.dumps({"prompt": "hi", "n": 4, "stop": [f"s{i}" for i in range(95_000)]}).encode(),
+        "95000-stops-n4": json.dumps(
+            {"prompt": "hi", "n": 4, "stop": [f"s{i}" for i in range(95_000)]}
+        ).encode(),
         "1500-prompts": json.dumps({"prompt": ["hi"] * 1500}).encode(),
-        "301-logit-bias": json.dumps({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}).encode(),
-        "text-plain-foreign-host": (json.dumps(GOOD).encode(), {"content-type": "text/plain",
-                                                                "host": "attacker.example"}),
+        "301-logit-bias": json.dumps(
+            {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}
+        ).encode(),
+        "text-plain-foreign-host": (
+            json.dumps(GOOD).encode(),
+            {"content-type": "text/plain", "host": "attacker.example"},
+        ),
     }
 
 
@@ -75,11 +81,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=5, help="hostile requests per case, at least")
-    ap.add_argument("--seconds", type=float, default=3.0, help="each case sends its request back to back this long")
+    ap.add_argument(
+        "--seconds", type=float, default=3.0, help="each case sends its request back to back this long"
+    )
     args = ap.parse_args(argv)
     port = _free_port()
-    cmd = [sys.executable, "-m", "expertcache.server", *([args.model] if args.model else []), "--port", str(port),
-           "--no-access-log", "--log-level", "warning", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "expertcache.server",
+        *([args.model] if args.model else []),
+        "--port",
+        str(port),
+        "--no-access-log",
+        "--log-level",
+        "warning",
+        "--threads",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -133,11 +152,14 @@ def main(argv=None) -> int:
                 stop.set()
                 for th in threads:
                     th.join()
-                baseline = baseline or pct(good, .5)
-                print(f"hostile case={name} status={status} sent={sent} seconds={dt:.2f} health_n={len(lat)} "
-                      f"health_p50_ms={pct(lat, .5):.1f} health_p99_ms={pct(lat, .99):.1f} "
-                      f"health_max_ms={max(lat) * 1000:.1f} good_n={len(good)} good_p50_ms={pct(good, .5):.1f} "
-                      f"good_slowdown={pct(good, .5) / baseline:.2f}", flush=True)
+                baseline = baseline or pct(good, 0.5)
+                print(
+                    f"hostile case={name} status={status} sent={sent} seconds={dt:.2f} health_n={len(lat)} "
+                    f"health_p50_ms={pct(lat, 0.5):.1f} health_p99_ms={pct(lat, 0.99):.1f} "
+                    f"health_max_ms={max(lat) * 1000:.1f} good_n={len(good)} good_p50_ms={pct(good, 0.5):.1f} "
+                    f"good_slowdown={pct(good, 0.5) / baseline:.2f}",
+                    flush=True,
+                )
     finally:
         proc.kill()
         proc.wait(10)

@@ -18,14 +18,25 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from common import hardware_line, timed_generate
 
 SHAPE = dict(  # Qwen3.5-35B-A3B at 1/4 width, 12 layers
-    vocab_size=8192, hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
-    head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
-    linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=8,
-    moe_intermediate_size=128, shared_expert_intermediate_size=128, max_position_embeddings=32768,
+    vocab_size=8192,
+    hidden_size=512,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    num_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    max_position_embeddings=32768,
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
 )
 
@@ -50,11 +61,15 @@ def state_line(name: str, cfg, dtype=torch.bfloat16) -> str:
     state = StateCache.bytes_per_sequence(cfg, dtype)
     per_tok = KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.kv_token_shapes, dtype)
     full_tok = KVCache.bytes_per_block(cfg.num_layers, 1, cfg.kv_token_shapes, dtype)
-    parts = [f"state model={name} layers={cfg.num_layers} linear={sum(cfg.linear_attn.layers)} "
-             f"dtype={str(dtype).removeprefix('torch.')} state_bytes_per_seq={state}"]
+    parts = [
+        f"state model={name} layers={cfg.num_layers} linear={sum(cfg.linear_attn.layers)} "
+        f"dtype={str(dtype).removeprefix('torch.')} state_bytes_per_seq={state}"
+    ]
     for n, label in ((4096, "4k"), (32768, "32k")):
         hybrid, full = state + n * per_tok, n * full_tok
-        parts.append(f"hybrid_bytes_{label}={hybrid} full_attn_kv_bytes_{label}={full} ratio_{label}={full / hybrid:.2f}")
+        parts.append(
+            f"hybrid_bytes_{label}={hybrid} full_attn_kv_bytes_{label}={full} ratio_{label}={full / hybrid:.2f}"
+        )
     return " ".join(parts)
 
 
@@ -65,7 +80,9 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 on an oversubscribed machine)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads (1 on an oversubscribed machine)"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,8 +111,11 @@ def main():
     for (name, b), runs in results.items():
         pre = statistics.median(r["prefill_tok_s"] for r in runs)
         dec = statistics.median(r["decode_tok_s"] for r in runs)
-        print(f"config={name} batch={b} prompt_len={args.prompt_len} gen={args.gen} "
-              f"prefill_tok_s={pre:.1f} decode_tok_s={dec:.1f}", flush=True)
+        print(
+            f"config={name} batch={b} prompt_len={args.prompt_len} gen={args.gen} "
+            f"prefill_tok_s={pre:.1f} decode_tok_s={dec:.1f}",
+            flush=True,
+        )
     for llm in llms.values():
         llm.close()
     print(state_line("bench-12L", llms["resident"].cfg, torch.float32))

@@ -75,6 +75,7 @@ def main() -> None:
         def run():
             ext.set_avx512(avx512)
             return f()
+
         return run
 
     for fmt, params in (f for f in FORMATS if f[0] in args.formats):
@@ -87,11 +88,13 @@ def main() -> None:
             x = torch.randn(T, K)
             unit, small_t = kernels.rows_per_unit(spec[0]), kernels.SMALL_T[spec[0]]
             xb, wb = x.bfloat16(), wf.bfloat16()  # torch's bf16 GEMM (oneDNN: AVX-512 BF16 / AMX)
-            runs = {"gemv": on(False, lambda: ext.linear(x, spec, 0, 1 << 30, unit, 0)),
-                    "tiled": on(False, lambda: ext.linear(x, spec, 0, 0, unit, 0)),
-                    "dispatched": on(True, lambda: ext.linear(x, spec, 0, small_t, unit, math)),
-                    "torch_fp32": lambda: F.linear(x, wf),
-                    "torch_bf16": lambda: F.linear(xb, wb)}
+            runs = {
+                "gemv": on(False, lambda: ext.linear(x, spec, 0, 1 << 30, unit, 0)),
+                "tiled": on(False, lambda: ext.linear(x, spec, 0, 0, unit, 0)),
+                "dispatched": on(True, lambda: ext.linear(x, spec, 0, small_t, unit, math)),
+                "torch_fp32": lambda: F.linear(x, wf),
+                "torch_bf16": lambda: F.linear(xb, wb),
+            }
             times = {k: [] for k in runs}
             cpu = {k: [] for k in runs}
             for f in runs.values():
@@ -106,14 +109,17 @@ def main() -> None:
             med = {k: statistics.median(v) for k, v in times.items()}
             mcpu = {k: statistics.median(v) for k, v in cpu.items()}
             best = min(("gemv", "tiled", "dispatched"), key=med.get)
-            print(f"kernel: format={fmt} rows={N} cols={K} T={T} cpu_math={args.cpu_math} "
-                  f"dispatched={ext.kernel_of(spec, math)} gemv_ms={med['gemv'] * 1e3:.3f} "
-                  f"tiled_ms={med['tiled'] * 1e3:.3f} dispatched_ms={med['dispatched'] * 1e3:.3f} "
-                  f"torch_fp32_ms={med['torch_fp32'] * 1e3:.3f} torch_bf16_ms={med['torch_bf16'] * 1e3:.3f} "
-                  f"gemv_cpu_ms={mcpu['gemv'] * 1e3:.3f} "
-                  f"tiled_cpu_ms={mcpu['tiled'] * 1e3:.3f} dispatched_cpu_ms={mcpu['dispatched'] * 1e3:.3f} "
-                  f"best={best} weight_GBps={nbytes / med[best] / 1e9:.1f} "
-                  f"GFLOPs={2 * T * N * K / med[best] / 1e9:.1f}", flush=True)
+            print(
+                f"kernel: format={fmt} rows={N} cols={K} T={T} cpu_math={args.cpu_math} "
+                f"dispatched={ext.kernel_of(spec, math)} gemv_ms={med['gemv'] * 1e3:.3f} "
+                f"tiled_ms={med['tiled'] * 1e3:.3f} dispatched_ms={med['dispatched'] * 1e3:.3f} "
+                f"torch_fp32_ms={med['torch_fp32'] * 1e3:.3f} torch_bf16_ms={med['torch_bf16'] * 1e3:.3f} "
+                f"gemv_cpu_ms={mcpu['gemv'] * 1e3:.3f} "
+                f"tiled_cpu_ms={mcpu['tiled'] * 1e3:.3f} dispatched_cpu_ms={mcpu['dispatched'] * 1e3:.3f} "
+                f"best={best} weight_GBps={nbytes / med[best] / 1e9:.1f} "
+                f"GFLOPs={2 * T * N * K / med[best] / 1e9:.1f}",
+                flush=True,
+            )
     ext.set_avx512(saved)
 
 

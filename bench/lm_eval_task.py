@@ -50,7 +50,9 @@ def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "tiny_mc")
     out.mkdir(parents=True, exist_ok=True)
     data = out / "mc.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in DOCS))
+    data.write_text(
+        "".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in DOCS)
+    )
     (out / "tiny_mc.yaml").write_text(TASK.format(data=data.resolve()))
     print(out.resolve())
 

@@ -36,8 +36,18 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 TINYMOE = Path("/work/shared/models/tinymoe-py16")
 DEMO = HERE.parent / "expertcache" / "demo_model"
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe", "deepseek_v2",
-            "deepseek_v3", "glm4_moe", "glm4_moe_lite"]
+FAMILIES = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "glm4_moe_lite",
+]
 
 
 def load(path: Path, math_: str):
@@ -46,7 +56,9 @@ def load(path: Path, math_: str):
     from expertcache import LLM
 
     mpe = json.loads((path / "config.json").read_text()).get("max_position_embeddings", 1024)
-    return LLM(str(path), max_model_len=min(1024, mpe), kv_cache_memory="32MiB", prefix_caching=False, cpu_math=math_)
+    return LLM(
+        str(path), max_model_len=min(1024, mpe), kv_cache_memory="32MiB", prefix_caching=False, cpu_math=math_
+    )
 
 
 def perplexity(llm, windows: list[list[int]]) -> float:
@@ -68,11 +80,16 @@ def greedy(llm, prompts: list[list[int]], new: int) -> list[list[int]]:
 def agreement(exact, fast, prompts: list[list[int]], new: int) -> dict:
     a, b = greedy(exact, prompts, new), greedy(fast, prompts, new)
     same = sum(x == y for x, y in zip(a, b)) / len(a)
-    prefix = sum(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), new) / new for x, y in zip(a, b)) / len(a)
+    prefix = sum(
+        next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), new) / new for x, y in zip(a, b)
+    ) / len(a)
     hit = total = 0
     for p, x in zip(prompts, a):  # teacher-forced on exact's own continuation
         seq = p + x
-        top_e, top_f = exact.logits(seq)[len(p) - 1:-1].argmax(-1), fast.logits(seq)[len(p) - 1:-1].argmax(-1)
+        top_e, top_f = (
+            exact.logits(seq)[len(p) - 1 : -1].argmax(-1),
+            fast.logits(seq)[len(p) - 1 : -1].argmax(-1),
+        )
         hit += (top_e == top_f).sum().item()
         total += top_e.numel()
     return {"same": same, "prefix": prefix, "top1": hit / total}
@@ -111,9 +128,15 @@ def tiny_gpt_oss(work: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tolerance-ppl", type=float, default=0.005, help="fast may raise perplexity by this share")
-    ap.add_argument("--tolerance-agree", type=float, default=0.90,
-                    help="fast's teacher-forced top-1 agreement with exact must reach this share")
+    ap.add_argument(
+        "--tolerance-ppl", type=float, default=0.005, help="fast may raise perplexity by this share"
+    )
+    ap.add_argument(
+        "--tolerance-agree",
+        type=float,
+        default=0.90,
+        help="fast's teacher-forced top-1 agreement with exact must reach this share",
+    )
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=8)
@@ -142,25 +165,33 @@ def main() -> None:
     trained = []
     from expertcache import LLM
 
-    ids = LLM(str(DEMO), max_model_len=64).require_tokenizer().encode((DEMO / "heldout.txt").read_text(),
-                                                                       add_special_tokens=False)
+    ids = (
+        LLM(str(DEMO), max_model_len=64)
+        .require_tokenizer()
+        .encode((DEMO / "heldout.txt").read_text(), add_special_tokens=False)
+    )
     trained += [(p, ids) for p in (DEMO, quantized(DEMO, a.work, "int4"), quantized(DEMO, a.work, "int8"))]
     if (TINYMOE / "heldout_ids.pt").exists():
         tids = torch.load(TINYMOE / "heldout_ids.pt").flatten().tolist()
         trained += [(TINYMOE, tids), (quantized(TINYMOE, a.work, "int4"), tids)]
     for path, tok in trained:
         n = min(a.windows, len(tok) // a.window)
-        windows = [tok[i * a.window:(i + 1) * a.window] for i in range(n)]
+        windows = [tok[i * a.window : (i + 1) * a.window] for i in range(n)]
         name = "demo" if path == DEMO else "tinymoe-py16" if path == TINYMOE else path.name
         exact, fast = load(path, "exact"), load(path, "fast")
         pe, pf = perplexity(exact, windows), perplexity(fast, windows)
         change = pf / pe - 1
-        prompts = [tok[i * 997 % (len(tok) - 12):][:12] for i in range(a.prompts)]
+        prompts = [tok[i * 997 % (len(tok) - 12) :][:12] for i in range(a.prompts)]
         ag = agreement(exact, fast, prompts, a.new)
-        print(f"ppl: model={name} windows={n}x{a.window} exact={pe:.4f} fast={pf:.4f} change={change:+.3%}",
-              flush=True)
-        print(f"agree: model={name} prompts={a.prompts} new={a.new} same={ag['same']:.3f} prefix={ag['prefix']:.3f} "
-              f"top1={ag['top1']:.4f}", flush=True)
+        print(
+            f"ppl: model={name} windows={n}x{a.window} exact={pe:.4f} fast={pf:.4f} change={change:+.3%}",
+            flush=True,
+        )
+        print(
+            f"agree: model={name} prompts={a.prompts} new={a.new} same={ag['same']:.3f} prefix={ag['prefix']:.3f} "
+            f"top1={ag['top1']:.4f}",
+            flush=True,
+        )
         if change > a.tolerance_ppl:
             failures.append(f"{name} perplexity {change:+.2%}")
         if ag["top1"] < a.tolerance_agree:
@@ -182,13 +213,19 @@ def main() -> None:
         V = exact.cfg.vocab_size
         prompts = [torch.randint(10, V, (12,), generator=g).tolist() for _ in range(a.prompts)]
         ag = agreement(exact, fast, prompts, a.new)
-        print(f"agree: model={name.replace(' ', '-')} prompts={a.prompts} new={a.new} same={ag['same']:.3f} "
-              f"prefix={ag['prefix']:.3f} top1={ag['top1']:.4f}", flush=True)
+        print(
+            f"agree: model={name.replace(' ', '-')} prompts={a.prompts} new={a.new} same={ag['same']:.3f} "
+            f"prefix={ag['prefix']:.3f} top1={ag['top1']:.4f}",
+            flush=True,
+        )
         if ag["top1"] < a.tolerance_agree:
             failures.append(f"{name} top1 {ag['top1']:.3f}")
         del exact, fast
-    print(f"decision: default={'exact' if failures else 'fast'} tolerance_ppl=+{a.tolerance_ppl:.1%} "
-          f"tolerance_top1={a.tolerance_agree:.0%} outside={'; '.join(failures) or 'none'}", flush=True)
+    print(
+        f"decision: default={'exact' if failures else 'fast'} tolerance_ppl=+{a.tolerance_ppl:.1%} "
+        f"tolerance_top1={a.tolerance_agree:.0%} outside={'; '.join(failures) or 'none'}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -20,15 +20,36 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from common import hardware_line, timed_generate
 
-SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, moe_intermediate_size=128,
-             num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=192, kv_lora_rank=128,
-             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=64, n_shared_experts=1,
-             num_experts_per_tok=6, n_group=8, topk_group=4, first_k_dense_replace=1, routed_scaling_factor=2.5,
-             norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None,
-             eos_token_id=1, pad_token_id=0, num_nextn_predict_layers=0)
+SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1536,
+    moe_intermediate_size=128,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=192,
+    kv_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=64,
+    n_shared_experts=1,
+    num_experts_per_tok=6,
+    n_group=8,
+    topk_group=4,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=1,
+    pad_token_id=0,
+    num_nextn_predict_layers=0,
+)
 
 
 def build(path: Path) -> Path:
@@ -99,8 +120,10 @@ def main():
     for name, rows in results.items():
         pre = statistics.median(x["prefill_tok_s"] for x in rows)
         dec = statistics.median(x["decode_tok_s"] for x in rows)
-        print(f"config={name} batch={args.batch} prompt_len={args.prompt_len} gen={args.gen} "
-              f"prefill_tok_s={pre:.1f} decode_tok_s={dec:.2f}")
+        print(
+            f"config={name} batch={args.batch} prompt_len={args.prompt_len} gen={args.gen} "
+            f"prefill_tok_s={pre:.1f} decode_tok_s={dec:.2f}"
+        )
     print(f"identical_tokens_across_configs={same}")
     for llm in llms.values():
         llm.close()

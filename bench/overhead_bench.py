@@ -35,10 +35,21 @@ def build_skeleton(path: Path) -> Path:
         return path
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=32, moe_intermediate_size=32, head_dim=16,
-                         num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=16, num_experts=64,
-                         num_experts_per_tok=8, norm_topk_prob=True, vocab_size=2048, tie_word_embeddings=False,
-                         max_position_embeddings=4096)
+    cfg = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        moe_intermediate_size=32,
+        head_dim=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_hidden_layers=16,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        vocab_size=2048,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return path
@@ -51,26 +62,32 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cpu-math", default="fast", choices=["exact", "fast"])
-    ap.add_argument("--modes", nargs="+", default=["stack", "blocks", "python"], choices=["stack", "blocks", "python"])
+    ap.add_argument(
+        "--modes", nargs="+", default=["stack", "blocks", "python"], choices=["stack", "blocks", "python"]
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from expertcache import LLM, SamplingParams
 
     model = Path(a.model) if a.model else build_skeleton(SKELETON)
-    llm = LLM(str(model), max_model_len=512, kv_cache_memory="64MiB", prefix_caching=False, cpu_math=a.cpu_math)
+    llm = LLM(
+        str(model), max_model_len=512, kv_cache_memory="64MiB", prefix_caching=False, cpu_math=a.cpu_math
+    )
     m = llm.model
     stack = m.stack
     if stack is None and "stack" in a.modes:
         sys.exit("this model has no stack of blocks (a layer without a block)")
     print(hardware_line())
-    print(f"model: {model.name} blocks={sum(b is not None for b in m.blocks)}/{len(m.blocks)} cpu_math={a.cpu_math}")
+    print(
+        f"model: {model.name} blocks={sum(b is not None for b in m.blocks)}/{len(m.blocks)} cpu_math={a.cpu_math}"
+    )
     prompt = [3 + i for i in range(9)]
     params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up
     tok_s: dict[str, list[float]] = {mode: [] for mode in a.modes}
     cpu_ms: dict[str, list[float]] = {mode: [] for mode in a.modes}
     for r in range(a.rounds):
-        for mode in (a.modes if r % 2 == 0 else a.modes[::-1]):
+        for mode in a.modes if r % 2 == 0 else a.modes[::-1]:
             m.fused_blocks, m.stack = mode != "python", stack if mode == "stack" else None
             t, c = time.perf_counter(), time.thread_time()
             llm.generate([prompt], params)
@@ -78,13 +95,18 @@ def main() -> None:
             cpu_ms[mode].append((time.thread_time() - c) / a.tokens * 1e3)
     m.fused_blocks, m.stack = True, stack
     for mode in a.modes:
-        print(f"overhead: mode={mode} decode_tok_s={statistics.median(tok_s[mode]):.2f} "
-              f"main_thread_cpu_ms_per_token={statistics.median(cpu_ms[mode]):.3f} rounds={a.rounds}")
+        print(
+            f"overhead: mode={mode} decode_tok_s={statistics.median(tok_s[mode]):.2f} "
+            f"main_thread_cpu_ms_per_token={statistics.median(cpu_ms[mode]):.3f} rounds={a.rounds}"
+        )
     first = a.modes[0]
     for mode in a.modes[1:]:
         pairs = [x / y for x, y in zip(tok_s[first], tok_s[mode])]
-        print(f"overhead-summary: {first}_over_{mode}={statistics.median(tok_s[first]) / statistics.median(tok_s[mode]):.3f} "
-              f"per_round_median={statistics.median(pairs):.3f} per_round_range={min(pairs):.2f}-{max(pairs):.2f}")
+        print(
+            f"overhead-summary: {first}_over_{mode}={statistics.median(tok_s[first]) / statistics.median(tok_s[mode]):.3f} "
+            f"per_round_median={statistics.median(pairs):.3f} per_round_range={min(pairs):.2f}-{max(pairs):.2f}"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -35,7 +35,9 @@ def anon_huge_bytes() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default=str(Path.home() / ".cache" / "expertcache-peers" / "yardstick"))
+    ap.add_argument(
+        "model", nargs="?", default=str(Path.home() / ".cache" / "expertcache-peers" / "yardstick")
+    )
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
@@ -54,8 +56,15 @@ def main() -> None:
     for pages in ("4KiB", "2MiB"):
         hostmem.enabled = pages == "2MiB"
         before = anon_huge_bytes()
-        llms[pages] = LLM(a.model, max_model_len=1024, kv_cache_memory="64MiB", prefix_caching=False,
-                          cpu_math=a.cpu_math, dense=a.dense, lm_head=a.lm_head)
+        llms[pages] = LLM(
+            a.model,
+            max_model_len=1024,
+            kv_cache_memory="64MiB",
+            prefix_caching=False,
+            cpu_math=a.cpu_math,
+            dense=a.dense,
+            lm_head=a.lm_head,
+        )
         huge[pages] = anon_huge_bytes() - before
     hostmem.enabled = True
     decode = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
@@ -67,7 +76,7 @@ def main() -> None:
     dec: dict[str, list[float]] = {p: [] for p in llms}
     pre: dict[str, list[float]] = {p: [] for p in llms}
     for r in range(a.rounds):
-        for pages in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
+        for pages in list(llms) if r % 2 == 0 else list(llms)[::-1]:
             llm = llms[pages]
             t = time.perf_counter()
             llm.generate([short], decode)
@@ -76,13 +85,17 @@ def main() -> None:
             llm.generate([long], prefill)
             pre[pages].append(a.prompt / (time.perf_counter() - t))
     for pages in llms:
-        print(f"pages: weights_on={pages} anon_huge_MiB={huge[pages] / 2**20:.0f} "
-              f"decode_tok_s={statistics.median(dec[pages]):.2f} prefill_tok_s={statistics.median(pre[pages]):.1f} "
-              f"cpu_math={a.cpu_math} dense={a.dense} lm_head={a.lm_head} rounds={a.rounds}")
+        print(
+            f"pages: weights_on={pages} anon_huge_MiB={huge[pages] / 2**20:.0f} "
+            f"decode_tok_s={statistics.median(dec[pages]):.2f} prefill_tok_s={statistics.median(pre[pages]):.1f} "
+            f"cpu_math={a.cpu_math} dense={a.dense} lm_head={a.lm_head} rounds={a.rounds}"
+        )
     for name, v in (("decode", dec), ("prefill", pre)):
         pairs = [x / y for x, y in zip(v["2MiB"], v["4KiB"])]
-        print(f"pages-summary: {name}_speedup={statistics.median(v['2MiB']) / statistics.median(v['4KiB']):.3f} "
-              f"per_round_median={statistics.median(pairs):.3f} per_round_range={min(pairs):.2f}-{max(pairs):.2f}")
+        print(
+            f"pages-summary: {name}_speedup={statistics.median(v['2MiB']) / statistics.median(v['4KiB']):.3f} "
+            f"per_round_median={statistics.median(pairs):.3f} per_round_range={min(pairs):.2f}-{max(pairs):.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -76,8 +76,15 @@ def layout(ex, wt, la, batch: int = 1, prefill: int = 0, chunk: int = 32) -> dic
                     pos[s] += 1
             step += 1
     seq, tok, ph, st = (np.array(c) for c in zip(*rows))
-    return dict(experts=ex[seq, tok], weights=wt[seq, tok], lookahead=la[seq, tok], seq=seq, token=tok,
-                phase=ph.astype(np.int8), step=st)
+    return dict(
+        experts=ex[seq, tok],
+        weights=wt[seq, tok],
+        lookahead=la[seq, tok],
+        seq=seq,
+        token=tok,
+        phase=ph.astype(np.int8),
+        step=st,
+    )
 
 
 def routed(model_dir: Path, offset: int, seqs: int, tokens: int):
@@ -85,7 +92,7 @@ def routed(model_dir: Path, offset: int, seqs: int, tokens: int):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.load(TINYMOE / "heldout_ids.pt").flatten()[offset: offset + seqs * tokens]
+    ids = torch.load(TINYMOE / "heldout_ids.pt").flatten()[offset : offset + seqs * tokens]
     assert ids.numel() == seqs * tokens, f"heldout_ids.pt too short for offset {offset}"
     cfg = model.config
     return route(model, ids.reshape(seqs, tokens)), cfg
@@ -96,30 +103,53 @@ def build(name: str, d: Path) -> RoutingTrace:
     if path.exists():
         return RoutingTrace.load(path)
     if name.startswith("synth-"):
-        kw = {"synth-zipf": dict(layers=8, experts=64, top_k=4, tokens=2048, zipf=1.0, reuse=0.3, seed=11),
-              "synth-shift": dict(layers=16, experts=64, top_k=8, tokens=4096, zipf=1.1, reuse=0.4,
-                                  shift_every=256, seed=12),
-              "synth-8x2": dict(layers=32, experts=8, top_k=2, tokens=600, zipf=0.6, reuse=0.35, seed=13)}[name]
+        kw = {
+            "synth-zipf": dict(layers=8, experts=64, top_k=4, tokens=2048, zipf=1.0, reuse=0.3, seed=11),
+            "synth-shift": dict(
+                layers=16, experts=64, top_k=8, tokens=4096, zipf=1.1, reuse=0.4, shift_every=256, seed=12
+            ),
+            "synth-8x2": dict(layers=32, experts=8, top_k=2, tokens=600, zipf=0.6, reuse=0.35, seed=13),
+        }[name]
         t = synth_trace(**kw)
     else:
         model_name, kind = name.split("-", 1)
         model_dir = TINYMOE if model_name == "tinymoe" else d / "moe32k4"
         if model_name == "moe32k4" and not (model_dir / "config.json").exists():
             subprocess.run([sys.executable, str(BENCH / "train_moe.py"), str(model_dir)], check=True)
-        spec = {"tune": (0, 8, 256, {}), "heldout": (150_000, 8, 256, {}),
-                "prefill": (170_000, 16, 192, dict(prefill=160)), "batch4": (200_000, 4, 256, dict(batch=4)),
-                "batch16": (205_000, 16, 128, dict(batch=16)), "batch8": (210_000, 8, 192, dict(batch=8))}[kind]
+        spec = {
+            "tune": (0, 8, 256, {}),
+            "heldout": (150_000, 8, 256, {}),
+            "prefill": (170_000, 16, 192, dict(prefill=160)),
+            "batch4": (200_000, 4, 256, dict(batch=4)),
+            "batch16": (205_000, 16, 128, dict(batch=16)),
+            "batch8": (210_000, 8, 192, dict(batch=8)),
+        }[kind]
         offset, seqs, tokens, lay = spec
         (ex, wt, la), cfg = routed(model_dir, offset, seqs, tokens)
         arrays = layout(ex, wt, la, **lay)
-        t = RoutingTrace(num_experts=cfg.num_experts, model=model_name, layer_ids=list(range(ex.shape[2])),
-                         expert_bytes=3 * cfg.hidden_size * cfg.moe_intermediate_size * 2, **arrays)
+        t = RoutingTrace(
+            num_experts=cfg.num_experts,
+            model=model_name,
+            layer_ids=list(range(ex.shape[2])),
+            expert_bytes=3 * cfg.hidden_size * cfg.moe_intermediate_size * 2,
+            **arrays,
+        )
     t.save(path)
     return t
 
 
-TRACES = ["tinymoe-tune", "tinymoe-heldout", "tinymoe-prefill", "tinymoe-batch4", "tinymoe-batch16",
-          "moe32k4-heldout", "moe32k4-batch8", "synth-zipf", "synth-shift", "synth-8x2"]
+TRACES = [
+    "tinymoe-tune",
+    "tinymoe-heldout",
+    "tinymoe-prefill",
+    "tinymoe-batch4",
+    "tinymoe-batch16",
+    "moe32k4-heldout",
+    "moe32k4-batch8",
+    "synth-zipf",
+    "synth-shift",
+    "synth-8x2",
+]
 TUNED = {"tinymoe-tune"}
 
 
@@ -163,19 +193,27 @@ def main(argv=None) -> None:
             mn = replay(t, "min", cap, with_min=False, sched=sched).hit_rate
             for p in policies:
                 h = replay(t, p, cap, with_min=False, sched=sched).hit_rate
-                print(f"trace={name} tuned={int(name in TUNED)} slots={cap} policy={p} hit={h:.4f} min={mn:.4f} "
-                      f"of_min={h / mn:.4f}", flush=True)
+                print(
+                    f"trace={name} tuned={int(name in TUNED)} slots={cap} policy={p} hit={h:.4f} min={mn:.4f} "
+                    f"of_min={h / mn:.4f}",
+                    flush=True,
+                )
                 if name not in TUNED:
                     frac[p].append(h / mn)
             if "batch" in name or "prefill" in name:
                 old = first_appearance_lru(t, cap)
                 new = replay(t, "lru", cap, with_min=False, sched=sched).hit_rate
-                print(f"trace={name} slots={cap} pin_whole_step lru_first_appearance={old:.4f} lru_pinned={new:.4f} "
-                      f"change={new - old:+.4f}", flush=True)
+                print(
+                    f"trace={name} slots={cap} pin_whole_step lru_first_appearance={old:.4f} lru_pinned={new:.4f} "
+                    f"change={new - old:+.4f}",
+                    flush=True,
+                )
     for p in policies:
         if frac[p]:
-            print(f"policy={p} mean_of_min_untuned={statistics.fmean(frac[p]):.4f} min_of_min_untuned={min(frac[p]):.4f} "
-                  f"n={len(frac[p])}")
+            print(
+                f"policy={p} mean_of_min_untuned={statistics.fmean(frac[p]):.4f} min_of_min_untuned={min(frac[p]):.4f} "
+                f"n={len(frac[p])}"
+            )
     print(f"wall_s={time.perf_counter() - t0:.0f}")
 
 

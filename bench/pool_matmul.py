@@ -48,8 +48,11 @@ def main() -> None:
                 with prefill_gemm.gemm_threads():
                     return F.linear(x.bfloat16(), w).float()
 
-            paths = {"pool": lambda: prefill_gemm.bf16_linear(x, w), "openmp": omp,
-                     "kernel": lambda: kernels.quant_linear(x, spec)}  # the C++ bf16 kernel (vdpbf16ps)
+            paths = {
+                "pool": lambda: prefill_gemm.bf16_linear(x, w),
+                "openmp": omp,
+                "kernel": lambda: kernels.quant_linear(x, spec),
+            }  # the C++ bf16 kernel (vdpbf16ps)
             times = {k: [] for k in paths}
             for _ in range(a.reps):
                 for k, f in paths.items():
@@ -58,9 +61,12 @@ def main() -> None:
                     times[k].append(time.perf_counter() - t0)
             med = {k: statistics.median(v) for k, v in times.items()}
             gflops = 2 * n * a.rows * a.cols / med["pool"] / 1e9
-            print(f"pool_matmul: rows={a.rows} cols={a.cols} tokens={n} threads={a.threads} "
-                  + " ".join(f"{k}_ms={min(v) * 1e3:.2f}/{med[k] * 1e3:.2f}" for k, v in times.items())
-                  + f" pool_GFLOPs={gflops:.0f}", flush=True)
+            print(
+                f"pool_matmul: rows={a.rows} cols={a.cols} tokens={n} threads={a.threads} "
+                + " ".join(f"{k}_ms={min(v) * 1e3:.2f}/{med[k] * 1e3:.2f}" for k, v in times.items())
+                + f" pool_GFLOPs={gflops:.0f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import hardware_line
 
 
@@ -34,9 +33,17 @@ def main():
             model_dir = str(Path(__file__).resolve().parents[2] / "shared/models/tinymoe-py16")
             prompt = torch.load(Path(model_dir) / "heldout_ids.pt").flatten()[:32].tolist()
         else:
-            model_dir = build_demo_model(f"{tempfile.mkdtemp(prefix='expertcache-gate-')}/big", num_layers=16,
-                                         num_experts=64, top_k=8, hidden=512, moe_intermediate=512, num_heads=8,
-                                         num_kv_heads=4, num_shards=4)
+            model_dir = build_demo_model(
+                f"{tempfile.mkdtemp(prefix='expertcache-gate-')}/big",
+                num_layers=16,
+                num_experts=64,
+                top_k=8,
+                hidden=512,
+                moe_intermediate=512,
+                num_heads=8,
+                num_kv_heads=4,
+                num_shards=4,
+            )
             prompt = torch.randint(3, 2000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
         for name, kw in (("off", {"prefetch": "off"}), ("gated", {}), ("ungated", {"prefetch_gate": None})):
             llm = LLM(str(model_dir), device_memory="13%", host_memory=0, low_memory=True, **kw)
@@ -45,9 +52,12 @@ def main():
             llm.generate([prompt], SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))
             wall = time.perf_counter() - t0
             s = llm.expert_stats()
-            print(f"model={model} readahead={name} hit_rate={s['hit_rate']:.3f} "
-                  f"used_issued={s['prefetch']['useful']}/{s['prefetch']['issued']} "
-                  f"disk_GB={s['per_tier']['disk']['bytes_read'] / 1e9:.2f} wall_s={wall:.2f}", flush=True)
+            print(
+                f"model={model} readahead={name} hit_rate={s['hit_rate']:.3f} "
+                f"used_issued={s['prefetch']['useful']}/{s['prefetch']['issued']} "
+                f"disk_GB={s['per_tier']['disk']['bytes_read'] / 1e9:.2f} wall_s={wall:.2f}",
+                flush=True,
+            )
             llm.close()
 
 

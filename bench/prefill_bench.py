@@ -28,8 +28,19 @@ sys.path.insert(0, str(ROOT))
 from bench.common import hardware_line, timed_generate  # noqa: E402
 from bench.gpt_oss_bench import build  # noqa: E402
 
-SHAPE = dict(layers=2, experts=32, top_k=4, hidden=2880, intermediate=2880, heads=64, kv_heads=8, head_dim=64,
-             vocab=32000, window=128, seed=0)
+SHAPE = dict(
+    layers=2,
+    experts=32,
+    top_k=4,
+    hidden=2880,
+    intermediate=2880,
+    heads=64,
+    kv_heads=8,
+    head_dim=64,
+    vocab=32000,
+    window=128,
+    seed=0,
+)
 
 
 def main():
@@ -52,11 +63,19 @@ def main():
     rng = torch.Generator().manual_seed(1)
     for fmt in args.formats:
         path = build(Path(args.dir) / f"{fmt}-{args.layers}L", shape, fmt)
-        llm = LLM(str(path), device="cpu", cpu_math="fast", kv_cache_memory="256MiB",
-                  max_model_len=max(args.prompt_lens) + 8, prefix_caching=False)  # every run prefills it all
+        llm = LLM(
+            str(path),
+            device="cpu",
+            cpu_math="fast",
+            kv_cache_memory="256MiB",
+            max_model_len=max(args.prompt_lens) + 8,
+            prefix_caching=False,
+        )  # every run prefills it all
         for n in args.prompt_lens:
-            warm, *prompts = [torch.randint(3, shape["vocab"], (n,), generator=rng).tolist()
-                              for _ in range(args.repeats + 1)]
+            warm, *prompts = [
+                torch.randint(3, shape["vocab"], (n,), generator=rng).tolist()
+                for _ in range(args.repeats + 1)
+            ]
             runs, first = {True: [], False: []}, {True: [], False: []}
             for on in (True, False):  # warm-up; with the path on, the crossovers measured at first use
                 prefill_gemm.enable(on)
@@ -70,14 +89,23 @@ def main():
                     first[on].append(r["outputs"][0].token_ids[0])
             used = {k: v - calls[k] for k, v in prefill_gemm.CALLS.items()}
             for on in (True, False):
-                print(f"result model=gpt-oss-20b-shape-{args.layers}L experts={fmt} prompt_len={n} "
-                      f"prefill_gemm={'on' if on else 'off'} prefill_tok_s={statistics.median(runs[on]):.1f} "
-                      f"runs={','.join(format(r, '.1f') for r in runs[on])} "
-                      f"first_token_equal_off={first[on] == first[False]}"
-                      + (f" matmul_calls_dense={used['dense']} matmul_calls_expert={used['expert']}" if on else ""),
-                      flush=True)
-            print(f"speedup model=gpt-oss-20b-shape-{args.layers}L experts={fmt} prompt_len={n} "
-                  f"on_over_off={statistics.median(runs[True]) / statistics.median(runs[False]):.2f}", flush=True)
+                print(
+                    f"result model=gpt-oss-20b-shape-{args.layers}L experts={fmt} prompt_len={n} "
+                    f"prefill_gemm={'on' if on else 'off'} prefill_tok_s={statistics.median(runs[on]):.1f} "
+                    f"runs={','.join(format(r, '.1f') for r in runs[on])} "
+                    f"first_token_equal_off={first[on] == first[False]}"
+                    + (
+                        f" matmul_calls_dense={used['dense']} matmul_calls_expert={used['expert']}"
+                        if on
+                        else ""
+                    ),
+                    flush=True,
+                )
+            print(
+                f"speedup model=gpt-oss-20b-shape-{args.layers}L experts={fmt} prompt_len={n} "
+                f"on_over_off={statistics.median(runs[True]) / statistics.median(runs[False]):.2f}",
+                flush=True,
+            )
         prefill_gemm.enable(True)
         llm.close()
     for key, t in sorted(prefill_gemm.table().items()):

@@ -46,10 +46,23 @@ from expertcache import LLM, SamplingParams  # noqa: E402
 from expertcache.quantize.rewrite import quantize_checkpoint  # noqa: E402
 
 TINYMOE = Path(__file__).resolve().parents[2] / "shared" / "models" / "tinymoe-py16"
-FORMATS = [("bf16", {}), ("fp8", {"block_size": 128}), ("int8", {"group_size": 128}),
-           ("int4", {"group_size": 128}), ("mxfp4", {})]
-LARGE = dict(num_layers=8, num_experts=64, top_k=4, hidden=512, moe_intermediate=512, num_heads=8, num_kv_heads=4,
-             num_shards=4)
+FORMATS = [
+    ("bf16", {}),
+    ("fp8", {"block_size": 128}),
+    ("int8", {"group_size": 128}),
+    ("int4", {"group_size": 128}),
+    ("mxfp4", {}),
+]
+LARGE = dict(
+    num_layers=8,
+    num_experts=64,
+    top_k=4,
+    hidden=512,
+    moe_intermediate=512,
+    num_heads=8,
+    num_kv_heads=4,
+    num_shards=4,
+)
 
 
 def cpu_model() -> str:
@@ -103,7 +116,7 @@ def eval_windows(name: str, base: LLM, n: int, length: int) -> list[list[int]]:
         ids = torch.load(TINYMOE / "heldout_ids.pt").tolist()
         g = torch.Generator().manual_seed(0)
         starts = torch.randint(0, len(ids) - length, (n,), generator=g).tolist()
-        return [ids[s:s + length] for s in starts]
+        return [ids[s : s + length] for s in starts]
     # random-weight model: text sampled from the bf16 model itself (fixed seed)
     prompt = base.tokenizer.encode("The quick brown fox") if base.tokenizer else [5, 6, 7, 8]
     out = []
@@ -187,46 +200,87 @@ def run_model(name: str, args, work: Path) -> list[dict]:
         slots = getattr(llm.experts, "device_slots", E)
         tok_s, hit = decode_speed(llm, prompt, args.decode_tokens, args.repeats)
         fit = min(E, budget // (L * llm.source.expert_nbytes))  # slots/layer the budget holds at stored bytes
-        row = dict(model=name, fmt=fmt, params=",".join(f"{k}={v}" for k, v in params.items()) or "-",
-                   bytes_per_expert=llm.source.expert_nbytes, dev_bytes=dev_bytes, budget=budget, slots=slots, fit=fit,
-                   experts=E, layers=L, hit_rate=hit, decode_tok_s=tok_s, top1=top1, ppl=ppl, ppl_base=ppl0,
-                   dppl=100 * (ppl / ppl0 - 1), quantize_s=qtime)
+        row = dict(
+            model=name,
+            fmt=fmt,
+            params=",".join(f"{k}={v}" for k, v in params.items()) or "-",
+            bytes_per_expert=llm.source.expert_nbytes,
+            dev_bytes=dev_bytes,
+            budget=budget,
+            slots=slots,
+            fit=fit,
+            experts=E,
+            layers=L,
+            hit_rate=hit,
+            decode_tok_s=tok_s,
+            top1=top1,
+            ppl=ppl,
+            ppl_base=ppl0,
+            dppl=100 * (ppl / ppl0 - 1),
+            quantize_s=qtime,
+        )
         llm.close()
         del llm
         if fmt != "bf16" and not args.keep:
             shutil.rmtree(path, ignore_errors=True)
-        print("result " + " ".join([
-            f"model={name}", f"fmt={fmt}", f"params={row['params']}",
-            f"bytes_per_expert={row['bytes_per_expert']}B", f"dev_bytes_per_expert={dev_bytes}B",
-            f"budget={budget}B", f"fit_stored={fit}/{E}", f"slots_per_layer={slots}/{E}", f"hit_rate={hit:.3f}",
-            f"decode_tok_s={tok_s:.2f}tok/s", f"top1_agree={top1:.4f}", f"ppl={ppl:.4f}", f"ppl_bf16={ppl0:.4f}",
-            f"dppl={row['dppl']:+.3f}%", f"quantize_s={qtime:.1f}s"]), flush=True)
+        print(
+            "result "
+            + " ".join(
+                [
+                    f"model={name}",
+                    f"fmt={fmt}",
+                    f"params={row['params']}",
+                    f"bytes_per_expert={row['bytes_per_expert']}B",
+                    f"dev_bytes_per_expert={dev_bytes}B",
+                    f"budget={budget}B",
+                    f"fit_stored={fit}/{E}",
+                    f"slots_per_layer={slots}/{E}",
+                    f"hit_rate={hit:.3f}",
+                    f"decode_tok_s={tok_s:.2f}tok/s",
+                    f"top1_agree={top1:.4f}",
+                    f"ppl={ppl:.4f}",
+                    f"ppl_bf16={ppl0:.4f}",
+                    f"dppl={row['dppl']:+.3f}%",
+                    f"quantize_s={qtime:.1f}s",
+                ]
+            ),
+            flush=True,
+        )
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | format | B/expert | vs bf16 | fit in budget (stored) | dev B/expert | device slots/layer "
-            "| hit rate | decode tok/s | top-1 agree | ppl | Δppl |")
+    head = (
+        "| model | format | B/expert | vs bf16 | fit in budget (stored) | dev B/expert | device slots/layer "
+        "| hit rate | decode tok/s | top-1 agree | ppl | Δppl |"
+    )
     lines = [head, "|" + "|".join(["---"] * 12) + "|"]
     base = {r["model"]: r["bytes_per_expert"] for r in rows if r["fmt"] == "bf16"}
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['fmt']} | {r['bytes_per_expert']:,} | {r['bytes_per_expert'] / base[r['model']]:.3f} "
             f"| {r['fit']}/{r['experts']} | {r['dev_bytes']:,} | {r['slots']}/{r['experts']} | {r['hit_rate']:.3f} | {r['decode_tok_s']:.1f} "
-            f"| {r['top1']:.4f} | {r['ppl']:.3f} | {r['dppl']:+.2f}% |")
+            f"| {r['top1']:.4f} | {r['ppl']:.3f} | {r['dppl']:+.2f}% |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="demo,tinymoe", help="comma list of demo, tinymoe, large")
-    ap.add_argument("--budget-frac", type=float, default=0.25, help="byte budget as a share of the bf16 experts")
+    ap.add_argument(
+        "--budget-frac", type=float, default=0.25, help="byte budget as a share of the bf16 experts"
+    )
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2, help="decode measurements per config (best is kept)")
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--eval-windows", type=int, default=None,
-                    help="eval windows per model (default 8 for tinymoe, 4 for the sampled demo/large text)")
+    ap.add_argument(
+        "--eval-windows",
+        type=int,
+        default=None,
+        help="eval windows per model (default 8 for tinymoe, 4 for the sampled demo/large text)",
+    )
     ap.add_argument("--eval-len", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--workdir", default=None, help="where quantized copies go (default: a temp dir)")
@@ -234,8 +288,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    print(f"hardware cpu=\"{cpu_model()}\" cores={os.cpu_count()} threads={torch.get_num_threads()} "
-          f"torch={torch.__version__} python={platform.python_version()} device=cpu", flush=True)
+    print(
+        f'hardware cpu="{cpu_model()}" cores={os.cpu_count()} threads={torch.get_num_threads()} '
+        f"torch={torch.__version__} python={platform.python_version()} device=cpu",
+        flush=True,
+    )
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="quant-report-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -246,7 +303,7 @@ def main(argv=None) -> int:
             try:
                 rows += run_model(name.strip(), args, work)
             except FileNotFoundError as e:
-                print(f"skipped model={name} reason=\"{e}\"", flush=True)
+                print(f'skipped model={name} reason="{e}"', flush=True)
             log(f"{name} took {time.perf_counter() - t:.0f} s")
     finally:
         if not args.workdir:
@@ -255,10 +312,12 @@ def main(argv=None) -> int:
     print()
     print(table(rows))
     print()
-    print("note: device tier on CPU = compute format; a bf16 model's experts are held there in float32 (dev B/expert), "
-          "so its device slots are half of what its stored bytes would fit; quantized experts stay as stored. "
-          "decode tok/s is batch 1, best of --repeats, on a shared machine (noisy). demo/large are random-weight "
-          "models: perplexity of text sampled from themselves is near the vocab size; top-1 agreement is the signal.")
+    print(
+        "note: device tier on CPU = compute format; a bf16 model's experts are held there in float32 (dev B/expert), "
+        "so its device slots are half of what its stored bytes would fit; quantized experts stay as stored. "
+        "decode tok/s is batch 1, best of --repeats, on a shared machine (noisy). demo/large are random-weight "
+        "models: perplexity of text sampled from themselves is near the vocab size; top-1 agreement is the signal."
+    )
     return 0
 
 

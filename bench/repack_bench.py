@@ -15,24 +15,31 @@ import statistics
 import time
 
 import torch
-
 from common import hardware_line
 
 
 def shipped(fmt: str, N: int, K: int, G: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Random stored tensors of one [N, K] linear in `fmt`'s layout (suffix -> tensor)."""
+
     def words(*shape):
         return torch.randint(-(1 << 31), 1 << 31, shape, dtype=torch.int64, generator=gen).to(torch.int32)
 
     ng = K // G
     scales = torch.rand(ng, N, generator=gen).to(torch.float16) / 100
     if fmt == "gptq":
-        return {"qweight": words(K // 8, N), "qzeros": words(ng, N // 8), "scales": scales,
-                "g_idx": (torch.arange(K) // G).to(torch.int32)}
+        return {
+            "qweight": words(K // 8, N),
+            "qzeros": words(ng, N // 8),
+            "scales": scales,
+            "g_idx": (torch.arange(K) // G).to(torch.int32),
+        }
     if fmt == "awq":
         return {"qweight": words(K, N // 8), "qzeros": words(ng, N // 8), "scales": scales}
-    return {"weight_packed": words(N, K // 8), "weight_scale": scales.T.contiguous().to(torch.bfloat16),
-            "weight_shape": torch.tensor([N, K])}
+    return {
+        "weight_packed": words(N, K // 8),
+        "weight_scale": scales.T.contiguous().to(torch.bfloat16),
+        "weight_shape": torch.tensor([N, K]),
+    }
 
 
 def main():
@@ -50,8 +57,11 @@ def main():
     torch.set_num_threads(args.threads)
     print(hardware_line(), f"threads={args.threads}")
     H, I, G = args.hidden, args.inter, args.group
-    methods = {"gptq": GPTQ(bits=4, group_size=G, sym=False), "awq": AWQ(group_size=G),
-               "compressed-tensors": PackQuantized(bits=4, group_size=G, symmetric=True)}
+    methods = {
+        "gptq": GPTQ(bits=4, group_size=G, sym=False),
+        "awq": AWQ(group_size=G),
+        "compressed-tensors": PackQuantized(bits=4, group_size=G, symmetric=True),
+    }
     for fmt, method in methods.items():
         gen = torch.Generator().manual_seed(0)
         tier = method.tier(max(H, I))
@@ -61,8 +71,11 @@ def main():
         nbytes = sum(t.nbytes for t in raw.values())
 
         shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
-        dst = {k: torch.empty(spec.shape, dtype=spec.dtype) for proj, shape in shapes.items()
-               for k, spec in tier.layout(proj, shape).items()}
+        dst = {
+            k: torch.empty(spec.shape, dtype=spec.dtype)
+            for proj, shape in shapes.items()
+            for k, spec in tier.layout(proj, shape).items()
+        }
 
         def once():  # what ExpertSource.convert does: repack, then write the tier's parts
             for proj in shapes:
@@ -76,8 +89,10 @@ def main():
             once()
             times.append(time.perf_counter() - t0)
         ms = statistics.median(times) * 1e3
-        print(f"repack format={fmt} shape=H{H}xI{I} group={G} shipped_mb={nbytes / 1e6:.3f} ms_per_expert={ms:.2f} "
-              f"mb_per_s={nbytes / 1e6 / (ms / 1e3):.0f}")
+        print(
+            f"repack format={fmt} shape=H{H}xI{I} group={G} shipped_mb={nbytes / 1e6:.3f} ms_per_expert={ms:.2f} "
+            f"mb_per_s={nbytes / 1e6 / (ms / 1e3):.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,16 @@ from expertcache.trace.replay import schedule  # noqa: E402
 from expertcache.trace.synthetic import synth_trace  # noqa: E402
 
 # seconds per op kind (per expert for moe and cpu): a link slower than the CPU for one row
-SECONDS = {"dense": 2e-3, "ids": 2e-4, "rows": 2e-4, "add": 2e-4, "read": 4e-3, "h2d": 3e-3, "moe": 5e-4,
-           "cpu": 1.5e-3}
+SECONDS = {
+    "dense": 2e-3,
+    "ids": 2e-4,
+    "rows": 2e-4,
+    "add": 2e-4,
+    "read": 4e-3,
+    "h2d": 3e-3,
+    "moe": 5e-4,
+    "cpu": 1.5e-3,
+}
 
 
 def seconds(o) -> float:
@@ -42,8 +50,17 @@ def seconds(o) -> float:
 def build(layers: int, steps: int, capacity: int, cpu: bool):
     trace = synth_trace(layers=layers, experts=16, top_k=2, tokens=steps, seed=0, zipf=1.1, reuse=0.4)
     st = schedule(trace)
-    p = StepPlanner(PlannerConfig(num_experts=16, device_slots=capacity, host_slots=None, expert_bytes=1,
-                                  cpu_compute="cost" if cpu else "never"), layers, cpu_faster=lambda n: n <= 1)
+    p = StepPlanner(
+        PlannerConfig(
+            num_experts=16,
+            device_slots=capacity,
+            host_slots=None,
+            expert_bytes=1,
+            cpu_compute="cost" if cpu else "never",
+        ),
+        layers,
+        cpu_faster=lambda n: n <= 1,
+    )
     b, out = ScheduleBuilder(), []
     for k in range(len(st[0])):
         for i in range(layers):
@@ -126,20 +143,27 @@ def main() -> None:
     handoff = min(handoff_s() for _ in range(3))
     op_s = handoff + overshoot_s()
     issue = min(issue_s() for _ in range(3))
-    print(f"schedule_model handoff_us={handoff * 1e6:.0f} op_overhead_us={op_s * 1e6:.0f} issue_us={issue * 1e6:.0f} "
-          f"(measured: the model adds op_overhead to every op, handoff to the host's wait for each layer's ids, "
-          f"issue to the host's clock per op issued)")
+    print(
+        f"schedule_model handoff_us={handoff * 1e6:.0f} op_overhead_us={op_s * 1e6:.0f} issue_us={issue * 1e6:.0f} "
+        f"(measured: the model adds op_overhead to every op, handoff to the host's wait for each layer's ids, "
+        f"issue to the host's clock per op issued)"
+    )
     for cpu in (True, False):
         for capacity in (4, 8):
             scheds = build(args.layers, args.steps, capacity, cpu)
-            predicted = evaluate(scheds, seconds, io_lanes=4, op_s=op_s, host_s=handoff, issue_s=issue).makespan
+            predicted = evaluate(
+                scheds, seconds, io_lanes=4, op_s=op_s, host_s=handoff, issue_s=issue
+            ).makespan
             bare = evaluate(scheds, seconds, io_lanes=4).makespan
             measure(scheds[: args.layers])  # warm-up: threads started, code paths run once
             measured = min(measure(scheds) for _ in range(args.reps))
-            print(f"schedule_model cpu_compute={'on' if cpu else 'off'} capacity={capacity} layers={args.layers} "
-                  f"steps={args.steps} ops={sum(len(s.ops) for s in scheds)} predicted_ms={predicted * 1e3:.1f} "
-                  f"measured_ms={measured * 1e3:.1f} error={(predicted - measured) / measured:+.1%} "
-                  f"error_without_handoff={(bare - measured) / measured:+.1%}", flush=True)
+            print(
+                f"schedule_model cpu_compute={'on' if cpu else 'off'} capacity={capacity} layers={args.layers} "
+                f"steps={args.steps} ops={sum(len(s.ops) for s in scheds)} predicted_ms={predicted * 1e3:.1f} "
+                f"measured_ms={measured * 1e3:.1f} error={(predicted - measured) / measured:+.1%} "
+                f"error_without_handoff={(bare - measured) / measured:+.1%}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

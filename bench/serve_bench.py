@@ -36,9 +36,11 @@ from pathlib import Path
 import httpx
 from openai import AsyncOpenAI
 
-WORDS = ("the expert cache keeps hot experts in fast memory while the router picks a few experts for every "
-         "token and the rest wait in host memory or on disk so a model larger than the device can still run "
-         "with good throughput when routing is skewed and consecutive tokens reuse experts").split()
+WORDS = (
+    "the expert cache keeps hot experts in fast memory while the router picks a few experts for every "
+    "token and the rest wait in host memory or on disk so a model larger than the device can still run "
+    "with good throughput when routing is skewed and consecutive tokens reuse experts"
+).split()
 
 
 @dataclass
@@ -56,13 +58,22 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-async def one_request(client: AsyncOpenAI, model: str, messages: list[dict], max_tokens: int, seed: int) -> Result:
+async def one_request(
+    client: AsyncOpenAI, model: str, messages: list[dict], max_tokens: int, seed: int
+) -> Result:
     t0 = time.perf_counter()
     ttft, usage = 0.0, None
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=messages, max_completion_tokens=max_tokens, temperature=0.0, seed=seed,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=model,
+            messages=messages,
+            max_completion_tokens=max_tokens,
+            temperature=0.0,
+            seed=seed,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content and not ttft:
                 ttft = time.perf_counter() - t0
@@ -74,8 +85,14 @@ async def one_request(client: AsyncOpenAI, model: str, messages: list[dict], max
     if usage is None:
         return Result(False, error="no usage chunk")
     details = usage.prompt_tokens_details
-    return Result(True, ttft or latency, latency, usage.completion_tokens, usage.prompt_tokens,
-                  (details.cached_tokens or 0) if details else 0)
+    return Result(
+        True,
+        ttft or latency,
+        latency,
+        usage.completion_tokens,
+        usage.prompt_tokens,
+        (details.cached_tokens or 0) if details else 0,
+    )
 
 
 async def run_level(client, model, convs: list[list[dict]], max_tokens: int, concurrency: int, seed: int):
@@ -104,14 +121,23 @@ def summarize(results: list[Result], wall: float) -> dict:
     ttft = [r.ttft * 1000 for r in ok]
     tpot = [(r.latency - r.ttft) * 1000 / (r.out_tokens - 1) for r in ok if r.out_tokens > 1]
     out = sum(r.out_tokens for r in ok)
-    return {"n": len(results), "ok": len(ok), "wall_s": round(wall, 2),
-            "req_s": round(len(ok) / wall, 3), "out_tok_s": round(out / wall, 2),
-            "ttft_p50_ms": round(pct(ttft, 50), 1), "ttft_p99_ms": round(pct(ttft, 99), 1),
-            "tpot_p50_ms": round(pct(tpot, 50), 1), "tpot_p99_ms": round(pct(tpot, 99), 1),
-            "in_tok": sum(r.in_tokens for r in ok), "cached_tok": sum(r.cached for r in ok), "out_tok": out,
-            "errors": len(results) - len(ok),
-            # shared machines: the load seen while this configuration ran explains outliers
-            "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
+    return {
+        "n": len(results),
+        "ok": len(ok),
+        "wall_s": round(wall, 2),
+        "req_s": round(len(ok) / wall, 3),
+        "out_tok_s": round(out / wall, 2),
+        "ttft_p50_ms": round(pct(ttft, 50), 1),
+        "ttft_p99_ms": round(pct(ttft, 99), 1),
+        "tpot_p50_ms": round(pct(tpot, 50), 1),
+        "tpot_p99_ms": round(pct(tpot, 99), 1),
+        "in_tok": sum(r.in_tokens for r in ok),
+        "cached_tok": sum(r.cached for r in ok),
+        "out_tok": out,
+        "errors": len(results) - len(ok),
+        # shared machines: the load seen while this configuration ran explains outliers
+        "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
 
 
 def hardware_line() -> str:
@@ -128,8 +154,10 @@ def hardware_line() -> str:
     except importlib.metadata.PackageNotFoundError:
         torch_v = "absent"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f'serve_bench hardware cpu="{cpu}" cores={os.cpu_count()} torch={torch_v} '
-            f"python={sys.version.split()[0]} loadavg_1m={load:.2f}")
+    return (
+        f'serve_bench hardware cpu="{cpu}" cores={os.cpu_count()} torch={torch_v} '
+        f"python={sys.version.split()[0]} loadavg_1m={load:.2f}"
+    )
 
 
 class LocalServer:
@@ -142,8 +170,16 @@ class LocalServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "expertcache.server", *([self.model] if self.model else []),
-               "--port", str(port), "--no-access-log", *self.extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "expertcache.server",
+            *([self.model] if self.model else []),
+            "--port",
+            str(port),
+            "--no-access-log",
+            *self.extra,
+        ]
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -171,8 +207,9 @@ class LocalServer:
 
 
 async def bench_server(url: str, args, workloads: list[str], label: str) -> list[dict]:
-    client = AsyncOpenAI(base_url=url + "/v1", api_key=args.api_key or "none", timeout=args.request_timeout,
-                         max_retries=0)
+    client = AsyncOpenAI(
+        base_url=url + "/v1", api_key=args.api_key or "none", timeout=args.request_timeout, max_retries=0
+    )
     model = (await client.models.list()).data[0].id
     rng = random.Random(args.seed)
     await one_request(client, model, [{"role": "user", "content": words(rng, 8)}], 4, args.seed)  # warm-up
@@ -180,20 +217,26 @@ async def bench_server(url: str, args, workloads: list[str], label: str) -> list
     for wl in workloads:
         if wl == "random":
             for c in args.concurrency:
-                convs = [[{"role": "user", "content": words(rng, args.input_words)}] for _ in range(args.num_prompts)]
+                convs = [
+                    [{"role": "user", "content": words(rng, args.input_words)}]
+                    for _ in range(args.num_prompts)
+                ]
                 res, wall = await run_level(client, model, convs, args.output_len, c, args.seed)
                 rows.append({"workload": "random", "server": label, "concurrency": c, **summarize(res, wall)})
                 print(line(rows[-1]), flush=True)
         else:
             system = words(random.Random(args.seed + 1), args.shared_words)
-            convs = [[{"role": "system", "content": system},
-                      {"role": "user", "content": words(rng, 12)}] for _ in range(args.num_prompts)]
+            convs = [
+                [{"role": "system", "content": system}, {"role": "user", "content": words(rng, 12)}]
+                for _ in range(args.num_prompts)
+            ]
             c = args.shared_concurrency
             # the system prompt is already cached in steady state: one unmeasured request puts it there
-            await one_request(client, model, [convs[0][0], {"role": "user", "content": "hi"}], 2,
-                              args.seed)
+            await one_request(client, model, [convs[0][0], {"role": "user", "content": "hi"}], 2, args.seed)
             res, wall = await run_level(client, model, convs, args.output_len, c, args.seed)
-            rows.append({"workload": "shared-prefix", "server": label, "concurrency": c, **summarize(res, wall)})
+            rows.append(
+                {"workload": "shared-prefix", "server": label, "concurrency": c, **summarize(res, wall)}
+            )
             print(line(rows[-1]), flush=True)
     await client.close()
     return rows
@@ -204,8 +247,20 @@ def line(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["workload", "server", "concurrency", "ok", "req_s", "out_tok_s", "ttft_p50_ms", "ttft_p99_ms",
-            "tpot_p50_ms", "tpot_p99_ms", "in_tok", "cached_tok"]
+    cols = [
+        "workload",
+        "server",
+        "concurrency",
+        "ok",
+        "req_s",
+        "out_tok_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p99_ms",
+        "in_tok",
+        "cached_tok",
+    ]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(out)
@@ -214,20 +269,27 @@ def table(rows: list[dict]) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="target a running server instead of starting one")
-    p.add_argument("--model", default=None, help="model directory for the started server (default: demo model)")
+    p.add_argument(
+        "--model", default=None, help="model directory for the started server (default: demo model)"
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--server-args", default="", help="extra flags for the started server, one string")
-    p.add_argument("-n", "--num-prompts", type=int, default=32, help="requests per configuration (default: 32)")
+    p.add_argument(
+        "-n", "--num-prompts", type=int, default=32, help="requests per configuration (default: 32)"
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--input-words", type=int, default=48, help="words per random prompt (default: 48)")
     p.add_argument("--output-len", type=int, default=32, help="completion tokens per request (default: 32)")
     p.add_argument("--shared-words", type=int, default=300, help="words in the shared system prompt")
     p.add_argument("--shared-concurrency", type=int, default=4)
-    p.add_argument("--workloads", nargs="+", default=["random", "shared-prefix"],
-                   choices=["random", "shared-prefix"])
+    p.add_argument(
+        "--workloads", nargs="+", default=["random", "shared-prefix"], choices=["random", "shared-prefix"]
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600)
-    p.add_argument("--server-timeout", type=float, default=900, help="seconds to wait for /health (demo build)")
+    p.add_argument(
+        "--server-timeout", type=float, default=900, help="seconds to wait for /health (demo build)"
+    )
     p.add_argument("--log-dir", default=".", help="where started servers write their logs")
     return p.parse_args(argv)
 
@@ -245,8 +307,12 @@ def main(argv=None) -> int:
         with LocalServer(args.model, extra, log_dir / "serve_bench_server.log", args.server_timeout) as url:
             rows += asyncio.run(bench_server(url, args, args.workloads, "prefix-cache"))
         if "shared-prefix" in args.workloads:
-            with LocalServer(args.model, extra + ["--no-prefix-caching"], log_dir / "serve_bench_server_nopc.log",
-                             args.server_timeout) as url:
+            with LocalServer(
+                args.model,
+                extra + ["--no-prefix-caching"],
+                log_dir / "serve_bench_server_nopc.log",
+                args.server_timeout,
+            ) as url:
                 rows += asyncio.run(bench_server(url, args, ["shared-prefix"], "no-prefix-cache"))
     print(table(rows))
     return 0 if all(r["errors"] == 0 for r in rows) else 1

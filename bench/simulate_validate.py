@@ -28,7 +28,6 @@ import time
 from dataclasses import replace
 
 import torch
-
 from common import hardware_line, timed_generate
 
 from expertcache.plan.speed import estimate
@@ -63,18 +62,33 @@ def run_config(model_dir: str, name: str, options: dict, prompt: list[int], gen:
         slots = llm.experts.device_slots if tiered else E
         host = llm.experts.host_slots if tiered else E
         fast = sum(p.nbytes for p in llm.source.compute_parts(llm.dtype))
-        shape = ModelShape.from_config(llm.hf_config, bytes_per_param=fast / (3 * llm.cfg.hidden_size
-                                                                               * llm.cfg.moe_intermediate_size))
-        sim = dict(trace=trace, policy=DEFAULT_POLICY, capacity=slots, prefetch=tiered and llm.experts.wants_prefetch,
-                   shape=shape, expert_bytes=fast, resident=not tiered, from_disk=host < E)
+        shape = ModelShape.from_config(
+            llm.hf_config, bytes_per_param=fast / (3 * llm.cfg.hidden_size * llm.cfg.moe_intermediate_size)
+        )
+        sim = dict(
+            trace=trace,
+            policy=DEFAULT_POLICY,
+            capacity=slots,
+            prefetch=tiered and llm.experts.wants_prefetch,
+            shape=shape,
+            expert_bytes=fast,
+            resident=not tiered,
+            from_disk=host < E,
+        )
     finally:
         llm.close()
     hit_engine = 1.0
     if tiered:
         h, m = after["hits"] - before["hits"], after["misses"] - before["misses"]
         hit_engine = h / max(h + m, 1)
-    return {"config": name, "slots": f"{slots}/{E}", "host": "all" if host >= E else f"{host}/{E}",
-            "measured": measured, "hit_engine": hit_engine, "sim": sim}
+    return {
+        "config": name,
+        "slots": f"{slots}/{E}",
+        "host": "all" if host >= E else f"{host}/{E}",
+        "measured": measured,
+        "hit_engine": hit_engine,
+        "sim": sim,
+    }
 
 
 def calibrate(run: dict, profile) -> float:
@@ -89,7 +103,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--gen", type=int, default=32, help="tokens generated per measured request")
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3, help="measured requests per configuration (best is kept)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="measured requests per configuration (best is kept)"
+    )
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
     from expertcache.cost.measure import measure_cpu_profile
@@ -103,22 +119,32 @@ def main() -> None:
         print(hardware_line(), flush=True)
         m = measure_cpu_profile(model_dir)
         p = m.profile
-        print(f"profile threads={threads} name={p.name} cpu_mem_gbs={p.cpu_mem_gbs} cpu_gflops={p.cpu_gflops} "
-              f"disk_gbs={p.disk_gbs} o_direct={m.disk_direct}" + (f" note={m.notes!r}" if m.notes else ""),
-              flush=True)
-        runs = [run_config(model_dir, name, CONFIGS[name], prompt, args.gen, args.repeats) for name in args.configs]
+        print(
+            f"profile threads={threads} name={p.name} cpu_mem_gbs={p.cpu_mem_gbs} cpu_gflops={p.cpu_gflops} "
+            f"disk_gbs={p.disk_gbs} o_direct={m.disk_direct}" + (f" note={m.notes!r}" if m.notes else ""),
+            flush=True,
+        )
+        runs = [
+            run_config(model_dir, name, CONFIGS[name], prompt, args.gen, args.repeats)
+            for name in args.configs
+        ]
         base = next((r for r in runs if r["config"] == "resident"), runs[0])
         cal = replace(p, name="this-cpu-calibrated", step_overhead_ms=round(calibrate(base, p), 3))
-        print(f"calibrated threads={threads} step_overhead_ms={cal.step_overhead_ms} (from config={base['config']})",
-              flush=True)
+        print(
+            f"calibrated threads={threads} step_overhead_ms={cal.step_overhead_ms} (from config={base['config']})",
+            flush=True,
+        )
         for r in runs:
             raw, fit = estimate(profile=p, **r["sim"]), estimate(profile=cal, **r["sim"])
             m = r["measured"]
-            print(f"validate threads={threads} config={r['config']} slots={r['slots']} host={r['host']} "
-                  f"measured_tok_s={m:.1f} predicted_raw_tok_s={raw.tok_s:.1f} "
-                  f"error_raw_pct={(raw.tok_s - m) / m * 100:+.0f} predicted_cal_tok_s={fit.tok_s:.1f} "
-                  f"error_cal_pct={(fit.tok_s - m) / m * 100:+.0f} hit_engine={r['hit_engine']:.3f} "
-                  f"hit_replay={raw.hit_rate:.3f}", flush=True)
+            print(
+                f"validate threads={threads} config={r['config']} slots={r['slots']} host={r['host']} "
+                f"measured_tok_s={m:.1f} predicted_raw_tok_s={raw.tok_s:.1f} "
+                f"error_raw_pct={(raw.tok_s - m) / m * 100:+.0f} predicted_cal_tok_s={fit.tok_s:.1f} "
+                f"error_cal_pct={(fit.tok_s - m) / m * 100:+.0f} hit_engine={r['hit_engine']:.3f} "
+                f"hit_replay={raw.hit_rate:.3f}",
+                flush=True,
+            )
     print(f"elapsed_s={time.perf_counter() - t0:.1f}")
 
 

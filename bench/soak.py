@@ -65,12 +65,18 @@ def start_server(llm_kwargs: dict, max_concurrent_per_key: int = 0):
     from expertcache.server.app import ServerConfig, create_app
     from expertcache.server.limits import Limits
 
-    cfg = ServerConfig(model_name="soak", llm_kwargs=llm_kwargs, api_key=KEY, log_interval=0,
-                       limits=Limits(None, max_concurrent_per_key))
+    cfg = ServerConfig(
+        model_name="soak",
+        llm_kwargs=llm_kwargs,
+        api_key=KEY,
+        log_interval=0,
+        limits=Limits(None, max_concurrent_per_key),
+    )
     app = create_app(cfg)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    )
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -90,10 +96,15 @@ def start_server(llm_kwargs: dict, max_concurrent_per_key: int = 0):
 
 def _random_request(rng: random.Random) -> tuple[str, dict]:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 24)))
-    body = {"max_tokens": rng.randint(1, 16), "temperature": rng.choice([0, 1e-40, 0.3, 0.7, 1.0, 1.5, 2.0]),
-            "top_p": rng.choice([None, 1.0, 0.9, 0.5]), "top_k": rng.choice([None, 0, 5, 40]),
-            "seed": rng.choice([None, rng.randint(0, 2**31)]), "stream": rng.random() < 0.5,
-            "ignore_eos": rng.random() < 0.5}
+    body = {
+        "max_tokens": rng.randint(1, 16),
+        "temperature": rng.choice([0, 1e-40, 0.3, 0.7, 1.0, 1.5, 2.0]),
+        "top_p": rng.choice([None, 1.0, 0.9, 0.5]),
+        "top_k": rng.choice([None, 0, 5, 40]),
+        "seed": rng.choice([None, rng.randint(0, 2**31)]),
+        "stream": rng.random() < 0.5,
+        "ignore_eos": rng.random() < 0.5,
+    }
     if rng.random() < 0.3:
         body["presence_penalty"] = rng.uniform(-2, 2)
         body["frequency_penalty"] = rng.uniform(-2, 2)
@@ -142,8 +153,14 @@ class Tally:
             self.ok += 1
 
 
-async def _client(c: httpx.AsyncClient, rng: random.Random, deadline: float, reference: dict,
-                  tally: Tally, requests: int | None = None) -> None:
+async def _client(
+    c: httpx.AsyncClient,
+    rng: random.Random,
+    deadline: float,
+    reference: dict,
+    tally: Tally,
+    requests: int | None = None,
+) -> None:
     """Requests until the deadline, or (`requests`) exactly that many, the deadline then only a bound."""
     done = 0
     while time.monotonic() < deadline and (requests is None or done < requests):
@@ -151,8 +168,9 @@ async def _client(c: httpx.AsyncClient, rng: random.Random, deadline: float, ref
         kind = rng.random()
         if kind < 0.15:  # greedy probe
             p = rng.choice(PROBES)
-            r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0,
-                                                      "ignore_eos": True})
+            r = await c.post(
+                "/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            )
             tally.status(r.status_code, "greedy probe")
             tally.greedy += 1
             if r.status_code == 200 and r.json()["choices"][0]["text"] != reference[p]:
@@ -179,8 +197,11 @@ async def _client(c: httpx.AsyncClient, rng: random.Random, deadline: float, ref
                 tally.requests += 1
             tally.disconnects += 1
         elif kind < 0.48:  # invalid
-            r = await c.post(rng.choice(["/v1/completions", "/v1/chat/completions"]),
-                             content=rng.choice(INVALID), headers={"content-type": "application/json"})
+            r = await c.post(
+                rng.choice(["/v1/completions", "/v1/chat/completions"]),
+                content=rng.choice(INVALID),
+                headers={"content-type": "application/json"},
+            )
             tally.status(r.status_code, "invalid request")
             tally.invalid += 1
             if r.status_code < 400:
@@ -210,24 +231,41 @@ async def _poll_health(c: httpx.AsyncClient, stop: asyncio.Event, out: list[floa
         await asyncio.sleep(0.02)
 
 
-async def _load(url: str, clients: int, seconds: float, seed: int, reference: dict, tally: Tally,
-                health: list[float], requests: int | None = None) -> None:
+async def _load(
+    url: str,
+    clients: int,
+    seconds: float,
+    seed: int,
+    reference: dict,
+    tally: Tally,
+    health: list[float],
+    requests: int | None = None,
+) -> None:
     # clients are made first: making one costs ~0.1 s of this loop (its SSL context), which the
     # poller would otherwise count as /health latency
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
-                                 limits=limits) as c, httpx.AsyncClient(base_url=url, timeout=30) as h:
+    async with (
+        httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120, limits=limits
+        ) as c,
+        httpx.AsyncClient(base_url=url, timeout=30) as h,
+    ):
         deadline = time.monotonic() + seconds
         stop = asyncio.Event()
         poller = asyncio.ensure_future(_poll_health(h, stop, health))
-        await asyncio.gather(*(_client(c, random.Random(seed * 1000 + i), deadline, reference, tally, requests)
-                               for i in range(clients)))
+        await asyncio.gather(
+            *(
+                _client(c, random.Random(seed * 1000 + i), deadline, reference, tally, requests)
+                for i in range(clients)
+            )
+        )
         stop.set()
         await poller
 
 
-def client_main(url: str, clients: int, seconds: float, seed: int, reference: dict,
-                requests: int | None = None) -> dict:
+def client_main(
+    url: str, clients: int, seconds: float, seed: int, reference: dict, requests: int | None = None
+) -> dict:
     """The clients and the /health poller (a process of their own: their work must not share the
     server's GIL, or /health would time the clients too) -> the tally as a dict."""
     tally, health = Tally(), []
@@ -235,10 +273,23 @@ def client_main(url: str, clients: int, seconds: float, seed: int, reference: di
     return {**vars(tally), "health": health}
 
 
-def _run_clients(url: str, clients: int, seconds: float, seed: int, reference: dict,
-                 requests: int | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--client", url, "--clients", str(clients), "--seconds", str(seconds),
-           "--seed", str(seed), "--reference", json.dumps(reference)]
+def _run_clients(
+    url: str, clients: int, seconds: float, seed: int, reference: dict, requests: int | None = None
+) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--client",
+        url,
+        "--clients",
+        str(clients),
+        "--seconds",
+        str(seconds),
+        "--seed",
+        str(seed),
+        "--reference",
+        json.dumps(reference),
+    ]
     if requests is not None:
         cmd += ["--requests-per-client", str(requests)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 600)
@@ -261,9 +312,12 @@ def _warm_up(url: str, seed: int) -> None:
 
 def _greedy(url: str) -> dict:
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        return {p: c.post("/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0,
-                                                   "ignore_eos": True}).json()["choices"][0]["text"]
-                for p in PROBES}
+        return {
+            p: c.post(
+                "/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            ).json()["choices"][0]["text"]
+            for p in PROBES
+        }
 
 
 def idle_checks(state, timeout: float = 60.0) -> dict:
@@ -278,13 +332,20 @@ def idle_checks(state, timeout: float = 60.0) -> dict:
     time.sleep(0.3)  # the engine thread is back in its idle wait
     kv = llm.kv
     free = set(kv.free)
-    out = {"leaked_blocks": kv.num_blocks - len(free) + sum(b.ref_count > 0 for b in kv.blocks if b.id in free),
-           "sequences_left": len(llm.engine.seqs) + len(llm.engine.scheduler.running)
-           + len(llm.engine.scheduler.waiting),
-           "in_flight_left": sum(state.in_flight.active.values()), "pinned_experts": 0, "expert_check": "resident"}
+    out = {
+        "leaked_blocks": kv.num_blocks - len(free) + sum(b.ref_count > 0 for b in kv.blocks if b.id in free),
+        "sequences_left": len(llm.engine.seqs)
+        + len(llm.engine.scheduler.running)
+        + len(llm.engine.scheduler.waiting),
+        "in_flight_left": sum(state.in_flight.active.values()),
+        "pinned_experts": 0,
+        "expert_check": "resident",
+    }
     experts = llm.experts
     if hasattr(experts, "check"):
-        out["pinned_experts"] = sum(len(t.pinned) for t in experts.dev_tables + list(experts.host_tables or []))
+        out["pinned_experts"] = sum(
+            len(t.pinned) for t in experts.dev_tables + list(experts.host_tables or [])
+        )
         try:
             experts.check(contents=True)
             out["expert_check"] = "ok"
@@ -298,8 +359,14 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def run(llm_kwargs: dict, clients: int = 32, seconds: float = 120.0, seed: int = 0,
-        rss_growth_limit_mb: float = 64.0, requests_per_client: int | None = None) -> dict:
+def run(
+    llm_kwargs: dict,
+    clients: int = 32,
+    seconds: float = 120.0,
+    seed: int = 0,
+    rss_growth_limit_mb: float = 64.0,
+    requests_per_client: int | None = None,
+) -> dict:
     """The whole soak; -> figures and checks (`failures` lists what did not hold). With
     `requests_per_client` each client sends exactly that many requests (`seconds` is then only an upper
     bound), so what runs does not depend on the machine's speed."""
@@ -309,7 +376,11 @@ def run(llm_kwargs: dict, clients: int = 32, seconds: float = 120.0, seed: int =
         _warm_up(url, seed + 1)  # and the first answers' allocations are not growth
         rss = []
         # the RSS baseline: after the first fifth of a timed run; right after the warm-up of a counted one
-        timer = threading.Timer(seconds / 5, lambda: rss.append(rss_mb())) if requests_per_client is None else None
+        timer = (
+            threading.Timer(seconds / 5, lambda: rss.append(rss_mb()))
+            if requests_per_client is None
+            else None
+        )
         if timer is None:
             rss.append(rss_mb())
         else:
@@ -326,14 +397,26 @@ def run(llm_kwargs: dict, clients: int = 32, seconds: float = 120.0, seed: int =
         server.should_exit = True
         thread.join(30)
     health = t["health"]
-    res = {"clients": clients, "seconds": round(wall, 1), "requests": t["requests"], "ok": t["ok"],
-           "4xx": t["client_errors"], "5xx": t["server_errors"], "disconnects": t["disconnects"],
-           "invalid": t["invalid"], "greedy_probes": t["greedy"], "greedy_mismatches": t["greedy_mismatches"],
-           **checks, "greedy_after_equal": after == reference,
-           "health_n": len(health), "health_p50_ms": round(percentile(health, 0.5) * 1000, 1),
-           "health_p99_ms": round(percentile(health, 0.99) * 1000, 1),
-           "health_max_ms": round(max(health, default=float("nan")) * 1000, 1),
-           "rss_mb": round(rss[-1], 1), "rss_growth_mb": round(rss[-1] - rss[0], 1)}
+    res = {
+        "clients": clients,
+        "seconds": round(wall, 1),
+        "requests": t["requests"],
+        "ok": t["ok"],
+        "4xx": t["client_errors"],
+        "5xx": t["server_errors"],
+        "disconnects": t["disconnects"],
+        "invalid": t["invalid"],
+        "greedy_probes": t["greedy"],
+        "greedy_mismatches": t["greedy_mismatches"],
+        **checks,
+        "greedy_after_equal": after == reference,
+        "health_n": len(health),
+        "health_p50_ms": round(percentile(health, 0.5) * 1000, 1),
+        "health_p99_ms": round(percentile(health, 0.99) * 1000, 1),
+        "health_max_ms": round(max(health, default=float("nan")) * 1000, 1),
+        "rss_mb": round(rss[-1], 1),
+        "rss_growth_mb": round(rss[-1] - rss[0], 1),
+    }
     failures = list(t["problems"][:10])
     if res["5xx"]:
         failures.append(f"{res['5xx']} server errors")
@@ -356,28 +439,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device-memory", default="25%", help="expert budget of the fastest tier (default: 25%%)")
+    ap.add_argument(
+        "--device-memory", default="25%", help="expert budget of the fastest tier (default: 25%%)"
+    )
     ap.add_argument("--host-memory", default="50%", help="expert budget in host RAM (default: 50%%)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rss-growth-limit-mb", type=float, default=64.0)
-    ap.add_argument("--requests-per-client", type=int, default=None,
-                    help="each client sends exactly this many requests (--seconds: an upper bound)")
+    ap.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=None,
+        help="each client sends exactly this many requests (--seconds: an upper bound)",
+    )
     ap.add_argument("--client", default=None, metavar="URL", help=argparse.SUPPRESS)  # the client process
     ap.add_argument("--reference", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
-        print(json.dumps(client_main(args.client, args.clients, args.seconds, args.seed, json.loads(args.reference),
-                                     args.requests_per_client)))
+        print(
+            json.dumps(
+                client_main(
+                    args.client,
+                    args.clients,
+                    args.seconds,
+                    args.seed,
+                    json.loads(args.reference),
+                    args.requests_per_client,
+                )
+            )
+        )
         return 0
     import torch
-
     from common import hardware_line
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    kw = dict(model=args.model, device="cpu", max_num_seqs=args.max_num_seqs, device_memory=args.device_memory,
-              host_memory=args.host_memory)
+    kw = dict(
+        model=args.model,
+        device="cpu",
+        max_num_seqs=args.max_num_seqs,
+        device_memory=args.device_memory,
+        host_memory=args.host_memory,
+    )
     res = run(kw, args.clients, args.seconds, args.seed, args.rss_growth_limit_mb, args.requests_per_client)
     failures = res.pop("failures")
     print("soak " + " ".join(f"{k}={v}" for k, v in res.items()))

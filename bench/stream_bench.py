@@ -58,17 +58,26 @@ def _mxfp4_pool(S: int, H: int, I: int) -> dict[str, torch.Tensor]:
     """A gpt-oss expert pool as shipped (random codes, e8m0 scales around 2^-6)."""
     codes = lambda n, k: torch.randint(0, 256, (S, n, k // 32, 16), dtype=torch.uint8)  # noqa: E731
     scales = lambda n, k: torch.randint(118, 124, (S, n, k // 32)).to(torch.uint8)  # noqa: E731
-    return {"gate_up.weight_blocks": codes(2 * I, H), "gate_up.weight_scales": scales(2 * I, H),
-            "down.weight_blocks": codes(H, I), "down.weight_scales": scales(H, I),
-            "gate_up_bias": torch.randn(S, 2 * I) * 0.1, "down_bias": torch.randn(S, H) * 0.1}
+    return {
+        "gate_up.weight_blocks": codes(2 * I, H),
+        "gate_up.weight_scales": scales(2 * I, H),
+        "down.weight_blocks": codes(H, I),
+        "down.weight_scales": scales(H, I),
+        "gate_up_bias": torch.randn(S, 2 * I) * 0.1,
+        "down_bias": torch.randn(S, H) * 0.1,
+    }
 
 
 def _int4_pool(S: int, H: int, I: int, group: int = 128) -> dict[str, torch.Tensor]:
     """A Qwen-style int4 expert pool (split gate / up; random codes, scales and zero points)."""
+
     def parts(proj: str, n: int, k: int) -> dict[str, torch.Tensor]:
-        return {f"{proj}.weight": torch.randint(0, 256, (S, n, k // 2), dtype=torch.uint8),
-                f"{proj}.weight_scale": torch.rand(S, n, k // group) * 0.01,
-                f"{proj}.weight_zero": torch.randint(6, 10, (S, n, k // group)).to(torch.uint8)}
+        return {
+            f"{proj}.weight": torch.randint(0, 256, (S, n, k // 2), dtype=torch.uint8),
+            f"{proj}.weight_scale": torch.rand(S, n, k // group) * 0.01,
+            f"{proj}.weight_zero": torch.randint(6, 10, (S, n, k // group)).to(torch.uint8),
+        }
+
     return {**parts("gate", I, H), **parts("up", I, H), **parts("down", H, I)}
 
 
@@ -107,7 +116,7 @@ def shaped_main(a) -> None:
                 slots = [torch.randperm(Sm)[:Km][None] for _ in range(Lm)]
                 # this round's probes, against which its rates are taken (the machine's share changes)
                 probe = read_bandwidth() * 1e9, read_bandwidth(cpu_time=True) * 1e9 if read_cpu else None
-                for r, m, i, p in (configs if rnd % 2 else configs[::-1]):
+                for r, m, i, p in configs if rnd % 2 else configs[::-1]:
                     kernels.ROWS_PER_UNIT = r
                     ext.set_avx512(i == "avx512")
                     ext.set_prefetch_rows(p)
@@ -118,19 +127,31 @@ def shaped_main(a) -> None:
                         c1, t1 = time.thread_time(), time.perf_counter()
                     if rnd >= 2:
                         wall, cpu_t = moe_b / (t1 - t0), moe_b / (c1 - c0)
-                        res[r, m, i, p].append((wall, cpu_t, (t1 - t0) / Lm, wall / probe[0],
-                                                cpu_t / probe[1] if probe[1] else 0.0))
+                        res[r, m, i, p].append(
+                            (
+                                wall,
+                                cpu_t,
+                                (t1 - t0) / Lm,
+                                wall / probe[0],
+                                cpu_t / probe[1] if probe[1] else 0.0,
+                            )
+                        )
         for (r, m, i, p), v in res.items():
             ext.set_avx512(i == "avx512")
             med = [statistics.median(x[k] for x in v) for k in range(5)]
             kernel = ext.kernel_of(spec, kernels.CPU_MATHS[m])
-            print(f"stream: format={a.format} shape={name} cpu_math={m} isa={i} kernel={kernel} rows_per_unit={r} "
-                  f"prefetch_rows={p} threads={a.threads} expert_MB={per_expert / 1e6:.1f} top_k={Km} "
-                  f"ms_per_layer={med[2] * 1e3:.2f} moe_GBps={med[0] / 1e9:.1f} "
-                  f"moe_cpu_GBps={med[1] / 1e9:.1f} of_read={100 * med[0] / (read * 1e9):.0f}% "
-                  f"of_round_read={100 * med[3]:.0f}% ({100 * min(x[3] for x in v):.0f}-{100 * max(x[3] for x in v):.0f})"
-                  + (f" cpu_of_read_cpu={100 * med[1] / (read_cpu * 1e9):.0f}% cpu_of_round_read_cpu={100 * med[4]:.0f}%"
-                     if read_cpu else ""))
+            print(
+                f"stream: format={a.format} shape={name} cpu_math={m} isa={i} kernel={kernel} rows_per_unit={r} "
+                f"prefetch_rows={p} threads={a.threads} expert_MB={per_expert / 1e6:.1f} top_k={Km} "
+                f"ms_per_layer={med[2] * 1e3:.2f} moe_GBps={med[0] / 1e9:.1f} "
+                f"moe_cpu_GBps={med[1] / 1e9:.1f} of_read={100 * med[0] / (read * 1e9):.0f}% "
+                f"of_round_read={100 * med[3]:.0f}% ({100 * min(x[3] for x in v):.0f}-{100 * max(x[3] for x in v):.0f})"
+                + (
+                    f" cpu_of_read_cpu={100 * med[1] / (read_cpu * 1e9):.0f}% cpu_of_round_read_cpu={100 * med[4]:.0f}%"
+                    if read_cpu
+                    else ""
+                )
+            )
     finally:
         ext.set_avx512(saved)
         ext.set_prefetch_rows(saved_pf)
@@ -142,8 +163,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[kernels.ROWS_PER_UNIT])
     ap.add_argument("--cpu-math", nargs="+", default=["exact"], choices=list(kernels.CPU_MATHS))
     ap.add_argument("--format", default="bf16", choices=["bf16", "int8", *SHAPES])
-    ap.add_argument("--isa", nargs="+", default=["avx512"], choices=["avx512", "avx2"],
-                    help="mxfp4 / int4 only")
+    ap.add_argument(
+        "--isa", nargs="+", default=["avx512"], choices=["avx512", "avx2"], help="mxfp4 / int4 only"
+    )
     ap.add_argument("--prefetch", type=int, nargs="+", default=[4], help="rows ahead (AVX-512 kernels)")
     ap.add_argument("--rounds", type=int, default=12)
     a = ap.parse_args()
@@ -161,7 +183,10 @@ def main() -> None:
         pools = [{"gate_up": bf(S, 2 * I, H), "down": bf(S, H, I)} for _ in range(L)]
         head, moe_b = bf(V, H), L * K * 3 * I * H * 2
     else:
-        pools = [{**_int8(bf(S, I, H), "gate"), **_int8(bf(S, I, H), "up"), **_int8(bf(S, H, I), "down")} for _ in range(L)]
+        pools = [
+            {**_int8(bf(S, I, H), "gate"), **_int8(bf(S, I, H), "up"), **_int8(bf(S, H, I), "down")}
+            for _ in range(L)
+        ]
         head = QuantizedWeight(bf(V, H).float(), method)
         moe_b = L * K * sum(t[0].nbytes for t in pools[0].values())
     attn = [(bf(1536, H), bf(H, H)) for _ in range(L)]
@@ -178,7 +203,7 @@ def main() -> None:
     with kernels.cpu_threads("cpu"):
         for rnd in range(a.rounds + 2):
             slots = [torch.randperm(S)[:K][None] for _ in range(L)]
-            for r, m, p in (configs if rnd % 2 else configs[::-1]):
+            for r, m, p in configs if rnd % 2 else configs[::-1]:
                 kernels.ROWS_PER_UNIT = r
                 kernels.extension().set_prefetch_rows(p)
                 with kernels.cpu_math(m):
@@ -193,12 +218,16 @@ def main() -> None:
                     linear(x, head)
                     t3 = time.perf_counter()
                 if rnd >= 2:  # warm-up rounds dropped
-                    res[r, m, p].append((moe_b / (t1 - t0), moe_b / (c1 - c0), attn_b / (t2 - t1), head_b / (t3 - t2)))
+                    res[r, m, p].append(
+                        (moe_b / (t1 - t0), moe_b / (c1 - c0), attn_b / (t2 - t1), head_b / (t3 - t2))
+                    )
     kernels.extension().set_prefetch_rows(saved_pf)
     for (r, m, p), v in res.items():
         med = [statistics.median(x[i] for x in v) / 1e9 for i in range(4)]
-        print(f"stream: format={a.format} cpu_math={m} rows_per_unit={r} prefetch_rows={p} threads={a.threads} moe_GBps={med[0]:.1f} "
-              f"moe_cpu_GBps={med[1]:.1f} attn_GBps={med[2]:.1f} lm_head_GBps={med[3]:.1f}")
+        print(
+            f"stream: format={a.format} cpu_math={m} rows_per_unit={r} prefetch_rows={p} threads={a.threads} moe_GBps={med[0]:.1f} "
+            f"moe_cpu_GBps={med[1]:.1f} attn_GBps={med[2]:.1f} lm_head_GBps={med[3]:.1f}"
+        )
 
 
 if __name__ == "__main__":

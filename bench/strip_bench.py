@@ -42,7 +42,11 @@ from expertcache.experts.compute import ExpertFFN  # noqa: E402
 from expertcache.kernels.formats import INT4, MXFP4  # noqa: E402
 from expertcache.quant import make_quant_method  # noqa: E402
 
-WAYS = {"strips-amx": (4, True), "strips": (4, False), "pairs": (0, False)}  # (set_strip_tokens, set_amx) per way
+WAYS = {
+    "strips-amx": (4, True),
+    "strips": (4, False),
+    "pairs": (0, False),
+}  # (set_strip_tokens, set_amx) per way
 
 
 def ways(ext) -> dict:
@@ -74,10 +78,11 @@ def _alternate(runs: dict, reps: int) -> dict:
     res = {k: [] for k in runs}
     names = list(runs)
     for r in range(reps):
-        for k in (names if r % 2 else names[::-1]):
+        for k in names if r % 2 else names[::-1]:
             res[k].append(_timed(runs[k]))
-    return {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
-            for k, v in res.items()}
+    return {
+        k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in res.items()
+    }
 
 
 def _way(ext, setting: tuple, fn):
@@ -85,6 +90,7 @@ def _way(ext, setting: tuple, fn):
         ext.set_strip_tokens(setting[0])
         ext.set_amx(setting[1])
         return fn()
+
     return run
 
 
@@ -119,10 +125,12 @@ def weights(a, ext) -> None:
                 med = _alternate(runs, a.reps)
                 ext.set_strip_tokens(WAYS["strips"][0])
                 gop, at = 2 * T * n * k / 1e9, 1 if a.threads == 1 else 0
-                print(f"strip: format={fmt} rows={n} cols={k} T={T} kernel={ext.kernel_of(spec, math)} "
-                      + " ".join(f"{w}_ms={med[w][at] * 1e3:.3f} {w}_GOPS={gop / med[w][at]:.0f}"
-                                 for w in runs)
-                      + _ratios(med, at), flush=True)
+                print(
+                    f"strip: format={fmt} rows={n} cols={k} T={T} kernel={ext.kernel_of(spec, math)} "
+                    + " ".join(f"{w}_ms={med[w][at] * 1e3:.3f} {w}_GOPS={gop / med[w][at]:.0f}" for w in runs)
+                    + _ratios(med, at),
+                    flush=True,
+                )
 
 
 def moe(a, ext) -> None:
@@ -143,16 +151,23 @@ def moe(a, ext) -> None:
                 out = torch.zeros(T, H)
                 with kernels.cpu_math("fast"):
                     assert kernels.moe(x, slots, w, pool, method, out, ffn)
+
             with kernels.cpu_threads("cpu"):
                 med = _alternate({way: _way(ext, s, layer) for way, s in ways(ext).items()}, a.reps)
             ext.set_strip_tokens(WAYS["strips"][0])
             gop = 2 * T * K * 3 * H * I / 1e9
             at = 1 if a.threads == 1 else 0  # GOPS: the calling thread's CPU time on one thread, else wall
-            print(f"moe: format={fmt} shape={name} T={T} experts={S} top_k={K} "
-                  f"tokens_per_expert={T * K / S:.0f} threads={a.threads} "
-                  + " ".join(f"{way}_ms={med[way][0] * 1e3:.1f} {way}_cpu_ms={med[way][1] * 1e3:.1f} "
-                             f"{way}_GOPS={gop / med[way][at]:.0f}" for way in med)
-                  + _ratios(med, 1), flush=True)
+            print(
+                f"moe: format={fmt} shape={name} T={T} experts={S} top_k={K} "
+                f"tokens_per_expert={T * K / S:.0f} threads={a.threads} "
+                + " ".join(
+                    f"{way}_ms={med[way][0] * 1e3:.1f} {way}_cpu_ms={med[way][1] * 1e3:.1f} "
+                    f"{way}_GOPS={gop / med[way][at]:.0f}"
+                    for way in med
+                )
+                + _ratios(med, 1),
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -175,8 +190,9 @@ def main() -> None:
     ext = kernels.extension()
     saved = ext.get_strip_tokens(), ext.get_amx()
     clock = "CPU time" if a.threads == 1 else "wall clock"
-    print(f"peak: torch_bf16_matmul_GFLOPs={peak(a.reps):.0f} (512 x 2880 x 2880, {clock}, "
-          f"{a.threads} threads)")
+    print(
+        f"peak: torch_bf16_matmul_GFLOPs={peak(a.reps):.0f} (512 x 2880 x 2880, {clock}, {a.threads} threads)"
+    )
     try:
         moe(a, ext) if a.moe else weights(a, ext)
     finally:

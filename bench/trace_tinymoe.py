@@ -38,11 +38,19 @@ def route(model, chunks: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarr
     inputs: dict[int, torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(layers):
-        hooks.append(layer.mlp.gate.register_forward_hook(
-            lambda mod, inp, out, i=i: captured.__setitem__(i, (out[2].detach(), out[1].detach()))))
-        hooks.append(layer.register_forward_pre_hook(
-            lambda mod, args, kwargs, i=i: inputs.__setitem__(i, (args[0] if args else kwargs["hidden_states"]).detach()),
-            with_kwargs=True))
+        hooks.append(
+            layer.mlp.gate.register_forward_hook(
+                lambda mod, inp, out, i=i: captured.__setitem__(i, (out[2].detach(), out[1].detach()))
+            )
+        )
+        hooks.append(
+            layer.register_forward_pre_hook(
+                lambda mod, args, kwargs, i=i: inputs.__setitem__(
+                    i, (args[0] if args else kwargs["hidden_states"]).detach()
+                ),
+                with_kwargs=True,
+            )
+        )
     experts = np.empty((S, T, nl, k), np.int32)
     weights = np.empty((S, T, nl, k), np.float32)
     look = np.full((S, T, nl, k), -1, np.int32)
@@ -68,7 +76,9 @@ def route(model, chunks: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarr
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    ap.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "shared/models/tinymoe-py16"))
+    ap.add_argument(
+        "--model", default=str(Path(__file__).resolve().parents[2] / "shared/models/tinymoe-py16")
+    )
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--offset", type=int, default=0, help="first held-out id to use")
@@ -80,7 +90,7 @@ def main(argv=None) -> None:
     cfg = model.config
     ids = torch.load(Path(args.model) / "heldout_ids.pt").flatten()
     need = args.seqs * args.tokens
-    ids = ids[args.offset:]
+    ids = ids[args.offset :]
     if ids.numel() < need:
         raise SystemExit(f"heldout_ids.pt has {ids.numel()} ids, need {need}")
     nl, k = len(model.model.layers), cfg.num_experts_per_tok
@@ -89,10 +99,18 @@ def main(argv=None) -> None:
     n = need
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2  # bf16 as stored
     trace = RoutingTrace(
-        experts=experts, num_experts=cfg.num_experts, weights=weights, lookahead=look,
-        seq=np.repeat(np.arange(args.seqs), args.tokens), token=np.tile(np.arange(args.tokens), args.seqs),
-        phase=np.ones(n, np.int8), step=np.arange(n), model=Path(args.model).name,
-        layer_ids=list(range(nl)), expert_bytes=expert_bytes)
+        experts=experts,
+        num_experts=cfg.num_experts,
+        weights=weights,
+        lookahead=look,
+        seq=np.repeat(np.arange(args.seqs), args.tokens),
+        token=np.tile(np.arange(args.tokens), args.seqs),
+        phase=np.ones(n, np.int8),
+        step=np.arange(n),
+        model=Path(args.model).name,
+        layer_ids=list(range(nl)),
+        expert_bytes=expert_bytes,
+    )
     trace.save(args.out)
     print(f"saved {args.out}: {n} rows x {nl} layers x top-{k}, {cfg.num_experts} experts")
 

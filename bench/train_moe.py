@@ -40,13 +40,28 @@ def main(argv=None) -> None:
 
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=4096, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         moe_intermediate_size=args.hidden // 2, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4,
-                         num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
-                         router_aux_loss_coef=0.01, output_router_logits=True, max_position_embeddings=2048,
-                         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, eos_token_id=0,
-                         pad_token_id=0, bos_token_id=None)
+    cfg = Qwen3MoeConfig(
+        vocab_size=4096,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.hidden // 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        output_router_logits=True,
+        max_position_embeddings=2048,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     model = Qwen3MoeForCausalLM(cfg)
     ids = torch.load(TINYMOE / "heldout_ids.pt").flatten()[: args.train_ids]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -56,7 +71,7 @@ def main(argv=None) -> None:
     model.train()
     for step in range(args.steps):
         start = torch.randint(0, len(ids) - args.seq - 1, (args.batch,), generator=g)
-        x = torch.stack([ids[s:s + args.seq] for s in start.tolist()])
+        x = torch.stack([ids[s : s + args.seq] for s in start.tolist()])
         out = model(input_ids=x, labels=x)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -64,15 +79,20 @@ def main(argv=None) -> None:
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 20 == 0 or step == args.steps - 1:
-            print(f"step {step} t={time.perf_counter() - t0:.0f}s loss={out.loss.item():.3f} "
-                  f"aux={out.aux_loss.item():.3f}", flush=True)
+            print(
+                f"step {step} t={time.perf_counter() - t0:.0f}s loss={out.loss.item():.3f} "
+                f"aux={out.aux_loss.item():.3f}",
+                flush=True,
+            )
     out_dir = Path(args.out)
     model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(out_dir)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TINYMOE / f, out_dir / f)
-    print(f"saved {out_dir}: {args.layers} layers x {args.experts} experts, top-{args.top_k}, "
-          f"{time.perf_counter() - t0:.0f}s")
+    print(
+        f"saved {out_dir}: {args.layers} layers x {args.experts} experts, top-{args.top_k}, "
+        f"{time.perf_counter() - t0:.0f}s"
+    )
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import hardware_line  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from common import hardware_line  # noqa: E402
 from expertcache.kernels import triton_moe as M  # noqa: E402
 
 SHAPES = ((1, 8, 32), (4, 8, 32), (16, 8, 128), (2048, 8, 128))  # (T, K, S)
@@ -66,8 +66,11 @@ def main(argv=None) -> int:
         slots, x, w, out = torch.from_numpy(sl), torch.randn(T, H), torch.rand(T, K), torch.zeros(T, H)
         sent = M.alignment_to(M.host_alignment(sl, S), "cpu")
         dev = ops(lambda: M.fused_moe(x, slots, w, pool, out=out))
-        host = ops(lambda: M.fused_moe(x, None, w, pool, out=out, alignment=M.alignment_to(M.host_alignment(sl, S),
-                                                                                           "cpu")))
+        host = ops(
+            lambda: M.fused_moe(
+                x, None, w, pool, out=out, alignment=M.alignment_to(M.host_alignment(sl, S), "cpu")
+            )
+        )
         host_sent = ops(lambda: M.fused_moe(x, None, w, pool, out=out, alignment=sent))
         n = max(1, 2000 // max(1, T))
         times = []
@@ -76,8 +79,11 @@ def main(argv=None) -> int:
             for _ in range(n):
                 M.host_alignment(sl, S)
             times.append((time.perf_counter() - t) / n * 1e6)
-        print(f"triton_host_cost T={T} K={K} S={S} ops_device_align={dev} ops_host_align={host} "
-              f"ops_host_align_sent={host_sent} host_align_us={sorted(times)[len(times) // 2]:.1f}", flush=True)
+        print(
+            f"triton_host_cost T={T} K={K} S={S} ops_device_align={dev} ops_host_align={host} "
+            f"ops_host_align_sent={host_sent} host_align_us={sorted(times)[len(times) // 2]:.1f}",
+            flush=True,
+        )
     return 0
 
 

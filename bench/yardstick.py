@@ -27,8 +27,18 @@ import sys
 import time
 from pathlib import Path
 
-SIZES = dict(num_layers=16, num_experts=64, top_k=8, hidden=1024, moe_intermediate=512, num_heads=16,
-             num_kv_heads=4, head_dim=64, vocab=151936, num_shards=4)
+SIZES = dict(
+    num_layers=16,
+    num_experts=64,
+    top_k=8,
+    hidden=1024,
+    moe_intermediate=512,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    vocab=151936,
+    num_shards=4,
+)
 
 
 def run_one(model_dir: str, config: str, prompt_len: int, gen: int) -> dict:
@@ -42,29 +52,47 @@ def run_one(model_dir: str, config: str, prompt_len: int, gen: int) -> dict:
         ids = torch.tensor([prompt])
         kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
         with torch.inference_mode():
-            model.generate(ids[:, :8], max_new_tokens=2, **{**kw, "attention_mask": torch.ones_like(ids[:, :8])})
+            model.generate(
+                ids[:, :8], max_new_tokens=2, **{**kw, "attention_mask": torch.ones_like(ids[:, :8])}
+            )
             t0 = time.perf_counter()
             model(ids)
             pre = time.perf_counter() - t0
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw)
             total = time.perf_counter() - t0
-        return {"prefill_tok_s": prompt_len / pre, "decode_tok_s": (gen - 1) / max(total - pre, 1e-9), "disk_GB": 0.0}
+        return {
+            "prefill_tok_s": prompt_len / pre,
+            "decode_tok_s": (gen - 1) / max(total - pre, 1e-9),
+            "disk_GB": 0.0,
+        }
     sys.path.insert(0, str(Path(__file__).parent))
     from common import timed_generate
 
     from expertcache import LLM, SamplingParams
 
-    kw = {"resident": {}, "stream-13": {"device_memory": "13%", "host_memory": "13%"},  # 8 of 64 per layer: top_k
-          "lowmem-13": {"device_memory": "13%", "host_memory": 0, "low_memory": True},
-          "lowmem-13-sync": {"device_memory": "13%", "host_memory": 0, "low_memory": True, "prefetch": False,
-                             "overlap_io": False}}[config]
+    kw = {
+        "resident": {},
+        "stream-13": {"device_memory": "13%", "host_memory": "13%"},  # 8 of 64 per layer: top_k
+        "lowmem-13": {"device_memory": "13%", "host_memory": 0, "low_memory": True},
+        "lowmem-13-sync": {
+            "device_memory": "13%",
+            "host_memory": 0,
+            "low_memory": True,
+            "prefetch": False,
+            "overlap_io": False,
+        },
+    }[config]
     llm = LLM(model_dir, max_model_len=256, kv_cache_memory="16MiB", **kw)
     llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))
     r = timed_generate(llm, [prompt], SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
     s = llm.expert_stats()
-    return {"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"],
-            "device_hit": s.get("hit_rate", 1.0), "disk_GB": s.get("per_tier", {}).get("disk", {}).get("bytes_read", 0) / 1e9}
+    return {
+        "prefill_tok_s": r["prefill_tok_s"],
+        "decode_tok_s": r["decode_tok_s"],
+        "device_hit": s.get("hit_rate", 1.0),
+        "disk_GB": s.get("per_tier", {}).get("disk", {}).get("bytes_read", 0) / 1e9,
+    }
 
 
 def memory_cgroup(mib: int) -> list[str]:
@@ -85,7 +113,9 @@ def main():
     ap.add_argument("--configs", nargs="+", default=["resident", "stream-13", "transformers"])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen", type=int, default=16)
-    ap.add_argument("--cgroup-mib", type=int, default=0, help="run each configuration in a memory cgroup (MiB)")
+    ap.add_argument(
+        "--cgroup-mib", type=int, default=0, help="run each configuration in a memory cgroup (MiB)"
+    )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -104,20 +134,36 @@ def main():
         build_demo_model(args.dir, **SIZES)
         print(f"built {args.dir} in {time.perf_counter() - t0:.0f} s", flush=True)
     for config in args.configs:
-        cmd = [sys.executable, __file__, "--dir", args.dir, "--one", config, "--prompt-len", str(args.prompt_len),
-               "--gen", str(args.gen)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--dir",
+            args.dir,
+            "--one",
+            config,
+            "--prompt-len",
+            str(args.prompt_len),
+            "--gen",
+            str(args.gen),
+        ]
         if args.cgroup_mib:
             cmd = memory_cgroup(args.cgroup_mib) + cmd
         p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
-            print(f"model=yardstick config={config} mem_limit_MiB={args.cgroup_mib or 'none'} failed: exit code "
-                  f"{p.returncode} (-9: killed by the memory limit) {p.stderr[-500:].strip()}", flush=True)
+            print(
+                f"model=yardstick config={config} mem_limit_MiB={args.cgroup_mib or 'none'} failed: exit code "
+                f"{p.returncode} (-9: killed by the memory limit) {p.stderr[-500:].strip()}",
+                flush=True,
+            )
             continue
         r = json.loads(line[7:])
-        print(f"model=yardstick config={config} mem_limit_MiB={args.cgroup_mib or 'none'} decode_tok_s={r['decode_tok_s']:.2f} prefill_tok_s={r['prefill_tok_s']:.1f} "
-              f"peak_rss_GB={r['peak_rss_GB']:.2f} disk_read_GB={r['disk_GB']:.2f}"
-              + (f" device_hit={r['device_hit']:.3f}" if "device_hit" in r else ""), flush=True)
+        print(
+            f"model=yardstick config={config} mem_limit_MiB={args.cgroup_mib or 'none'} decode_tok_s={r['decode_tok_s']:.2f} prefill_tok_s={r['prefill_tok_s']:.1f} "
+            f"peak_rss_GB={r['peak_rss_GB']:.2f} disk_read_GB={r['disk_GB']:.2f}"
+            + (f" device_hit={r['device_hit']:.3f}" if "device_hit" in r else ""),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def _fit(tok, messages: list[dict], budget: int) -> tuple[list[int], int]:
     """Token ids of the conversation with the generation prompt, dropping the oldest turns to fit
     `budget` tokens; returns (ids, number of messages dropped)."""
     system = [m for m in messages[:1] if m["role"] == "system"]
-    rest = messages[len(system):]
+    rest = messages[len(system) :]
     dropped = 0
     while True:
         ids = tok.encode_chat(system + rest, add_generation_prompt=True)
@@ -32,8 +32,8 @@ def _fit(tok, messages: list[dict], budget: int) -> tuple[list[int], int]:
 
 
 def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
-    from .cli_common import engine_kwargs, stream_request
     from .cli_checks import check_prompt_fits
+    from .cli_common import engine_kwargs, stream_request
     from .llm import LLM
 
     piped = not sys.stdin.isatty()
@@ -46,16 +46,22 @@ def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
     tok = llm.require_tokenizer()
     budget = llm.max_model_len - sp.max_tokens
     if piped:
-        msgs = ([{"role": "system", "content": args.system}] if getattr(args, "system", None) else []) + \
-               [{"role": "user", "content": text.rstrip("\n")}]
+        msgs = ([{"role": "system", "content": args.system}] if getattr(args, "system", None) else []) + [
+            {"role": "user", "content": text.rstrip("\n")}
+        ]
         ids = tok.encode_chat(msgs) if template else tok.encode(text)
         check_prompt_fits(args, llm.model_dir, ids)
         print(stream_request(llm, ids, sp), file=sys.stderr)
         llm.close()
         return 0
-    messages: list[dict] = [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
-    print(f"chat with {getattr(args, 'model_spec', None) or args.model or 'the demo model'}; {HELP}",
-          file=sys.stderr, flush=True)
+    messages: list[dict] = (
+        [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
+    )
+    print(
+        f"chat with {getattr(args, 'model_spec', None) or args.model or 'the demo model'}; {HELP}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         while True:
             try:
@@ -78,14 +84,20 @@ def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
             messages.append({"role": "user", "content": line})
             ids, dropped = _fit(tok, messages, budget)
             if len(ids) > budget:
-                print(f"(this message is {len(ids)} tokens; with --max-tokens {sp.max_tokens} it exceeds the "
-                      f"context of {llm.max_model_len}; not sent)", file=sys.stderr, flush=True)
+                print(
+                    f"(this message is {len(ids)} tokens; with --max-tokens {sp.max_tokens} it exceeds the "
+                    f"context of {llm.max_model_len}; not sent)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 messages.pop()
                 continue
             if dropped:
                 n_sys = 1 if messages[0]["role"] == "system" else 0
-                messages = messages[:n_sys] + messages[n_sys + dropped:]
-                print(f"(dropped the oldest {dropped} messages to fit the context)", file=sys.stderr, flush=True)
+                messages = messages[:n_sys] + messages[n_sys + dropped :]
+                print(
+                    f"(dropped the oldest {dropped} messages to fit the context)", file=sys.stderr, flush=True
+                )
             reply: list[str] = []
 
             class _Tee:
@@ -107,8 +119,8 @@ def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from .cli_common import model_dir_arg
     from .cli_checks import sampling_params
+    from .cli_common import model_dir_arg
 
     sp = sampling_params(args)
     model_dir_arg(args)
@@ -118,14 +130,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def add_chat_subcommand(subparsers) -> argparse.ArgumentParser:
     from .cli_common import add_engine_args
 
-    p = subparsers.add_parser("chat", help="a conversation with the model in the terminal (chat template, "
-                                           "streamed replies, a stats line per turn); reads one prompt from a pipe")
+    p = subparsers.add_parser(
+        "chat",
+        help="a conversation with the model in the terminal (chat template, "
+        "streamed replies, a stats line per turn); reads one prompt from a pipe",
+    )
     add_engine_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default: 256)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default: 0.9)")
-    p.add_argument("--top-k", type=int, default=20, help="sample among the k most likely tokens (default: 20)")
+    p.add_argument(
+        "--top-k", type=int, default=20, help="sample among the k most likely tokens (default: 20)"
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.set_defaults(func=cmd_chat)

@@ -29,10 +29,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
 
     tok = Tokenizer(model_dir)
-    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    ids = (
+        tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    )
     check_prompt_fits(args, model_dir, ids)  # all before a weight byte is read
     llm = LLM(**engine_kwargs(args))
-    print("\n".join(llm.loaded_lines), file=sys.stderr)  # KV cache, cpu math, ... (the expert plan came before the load)
+    print(
+        "\n".join(llm.loaded_lines), file=sys.stderr
+    )  # KV cache, cpu math, ... (the expert plan came before the load)
     print(stream_request(llm, ids, sp), file=sys.stderr)
     if args.save_expert_stats:
         llm.experts.save_stats(args.save_expert_stats)
@@ -47,8 +51,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.model is None:
         args.model = str(demo.random_demo_dir(rebuild=args.rebuild) if args.random else demo.demo_model_dir())
-        what = demo.describe(args.model) or ("the random-weight demo model: untrained, so its text is gibberish "
-                                             "and its routing near uniform (for comparison with the trained one)")
+        what = demo.describe(args.model) or (
+            "the random-weight demo model: untrained, so its text is gibberish "
+            "and its routing near uniform (for comparison with the trained one)"
+        )
         print(f"expertcache demo: {what}", file=sys.stderr, flush=True)
     if args.device_memory is None and args.host_memory is None:
         args.device_memory = "25%"  # a budget smaller than the experts, so the cache has work
@@ -56,14 +62,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_sampling_args(p: argparse.ArgumentParser, prompt_default: str | None) -> None:
-    p.add_argument("--prompt", default=prompt_default,
-                   help="prompt text" + (f" (default: {prompt_default!r})" if prompt_default else
-                                         "; without it: a chat in the terminal, or the prompt read from a pipe"))
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument(
+        "--prompt",
+        default=prompt_default,
+        help="prompt text"
+        + (
+            f" (default: {prompt_default!r})"
+            if prompt_default
+            else "; without it: a chat in the terminal, or the prompt read from a pipe"
+        ),
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message with the chat template"
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0 = off)")
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0 = off)"
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
@@ -93,7 +110,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
 
     try:
         return dist_version("expertcache")
@@ -102,22 +120,35 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="expertcache", description=__doc__.splitlines()[0], epilog=SUPPORTED,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog="expertcache",
+        description=__doc__.splitlines()[0],
+        epilog=SUPPORTED,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"expertcache {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streaming tokens")
     add_engine_args(g)
     add_sampling_args(g, None)
     g.set_defaults(func=cmd_generate)
-    d = sub.add_parser("demo", help="generate under an expert budget smaller than the experts (25%% in the "
-                                    "fastest tier) and show the cache; default model: the built-in demo",
-                       epilog=SUPPORTED, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = sub.add_parser(
+        "demo",
+        help="generate under an expert budget smaller than the experts (25%% in the "
+        "fastest tier) and show the cache; default model: the built-in demo",
+        epilog=SUPPORTED,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_engine_args(d)
     add_sampling_args(d, "def forward(self, x):")
-    d.set_defaults(temperature=0.7, top_p=0.9, seed=0)  # the demo samples (reproducibly): greedy loops on a tiny model
-    d.add_argument("--random", action="store_true",
-                   help="use the untrained random-weight demo model (built once in ~/.cache/expertcache)")
+    d.set_defaults(
+        temperature=0.7, top_p=0.9, seed=0
+    )  # the demo samples (reproducibly): greedy loops on a tiny model
+    d.add_argument(
+        "--random",
+        action="store_true",
+        help="use the untrained random-weight demo model (built once in ~/.cache/expertcache)",
+    )
     d.add_argument("--rebuild", action="store_true", help="with --random: rebuild that checkpoint")
     d.set_defaults(func=cmd_demo)
     from .chat_cli import add_chat_subcommand
@@ -126,7 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.cli import add_serve_subcommand
     from .trace.cli import add_trace_subcommands
 
-    for add in (add_chat_subcommand, add_serve_subcommand, add_trace_subcommands, add_plan_subcommand, add_quantize_subcommand):
+    for add in (
+        add_chat_subcommand,
+        add_serve_subcommand,
+        add_trace_subcommands,
+        add_plan_subcommand,
+        add_quantize_subcommand,
+    ):
         add(sub)
     return parser
 

@@ -14,8 +14,14 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-         "seed": "--seed", "stop": "--stop"}  # SamplingParams field -> the flag that sets it
+FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "stop": "--stop",
+}  # SamplingParams field -> the flag that sets it
 
 
 def sampling_params(args: argparse.Namespace):
@@ -23,8 +29,14 @@ def sampling_params(args: argparse.Namespace):
     from .engine.params import ParamError, SamplingParams
 
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=args.stop)
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+        )
     except ParamError as e:
         flag = FLAGS[e.field]  # every field set above has its flag
         value = getattr(args, e.field)
@@ -45,8 +57,14 @@ def check_prompt_fits(args: argparse.Namespace, model_dir: str | Path, prompt_id
     try:
         check_context(len(prompt_ids), args.max_tokens, limit)
     except ParamError:
-        src = f"--max-model-len {args.max_model_len}" if args.max_model_len else f"the default context of {limit}"
-        raise ConfigError(f"--prompt: {len(prompt_ids)} tokens + --max-tokens {args.max_tokens} exceed {src} "
-                          f"tokens; shorten the prompt, lower --max-tokens or raise --max-model-len "
-                          f"(the model allows {cfg.max_position_embeddings})") from None
+        src = (
+            f"--max-model-len {args.max_model_len}"
+            if args.max_model_len
+            else f"the default context of {limit}"
+        )
+        raise ConfigError(
+            f"--prompt: {len(prompt_ids)} tokens + --max-tokens {args.max_tokens} exceed {src} "
+            f"tokens; shorten the prompt, lower --max-tokens or raise --max-model-len "
+            f"(the model allows {cfg.max_position_embeddings})"
+        ) from None
     return limit

@@ -18,8 +18,8 @@ what expert-parallel ranks are started from (the whole config, progress left out
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
 import os
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -65,10 +65,14 @@ class LoadConfig:
         object.__setattr__(self, "device", str(dev))
         if isinstance(self.dtype, torch.dtype):
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
-        if self.dtype is not None and not (isinstance(self.dtype, str) and isinstance(getattr(torch, self.dtype, None),
-                                                                                       torch.dtype)
-                                           and getattr(torch, self.dtype).is_floating_point):
-            raise ConfigError(f"dtype: a torch floating dtype such as bfloat16 or float32, got {self.dtype!r}")
+        if self.dtype is not None and not (
+            isinstance(self.dtype, str)
+            and isinstance(getattr(torch, self.dtype, None), torch.dtype)
+            and getattr(torch, self.dtype).is_floating_point
+        ):
+            raise ConfigError(
+                f"dtype: a torch floating dtype such as bfloat16 or float32, got {self.dtype!r}"
+            )
         if isinstance(self.tokenizer, Path):
             object.__setattr__(self, "tokenizer", str(self.tokenizer))
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
@@ -111,7 +115,9 @@ class SchedulerConfig:
 class KernelConfig:
     lm_head: str | None = None  # quantize lm_head at load (layers/basic.py LOAD_FORMATS)
     dense: str | None = None  # quantize the dense projections at load
-    cpu_math: str = "auto"  # kernels.CPU_MATHS; auto: fast where this CPU has it, else exact (docs/numerics.md)
+    cpu_math: str = (
+        "auto"  # kernels.CPU_MATHS; auto: fast where this CPU has it, else exact (docs/numerics.md)
+    )
 
     def __post_init__(self):
         from . import kernels
@@ -178,12 +184,18 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(f"unknown option {unknown[0]!r}; engine options: {', '.join(sorted(known))}")
-        groups = {name: g(**{f.name: kwargs[f.name] for f in fields(g) if f.name in kwargs})
-                  for name, g in GROUPS.items()}
+        groups = {
+            name: g(**{f.name: kwargs[f.name] for f in fields(g) if f.name in kwargs})
+            for name, g in GROUPS.items()
+        }
         cache = CacheConfig.from_options(**{k: v for k, v in kwargs.items() if k in cache_keywords()})
         ep = kwargs.get("expert_parallel")
-        return cls(**groups, cache=cache, parallel=None if ep is None else ParallelConfig.of(ep),
-                   **{k: kwargs[k] for k in OUTPUT if k in kwargs})
+        return cls(
+            **groups,
+            cache=cache,
+            parallel=None if ep is None else ParallelConfig.of(ep),
+            **{k: kwargs[k] for k in OUTPUT if k in kwargs},
+        )
 
     def to_dict(self) -> dict:
         """Plain data (progress left out): what an expert-parallel rank is started from."""
@@ -198,5 +210,9 @@ class EngineConfig:
         ep = d["parallel"]
         if ep is not None and not ep["eplb"]:  # the EPLB defaults are filled in by ParallelConfig itself
             ep = {**ep, "eplb_window_size": None, "eplb_step_interval": None}
-        return cls(**{name: g(**d[name]) for name, g in GROUPS.items()}, cache=CacheConfig(**cache),
-                   parallel=None if ep is None else ParallelConfig(**ep), **{k: d[k] for k in OUTPUT})
+        return cls(
+            **{name: g(**d[name]) for name, g in GROUPS.items()},
+            cache=CacheConfig(**cache),
+            parallel=None if ep is None else ParallelConfig(**ep),
+            **{k: d[k] for k in OUTPUT},
+        )

@@ -49,9 +49,8 @@ from typing import Any
 
 import torch
 
-from .loader.writer import write_safetensors
-
 from .demo_corpus import CORPUS  # the tokenizer's training text
+from .loader.writer import write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,6 @@ _ROUTER_POP = 0.05  # spread of per-expert popularity along that direction
 _ROUTER_NOISE = 0.3  # full-rank part of the router, relative to the low-rank part
 
 
-
 # ----------------------------------------------------------------------------- paths
 
 
@@ -114,9 +112,11 @@ def demo_model_dir(progress: bool = True) -> pathlib.Path:
 
     problem = check_demo_model(SHIPPED_DIR)
     if problem is not None:
-        raise CheckpointError(f"the demo model shipped in {SHIPPED_DIR} is damaged ({problem}); reinstall "
-                              f"expertcache (or `git checkout -- expertcache/demo_model`), or retrain it with "
-                              f"`python -m expertcache.demo_train --out {SHIPPED_DIR} --minutes 45`")
+        raise CheckpointError(
+            f"the demo model shipped in {SHIPPED_DIR} is damaged ({problem}); reinstall "
+            f"expertcache (or `git checkout -- expertcache/demo_model`), or retrain it with "
+            f"`python -m expertcache.demo_train --out {SHIPPED_DIR} --minutes 45`"
+        )
     return SHIPPED_DIR
 
 
@@ -129,13 +129,17 @@ def describe(path: str | os.PathLike) -> str | None:
         return None
     routing = ""
     if "held_out_reuse" in t:
-        routing = (f"; its routers reuse {t['held_out_reuse']:.0%} of the previous token's experts "
-                   f"where chance is {p['top_k'] / p['num_experts']:.1%}")
-    return (f"a tiny Qwen3-MoE ({p['num_layers']} layers x {p['num_experts']} experts, top-{p['top_k']}, "
-            f"{t['parameters_m']} M parameters) trained for {t['steps']} steps ({t['tokens_seen'] / 1e6:.1f} M "
-            f"tokens, {t['minutes']:.0f} min on one thread of a shared CPU) on this project's own docs and source; expect "
-            f"code- and doc-like fragments in the project's words, not facts or reliable answers "
-            f"(held-out perplexity {t['held_out_ppl']}){routing}")
+        routing = (
+            f"; its routers reuse {t['held_out_reuse']:.0%} of the previous token's experts "
+            f"where chance is {p['top_k'] / p['num_experts']:.1%}"
+        )
+    return (
+        f"a tiny Qwen3-MoE ({p['num_layers']} layers x {p['num_experts']} experts, top-{p['top_k']}, "
+        f"{t['parameters_m']} M parameters) trained for {t['steps']} steps ({t['tokens_seen'] / 1e6:.1f} M "
+        f"tokens, {t['minutes']:.0f} min on one thread of a shared CPU) on this project's own docs and source; expect "
+        f"code- and doc-like fragments in the project's words, not facts or reliable answers "
+        f"(held-out perplexity {t['held_out_ppl']}){routing}"
+    )
 
 
 def random_demo_dir(rebuild: bool = False, progress: bool = True) -> pathlib.Path:
@@ -277,18 +281,32 @@ def check_demo_model(
 def _params(seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(overrides) - set(DEFAULT_SIZES))
     if unknown:
-        raise TypeError(f"build_demo_model: unknown size override(s) {unknown}; "
-                        f"known: {sorted(DEFAULT_SIZES)}")
+        raise TypeError(
+            f"build_demo_model: unknown size override(s) {unknown}; known: {sorted(DEFAULT_SIZES)}"
+        )
     p = {**DEFAULT_SIZES, **overrides, "seed": seed}
-    for key in ("num_layers", "num_experts", "top_k", "hidden", "moe_intermediate", "num_heads",
-                "num_kv_heads", "head_dim", "vocab", "num_shards", "router_rank"):
+    for key in (
+        "num_layers",
+        "num_experts",
+        "top_k",
+        "hidden",
+        "moe_intermediate",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "vocab",
+        "num_shards",
+        "router_rank",
+    ):
         if int(p[key]) < 1:
             raise ValueError(f"build_demo_model: {key}={p[key]} must be >= 1")
     if p["top_k"] > p["num_experts"]:
         raise ValueError(f"build_demo_model: top_k={p['top_k']} exceeds num_experts={p['num_experts']}")
     if p["num_heads"] % p["num_kv_heads"]:
-        raise ValueError(f"build_demo_model: num_heads={p['num_heads']} is not a multiple of "
-                         f"num_kv_heads={p['num_kv_heads']}")
+        raise ValueError(
+            f"build_demo_model: num_heads={p['num_heads']} is not a multiple of "
+            f"num_kv_heads={p['num_kv_heads']}"
+        )
     if p["head_dim"] % 2:
         raise ValueError(f"build_demo_model: head_dim={p['head_dim']} must be even (rotary embedding)")
     return p
@@ -303,8 +321,9 @@ def _randn(seed: int, name: str, *shape: int, std: float = _INIT_STD) -> torch.T
     return torch.randn(shape, generator=_generator(seed, name)) * std
 
 
-def _uniform(seed: int, name: str, *shape: int, std: float = _INIT_STD,
-             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _uniform(
+    seed: int, name: str, *shape: int, std: float = _INIT_STD, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Uniform with the given std (like nn.Linear's default init); ~3x faster than randn."""
     a = std * 3**0.5
     return torch.empty(shape, dtype=dtype).uniform_(-a, a, generator=_generator(seed, name))
@@ -381,8 +400,12 @@ def _layer_tensors(p: dict[str, Any], i: int, common: torch.Tensor) -> dict[str,
         pre + "self_attn.q_norm.weight": torch.ones(D),
         pre + "self_attn.k_norm.weight": torch.ones(D),
     }
-    for proj, rows, cols in (("q", p["num_heads"] * D, H), ("k", p["num_kv_heads"] * D, H),
-                             ("v", p["num_kv_heads"] * D, H), ("o", H, p["num_heads"] * D)):
+    for proj, rows, cols in (
+        ("q", p["num_heads"] * D, H),
+        ("k", p["num_kv_heads"] * D, H),
+        ("v", p["num_kv_heads"] * D, H),
+        ("o", H, p["num_heads"] * D),
+    ):
         name = pre + f"self_attn.{proj}_proj.weight"
         t[name] = _uniform(s, name, rows, cols, std=_OUT_STD if proj == "o" else _INIT_STD)
     # Router: low rank (a few directions of the hidden state decide the choice, so nearby
@@ -401,8 +424,9 @@ def _layer_tensors(p: dict[str, Any], i: int, common: torch.Tensor) -> dict[str,
     return {k: v.to(torch.bfloat16).contiguous() for k, v in t.items()}
 
 
-def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, progress: bool = False,
-                     **size_overrides: Any) -> pathlib.Path:
+def build_demo_model(
+    out_dir: str | os.PathLike, *, seed: int = 0, progress: bool = False, **size_overrides: Any
+) -> pathlib.Path:
     """Write the checkpoint into out_dir (used by demo_model_dir, and by tests/benchmarks for bigger models).
 
     size_overrides are keys of DEFAULT_SIZES, e.g. num_layers=16, num_experts=64, hidden=512,
@@ -427,10 +451,18 @@ def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, progress: boo
     tok.save(str(out / "tokenizer.json"))
     write_json(out / "tokenizer_config.json", tokenizer_config(tok, p))
     write_json(out / "config.json", config_json(p, vocab_size, eos_ids))
-    write_json(out / "generation_config.json", {
-        "bos_token_id": None, "eos_token_id": eos_ids, "pad_token_id": 0, "do_sample": True,
-        "temperature": 0.7, "top_p": 0.9, "top_k": 20,
-    })
+    write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": None,
+            "eos_token_id": eos_ids,
+            "pad_token_id": 0,
+            "do_sample": True,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+        },
+    )
 
     H, L, n = p["hidden"], p["num_layers"], p["num_shards"]
     n = min(n, L)
@@ -443,8 +475,9 @@ def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, progress: boo
         tensors: dict[str, torch.Tensor] = {}
         if k == 0:
             # Token embeddings share one direction on top of their own noise.
-            emb = _uniform(seed, "model.embed_tokens.weight", vocab_size, H, std=_EMB_STD,
-                           dtype=torch.float32)
+            emb = _uniform(
+                seed, "model.embed_tokens.weight", vocab_size, H, std=_EMB_STD, dtype=torch.float32
+            )
             emb += _EMB_COMMON * _EMB_STD * common
             tensors["model.embed_tokens.weight"] = emb.to(torch.bfloat16)
         for i in range(L):
@@ -459,12 +492,15 @@ def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, progress: boo
         say(f"  wrote {fname} ({(out / fname).stat().st_size / 2**20:.1f} MiB)")
         del tensors
     if n > 1:
-        write_json(out / "model.safetensors.index.json",
-                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        write_json(
+            out / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+        )
 
     files = {f.name: file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != MANIFEST}
-    write_json(out / MANIFEST, {"format": "expertcache-demo", "version": FORMAT_VERSION, "params": p,
-                                 "files": files})
+    write_json(
+        out / MANIFEST, {"format": "expertcache-demo", "version": FORMAT_VERSION, "params": p, "files": files}
+    )
     say(f"demo model ready in {time.perf_counter() - t0:.1f} s")
     return out
 
@@ -472,8 +508,14 @@ def build_demo_model(out_dir: str | os.PathLike, *, seed: int = 0, progress: boo
 def tokenizer_config(tok, p: dict[str, Any]) -> dict[str, Any]:
     return {
         "added_tokens_decoder": {
-            str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                      "single_word": False, "special": True}
+            str(tok.token_to_id(t)): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for t in SPECIAL_TOKENS
         },
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],

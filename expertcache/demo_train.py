@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import json
 import math
 import pathlib
 import random
@@ -47,16 +46,28 @@ from . import demo
 from .loader.writer import write_safetensors
 
 SIZES: dict[str, Any] = {
-    "num_layers": 6, "num_experts": 32, "top_k": 4, "hidden": 192, "moe_intermediate": 128,
-    "intermediate": 512, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "vocab": 2048,
-    "max_position": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "num_layers": 6,
+    "num_experts": 32,
+    "top_k": 4,
+    "hidden": 192,
+    "moe_intermediate": 128,
+    "intermediate": 512,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 32,
+    "vocab": 2048,
+    "max_position": 2048,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
 }
 DEFAULT_STEPS = 600  # the shipped model's run (with the defaults below)
 HOLDOUT_EVERY = 16
 SYSTEM = "You are the expertcache demo model."
 # ChatML with the training's system prompt as the default, so a chat without one looks like training
-CHAT_TEMPLATE = ("{%- if not messages or messages[0]['role'] != 'system' %}"
-                 "{{- '<|im_start|>system\\n" + SYSTEM + "<|im_end|>\\n' }}{%- endif %}" + demo.CHAT_TEMPLATE)
+CHAT_TEMPLATE = (
+    "{%- if not messages or messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\n" + SYSTEM + "<|im_end|>\\n' }}{%- endif %}" + demo.CHAT_TEMPLATE
+)
 _GLOBS = ("README.md", "docs/**/*.md", "expertcache/**/*.py", "bench/**/*.py", "tests/**/*.py")
 
 
@@ -69,8 +80,10 @@ def corpus_files(root: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _chat(question: str, answer: str) -> str:
-    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
-            f"<|im_start|>assistant\n{answer}<|im_end|>\n")
+    return (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+        f"<|im_start|>assistant\n{answer}<|im_end|>\n"
+    )
 
 
 def chat_pairs(rel: str, text: str) -> list[str]:
@@ -100,7 +113,9 @@ def build_corpus(root: pathlib.Path) -> tuple[list[str], list[str], dict[str, An
     h = hashlib.sha256()
     files = corpus_files(root)
     if len(files) < 2:
-        raise ValueError(f"demo_train: {root} has {len(files)} corpus files ({', '.join(_GLOBS)}); need at least 2")
+        raise ValueError(
+            f"demo_train: {root} has {len(files)} corpus files ({', '.join(_GLOBS)}); need at least 2"
+        )
     # every HOLDOUT_EVERY-th file, or the last one of a small corpus
     held_idx = {i for i in range(len(files)) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1} or {len(files) - 1}
     for i, f in enumerate(files):
@@ -110,8 +125,13 @@ def build_corpus(root: pathlib.Path) -> tuple[list[str], list[str], dict[str, An
         names.append(rel)
         docs = [text] + chat_pairs(rel, text)
         (held if i in held_idx else train).extend(docs)
-    info = {"files": len(names), "held_out_files": [names[i] for i in sorted(held_idx)],
-            "sha256": h.hexdigest(), "train_chars": sum(map(len, train)), "held_out_chars": sum(map(len, held))}
+    info = {
+        "files": len(names),
+        "held_out_files": [names[i] for i in sorted(held_idx)],
+        "sha256": h.hexdigest(),
+        "train_chars": sum(map(len, train)),
+        "held_out_chars": sum(map(len, held)),
+    }
     return train, held, info
 
 
@@ -166,8 +186,9 @@ class TinyMoE(torch.nn.Module):
         inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def moe(self, m: torch.nn.Module, h: torch.Tensor,
-            routes: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def moe(
+        self, m: torch.nn.Module, h: torch.Tensor, routes: list | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [N, H] -> (out [N, H], load-balancing loss, router z-loss); top-k ids [N, K] appended to `routes`."""
         E, K = self.p["num_experts"], self.p["top_k"]
         logits = (h @ m.router.T).float()  # [N, E]
@@ -193,7 +214,9 @@ class TinyMoE(torch.nn.Module):
         y = torch.cat(parts).float() * top_w.reshape(-1)[order, None]
         return h.new_zeros(h.shape).index_add(0, tok, y.to(h.dtype)), aux, z
 
-    def forward(self, ids: torch.Tensor, routes: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids: torch.Tensor, routes: list | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """ids [B, T] -> (logits [B, T, V], mean load-balancing loss, mean router z-loss); with `routes`
         a list, each layer's top-k expert ids [B*T, K] are appended to it."""
         p = self.p
@@ -220,14 +243,26 @@ class TinyMoE(torch.nn.Module):
 
     def hub_tensors(self) -> dict[str, torch.Tensor]:
         """Parameters under Qwen3-MoE hub names, bf16."""
-        t = {"model.embed_tokens.weight": self.embed, "lm_head.weight": self.lm_head, "model.norm.weight": self.norm}
+        t = {
+            "model.embed_tokens.weight": self.embed,
+            "lm_head.weight": self.lm_head,
+            "model.norm.weight": self.norm,
+        }
         for i, m in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            t.update({pre + "input_layernorm.weight": m.ln1, pre + "post_attention_layernorm.weight": m.ln2,
-                      pre + "self_attn.q_norm.weight": m.q_norm, pre + "self_attn.k_norm.weight": m.k_norm,
-                      pre + "self_attn.q_proj.weight": m.q, pre + "self_attn.k_proj.weight": m.k,
-                      pre + "self_attn.v_proj.weight": m.v, pre + "self_attn.o_proj.weight": m.o,
-                      pre + "mlp.gate.weight": m.router})
+            t.update(
+                {
+                    pre + "input_layernorm.weight": m.ln1,
+                    pre + "post_attention_layernorm.weight": m.ln2,
+                    pre + "self_attn.q_norm.weight": m.q_norm,
+                    pre + "self_attn.k_norm.weight": m.k_norm,
+                    pre + "self_attn.q_proj.weight": m.q,
+                    pre + "self_attn.k_proj.weight": m.k,
+                    pre + "self_attn.v_proj.weight": m.v,
+                    pre + "self_attn.o_proj.weight": m.o,
+                    pre + "mlp.gate.weight": m.router,
+                }
+            )
             for j in range(self.p["num_experts"]):
                 for proj, wt in (("gate", m.gate), ("up", m.up), ("down", m.down)):
                     t[pre + f"mlp.experts.{j}.{proj}_proj.weight"] = wt[j]
@@ -243,7 +278,7 @@ def held_out_eval(model: TinyMoE, ids: torch.Tensor, seq: int, max_windows: int 
     expert-load entropy over log(E), per layer then averaged (1 = perfectly even load)."""
     n = min(max_windows, (len(ids) - 1) // seq)
     x = ids[: n * seq].view(n, seq)
-    y = ids[1: n * seq + 1].view(n, seq)
+    y = ids[1 : n * seq + 1].view(n, seq)
     routes: list[torch.Tensor] = []
     with torch.no_grad():
         logits, _, _ = model(x, routes)
@@ -253,24 +288,45 @@ def held_out_eval(model: TinyMoE, ids: torch.Tensor, seq: int, max_windows: int 
     load = torch.stack([torch.bincount(t.reshape(-1), minlength=E) for t in routes]).float()  # [L, E]
     q = load / load.sum(1, keepdim=True)
     ent = -(q * q.clamp_min(1e-12).log()).sum(1) / math.log(E)
-    return {"loss": float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))),
-            "reuse": float(shared.float().mean() / K), "entropy": float(ent.mean())}
+    return {
+        "loss": float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))),
+        "reuse": float(shared.float().mean() / K),
+        "entropy": float(ent.mean()),
+    }
 
 
-def write_checkpoint(out: pathlib.Path, model: TinyMoE, tok, p: dict[str, Any], vocab_size: int,
-                     held_text: str, info: dict[str, Any]) -> None:
+def write_checkpoint(
+    out: pathlib.Path,
+    model: TinyMoE,
+    tok,
+    p: dict[str, Any],
+    vocab_size: int,
+    held_text: str,
+    info: dict[str, Any],
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for f in out.iterdir():
         if f.is_file():
             f.unlink()
     tok.save(str(out / "tokenizer.json"))
-    demo.write_json(out / "tokenizer_config.json", {**demo.tokenizer_config(tok, p), "chat_template": CHAT_TEMPLATE})
+    demo.write_json(
+        out / "tokenizer_config.json", {**demo.tokenizer_config(tok, p), "chat_template": CHAT_TEMPLATE}
+    )
     cfg = demo.config_json(p, vocab_size, [0, 2])
     cfg["router_aux_loss_coef"] = info["aux_coef"]
     demo.write_json(out / "config.json", cfg)
-    demo.write_json(out / "generation_config.json", {
-        "bos_token_id": None, "eos_token_id": [0, 2], "pad_token_id": 0, "do_sample": True,
-        "temperature": 0.7, "top_p": 0.9, "top_k": 20})
+    demo.write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": None,
+            "eos_token_id": [0, 2],
+            "pad_token_id": 0,
+            "do_sample": True,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+        },
+    )
     write_safetensors(model.hub_tensors(), out / "model.safetensors", metadata={"format": "pt"})
     (out / "heldout.txt").write_text(held_text, encoding="utf-8")
     write_manifest(out, p, info)
@@ -278,17 +334,41 @@ def write_checkpoint(out: pathlib.Path, model: TinyMoE, tok, p: dict[str, Any], 
 
 def write_manifest(out: pathlib.Path, p: dict[str, Any], info: dict[str, Any]) -> None:
     """The manifest (parameters, training summary, size/sha256 of every other file); files made 0644."""
-    files = {f.name: demo.file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != demo.MANIFEST}
-    demo.write_json(out / demo.MANIFEST, {"format": "expertcache-demo", "version": demo.FORMAT_VERSION,
-                                           "params": p, "training": info, "files": files})
+    files = {
+        f.name: demo.file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != demo.MANIFEST
+    }
+    demo.write_json(
+        out / demo.MANIFEST,
+        {
+            "format": "expertcache-demo",
+            "version": demo.FORMAT_VERSION,
+            "params": p,
+            "training": info,
+            "files": files,
+        },
+    )
     for f in out.iterdir():
         f.chmod(0o644)
 
 
-def train(root: pathlib.Path, out: pathlib.Path, *, minutes: float | None, steps: int | None,
-          batch: int = 16, seq: int = 256, lr: float = 3e-3, aux_coef: float = 0.001, z_coef: float = 0.0,
-          router_lr_mult: float = 1.0, seed: int = 0, sizes: dict[str, Any] | None = None,
-          held_chars: int = 40_000, probe_every: int = 0, log=print) -> dict[str, Any]:
+def train(
+    root: pathlib.Path,
+    out: pathlib.Path,
+    *,
+    minutes: float | None,
+    steps: int | None,
+    batch: int = 16,
+    seq: int = 256,
+    lr: float = 3e-3,
+    aux_coef: float = 0.001,
+    z_coef: float = 0.0,
+    router_lr_mult: float = 1.0,
+    seed: int = 0,
+    sizes: dict[str, Any] | None = None,
+    held_chars: int = 40_000,
+    probe_every: int = 0,
+    log=print,
+) -> dict[str, Any]:
     """Train until `steps` or `minutes` run out (exactly one is given), write the checkpoint to `out`.
 
     With `steps`, the run is deterministic for a seed and thread count. `aux_coef` weighs the
@@ -308,13 +388,20 @@ def train(root: pathlib.Path, out: pathlib.Path, *, minutes: float | None, steps
     held = encode(tok, [held_text])
     model = TinyMoE(p, vocab_size, seed)
     routers = {id(m.router) for m in model.layers}
-    groups = [([q for q in model.parameters() if q.dim() >= 2 and id(q) not in routers], 0.1, 1.0),
-              ([m.router for m in model.layers], 0.1, router_lr_mult),
-              ([q for q in model.parameters() if q.dim() < 2], 0.0, 1.0)]
-    opt = torch.optim.AdamW([{"params": g, "weight_decay": wd, "lr_mult": mult} for g, wd, mult in groups],
-                            lr=lr, betas=(0.9, 0.95))
-    log(f"corpus: {info['files']} files, {len(data)} training tokens, {len(held)} held-out tokens; "
-        f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f} M parameters; threads {torch.get_num_threads()}")
+    groups = [
+        ([q for q in model.parameters() if q.dim() >= 2 and id(q) not in routers], 0.1, 1.0),
+        ([m.router for m in model.layers], 0.1, router_lr_mult),
+        ([q for q in model.parameters() if q.dim() < 2], 0.0, 1.0),
+    ]
+    opt = torch.optim.AdamW(
+        [{"params": g, "weight_decay": wd, "lr_mult": mult} for g, wd, mult in groups],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    log(
+        f"corpus: {info['files']} files, {len(data)} training tokens, {len(held)} held-out tokens; "
+        f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f} M parameters; threads {torch.get_num_threads()}"
+    )
     t0 = time.perf_counter()
     budget = None if minutes is None else minutes * 60
     warmup = 50 if steps is None else max(1, steps // 10)
@@ -328,8 +415,8 @@ def train(root: pathlib.Path, out: pathlib.Path, *, minutes: float | None, steps
         for g in opt.param_groups:
             g["lr"] = lr * scale * g["lr_mult"]
         starts = [rng.randrange(len(data) - seq - 1) for _ in range(batch)]
-        x = torch.stack([data[s: s + seq] for s in starts])
-        y = torch.stack([data[s + 1: s + seq + 1] for s in starts])
+        x = torch.stack([data[s : s + seq] for s in starts])
+        y = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
         logits, aux, z = model(x)  # fp32 (on CPUs without bf16 matmul units it is the faster one)
         loss = F.cross_entropy(logits.reshape(-1, vocab_size), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -340,33 +427,59 @@ def train(root: pathlib.Path, out: pathlib.Path, *, minutes: float | None, steps
             log(f"step {step} t={elapsed:.0f}s loss={loss.item():.3f} aux={aux.item():.3f} z={z.item():.2f}")
         if probe_every and step % probe_every == 0:
             ev = held_out_eval(model, held, seq, max_windows=8)
-            log(f"probe step {step} held_loss={ev['loss']:.3f} reuse={ev['reuse']:.3f} "
-                f"chance={p['top_k'] / p['num_experts']:.3f} load_entropy={ev['entropy']:.3f}")
+            log(
+                f"probe step {step} held_loss={ev['loss']:.3f} reuse={ev['reuse']:.3f} "
+                f"chance={p['top_k'] / p['num_experts']:.3f} load_entropy={ev['entropy']:.3f}"
+            )
         step += 1
     ev = held_out_eval(model, held, seq)
     hl = ev["loss"]
-    info.update({"parameters_m": round(sum(q.numel() for q in model.parameters()) / 1e6, 1), "steps": step,
-                 "tokens_seen": step * batch * seq, "batch": batch, "seq": seq, "lr": lr, "aux_coef": aux_coef,
-                 "z_coef": z_coef, "router_lr_mult": router_lr_mult, "threads": torch.get_num_threads(),
-                 "minutes": round((time.perf_counter() - t0) / 60, 1),
-                 "held_out_loss": round(hl, 3), "held_out_ppl": round(math.exp(hl), 2),
-                 "held_out_reuse": round(ev["reuse"], 3), "held_out_load_entropy": round(ev["entropy"], 3)})
-    log(f"held-out loss {hl:.3f} ppl {math.exp(hl):.2f} reuse {ev['reuse']:.3f} load entropy {ev['entropy']:.3f} "
-        f"after {step} steps ({info['tokens_seen']} tokens, {info['minutes']} min)")
+    info.update(
+        {
+            "parameters_m": round(sum(q.numel() for q in model.parameters()) / 1e6, 1),
+            "steps": step,
+            "tokens_seen": step * batch * seq,
+            "batch": batch,
+            "seq": seq,
+            "lr": lr,
+            "aux_coef": aux_coef,
+            "z_coef": z_coef,
+            "router_lr_mult": router_lr_mult,
+            "threads": torch.get_num_threads(),
+            "minutes": round((time.perf_counter() - t0) / 60, 1),
+            "held_out_loss": round(hl, 3),
+            "held_out_ppl": round(math.exp(hl), 2),
+            "held_out_reuse": round(ev["reuse"], 3),
+            "held_out_load_entropy": round(ev["entropy"], 3),
+        }
+    )
+    log(
+        f"held-out loss {hl:.3f} ppl {math.exp(hl):.2f} reuse {ev['reuse']:.3f} load entropy {ev['entropy']:.3f} "
+        f"after {step} steps ({info['tokens_seen']} tokens, {info['minutes']} min)"
+    )
     write_checkpoint(out, model, tok, p, vocab_size, held_text, info)
     return info
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m expertcache.demo_train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m expertcache.demo_train", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--out", required=True, help="output directory (its files are replaced)")
-    ap.add_argument("--root", default=str(pathlib.Path(__file__).resolve().parents[1]),
-                    help="repository root whose docs and source are the corpus")
+    ap.add_argument(
+        "--root",
+        default=str(pathlib.Path(__file__).resolve().parents[1]),
+        help="repository root whose docs and source are the corpus",
+    )
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULT_STEPS}, as shipped)")
     budget.add_argument("--minutes", type=float, help="a wall-clock budget instead (not reproducible)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the run is deterministic for a seed "
-                    "and thread count)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (the run is deterministic for a seed and thread count)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
@@ -376,20 +489,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router-lr-mult", type=float, default=1.0, help="routers' learning rate / the others'")
     ap.add_argument("--hidden", type=int, default=SIZES["hidden"])
     ap.add_argument("--moe-intermediate", type=int, default=SIZES["moe_intermediate"])
-    ap.add_argument("--probe-every", type=int, default=50, help="log held-out loss and routing every N steps (0: never)")
+    ap.add_argument(
+        "--probe-every", type=int, default=50, help="log held-out loss and routing every N steps (0: never)"
+    )
     args = ap.parse_args(argv)
     if args.minutes is None and args.steps is None:
         args.steps = DEFAULT_STEPS
-    for flag, v in (("--steps", args.steps), ("--minutes", args.minutes), ("--threads", args.threads),
-                    ("--batch", args.batch), ("--seq", args.seq)):
+    for flag, v in (
+        ("--steps", args.steps),
+        ("--minutes", args.minutes),
+        ("--threads", args.threads),
+        ("--batch", args.batch),
+        ("--seq", args.seq),
+    ):
         if v is not None and v <= 0:
             ap.error(f"{flag} must be positive, got {v}")
     torch.set_num_threads(args.threads)
-    train(pathlib.Path(args.root), pathlib.Path(args.out), minutes=args.minutes, steps=args.steps,
-          batch=args.batch, seq=args.seq, lr=args.lr, aux_coef=args.aux_coef, z_coef=args.z_coef,
-          router_lr_mult=args.router_lr_mult, seed=args.seed,
-          sizes={"hidden": args.hidden, "moe_intermediate": args.moe_intermediate},
-          probe_every=args.probe_every, log=lambda s: print(s, flush=True))
+    train(
+        pathlib.Path(args.root),
+        pathlib.Path(args.out),
+        minutes=args.minutes,
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        lr=args.lr,
+        aux_coef=args.aux_coef,
+        z_coef=args.z_coef,
+        router_lr_mult=args.router_lr_mult,
+        seed=args.seed,
+        sizes={"hidden": args.hidden, "moe_intermediate": args.moe_intermediate},
+        probe_every=args.probe_every,
+        log=lambda s: print(s, flush=True),
+    )
     return 0
 
 

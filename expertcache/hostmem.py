@@ -40,9 +40,11 @@ def empty(shape, dtype: torch.dtype = torch.uint8, device=None) -> torch.Tensor:
     raw = torch.frombuffer(m, dtype=torch.uint8)  # keeps m alive as long as the storage lives
     start = (-raw.data_ptr()) % HUGE_PAGE
     m.madvise(mmap.MADV_HUGEPAGE, start, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def cat(ts: list[torch.Tensor]) -> torch.Tensor:
     first = ts[0]
-    return torch.cat(ts, out=empty((sum(t.shape[0] for t in ts), *first.shape[1:]), first.dtype, first.device))
+    return torch.cat(
+        ts, out=empty((sum(t.shape[0] for t in ts), *first.shape[1:]), first.dtype, first.device)
+    )

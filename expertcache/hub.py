@@ -75,9 +75,11 @@ REVISION = re.compile(r"[\w.-]+(/[\w.-]+)*")  # a branch, tag, commit or refs/pr
 def _check_revision(revision: str) -> str:
     """A revision must name something inside the repo's refs/ or snapshots/: no `..`, no absolute path."""
     if not REVISION.fullmatch(revision) or ".." in revision.split("/"):
-        raise CheckpointError(f"--revision {revision!r} is not a branch, tag or commit name (letters, digits, "
-                              "'_', '-', '.' and '/' between parts; no '..'): it must stay inside the hub "
-                              "cache's refs/")
+        raise CheckpointError(
+            f"--revision {revision!r} is not a branch, tag or commit name (letters, digits, "
+            "'_', '-', '.' and '/' between parts; no '..'): it must stay inside the hub "
+            "cache's refs/"
+        )
     return revision
 
 
@@ -90,8 +92,9 @@ def _snapshot(repo: Path, revision: str | None, spec: str) -> Path | None:
     if ref.is_file():
         commit = ref.read_text(encoding="utf-8", errors="replace").strip()
         if not COMMIT.fullmatch(commit):
-            raise CheckpointError(f"model {spec}: {ref} holds {commit[:80]!r}, not a 40-hex commit hash "
-                                  "(a damaged hub cache?)")
+            raise CheckpointError(
+                f"model {spec}: {ref} holds {commit[:80]!r}, not a 40-hex commit hash (a damaged hub cache?)"
+            )
     elif COMMIT.fullmatch(rev):
         commit = rev
     else:
@@ -106,8 +109,9 @@ def _checked(path: Path, spec: str, hint: str = "") -> Path:
     return path
 
 
-def resolve_model(spec: str | os.PathLike, revision: str | None = None, *, download: bool = False,
-                  progress: bool = True) -> Path:
+def resolve_model(
+    spec: str | os.PathLike, revision: str | None = None, *, download: bool = False, progress: bool = True
+) -> Path:
     """A checkpoint directory (or GGUF file) for `spec` (see the module docstring for the order)."""
     path = Path(spec).expanduser()
     text = str(spec)
@@ -115,12 +119,16 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None, *, downl
         if _is_cache_repo(path) and not (path / "config.json").is_file():
             snap = _snapshot(path, revision, text)
             if snap is None:
-                raise CheckpointError(f"model {text}: revision {revision or 'main'} is not in this hub-cache "
-                                      f"folder (refs: {sorted(p.name for p in (path / 'refs').glob('*'))})")
+                raise CheckpointError(
+                    f"model {text}: revision {revision or 'main'} is not in this hub-cache "
+                    f"folder (refs: {sorted(p.name for p in (path / 'refs').glob('*'))})"
+                )
             return _checked(snap, text, " (an interrupted download?)")
         if revision:
-            raise CheckpointError(f"--revision {revision}: {text} is a plain directory, not a hub id or "
-                                  f"hub-cache folder, so it has no revisions")
+            raise CheckpointError(
+                f"--revision {revision}: {text} is a plain directory, not a hub id or "
+                f"hub-cache folder, so it has no revisions"
+            )
         return _checked(path, text)
     if path.is_file() and path.suffix == ".gguf":  # a GGUF file (the first of a split set): gguf/reader.py
         if revision:
@@ -144,16 +152,25 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None, *, downl
         why = "" if download or not installed else " (this command does not download)"
         if download and installed:
             why = " (HF_HUB_OFFLINE is set)"
-        raise CheckpointError(f"model {where}{why}; fetch it with: {fetch_command(text, revision, installed)}")
+        raise CheckpointError(
+            f"model {where}{why}; fetch it with: {fetch_command(text, revision, installed)}"
+        )
     from huggingface_hub import snapshot_download
 
     if progress:
-        print(f"expertcache: {text} is not in {cache}; downloading it (config, tokenizer, safetensors)",
-              file=sys.stderr, flush=True)
+        print(
+            f"expertcache: {text} is not in {cache}; downloading it (config, tokenizer, safetensors)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
-        local = snapshot_download(text, revision=revision, allow_patterns=list(PATTERNS), cache_dir=str(cache))
+        local = snapshot_download(
+            text, revision=revision, allow_patterns=list(PATTERNS), cache_dir=str(cache)
+        )
     except Exception as e:  # network, auth, missing repo: all reported the same way
-        raise CheckpointError(f"model {where}, and downloading it failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); fetch it with: "
-                              f"{fetch_command(text, revision, installed)}") from e
+        raise CheckpointError(
+            f"model {where}, and downloading it failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); fetch it with: "
+            f"{fetch_command(text, revision, installed)}"
+        ) from e
     return _checked(Path(local), text)

@@ -51,7 +51,12 @@ class LLM:
     def _start(self, config: EngineConfig, group=None) -> None:
         self.config = config
         made = build_engine(config, group, serve_ep_rank)
-        self.checkpoint, self.memory, self.engine, self.group = made.checkpoint, made.memory, made.engine, made.group
+        self.checkpoint, self.memory, self.engine, self.group = (
+            made.checkpoint,
+            made.memory,
+            made.engine,
+            made.group,
+        )
         self.record_routing = config.record_routing  # trace file written by close()
         if config.record_routing:
             from .trace.recorder import RoutingRecorder
@@ -62,14 +67,25 @@ class LLM:
                 print(line)
 
     # what construction made, by name (build/: checkpoint = the headers' answers, memory = plan + ledger)
-    model_dir, family, cfg, hf_config = _via("checkpoint.model_dir"), _via("checkpoint.family"), \
-        _via("checkpoint.cfg"), _via("checkpoint.hf_config")
-    index, quant, source, mtp_layers = _via("checkpoint.index"), _via("checkpoint.quant"), \
-        _via("checkpoint.source"), _via("checkpoint.mtp_layers")
+    model_dir, family, cfg, hf_config = (
+        _via("checkpoint.model_dir"),
+        _via("checkpoint.family"),
+        _via("checkpoint.cfg"),
+        _via("checkpoint.hf_config"),
+    )
+    index, quant, source, mtp_layers = (
+        _via("checkpoint.index"),
+        _via("checkpoint.quant"),
+        _via("checkpoint.source"),
+        _via("checkpoint.mtp_layers"),
+    )
     tokenizer, max_model_len = _via("engine.tokenizer"), _via("engine.max_model_len")
     model, kv, states = _via("engine.runner.model"), _via("engine.runner.kv"), _via("engine.runner.states")
-    experts, device, dtype = _via("engine.runner.model.experts"), _via("engine.runner.model.device"), \
-        _via("engine.runner.model.dtype")
+    experts, device, dtype = (
+        _via("engine.runner.model.experts"),
+        _via("engine.runner.model.device"),
+        _via("engine.runner.model.dtype"),
+    )
     device_plan, ledger = _via("memory.plan"), _via("memory.ledger")
     plan_lines, loaded_lines = _via("memory.lines"), _via("memory.loaded_lines")
 
@@ -83,7 +99,9 @@ class LLM:
     # -- text <-> ids -------------------------------------------------------------------------------
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise CheckpointError(f"{self.model_dir}: missing tokenizer.json (needed to turn text into tokens)")
+            raise CheckpointError(
+                f"{self.model_dir}: missing tokenizer.json (needed to turn text into tokens)"
+            )
         return self.tokenizer
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -92,8 +110,9 @@ class LLM:
         return [int(t) for t in prompt]
 
     # -- public API ---------------------------------------------------------------------------------
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, prompts, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
         """Run a batch of prompts (text or token ids) together; one output per prompt and sample, in
         order (prompt-major: a prompt with n samples gives n outputs, index 0..n-1)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -127,8 +146,9 @@ class LLM:
         seq = Sequence(list(token_ids), SamplingParams(max_tokens=1))
         if not token_ids or len(token_ids) > self.max_model_len:
             raise ValueError(f"token_ids must have 1..{self.max_model_len} tokens, got {len(token_ids)}")
-        if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(block_rows, int)
-                                       or block_rows < 1):
+        if block_rows is not None and (
+            isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1
+        ):
             raise ValueError(f"block_rows must be a positive integer, got {block_rows!r}")
         sched = self.engine.scheduler
         step = min(sched.budget, sched.max_logits_rows, block_rows or sched.budget)
@@ -138,7 +158,9 @@ class LLM:
                 n = min(seq.num_uncomputed, step)
                 if not sched.grow(seq, seq.num_computed + n):
                     raise MemoryError("KV cache is busy; call logits() when no generation is running")
-                out[seq.num_computed:seq.num_computed + n] = self.engine.runner.run([(seq, n)], all_logits=True)
+                out[seq.num_computed : seq.num_computed + n] = self.engine.runner.run(
+                    [(seq, n)], all_logits=True
+                )
                 seq.num_computed += n
         finally:
             sched.free(seq)
@@ -151,7 +173,9 @@ class LLM:
             from .engine.structured import Grammars
 
             tok = self.require_tokenizer()
-            self._grammars = Grammars(tok.tok.to_str(), self.cfg.vocab_size, tok.vocab_size, list(self._eos_ids()))
+            self._grammars = Grammars(
+                tok.tok.to_str(), self.cfg.vocab_size, tok.vocab_size, list(self._eos_ids())
+            )
         return self._grammars
 
     def expert_stats(self) -> dict:
@@ -160,9 +184,18 @@ class LLM:
         return self.experts.stats()
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.request_id, seq.tokens[: seq.prompt_len], seq.generated, seq.text,
-                             seq.finish_reason, seq.num_cached, seq.index, seq.cumulative_logprob, seq.logprobs,
-                             seq.prompt_logprobs)
+        return RequestOutput(
+            seq.request_id,
+            seq.tokens[: seq.prompt_len],
+            seq.generated,
+            seq.text,
+            seq.finish_reason,
+            seq.num_cached,
+            seq.index,
+            seq.cumulative_logprob,
+            seq.logprobs,
+            seq.prompt_logprobs,
+        )
 
     def close(self) -> None:
         """Stop the expert tiers' threads; write the routing trace when record_routing was given."""

@@ -45,13 +45,19 @@ def check_private(path: pathlib.Path, kind: str = "directory") -> None:
     also not a symlink)."""
     st = os.lstat(path)
     if kind == "directory" and not stat.S_ISDIR(st.st_mode):
-        raise UnsafeDirectoryError(f"cache directory {path} is not a directory (a symlink or a file); "
-                                   "remove it or set EXPERTCACHE_CACHE_DIR to a directory of your own")
+        raise UnsafeDirectoryError(
+            f"cache directory {path} is not a directory (a symlink or a file); "
+            "remove it or set EXPERTCACHE_CACHE_DIR to a directory of your own"
+        )
     if st.st_uid != os.getuid():
-        raise UnsafeDirectoryError(f"cache {kind} {path} is owned by user id {st.st_uid}, not by this user "
-                                   f"({os.getuid()}): refusing to load from it; set EXPERTCACHE_CACHE_DIR "
-                                   "to a directory of your own")
+        raise UnsafeDirectoryError(
+            f"cache {kind} {path} is owned by user id {st.st_uid}, not by this user "
+            f"({os.getuid()}): refusing to load from it; set EXPERTCACHE_CACHE_DIR "
+            "to a directory of your own"
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeDirectoryError(f"cache {kind} {path} is writable by group or others (mode "
-                                   f"{stat.S_IMODE(st.st_mode):04o}): refusing to load from it; "
-                                   f"chmod go-w {path}")
+        raise UnsafeDirectoryError(
+            f"cache {kind} {path} is writable by group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): refusing to load from it; "
+            f"chmod go-w {path}"
+        )

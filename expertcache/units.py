@@ -5,8 +5,22 @@ from __future__ import annotations
 import re
 
 # KiB/MiB/GiB/TiB and bare K/M/G/T are powers of 1024; KB/MB/GB/TB powers of 1000.
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(value: str | int | float | None, name: str = "size") -> int | None:

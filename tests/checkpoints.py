@@ -27,7 +27,16 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+FAMILIES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "glm4_moe_lite",
+)
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet + gated attention
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -203,26 +212,36 @@ MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 # latent 16 + rope 4 per token in the KV cache
 MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
 # 8 routed experts top-2, one shared expert, first layer dense
-MOE_DEEPSEEK = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
-                    n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+MOE_DEEPSEEK = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    intermediate_size=96,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
 
 
 def hf_config(family: str, **overrides):
     import transformers
 
-    cls = getattr(transformers, {
-        "qwen3_moe": "Qwen3MoeConfig",
-        "qwen3_next": "Qwen3NextConfig",
-        "qwen3_5_moe": "Qwen3_5MoeTextConfig",
-        "qwen2_moe": "Qwen2MoeConfig",
-        "mixtral": "MixtralConfig",
-        "olmoe": "OlmoeConfig",
-        "deepseek_v2": "DeepseekV2Config",
-        "deepseek_v3": "DeepseekV3Config",
-        "glm4_moe": "Glm4MoeConfig",
-        "glm4_moe_lite": "Glm4MoeLiteConfig",
-    }[family])
+    cls = getattr(
+        transformers,
+        {
+            "qwen3_moe": "Qwen3MoeConfig",
+            "qwen3_next": "Qwen3NextConfig",
+            "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+            "qwen2_moe": "Qwen2MoeConfig",
+            "mixtral": "MixtralConfig",
+            "olmoe": "OlmoeConfig",
+            "deepseek_v2": "DeepseekV2Config",
+            "deepseek_v3": "DeepseekV3Config",
+            "glm4_moe": "Glm4MoeConfig",
+            "glm4_moe_lite": "Glm4MoeLiteConfig",
+        }[family],
+    )
     kw = default_config(family)
     kw.setdefault("vocab_size", tokenizer_vocab_size())
     kw.update(overrides)
@@ -280,8 +299,11 @@ def build_model(family: str, seed: int = 0, **overrides):
 
 
 def write_generation_config(path: Path, eos_token_id=(IM_END_ID, ENDOFTEXT_ID), **extra) -> None:
-    gen = {"eos_token_id": list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else eos_token_id,
-           "pad_token_id": ENDOFTEXT_ID, "do_sample": False}
+    gen = {
+        "eos_token_id": list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else eos_token_id,
+        "pad_token_id": ENDOFTEXT_ID,
+        "do_sample": False,
+    }
     gen.update(extra)
     (Path(path) / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
@@ -341,13 +363,14 @@ def reference_greedy(model, ids: list[int], n: int) -> list[int]:
     saved = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     try:
-        gen = GenerationConfig(max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=None,
-                               pad_token_id=ENDOFTEXT_ID)
+        gen = GenerationConfig(
+            max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=ENDOFTEXT_ID
+        )
         x = torch.tensor([ids])
         out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen)
     finally:
         model.generation_config.eos_token_id = saved
-    tokens = out[0, len(ids):].tolist()
+    tokens = out[0, len(ids) :].tolist()
     assert len(tokens) == n, f"transformers stopped after {len(tokens)} of {n} tokens"
     return tokens
 
@@ -400,8 +423,11 @@ def rewrite_tensors(path, fn) -> None:
     index = path / "model.safetensors.index.json"
     if index.exists():
         index.unlink()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 _EXPERT_RE = re.compile(

@@ -41,8 +41,11 @@ torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):
-    parser.addoption("--reverse", action="store_true",
-                     help="run the collected tests in reverse order (every test must pass in any order)")
+    parser.addoption(
+        "--reverse",
+        action="store_true",
+        help="run the collected tests in reverse order (every test must pass in any order)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -117,7 +120,9 @@ def qwen3_reference(qwen3_checkpoint):
 @pytest.fixture(scope="session")
 def cache_checkpoint(checkpoint) -> Path:
     """Qwen3-MoE with 16 experts, top-2, 3 layers, bf16 storage: enough experts for the cache to work."""
-    return checkpoint("qwen3_moe", dtype=torch.bfloat16, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3)
+    return checkpoint(
+        "qwen3_moe", dtype=torch.bfloat16, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -19,13 +19,24 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
-GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-          "lm_head.weight": "output.weight"}
+GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -51,19 +62,22 @@ def gguf_names(tensors: dict[str, torch.Tensor], gate_up: bool = False) -> dict[
     if gate_up:
         for k in [k for k in out if k.endswith("ffn_gate_exps.weight")]:
             out[k.replace("ffn_gate_exps", "ffn_gate_up_exps")] = torch.cat(
-                (out.pop(k), out.pop(k.replace("gate", "up"))), dim=1)
+                (out.pop(k), out.pop(k.replace("gate", "up"))), dim=1
+            )
     return {k: v.detach().float().numpy() for k, v in out.items()}
 
 
 def default_types(expert: str = "F32", dense: str = "F32"):
     """1-D tensors and the router stay F32 (as the converter keeps them); experts and 2-D dense weights
     in the given types."""
+
     def pick(name: str, arr: np.ndarray) -> str:
         if arr.ndim == 1 or "ffn_gate_inp" in name or name.endswith(".bias"):
             return "F32"
         t = expert if "_exps" in name else dense
         # llama-quantize's fallback: a row that is not whole blocks of the type stays unquantized
         return t if arr.shape[-1] % gguf.GGML_QUANT_SIZES[Q[t]][0] == 0 else "F32"
+
     return pick
 
 
@@ -76,13 +90,24 @@ def qwen3moe_metadata(cfg: dict) -> list[tuple[str, object, str]]:
         (f"{a}.feed_forward_length", cfg.get("intermediate_size", 0), "u32"),
         (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"),
         (f"{a}.attention.head_count_kv", cfg["num_key_value_heads"], "u32"),
-        (f"{a}.rope.freq_base", float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))),
-         "f32"),
+        (
+            f"{a}.rope.freq_base",
+            float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))),
+            "f32",
+        ),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"], "f32"),
         (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
         (f"{a}.expert_count", cfg.get("num_experts", cfg.get("num_local_experts")), "u32"),
-        (f"{a}.attention.key_length", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], "u32"),
-        (f"{a}.attention.value_length", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], "u32"),
+        (
+            f"{a}.attention.key_length",
+            cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            "u32",
+        ),
+        (
+            f"{a}.attention.value_length",
+            cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            "u32",
+        ),
         (f"{a}.expert_feed_forward_length", cfg["moe_intermediate_size"], "u32"),
     ]
 
@@ -90,9 +115,15 @@ def qwen3moe_metadata(cfg: dict) -> list[tuple[str, object, str]]:
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
 
-def tokenizer_metadata(tokenizer_json: Path, pre: str, vocab_size: int | None = None,
-                       eos: str | None = None, bos: str | None = None, chat_template: str | None = None,
-                       add_bos: bool = False) -> list[tuple[str, object, str]]:
+def tokenizer_metadata(
+    tokenizer_json: Path,
+    pre: str,
+    vocab_size: int | None = None,
+    eos: str | None = None,
+    bos: str | None = None,
+    chat_template: str | None = None,
+    add_bos: bool = False,
+) -> list[tuple[str, object, str]]:
     """tokenizer.ggml.* as llama.cpp's converter writes a byte-level BPE vocabulary: every id's piece
     ([PADi] unused where the vocabulary has a hole), added tokens control (special, or looking like
     <|...|>) or user-defined, merges "a b"."""
@@ -118,9 +149,14 @@ def tokenizer_metadata(tokenizer_json: Path, pre: str, vocab_size: int | None = 
         else:
             types.append(TOKEN_NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
-    meta = [("tokenizer.ggml.model", "gpt2", "str"), ("tokenizer.ggml.pre", pre, "str"),
-            ("tokenizer.ggml.tokens", tokens, "str[]"), ("tokenizer.ggml.token_type", types, "i32[]"),
-            ("tokenizer.ggml.merges", merges, "str[]"), ("tokenizer.ggml.add_bos_token", add_bos, "bool")]
+    meta = [
+        ("tokenizer.ggml.model", "gpt2", "str"),
+        ("tokenizer.ggml.pre", pre, "str"),
+        ("tokenizer.ggml.tokens", tokens, "str[]"),
+        ("tokenizer.ggml.token_type", types, "i32[]"),
+        ("tokenizer.ggml.merges", merges, "str[]"),
+        ("tokenizer.ggml.add_bos_token", add_bos, "bool"),
+    ]
     if eos is not None:
         meta.append(("tokenizer.ggml.eos_token_id", vocab[eos], "u32"))
     if bos is not None:
@@ -147,8 +183,15 @@ def _add(w: gguf.GGUFWriter, key: str, value, kind: str) -> None:
         raise ValueError(kind)
 
 
-def write_gguf(path, arch: str, arrays: dict[str, np.ndarray], metadata, types=None, raw: dict | None = None,
-               alignment: int | None = None) -> Path:
+def write_gguf(
+    path,
+    arch: str,
+    arrays: dict[str, np.ndarray],
+    metadata,
+    types=None,
+    raw: dict | None = None,
+    alignment: int | None = None,
+) -> Path:
     """Write float arrays (GGUF names, numpy [..., out, in]) in `types(name, arr)` ggml types; `raw`:
     {name: (ggml type name, uint8 bytes [..., rows, row bytes])} written as given."""
     types = types or default_types()
@@ -183,8 +226,11 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     b = rng.integers(0, 256, size=(rows * cols // qk, bb), dtype=np.uint8)
 
     def f16(n=1):
-        return (rng.uniform(0.002, 0.02, size=(b.shape[0], n)) * rng.choice([-1, 1], size=(b.shape[0], n))
-                ).astype(np.float16).view(np.uint8)
+        return (
+            (rng.uniform(0.002, 0.02, size=(b.shape[0], n)) * rng.choice([-1, 1], size=(b.shape[0], n)))
+            .astype(np.float16)
+            .view(np.uint8)
+        )
 
     if type_name == "MXFP4":
         b[:, 0] = rng.integers(118, 124, size=b.shape[0])
@@ -192,7 +238,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
         b[:, 208:210] = f16()
     elif type_name in ("Q4_K", "Q5_K", "Q2_K"):
         off = 0 if type_name != "Q2_K" else 80
-        b[:, off:off + 4] = np.abs(f16(2).view(np.float16)).view(np.uint8)
+        b[:, off : off + 4] = np.abs(f16(2).view(np.float16)).view(np.uint8)
     elif type_name == "Q3_K":
         b[:, 108:110] = f16()
     elif type_name in ("Q4_1", "Q5_1"):
@@ -314,13 +360,17 @@ def gpt_oss_state(path) -> dict[str, torch.Tensor]:
         elif key == "ffn_gate_exps":
             up = raw[f"blk.{layer}.ffn_up_exps.{suffix}"]
             if suffix == "weight":  # [E, I, H] x 2 -> [E, H, 2I] interleaved
-                out[f"{p}.mlp.experts.gate_up_proj"] = torch.stack((w, up), dim=2).reshape(w.shape[0], -1, w.shape[2]
-                                                                                         ).transpose(1, 2)
+                out[f"{p}.mlp.experts.gate_up_proj"] = (
+                    torch.stack((w, up), dim=2).reshape(w.shape[0], -1, w.shape[2]).transpose(1, 2)
+                )
             else:
-                out[f"{p}.mlp.experts.gate_up_proj_bias"] = torch.stack((w, up), dim=2).reshape(w.shape[0], -1)
+                out[f"{p}.mlp.experts.gate_up_proj_bias"] = torch.stack((w, up), dim=2).reshape(
+                    w.shape[0], -1
+                )
         elif key == "ffn_down_exps":
-            out[f"{p}.mlp.experts.down_proj" + ("" if suffix == "weight" else "_bias")] = \
+            out[f"{p}.mlp.experts.down_proj" + ("" if suffix == "weight" else "_bias")] = (
                 w.transpose(1, 2) if suffix == "weight" else w
+            )
         elif key != "ffn_up_exps":
             out[f"{p}.{inverse[key]}.{suffix}"] = w
     return out
@@ -353,20 +403,25 @@ def mixtral_names(tensors: dict[str, torch.Tensor], cfg: dict, stacked: bool = T
     out = {k: (v.detach().float().numpy() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
     for k in out:
         if k.endswith(("attn_q.weight", "attn_k.weight")):
-            out[k] = permute(out[k], cfg["num_attention_heads"] if "attn_q" in k else cfg["num_key_value_heads"])
+            out[k] = permute(
+                out[k], cfg["num_attention_heads"] if "attn_q" in k else cfg["num_key_value_heads"]
+            )
     return out
 
 
 def mixtral_metadata(cfg: dict) -> list[tuple[str, object, str]]:
     a = "llama"
     return [
-        (f"{a}.block_count", cfg["num_hidden_layers"], "u32"), (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
-        (f"{a}.embedding_length", cfg["hidden_size"], "u32"), (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
+        (f"{a}.block_count", cfg["num_hidden_layers"], "u32"),
+        (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
+        (f"{a}.embedding_length", cfg["hidden_size"], "u32"),
+        (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
         (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"),
         (f"{a}.attention.head_count_kv", cfg["num_key_value_heads"], "u32"),
         (f"{a}.rope.freq_base", cfg["rope_parameters"]["rope_theta"], "f32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"], "f32"),
-        (f"{a}.expert_count", cfg["num_local_experts"], "u32"), (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
+        (f"{a}.expert_count", cfg["num_local_experts"], "u32"),
+        (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
         (f"{a}.rope.dimension_count", cfg["hidden_size"] // cfg["num_attention_heads"], "u32"),
     ]
 
@@ -391,8 +446,12 @@ def mixtral_state(path, cfg: dict) -> dict[str, torch.Tensor]:
 
 
 def dequantized_arrays(path) -> dict[str, np.ndarray]:
-    return {t.name: np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
-        tuple(reversed([int(d) for d in t.shape]))) for t in gguf.GGUFReader(str(path)).tensors}
+    return {
+        t.name: np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+            tuple(reversed([int(d) for d in t.shape]))
+        )
+        for t in gguf.GGUFReader(str(path)).tensors
+    }
 
 
 def _hf_of(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -405,8 +464,12 @@ def _hf_of(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 # -- GLM-4.5: shared experts, the router's correction bias, a dense first layer, the MTP layer ---------
-GLM_LAYER = {**LAYER, "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
-             "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+GLM_LAYER = {
+    **LAYER,
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
 
 
 def glm4moe_names(tensors: dict[str, torch.Tensor], mtp_layer: int | None = None) -> dict[str, np.ndarray]:
@@ -428,7 +491,9 @@ def glm4moe_names(tensors: dict[str, torch.Tensor], mtp_layer: int | None = None
         out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[j] for j in range(len(per))])
     if mtp_layer is not None:
         last = f"blk.{mtp_layer - 1}."
-        out.update({k.replace(last, f"blk.{mtp_layer}."): v for k, v in list(out.items()) if k.startswith(last)})
+        out.update(
+            {k.replace(last, f"blk.{mtp_layer}."): v for k, v in list(out.items()) if k.startswith(last)}
+        )
         out[f"blk.{mtp_layer}.nextn.eh_proj.weight"] = torch.zeros(64, 128)
     return {k: v.detach().float().contiguous().numpy() for k, v in out.items()}
 
@@ -438,19 +503,24 @@ def glm4moe_metadata(cfg: dict, nextn: int = 0) -> list[tuple[str, object, str]]
     return [
         (f"{a}.block_count", cfg["num_hidden_layers"] + nextn, "u32"),
         (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
-        (f"{a}.embedding_length", cfg["hidden_size"], "u32"), (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
+        (f"{a}.embedding_length", cfg["hidden_size"], "u32"),
+        (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
         (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"),
         (f"{a}.attention.head_count_kv", cfg["num_key_value_heads"], "u32"),
-        (f"{a}.attention.key_length", cfg["head_dim"], "u32"), (f"{a}.attention.value_length", cfg["head_dim"], "u32"),
+        (f"{a}.attention.key_length", cfg["head_dim"], "u32"),
+        (f"{a}.attention.value_length", cfg["head_dim"], "u32"),
         (f"{a}.rope.dimension_count", int(cfg["head_dim"] * rope["partial_rotary_factor"]), "u32"),
         (f"{a}.rope.freq_base", rope["rope_theta"], "f32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"], "f32"),
-        (f"{a}.expert_count", cfg["n_routed_experts"], "u32"), (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
+        (f"{a}.expert_count", cfg["n_routed_experts"], "u32"),
+        (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
         (f"{a}.expert_feed_forward_length", cfg["moe_intermediate_size"], "u32"),
         (f"{a}.expert_shared_count", cfg["n_shared_experts"], "u32"),
         (f"{a}.leading_dense_block_count", cfg["first_k_dense_replace"], "u32"),
-        (f"{a}.expert_gating_func", 2, "u32"), (f"{a}.expert_weights_scale", cfg["routed_scaling_factor"], "f32"),
-        (f"{a}.expert_weights_norm", cfg["norm_topk_prob"], "bool"), (f"{a}.nextn_predict_layers", nextn, "u32"),
+        (f"{a}.expert_gating_func", 2, "u32"),
+        (f"{a}.expert_weights_scale", cfg["routed_scaling_factor"], "f32"),
+        (f"{a}.expert_weights_norm", cfg["norm_topk_prob"], "bool"),
+        (f"{a}.nextn_predict_layers", nextn, "u32"),
     ]
 
 
@@ -480,12 +550,20 @@ def glm4moe_state(path, num_layers: int) -> dict[str, torch.Tensor]:
 
 
 # -- DeepSeek-V2/V3: MLA (kv_b_proj split into attn_k_b / attn_v_b, as newer converters write it) -------
-DS_LAYER = {**GLM_LAYER, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
-            "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
-            "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b"}
+DS_LAYER = {
+    **GLM_LAYER,
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
+}
 
 
-def deepseek_names(tensors: dict[str, torch.Tensor], cfg: dict, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+def deepseek_names(
+    tensors: dict[str, torch.Tensor], cfg: dict, split_kv_b: bool = True
+) -> dict[str, np.ndarray]:
     out, experts = {}, {}
     for name, t in tensors.items():
         m = EXPERT.match(name)
@@ -512,12 +590,16 @@ def deepseek_names(tensors: dict[str, torch.Tensor], cfg: dict, split_kv_b: bool
 def deepseek_metadata(cfg: dict) -> list[tuple[str, object, str]]:
     a, v3 = "deepseek2", cfg["model_type"] == "deepseek_v3"
     meta = [
-        (f"{a}.block_count", cfg["num_hidden_layers"], "u32"), (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
-        (f"{a}.embedding_length", cfg["hidden_size"], "u32"), (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
-        (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"), (f"{a}.attention.head_count_kv", 1, "u32"),
+        (f"{a}.block_count", cfg["num_hidden_layers"], "u32"),
+        (f"{a}.context_length", cfg["max_position_embeddings"], "u32"),
+        (f"{a}.embedding_length", cfg["hidden_size"], "u32"),
+        (f"{a}.feed_forward_length", cfg["intermediate_size"], "u32"),
+        (f"{a}.attention.head_count", cfg["num_attention_heads"], "u32"),
+        (f"{a}.attention.head_count_kv", 1, "u32"),
         (f"{a}.rope.freq_base", cfg["rope_parameters"]["rope_theta"], "f32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"], "f32"),
-        (f"{a}.expert_count", cfg["n_routed_experts"], "u32"), (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
+        (f"{a}.expert_count", cfg["n_routed_experts"], "u32"),
+        (f"{a}.expert_used_count", cfg["num_experts_per_tok"], "u32"),
         (f"{a}.leading_dense_block_count", cfg["first_k_dense_replace"], "u32"),
         (f"{a}.attention.kv_lora_rank", cfg["kv_lora_rank"], "u32"),
         (f"{a}.attention.key_length", cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], "u32"),
@@ -535,7 +617,10 @@ def deepseek_metadata(cfg: dict) -> list[tuple[str, object, str]]:
     if cfg.get("norm_topk_prob"):
         meta.append((f"{a}.expert_weights_norm", True, "bool"))
     if cfg.get("n_group"):
-        meta += [(f"{a}.expert_group_count", cfg["n_group"], "u32"), (f"{a}.expert_group_used_count", cfg["topk_group"], "u32")]
+        meta += [
+            (f"{a}.expert_group_count", cfg["n_group"], "u32"),
+            (f"{a}.expert_group_used_count", cfg["topk_group"], "u32"),
+        ]
     return meta
 
 
@@ -559,7 +644,9 @@ def deepseek_state(path, cfg: dict) -> dict[str, torch.Tensor]:
             out[f"{p}.mlp.gate.e_score_correction_bias"] = w
         elif key == "attn_k_b":
             v = torch.from_numpy(np.ascontiguousarray(arrays[f"blk.{layer}.attn_v_b.weight"]))
-            out[f"{p}.self_attn.kv_b_proj.weight"] = torch.cat((w.transpose(1, 2), v), dim=1).reshape(-1, w.shape[1])
+            out[f"{p}.self_attn.kv_b_proj.weight"] = torch.cat((w.transpose(1, 2), v), dim=1).reshape(
+                -1, w.shape[1]
+            )
         elif key != "attn_v_b":
             out[f"{p}.{inverse[key]}.{suffix}"] = w
     return out

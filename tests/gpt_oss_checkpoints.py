@@ -16,29 +16,68 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 import checkpoints as C
+import torch
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CHAT_TEMPLATE = (FIXTURES / "gpt_oss_chat_template.jinja").read_text()
 
 # GptOssConfig's own rope (what openai/gpt-oss-* use), for a config that sets max_position_embeddings to match
-SHIPPED_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+SHIPPED_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 150000.0,
+}
 
 # harmony's special tokens (ids 0..8 in the tiny tokenizer)
-SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
-            "<|end|>", "<|message|>", "<|call|>")
+SPECIALS = (
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|return|>",
+    "<|constrain|>",
+    "<|channel|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|call|>",
+)
 STARTOFTEXT, ENDOFTEXT, RETURN, CONSTRAIN, CHANNEL, START, END, MESSAGE, CALL = range(len(SPECIALS))
-EOS_IDS = (RETURN, ENDOFTEXT, CALL)  # generation_config.json of openai/gpt-oss-20b: <|return|>, <|endoftext|>, <|call|>
+EOS_IDS = (
+    RETURN,
+    ENDOFTEXT,
+    CALL,
+)  # generation_config.json of openai/gpt-oss-20b: <|return|>, <|endoftext|>, <|call|>
 
-BASE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
-            max_position_embeddings=256, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                             "original_max_position_embeddings": 64, "rope_theta": 150000.0}, pad_token_id=ENDOFTEXT, eos_token_id=RETURN,
-            bos_token_id=None, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 150000.0,
+    },
+    pad_token_id=ENDOFTEXT,
+    eos_token_id=RETURN,
+    bos_token_id=None,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+)
 
 
 def vocab_size() -> int:
@@ -86,15 +125,29 @@ def build_model(seed: int = 0, expert_std: float = 0.25, **overrides):
 
 def write_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE) -> None:
     (path / "tokenizer.json").write_text(C.tokenizer_json(SPECIALS))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "bos_token": "<|startoftext|>",
-           "eos_token": "<|return|>", "pad_token": "<|endoftext|>", "unk_token": None,
-           "clean_up_tokenization_spaces": False, "model_max_length": 4096,
-           "additional_special_tokens": list(SPECIALS[2:]), "chat_template": chat_template}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "bos_token": "<|startoftext|>",
+        "eos_token": "<|return|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "additional_special_tokens": list(SPECIALS[2:]),
+        "chat_template": chat_template,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def make_gpt_oss(root, name: str = "gpt-oss", seed: int = 0, dtype: torch.dtype = torch.float32,
-                 expert_std: float = 0.25, **overrides) -> Path:
+def make_gpt_oss(
+    root,
+    name: str = "gpt-oss",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    expert_std: float = 0.25,
+    **overrides,
+) -> Path:
     model = build_model(seed, expert_std, **overrides)
     out = Path(root) / name
     out.mkdir(parents=True, exist_ok=True)
@@ -126,10 +179,19 @@ def to_shipped_mxfp4(src, dst) -> Path:
         return out
 
     C.rewrite_tensors(dst, convert)
-    C.edit_config(dst, dtype="bfloat16", quantization_config={
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-                                   "lm_head"],
-        "quant_method": "mxfp4"})
+    C.edit_config(
+        dst,
+        dtype="bfloat16",
+        quantization_config={
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+    )
     return dst
 
 

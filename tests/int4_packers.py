@@ -16,10 +16,9 @@ import re
 import shutil
 from pathlib import Path
 
+import checkpoints
 import torch
 from safetensors.torch import save_file
-
-import checkpoints
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: position i of a word holds column order[i]
 
@@ -70,16 +69,19 @@ def act_order_groups(K: int, G: int, seed: int) -> torch.Tensor:
 
 # ---- one linear in each layout: (stored tensors {suffix: tensor}, reference weight) ----------------------
 
+
 def gptq(w, bits=4, group_size=128, sym=False, desc_act=False, v2=False, seed=0):
     N, K = w.shape
     G = K if group_size == -1 else group_size
     group = act_order_groups(K, G, seed) if desc_act else contiguous_groups(K, G)
     codes, zero, scale, ref = quantize(w, bits, group, sym)
     stored_zero = zero if v2 else zero - 1
-    return {"qweight": words(codes, bits).T.contiguous(),  # [K/p, N]: packed along the input dim
-            "qzeros": words(stored_zero.T.contiguous(), bits),  # [ng, N/p]
-            "scales": scale.T.contiguous(),  # [ng, N] fp16
-            "g_idx": group.to(torch.int32)}, ref
+    return {
+        "qweight": words(codes, bits).T.contiguous(),  # [K/p, N]: packed along the input dim
+        "qzeros": words(stored_zero.T.contiguous(), bits),  # [ng, N/p]
+        "scales": scale.T.contiguous(),  # [ng, N] fp16
+        "g_idx": group.to(torch.int32),
+    }, ref
 
 
 def awq(w, group_size=128):
@@ -89,8 +91,11 @@ def awq(w, group_size=128):
     def interleaved(c):  # [rows, N] -> words [rows, N/8], each word's 8 columns in AWQ's order
         return words(c.reshape(c.shape[0], -1, 8)[..., AWQ_PACK_ORDER].reshape(c.shape[0], -1), 4)
 
-    return {"qweight": interleaved(codes.T.contiguous()), "qzeros": interleaved(zero.T.contiguous()),
-            "scales": scale.T.contiguous()}, ref
+    return {
+        "qweight": interleaved(codes.T.contiguous()),
+        "qzeros": interleaved(zero.T.contiguous()),
+        "scales": scale.T.contiguous(),
+    }, ref
 
 
 def pack_quantized(w, bits=4, group_size=128, symmetric=True):
@@ -110,8 +115,9 @@ EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj$")
 ATTN = re.compile(r"\.self_attn\.[qkvo]_proj$")
 
 
-def write(base: Path, dst: Path, fmt: str, qconfig: dict, params: dict, targets=(EXPERT, ATTN),
-          params_for=None) -> tuple[Path, Path]:
+def write(
+    base: Path, dst: Path, fmt: str, qconfig: dict, params: dict, targets=(EXPERT, ATTN), params_for=None
+) -> tuple[Path, Path]:
     """Checkpoint `base` with every module matching `targets` packed by PACKERS[fmt](w, **params) (or
     params_for(module) -> params / None to leave it), -> (quantized dir, its dequantized fp32 twin)."""
     tensors = checkpoints.read_tensors(base)
@@ -128,15 +134,25 @@ def write(base: Path, dst: Path, fmt: str, qconfig: dict, params: dict, targets=
             twin[name] = t.float()
     hf = json.loads((base / "config.json").read_text())
     out = []
-    for d, ts, conf in ((dst, quant, {**hf, "quantization_config": qconfig}),
-                        (dst.with_name(dst.name + "-twin"), twin, {**hf, "dtype": "float32"})):
+    for d, ts, conf in (
+        (dst, quant, {**hf, "quantization_config": qconfig}),
+        (dst.with_name(dst.name + "-twin"), twin, {**hf, "dtype": "float32"}),
+    ):
         if d.exists():
             shutil.rmtree(d)
         d.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in ts.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in ts.items()},
+            str(d / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         (d / "config.json").write_text(json.dumps(conf, indent=2))
         for f in base.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            if (
+                f.is_file()
+                and f.suffix != ".safetensors"
+                and f.name not in ("config.json", "model.safetensors.index.json")
+            ):
                 shutil.copy(f, d / f.name)
         out.append(d)
     return out[0], out[1]

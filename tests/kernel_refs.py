@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
 
 
 def _q8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +49,7 @@ class ActRounding:
 
 
 F32ACT = ActRounding("f32act", lambda x: x.double(), torch.zeros_like)
-BF16ACT = ActRounding("bf16act", lambda x: x.float().bfloat16().double(), lambda h: h.abs() * 2 ** -7)
+BF16ACT = ActRounding("bf16act", lambda x: x.float().bfloat16().double(), lambda h: h.abs() * 2**-7)
 Q8ACT32 = ActRounding("q8act32", lambda x: torch.mul(*_q8(x, 32)), lambda h: _q8(h[None], 32)[1][0])
 Q8ACT64 = ActRounding("q8act64", lambda x: torch.mul(*_q8(x, 64)), lambda h: _q8(h[None], 64)[1][0])
 
@@ -58,12 +58,13 @@ def mxfp4_weight(codes: torch.Tensor, scales: torch.Tensor, K: int) -> torch.Ten
     """codes uint8 [N, K / 2] (low nibble first), e8m0 uint8 [N, ceil(K / 32)] -> float64 [N, K]."""
     c = torch.stack([codes & 0xF, codes >> 4], -1).reshape(codes.shape[0], -1)[:, :K].long()
     e = scales.double()
-    s = torch.where(scales == 255, torch.nan, torch.where(scales == 0, 2.0 ** -127, 2.0 ** (e - 127)))
+    s = torch.where(scales == 255, torch.nan, torch.where(scales == 0, 2.0**-127, 2.0 ** (e - 127)))
     return E2M1[c] * s.repeat_interleave(32, 1)[:, :K]
 
 
-def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, K: int,
-                group: int) -> torch.Tensor:
+def int4_weight(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, K: int, group: int
+) -> torch.Tensor:
     """codes uint8 [N, K / 2] (low nibble first), scale float32 [N, ng], zero uint8 [N, ng] (ng groups
     of `group` along K) -> float64 [N, K]."""
     c = torch.stack([codes & 0xF, codes >> 4], -1).reshape(codes.shape[0], -1)[:, :K].double()
@@ -71,9 +72,19 @@ def int4_weight(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, K:
     return (c - z) * scale.double().repeat_interleave(group, 1)[:, :K]
 
 
-def moe_reference(x, slots, weights, gate, up, down, rnd: ActRounding = F32ACT, act: str = "silu",
-                  biases=(None, None, None), limit: float = 7.0, alpha: float = 1.702
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_reference(
+    x,
+    slots,
+    weights,
+    gate,
+    up,
+    down,
+    rnd: ActRounding = F32ACT,
+    act: str = "silu",
+    biases=(None, None, None),
+    limit: float = 7.0,
+    alpha: float = 1.702,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], slots [T, A] (-1: skipped), weights [T, A], gate / up float64 [S, I, H], down float64
     [S, H, I], biases (gate [S, I], up [S, I], down [S, H]) or Nones -> (out, slack) float64 [T, H]:
     out[t] = sum_a weights[t, a] * (down_s act(gate_s x_t + bg_s, up_s x_t + bu_s) + bd_s), x and h seen

@@ -44,7 +44,14 @@ import numpy as np
 
 POLICIES: dict[str, Callable[..., Policy]] = {}
 DEFAULT_POLICY = "adaptive"  # the best of lfru-admit, lfru and lfu per layer, online (README, "Policies against the optimum")
-ONLINE = ("lru", "lfru", "lfu", "static", "lfru-admit", "adaptive")  # usable by the engine (no future knowledge)
+ONLINE = (
+    "lru",
+    "lfru",
+    "lfu",
+    "static",
+    "lfru-admit",
+    "adaptive",
+)  # usable by the engine (no future knowledge)
 
 
 def register(name: str):
@@ -56,16 +63,24 @@ def register(name: str):
     return deco
 
 
-def make_policy(name: str, num_experts: int, capacity: int, layer: int = 0, stats=None,
-                oracle: NextUse | None = None, **params) -> Policy:
+def make_policy(
+    name: str,
+    num_experts: int,
+    capacity: int,
+    layer: int = 0,
+    stats=None,
+    oracle: NextUse | None = None,
+    **params,
+) -> Policy:
     """Build policy `name` for one layer. `stats` is an optional [layers, experts]
     use-count matrix (saved expert statistics) for policies that start warm;
     `oracle` gives next-use times (replay only, for "min"); `params` tune a policy
     (e.g. decay=0.9 for lfru)."""
     if name not in POLICIES:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name](num_experts=num_experts, capacity=capacity, layer=layer, stats=stats,
-                          oracle=oracle, **params)
+    return POLICIES[name](
+        num_experts=num_experts, capacity=capacity, layer=layer, stats=stats, oracle=oracle, **params
+    )
 
 
 class Policy:
@@ -247,8 +262,10 @@ class Static(_Scored):
         if stats is not None:
             stats = np.asarray(stats, dtype=np.float64)
             if stats.ndim != 2 or stats.shape[1] != self.num_experts or self.layer >= stats.shape[0]:
-                raise ValueError(f"stats: expected a [layers, {self.num_experts}] matrix covering layer "
-                                 f"{self.layer}, got shape {stats.shape}")
+                raise ValueError(
+                    f"stats: expected a [layers, {self.num_experts}] matrix covering layer "
+                    f"{self.layer}, got shape {stats.shape}"
+                )
             self.count = stats[self.layer].copy()
         else:
             self.count = np.zeros(self.num_experts)
@@ -334,8 +351,12 @@ class Adaptive(Policy):
         super().__init__(**kw)
         from expertcache.experts.slots import SlotTable
 
-        args = {"num_experts": self.num_experts, "capacity": self.capacity, "layer": self.layer,
-                "stats": kw.get("stats")}
+        args = {
+            "num_experts": self.num_experts,
+            "capacity": self.capacity,
+            "layer": self.layer,
+            "stats": kw.get("stats"),
+        }
         self.rankers = [make_policy(n, **args) for n in candidates]
         self.ghosts = [SlotTable(self.num_experts, self.capacity, make_policy(n, **args)) for n in candidates]
         self.score = [0.0] * len(candidates)
@@ -414,7 +435,9 @@ class MIN(_Scored):
     def __init__(self, oracle: NextUse | None = None, **kw):
         super().__init__(**kw)
         if oracle is None:
-            raise ValueError("min: needs a next-use oracle (future knowledge); it exists only in trace replay")
+            raise ValueError(
+                "min: needs a next-use oracle (future knowledge); it exists only in trace replay"
+            )
         self.oracle = oracle
 
     def key(self, e):

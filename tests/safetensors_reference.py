@@ -74,8 +74,9 @@ class CheckpointExperts:
                 if self.has(fused):
                     out[part] = self.get(fused)[e]
                 elif part == "gate_up":
-                    out[part] = torch.cat([self.get(f"{pre}.experts.{e}.{g}.weight"),
-                                           self.get(f"{pre}.experts.{e}.{u}.weight")])
+                    out[part] = torch.cat(
+                        [self.get(f"{pre}.experts.{e}.{g}.weight"), self.get(f"{pre}.experts.{e}.{u}.weight")]
+                    )
                 else:
                     out[part] = self.get(f"{pre}.experts.{e}.{d}.weight")
             else:  # a quantized part "PROJ.SUFFIX"
@@ -101,7 +102,8 @@ def same_bytes(slot: torch.Tensor, ref: torch.Tensor) -> bool:
     slot = slot.detach().cpu()
     if slot.dtype == ref.dtype:
         return slot.shape == ref.reshape(slot.shape).shape and torch.equal(
-            slot.reshape(-1).view(torch.uint8), ref.reshape(-1).contiguous().view(torch.uint8))
+            slot.reshape(-1).view(torch.uint8), ref.reshape(-1).contiguous().view(torch.uint8)
+        )
     if ref.dtype == torch.uint8 and slot.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return torch.equal(slot.reshape(-1).view(torch.uint8), ref.reshape(-1))
     return torch.equal(slot, ref.reshape(slot.shape).to(slot.dtype))
@@ -115,11 +117,14 @@ def independent_slot_checks(monkeypatch) -> None:
     def verify(self, layer, e, dst):
         method = self.source.method
         ref = checkpoint_experts(str(self.source.index.model_dir)).read(
-            layer, e, list(dst), method.aliases if method is not None else None)
+            layer, e, list(dst), method.aliases if method is not None else None
+        )
         for n, t in dst.items():
             if not same_bytes(t, ref[n]):
-                raise AssertionError(f"slot bytes of layer {layer} expert {e} part {n} differ from the "
-                                     "checkpoint (read with safetensors)")
+                raise AssertionError(
+                    f"slot bytes of layer {layer} expert {e} part {n} differ from the "
+                    "checkpoint (read with safetensors)"
+                )
         self.independent_checks = getattr(self, "independent_checks", 0) + 1
 
     monkeypatch.setattr(TieredExperts, "_verify", verify)

@@ -50,7 +50,9 @@ class Server:
     def client(self):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.key or "none", timeout=120, max_retries=0)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=self.key or "none", timeout=120, max_retries=0
+        )
 
     def metric(self, name: str, labels: str = "") -> float:
         with self.http() as c:
@@ -67,19 +69,35 @@ class Server:
 
 
 @contextmanager
-def start_server(checkpoint, log_path: Path, *flags: str, key: str | None = None,
-                 timeout_s: float = START_TIMEOUT_S):
+def start_server(
+    checkpoint, log_path: Path, *flags: str, key: str | None = None, timeout_s: float = START_TIMEOUT_S
+):
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "expertcache.server", str(checkpoint), "--port", str(port),
-                                 "--no-access-log", *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "expertcache.server",
+                str(checkpoint),
+                "--port",
+                str(port),
+                "--no-access-log",
+                *flags,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     health: list[tuple[int, dict]] = []
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+            assert proc.poll() is None, (
+                f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+            )
             try:
                 r = httpx.get(url + "/health", timeout=2)
                 health.append((r.status_code, r.json()))

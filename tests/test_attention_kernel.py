@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import math
 
+import gpt_oss_checkpoints as G
 import pytest
 import torch
 
-import gpt_oss_checkpoints as G
 from expertcache import LLM, SamplingParams
 from expertcache.kernels import attention as KA
 from expertcache.kernels import build
@@ -39,7 +39,7 @@ def _tables(rng: torch.Generator, lengths: list[int], bs: int, num_blocks: int) 
     tables = torch.zeros(len(lengths), max(need), dtype=torch.int64)
     at = 0
     for b, n in enumerate(need):
-        tables[b, :n] = perm[at:at + n]
+        tables[b, :n] = perm[at : at + n]
         at += n
     return tables
 
@@ -91,7 +91,9 @@ def _reference(q, k_cache, v_cache, batch, scale, window, sinks):
     for t in range(T):
         b, qp = int(batch.seq_of_token[t]), int(batch.positions[t])
         kps = [kp for kp in range(qp + 1) if not window or kp > qp - window]
-        keys = torch.stack([k_cache[batch.block_tables[b, kp // bs], kp % bs] for kp in kps]).double()  # [n, g, D]
+        keys = torch.stack(
+            [k_cache[batch.block_tables[b, kp // bs], kp % bs] for kp in kps]
+        ).double()  # [n, g, D]
         vals = torch.stack([v_cache[batch.block_tables[b, kp // bs], kp % bs] for kp in kps]).double()
         for hd in range(h):
             j = hd // (h // g)
@@ -125,9 +127,9 @@ def test_kernel_against_float64(case, bs, cache_dtype):
     batch = _batch(rng, ctx, new, bs, num_blocks)
     T = int(batch.positions.numel())
     qkv = torch.randn(T, (h + 2 * g) * D + 3, generator=rng)  # one projection row per token (+ 3 unused)
-    q = qkv[:, :h * D].view(T, h, D)
-    k = qkv[:, h * D:(h + g) * D].view(T, g, D)
-    v = qkv[:, (h + g) * D:(h + 2 * g) * D].view(T, g, D)
+    q = qkv[:, : h * D].view(T, h, D)
+    k = qkv[:, h * D : (h + g) * D].view(T, g, D)
+    v = qkv[:, (h + g) * D : (h + 2 * g) * D].view(T, g, D)
     qn = torch.rand(D, generator=rng) + 0.5 if norms else None
     kn = torch.rand(D, generator=rng) + 0.5 if norms else None
     sinks = torch.randn(h, generator=rng) * 2 if with_sinks else None
@@ -135,16 +137,44 @@ def test_kernel_against_float64(case, bs, cache_dtype):
     k_cache = torch.randn(num_blocks, bs, g, D, generator=rng).to(cache_dtype)  # the context's keys: random
     v_cache = torch.randn(num_blocks, bs, g, D, generator=rng).to(cache_dtype)
     before_k, before_v = k_cache.clone(), v_cache.clone()
-    scale = D ** -0.5
+    scale = D**-0.5
 
-    out = KA.attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, qn, kn, EPS,
-                    cos.float()[:, None, :], sin.float()[:, None, :])
+    out = KA.attend(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        batch,
+        scale,
+        window,
+        sinks,
+        qn,
+        kn,
+        EPS,
+        cos.float()[:, None, :],
+        sin.float()[:, None, :],
+    )
     assert out.shape == (T, h * D) and out.dtype == torch.float32
     out = out.view(T, h, D)
     # q/k/v as [T, heads * D] column slices (the layer's form): the same result
     k_cache2, v_cache2 = before_k.clone(), before_v.clone()
-    flat = KA.attend(q.reshape(T, h * D), k.reshape(T, g * D), v.reshape(T, g * D), k_cache2, v_cache2, batch,
-                     scale, window, sinks, qn, kn, EPS, cos.float()[:, None, :], sin.float()[:, None, :])
+    flat = KA.attend(
+        q.reshape(T, h * D),
+        k.reshape(T, g * D),
+        v.reshape(T, g * D),
+        k_cache2,
+        v_cache2,
+        batch,
+        scale,
+        window,
+        sinks,
+        qn,
+        kn,
+        EPS,
+        cos.float()[:, None, :],
+        sin.float()[:, None, :],
+    )
     assert torch.equal(flat.view(T, h, D), out)
     assert torch.equal(k_cache2, k_cache) and torch.equal(v_cache2, v_cache)
 
@@ -160,7 +190,7 @@ def test_kernel_against_float64(case, bs, cache_dtype):
         assert (got_k - k64).abs().max() <= 1e-5 * k64.abs().max()
         assert torch.equal(flat_v[batch.slot_mapping], v)
     else:  # rounded to nearest: within half a bf16 step (2^-8 relative) of the float64 value
-        assert ((got_k - k64).abs() <= k64.abs() * 2.0 ** -8 + 1e-6).all()
+        assert ((got_k - k64).abs() <= k64.abs() * 2.0**-8 + 1e-6).all()
         assert torch.equal(flat_v[batch.slot_mapping], v.bfloat16())
 
     # attention over what the cache now holds (its bf16 rounding checked above)
@@ -174,7 +204,11 @@ def test_threads_give_the_same_result():
     rng = torch.Generator().manual_seed(3)
     batch = _batch(rng, [40, 7, 0], [1, 9, 12], 16, 12)
     T = batch.positions.numel()
-    q, k, v = torch.randn(T, 8, 64, generator=rng), torch.randn(T, 2, 64, generator=rng), torch.randn(T, 2, 64, generator=rng)
+    q, k, v = (
+        torch.randn(T, 8, 64, generator=rng),
+        torch.randn(T, 2, 64, generator=rng),
+        torch.randn(T, 2, 64, generator=rng),
+    )
     ext = build.extension()
     outs = []
     for n in (1, 2):
@@ -190,16 +224,26 @@ def test_threads_give_the_same_result():
 def _small():
     rng = torch.Generator().manual_seed(1)
     batch = _batch(rng, [3], [2], 4, 4)
-    return batch, torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    return (
+        batch,
+        torch.randn(2, 4, 8),
+        torch.randn(2, 2, 8),
+        torch.randn(2, 2, 8),
+        torch.zeros(4, 4, 2, 8),
+        torch.zeros(4, 4, 2, 8),
+    )
 
 
 @needs_cpp
-@pytest.mark.parametrize("field, value, match", [
-    ("slot_mapping", torch.tensor([3, 16]), "slot_mapping\\[1\\] = 16 outside"),
-    ("block_tables", torch.tensor([[1, 4]]), "block_tables holds block 4"),
-    ("positions", torch.tensor([3, 8]), "positions\\[1\\] = 8 outside"),
-    ("seq_of_token", torch.tensor([0, 1]), "seq_of_token\\[1\\] = 1 outside"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("slot_mapping", torch.tensor([3, 16]), "slot_mapping\\[1\\] = 16 outside"),
+        ("block_tables", torch.tensor([[1, 4]]), "block_tables holds block 4"),
+        ("positions", torch.tensor([3, 8]), "positions\\[1\\] = 8 outside"),
+        ("seq_of_token", torch.tensor([0, 1]), "seq_of_token\\[1\\] = 1 outside"),
+    ],
+)
 def test_bad_input_names_the_parameter(field, value, match):
     batch, q, k, v, kc, vc = _small()
     with pytest.raises(RuntimeError, match=match):
@@ -235,8 +279,14 @@ def test_declines_where_it_does_not_apply(monkeypatch):
 # ---------------------------------------------------------------------------
 # the whole model
 
-PROMPTS = [[(i * 37 + 11) % 300 + 3 for i in range(40)], [5, 9, 33, 7], [(i * 13 + 2) % 290 + 3 for i in range(23)]]
-TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2, num_experts_per_tok=2)
+PROMPTS = [
+    [(i * 37 + 11) % 300 + 3 for i in range(40)],
+    [5, 9, 33, 7],
+    [(i * 13 + 2) % 290 + 3 for i in range(23)],
+]
+TINY = dict(
+    hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2, num_experts_per_tok=2
+)
 
 
 def _run(path, **kw):
@@ -254,6 +304,7 @@ def _kernel_vs_torch(path, monkeypatch, **kw):
     real = KA.attend
     monkeypatch.setattr(KA, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
     import expertcache.layers.attention as LA
+
     monkeypatch.setattr(LA, "attend", KA.attend)
     llm, fast, toks, lps = _run(path, **kw)
     assert calls, "the kernel was not called"
@@ -267,17 +318,24 @@ def _kernel_vs_torch(path, monkeypatch, **kw):
 
 
 @needs_cpp
-@pytest.mark.parametrize("family, overrides", [
-    ("qwen3_moe", dict(num_attention_heads=8, num_key_value_heads=2)),  # head q/k norm, GQA 4
-    ("qwen2_moe", {}),  # q/k/v biases
-], ids=["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("qwen3_moe", dict(num_attention_heads=8, num_key_value_heads=2)),  # head q/k norm, GQA 4
+        ("qwen2_moe", {}),  # q/k/v biases
+    ],
+    ids=["qwen3_moe", "qwen2_moe"],
+)
 def test_whole_model_kernel_equals_torch_path(family, overrides, checkpoint, monkeypatch):
     path = checkpoint(family, **TINY, **overrides)
     llm = _kernel_vs_torch(path, monkeypatch)
     w = llm.model.layers[0]["attn"].w
     assert "qkv_proj.weight" in w and "q_proj.weight" not in w
     cfg = llm.cfg
-    assert w["qkv_proj.weight"].shape == ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size)
+    assert w["qkv_proj.weight"].shape == (
+        (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+        cfg.hidden_size,
+    )
     assert ("qkv_proj.bias" in w) == cfg.qkv_bias
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fast_math import needs_fast
+from test_kernels import SEQ, needs_cpp
 
 from expertcache import LLM, SamplingParams, kernels
 from expertcache.kernels import attention as KA
 from expertcache.layers import block as block_mod
-from test_fast_math import needs_fast
-from test_kernels import SEQ, needs_cpp
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +38,15 @@ def _no_prefill_gemm():
     yield
     kernels.prefill_gemm.enable(saved)
 
-TINY = dict(dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2,
-            num_experts_per_tok=2)
+
+TINY = dict(
+    dtype=torch.bfloat16,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_hidden_layers=2,
+    num_experts_per_tok=2,
+)
 FAMILIES = {"qwen3_moe": {}, "qwen2_moe": dict(shared_expert_intermediate_size=48), "mixtral": {}}
 PROMPTS = [SEQ[:9], SEQ[5:8]]
 

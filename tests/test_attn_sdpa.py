@@ -31,8 +31,17 @@ class NoRotary:
 
 def make(window=None, sinks=False, heads=H, kv=G, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    cfg = SimpleNamespace(num_heads=heads, num_kv_heads=kv, head_dim=D, sliding_window=(window,),
-                          attn_output_gate=False, qk_norm=None, clip_qkv=None, rms_norm_eps=1e-6, attn_sinks=sinks)
+    cfg = SimpleNamespace(
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=D,
+        sliding_window=(window,),
+        attn_output_gate=False,
+        qk_norm=None,
+        clip_qkv=None,
+        rms_norm_eps=1e-6,
+        attn_sinks=sinks,
+    )
     w = {"sinks": torch.randn(heads, generator=g)} if sinks else {}
     attn = Attention(cfg, 0, w, NoRotary())
     B = len(SPANS)
@@ -40,7 +49,7 @@ def make(window=None, sinks=False, heads=H, kv=G, dtype=torch.bfloat16, seed=0):
     perm = torch.randperm(sum(nblocks), generator=g) + 1  # block 0: the padding block
     tables, at = [], 0
     for nb in nblocks:
-        tables.append(perm[at:at + nb].tolist() + [0] * (max(nblocks) - nb))
+        tables.append(perm[at : at + nb].tolist() + [0] * (max(nblocks) - nb))
         at += nb
     k_cache = torch.randn(sum(nblocks) + 1, BS, kv, D, generator=g).to(dtype)
     v_cache = torch.randn(sum(nblocks) + 1, BS, kv, D, generator=g).to(dtype)
@@ -78,8 +87,8 @@ def brute_force(attn, batch, q, k, v, k_cache, v_cache):
         for h in range(attn.h):
             kv = h // (attn.h // attn.g)
             s = torch.stack([kc.view(-1, attn.g, D)[f, kv] @ qd[t, h] for f in flat]) * attn.scale
-            logits = torch.cat([s, attn.sinks[h:h + 1].double()]) if attn.sinks is not None else s
-            p = torch.softmax(logits, 0)[:len(keys)]
+            logits = torch.cat([s, attn.sinks[h : h + 1].double()]) if attn.sinks is not None else s
+            p = torch.softmax(logits, 0)[: len(keys)]
             out[t, h] = sum(p[i] * vc.view(-1, attn.g, D)[f, kv] for i, f in enumerate(flat))
     return out
 
@@ -103,13 +112,25 @@ def replaced_path(attn, batch, q, k, v, k_cache, v_cache):
         bias[..., :L].masked_fill_(~mask, float("-inf"))
         bias[..., L] = attn.sinks.to(q.dtype)[None, :, None]
         mask = bias
-    o = F.scaled_dot_product_attention(A.pad_queries(batch, q).transpose(1, 2), keys, vals, attn_mask=mask,
-                                       scale=attn.scale, enable_gqa=attn.g != attn.h)
+    o = F.scaled_dot_product_attention(
+        A.pad_queries(batch, q).transpose(1, 2),
+        keys,
+        vals,
+        attn_mask=mask,
+        scale=attn.scale,
+        enable_gqa=attn.g != attn.h,
+    )
     return o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token]
 
 
-CASES = {"gqa": {}, "window": dict(window=3), "sinks": dict(sinks=True), "window+sinks": dict(window=3, sinks=True),
-         "mha": dict(kv=H), "long-window": dict(window=64)}
+CASES = {
+    "gqa": {},
+    "window": dict(window=3),
+    "sinks": dict(sinks=True),
+    "window+sinks": dict(window=3, sinks=True),
+    "mha": dict(kv=H),
+    "long-window": dict(window=64),
+}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -144,7 +165,9 @@ def test_without_window_or_sinks_sdpa_gets_no_mask_tensor(monkeypatch):
 
     def spy(qs, keys, vals, attn_mask=None, **kw):
         kind = type(attn_mask).__name__ if attn_mask is not None else None
-        calls.append((qs.shape[2], keys.shape[1], keys.shape[2], kind, kw.get("is_causal"), kw.get("enable_gqa")))
+        calls.append(
+            (qs.shape[2], keys.shape[1], keys.shape[2], kind, kw.get("is_causal"), kw.get("enable_gqa"))
+        )
         if isinstance(attn_mask, CausalBias):  # dispatches itself (SDPA's own check is by identity)
             monkeypatch.setattr(F, "scaled_dot_product_attention", real)  # its CPU fallback calls SDPA again
             try:
@@ -152,11 +175,17 @@ def test_without_window_or_sinks_sdpa_gets_no_mask_tensor(monkeypatch):
             finally:
                 monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
         return real(qs, keys, vals, attn_mask=attn_mask, **kw)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     got = attn._torch(q, k, v, batch, kc, vc)
     monkeypatch.undo()
     torch.testing.assert_close(got, replaced_path(attn, batch, q, k, v, kc, vc), atol=2e-2, rtol=2e-2)
-    want = {(0, 5): (None, True), (7, 1): (None, False), (3, 4): ("CausalBias", False), (9, 3): ("CausalBias", False)}
+    want = {
+        (0, 5): (None, True),
+        (7, 1): (None, False),
+        (3, 4): ("CausalBias", False),
+        (9, 3): ("CausalBias", False),
+    }
     assert calls == [(n, G, s + n, *want[s, n], True) for s, n in SPANS]
 
 
@@ -174,6 +203,7 @@ def test_the_masked_path_expands_heads_in_the_compute_dtype(monkeypatch):
             finally:
                 monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
         return real(qs, keys, vals, attn_mask=attn_mask, **kw)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     attn._torch(q, k, v, batch, kc, vc)
     monkeypatch.undo()
@@ -186,10 +216,14 @@ def test_the_masked_path_expands_heads_in_the_compute_dtype(monkeypatch):
 
 
 def test_workspace_bytes_bounds_the_temporaries():
-    cfg = SimpleNamespace(num_heads=32, num_kv_heads=4, head_dim=128, sliding_window=(None,), attn_sinks=False)
+    cfg = SimpleNamespace(
+        num_heads=32, num_kv_heads=4, head_dim=128, sliding_window=(None,), attn_sinks=False
+    )
     plain = A.workspace_bytes(cfg, 2048, 32768, torch.bfloat16)
     assert plain < 2 << 30  # the fp32 math backend's scores alone: 32 x 2048 x 32768 x 4 B = 8 GiB
     assert plain >= 2 * 32768 * 4 * 128 * 2  # the sequence's K and V
-    masked = A.workspace_bytes(SimpleNamespace(**{**vars(cfg), "attn_sinks": True}), 2048, 32768, torch.bfloat16)
+    masked = A.workspace_bytes(
+        SimpleNamespace(**{**vars(cfg), "attn_sinks": True}), 2048, 32768, torch.bfloat16
+    )
     assert masked > plain and masked < plain + 2 * 32769 * 32 * 128 * 2 + A.ATTN_MASK_BYTES + 2048 * 32769 + 1
     assert math.isfinite(masked)

@@ -11,23 +11,37 @@ import time
 
 import httpx
 import pytest
-
 from serving import start_server
 
 webdriver = pytest.importorskip("selenium.webdriver")
-CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
-pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)),
-                                reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")
+CHROMIUM, DRIVER = (
+    shutil.which("chromium") or "/usr/bin/chromium",
+    shutil.which("chromedriver") or "/usr/bin/chromedriver",
+)
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)),
+    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)",
+)
 KEY = "ui-key-42"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", "--no-first-run", "--disable-dev-shm-usage", "--window-size=1280,900"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,900",
+]
 
 
 @pytest.fixture(scope="module")
 def server(cache_checkpoint, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("ui") / "server.log"
-    with start_server(cache_checkpoint, log_path, "--api-key", KEY, "--device-memory", "50%", key=KEY,
-                      timeout_s=120) as srv:
+    with start_server(
+        cache_checkpoint, log_path, "--api-key", KEY, "--device-memory", "50%", key=KEY, timeout_s=120
+    ) as srv:
         yield srv.url
 
 
@@ -75,23 +89,42 @@ def test_page_chat_heatmap_and_api_key(server, browser):
     send(drv, "hello")
     err = wait_for(drv, "(document.querySelector('.msg.error') || {}).textContent")
     assert "API key" in err
-    assert wait_for(drv, "document.getElementById('model').textContent").startswith("missing or invalid API key")
+    assert wait_for(drv, "document.getElementById('model').textContent").startswith(
+        "missing or invalid API key"
+    )
 
     # with the key: greedy reply streamed, equal to the API's non-streamed answer
     key = drv.find_element("id", "api-key")
     key.send_keys(KEY)
     drv.execute_script("document.getElementById('api-key').dispatchEvent(new Event('change'))")
-    drv.execute_script("document.getElementById('temperature').value = '0'; document.getElementById('max-tokens').value = '12'")
+    drv.execute_script(
+        "document.getElementById('temperature').value = '0'; document.getElementById('max-tokens').value = '12'"
+    )
     drv.execute_script("document.getElementById('system').value = 'Be brief.'")
-    before = int(wait_for(drv, "document.getElementById('heatmap').dataset.draws") and
-                 drv.execute_script("return Number(document.getElementById('heatmap').dataset.totalUses || 0)"))
+    before = int(
+        wait_for(drv, "document.getElementById('heatmap').dataset.draws")
+        and drv.execute_script("return Number(document.getElementById('heatmap').dataset.totalUses || 0)")
+    )
     pixels_before = drv.execute_script("return document.getElementById('heatmap').toDataURL()")
     send(drv, "Tell me about caches")
-    wait_for(drv, "document.querySelector('.msg.assistant') && document.querySelector('.msg.assistant').dataset.done")
+    wait_for(
+        drv,
+        "document.querySelector('.msg.assistant') && document.querySelector('.msg.assistant').dataset.done",
+    )
     got = drv.execute_script("return document.querySelector('.msg.assistant').textContent")
-    ref = httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60, json={
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about caches"}],
-        "temperature": 0, "max_tokens": 12}).json()
+    ref = httpx.post(
+        server + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+        json={
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me about caches"},
+            ],
+            "temperature": 0,
+            "max_tokens": 12,
+        },
+    ).json()
     assert got == ref["choices"][0]["message"]["content"]
     assert drv.execute_script("return window.expertcacheUI.lastChunks") > 1  # arrived in pieces (SSE)
     assert "tok/s" in drv.find_element("id", "speed").text

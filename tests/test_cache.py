@@ -10,11 +10,11 @@ import random
 
 import pytest
 import torch
+from safetensors_reference import independent_slot_checks
 
 from expertcache import LLM, SamplingParams, kernels
 from expertcache.errors import BudgetError
 from expertcache.experts.policy import POLICIES
-from safetensors_reference import independent_slot_checks
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -23,8 +23,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 def reference(cache_checkpoint):
     llm = LLM(str(cache_checkpoint))
     prompts = [[5, 17, 42, 99, 7, 3, 250, 11], [100, 101, 102], [9] * 20]
-    return {"prompts": prompts, "logits": llm.logits(list(range(3, 60))),
-            "tokens": [o.token_ids for o in llm.generate(prompts, GREEDY)]}
+    return {
+        "prompts": prompts,
+        "logits": llm.logits(list(range(3, 60))),
+        "tokens": [o.token_ids for o in llm.generate(prompts, GREEDY)],
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -47,12 +50,19 @@ def run(cache_checkpoint, reference, **kw):
 @pytest.mark.parametrize("policy", sorted(p for p in POLICIES if p != "min"))
 @pytest.mark.parametrize("budget", ["2", "4", "8"])  # experts per layer in the fastest tier (top_k .. half)
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_any_budget_policy_prefetch_gives_resident_output(cache_checkpoint, reference, policy, budget, prefetch):
+def test_any_budget_policy_prefetch_gives_resident_output(
+    cache_checkpoint, reference, policy, budget, prefetch
+):
     # gate_up [64, 64] + down [64, 32] of one expert as the fastest tier holds it: bf16 as stored where
     # the CPU kernels read it, else fp32 compute copies
     per_layer = 3 * 64 * 32 * (2 if kernels.reads_stored("cpu", torch.float32) else 4)
-    logits, toks, stats = run(cache_checkpoint, reference, device_memory=int(budget) * per_layer * 3,
-                              cache_policy=policy, prefetch=prefetch)
+    logits, toks, stats = run(
+        cache_checkpoint,
+        reference,
+        device_memory=int(budget) * per_layer * 3,
+        cache_policy=policy,
+        prefetch=prefetch,
+    )
     torch.testing.assert_close(logits, reference["logits"], atol=1e-5, rtol=0)
     assert toks == reference["tokens"]
     assert stats["hits"] + stats["misses"] > 0
@@ -63,10 +73,18 @@ def test_any_budget_policy_prefetch_gives_resident_output(cache_checkpoint, refe
 @pytest.mark.parametrize("cpu_compute", ["always", "never", "auto"])
 @pytest.mark.parametrize("prefetch", ["auto", "host", "device", "off"])
 @pytest.mark.parametrize("overlap_io", [True, False])
-def test_cpu_compute_and_streamed_host_tier_give_resident_output(cache_checkpoint, reference, cpu_compute, prefetch,
-                                                                  overlap_io):
-    logits, toks, stats = run(cache_checkpoint, reference, device_memory="13%", host_memory="19%",
-                              cpu_compute=cpu_compute, prefetch=prefetch, overlap_io=overlap_io)
+def test_cpu_compute_and_streamed_host_tier_give_resident_output(
+    cache_checkpoint, reference, cpu_compute, prefetch, overlap_io
+):
+    logits, toks, stats = run(
+        cache_checkpoint,
+        reference,
+        device_memory="13%",
+        host_memory="19%",
+        cpu_compute=cpu_compute,
+        prefetch=prefetch,
+        overlap_io=overlap_io,
+    )
     torch.testing.assert_close(logits, reference["logits"], atol=1e-5, rtol=0)
     assert toks == reference["tokens"]
     assert stats["per_tier"]["disk"]["bytes_read"] > 0
@@ -112,8 +130,13 @@ def test_budget_for_everything_loads_everything_once(cache_checkpoint, reference
 
 
 def _stress_requests(rng):
-    return [([rng.randrange(3, 300) for _ in range(rng.randint(1, 40))],
-             SamplingParams(max_tokens=rng.randint(1, 8), temperature=1.0, seed=i)) for i in range(rng.randint(2, 5))]
+    return [
+        (
+            [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))],
+            SamplingParams(max_tokens=rng.randint(1, 8), temperature=1.0, seed=i),
+        )
+        for i in range(rng.randint(2, 5))
+    ]
 
 
 def test_stress_invariants_every_step(cache_checkpoint):
@@ -122,11 +145,17 @@ def test_stress_invariants_every_step(cache_checkpoint):
     resident = LLM(str(cache_checkpoint))
     rng = random.Random(1)
     for trial in range(4):
-        llm = LLM(str(cache_checkpoint), verify=True, device_memory=f"{rng.choice([13, 19, 25, 50])}%",
-                  host_memory=rng.choice([None, "13%", "25%"]), cache_policy=rng.choice(sorted(set(POLICIES) - {"min"})),
-                  prefetch=rng.choice(["device", "host", "off"]), overlap_io=rng.random() < 0.7,
-                  exclusive=None if rng.random() < 0.7 else False,
-                  cpu_compute=rng.choice(["auto", "always", "never"]))
+        llm = LLM(
+            str(cache_checkpoint),
+            verify=True,
+            device_memory=f"{rng.choice([13, 19, 25, 50])}%",
+            host_memory=rng.choice([None, "13%", "25%"]),
+            cache_policy=rng.choice(sorted(set(POLICIES) - {"min"})),
+            prefetch=rng.choice(["device", "host", "off"]),
+            overlap_io=rng.random() < 0.7,
+            exclusive=None if rng.random() < 0.7 else False,
+            cpu_compute=rng.choice(["auto", "always", "never"]),
+        )
         eng = llm.engine
         requests = _stress_requests(rng)
         seqs = [eng.add_request(prompt, params) for prompt, params in requests]
@@ -209,19 +238,33 @@ def test_low_memory_mode_gives_resident_output(cache_checkpoint, reference, host
     """Stored-dtype dense weights and expert slots, converted per use; with host_memory=0 no host tier:
     misses (and, auto, the next layer's predicted experts) are read from disk straight into the slots."""
     budget = 6 * 3 * (3 * 64 * 32 * 2)  # 6 bf16 experts x 3 layers (3 experts if they were fp32)
-    logits, toks, stats = run(cache_checkpoint, reference, device_memory=budget, host_memory=host, low_memory=True,
-                              prefetch=prefetch, overlap_io=overlap_io)
+    logits, toks, stats = run(
+        cache_checkpoint,
+        reference,
+        device_memory=budget,
+        host_memory=host,
+        low_memory=True,
+        prefetch=prefetch,
+        overlap_io=overlap_io,
+    )
     torch.testing.assert_close(logits, reference["logits"], atol=1e-5, rtol=0)
     assert toks == reference["tokens"]
-    llm = LLM(str(cache_checkpoint), device_memory=budget, host_memory=host, low_memory=True, prefetch=prefetch)
-    assert llm.model.lm_head.dtype == torch.bfloat16 and llm.experts.dev.buf["gate_up"].dtype == torch.bfloat16
+    llm = LLM(
+        str(cache_checkpoint), device_memory=budget, host_memory=host, low_memory=True, prefetch=prefetch
+    )
+    assert (
+        llm.model.lm_head.dtype == torch.bfloat16 and llm.experts.dev.buf["gate_up"].dtype == torch.bfloat16
+    )
     assert llm.experts.device_slots == 6
     if host == "0":
         assert llm.experts.direct and llm.experts.prefetch_mode == {"auto": "device", "off": "off"}[prefetch]
         assert stats["per_tier"]["host"]["hits"] == 0 and stats["per_tier"]["disk"]["bytes_read"] > 0
         # each read lands in a device slot (demand fill or prefetch) or serves one wave, nothing else
         waves = sum(layer["waves"] for layer in stats["per_layer"])
-        assert stats["per_tier"]["disk"]["bytes_read"] == stats["per_tier"]["device"]["bytes_in"] + waves * 3 * 64 * 32 * 2
+        assert (
+            stats["per_tier"]["disk"]["bytes_read"]
+            == stats["per_tier"]["device"]["bytes_in"] + waves * 3 * 64 * 32 * 2
+        )
         assert (stats["prefetch"]["useful"] > 0) == (prefetch == "auto")
     llm.close()
 
@@ -237,14 +280,30 @@ def test_progress_callback_counts_every_checkpoint_byte(cache_checkpoint, kw):
     llm.close()
 
 
-@pytest.mark.parametrize("policy,backend,prefetch", [("lru", "inline", "off"), ("lfru-admit", "inline", "off"),
-                                                     ("lru", "threads", "off"), ("lru", "threads", "host"),
-                                                     ("lru", "inline", "device"), ("lru", "threads", "device")])
-def test_exclusive_tiers_hold_disjoint_experts_and_exact_bytes(cache_checkpoint, reference, policy, backend, prefetch):
+@pytest.mark.parametrize(
+    "policy,backend,prefetch",
+    [
+        ("lru", "inline", "off"),
+        ("lfru-admit", "inline", "off"),
+        ("lru", "threads", "off"),
+        ("lru", "threads", "host"),
+        ("lru", "inline", "device"),
+        ("lru", "threads", "device"),
+    ],
+)
+def test_exclusive_tiers_hold_disjoint_experts_and_exact_bytes(
+    cache_checkpoint, reference, policy, backend, prefetch
+):
     """Device evictions are demoted into host slots (fp32 -> bf16, exact), promotions free theirs; the
     demotions are schedule ops, so the threads backend (the CUDA path's ordering) runs them too."""
-    llm = LLM(str(cache_checkpoint), verify=True, device_memory="13%", host_memory="25%", cache_policy=policy,
-              prefetch=prefetch)
+    llm = LLM(
+        str(cache_checkpoint),
+        verify=True,
+        device_memory="13%",
+        host_memory="25%",
+        cache_policy=policy,
+        prefetch=prefetch,
+    )
     assert llm.experts.exclusive
     llm.experts.use_executor(backend)
     eng = llm.engine
@@ -265,8 +324,14 @@ def test_exclusive_tiers_raise_the_ram_hit_rate(cache_checkpoint):
     """Same run with and without demotion: exclusive tiers hold more distinct experts in RAM."""
     rates = {}
     for exclusive in (False, True):
-        llm = LLM(str(cache_checkpoint), device_memory="13%", host_memory="13%", cache_policy="lru",
-                  prefetch="off", exclusive=exclusive)
+        llm = LLM(
+            str(cache_checkpoint),
+            device_memory="13%",
+            host_memory="13%",
+            cache_policy="lru",
+            prefetch="off",
+            exclusive=exclusive,
+        )
         llm.generate([[5, 17, 42, 99]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
         s = llm.expert_stats()
         rates[exclusive] = s["per_tier"]["disk"]["bytes_read"]
@@ -274,8 +339,16 @@ def test_exclusive_tiers_raise_the_ram_hit_rate(cache_checkpoint):
     assert rates[True] < rates[False]
 
 
-@pytest.mark.parametrize("argv, want", [([], None), (["--prefetch"], "device"), (["--prefetch", "host"], "host"),
-                                        (["--no-prefetch"], "off"), (["--prefetch", "auto"], "auto")])
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        ([], None),
+        (["--prefetch"], "device"),
+        (["--prefetch", "host"], "host"),
+        (["--no-prefetch"], "off"),
+        (["--prefetch", "auto"], "auto"),
+    ],
+)
 def test_cli_prefetch_flag(argv, want):
     import argparse
 

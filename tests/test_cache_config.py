@@ -28,6 +28,7 @@ def no_weight_reads(monkeypatch):
                 opened.append(str(path))
                 raise AssertionError(f"weight file opened before the options were checked: {path}")
             return real(path, *a, **k)
+
         return wrapped
 
     monkeypatch.setattr(builtins, "open", guard(builtins.open))
@@ -51,9 +52,15 @@ BAD = [
     (dict(device_memory="25%", prefill_admit_tokens=-1), "prefill_admit_tokens: an integer >= 0"),
     (dict(device_memory="25%", prefetch_gate=3.0), "prefetch_gate"),
     (dict(device_memory="25%", overlap_io="yes"), "overlap_io: must be True or False"),
-    (dict(device_memory="25%", load_stats="/nonexistent/stats.json"), "load_stats: /nonexistent/stats.json is not a file"),
+    (
+        dict(device_memory="25%", load_stats="/nonexistent/stats.json"),
+        "load_stats: /nonexistent/stats.json is not a file",
+    ),
     (dict(device_memory="25%", cache_size=3), "unknown option 'cache_size'"),
-    (dict(cache_policy="lru"), "cache_policy: only the expert cache uses this option.*every expert is resident"),
+    (
+        dict(cache_policy="lru"),
+        "cache_policy: only the expert cache uses this option.*every expert is resident",
+    ),
     (dict(prefetch="device", cpu_compute="always"), "prefetch, cpu_compute: only the expert cache"),
     (dict(exclusive=False), "exclusive: only the expert cache"),
     (dict(max_model_len=0), "max_model_len: an integer >= 1"),
@@ -86,7 +93,9 @@ def test_good_options_and_keywords():
 
 def test_policy_with_every_expert_resident_is_a_printed_note(cache_checkpoint):
     llm = LLM(str(cache_checkpoint), device_memory="100%", cache_policy="lru", prefetch="off")
-    assert "note: every expert is resident, so cache_policy, prefetch have nothing to act on" in llm.plan_lines
+    assert (
+        "note: every expert is resident, so cache_policy, prefetch have nothing to act on" in llm.plan_lines
+    )
     llm.close()
 
 

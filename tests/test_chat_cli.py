@@ -53,9 +53,24 @@ def _read_until(fd, needle: str, buf: list[str], start: int = 0, timeout: float 
 
 def test_chat_repl_through_a_pty(qwen3_checkpoint, reference):
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli", "chat", str(qwen3_checkpoint),
-                             "--max-tokens", str(N), "--temperature", "0"],
-                            stdin=slave, stdout=slave, stderr=slave, env=ENV, close_fds=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "expertcache.cli",
+            "chat",
+            str(qwen3_checkpoint),
+            "--max-tokens",
+            str(N),
+            "--temperature",
+            "0",
+        ],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=ENV,
+        close_fds=True,
+    )
     os.close(slave)
     buf: list[str] = []
     try:
@@ -64,7 +79,7 @@ def test_chat_repl_through_a_pty(qwen3_checkpoint, reference):
         first = "".join(buf)
         os.write(master, b"hello there\n")
         _read_until(master, "decode", buf, len(first))
-        out = _read_until(master, "> ", buf, len(first))[len(first):]
+        out = _read_until(master, "> ", buf, len(first))[len(first) :]
         reply1 = reference([{"role": "user", "content": "hello there"}])
         assert out.startswith("hello there\n" + reply1 + "\n"), (out, reply1)  # the echo, then the reply
         assert f"generated tokens {N}" in out
@@ -72,13 +87,20 @@ def test_chat_repl_through_a_pty(qwen3_checkpoint, reference):
         os.write(master, b"and again\n")
         _read_until(master, "decode", buf, mark)
         out2 = _read_until(master, "> ", buf, mark)[mark:]
-        reply2 = reference([{"role": "user", "content": "hello there"}, {"role": "assistant", "content": reply1},
-                            {"role": "user", "content": "and again"}])
+        reply2 = reference(
+            [
+                {"role": "user", "content": "hello there"},
+                {"role": "assistant", "content": reply1},
+                {"role": "user", "content": "and again"},
+            ]
+        )
         assert out2.startswith("and again\n" + reply2 + "\n"), (out2, reply2)  # the conversation is kept
         mark = len("".join(buf))
         os.write(master, b"/reset\n")
         text = _read_until(master, "cleared", buf, mark)
-        _read_until(master, "> ", buf, text.index("cleared", mark))  # the prompt, before typing (the pty echoes at once)
+        _read_until(
+            master, "> ", buf, text.index("cleared", mark)
+        )  # the prompt, before typing (the pty echoes at once)
         mark = len("".join(buf))
         os.write(master, b"and again\n")
         _read_until(master, "decode", buf, mark)
@@ -94,9 +116,24 @@ def test_chat_repl_through_a_pty(qwen3_checkpoint, reference):
 
 
 def test_chat_reads_a_piped_prompt(qwen3_checkpoint, reference):
-    r = subprocess.run([sys.executable, "-m", "expertcache.cli", "chat", str(qwen3_checkpoint), "--max-tokens",
-                        str(N), "--temperature", "0"], input="what is a cache?\n", capture_output=True, text=True,
-                       env=ENV, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "expertcache.cli",
+            "chat",
+            str(qwen3_checkpoint),
+            "--max-tokens",
+            str(N),
+            "--temperature",
+            "0",
+        ],
+        input="what is a cache?\n",
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == reference([{"role": "user", "content": "what is a cache?"}]) + "\n"
     assert f"generated tokens {N}" in r.stderr

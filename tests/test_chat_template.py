@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import shutil
 
-import pytest
-
 import checkpoints as C
+import pytest
 
 CONVERSATIONS = {
     "single-user": [{"role": "user", "content": "Hello world!"}],
@@ -53,8 +52,14 @@ def real_qwen3(qwen3_tokenizer_dir, checkpoint, expertcache_api, tmp_path_factor
     """A 1-layer random Qwen3-MoE with vocab 151936 and the real Qwen3 tokenizer files."""
     from transformers import AutoTokenizer
 
-    base = checkpoint("qwen3_moe", tokenizer=False, vocab_size=151936, num_hidden_layers=1,
-                      tie_word_embeddings=True, eos_token_id=151645)
+    base = checkpoint(
+        "qwen3_moe",
+        tokenizer=False,
+        vocab_size=151936,
+        num_hidden_layers=1,
+        tie_word_embeddings=True,
+        eos_token_id=151645,
+    )
     path = C.copy_checkpoint(base, tmp_path_factory.mktemp("qwen3-real-tok") / "model")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(qwen3_tokenizer_dir / name, path / name)
@@ -81,16 +86,31 @@ def test_chat_template_matches_transformers(pair, conv, add_generation_prompt):
 def test_qwen3_template_kwargs_and_tools(real_qwen3):
     """enable_thinking=False, tools and tool calls (tojson) render as transformers renders them."""
     llm, hf = real_qwen3
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Città"}},
-                       "required": ["city"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "description": "Città"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
     messages = [
         {"role": "system", "content": "You are a weather bot."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        {"role": "tool", "content": "{\"temp\": 21}"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+            ],
+        },
+        {"role": "tool", "content": '{"temp": 21}'},
         {"role": "assistant", "content": "<think>\nIt is mild.\n</think>\n\nIt is 21 °C."},
         {"role": "user", "content": "Thanks"},
     ]

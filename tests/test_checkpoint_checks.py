@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
+import checkpoints as C
 import pytest
 import torch
 
-import checkpoints as C
 from expertcache.cli import main
 from expertcache.errors import CheckpointError, ConfigError
 
@@ -40,13 +40,22 @@ def poison(name, value=float("nan")):
         t.view(-1)[t.numel() // 2] = value
         tensors[name] = t
         return tensors
+
     return fn
 
 
-@pytest.mark.parametrize("field,value", [
-    ("vocab_size", 2048.7), ("hidden_size", "abc"), ("hidden_size", [256]), ("num_hidden_layers", 0),
-    ("num_attention_heads", True), ("num_experts", -1), ("moe_intermediate_size", "32"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("vocab_size", 2048.7),
+        ("hidden_size", "abc"),
+        ("hidden_size", [256]),
+        ("num_hidden_layers", 0),
+        ("num_attention_heads", True),
+        ("num_experts", -1),
+        ("moe_intermediate_size", "32"),
+    ],
+)
 def test_integer_config_fields_are_named(expertcache_api, capsys, broken, field, value):
     C.edit_config(broken, **{field: value})
     with pytest.raises(ConfigError) as info:
@@ -81,17 +90,21 @@ def test_integer_dense_weight_is_refused(expertcache_api, capsys, broken):
 def test_integer_expert_weight_is_refused(expertcache_api, broken):
     def fn(t):
         return {k: (v * 100).to(torch.int16) if ".experts." in k else v for k, v in t.items()}
+
     C.rewrite_tensors(broken, fn)
     with pytest.raises(CheckpointError, match=r"experts.*int16.*floating point"):
         load(expertcache_api, broken)
 
 
-@pytest.mark.parametrize("name,value", [
-    ("model.layers.1.self_attn.o_proj.weight", float("nan")),
-    ("model.norm.weight", float("inf")),
-    ("model.embed_tokens.weight", float("-inf")),
-    ("lm_head.weight", float("nan")),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("model.layers.1.self_attn.o_proj.weight", float("nan")),
+        ("model.norm.weight", float("inf")),
+        ("model.embed_tokens.weight", float("-inf")),
+        ("lm_head.weight", float("nan")),
+    ],
+)
 def test_nonfinite_dense_weight_named_at_load(expertcache_api, capsys, broken, name, value):
     C.rewrite_tensors(broken, poison(name, value))
     with pytest.raises(CheckpointError, match=rf"{name} holds non-finite values.*--no-check-finite"):
@@ -163,8 +176,9 @@ def test_quantized_integer_parts_still_load(expertcache_api, broken, tmp_path):
     assert len(llm.generate([PROBE], expertcache_api.SamplingParams(**GREEDY))[0].token_ids) == 4
 
 
-def test_server_fails_only_the_requests_routed_through_a_bad_expert(broken, tmp_path, qwen3_llm,
-                                                                    expertcache_api):
+def test_server_fails_only_the_requests_routed_through_a_bad_expert(
+    broken, tmp_path, qwen3_llm, expertcache_api
+):
     """End to end: with a NaN expert read lazily by a tiered cache, a request routed through it gets
     an OpenAI error object (non-streamed) or an SSE error event (streamed) naming the expert, while
     requests batched with it that never use it answer exactly as on the clean checkpoint."""
@@ -176,12 +190,19 @@ def test_server_fails_only_the_requests_routed_through_a_bad_expert(broken, tmp_
     prompts = [[t] + PROBE for t in range(40, 200, 10)]
     params = expertcache_api.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     clean = [o.token_ids for o in qwen3_llm.generate(prompts, params)]
-    with start_server(broken, tmp_path / "server.log", "--device-memory", "25%", "--host-memory", "25%") as srv:
+    with start_server(
+        broken, tmp_path / "server.log", "--device-memory", "25%", "--host-memory", "25%"
+    ) as srv:
         results: dict = {}
 
         def one(i):
-            body = {"prompt": prompts[i], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-                    "stream": i % 2 == 1}
+            body = {
+                "prompt": prompts[i],
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": i % 2 == 1,
+            }
             with srv.http() as c:
                 r = c.post("/v1/completions", json=body)
                 results[i] = (r.status_code, r.text if body["stream"] else r.json())
@@ -197,13 +218,18 @@ def test_server_fails_only_the_requests_routed_through_a_bad_expert(broken, tmp_
                 assert status == 200
                 if '"error"' in got:
                     failed += 1
-                    err = json.loads(next(line[6:] for line in got.splitlines() if '"error"' in line))["error"]
+                    err = json.loads(next(line[6:] for line in got.splitlines() if '"error"' in line))[
+                        "error"
+                    ]
                     assert "non-finite" in err["message"] and "experts.3." in err["message"], err
                 else:
                     ok += 1
                     assert got.rstrip().endswith("data: [DONE]")
-                    events = [json.loads(line[6:]) for line in got.splitlines()
-                              if line.startswith("data: ") and line != "data: [DONE]"]
+                    events = [
+                        json.loads(line[6:])
+                        for line in got.splitlines()
+                        if line.startswith("data: ") and line != "data: [DONE]"
+                    ]
                     text = "".join(c["text"] for e in events for c in e.get("choices", []))
                     assert text == qwen3_llm.tokenizer.decode(clean[i]), (i, text)
             elif status == 200:
@@ -231,7 +257,9 @@ def test_finite_scan_in_chunks_finds_every_position(dtype, monkeypatch):
     base = torch.linspace(-3, 3, 50).reshape(5, 10)
     assert checks.is_finite(base.to(dtype))
     for pos in range(50):
-        for bad in (float("nan"),) if dtype == torch.float8_e4m3fn else (float("nan"), float("inf")):  # e4m3fn has no inf
+        for bad in (
+            (float("nan"),) if dtype == torch.float8_e4m3fn else (float("nan"), float("inf"))
+        ):  # e4m3fn has no inf
             t = base.clone().reshape(-1)
             t[pos] = bad
             t = t.reshape(5, 10).to(dtype)

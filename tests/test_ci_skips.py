@@ -22,18 +22,27 @@ def check(tmp_path, extra: str = "") -> subprocess.CompletedProcess:
 
 
 def test_gpu_and_cpu_feature_skips_pass(tmp_path):
-    r = check(tmp_path, '<testcase classname="tests.test_fast_math" name="t" time="0"><skipped type="pytest.skip" '
-                        'message="the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI">x</skipped></testcase>')
+    r = check(
+        tmp_path,
+        '<testcase classname="tests.test_fast_math" name="t" time="0"><skipped type="pytest.skip" '
+        'message="the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI">x</skipped></testcase>',
+    )
     assert r.returncode == 0 and "skips: 2 allowed" in r.stdout and "0 not allowed" in r.stdout
 
 
 def test_a_missing_dependency_or_data_skip_fails(tmp_path):
-    r = check(tmp_path, '<testcase classname="tests.test_b" name="test_y" time="0"><skipped type="pytest.skip" '
-                        'message="openai missing">x</skipped></testcase>')
+    r = check(
+        tmp_path,
+        '<testcase classname="tests.test_b" name="test_y" time="0"><skipped type="pytest.skip" '
+        'message="openai missing">x</skipped></testcase>',
+    )
     assert r.returncode == 1 and "not allowed: tests.test_b::test_y: openai missing" in r.stdout
 
 
 def test_a_skipped_module_fails_with_its_reason(tmp_path):
-    r = check(tmp_path, '<testcase classname="" name="" time="0"><skipped message="collection skipped">'
-                        "('tests/test_c.py', 5, \"Skipped: could not import 'llguidance'\")</skipped></testcase>")
+    r = check(
+        tmp_path,
+        '<testcase classname="" name="" time="0"><skipped message="collection skipped">'
+        "('tests/test_c.py', 5, \"Skipped: could not import 'llguidance'\")</skipped></testcase>",
+    )
     assert r.returncode == 1 and "could not import 'llguidance'" in r.stdout and "tests/test_c.py" in r.stdout

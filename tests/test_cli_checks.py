@@ -52,24 +52,29 @@ def test_watch_sees_a_weight_file_opened(watch, capsys, qwen3_checkpoint):
     assert rc == 0 and watch
 
 
-@pytest.mark.parametrize("flags, needles", [
-    (["--temperature", "-1"], ["--temperature -1", "[0, 2]"]),
-    (["--temperature", "2.5"], ["--temperature 2.5", "[0, 2]"]),
-    (["--top-p", "1.5"], ["--top-p 1.5", "(0, 1]"]),
-    (["--top-p", "0"], ["--top-p 0"]),
-    (["--top-k", "-3"], ["--top-k -3"]),
-    (["--max-tokens", "0"], ["--max-tokens 0", ">= 1"]),
-    (["--seed", str(2**63)], [f"--seed {2**63}", "[-2**63, 2**63)"]),
-    (["--seed", str(-(2**63) - 1)], [f"--seed {-(2**63) - 1}", "[-2**63, 2**63)"]),
-    (["--stop", "ok", "--stop", ""], ["--stop ''", "non-empty"]),
-    (["--top-p", "abc"], ["argument --top-p", "invalid float"]),
-    (["--prefetch", "sideways"], ["argument --prefetch", "invalid choice"]),
-    (["--max-model-len", "8"], ["--prompt:", "--max-model-len 8", "tokens"]),
-    (["--max-model-len", "0"], ["--max-model-len 0"]),
-    (["--max-tokens", "5000"], ["--max-tokens 5000", "default context of"]),
-])
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--temperature", "-1"], ["--temperature -1", "[0, 2]"]),
+        (["--temperature", "2.5"], ["--temperature 2.5", "[0, 2]"]),
+        (["--top-p", "1.5"], ["--top-p 1.5", "(0, 1]"]),
+        (["--top-p", "0"], ["--top-p 0"]),
+        (["--top-k", "-3"], ["--top-k -3"]),
+        (["--max-tokens", "0"], ["--max-tokens 0", ">= 1"]),
+        (["--seed", str(2**63)], [f"--seed {2**63}", "[-2**63, 2**63)"]),
+        (["--seed", str(-(2**63) - 1)], [f"--seed {-(2**63) - 1}", "[-2**63, 2**63)"]),
+        (["--stop", "ok", "--stop", ""], ["--stop ''", "non-empty"]),
+        (["--top-p", "abc"], ["argument --top-p", "invalid float"]),
+        (["--prefetch", "sideways"], ["argument --prefetch", "invalid choice"]),
+        (["--max-model-len", "8"], ["--prompt:", "--max-model-len 8", "tokens"]),
+        (["--max-model-len", "0"], ["--max-model-len 0"]),
+        (["--max-tokens", "5000"], ["--max-tokens 5000", "default context of"]),
+    ],
+)
 def test_generate_flags_checked_before_the_load(watch, capsys, qwen3_checkpoint, flags, needles):
-    rc, err, _ = run(capsys, "generate", qwen3_checkpoint, "--prompt", "a prompt of several words here", *flags)
+    rc, err, _ = run(
+        capsys, "generate", qwen3_checkpoint, "--prompt", "a prompt of several words here", *flags
+    )
     one_line_error(rc, err, *needles)
     assert watch == []
 
@@ -101,20 +106,32 @@ def test_trace_files_and_capacities(watch, capsys, tmp_path, trace_file, qwen3_c
     text.write_text("not a trace")
     other = tmp_path / "other.npz"
     np.savez(other, a=np.zeros(3))
-    one_line_error(*run(capsys, "trace", "replay", missing, "--capacity", 2)[:2], f"trace {missing}", "no such file")
+    one_line_error(
+        *run(capsys, "trace", "replay", missing, "--capacity", 2)[:2], f"trace {missing}", "no such file"
+    )
     one_line_error(*run(capsys, "trace", "stats", text)[:2], f"trace {text}", "not a routing trace")
     one_line_error(*run(capsys, "trace", "stats", other)[:2], f"trace {other}", "not an expertcache trace")
     one_line_error(*run(capsys, "trace", "export", tmp_path, tmp_path / "o.jsonl")[:2], "is a directory")
-    one_line_error(*run(capsys, "trace", "replay", trace_file, "--capacity", "2", "--stats", missing)[:2],
-                   f"--stats {missing}", "no such file")
-    one_line_error(*run(capsys, "trace", "replay", trace_file, "--capacity", "0")[:2], "--capacity 0", "1 and 8")
-    one_line_error(*run(capsys, "trace", "replay", trace_file, "--capacity", "2,9")[:2], "--capacity 9", "1 and 8")
-    one_line_error(*run(capsys, "trace", "simulate", trace_file, "--capacity", "9", "--profile", "x")[:2],
-                   "--capacity 9")
+    one_line_error(
+        *run(capsys, "trace", "replay", trace_file, "--capacity", "2", "--stats", missing)[:2],
+        f"--stats {missing}",
+        "no such file",
+    )
+    one_line_error(
+        *run(capsys, "trace", "replay", trace_file, "--capacity", "0")[:2], "--capacity 0", "1 and 8"
+    )
+    one_line_error(
+        *run(capsys, "trace", "replay", trace_file, "--capacity", "2,9")[:2], "--capacity 9", "1 and 8"
+    )
+    one_line_error(
+        *run(capsys, "trace", "simulate", trace_file, "--capacity", "9", "--profile", "x")[:2], "--capacity 9"
+    )
     assert run(capsys, "trace", "replay", trace_file, "--capacity", "8")[0] == 0
     assert watch == []
     # plan reads safetensors headers by design (never the weights), so it is not watched here
-    one_line_error(*run(capsys, "plan", qwen3_checkpoint, "--trace", missing)[:2], f"--trace {missing}", "no such file")
+    one_line_error(
+        *run(capsys, "plan", qwen3_checkpoint, "--trace", missing)[:2], f"--trace {missing}", "no such file"
+    )
 
 
 def test_version(capsys):
@@ -127,8 +144,19 @@ def test_version(capsys):
 
 
 def test_host_memory_zero_points_at_low_memory(capsys, cache_checkpoint):
-    rc, err, _ = run(capsys, "generate", cache_checkpoint, "--prompt", "hi", "--max-tokens", "1",
-                     "--device-memory", "50%", "--host-memory", "0")
+    rc, err, _ = run(
+        capsys,
+        "generate",
+        cache_checkpoint,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+        "--device-memory",
+        "50%",
+        "--host-memory",
+        "0",
+    )
     last = err.splitlines()[-1]  # budgets are checked by the cache's own validation (after the progress bar)
     assert rc == 2 and last.startswith("error: host_memory=0") and "--low-memory" in last, err
 
@@ -158,8 +186,18 @@ def test_quantize_drops_the_demo_manifest_and_writes_0644(tmp_path, capsys):
 
     from expertcache import demo
 
-    src = demo.build_demo_model(tmp_path / "src", num_layers=1, num_experts=4, top_k=2, hidden=64,
-                                moe_intermediate=32, num_heads=2, num_kv_heads=1, head_dim=32, num_shards=1)
+    src = demo.build_demo_model(
+        tmp_path / "src",
+        num_layers=1,
+        num_experts=4,
+        top_k=2,
+        hidden=64,
+        moe_intermediate=32,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        num_shards=1,
+    )
     umask = os.umask(0)
     os.umask(umask)
     assert all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in src.iterdir())  # safetensors included

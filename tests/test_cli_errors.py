@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+import checkpoints as C
 import pytest
 
-import checkpoints as C
 from expertcache.cli import main
 
 
@@ -66,10 +66,24 @@ def test_api_key_file(tmp_path, monkeypatch):
 
 def test_generate_prints_the_plan_lines_known_after_the_load(capsys, qwen3_checkpoint):
     """Load-time quantization and the KV cache are reported by `generate`, not only kept in llm.plan_lines."""
-    rc, err = run(capsys, "generate", str(qwen3_checkpoint), "--prompt", "hi", "--max-tokens", "1",
-                  "--lm-head", "int8", "--dense", "int8")
+    rc, err = run(
+        capsys,
+        "generate",
+        str(qwen3_checkpoint),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+        "--lm-head",
+        "int8",
+        "--dense",
+        "int8",
+    )
     assert rc in (0, None), err
     lines = err.splitlines()
-    for start in ("dense projections: int8 (group 128), quantized at load:", "lm_head: int8 (group 128)",
-                  "dense weights "):
+    for start in (
+        "dense projections: int8 (group 128), quantized at load:",
+        "lm_head: int8 (group 128)",
+        "dense weights ",
+    ):
         assert any(line.startswith(start) for line in lines), (start, err)

@@ -17,8 +17,17 @@ from expertcache import demo
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(num_layers=2, num_experts=4, top_k=2, hidden=64, moe_intermediate=32, num_heads=2,
-             num_kv_heads=1, head_dim=32, num_shards=2)
+SMALL = dict(
+    num_layers=2,
+    num_experts=4,
+    top_k=2,
+    hidden=64,
+    moe_intermediate=32,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    num_shards=2,
+)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPERT_RE = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 
@@ -31,7 +40,8 @@ def default_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def hf_model(default_dir):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        default_dir, dtype=torch.float32, output_loading_info=True)
+        default_dir, dtype=torch.float32, output_loading_info=True
+    )
     return model.eval(), info
 
 
@@ -84,12 +94,27 @@ def test_layout_names_and_byte_fraction(default_dir):
 def test_config_is_what_transformers_writes(default_dir, tmp_path):
     ours = json.loads((default_dir / "config.json").read_text())
     ref = transformers.Qwen3MoeConfig(
-        architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=8, num_experts=32, num_experts_per_tok=4,
-        norm_topk_prob=True, hidden_size=256, moe_intermediate_size=256, intermediate_size=512,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        vocab_size=ours["vocab_size"], max_position_embeddings=4096, dtype="bfloat16",
-        eos_token_id=0, pad_token_id=0, initializer_range=0.02)
+        architectures=["Qwen3MoeForCausalLM"],
+        num_hidden_layers=8,
+        num_experts=32,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        vocab_size=ours["vocab_size"],
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+        eos_token_id=0,
+        pad_token_id=0,
+        initializer_range=0.02,
+    )
     ref.save_pretrained(tmp_path)
     theirs = json.loads((tmp_path / "config.json").read_text())
     theirs.pop("transformers_version")
@@ -140,8 +165,9 @@ def test_tokenizer_round_trip_and_chat_template(default_dir):
     assert ids[0] == 1 and ids[-1] == 2
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert not tok.apply_chat_template(msgs, tokenize=False).endswith("assistant\n")
 
 
@@ -306,7 +332,9 @@ def test_random_demo_dir_rebuild_flag_params_and_interruption(small_cache, monke
 
 
 def test_no_transformers_at_runtime(tmp_path):
-    code = ("import sys, expertcache.demo as d; d.build_demo_model(sys.argv[1], num_layers=1, num_experts=2, "
-            "top_k=1, hidden=32, moe_intermediate=16, num_heads=1, num_kv_heads=1, head_dim=32); "
-            "assert 'transformers' not in sys.modules, 'transformers was imported'")
+    code = (
+        "import sys, expertcache.demo as d; d.build_demo_model(sys.argv[1], num_layers=1, num_experts=2, "
+        "top_k=1, hidden=32, moe_intermediate=16, num_heads=1, num_kv_heads=1, head_dim=32); "
+        "assert 'transformers' not in sys.modules, 'transformers was imported'"
+    )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], check=True, cwd=ROOT)

@@ -19,8 +19,17 @@ transformers = pytest.importorskip("transformers")
 # the previous, shorter-trained model measured 45, random weights ~2050, experts moved one router row ~13000.
 PPL_CEILING = 16.0
 SHUFFLED_RATIO = 10.0
-TINY = dict(num_layers=2, num_experts=4, top_k=2, hidden=32, moe_intermediate=16, num_heads=2, num_kv_heads=1,
-            head_dim=16, vocab=300)
+TINY = dict(
+    num_layers=2,
+    num_experts=4,
+    top_k=2,
+    hidden=32,
+    moe_intermediate=16,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    vocab=300,
+)
 
 
 def _hf_logits(path, ids):
@@ -32,26 +41,40 @@ def _hf_logits(path, ids):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    (root / "README.md").write_text("# Tiny\n\nAn expert cache keeps the experts that will be needed next.\n" * 20)
+    (root / "README.md").write_text(
+        "# Tiny\n\nAn expert cache keeps the experts that will be needed next.\n" * 20
+    )
     (root / "expertcache").mkdir()
     for i in range(3):
         (root / "expertcache" / f"m{i}.py").write_text(
             f'"""Module {i}: counts things."""\n\n\ndef count_{i}(xs):\n    """Count the items of xs."""\n'
-            f"    return len(xs) + {i}\n" * 10)
+            f"    return len(xs) + {i}\n" * 10
+        )
     out = tmp_path_factory.mktemp("trained") / "model"
     logs: list[str] = []
-    info = T.train(root, out, minutes=None, steps=3, batch=2, seq=32, sizes=TINY, probe_every=2, log=logs.append)
+    info = T.train(
+        root, out, minutes=None, steps=3, batch=2, seq=32, sizes=TINY, probe_every=2, log=logs.append
+    )
     return root, out, info, logs
 
 
 def test_training_script_writes_a_checked_checkpoint(tiny_run):
     root, out, info, logs = tiny_run
-    assert [line.split(" held_loss")[0] for line in logs if line.startswith("probe")] == ["probe step 0", "probe step 2"]
+    assert [line.split(" held_loss")[0] for line in logs if line.startswith("probe")] == [
+        "probe step 0",
+        "probe step 2",
+    ]
     assert 0 <= info["held_out_reuse"] <= 1 and 0 < info["held_out_load_entropy"] <= 1
     assert info["steps"] == 3 and info["files"] == 4 and info["held_out_files"] == ["expertcache/m2.py"]
     assert demo.check_demo_model(out, deep=True) is None
-    assert {f.name for f in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "heldout.txt",
-                                                 "tokenizer_config.json", demo.MANIFEST}
+    assert {f.name for f in out.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "heldout.txt",
+        "tokenizer_config.json",
+        demo.MANIFEST,
+    }
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in out.iterdir())
     assert "count_2" in (out / "heldout.txt").read_text()  # the held-out file, not trained on
     pairs = T.chat_pairs("expertcache/m0.py", (root / "expertcache" / "m0.py").read_text())
@@ -75,14 +98,27 @@ def test_trainer_math_is_qwen3_moe(tiny_run):
         model.norm.copy_(tensors["model.norm.weight"].float())
         for i, m in enumerate(model.layers):
             pre = f"model.layers.{i}."
-            for attr, name in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"),
-                               ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm"), ("q", "self_attn.q_proj"),
-                               ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"),
-                               ("router", "mlp.gate")):
+            for attr, name in (
+                ("ln1", "input_layernorm"),
+                ("ln2", "post_attention_layernorm"),
+                ("q_norm", "self_attn.q_norm"),
+                ("k_norm", "self_attn.k_norm"),
+                ("q", "self_attn.q_proj"),
+                ("k", "self_attn.k_proj"),
+                ("v", "self_attn.v_proj"),
+                ("o", "self_attn.o_proj"),
+                ("router", "mlp.gate"),
+            ):
                 getattr(m, attr).copy_(tensors[pre + name + ".weight"].float())
             for proj in ("gate", "up", "down"):
-                getattr(m, proj).copy_(torch.stack([tensors[pre + f"mlp.experts.{j}.{proj}_proj.weight"].float()
-                                                    for j in range(TINY["num_experts"])]))
+                getattr(m, proj).copy_(
+                    torch.stack(
+                        [
+                            tensors[pre + f"mlp.experts.{j}.{proj}_proj.weight"].float()
+                            for j in range(TINY["num_experts"])
+                        ]
+                    )
+                )
     ids = [5, 17, 42, 99, 7, 3, 250, 11, 64, 128, 1, 2, 33]
     with torch.no_grad():
         ours, _, _ = model(torch.tensor([ids]))
@@ -166,8 +202,20 @@ def test_shipped_model_predicts_held_out_text(shipped, shipped_ppl, tmp_path):
     manifest_ppl = demo.json.loads((shipped / demo.MANIFEST).read_text())["training"]["held_out_ppl"]
     assert shipped_ppl < 1.25 * manifest_ppl and shipped_ppl < PPL_CEILING, (shipped_ppl, manifest_ppl)
     p = demo.json.loads((shipped / demo.MANIFEST).read_text())["params"]
-    sizes = {k: p[k] for k in ("num_layers", "num_experts", "top_k", "hidden", "moe_intermediate", "num_heads",
-                               "num_kv_heads", "head_dim", "vocab")}
+    sizes = {
+        k: p[k]
+        for k in (
+            "num_layers",
+            "num_experts",
+            "top_k",
+            "hidden",
+            "moe_intermediate",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab",
+        )
+    }
     rnd_dir = demo.build_demo_model(tmp_path / "random", num_shards=1, **sizes)
     import shutil
 

@@ -39,25 +39,45 @@ CUDA = torch.device("cuda")
 
 def cuda_config(device_memory, **kw) -> EngineConfig:
     """A bf16 CUDA engine at max_model_len 4096 with this device_memory (host_memory auto)."""
-    return EngineConfig.from_kwargs(device="cuda", max_model_len=4096, device_memory=device_memory,
-                                    host_memory="auto", **kw)
+    return EngineConfig.from_kwargs(
+        device="cuda", max_model_len=4096, device_memory=device_memory, host_memory="auto", **kw
+    )
 
 
 def cpu_config(device_memory, **kw) -> EngineConfig:
     return EngineConfig.from_kwargs(device="cpu", device_memory=device_memory, host_memory="auto", **kw)
+
 
 # Qwen/Qwen3-30B-A3B as published (config.json fields that size it)
 Q = dict(H=2048, I=6144, MOE_I=768, L=48, E=128, K=8, HEADS=32, KV_HEADS=4, D=128, V=151936)
 
 
 def qwen3_30b_config() -> dict:
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": Q["H"],
-            "intermediate_size": Q["I"], "moe_intermediate_size": Q["MOE_I"], "num_hidden_layers": Q["L"],
-            "num_attention_heads": Q["HEADS"], "num_key_value_heads": Q["KV_HEADS"], "head_dim": Q["D"],
-            "num_experts": Q["E"], "num_experts_per_tok": Q["K"], "vocab_size": Q["V"],
-            "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-            "tie_word_embeddings": False, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-            "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645, "attention_bias": False}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": Q["H"],
+        "intermediate_size": Q["I"],
+        "moe_intermediate_size": Q["MOE_I"],
+        "num_hidden_layers": Q["L"],
+        "num_attention_heads": Q["HEADS"],
+        "num_key_value_heads": Q["KV_HEADS"],
+        "head_dim": Q["D"],
+        "num_experts": Q["E"],
+        "num_experts_per_tok": Q["K"],
+        "vocab_size": Q["V"],
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "attention_bias": False,
+    }
 
 
 def qwen3_30b_tensors() -> dict[str, list[int]]:
@@ -65,15 +85,24 @@ def qwen3_30b_tensors() -> dict[str, list[int]]:
     t = {"model.embed_tokens.weight": [Q["V"], H], "model.norm.weight": [H], "lm_head.weight": [Q["V"], H]}
     for i in range(Q["L"]):
         p = f"model.layers.{i}"
-        t |= {f"{p}.input_layernorm.weight": [H], f"{p}.post_attention_layernorm.weight": [H],
-              f"{p}.self_attn.q_proj.weight": [q, H], f"{p}.self_attn.k_proj.weight": [kv, H],
-              f"{p}.self_attn.v_proj.weight": [kv, H], f"{p}.self_attn.o_proj.weight": [H, q],
-              f"{p}.self_attn.q_norm.weight": [D], f"{p}.self_attn.k_norm.weight": [D],
-              f"{p}.mlp.gate.weight": [Q["E"], H]}
+        t |= {
+            f"{p}.input_layernorm.weight": [H],
+            f"{p}.post_attention_layernorm.weight": [H],
+            f"{p}.self_attn.q_proj.weight": [q, H],
+            f"{p}.self_attn.k_proj.weight": [kv, H],
+            f"{p}.self_attn.v_proj.weight": [kv, H],
+            f"{p}.self_attn.o_proj.weight": [H, q],
+            f"{p}.self_attn.q_norm.weight": [D],
+            f"{p}.self_attn.k_norm.weight": [D],
+            f"{p}.mlp.gate.weight": [Q["E"], H],
+        }
         for j in range(Q["E"]):
             e = f"{p}.mlp.experts.{j}"
-            t |= {f"{e}.gate_proj.weight": [Q["MOE_I"], H], f"{e}.up_proj.weight": [Q["MOE_I"], H],
-                  f"{e}.down_proj.weight": [H, Q["MOE_I"]]}
+            t |= {
+                f"{e}.gate_proj.weight": [Q["MOE_I"], H],
+                f"{e}.up_proj.weight": [Q["MOE_I"], H],
+                f"{e}.down_proj.weight": [H, Q["MOE_I"]],
+            }
     return t
 
 
@@ -81,7 +110,9 @@ def qwen3_30b_tensors() -> dict[str, list[int]]:
 def qwen3_30b(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen3-30b-a3b")
     (d / "config.json").write_text(json.dumps(qwen3_30b_config()))
-    write_sparse_safetensors(d / "model.safetensors", {n: ("BF16", s) for n, s in qwen3_30b_tensors().items()})
+    write_sparse_safetensors(
+        d / "model.safetensors", {n: ("BF16", s) for n, s in qwen3_30b_tensors().items()}
+    )
     return d
 
 
@@ -119,8 +150,7 @@ def qwen3_info(qwen3_30b):
 def test_qwen3_30b_terms(qwen3_info):
     """(Through plan/model.py's device_plan, the function `plan` calls: the command's speed band replays
     48 x 128 experts for a minute, so the command itself is run on gpt-oss-20b below.)"""
-    p = device_plan(qwen3_info, cuda_config("12GiB", max_num_batched_tokens=512),
-                    card("rtx3060-12gb"))
+    p = device_plan(qwen3_info, cuda_config("12GiB", max_num_batched_tokens=512), card("rtx3060-12gb"))
     t = p.terms
     expert = 3 * Q["MOE_I"] * Q["H"] * 2
     assert t["dense"] == qwen3_dense_bytes()
@@ -146,12 +176,26 @@ def test_gpt_oss_20b_at_8gib(gpt_oss_20b, capsys):
     assert t["logits"] == min(2048, 16 + F) * V * 6  # not 2048 x V x 6 = 2.30 GiB
     assert t["expert_slots"] == r["plan"]["device_slots"] * 24 * GPT_OSS_EXPERT
     assert r["plan"]["device_slots"] >= 4
-    assert sum(t.values()) == r["device_plan"]["total"] <= 8 * GiB < r["device_plan"]["total"] + 24 * GPT_OSS_EXPERT
+    assert (
+        sum(t.values())
+        == r["device_plan"]["total"]
+        <= 8 * GiB
+        < r["device_plan"]["total"] + 24 * GPT_OSS_EXPERT
+    )
     rc, r = plan_json(capsys, gpt_oss_20b, "--gpu", "rtx4060-8gb", "--device-memory", "6GiB")
     err = r["plan"]["error"]
     assert rc == 1 and "\n" not in err
-    for term in ("dense weights", "KV cache", "activations", "logits", "CUDA context", "allocator slack",
-                 "top_k=4 expert slots per layer (4 x 24 layers x 12.62 MiB)", "staging", "give at least"):
+    for term in (
+        "dense weights",
+        "KV cache",
+        "activations",
+        "logits",
+        "CUDA context",
+        "allocator slack",
+        "top_k=4 expert slots per layer (4 x 24 layers x 12.62 MiB)",
+        "staging",
+        "give at least",
+    ):
         assert term in err, term
 
 
@@ -163,7 +207,9 @@ def test_smallest_budget_is_exact(which, request):
     gpu = card("a100-80gb")
     p = device_plan(info, cuda_config("25%"), gpu)
     expert = p.terms["staging"]
-    need = sum(v for k, v in p.terms.items() if k not in ("expert_slots", "staging")) + K * L * expert + expert
+    need = (
+        sum(v for k, v in p.terms.items() if k not in ("expert_slots", "staging")) + K * L * expert + expert
+    )
     p = device_plan(info, cuda_config(need), gpu)
     assert p.experts.device.slots == K and p.total == need
     with pytest.raises(BudgetError, match=f"top_k={K} .*; give at least {re.escape(fmt_bytes(need))}"):
@@ -177,7 +223,9 @@ def test_plan_equals_the_engines(which, request, capsys, monkeypatch):
     from expertcache import build, ramlimit
 
     d = request.getfixturevalue(which)
-    monkeypatch.setattr(ramlimit, "available", lambda: (32 * GiB, "MemAvailable"))  # free RAM moves on a shared machine
+    monkeypatch.setattr(
+        ramlimit, "available", lambda: (32 * GiB, "MemAvailable")
+    )  # free RAM moves on a shared machine
     if which == "gpt_oss_20b":  # the command itself, --json
         rc, r = plan_json(capsys, d, "--gpu", "rtx4090-24gb", "--device-memory", "16GiB")
         assert rc == 0
@@ -210,7 +258,9 @@ def test_auto_is_free_memory_less_the_margin(gpt_oss_20b):
     p = device_plan(info, cuda_config("auto"), gpu)
     assert p.budget == 20 * GiB + (300 << 20) - dp_module.AUTO_MARGIN
     assert p.total <= p.budget < p.total + 24 * GPT_OSS_EXPERT or p.experts.resident
-    assert p.lines[1].startswith("auto device budget = free 20.00 GiB + CUDA context 300.00 MiB - margin 512.00 MiB")
+    assert p.lines[1].startswith(
+        "auto device budget = free 20.00 GiB + CUDA context 300.00 MiB - margin 512.00 MiB"
+    )
     small = GpuSpec("test-gpu", total=16 * GiB, free=12 * GiB, context=300 << 20, capability=(8, 9))
     for value in ("100%", "14GiB"):  # every expert; a budget beyond what is free
         with pytest.raises(BudgetError, match="but test-gpu has 12.00 GiB free"):
@@ -229,8 +279,11 @@ CASES = {
     "int8-dense": ("qwen2_moe", {}, {"dense": "int8", "lm_head": "int8", "device_memory": "50%"}),
     "int4-dense": ("qwen3_moe", {}, {"dense": "int4", "lm_head": "int4", "device_memory": "50%"}),
     # rank 0 of 2 (the cap is this process's): its own half of every layer's experts, all resident
-    "expert-parallel": ("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 2},
-                        {"expert_parallel": ParallelConfig(2, peer_tier="off")}),
+    "expert-parallel": (
+        "qwen3_moe",
+        {"num_experts": 16, "num_experts_per_tok": 2},
+        {"expert_parallel": ParallelConfig(2, peer_tier="off")},
+    ),
 }
 
 
@@ -261,16 +314,26 @@ def test_allocated_equals_plan(case, checkpoint, request):
         counted = {k: ledger.terms.get(k, 0) for k in plan.allocated}
         assert counted == plan.allocated  # term by term
         assert set(ledger.terms) <= set(plan.allocated)  # nothing counted outside the plan's terms
-        assert plan.allocated["dense"] > 0 and plan.allocated["kv_cache"] > 0 and plan.allocated["expert_slots"] > 0
+        assert (
+            plan.allocated["dense"] > 0
+            and plan.allocated["kv_cache"] > 0
+            and plan.allocated["expert_slots"] > 0
+        )
         assert (plan.allocated["linear_state"] > 0) == (case == "hybrid")
         assert ledger.cap == (1 << 40) - plan.terms["activations"] - plan.terms["logits"]
         if case == "expert-parallel":  # this rank's pools: its share of the experts, counted by the ledger
-            owned = sum(p["gate_up"].shape[0] if "gate_up" in p else next(iter(p.values())).shape[0]
-                        for p in llm.experts.local.pools.values())
+            owned = sum(
+                p["gate_up"].shape[0] if "gate_up" in p else next(iter(p.values())).shape[0]
+                for p in llm.experts.local.pools.values()
+            )
             assert owned == len(llm.source.layers) * 16 // 2
             assert ledger.terms["expert_slots"] == owned * llm.source.expert_nbytes
-            assert sum(t.numel() * t.element_size() for p in llm.experts.local.pools.values()
-                       for t in p.values()) == ledger.terms["expert_slots"]
+            assert (
+                sum(
+                    t.numel() * t.element_size() for p in llm.experts.local.pools.values() for t in p.values()
+                )
+                == ledger.terms["expert_slots"]
+            )
     finally:
         llm.close()
 
@@ -324,7 +387,9 @@ class _Reads:
         monkeypatch.setattr(DiskReader, "read_parts", parts)
 
 
-@pytest.mark.parametrize("case", ["resident", "tiered", "low-memory", "hybrid", "mla", "int8-dense", "expert-parallel"])
+@pytest.mark.parametrize(
+    "case", ["resident", "tiered", "low-memory", "hybrid", "mla", "int8-dense", "expert-parallel"]
+)
 def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
     family, overrides, opts = CASES[case]
     path = checkpoint(family, **overrides)
@@ -332,13 +397,16 @@ def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
     llm = _build(path, opts, 1 << 40)  # the recorder sees a real load's expert reads
     llm.close()
     assert any(c.startswith(("preadv", "pread", "read ")) for c in reads.calls) and any(
-        c.startswith("load ") for c in reads.calls)
+        c.startswith("load ") for c in reads.calls
+    )
     # plan -> allocate -> fill: every dense weight is read before the first expert, every device tensor
     # is counted in order (KV cache and state first)
     first_expert = next((i for i, c in enumerate(reads.calls) if c.startswith("expert")), len(reads.calls))
     assert max(i for i, c in enumerate(reads.calls) if c.startswith("load ")) < first_expert
     order = list(llm.ledger.terms)
-    assert order[:2 if case == "hybrid" else 1] == (["kv_cache", "linear_state"] if case == "hybrid" else ["kv_cache"])
+    assert order[: 2 if case == "hybrid" else 1] == (
+        ["kv_cache", "linear_state"] if case == "hybrid" else ["kv_cache"]
+    )
     need = llm.device_plan.total
     reads.calls.clear()
     with pytest.raises(BudgetError) as e:
@@ -357,7 +425,9 @@ def test_ledger_cap_names_the_term():
     ledger.alloc((100,), torch.float32, "kv_cache")
     a = torch.zeros(100)
     assert ledger.charge("dense", [a, a[10:], {"x": a}]) == 400  # one storage, counted once
-    with pytest.raises(BudgetError, match=r"cap 1000 B exceeded by expert_slots \(400 B\) after kv_cache 400 B"):
+    with pytest.raises(
+        BudgetError, match=r"cap 1000 B exceeded by expert_slots \(400 B\) after kv_cache 400 B"
+    ):
         ledger.alloc((100,), torch.float32, "expert_slots")
     assert ledger.terms == {"kv_cache": 400, "dense": 400}
 

@@ -35,7 +35,7 @@ def test_random_ranges_are_byte_exact(blob, o_direct):
             ranges.append((path, off, n))
         dst = torch.empty(sum(n for _, _, n in ranges), dtype=torch.uint8)
         reader.submit(ranges, dst).result()
-        assert bytes(dst.numpy()) == b"".join(data[o:o + n] for _, o, n in ranges)
+        assert bytes(dst.numpy()) == b"".join(data[o : o + n] for _, o, n in ranges)
     # O_DIRECT is taken exactly where this filesystem supports it (ext4/xfs do; some tmpfs and overlay
     # filesystems refuse it and the reader falls back), and the open descriptor really carries the flag
     supported = o_direct_supported(path)

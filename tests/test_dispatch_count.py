@@ -72,6 +72,7 @@ def test_the_cache_step_adds_at_most_its_budget_of_dispatches_at_decode(demo):
             if x.shape[0] == 1:
                 calls.append(c.n)
             return out
+
         cache.forward = counted
         tiered.generate([PROMPT], SamplingParams(max_tokens=STEPS + 1, temperature=0.0, ignore_eos=True))
         stats = tiered.expert_stats()
@@ -80,7 +81,9 @@ def test_the_cache_step_adds_at_most_its_budget_of_dispatches_at_decode(demo):
     assert got == want  # the same tokens: the count is of the same work
     assert stats["hits"] > 0 and stats["misses"] > 0
     own = sum(calls) / len(calls)
-    print(f"resident {base:.1f}, tiered {total:.1f} dispatches per MoE layer per decode step; "
-          f"the cache step's own {own:.1f}")
+    print(
+        f"resident {base:.1f}, tiered {total:.1f} dispatches per MoE layer per decode step; "
+        f"the cache step's own {own:.1f}"
+    )
     assert own <= BUDGET
     assert total - base <= BUDGET

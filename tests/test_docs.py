@@ -64,7 +64,7 @@ def doc_commands(text: str) -> list[str]:
         stripped = code.strip()
         words = stripped.split()
         if "expertcache" in words:
-            current = " ".join(words[words.index("expertcache"):])
+            current = " ".join(words[words.index("expertcache") :])
             cmds.append(current)
         elif current is not None and line[:1].isspace() and stripped:
             cmds[-1] += " " + stripped  # an indented continuation of the command above
@@ -88,7 +88,9 @@ def test_links_resolve(doc: Path):
         path, _, anchor = target.partition("#")
         dest = (doc.parent / path).resolve() if path else doc
         if not dest.exists():
-            broken.append(f"{target} (no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest})")
+            broken.append(
+                f"{target} (no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest})"
+            )
         elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest.read_text()):
             broken.append(f"{target} (no heading #{anchor} in {dest.name})")
     assert not broken, f"{doc.name}: broken links: {broken}"

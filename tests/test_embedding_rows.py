@@ -12,20 +12,20 @@ from __future__ import annotations
 import json
 import os
 
+import checkpoints as C
+import gpt_oss_checkpoints as G
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import checkpoints as C
-import gpt_oss_checkpoints as G
 from expertcache import LLM, SamplingParams
-from expertcache.cli import main
+from expertcache.build import fill
 from expertcache.build.plan import dense_bytes
+from expertcache.cli import main
 from expertcache.errors import CheckpointError
 from expertcache.loader.rows import RowReader, readable
 from expertcache.loader.safetensors_index import TensorIndex
-from expertcache.build import fill
 from expertcache.models import embedding
 from expertcache.units import fmt_bytes
 
@@ -48,8 +48,10 @@ def _table_file(tmp_path, dtype, nan_row=None, inf_row=None):
     if inf_row is not None:
         table[inf_row, 0] = float("-inf")
     path = tmp_path / "model.safetensors"
-    save_file({"a.weight": torch.randn(3, 5, generator=g), "b.table": table, "z.bias": torch.randn(7, generator=g)},
-              str(path))
+    save_file(
+        {"a.weight": torch.randn(3, 5, generator=g), "b.table": table, "z.bias": torch.randn(7, generator=g)},
+        str(path),
+    )
     return path, TensorIndex(tmp_path).info("b.table")
 
 
@@ -82,15 +84,19 @@ def test_rows_out_of_range_and_unreadable(tmp_path):
     _, info = _table_file(tmp_path, torch.bfloat16)
     reader = RowReader(info)
     for bad in (-1, 50):
-        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary \\[0, 50\\) of tensor b.table"):
+        with pytest.raises(
+            ValueError, match=f"token id {bad} is outside the vocabulary \\[0, 50\\) of tensor b.table"
+        ):
             reader.rows(torch.tensor([3, bad, 4]))
     assert reader.bytes_read == 0  # refused before any read
     index = TensorIndex(tmp_path)
     assert not readable(index.info("z.bias"))  # 1-D
     fp8 = tmp_path / "fp8"
     fp8.mkdir()
-    save_file({"t": torch.zeros(4, 8).to(torch.float8_e4m3fn), "i": torch.zeros(4, 8, dtype=torch.int32)},
-              str(fp8 / "model.safetensors"))
+    save_file(
+        {"t": torch.zeros(4, 8).to(torch.float8_e4m3fn), "i": torch.zeros(4, 8, dtype=torch.int32)},
+        str(fp8 / "model.safetensors"),
+    )
     for name in ("t", "i"):
         info = TensorIndex(fp8).info(name)
         assert not readable(info)
@@ -105,8 +111,10 @@ def test_nonfinite_row_named_when_read(tmp_path):
         table = f.get_tensor("b.table")
     assert torch.equal(reader.rows(torch.tensor([1, 2, 10])), table[[1, 2, 10]])  # good rows read fine
     for bad in (9, 30):
-        with pytest.raises(CheckpointError, match=f"model.safetensors: tensor b.table row {bad} \\(token id {bad}\\) "
-                                                  "holds non-finite values"):
+        with pytest.raises(
+            CheckpointError,
+            match=f"model.safetensors: tensor b.table row {bad} \\(token id {bad}\\) holds non-finite values",
+        ):
             reader.rows(torch.tensor([1, bad, 2]))
     unchecked = RowReader(info, check_finite=False).rows(torch.tensor([9]))
     assert torch.isnan(unchecked).sum() == 1 and torch.isnan(table[9]).sum() == 1
@@ -234,8 +242,11 @@ def test_nonfinite_embedding_row_names_the_token(cache_checkpoint, tmp_path):
     try:
         good, bad = llm.generate([[5, 6, 8], [5, 7, 8]], GREEDY)
         assert good.finish_reason == "length" and len(good.token_ids) == 10
-        assert bad.finish_reason.startswith("error") and \
-            f"model.safetensors: tensor {EMBED} row 7 (token id 7) holds non-finite values" in bad.finish_reason
+        assert (
+            bad.finish_reason.startswith("error")
+            and f"model.safetensors: tensor {EMBED} row 7 (token id 7) holds non-finite values"
+            in bad.finish_reason
+        )
         with pytest.raises(CheckpointError, match=r"row 11 \(token id 11\)"):
             llm.logits([3, 11])
         with pytest.raises(ValueError, match=f"token id {llm.cfg.vocab_size} is outside the vocabulary"):

@@ -40,7 +40,9 @@ def test_whole_step_runs_with_torch_on_one_thread_and_is_restored(qwen3_llm, mon
     monkeypatch.setattr(llm_engine, "sample_batch", spy)
     try:
         torch.set_num_threads(2)
-        out = qwen3_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+        out = qwen3_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[
+            0
+        ]
         assert len(out.token_ids) == 3
         assert seen == [(1, 2)] * 3
         assert (torch.get_num_threads(), ext.get_threads()) == (2, 0)
@@ -53,7 +55,9 @@ def test_whole_step_runs_with_torch_on_one_thread_and_is_restored(qwen3_llm, mon
 
 
 def _seq(**params):
-    return types.SimpleNamespace(params=SamplingParams(**params), matcher=None, generator=torch.Generator().manual_seed(0))
+    return types.SimpleNamespace(
+        params=SamplingParams(**params), matcher=None, generator=torch.Generator().manual_seed(0)
+    )
 
 
 @pytest.mark.parametrize("torch_path", [False, True])
@@ -65,8 +69,12 @@ def test_sample_batch_logprobs_against_float64(torch_path, monkeypatch):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 5000, generator=g) * 5
     logits[2, 17] = logits[2].max() + 0.0  # a repeated maximum: the first one is chosen
-    seqs = [_seq(temperature=0.0), _seq(temperature=0.0, logprobs=3), _seq(temperature=0.0),
-            _seq(temperature=0.7, seed=1, logprobs=1)]
+    seqs = [
+        _seq(temperature=0.0),
+        _seq(temperature=0.0, logprobs=3),
+        _seq(temperature=0.0),
+        _seq(temperature=0.7, seed=1, logprobs=1),
+    ]
     toks, entries = sample_batch(logits, seqs, set())
     ref = torch.log_softmax(logits.double(), -1)
     assert toks[:3] == logits[:3].argmax(-1).tolist()
@@ -110,8 +118,12 @@ def test_engine_fails_exactly_the_nonfinite_rows(qwen3_llm, monkeypatch):
         return logits, spans
 
     monkeypatch.setattr(runner, "run_rows", run_rows)
-    seqs = [qwen3_llm.engine.add_request([7 + i, 8, 9], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-            for i in range(4)]
+    seqs = [
+        qwen3_llm.engine.add_request(
+            [7 + i, 8, 9], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        )
+        for i in range(4)
+    ]
     which = {seq.request_id: i for i, seq in enumerate(seqs)}
     while qwen3_llm.engine.has_unfinished():
         qwen3_llm.engine.step()
@@ -140,8 +152,12 @@ def test_first_nonfinite_layer_named_on_both_paths(qwen3_llm, monkeypatch, keep)
             return out
 
     monkeypatch.setitem(model.layers[1], "attn", Poisoned())
-    seqs = [qwen3_llm.engine.add_request([20 + i, 21, 22], SamplingParams(max_tokens=4, temperature=0.0,
-                                                                          ignore_eos=True)) for i in range(3)]
+    seqs = [
+        qwen3_llm.engine.add_request(
+            [20 + i, 21, 22], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )
+        for i in range(3)
+    ]
     qwen3_llm.engine.step()  # prefill: all fine
     victim["row"] = 1
     qwen3_llm.engine.step()
@@ -170,16 +186,23 @@ def _reference_batch(work, block_size):
     tables = torch.zeros(len(work), max_b, dtype=torch.int64)
     qpos = torch.zeros(len(work), max_q, dtype=torch.int64)
     for b, (seq, n) in enumerate(work):
-        tables[b, :len(seq.block_ids)] = torch.tensor(seq.block_ids)
+        tables[b, : len(seq.block_ids)] = torch.tensor(seq.block_ids)
         qpos[b, :n] = torch.arange(seq.num_computed, seq.num_computed + n)
     return ids, pos, slots, seq_of, row_of, last, max_q, tables, qpos
 
 
 def test_build_batch_against_a_per_token_reference():
     def seq(computed, total, blocks):
-        return types.SimpleNamespace(num_computed=computed, tokens=list(range(100, 100 + total)), block_ids=blocks)
+        return types.SimpleNamespace(
+            num_computed=computed, tokens=list(range(100, 100 + total)), block_ids=blocks
+        )
 
-    work = [(seq(5, 6, [3]), 1), (seq(0, 37, [9, 2, 7]), 37), (seq(16, 19, [4, 8]), 3), (seq(33, 34, [1, 5, 6]), 1)]
+    work = [
+        (seq(5, 6, [3]), 1),
+        (seq(0, 37, [9, 2, 7]), 37),
+        (seq(16, 19, [4, 8]), 3),
+        (seq(33, 34, [1, 5, 6]), 1),
+    ]
     ids, batch, last = build_batch(work, 16, torch.device("cpu"))
     ref = _reference_batch(work, 16)
     assert ids.tolist() == ref[0] and last.tolist() == ref[5]

@@ -18,19 +18,40 @@ from expertcache.parallel.wire import WireError, decode, encode
 
 
 def _batch():
-    return AttnBatch(positions=torch.arange(5), slot_mapping=torch.tensor([3, 4, 5, 6, 7]),
-                     block_tables=torch.tensor([[1, 2], [3, 0]]), seq_of_token=torch.tensor([0, 0, 0, 1, 1]),
-                     row_of_token=torch.tensor([0, 1, 2, 0, 1]), max_q=3, query_pos=torch.tensor([[0, 1, 2], [3, 4, 0]]))
+    return AttnBatch(
+        positions=torch.arange(5),
+        slot_mapping=torch.tensor([3, 4, 5, 6, 7]),
+        block_tables=torch.tensor([[1, 2], [3, 0]]),
+        seq_of_token=torch.tensor([0, 0, 0, 1, 1]),
+        row_of_token=torch.tensor([0, 1, 2, 0, 1]),
+        max_q=3,
+        query_pos=torch.tensor([[0, 1, 2], [3, 4, 0]]),
+    )
 
 
 def test_step_message_round_trips_exactly():
     placement = static_placement([1, 2], 8, 3)
-    tensors = {str(dt): (torch.randn(3, 4) * 100).to(dt) for dt in
-               (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int32)}
-    msg = ("forward", torch.tensor([[5, 6, 7]]), _batch(),
-           {"placement": placement, "copies": [(1, 2), (3, 4)], "gather": True, "none": None,
-            "inf": float("inf"), "text": "ü 世界", "tensors": tensors, "empty": torch.zeros(0, 7),
-            "mask": torch.tensor([True, False, True]), 3: "int key"})
+    tensors = {
+        str(dt): (torch.randn(3, 4) * 100).to(dt)
+        for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int32)
+    }
+    msg = (
+        "forward",
+        torch.tensor([[5, 6, 7]]),
+        _batch(),
+        {
+            "placement": placement,
+            "copies": [(1, 2), (3, 4)],
+            "gather": True,
+            "none": None,
+            "inf": float("inf"),
+            "text": "ü 世界",
+            "tensors": tensors,
+            "empty": torch.zeros(0, 7),
+            "mask": torch.tensor([True, False, True]),
+            3: "int key",
+        },
+    )
     got = decode(encode(msg))
     assert got[0] == "forward" and torch.equal(got[1], msg[1]) and got[1].dtype == torch.int64
     assert type(got[2]) is AttnBatch and got[2].max_q == 3
@@ -77,13 +98,16 @@ def _forge(tree, payload=b""):
     return torch.tensor(list(len(head).to_bytes(8, "little")) + list(head) + list(payload), dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("tree, payload, match", [
-    ({"$type": "Popen", "fields": {"$dict": []}}, b"", "malformed"),
-    ({"$tensor": ["float32", [4], 0]}, b"\0" * 8, "outside the message"),
-    ({"$tensor": ["object", [1], 0]}, b"\0" * 8, "malformed"),
-    ({"$tensor": ["uint8", [2], -1]}, b"\0" * 8, "outside the message"),
-    ({"$unknown": 1}, b"", "malformed"),
-])
+@pytest.mark.parametrize(
+    "tree, payload, match",
+    [
+        ({"$type": "Popen", "fields": {"$dict": []}}, b"", "malformed"),
+        ({"$tensor": ["float32", [4], 0]}, b"\0" * 8, "outside the message"),
+        ({"$tensor": ["object", [1], 0]}, b"\0" * 8, "malformed"),
+        ({"$tensor": ["uint8", [2], -1]}, b"\0" * 8, "outside the message"),
+        ({"$unknown": 1}, b"", "malformed"),
+    ],
+)
 def test_forged_messages_are_refused(tree, payload, match):
     with pytest.raises(WireError, match=match):
         decode(_forge(tree, payload))

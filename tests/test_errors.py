@@ -5,10 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import checkpoints as C
 import pytest
 import torch
-
-import checkpoints as C
 
 # Errors may surface while loading or on first use (lazily loaded experts): both count.
 PROBE = [5, 17, 200, 3, 44]
@@ -66,13 +65,16 @@ def edit_tensors(path, fn):
 # tensors
 
 
-@pytest.mark.parametrize("name", [
-    "model.layers.1.self_attn.k_proj.weight",
-    "model.layers.0.mlp.experts.3.up_proj.weight",
-    "model.layers.1.mlp.gate.weight",
-    "model.norm.weight",
-    "lm_head.weight",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.mlp.experts.3.up_proj.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ],
+)
 def test_missing_tensor(expertcache_api, errors, broken, name):
     edit_tensors(broken, lambda t: {k: v for k, v in t.items() if k != name})
     expect(expertcache_api, broken, errors.CheckpointError, name)
@@ -85,12 +87,15 @@ def test_missing_fused_expert_tensor(expertcache_api, errors, qwen3_checkpoint, 
     expect(expertcache_api, fused, errors.CheckpointError, "model.layers.1.mlp.experts")
 
 
-@pytest.mark.parametrize("name,bad_shape", [
-    ("model.layers.0.self_attn.k_proj.weight", (32, 37)),  # expected (32, 64)
-    ("model.layers.1.mlp.experts.5.gate_proj.weight", (31, 64)),  # expected (32, 64)
-    ("model.embed_tokens.weight", (300, 64)),  # expected (320, 64)
-    ("model.layers.0.self_attn.q_norm.weight", (15,)),  # expected (16,)
-])
+@pytest.mark.parametrize(
+    "name,bad_shape",
+    [
+        ("model.layers.0.self_attn.k_proj.weight", (32, 37)),  # expected (32, 64)
+        ("model.layers.1.mlp.experts.5.gate_proj.weight", (31, 64)),  # expected (32, 64)
+        ("model.embed_tokens.weight", (300, 64)),  # expected (320, 64)
+        ("model.layers.0.self_attn.q_norm.weight", (15,)),  # expected (16,)
+    ],
+)
 def test_wrong_shape(expertcache_api, errors, broken, name, bad_shape):
     expected = tuple(C.read_tensors(broken)[name].shape)
 
@@ -113,8 +118,14 @@ def test_wrong_fused_expert_shape(expertcache_api, errors, qwen3_checkpoint, tmp
         return t
 
     edit_tensors(fused, damage)
-    expect(expertcache_api, fused, errors.CheckpointError, name, re.compile(shape_pattern((8, 60, 64))),
-           re.compile(shape_pattern((8, 64, 64))))
+    expect(
+        expertcache_api,
+        fused,
+        errors.CheckpointError,
+        name,
+        re.compile(shape_pattern((8, 60, 64))),
+        re.compile(shape_pattern((8, 64, 64))),
+    )
 
 
 def test_truncated_safetensors(expertcache_api, errors, broken):
@@ -164,8 +175,17 @@ def test_config_missing_file(expertcache_api, errors, broken):
     expect(expertcache_api, broken, (errors.ConfigError, errors.CheckpointError), "config.json")
 
 
-@pytest.mark.parametrize("field", ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size",
-                                   "moe_intermediate_size", "num_experts_per_tok"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "num_hidden_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "vocab_size",
+        "moe_intermediate_size",
+        "num_experts_per_tok",
+    ],
+)
 def test_config_missing_required_field(expertcache_api, errors, broken, field):
     C.edit_config(broken, **{field: C.DELETE})
     expect(expertcache_api, broken, errors.ConfigError, field)
@@ -182,14 +202,34 @@ def test_unsupported_architecture(expertcache_api, errors, broken, arch):
     expect(expertcache_api, broken, errors.ConfigError, arch)
 
 
-@pytest.mark.parametrize("changes,needles", [
-    ({"hidden_act": "gelu"}, ("hidden_act", "gelu")),
-    ({"rope_parameters": {"rope_type": "longrope_x", "rope_theta": 10000.0, "factor": 2.0}}, ("longrope_x",)),
-    ({"rope_parameters": C.DELETE, "rope_theta": 10000.0, "rope_scaling": {"type": "su_x", "factor": 2.0}},
-     ("su_x",)),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
-     ("partial_rotary_factor",)),
-])
+@pytest.mark.parametrize(
+    "changes,needles",
+    [
+        ({"hidden_act": "gelu"}, ("hidden_act", "gelu")),
+        (
+            {"rope_parameters": {"rope_type": "longrope_x", "rope_theta": 10000.0, "factor": 2.0}},
+            ("longrope_x",),
+        ),
+        (
+            {
+                "rope_parameters": C.DELETE,
+                "rope_theta": 10000.0,
+                "rope_scaling": {"type": "su_x", "factor": 2.0},
+            },
+            ("su_x",),
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            ("partial_rotary_factor",),
+        ),
+    ],
+)
 def test_unsupported_config_value(expertcache_api, errors, broken, changes, needles):
     C.edit_config(broken, **changes)
     expect(expertcache_api, broken, errors.ConfigError, *needles)

@@ -96,8 +96,15 @@ def test_host_slot_is_not_rewritten_while_its_copy_is_queued():
     """Rule 4: a prefetch copies host slot h to the device; a demand read into h comes next. The
     copy is held until the read is either blocked on it (correct) or running (the race); the
     bytes the copy delivers are the prefetched expert's."""
-    cfg = dict(num_experts=8, device_slots=2, host_slots=2, expert_bytes=1, cpu_compute="always", prefetch="device",
-               gate_threshold=None)
+    cfg = dict(
+        num_experts=8,
+        device_slots=2,
+        host_slots=2,
+        expert_bytes=1,
+        cpu_compute="always",
+        prefetch="device",
+        gate_threshold=None,
+    )
     p, b = StepPlanner(PlannerConfig(**cfg), 2), ScheduleBuilder()
     plan0 = p.plan_step(0, [0], [1], 1, 1)
     items = p.plan_prefetch(1, [3], 1, 1)  # expert 3 of layer 1: disk -> host slot -> device slot
@@ -200,18 +207,31 @@ def reference(cache_checkpoint):
     llm = LLM(str(cache_checkpoint))
     prompts = [[5, 17, 42, 99, 7, 3, 250, 11], [100, 101, 102], [9] * 20]
     try:
-        return {"prompts": prompts, "logits": llm.logits(list(range(3, 40))),
-                "tokens": [o.token_ids for o in llm.generate(prompts, GREEDY)]}
+        return {
+            "prompts": prompts,
+            "logits": llm.logits(list(range(3, 40))),
+            "tokens": [o.token_ids for o in llm.generate(prompts, GREEDY)],
+        }
     finally:
         llm.close()
 
 
-@pytest.mark.parametrize("kw", [
-    dict(device_memory="27%", cpu_compute="always", prefetch="device"),  # every miss on the CPU queue
-    dict(device_memory="27%", cpu_compute="never", prefetch="device", prefill_admit_tokens=10_000),  # fills
-    dict(device_memory="13%", host_memory="19%", cpu_compute="always", prefetch="host", exclusive=False),  # partial host tier
-    dict(device_memory="13%", host_memory="19%", cpu_compute="never", prefetch="device", exclusive=False),  # fills + waves
-], ids=["cpu", "fills", "host-partial-cpu", "host-partial-fills-waves"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(device_memory="27%", cpu_compute="always", prefetch="device"),  # every miss on the CPU queue
+        dict(
+            device_memory="27%", cpu_compute="never", prefetch="device", prefill_admit_tokens=10_000
+        ),  # fills
+        dict(
+            device_memory="13%", host_memory="19%", cpu_compute="always", prefetch="host", exclusive=False
+        ),  # partial host tier
+        dict(
+            device_memory="13%", host_memory="19%", cpu_compute="never", prefetch="device", exclusive=False
+        ),  # fills + waves
+    ],
+    ids=["cpu", "fills", "host-partial-cpu", "host-partial-fills-waves"],
+)
 @pytest.mark.parametrize("backend", ["inline", "threads"])
 def test_tiered_cache_through_each_cpu_backend_equals_resident(cache_checkpoint, reference, kw, backend):
     llm = LLM(str(cache_checkpoint), **kw)
@@ -230,12 +250,16 @@ def test_tiered_cache_through_each_cpu_backend_equals_resident(cache_checkpoint,
         assert stats["cpu_computed_share"] == 1.0
     else:
         assert stats["cpu_computed_share"] == 0.0 and stats["per_tier"]["device"]["bytes_in"] > 0
-    if kw["device_memory"] == "13%" and kw["cpu_compute"] == "never":  # 2 slots, top-2: batches go through waves
+    if (
+        kw["device_memory"] == "13%" and kw["cpu_compute"] == "never"
+    ):  # 2 slots, top-2: batches go through waves
         assert sum(layer["waves"] for layer in stats["per_layer"]) > 0
 
 
 @pytest.mark.parametrize("backend", ["inline", "threads"])
-def test_cpu_computed_misses_admitted_beside_the_cpu_job_give_the_same_tokens(cache_checkpoint, reference, backend):
+def test_cpu_computed_misses_admitted_beside_the_cpu_job_give_the_same_tokens(
+    cache_checkpoint, reference, backend
+):
     """The cost rule as on CUDA (here: one-row uses go to the CPU): decode misses are computed on
     the CPU queue and copied into their slots beside it; the next use reads the slot."""
     from dataclasses import replace
@@ -270,7 +294,13 @@ def test_cuda_executor_gives_the_resident_tokens(cache_checkpoint, cpu_compute):
         want = [o.token_ids for o in ref.generate(prompts, GREEDY)]
     finally:
         ref.close()
-    llm = LLM(str(cache_checkpoint), device="cuda", dtype=torch.float32, device_memory="50%", cpu_compute=cpu_compute)
+    llm = LLM(
+        str(cache_checkpoint),
+        device="cuda",
+        dtype=torch.float32,
+        device_memory="50%",
+        cpu_compute=cpu_compute,
+    )
     try:
         assert llm.experts.executor is not None
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
@@ -302,7 +332,11 @@ def test_a_failed_read_fails_the_step_and_close_still_closes(cache_checkpoint, r
     finally:
         llm.close()
     ex = cache.executor
-    threads = ex.threads if backend == "threads" else [t for p in (ex.io, ex.copy) for t in getattr(p, "_threads", ())]
+    threads = (
+        ex.threads
+        if backend == "threads"
+        else [t for p in (ex.io, ex.copy) for t in getattr(p, "_threads", ())]
+    )
     assert not any(t.is_alive() for t in threads)
 
 
@@ -319,8 +353,11 @@ def test_a_copy_behind_host_work_is_not_overtaken_by_a_later_copy_of_its_queue(e
     no waits, must not run first (a host slot's last reader is tracked per queue, assuming FIFO).
     The read is held until B was submitted; without the per-queue rule B would end before A started."""
     release = threading.Event()
-    read, a, b = _op(0, "read", experts=(1,), host_slot=0), _op(1, "h2d", [0], slot=0, host_slot=0), \
-        _op(2, "h2d", slot=1, host_slot=0)
+    read, a, b = (
+        _op(0, "read", experts=(1,), host_slot=0),
+        _op(1, "h2d", [0], slot=0, host_slot=0),
+        _op(2, "h2d", slot=1, host_slot=0),
+    )
     ex = ThreadExecutor(enqueuer=enqueuer)
     try:
         ex.submit(read, lambda: release.wait(LATCH_S))
@@ -342,8 +379,9 @@ def _tensor_bytes_held(ex) -> int:
     import sys
     import types
 
-    threads = list(getattr(ex, "threads", ())) + [t for p in (getattr(ex, "io", None), getattr(ex, "copy", None))
-                                                   for t in getattr(p, "_threads", ())]
+    threads = list(getattr(ex, "threads", ())) + [
+        t for p in (getattr(ex, "io", None), getattr(ex, "copy", None)) for t in getattr(p, "_threads", ())
+    ]
     frames = sys._current_frames()
     roots = [ex]
     for t in threads:
@@ -374,8 +412,14 @@ def test_a_long_prefill_leaves_no_layer_result_held_by_the_executor(checkpoint, 
     """A 2048-token prompt through a tiny model with every miss computed on the CPU (each layer's
     CPU job makes a [rows, H] result and the layer an output [2048, H]): afterwards the executor
     references no tensor bytes at all (a brute-force walk of what it holds)."""
-    ck = checkpoint("qwen3_moe", dtype=torch.bfloat16, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3,
-                    max_position_embeddings=4096)
+    ck = checkpoint(
+        "qwen3_moe",
+        dtype=torch.bfloat16,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        max_position_embeddings=4096,
+    )
     llm = LLM(str(ck), device_memory="25%", cpu_compute="always", prefetch="off", max_model_len=4096)
     try:
         llm.experts.use_executor(backend)

@@ -12,21 +12,27 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import types
 
 import pytest
 import torch
-
 from safetensors_reference import checkpoint_experts, independent_slot_checks, same_bytes
 from serving import free_port
 
 from expertcache import LLM, SamplingParams
 from expertcache.parallel import ExpertParallelError, ParallelConfig, balanced_placement, static_placement
-from expertcache.parallel.peer import plan_transfers
 from expertcache.parallel.experts import ExpertParallelExperts
-from expertcache.parallel.placement import (Placement, assign_ranks, balanced_layer, capacities, coactivation,
-                                            expected_balance, rank_loads, worth_moving)
+from expertcache.parallel.peer import plan_transfers
+from expertcache.parallel.placement import (
+    Placement,
+    assign_ranks,
+    balanced_layer,
+    capacities,
+    coactivation,
+    expected_balance,
+    rank_loads,
+    worth_moving,
+)
 
 PROMPTS = [list(range(5, 25)), [7, 3, 9, 11, 40, 41, 42], list(range(60, 97))]
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -157,8 +163,10 @@ def test_peer_link_in_the_cost_model(tmp_path):
     from expertcache.cost.profiles import get_profile
 
     f = tmp_path / "rig.toml"
-    f.write_text("link_gbs = 25\ndisk_gbs = 6\ncpu_mem_gbs = 50\ncpu_gflops = 500\npeer_gbs = 300\n"
-                 "peer_latency_ms = 0.02\n")
+    f.write_text(
+        "link_gbs = 25\ndisk_gbs = 6\ncpu_mem_gbs = 50\ncpu_gflops = 500\npeer_gbs = 300\n"
+        "peer_latency_ms = 0.02\n"
+    )
     prof = get_profile(str(f))
     cost = ExpertCost(prof, 9_437_184, 1)
     assert cost.peer() == pytest.approx(0.02e-3 + 9_437_184 / 300e9)
@@ -183,8 +191,11 @@ def test_peer_plan_against_brute_force(seed):
         assert s != r and (r, e) in needs and codes[r, e] == 0 and codes[s, e] == 2
         got.setdefault(r, []).append(e)
     for r in range(N):
-        fetchable = sorted(e for rr, e in needs if rr == r and codes[r, e] == 0 and any(
-            codes[s, e] == 2 for s in range(N) if s != r))
+        fetchable = sorted(
+            e
+            for rr, e in needs
+            if rr == r and codes[r, e] == 0 and any(codes[s, e] == 2 for s in range(N) if s != r)
+        )
         assert got.get(r, []) == fetchable[:slots]  # in expert order, up to the receive buffers
     assert plan_transfers(codes, ids, ranks, slots) == plan  # the same on every rank
 
@@ -196,7 +207,9 @@ def test_zero_row_lm_head_on_the_kernels():
     w = torch.randn(64, 32).to(torch.bfloat16)
     y = linear(torch.empty(0, 32), w)
     assert y.shape == (0, 64)
-    torch.testing.assert_close(linear(torch.ones(1, 32), w), torch.ones(1, 32) @ w.float().T, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(
+        linear(torch.ones(1, 32), w), torch.ones(1, 32) @ w.float().T, rtol=1e-3, atol=1e-3
+    )
 
 
 # -- engines ----------------------------------------------------------------------------------------------
@@ -214,8 +227,11 @@ def ep_checkpoint(checkpoint):
 @pytest.fixture(scope="module")
 def single(ep_checkpoint):
     llm = LLM(str(ep_checkpoint))
-    out = {"logits": [llm.logits(p) for p in PROMPTS],
-           "tokens": [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], "samples": _samples(llm)}
+    out = {
+        "logits": [llm.logits(p) for p in PROMPTS],
+        "tokens": [o.token_ids for o in llm.generate(PROMPTS, GREEDY)],
+        "samples": _samples(llm),
+    }
     llm.close()
     return out
 
@@ -293,8 +309,9 @@ def _generate_switching_at_step_6(llm, placement) -> list[int]:
 
 @pytest.mark.parametrize("peer", ["off", "on"])  # a new placement's bytes from disk / from their old ranks
 def test_rearrangement_mid_generation_with_replicas(ep_checkpoint, single, peer):
-    cfg = ParallelConfig(3, num_redundant_experts=4, eplb=True, eplb_window_size=8, eplb_step_interval=5,
-                         peer_tier=peer)
+    cfg = ParallelConfig(
+        3, num_redundant_experts=4, eplb=True, eplb_window_size=8, eplb_step_interval=5, peer_tier=peer
+    )
     llm = LLM(str(ep_checkpoint), expert_parallel=cfg)
     try:
         _check_equal(llm, single)  # EPLB rebalances where the window's load says it pays
@@ -326,8 +343,12 @@ def test_rearrangement_mid_generation_with_replicas(ep_checkpoint, single, peer)
 
 def test_tiny_per_rank_budgets_equal_single_process(ep_checkpoint, single):
     """Peer tier off: every miss reads this rank's disk."""
-    llm = LLM(str(ep_checkpoint), expert_parallel=ParallelConfig(2, num_redundant_experts=2, peer_tier="off"),
-              device_memory="20%", host_memory="30%")
+    llm = LLM(
+        str(ep_checkpoint),
+        expert_parallel=ParallelConfig(2, num_redundant_experts=2, peer_tier="off"),
+        device_memory="20%",
+        host_memory="30%",
+    )
     try:
         _check_equal(llm, single)
         s = llm.expert_stats()
@@ -389,14 +410,20 @@ def test_peer_hits_replace_exactly_their_disk_reads(ep_checkpoint):
     """The same generation with the peer tier off and on (no prefetch: every read is a demand miss the
     planner makes alike in both runs): per rank, the disk bytes of the peer-off run equal the disk
     bytes of the peer-on run plus one expert per peer hit."""
+
     def run(peer):
         cfg = ParallelConfig(2, num_redundant_experts=2, peer_tier=peer)
-        llm = LLM(str(ep_checkpoint), expert_parallel=cfg, device_memory="20%", host_memory="30%", prefetch="off")
+        llm = LLM(
+            str(ep_checkpoint), expert_parallel=cfg, device_memory="20%", host_memory="30%", prefetch="off"
+        )
         try:
             llm.generate(PROMPTS, GREEDY)
             ep = llm.expert_stats()["expert_parallel"]
-            return ({r["rank"]: r["cache"]["per_tier"]["disk"]["bytes_read"] for r in ep["ranks"]},
-                    {r["rank"]: (r["peer"] or {}).get("hits", 0) for r in ep["ranks"]}, llm.source.expert_nbytes)
+            return (
+                {r["rank"]: r["cache"]["per_tier"]["disk"]["bytes_read"] for r in ep["ranks"]},
+                {r["rank"]: (r["peer"] or {}).get("hits", 0) for r in ep["ranks"]},
+                llm.source.expert_nbytes,
+            )
         finally:
             llm.close()
 
@@ -424,27 +451,101 @@ def test_killed_rank_is_named_not_waited_out(ep_checkpoint):
 
 def test_cli_generate_with_two_ranks(ep_checkpoint, single):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
-                        "--max-tokens", "4", "--expert-parallel", "2", "--enable-eplb", "--eplb-step-interval", "2",
-                        "--peer-tier", "on"], capture_output=True, text=True, env=env, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "expertcache.cli",
+            "generate",
+            str(ep_checkpoint),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "4",
+            "--expert-parallel",
+            "2",
+            "--enable-eplb",
+            "--eplb-step-interval",
+            "2",
+            "--peer-tier",
+            "on",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "expert parallel 2 ranks, balance max/mean" in r.stderr and ", peer tier 0 hits" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
-                        "--enable-eplb", "--peer-tier", "off"], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "expertcache.cli",
+            "generate",
+            str(ep_checkpoint),
+            "--prompt",
+            "hi",
+            "--enable-eplb",
+            "--peer-tier",
+            "off",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--enable-eplb, --peer-tier: need --expert-parallel" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
-                        "--expert-parallel", "2", "--eplb-step-interval", "5"], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "expertcache.cli",
+            "generate",
+            str(ep_checkpoint),
+            "--prompt",
+            "hi",
+            "--expert-parallel",
+            "2",
+            "--eplb-step-interval",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2 and "only applies with eplb=True (--enable-eplb)" in r.stderr
 
 
 def test_torchrun_two_ranks(ep_checkpoint, single):
     """The same command under torchrun (its own rendezvous): rank 0 prints, rank 1 mirrors."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), "-m", "expertcache.cli", "generate", str(ep_checkpoint), "--prompt", "hi",
-                        "--max-tokens", "4", "--expert-parallel", "2"],
-                       capture_output=True, text=True, env=env, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "expertcache.cli",
+            "generate",
+            str(ep_checkpoint),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "4",
+            "--expert-parallel",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "expert parallel 2 ranks" in r.stderr and "expert-parallel rank 1 ready" in r.stderr
 
@@ -457,16 +558,30 @@ def test_server_with_two_ranks(ep_checkpoint, tmp_path):
     want = one.generate("hello", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     want_chat = one.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0))[0]
     one.close()
-    with start_server(ep_checkpoint, tmp_path / "server.log", "--served-model-name", "tiny",
-                      "--expert-parallel", "2", "--no-access-log") as server:
+    with start_server(
+        ep_checkpoint,
+        tmp_path / "server.log",
+        "--served-model-name",
+        "tiny",
+        "--expert-parallel",
+        "2",
+        "--no-access-log",
+    ) as server:
         client = server.client()
         ignore = {"ignore_eos": True}
-        ref = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0, extra_body=ignore)
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model="tiny", prompt="hello", max_tokens=6, temperature=0, stream=True, extra_body=ignore))
+        ref = client.completions.create(
+            model="tiny", prompt="hello", max_tokens=6, temperature=0, extra_body=ignore
+        )
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model="tiny", prompt="hello", max_tokens=6, temperature=0, stream=True, extra_body=ignore
+            )
+        )
         assert ref.choices[0].text == want.text and streamed == want.text and ref.usage.completion_tokens == 6
-        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=4, temperature=0)
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+        )
         assert chat.choices[0].message.content == want_chat.text
         assert chat.choices[0].finish_reason == want_chat.finish_reason
         with server.http() as http:

@@ -10,17 +10,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import checkpoints as C
 import pytest
 import torch
-
-import checkpoints as C
 
 ATOL = 1e-4
 RTOL = 1e-4
 PROMPT_LEN = 16
 NEW_TOKENS = 24
-PROMPT = torch.randint(3, C.tokenizer_vocab_size(), (PROMPT_LEN,),
-                       generator=torch.Generator().manual_seed(1234)).tolist()
+PROMPT = torch.randint(
+    3, C.tokenizer_vocab_size(), (PROMPT_LEN,), generator=torch.Generator().manual_seed(1234)
+).tolist()
 
 
 def _hub_style_config(path: Path) -> None:
@@ -59,8 +59,16 @@ class Case:
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e6}
 # DeepSeek's YaRN: mscale != mscale_all_dim, so the cos/sin factor and the softmax scale both change
-DS_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
-           "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}
+DS_YARN = {
+    "rope_type": "yarn",
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 10000.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.7,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 
 CASES = [
     # --- Qwen3-MoE: GQA (4 q heads / 2 kv heads), per-head q/k RMSNorm, norm_topk_prob=True
@@ -70,10 +78,14 @@ CASES = [
     Case("qwen3-head-dim-32", "qwen3_moe", dict(head_dim=32)),  # head_dim != hidden / heads (16)
     Case("qwen3-mqa", "qwen3_moe", dict(num_key_value_heads=1, head_dim=8)),
     Case("qwen3-mha", "qwen3_moe", dict(num_key_value_heads=4)),
-    Case("qwen3-rope-theta", "qwen3_moe",
-         dict(rope_parameters={"rope_type": "default", "rope_theta": 100.0})),
-    Case("qwen3-rope-linear", "qwen3_moe",
-         dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+    Case(
+        "qwen3-rope-theta", "qwen3_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 100.0})
+    ),
+    Case(
+        "qwen3-rope-linear",
+        "qwen3_moe",
+        dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+    ),
     Case("qwen3-rope-yarn", "qwen3_moe", dict(rope_parameters=dict(YARN))),
     Case("qwen3-rms-eps", "qwen3_moe", dict(rms_norm_eps=0.1)),
     Case("qwen3-tied-embeddings", "qwen3_moe", dict(tie_word_embeddings=True)),
@@ -85,8 +97,12 @@ CASES = [
     Case("qwen3-hub-config", "qwen3_moe", edit=_hub_style_config),
     Case("qwen3-hub-config-yarn", "qwen3_moe", dict(rope_parameters=dict(YARN)), edit=_hub_style_config),
     # yarn without original_max_position_embeddings: transformers falls back to max_position_embeddings
-    Case("qwen3-hub-config-yarn-no-original", "qwen3_moe", dict(rope_parameters=dict(YARN)),
-         edit=lambda p: (_hub_style_config(p), _drop_yarn_original(p))),
+    Case(
+        "qwen3-hub-config-yarn-no-original",
+        "qwen3_moe",
+        dict(rope_parameters=dict(YARN)),
+        edit=lambda p: (_hub_style_config(p), _drop_yarn_original(p)),
+    ),
     Case("qwen3-bf16-checkpoint", "qwen3_moe", build=dict(dtype=torch.bfloat16)),
     Case("qwen3-sharded", "qwen3_moe", build=dict(max_shard_size="100KB")),
     # --- Qwen2-MoE: shared expert with sigmoid gate, q/k/v bias, norm_topk_prob=False
@@ -96,8 +112,11 @@ CASES = [
     Case("qwen2-mlp-only-layers", "qwen2_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
     Case("qwen2-decoder-sparse-step", "qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2)),
     # transformers' layer_types: sliding on even layers below max_window_layers (here layer 0 only)
-    Case("qwen2-sliding-window", "qwen2_moe",
-         dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=2)),
+    Case(
+        "qwen2-sliding-window",
+        "qwen2_moe",
+        dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=2),
+    ),
     # --- Mixtral: block_sparse_moe w1/w2/w3, top-2 with renormalised weights
     Case("mixtral-base", "mixtral"),
     Case("mixtral-sliding-window", "mixtral", dict(sliding_window=4)),
@@ -109,27 +128,51 @@ CASES = [
     # --- DeepSeek-V2: MLA with q_lora_rank, softmax greedy top-k, routed_scaling_factor, shared expert,
     # first layer dense (interleaved rotary pairs)
     Case("deepseek-v2-base", "deepseek_v2"),
-    Case("deepseek-v2-no-q-lora-group-limited", "deepseek_v2",
-         dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2)),
-    Case("deepseek-v2-yarn-mscale", "deepseek_v2", dict(rope_parameters=dict(DS_YARN), num_hidden_layers=3,
-                                                        first_k_dense_replace=2, n_shared_experts=2)),
+    Case(
+        "deepseek-v2-no-q-lora-group-limited",
+        "deepseek_v2",
+        dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2),
+    ),
+    Case(
+        "deepseek-v2-yarn-mscale",
+        "deepseek_v2",
+        dict(rope_parameters=dict(DS_YARN), num_hidden_layers=3, first_k_dense_replace=2, n_shared_experts=2),
+    ),
     # --- DeepSeek-V3: sigmoid + e_score_correction_bias, 2 groups keep 1, norm_topk_prob, dense first layer
     Case("deepseek-v3-base", "deepseek_v3"),
-    Case("deepseek-v3-groups-yarn", "deepseek_v3", dict(n_group=4, topk_group=2, num_experts_per_tok=3,
-                                                        num_hidden_layers=3, rope_parameters=dict(DS_YARN))),
-    Case("deepseek-v3-no-interleave-no-norm", "deepseek_v3", dict(rope_interleave=False, norm_topk_prob=False,
-                                                                  q_lora_rank=None, attention_bias=True)),
+    Case(
+        "deepseek-v3-groups-yarn",
+        "deepseek_v3",
+        dict(
+            n_group=4, topk_group=2, num_experts_per_tok=3, num_hidden_layers=3, rope_parameters=dict(DS_YARN)
+        ),
+    ),
+    Case(
+        "deepseek-v3-no-interleave-no-norm",
+        "deepseek_v3",
+        dict(rope_interleave=False, norm_topk_prob=False, q_lora_rank=None, attention_bias=True),
+    ),
     # --- GLM-4.5: partial rotary (0.5), attention bias, q/k norm on/off, V3 routing, dense first layer
     Case("glm4-moe-base", "glm4_moe"),
     Case("glm4-moe-qk-norm-bias", "glm4_moe", dict(use_qk_norm=True, attention_bias=True)),
-    Case("glm4-moe-groups-rotary", "glm4_moe", dict(n_group=2, topk_group=1, num_hidden_layers=3,
-                                                    first_k_dense_replace=2, rope_parameters={
-                                                        "rope_type": "default", "rope_theta": 1e6,
-                                                        "partial_rotary_factor": 0.25})),
+    Case(
+        "glm4-moe-groups-rotary",
+        "glm4_moe",
+        dict(
+            n_group=2,
+            topk_group=1,
+            num_hidden_layers=3,
+            first_k_dense_replace=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+        ),
+    ),
     # --- GLM-4.7-Flash class: MLA + GLM routing, mlp_layer_types dense first
     Case("glm4-moe-lite-base", "glm4_moe_lite"),
-    Case("glm4-moe-lite-no-q-lora-3-layers", "glm4_moe_lite",
-         dict(q_lora_rank=None, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])),
+    Case(
+        "glm4-moe-lite-no-q-lora-3-layers",
+        "glm4_moe_lite",
+        dict(q_lora_rank=None, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"]),
+    ),
 ]
 
 
@@ -186,9 +229,14 @@ def test_logits_match_transformers(loaded):
     assert tuple(got.shape) == tuple(expected.shape), f"{loaded.case.id}: logits shape"
     diff = (got - expected).abs().max(dim=-1).values
     torch.testing.assert_close(
-        got, expected, atol=ATOL, rtol=RTOL,
-        msg=lambda m: f"{loaded.case.id}: logits differ from transformers; max |diff| per position "
-        f"{[round(float(d), 6) for d in diff]}\n{m}",
+        got,
+        expected,
+        atol=ATOL,
+        rtol=RTOL,
+        msg=lambda m: (
+            f"{loaded.case.id}: logits differ from transformers; max |diff| per position "
+            f"{[round(float(d), 6) for d in diff]}\n{m}"
+        ),
     )
 
 
@@ -203,7 +251,7 @@ def check_greedy(loaded, prompt, got, what=""):
         pytest.fail(
             f"{loaded.case.id}{what}: greedy tokens for a {len(prompt)}-token prompt differ from "
             "transformers "
-            f"at step {i}: engine {got[i:i + 4]} vs transformers {expected[i:i + 4]} "
+            f"at step {i}: engine {got[i : i + 4]} vs transformers {expected[i : i + 4]} "
             f"(transformers' top-2 margin there {margin:.2e})\nengine       {got}\ntransformers {expected}"
         )
 
@@ -230,10 +278,21 @@ def test_batched_greedy_matches_transformers(loaded, expertcache_api):
 def test_chunked_prefill_matches_transformers(loaded, expertcache_api):
     """A 5-token step budget splits every prefill into chunks and interleaves them with decodes;
     max_num_seqs=2 queues the third prompt; no prefix cache."""
-    llm = expertcache_api.LLM(str(loaded.path), device="cpu", cpu_math="exact", max_num_batched_tokens=5,
-                              max_num_seqs=2, prefix_caching=False)
-    torch.testing.assert_close(llm.logits(loaded.prompt), reference_logits(loaded.reference, loaded.prompt),
-                               atol=ATOL, rtol=RTOL, msg=lambda m: f"{loaded.case.id} (chunked logits): {m}")
+    llm = expertcache_api.LLM(
+        str(loaded.path),
+        device="cpu",
+        cpu_math="exact",
+        max_num_batched_tokens=5,
+        max_num_seqs=2,
+        prefix_caching=False,
+    )
+    torch.testing.assert_close(
+        llm.logits(loaded.prompt),
+        reference_logits(loaded.reference, loaded.prompt),
+        atol=ATOL,
+        rtol=RTOL,
+        msg=lambda m: f"{loaded.case.id} (chunked logits): {m}",
+    )
     prompts = loaded.batch_prompts()
     outs = llm.generate(prompts, greedy_params(expertcache_api))
     for prompt, out in zip(prompts, outs):
@@ -249,10 +308,16 @@ def test_fused_expert_layout_same_logits(loaded, expertcache_api, tmp_path):
     llm = expertcache_api.LLM(str(fused), device="cpu", cpu_math="exact")
     got = llm.logits(loaded.prompt)
     expected = reference_logits(loaded.reference, loaded.prompt)
-    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL,
-                               msg=lambda m: f"{loaded.case.id} (fused layout): {m}")
-    torch.testing.assert_close(got, loaded.llm.logits(loaded.prompt), atol=1e-5, rtol=1e-5,
-                               msg=lambda m: f"{loaded.case.id}: fused vs per-expert layout: {m}")
+    torch.testing.assert_close(
+        got, expected, atol=ATOL, rtol=RTOL, msg=lambda m: f"{loaded.case.id} (fused layout): {m}"
+    )
+    torch.testing.assert_close(
+        got,
+        loaded.llm.logits(loaded.prompt),
+        atol=1e-5,
+        rtol=1e-5,
+        msg=lambda m: f"{loaded.case.id}: fused vs per-expert layout: {m}",
+    )
 
 
 _base_logits: dict[str, torch.Tensor] = {}
@@ -275,9 +340,20 @@ def test_variant_changes_the_math(loaded, checkpoint):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case_id", ["qwen3-base", "qwen3-sliding-window", "qwen2-base", "mixtral-base",
-                                     "olmoe-clip-qkv", "deepseek-v2-no-q-lora-group-limited", "deepseek-v3-groups-yarn",
-                                     "glm4-moe-qk-norm-bias", "glm4-moe-lite-base"])
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        "qwen3-base",
+        "qwen3-sliding-window",
+        "qwen2-base",
+        "mixtral-base",
+        "olmoe-clip-qkv",
+        "deepseek-v2-no-q-lora-group-limited",
+        "deepseek-v3-groups-yarn",
+        "glm4-moe-qk-norm-bias",
+        "glm4-moe-lite-base",
+    ],
+)
 def test_cuda_fp32_matches_transformers(case_id, checkpoint, expertcache_api):
     """On CUDA in fp32 the engine matches transformers' CPU fp32 logits and greedy tokens."""
     case = next(c for c in CASES if c.id == case_id)

@@ -14,15 +14,17 @@ import types
 
 import pytest
 import torch
+from kernel_refs import BF16ACT, Q8ACT64, assert_moe_close, moe_reference
+from test_kernels import FORMATS, MODEL, SEQ, _close, _moe_pool, _packed, _routing
 
 from expertcache import LLM, kernels
 from expertcache.errors import ConfigError
 from expertcache.kernels.formats import plain_spec, quant_spec
-from kernel_refs import BF16ACT, Q8ACT64, assert_moe_close, moe_reference
-from test_kernels import FORMATS, MODEL, SEQ, _close, _moe_pool, _packed, _routing
 
 fast_cpu = kernels.backend() == "cpp" and kernels.extension().fast_supported()
-needs_fast = pytest.mark.skipif(not fast_cpu, reason="the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI")
+needs_fast = pytest.mark.skipif(
+    not fast_cpu, reason="the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI"
+)
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 16, 64, 300]
 SHAPES = [(1, 1), (37, 31), (5, 33), (300, 100), (37, 330), (70, 1031)]  # (N, K): K around 32 and 64
 
@@ -43,7 +45,9 @@ def test_bf16_against_float64_of_rounded_activations(n, k):
 
 
 @needs_fast
-@pytest.mark.parametrize("group", [64, 128, 192, 256, 1 << 20])  # 192: the scale index by division, not a shift
+@pytest.mark.parametrize(
+    "group", [64, 128, 192, 256, 1 << 20]
+)  # 192: the scale index by division, not a shift
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_int8_against_float64_of_quantized_activations(n, k, group):
     m, pool, w = _packed("int8", {"group_size": group}, n, k)
@@ -59,8 +63,9 @@ def _without_fast_kernel(fmt: str, params: dict) -> bool:
 
 
 @needs_fast
-@pytest.mark.parametrize("fmt,params", [f for f in FORMATS + [("int8", {"group_size": 96})]
-                                        if _without_fast_kernel(*f)], ids=str)
+@pytest.mark.parametrize(
+    "fmt,params", [f for f in FORMATS + [("int8", {"group_size": 96})] if _without_fast_kernel(*f)], ids=str
+)
 def test_formats_without_a_fast_kernel_stay_exact(fmt, params):
     """fp16/fp32/fp8/int4, and int8 whose groups do not hold whole blocks of 64, compute exactly (bf16,
     int8 by 64 and mxfp4 have fast kernels: the tests above and tests/test_kernels_mxfp4.py)."""

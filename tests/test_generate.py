@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+import checkpoints as C
 import pytest
 import torch
-
-import checkpoints as C
 
 PROMPTS = [
     [7],
@@ -87,8 +86,11 @@ def test_seeded_sampling_reproducible(llm, api):
 def test_sampling_differs_from_greedy(llm, api):
     g = list(llm.generate([PROMPTS[2]], greedy(api, 16))[0].token_ids)
     samples = {
-        tuple(llm.generate([PROMPTS[2]], api.SamplingParams(max_tokens=16, temperature=2.0, seed=s,
-                                                            ignore_eos=True))[0].token_ids)
+        tuple(
+            llm.generate(
+                [PROMPTS[2]], api.SamplingParams(max_tokens=16, temperature=2.0, seed=s, ignore_eos=True)
+            )[0].token_ids
+        )
         for s in range(3)
     }
     assert any(s != tuple(g) for s in samples), "temperature 2.0 sampling always equals greedy"
@@ -96,16 +98,18 @@ def test_sampling_differs_from_greedy(llm, api):
 
 def test_top_k_1_equals_greedy(llm, api):
     g = llm.generate(PROMPTS, greedy(api, 16))
-    k1 = llm.generate(PROMPTS, api.SamplingParams(max_tokens=16, temperature=1.0, top_k=1, seed=3,
-                                                  ignore_eos=True))
+    k1 = llm.generate(
+        PROMPTS, api.SamplingParams(max_tokens=16, temperature=1.0, top_k=1, seed=3, ignore_eos=True)
+    )
     for a, b in zip(g, k1):
         assert list(a.token_ids) == list(b.token_ids)
 
 
 def test_tiny_top_p_equals_greedy(llm, api):
     g = llm.generate([PROMPTS[1]], greedy(api, 16))[0]
-    p = llm.generate([PROMPTS[1]], api.SamplingParams(max_tokens=16, temperature=1.0, top_p=1e-6, seed=5,
-                                                      ignore_eos=True))[0]
+    p = llm.generate(
+        [PROMPTS[1]], api.SamplingParams(max_tokens=16, temperature=1.0, top_p=1e-6, seed=5, ignore_eos=True)
+    )[0]
     assert list(p.token_ids) == list(g.token_ids)
 
 
@@ -119,7 +123,7 @@ def test_max_tokens_gives_length(llm, api):
 def _ascii_stop_string(text: str) -> str:
     """A 3-character printable-ASCII piece of text, not at its start."""
     for i in range(2, len(text) - 3):
-        s = text[i:i + 3]
+        s = text[i : i + 3]
         if all(32 < ord(ch) < 127 for ch in s):
             return s
     raise AssertionError(f"no ASCII stop string in {text!r}: pick another prompt for this model")

@@ -20,13 +20,19 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from expertcache import LLM
 
-LLAMA_CPP = Path(os.environ.get("EXPERTCACHE_LLAMA_CPP", Path.home() / ".cache/expertcache-peers/"
-                                "llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP = Path(
+    os.environ.get(
+        "EXPERTCACHE_LLAMA_CPP",
+        Path.home() / ".cache/expertcache-peers/llama_cpp_python-0.3.36/vendor/llama.cpp",
+    )
+)
 CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
 TEXT = "Hello world, 你好世界! Привет. def f(x): return x ** 2"
 
 
-@pytest.mark.skipif(not CONVERTER.is_file(), reason="llama.cpp's converter absent (bench/peers: EXPERTCACHE_LLAMA_CPP)")
+@pytest.mark.skipif(
+    not CONVERTER.is_file(), reason="llama.cpp's converter absent (bench/peers: EXPERTCACHE_LLAMA_CPP)"
+)
 @pytest.mark.parametrize("outtype", ["q8_0"])
 def test_llama_cpp_converter_output_loads(tmp_path, outtype):
     ckpt = C.make_checkpoint(tmp_path, "qwen3_moe", name="q", tokenizer=False, vocab_size=151936)
@@ -34,8 +40,14 @@ def test_llama_cpp_converter_output_loads(tmp_path, outtype):
         shutil.copy(QWEN3_TOKENIZER_DIR / f, ckpt / f)
     out = tmp_path / f"q-{outtype}.gguf"
     env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP / "gguf-py")}
-    r = subprocess.run([sys.executable, str(CONVERTER), str(ckpt), "--outfile", str(out), "--outtype", outtype],
-                       check=False, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(CONVERTER), str(ckpt), "--outfile", str(out), "--outtype", outtype],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     llm = LLM(str(out))
     try:

@@ -29,13 +29,21 @@ PROMPT = [1, 12, 50, 99, 150, 7, 33, 21, 40, 11]
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("split_kv_b", [True, False])
 @pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
-def test_logits_equal_transformers_on_the_dequantized_weights(checkpoint, tmp_path, family, split_kv_b, type_name):
+def test_logits_equal_transformers_on_the_dequantized_weights(
+    checkpoint, tmp_path, family, split_kv_b, type_name
+):
     ckpt = checkpoint(family)
     cfg = json.loads((ckpt / "config.json").read_text())
-    meta = deepseek_metadata(cfg) + tokenizer_metadata(ckpt / "tokenizer.json", "deepseek-v3", cfg["vocab_size"],
-                                                       eos="<|im_end|>")
-    path = write_gguf(tmp_path / "d.gguf", "deepseek2", deepseek_names(C.read_tensors(ckpt), cfg, split_kv_b), meta,
-                      default_types(type_name, type_name))
+    meta = deepseek_metadata(cfg) + tokenizer_metadata(
+        ckpt / "tokenizer.json", "deepseek-v3", cfg["vocab_size"], eos="<|im_end|>"
+    )
+    path = write_gguf(
+        tmp_path / "d.gguf",
+        "deepseek2",
+        deepseek_names(C.read_tensors(ckpt), cfg, split_kv_b),
+        meta,
+        default_types(type_name, type_name),
+    )
     ref_model = reference_with(C.load_reference(ckpt), deepseek_state(path, cfg))
     expected = C.reference_logits(ref_model, PROMPT)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

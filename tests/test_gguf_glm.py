@@ -29,16 +29,27 @@ PROMPT = [1, 12, 50, 99, 150, 7, 33, 21, 40, 11]
 def test_logits_equal_transformers_on_the_dequantized_weights(checkpoint, tmp_path, type_name, capfd):
     ckpt = checkpoint("glm4_moe")
     cfg = json.loads((ckpt / "config.json").read_text())
-    meta = glm4moe_metadata(cfg, nextn=1) + tokenizer_metadata(ckpt / "tokenizer.json", "glm4", cfg["vocab_size"],
-                                                               eos="<|im_end|>")
-    path = write_gguf(tmp_path / "g.gguf", "glm4moe", glm4moe_names(C.read_tensors(ckpt), mtp_layer=2), meta,
-                      default_types(type_name, type_name))
+    meta = glm4moe_metadata(cfg, nextn=1) + tokenizer_metadata(
+        ckpt / "tokenizer.json", "glm4", cfg["vocab_size"], eos="<|im_end|>"
+    )
+    path = write_gguf(
+        tmp_path / "g.gguf",
+        "glm4moe",
+        glm4moe_names(C.read_tensors(ckpt), mtp_layer=2),
+        meta,
+        default_types(type_name, type_name),
+    )
     expected = C.reference_logits(reference_with(C.load_reference(ckpt), glm4moe_state(path, 2)), PROMPT)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     llm = LLM(str(path))
     try:
         c = llm.cfg
-        assert c.num_layers == 2 and c.rotary_dim == 8 and c.router.kind == "noaux_tc" and c.moe_layers == (False, True)
+        assert (
+            c.num_layers == 2
+            and c.rotary_dim == 8
+            and c.router.kind == "noaux_tc"
+            and c.moe_layers == (False, True)
+        )
         assert c.shared_expert_intermediate_size == 32 and c.router.scaling == 1.5
         got = llm.logits(PROMPT)
         greedy = llm.generate([PROMPT], params)[0].token_ids

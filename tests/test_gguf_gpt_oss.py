@@ -32,10 +32,13 @@ def gpt_oss(tmp_path_factory):
     ckpt = G.make_gpt_oss(root)
     cfg = json.loads((ckpt / "config.json").read_text())
     arrays = gpt_oss_names(C.read_tensors(ckpt))
-    meta = gpt_oss_metadata(cfg) + tokenizer_metadata(ckpt / "tokenizer.json", "gpt-4o", cfg["vocab_size"],
-                                                      eos="<|return|>")
-    files = {t: write_gguf(root / f"g-{t}.gguf", "gpt-oss", arrays, meta, default_types(t, "F32"))
-             for t in ("F32", "MXFP4")}
+    meta = gpt_oss_metadata(cfg) + tokenizer_metadata(
+        ckpt / "tokenizer.json", "gpt-4o", cfg["vocab_size"], eos="<|return|>"
+    )
+    files = {
+        t: write_gguf(root / f"g-{t}.gguf", "gpt-oss", arrays, meta, default_types(t, "F32"))
+        for t in ("F32", "MXFP4")
+    }
     return ckpt, files
 
 
@@ -50,8 +53,9 @@ def test_logits_equal_transformers_on_the_dequantized_weights(gpt_oss, type_name
         cfg = llm.cfg
         assert cfg.attn_sinks and cfg.expert_bias and cfg.router_bias and cfg.swiglu_limit == 7.0
         assert cfg.sliding_window == (4, None, 4) and cfg.rope["rope_type"] == "yarn"
-        assert (llm.source.method.name if llm.source.method else None) == ("gguf-mxfp4" if type_name == "MXFP4"
-                                                                           else None)
+        assert (llm.source.method.name if llm.source.method else None) == (
+            "gguf-mxfp4" if type_name == "MXFP4" else None
+        )
         got = llm.logits(PROMPT)
     finally:
         llm.close()
@@ -66,10 +70,17 @@ def test_gate_up_is_the_gate_then_the_up_stacks_bytes(gpt_oss):
     llm = LLM(str(path))
     try:
         ranges = llm.source.ranges(1, 3)
-        got = b"".join(data[o:o + n] for _, o, n in ranges["gate_up.weight"])
-        assert got == t["blk.1.ffn_gate_exps.weight"].data[3].tobytes() + t["blk.1.ffn_up_exps.weight"].data[3].tobytes()
-        got = b"".join(data[o:o + n] for _, o, n in ranges["gate_up_bias"])
-        assert got == t["blk.1.ffn_gate_exps.bias"].data[3].tobytes() + t["blk.1.ffn_up_exps.bias"].data[3].tobytes()
+        got = b"".join(data[o : o + n] for _, o, n in ranges["gate_up.weight"])
+        assert (
+            got
+            == t["blk.1.ffn_gate_exps.weight"].data[3].tobytes()
+            + t["blk.1.ffn_up_exps.weight"].data[3].tobytes()
+        )
+        got = b"".join(data[o : o + n] for _, o, n in ranges["gate_up_bias"])
+        assert (
+            got
+            == t["blk.1.ffn_gate_exps.bias"].data[3].tobytes() + t["blk.1.ffn_up_exps.bias"].data[3].tobytes()
+        )
     finally:
         llm.close()
 

@@ -30,8 +30,9 @@ PROMPT = [1, 12, 50, 99, 150, 7, 33, 21, 40, 11]
 def mixtral(checkpoint):
     ckpt = checkpoint("mixtral")
     cfg = json.loads((ckpt / "config.json").read_text())
-    meta = mixtral_metadata(cfg) + tokenizer_metadata(ckpt / "tokenizer.json", "qwen2", cfg["vocab_size"],
-                                                      eos="<|im_end|>")
+    meta = mixtral_metadata(cfg) + tokenizer_metadata(
+        ckpt / "tokenizer.json", "qwen2", cfg["vocab_size"], eos="<|im_end|>"
+    )
     return ckpt, cfg, meta
 
 
@@ -39,8 +40,13 @@ def mixtral(checkpoint):
 @pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
 def test_logits_equal_transformers_on_the_dequantized_weights(mixtral, tmp_path, stacked, type_name):
     ckpt, cfg, meta = mixtral
-    path = write_gguf(tmp_path / "m.gguf", "llama", mixtral_names(C.read_tensors(ckpt), cfg, stacked), meta,
-                      default_types(type_name, type_name))
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        mixtral_names(C.read_tensors(ckpt), cfg, stacked),
+        meta,
+        default_types(type_name, type_name),
+    )
     expected = C.reference_logits(reference_with(C.load_reference(ckpt), mixtral_state(path, cfg)), PROMPT)
     llm = LLM(str(path))
     try:

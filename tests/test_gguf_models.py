@@ -29,8 +29,9 @@ PROMPT = [1, 5, 9, 33, 100, 7, 250, 3]
 
 def _meta(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
-    return cfg, qwen3moe_metadata(cfg) + tokenizer_metadata(ckpt / "tokenizer.json", "qwen2", cfg["vocab_size"],
-                                                             eos="<|im_end|>", chat_template=C.CHAT_TEMPLATE)
+    return cfg, qwen3moe_metadata(cfg) + tokenizer_metadata(
+        ckpt / "tokenizer.json", "qwen2", cfg["vocab_size"], eos="<|im_end|>", chat_template=C.CHAT_TEMPLATE
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,11 @@ def test_logits_equal_transformers_on_the_dequantized_weights(qwen3_checkpoint, 
     expected = C.reference_logits(ref_model, PROMPT)
     llm = LLM(str(path))
     try:
-        assert llm.source.method is None if type_name in ("F32", "F16", "BF16") else \
-            llm.source.method.name == f"gguf-{type_name.lower()}"
+        assert (
+            llm.source.method is None
+            if type_name in ("F32", "F16", "BF16")
+            else llm.source.method.name == f"gguf-{type_name.lower()}"
+        )
         got = llm.logits(PROMPT)
     finally:
         llm.close()
@@ -91,10 +95,12 @@ def test_each_expert_is_its_bytes_in_the_file_in_every_tier(qwen3_gguf):
                 for proj in ("gate", "up", "down"):
                     t = gf[f"blk.{layer}.ffn_{proj}_exps.weight"]
                     per = t.n_bytes // 8
-                    (_file, off, n), = ranges[f"{proj}.weight"]
+                    ((_file, off, n),) = ranges[f"{proj}.weight"]
                     assert (off, n) == (t.data_offset + j * per, per)
-                    assert data[off:off + n] == t.data[j].tobytes()
-        assert src.expert_nbytes == sum(gf[f"blk.0.ffn_{p}_exps.weight"].n_bytes // 8 for p in ("gate", "up", "down"))
+                    assert data[off : off + n] == t.data[j].tobytes()
+        assert src.expert_nbytes == sum(
+            gf[f"blk.0.ffn_{p}_exps.weight"].n_bytes // 8 for p in ("gate", "up", "down")
+        )
         torch.testing.assert_close(tiered.logits(PROMPT), resident.logits(PROMPT), rtol=1e-5, atol=1e-5)
     finally:
         resident.close()
@@ -119,11 +125,17 @@ def test_missing_tensor_and_wrong_shape_are_refused_naming_them(qwen3_checkpoint
     arrays = gguf_names(C.read_tensors(qwen3_checkpoint))
     _cfg, meta = _meta(qwen3_checkpoint)
     less = {k: v for k, v in arrays.items() if k != "blk.1.attn_k.weight"}
-    with pytest.raises(CheckpointError, match=r"missing tensor blk\.1\.attn_k\.weight \(model\.layers\.1\.self_attn\.k_proj\.weight\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing tensor blk\.1\.attn_k\.weight \(model\.layers\.1\.self_attn\.k_proj\.weight\)",
+    ):
         LLM(str(write_gguf(tmp_path / "less.gguf", "qwen3moe", less, meta)))
     wrong = [(k, 1 if k.endswith("head_count_kv") else v, kind) for k, v, kind in meta]
-    with pytest.raises(CheckpointError, match=r"tensor blk\.0\.attn_k\.weight .* has shape \[32, 64\], the config "
-                                              r"implies \[16, 64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor blk\.0\.attn_k\.weight .* has shape \[32, 64\], the config "
+        r"implies \[16, 64\]",
+    ):
         LLM(str(write_gguf(tmp_path / "wrong.gguf", "qwen3moe", arrays, wrong)))
     no_arch = [(k.replace("qwen3moe.", "foo."), v, kind) for k, v, kind in meta]
     with pytest.raises(CheckpointError, match="GGUF architecture 'foo' is not supported"):
@@ -142,8 +154,11 @@ def test_experts_of_a_type_without_a_format_and_mixed_layers_are_refused(qwen3_c
             return "Q8_0" if name.startswith("blk.0.") else "Q4_0"
         return default_types("Q8_0", "F32")(name, arr)
 
-    with pytest.raises(CheckpointError, match=r"blk\.N\.ffn_down_exps differ in type across layers \(Q4_0 in "
-                                              r"layers \[1\]; Q8_0 in layers \[0\]\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"blk\.N\.ffn_down_exps differ in type across layers \(Q4_0 in "
+        r"layers \[1\]; Q8_0 in layers \[0\]\)",
+    ):
         LLM(str(write_gguf(tmp_path / "mixed.gguf", "qwen3moe", arrays, meta, layer_mixed)))
 
     def proj_mixed(name, arr):
@@ -179,13 +194,14 @@ def test_gate_up_in_one_stack(qwen3_checkpoint, tmp_path, type_name):
     _, meta = _meta(qwen3_checkpoint)
     arrays = gguf_names(C.read_tensors(qwen3_checkpoint), gate_up=True)
     path = write_gguf(tmp_path / "gu.gguf", "qwen3moe", arrays, meta, default_types(type_name, type_name))
-    expected = C.reference_logits(reference_with(C.load_reference(qwen3_checkpoint), dequantized_tensors(path)),
-                                  PROMPT)
+    expected = C.reference_logits(
+        reference_with(C.load_reference(qwen3_checkpoint), dequantized_tensors(path)), PROMPT
+    )
     llm = LLM(str(path))
     try:
         t = {x.name: x for x in gguf.GGUFReader(str(path)).tensors}["blk.0.ffn_gate_up_exps.weight"]
         key = "gate_up.weight" if type_name == "Q8_0" else "gate_up"
-        (_, off, n), = llm.source.ranges(0, 5)[key]
+        ((_, off, n),) = llm.source.ranges(0, 5)[key]
         assert (off, n) == (t.data_offset + 5 * (t.n_bytes // 8), t.n_bytes // 8)
         got = llm.logits(PROMPT)
     finally:

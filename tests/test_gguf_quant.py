@@ -31,7 +31,9 @@ def test_dequantize_equals_the_gguf_package(type_name):
     raw = random_blocks(type_name, out_f, in_f, seed=len(type_name))
     w = torch.from_numpy(raw)
     layout = m.layout("gate", (out_f, in_f))
-    assert {k: (tuple(s.shape), s.dtype) for k, s in layout.items()} == {"gate.weight": (tuple(raw.shape), torch.uint8)}
+    assert {k: (tuple(s.shape), s.dtype) for k, s in layout.items()} == {
+        "gate.weight": (tuple(raw.shape), torch.uint8)
+    }
     assert m.nbytes((out_f, in_f)) == raw.nbytes
     ref = gguf.quants.dequantize(raw, Q[type_name]).reshape(out_f, in_f)
     assert np.isfinite(ref).all()

@@ -16,9 +16,11 @@ from expertcache.engine.tokenizer import Tokenizer, load_tokenizer
 from expertcache.errors import CheckpointError
 
 DEMO = Path(__file__).parent.parent / "expertcache" / "demo_model"
-TEXT = ("Hello, world! It's 2026: café naïve résumé — 12345 + 678 = 13023.\n\n  Indented\tTab\r\n"
-        "日本語のテキストと中文文本，한국어 텍스트. Привет, мир! مرحبا بالعالم. Γειά σου. 🙂👍🏽 "
-        "def f(x):\n    return x ** 2  # it's    spaced   out\n<|im_start|>user\nhi<|im_end|>\n<think>\n</think>")
+TEXT = (
+    "Hello, world! It's 2026: café naïve résumé — 12345 + 678 = 13023.\n\n  Indented\tTab\r\n"
+    "日本語のテキストと中文文本，한국어 텍스트. Привет, мир! مرحبا بالعالم. Γειά σου. 🙂👍🏽 "
+    "def f(x):\n    return x ** 2  # it's    spaced   out\n<|im_start|>user\nhi<|im_end|>\n<think>\n</think>"
+)
 
 
 def _gguf(tmp_path, tokenizer_json: Path, pre: str, **kw) -> Path:
@@ -32,7 +34,9 @@ def test_gguf_tokenizer_encodes_as_the_tokenizer_json(tmp_path, where, pre):
         pytest.skip(f"{where} absent")
     ref = HFTokenizer.from_file(str(where / "tokenizer.json"))
     eos = "<|im_end|>" if ref.token_to_id("<|im_end|>") is not None else None
-    path = _gguf(tmp_path, where / "tokenizer.json", pre, eos=eos, chat_template="{{ messages[0]['content'] }}")
+    path = _gguf(
+        tmp_path, where / "tokenizer.json", pre, eos=eos, chat_template="{{ messages[0]['content'] }}"
+    )
     tok = Tokenizer(path)
     expected = ref.encode(TEXT, add_special_tokens=False).ids
     assert tok.encode(TEXT, add_special_tokens=False) == expected
@@ -57,8 +61,10 @@ def test_add_bos_and_the_tokenizer_dir_override(tmp_path):
     tok = Tokenizer(path)
     bos = tok.tok.token_to_id("<|endoftext|>")
     assert tok.encode("hi")[0] == bos and tok.encode("hi", add_special_tokens=False)[0] != bos
-    assert load_tokenizer(path, DEMO).encode(TEXT) == HFTokenizer.from_file(str(DEMO / "tokenizer.json")).encode(
-        TEXT).ids
+    assert (
+        load_tokenizer(path, DEMO).encode(TEXT)
+        == HFTokenizer.from_file(str(DEMO / "tokenizer.json")).encode(TEXT).ids
+    )
     with pytest.raises(CheckpointError, match="no tokenizer.json in that directory"):
         load_tokenizer(path, tmp_path)
 
@@ -67,5 +73,6 @@ def test_add_bos_and_the_tokenizer_dir_override(tmp_path):
 def test_every_pre_tokenizer_builds_and_round_trips(tmp_path, pre):
     tok = Tokenizer(_gguf(tmp_path, DEMO / "tokenizer.json", pre))
     ids = tok.encode(TEXT, add_special_tokens=False)
-    assert tok.decode(ids, skip_special_tokens=False) == (TEXT if pre not in ("qwen2", "qwen35") else
-                                                          __import__("unicodedata").normalize("NFC", TEXT))
+    assert tok.decode(ids, skip_special_tokens=False) == (
+        TEXT if pre not in ("qwen2", "qwen35") else __import__("unicodedata").normalize("NFC", TEXT)
+    )

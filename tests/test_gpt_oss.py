@@ -13,21 +13,22 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import pytest
-import torch
-
 import checkpoints as C
 import gpt_oss_checkpoints as G
+import pytest
+import torch
+from safetensors_reference import independent_slot_checks
+
 from expertcache import LLM, SamplingParams
 from expertcache.errors import CheckpointError, ConfigError
 from expertcache.experts.policy import POLICIES
-from safetensors_reference import independent_slot_checks
 
 
 @pytest.fixture(autouse=True)
 def _slot_checks_read_safetensors(monkeypatch):
     """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
     independent_slot_checks(monkeypatch)
+
 
 ATOL = RTOL = 1e-4
 NEW_TOKENS = 24
@@ -45,11 +46,20 @@ class Case:
 
 CASES = [
     Case("base"),  # sliding, full, sliding; sinks; biases; yarn (truncate false)
-    Case("rope-as-shipped", dict(rope_parameters=dict(G.SHIPPED_ROPE), max_position_embeddings=131072,
-                                 num_hidden_layers=2)),  # default layer_types
+    Case(
+        "rope-as-shipped",
+        dict(rope_parameters=dict(G.SHIPPED_ROPE), max_position_embeddings=131072, num_hidden_layers=2),
+    ),  # default layer_types
     Case("tight-clamp", dict(swiglu_limit=0.6, swiglu_alpha=1.2)),
-    Case("16-experts-top4-full-no-attn-bias", dict(num_local_experts=16, num_experts_per_tok=4, attention_bias=False,
-                                                   layer_types=["full_attention"] * 3)),
+    Case(
+        "16-experts-top4-full-no-attn-bias",
+        dict(
+            num_local_experts=16,
+            num_experts_per_tok=4,
+            attention_bias=False,
+            layer_types=["full_attention"] * 3,
+        ),
+    ),
     Case("bf16-checkpoint", dtype=torch.bfloat16),
     Case("mxfp4-as-shipped", mxfp4=True),
 ]
@@ -98,8 +108,13 @@ def loaded(request, gpt_oss_dir):
 def test_logits_match_transformers(loaded):
     expected = C.reference_logits(loaded.reference, PROMPT)
     got = loaded.llm.logits(PROMPT)
-    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL,
-                               msg=lambda m: f"{loaded.case.id}: logits differ from transformers\n{m}")
+    torch.testing.assert_close(
+        got,
+        expected,
+        atol=ATOL,
+        rtol=RTOL,
+        msg=lambda m: f"{loaded.case.id}: logits differ from transformers\n{m}",
+    )
 
 
 def test_greedy_matches_transformers(loaded):
@@ -117,7 +132,9 @@ def test_batch_equals_one_by_one(loaded):
 
 def test_chunked_prefill_matches_transformers(loaded):
     llm = LLM(str(loaded.path), device="cpu", max_num_batched_tokens=5, max_num_seqs=2, prefix_caching=False)
-    torch.testing.assert_close(llm.logits(PROMPT), C.reference_logits(loaded.reference, PROMPT), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        llm.logits(PROMPT), C.reference_logits(loaded.reference, PROMPT), atol=ATOL, rtol=RTOL
+    )
     prompts = [PROMPT, PROMPT[:5], PROMPT[5:] + PROMPT]
     assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == [loaded.greedy(p) for p in prompts]
 
@@ -137,6 +154,7 @@ def test_prefix_reuse_matches_transformers(loaded):
 # --------------------------------------------------------------------------------------------
 # the test cases exercise every feature: switching one off in the reference changes the logits
 
+
 def _perturbed_logits(model, edit) -> torch.Tensor:
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     try:
@@ -150,16 +168,25 @@ def _perturbed_logits(model, edit) -> torch.Tensor:
 FEATURES = {
     "sinks": lambda m: [layer.self_attn.sinks.fill_(-1e4) for layer in m.model.layers],
     "router bias": lambda m: [layer.mlp.router.bias.zero_() for layer in m.model.layers],
-    "expert biases": lambda m: [(layer.mlp.experts.gate_up_proj_bias.zero_(), layer.mlp.experts.down_proj_bias.zero_())
-                                for layer in m.model.layers],
+    "expert biases": lambda m: [
+        (layer.mlp.experts.gate_up_proj_bias.zero_(), layer.mlp.experts.down_proj_bias.zero_())
+        for layer in m.model.layers
+    ],
     "attention biases": lambda m: [layer.self_attn.o_proj.bias.zero_() for layer in m.model.layers],
-    "sliding window": lambda m: [setattr(layer.self_attn, "sliding_window", None) or
-                                 m.config.layer_types.__setitem__(i, "full_attention")
-                                 for i, layer in enumerate(m.model.layers)],
+    "sliding window": lambda m: [
+        setattr(layer.self_attn, "sliding_window", None)
+        or m.config.layer_types.__setitem__(i, "full_attention")
+        for i, layer in enumerate(m.model.layers)
+    ],
     "swiglu clamp": lambda m: [setattr(layer.mlp.experts, "limit", 1e9) for layer in m.model.layers],
-    "gate/up interleaving": lambda m: [layer.mlp.experts.gate_up_proj.copy_(
-        layer.mlp.experts.gate_up_proj.view(*layer.mlp.experts.gate_up_proj.shape[:2], -1, 2).transpose(-1, -2)
-        .reshape(layer.mlp.experts.gate_up_proj.shape)) for layer in m.model.layers],
+    "gate/up interleaving": lambda m: [
+        layer.mlp.experts.gate_up_proj.copy_(
+            layer.mlp.experts.gate_up_proj.view(*layer.mlp.experts.gate_up_proj.shape[:2], -1, 2)
+            .transpose(-1, -2)
+            .reshape(layer.mlp.experts.gate_up_proj.shape)
+        )
+        for layer in m.model.layers
+    ],
 }
 
 
@@ -187,6 +214,7 @@ def test_mxfp4_is_not_the_fp32_model(gpt_oss_dir):
 # --------------------------------------------------------------------------------------------
 # the expert cache with biases and MXFP4: tight budgets give the resident output
 
+
 @pytest.fixture(scope="module", params=["bf16", "mxfp4"])
 def cache_model(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt-oss-cache")
@@ -196,7 +224,10 @@ def cache_model(request, tmp_path_factory):
     llm = LLM(str(path))
     prompts = [PROMPT, PROMPT[:3], PROMPT[::-1] + PROMPT]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    ref = {"logits": llm.logits(PROMPT + PROMPT), "tokens": [list(o.token_ids) for o in llm.generate(prompts, params)]}
+    ref = {
+        "logits": llm.logits(PROMPT + PROMPT),
+        "tokens": [list(o.token_ids) for o in llm.generate(prompts, params)],
+    }
     llm.close()
     return path, prompts, params, ref
 
@@ -223,9 +254,17 @@ def test_device_host_disk_tiers_give_resident_output(cache_model, policy):
     assert stats["per_tier"]["disk"]["bytes_read"] > 0 and stats["misses"] > 0
 
 
-@pytest.mark.parametrize("kw", [dict(cpu_compute="always"), dict(prefetch="device"), dict(overlap_io=False),
-                                dict(low_memory=True, host_memory=0), dict(low_memory=True, host_memory="19%")],
-                         ids=["cpu-compute", "prefetch-device", "sync-reads", "low-memory-no-host", "low-memory"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(cpu_compute="always"),
+        dict(prefetch="device"),
+        dict(overlap_io=False),
+        dict(low_memory=True, host_memory=0),
+        dict(low_memory=True, host_memory="19%"),
+    ],
+    ids=["cpu-compute", "prefetch-device", "sync-reads", "low-memory-no-host", "low-memory"],
+)
 def test_cache_modes_give_resident_output(cache_model, kw):
     _cached_run(cache_model, **{"device_memory": "13%", "host_memory": "19%", **kw})
 
@@ -233,26 +272,34 @@ def test_cache_modes_give_resident_output(cache_model, kw):
 # --------------------------------------------------------------------------------------------
 # config fields, stop tokens, plan
 
+
 def test_config_fields(gpt_oss_dir):
     from expertcache.models.registry import read_config
 
     _, cfg, _ = read_config(gpt_oss_dir(CASES[0]))
     assert cfg.family == "gpt_oss" and cfg.sliding_window == (4, None, 4)
     assert cfg.attn_sinks and cfg.router_bias and cfg.expert_bias and cfg.qkv_bias and cfg.o_bias
-    assert (cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.router.kind) == \
-        ("clamped_swiglu", 1.702, 7.0, "topk_softmax")
+    assert (cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.router.kind) == (
+        "clamped_swiglu",
+        1.702,
+        7.0,
+        "topk_softmax",
+    )
     assert cfg.eos_token_ids == G.EOS_IDS  # generation_config.json
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("layer_types", ["sliding_attention", "chunked_attention", "full_attention"], "chunked_attention"),
-    ("layer_types", ["full_attention"], "layer_types has 1 entries"),
-    ("sliding_window", None, "sliding_window is null"),
-    ("swiglu_limit", "7", "swiglu_limit"),
-    ("swiglu_alpha", None, "swiglu_alpha"),
-    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic'"),
-    ("quantization_config", {"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("layer_types", ["sliding_attention", "chunked_attention", "full_attention"], "chunked_attention"),
+        ("layer_types", ["full_attention"], "layer_types has 1 entries"),
+        ("sliding_window", None, "sliding_window is null"),
+        ("swiglu_limit", "7", "swiglu_limit"),
+        ("swiglu_alpha", None, "swiglu_alpha"),
+        ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic'"),
+        ("quantization_config", {"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
+    ],
+)
 def test_bad_config_is_a_clear_error(gpt_oss_dir, tmp_path, field, value, match):
     path = C.copy_checkpoint(gpt_oss_dir(CASES[0]), tmp_path / "m")
     C.edit_config(path, **{field: value})
@@ -262,7 +309,9 @@ def test_bad_config_is_a_clear_error(gpt_oss_dir, tmp_path, field, value, match)
 
 def test_missing_expert_bias_is_a_clear_error(gpt_oss_dir, tmp_path):
     path = C.copy_checkpoint(gpt_oss_dir(CASES[0]), tmp_path / "m")
-    C.rewrite_tensors(path, lambda t: {k: v for k, v in t.items() if not k.endswith("layers.1.mlp.experts.down_proj_bias")})
+    C.rewrite_tensors(
+        path, lambda t: {k: v for k, v in t.items() if not k.endswith("layers.1.mlp.experts.down_proj_bias")}
+    )
     with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.down_proj_bias"):
         LLM(str(path))
 
@@ -278,7 +327,7 @@ def test_stops_at_generation_config_eos(gpt_oss_dir, tmp_path):
     llm = LLM(str(path))
     assert set(llm.engine.eos) >= {G.RETURN, free[n], G.CALL}
     out = llm.generate([PROMPT], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))[0]
-    assert out.finish_reason == "stop" and list(out.token_ids) == free[:n + 1]
+    assert out.finish_reason == "stop" and list(out.token_ids) == free[: n + 1]
     llm.close()
 
 

@@ -24,26 +24,62 @@ HUB = {"openai/gpt-oss-20b": dict(layers=24, experts=32), "openai/gpt-oss-120b":
 def shipped_config(layers: int, experts: int) -> dict:
     """config.json as the hub repos have it (transformers 4.55 spelling: rope_scaling + rope_theta)."""
     return {
-        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": HEAD_DIM, "hidden_act": "silu",
-        "hidden_size": H, "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": I,
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": H,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": I,
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-        "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": HEADS,
-        "num_experts_per_tok": 4, "num_hidden_layers": layers, "num_key_value_heads": KV_HEADS,
-        "num_local_experts": experts, "output_router_logits": False, "pad_token_id": 199999,
-        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": HEADS,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": KV_HEADS,
+        "num_local_experts": experts,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
         "rms_norm_eps": 1e-05,
-        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
-                         "rope_type": "yarn", "truncate": False},
-        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
-        "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": VOCAB,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.55.0.dev0",
+        "use_cache": True,
+        "vocab_size": VOCAB,
     }
 
 
 def shipped_tensors(layers: int, experts: int) -> dict[str, tuple[str, list[int]]]:
-    t = {"model.embed_tokens.weight": ("BF16", [VOCAB, H]), "model.norm.weight": ("BF16", [H]),
-         "lm_head.weight": ("BF16", [VOCAB, H])}
+    t = {
+        "model.embed_tokens.weight": ("BF16", [VOCAB, H]),
+        "model.norm.weight": ("BF16", [H]),
+        "lm_head.weight": ("BF16", [VOCAB, H]),
+    }
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     for i in range(layers):
         p = f"model.layers.{i}"
@@ -88,8 +124,16 @@ def write_hub_layout(d, name: str) -> int:
     """config.json, generation_config.json and a sparse model.safetensors of hub repo `name` in d."""
     spec = HUB[name]
     (d / "config.json").write_text(json.dumps(shipped_config(spec["layers"], spec["experts"])))
-    (d / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012], "pad_token_id": 199999}))
+    (d / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": 199998,
+                "do_sample": True,
+                "eos_token_id": [200002, 199999, 200012],
+                "pad_token_id": 199999,
+            }
+        )
+    )
     return write_sparse_safetensors(d / "model.safetensors", shipped_tensors(spec["layers"], spec["experts"]))
 
 
@@ -106,9 +150,13 @@ EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // 32) + (H * I // 2 + H * I // 32) +
 def test_config_and_expert_layout(hub):
     name, spec, d, _ = hub
     family, cfg, hf = read_config(d)
-    assert family.name == "gpt_oss" and cfg.num_layers == spec["layers"] and cfg.num_experts == spec["experts"]
+    assert (
+        family.name == "gpt_oss" and cfg.num_layers == spec["layers"] and cfg.num_experts == spec["experts"]
+    )
     assert cfg.sliding_window[:2] == (128, None) and cfg.eos_token_ids == (200002, 199999, 200012)
-    assert cfg.rope["rope_type"] == "yarn" and cfg.rope["rope_theta"] == 150000 and cfg.rope["truncate"] is False
+    assert (
+        cfg.rope["rope_type"] == "yarn" and cfg.rope["rope_theta"] == 150000 and cfg.rope["truncate"] is False
+    )
     assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 7.0)  # alpha: GptOssConfig's default
     index = TensorIndex(d)
     src = ExpertSource(index, cfg, family.names, method_from_config(hf))
@@ -116,7 +164,7 @@ def test_config_and_expert_layout(hub):
     assert src.ffn.fused_quant and src.ffn.interleaved and src.ffn.act == "clamped_swiglu"
     last, E = spec["layers"] - 1, spec["experts"]
     blocks = index.info(f"model.layers.{last}.mlp.experts.gate_up_proj_blocks")
-    (f, off, n), = src.ranges(last, E - 1)["gate_up.weight_blocks"]
+    ((f, off, n),) = src.ranges(last, E - 1)["gate_up.weight_blocks"]
     assert (f, off, n) == (blocks.file, blocks.offset + (E - 1) * n, 2 * I * H // 2)
     bias = index.info(f"model.layers.{last}.mlp.experts.down_proj_bias")
     assert src.ranges(last, 1)["down_bias"] == [(bias.file, bias.offset + 2 * H, 2 * H)]
@@ -144,7 +192,9 @@ def test_plan_sizes(hub):
     assert s.dense_compute == device_plan(info, config).terms["dense"]  # the one dense figure
     assert s.kv_per_token == L * 2 * kv * 2  # k and v, bf16
     plan = plan_memory(info, torch.device("cuda"), torch.bfloat16, "8GiB", "16GiB")
-    assert plan.device.slots == min(E, ((8 << 30) - EXPERT_BYTES) // (L * EXPERT_BYTES))  # less one staging slot
+    assert plan.device.slots == min(
+        E, ((8 << 30) - EXPERT_BYTES) // (L * EXPERT_BYTES)
+    )  # less one staging slot
 
 
 def test_plan_command(tmp_path, capsys):
@@ -152,12 +202,36 @@ def test_plan_command(tmp_path, capsys):
     d = tmp_path
     write_hub_layout(d, "openai/gpt-oss-20b")
     # 8 GiB is the whole GPU: dense 3.35 GiB, KV 1 GiB, logits bounded at ~274 MiB, the rest slots
-    rc = main(["plan", str(d), "--device", "cuda", "--device-memory", "6GiB", "--host-memory", "16GiB",
-               "--gpu", "rtx4060-8gb"])
+    rc = main(
+        [
+            "plan",
+            str(d),
+            "--device",
+            "cuda",
+            "--device-memory",
+            "6GiB",
+            "--host-memory",
+            "16GiB",
+            "--gpu",
+            "rtx4060-8gb",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 1 and "does not fit" in out and "give at least 6.98 GiB" in out, out
-    rc = main(["plan", str(d), "--device", "cuda", "--device-memory", "8GiB", "--host-memory", "16GiB",
-               "--gpu", "rtx4060-8gb"])
+    rc = main(
+        [
+            "plan",
+            str(d),
+            "--device",
+            "cuda",
+            "--device-memory",
+            "8GiB",
+            "--host-memory",
+            "16GiB",
+            "--gpu",
+            "rtx4060-8gb",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "GptOssForCausalLM" in out and "one expert: 12.62 MiB stored (mxfp4)" in out

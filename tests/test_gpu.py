@@ -39,7 +39,9 @@ def device_budget(ckpt, slots: int, dtype=torch.float32) -> int:
     from expertcache.plan.model import budget_for_slots, read_model
 
     cuda = torch.device("cuda")
-    config = EngineConfig.from_kwargs(device="cuda", dtype=str(dtype).removeprefix("torch."), device_memory="auto")
+    config = EngineConfig.from_kwargs(
+        device="cuda", dtype=str(dtype).removeprefix("torch."), device_memory="auto"
+    )
     return budget_for_slots(read_model(ckpt), config, slots, GpuSpec.from_device(cuda))
 
 
@@ -63,14 +65,30 @@ def waves(s):
 
 # name -> (device slots, host slots or None for every expert in RAM, LLM keywords, what must have happened)
 CASES = {
-    "waves": (2, None, dict(cpu_compute="never", prefetch="off", prefill_admit_tokens=0),
-              lambda s: waves(s) > 0 and s["cpu_computed_share"] == 0.0),
-    "cpu-misses": (4, None, dict(cpu_compute="always", prefetch="off"),
-                   lambda s: s["misses"] > 0 and s["cpu_computed_share"] == 1.0 and s["hits"] == 0),
-    "prefetch": (4, None, dict(cpu_compute="never", prefetch="device", prefetch_gate=None),
-                 lambda s: s["prefetch"]["issued"] > 0 and s["prefetch"]["useful"] > 0 and s["hits"] > 0),
-    "partial-host": (4, 8, dict(cpu_compute="never", prefetch="device", prefetch_gate=None),
-                     lambda s: s["per_tier"]["disk"]["bytes_read"] > 0 and s["per_tier"]["host"]["hits"] > 0),
+    "waves": (
+        2,
+        None,
+        dict(cpu_compute="never", prefetch="off", prefill_admit_tokens=0),
+        lambda s: waves(s) > 0 and s["cpu_computed_share"] == 0.0,
+    ),
+    "cpu-misses": (
+        4,
+        None,
+        dict(cpu_compute="always", prefetch="off"),
+        lambda s: s["misses"] > 0 and s["cpu_computed_share"] == 1.0 and s["hits"] == 0,
+    ),
+    "prefetch": (
+        4,
+        None,
+        dict(cpu_compute="never", prefetch="device", prefetch_gate=None),
+        lambda s: s["prefetch"]["issued"] > 0 and s["prefetch"]["useful"] > 0 and s["hits"] > 0,
+    ),
+    "partial-host": (
+        4,
+        8,
+        dict(cpu_compute="never", prefetch="device", prefetch_gate=None),
+        lambda s: s["per_tier"]["disk"]["bytes_read"] > 0 and s["per_tier"]["host"]["hits"] > 0,
+    ),
     "default": (4, None, {}, lambda s: s["hits"] > 0 and s["misses"] > 0),
 }
 
@@ -80,8 +98,14 @@ def test_cuda_cache_equals_resident(cache_checkpoint, reference, name):
     slots, host_slots, kw, happened = CASES[name]
     tokens, logits = reference
     host = "100%" if host_slots is None else host_budget(cache_checkpoint, host_slots)
-    llm = LLM(str(cache_checkpoint), device="cuda", dtype="float32",
-              device_memory=device_budget(cache_checkpoint, slots), host_memory=host, **kw)
+    llm = LLM(
+        str(cache_checkpoint),
+        device="cuda",
+        dtype="float32",
+        device_memory=device_budget(cache_checkpoint, slots),
+        host_memory=host,
+        **kw,
+    )
     try:
         cache = llm.experts
         assert cache.device_slots == slots and cache.host_slots == (host_slots or 16)
@@ -92,7 +116,9 @@ def test_cuda_cache_equals_resident(cache_checkpoint, reference, name):
         torch.testing.assert_close(llm.logits(LONG), logits, atol=1e-4, rtol=1e-4)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == tokens
         s = llm.expert_stats()
-        assert happened(s), {k: s[k] for k in ("hits", "misses", "cpu_computed_share", "prefetch", "per_tier")}
+        assert happened(s), {
+            k: s[k] for k in ("hits", "misses", "cpu_computed_share", "prefetch", "per_tier")
+        }
         cache.check(contents=True)  # after every copy landed: the slots hold the checkpoint's bytes
     finally:
         llm.close()
@@ -103,8 +129,13 @@ def test_cuda_bf16_cache_equals_bf16_resident(cache_checkpoint):
     assert resident.dtype == torch.bfloat16
     want = resident.logits(LONG)
     resident.close()
-    llm = LLM(str(cache_checkpoint), device="cuda", device_memory=device_budget(cache_checkpoint, 4, torch.bfloat16),
-              host_memory="100%", cpu_compute="never")
+    llm = LLM(
+        str(cache_checkpoint),
+        device="cuda",
+        device_memory=device_budget(cache_checkpoint, 4, torch.bfloat16),
+        host_memory="100%",
+        cpu_compute="never",
+    )
     try:
         assert llm.experts.device_slots == 4
         got = llm.logits(LONG)

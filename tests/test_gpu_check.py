@@ -24,9 +24,27 @@ import gpu_check_model as M  # noqa: E402
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--out", str(out),
-                        "--rounds", "1", "--tokens", "3", "--prompt", "6"],
-                       check=False, capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--rounds",
+            "1",
+            "--tokens",
+            "3",
+            "--prompt",
+            "6",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     lines = {}
     for line in r.stdout.splitlines():
         parsed = gpu_check.parse_line(line)
@@ -40,7 +58,8 @@ def test_every_configuration_line_parses(dry_run):
     r, lines = dry_run
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     want = {("resident", "recorded"), ("torch-moe", "recorded")} | {
-        (c, ro) for c in gpu_check.CACHED if c != "torch-moe" for ro in ("recorded", "random")}
+        (c, ro) for c in gpu_check.CACHED if c != "torch-moe" for ro in ("recorded", "random")
+    }
     assert set(lines) == want
     for key, v in lines.items():
         assert "error" not in v, (key, v)
@@ -71,12 +90,22 @@ def test_configurations_do_what_their_labels_say(dry_run):
 
 def test_a_failing_configuration_is_a_line_not_the_end(tmp_path, capsys):
     args = argparse.Namespace(
-        device="cpu", tokens=1, prompt=2, rounds=1, share=0.25, max_model_len=64, sync_steps=1, config_timeout=120,
-        out=str(tmp_path))
+        device="cpu",
+        tokens=1,
+        prompt=2,
+        rounds=1,
+        share=0.25,
+        max_model_len=64,
+        sync_steps=1,
+        config_timeout=120,
+        out=str(tmp_path),
+    )
     got = gpu_check.child(args, "default", "recorded", tmp_path / "missing-model", tmp_path / "missing.npz")
     assert "error" in got and got["config"] == "default"
     assert capsys.readouterr().out.startswith("gpu_check config=default routing=recorded error=")
-    assert "missing-model" in (tmp_path / "logs" / "default-recorded.log").read_text()  # the child's traceback
+    assert (
+        "missing-model" in (tmp_path / "logs" / "default-recorded.log").read_text()
+    )  # the child's traceback
 
 
 def test_mapped_routing_keeps_the_recorded_reuse():
@@ -109,7 +138,16 @@ def test_a_trace_that_cannot_map_is_refused():
 
 
 # -- what the device machine will meet (shared/reviews: device readiness) -----------------------------------
-DEVICE_ABSENT = ("fastapi", "uvicorn", "llguidance", "pydantic", "pydantic_core", "starlette", "openai", "xgrammar")
+DEVICE_ABSENT = (
+    "fastapi",
+    "uvicorn",
+    "llguidance",
+    "pydantic",
+    "pydantic_core",
+    "starlette",
+    "openai",
+    "xgrammar",
+)
 BLOCKER = f'''
 import sys
 class _Absent:
@@ -129,14 +167,22 @@ def device_like_env(tmp_path: Path, extra: str = "") -> dict:
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(BLOCKER + extra)
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
 
 
 def test_the_blocker_blocks(tmp_path):
     env = device_like_env(tmp_path)
     for name in ("fastapi", "uvicorn", "llguidance"):
-        r = subprocess.run([sys.executable, "-c", f"import {name}"], check=False, capture_output=True, text=True,
-                           env=env, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-c", f"import {name}"],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert r.returncode == 1 and "absent on the device image" in r.stderr, (name, r.stderr[-500:])
 
 
@@ -145,10 +191,34 @@ def test_the_cpu_dry_run_needs_only_the_device_packages(tmp_path):
     and in every child) goes end to end; the results folder gets the summary only."""
     env = device_like_env(tmp_path)
     out, results = tmp_path / "work", tmp_path / "results"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
-                        "--out", str(out), "--results", str(results), "--only", "resident", "default",
-                        "--rounds", "1", "--tokens", "2", "--prompt", "6"],
-                       check=False, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--out",
+            str(out),
+            "--results",
+            str(results),
+            "--only",
+            "resident",
+            "default",
+            "--rounds",
+            "1",
+            "--tokens",
+            "2",
+            "--prompt",
+            "6",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [gpu_check.parse_line(x) for x in r.stdout.splitlines()]
     got = {(x["config"], x["routing"]): x for x in lines if x}
@@ -166,10 +236,33 @@ def test_the_cpu_dry_run_needs_only_the_device_packages(tmp_path):
 def test_a_deadline_skips_the_remaining_configurations_with_a_line(tmp_path):
     # in a process of its own: the engine it loads would import the Triton kernels here, compiled, before
     # the Triton test modules turn the interpreter on
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--out", str(tmp_path),
-                        "--only", "resident", "default", "--deadline", "0", "--rounds", "1", "--tokens", "2",
-                        "--prompt", "6"], check=False, capture_output=True, text=True, env=device_like_env(tmp_path),
-                       timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--only",
+            "resident",
+            "default",
+            "--deadline",
+            "0",
+            "--rounds",
+            "1",
+            "--tokens",
+            "2",
+            "--prompt",
+            "6",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=device_like_env(tmp_path),
+        timeout=600,
+        cwd=ROOT,
+    )
     out = r.stdout
     assert r.returncode == 1, r.stderr[-2000:]
     for config in ("resident", "default"):
@@ -179,7 +272,11 @@ def test_a_deadline_skips_the_remaining_configurations_with_a_line(tmp_path):
 
 def test_run_order_and_unknown_configurations():
     assert gpu_check.plan_runs(["resident", "default", "torch-moe"], ["random", "recorded"]) == [
-        ("default", "random"), ("resident", "recorded"), ("default", "recorded"), ("torch-moe", "recorded")]
+        ("default", "random"),
+        ("resident", "recorded"),
+        ("default", "recorded"),
+        ("torch-moe", "recorded"),
+    ]
     with pytest.raises(SystemExit):
         gpu_check.main(["--device", "cpu", "--only", "defualt"])
 
@@ -193,8 +290,11 @@ def test_the_memory_cap_gets_a_device_index(monkeypatch):
     with pytest.raises(ValueError, match="specified index"):  # what the check used to call
         torch.cuda.set_per_process_memory_fraction(0.5, torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: argparse.Namespace(total_memory=8 << 30) if d == torch.device("cuda", 3) else None)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda d: argparse.Namespace(total_memory=8 << 30) if d == torch.device("cuda", 3) else None,
+    )
     gpu_check.cap_memory(torch.device("cuda"), 2 << 30)
     assert calls == [(0.25, 3)]
     assert gpu_check.cuda_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
@@ -202,8 +302,13 @@ def test_the_memory_cap_gets_a_device_index(monkeypatch):
 
 def test_every_gpu_marked_file_is_run():
     files = gpu_check.gpu_test_files()
-    for f in ("tests/test_gpu.py", "tests/test_executor.py", "tests/test_device_plan.py", "tests/test_cost_model.py",
-              "tests/test_families.py"):
+    for f in (
+        "tests/test_gpu.py",
+        "tests/test_executor.py",
+        "tests/test_device_plan.py",
+        "tests/test_cost_model.py",
+        "tests/test_families.py",
+    ):
         assert f in files
     assert all((ROOT / f).exists() for f in files)
 
@@ -213,11 +318,20 @@ def test_with_a_cuda_device_the_triton_tests_compile_rather_than_interpret(tmp_p
     and TRITON_INTERPRET unset, importing them leaves the kernels compiled and the tensors on CUDA."""
     env = device_like_env(tmp_path, "import torch\ntorch.cuda.is_available = lambda: True\n")
     env.pop("TRITON_INTERPRET", None)
-    code = ("import os, sys; sys.path.insert(0, 'tests'); import test_triton_moe as t; "
-            "from expertcache.kernels import triton_moe; "
-            "print(os.environ.get('TRITON_INTERPRET'), triton_moe.interpreted(), t.DEV)")
-    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env,
-                       timeout=300, cwd=ROOT)
+    code = (
+        "import os, sys; sys.path.insert(0, 'tests'); import test_triton_moe as t; "
+        "from expertcache.kernels import triton_moe; "
+        "print(os.environ.get('TRITON_INTERPRET'), triton_moe.interpreted(), t.DEV)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["None", "False", "cuda"]
 
@@ -225,11 +339,23 @@ def test_with_a_cuda_device_the_triton_tests_compile_rather_than_interpret(tmp_p
 @pytest.mark.slow  # the dry run of the one-command device check: about two minutes here
 def test_device_run_script_leaves_only_a_summary(tmp_path):
     env = device_like_env(tmp_path)
-    env.update(OUT=str(tmp_path / "results"), WORK=str(tmp_path / "work"), DEVICE="cpu", PYTHON=sys.executable,
-               CONFIGS="resident default")
+    env.update(
+        OUT=str(tmp_path / "results"),
+        WORK=str(tmp_path / "work"),
+        DEVICE="cpu",
+        PYTHON=sys.executable,
+        CONFIGS="resident default",
+    )
     env.setdefault("XDG_CACHE_HOME", str(Path.home() / ".cache"))  # the built C++ kernels
-    r = subprocess.run(["bash", str(ROOT / "bench" / "device_run.sh")], check=False, capture_output=True,
-                       text=True, env=env, timeout=900, cwd=ROOT)
+    r = subprocess.run(
+        ["bash", str(ROOT / "bench" / "device_run.sh")],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     files = sorted(p.name for p in (tmp_path / "results").iterdir())
     assert files == ["child-logs.txt", "probe.txt", "summary.txt"], files
@@ -243,8 +369,10 @@ def test_device_run_script_leaves_only_a_summary(tmp_path):
 def test_the_parent_never_initialises_cuda(monkeypatch):
     """The parent's hardware line names the GPU through nvidia-smi: a CUDA context in the parent would
     hold device memory beside the children's plans and the tests' exact slot counts."""
+
     def refuse(*a, **k):
         raise AssertionError("the parent initialised CUDA")
+
     monkeypatch.setattr(gpu_check, "gpu_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_name", refuse)
     monkeypatch.setattr(torch.cuda, "get_device_properties", refuse)

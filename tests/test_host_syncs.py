@@ -21,16 +21,37 @@ import threading
 
 import pytest
 import torch
+from safetensors_reference import independent_slot_checks
 
 from expertcache import LLM, kernels
 from expertcache.experts.manager import TieredExperts
 from expertcache.experts.provider import ResidentExperts
-from safetensors_reference import independent_slot_checks
 
 # methods and functions that read a tensor's values on the host
-READS = {"tolist", "item", "cpu", "numpy", "nonzero", "argwhere", "__bool__", "__int__", "__float__",
-         "__index__", "__contains__", "__repr__", "__format__", "__array__", "unique", "unique_consecutive",
-         "bincount", "masked_select", "equal", "allclose", "is_nonzero", "repeat_interleave"}
+READS = {
+    "tolist",
+    "item",
+    "cpu",
+    "numpy",
+    "nonzero",
+    "argwhere",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__contains__",
+    "__repr__",
+    "__format__",
+    "__array__",
+    "unique",
+    "unique_consecutive",
+    "bincount",
+    "masked_select",
+    "equal",
+    "allclose",
+    "is_nonzero",
+    "repeat_interleave",
+}
 INDEXING = {"__getitem__", "__setitem__", "index_put_", "index_put", "index"}
 
 _lock = threading.Lock()
@@ -59,7 +80,11 @@ class OnDevice(torch.Tensor):
         read = None
         if on and name in READS:
             read = name
-        elif on and name in INDEXING and any(t.dtype == torch.bool for t in _tensors(args[1:2]) if isinstance(t, OnDevice)):
+        elif (
+            on
+            and name in INDEXING
+            and any(t.dtype == torch.bool for t in _tensors(args[1:2]) if isinstance(t, OnDevice))
+        ):
             read = f"{name}[bool mask]"
         elif name == "copy_" and not isinstance(args[0], OnDevice) and isinstance(args[1], OnDevice):
             nb = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
@@ -89,11 +114,16 @@ def layer_reads(fn, *args) -> tuple[torch.Tensor, list[str]]:
 
 def test_the_stand_in_device_records_host_reads():
     t = dev(torch.tensor([3, 1, 2]))
-    for read, want in [(lambda: t.tolist(), "tolist"), (lambda: bool((t > 2).any()), "__bool__"),
-                       (lambda: t[t > 1], "__getitem__[bool mask]"), (lambda: torch.bincount(t), "bincount"),
-                       (lambda: (t == 1).nonzero(), "nonzero"), (lambda: torch.empty(3, dtype=torch.long).copy_(t),
-                                                                  "copy_ to host"),
-                       (lambda: [0, 1, 2, 3][t[0]], "__index__"), (lambda: t.cpu(), "cpu")]:
+    for read, want in [
+        (lambda: t.tolist(), "tolist"),
+        (lambda: bool((t > 2).any()), "__bool__"),
+        (lambda: t[t > 1], "__getitem__[bool mask]"),
+        (lambda: torch.bincount(t), "bincount"),
+        (lambda: (t == 1).nonzero(), "nonzero"),
+        (lambda: torch.empty(3, dtype=torch.long).copy_(t), "copy_ to host"),
+        (lambda: [0, 1, 2, 3][t[0]], "__index__"),
+        (lambda: t.cpu(), "cpu"),
+    ]:
         _, got = layer_reads(read)
         assert got == [want]
     _, got = layer_reads(lambda: (t * 2)[torch.tensor([0, 2])] + t.new_ones(2))  # device-side work only
@@ -161,7 +191,10 @@ CASES = [
     (dict(device_memory="25%", prefetch="device"), True),
     (dict(device_memory="25%", prefetch="off"), False),
     (dict(device_memory="13%", host_memory="38%", prefetch="host", exclusive=False), True),
-    (dict(device_memory="19%", host_memory="38%", prefetch="device", overlap_io=False, exclusive=False), True),
+    (
+        dict(device_memory="19%", host_memory="38%", prefetch="device", overlap_io=False, exclusive=False),
+        True,
+    ),
     (dict(device_memory="13%", host_memory="25%", prefetch="off", exclusive=False), False),
     # every miss computed from its host copy off the device (CUDA's default sends decode misses there);
     # the stand-in's device is the CPU, so it cannot see that branch's own x -> host copy (a real one on CUDA)
@@ -170,8 +203,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("backend", ["inline", "threads"])
-@pytest.mark.parametrize("kw,prefetch", CASES, ids=[",".join(f"{k}={v}" for k, v in kw.items()) for kw, _ in CASES])
-def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monkeypatch, kw, prefetch, backend):
+@pytest.mark.parametrize(
+    "kw,prefetch", CASES, ids=[",".join(f"{k}={v}" for k, v in kw.items()) for kw, _ in CASES]
+)
+def test_tiered_layer_reads_its_ids_once(
+    cache_checkpoint, resident_pools, monkeypatch, kw, prefetch, backend
+):
     torch_path(monkeypatch)
     llm = LLM(str(cache_checkpoint), verify=False, prefetch_gate=None, prefill_admit_tokens=32, **kw)
     try:
@@ -180,15 +217,20 @@ def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monke
         assert isinstance(tiered, TieredExperts) and tiered.wants_prefetch == prefetch
         tiered.dev.buf = {n: dev(t) for n, t in tiered.dev.buf.items()}
         # the layer computes from the pool's per-layer views: they must be the stand-in's too
-        assert all(isinstance(t, OnDevice) for i in range(len(tiered.layers)) for t in tiered.dev.layer(i).values())
+        assert all(
+            isinstance(t, OnDevice) for i in range(len(tiered.layers)) for t in tiered.dev.layer(i).values()
+        )
         gen = torch.Generator().manual_seed(0)
         layers, ref = tiered.layers, resident_pools.experts
         # decode steps (the same routing twice in a row: hits), then a prefill of 150 tokens (waves)
         sizes = [1, 1, 4, 4, 2, 150, 3, 3]
         steps, last = [], None
         for T in sizes:
-            step = last if (last is not None and last[0][0].shape[0] == T) else [
-                (torch.randn(T, 64, generator=gen), *routing(gen, T, 16, 2)) for _ in layers]
+            step = (
+                last
+                if (last is not None and last[0][0].shape[0] == T)
+                else [(torch.randn(T, 64, generator=gen), *routing(gen, T, 16, 2)) for _ in layers]
+            )
             steps.append(step)
             last = step
         for step in steps:
@@ -201,9 +243,14 @@ def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monke
                 tiered.executor.drain()  # threads: the workers' records are in
                 with _lock:
                     got = list(RECORD)
-                assert [r for r in got if r != "copy_ to host (async)"] == ["copy_ to host"], (layer, x.shape[0])
+                assert [r for r in got if r != "copy_ to host (async)"] == ["copy_ to host"], (
+                    layer,
+                    x.shape[0],
+                )
                 assert ("copy_ to host (async)" in got) <= (kw.get("cpu_compute") == "always")
-                torch.testing.assert_close(out, brute_force(ref.pools[layer], x, ids, w), atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    out, brute_force(ref.pools[layer], x, ids, w), atol=1e-5, rtol=1e-5
+                )
             tiered.end_step()
         tiered.dev.buf = {n: plain(t) for n, t in tiered.dev.buf.items()}
         independent_slot_checks(monkeypatch)  # the reference read with safetensors, not the engine's reader
@@ -212,7 +259,9 @@ def test_tiered_layer_reads_its_ids_once(cache_checkpoint, resident_pools, monke
         assert getattr(tiered, "independent_checks", 0) > 0 or kw.get("cpu_compute") == "always"
         s = llm.expert_stats()
         waves = sum(layer["waves"] for layer in s["per_layer"])
-        if kw.get("cpu_compute") == "always":  # nothing admitted: no hits, no waves, every miss off the device
+        if (
+            kw.get("cpu_compute") == "always"
+        ):  # nothing admitted: no hits, no waves, every miss off the device
             assert s["hits"] == 0 and s["misses"] > 0 and waves == 0 and s["cpu_computed_share"] == 1.0
         else:
             assert s["hits"] > 0 and s["misses"] > 0 and waves > 0 and s["cpu_computed_share"] == 0.0

@@ -7,12 +7,11 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import checkpoints as C
 import pytest
 import torch
 
 from expertcache import hostmem
-
-import checkpoints as C
 
 MiB = 1 << 20
 
@@ -49,7 +48,9 @@ def huge_bytes(t: torch.Tensor) -> int:
 @needs_thp
 def test_large_tensor_sits_on_huge_pages():
     t = hostmem.empty((3 * MiB // 2, 2), torch.bfloat16)  # 6 MiB: three whole huge pages
-    assert t.data_ptr() % hostmem.HUGE_PAGE == 0 and t.shape == (3 * MiB // 2, 2) and t.dtype == torch.bfloat16
+    assert (
+        t.data_ptr() % hostmem.HUGE_PAGE == 0 and t.shape == (3 * MiB // 2, 2) and t.dtype == torch.bfloat16
+    )
     t.fill_(1.5)
     assert huge_bytes(t) >= 6 * MiB
     assert torch.equal(t, torch.full_like(t, 1.5))
@@ -98,7 +99,9 @@ def test_cat_equals_torch_cat():
     g = torch.Generator().manual_seed(0)
     parts = [torch.randn(n, 1024, generator=g).bfloat16() for n in (512, 256, 300)]
     out = hostmem.cat(parts)
-    assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), torch.cat(parts).view(torch.int16))
+    assert out.dtype == torch.bfloat16 and torch.equal(
+        out.view(torch.int16), torch.cat(parts).view(torch.int16)
+    )
 
 
 def test_safetensors_load_is_byte_exact_and_huge(tmp_path):
@@ -107,13 +110,18 @@ def test_safetensors_load_is_byte_exact_and_huge(tmp_path):
     from expertcache.loader.safetensors_index import TensorIndex
 
     g = torch.Generator().manual_seed(1)
-    tensors = {"big": torch.randn(1500, 1024, generator=g).bfloat16(), "small": torch.randn(7, 3, generator=g)}
+    tensors = {
+        "big": torch.randn(1500, 1024, generator=g).bfloat16(),
+        "small": torch.randn(7, 3, generator=g),
+    }
     save_file(tensors, tmp_path / "model.safetensors")
     index = TensorIndex(tmp_path)
     ref = load_file(tmp_path / "model.safetensors")
     for name in tensors:
         got = index.load(name)
-        assert got.dtype == ref[name].dtype and torch.equal(got.view(torch.uint8), ref[name].view(torch.uint8))
+        assert got.dtype == ref[name].dtype and torch.equal(
+            got.view(torch.uint8), ref[name].view(torch.uint8)
+        )
     if _thp_offered():
         big = index.load("big")
         assert big.data_ptr() % hostmem.HUGE_PAGE == 0 and huge_bytes(big) >= 2 * MiB
@@ -126,8 +134,16 @@ def test_model_weights_on_huge_pages_match_transformers(tmp_path):
     from expertcache import LLM, SamplingParams
 
     # big enough for 2 MiB weights in bf16: gate_up [8, 2048, 128], down [8, 128, 1024], qkv [8192, 128]
-    path = C.make_checkpoint(tmp_path, "qwen3_moe", dtype=torch.bfloat16, hidden_size=128,
-                             moe_intermediate_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=256)
+    path = C.make_checkpoint(
+        tmp_path,
+        "qwen3_moe",
+        dtype=torch.bfloat16,
+        hidden_size=128,
+        moe_intermediate_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+    )
     llm = LLM(str(path), max_model_len=64, kv_cache_memory="8MiB")
     m = llm.model
     pool = m.experts.pools[0]

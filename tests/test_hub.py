@@ -82,7 +82,9 @@ def test_missing_model_prints_the_fetch_command(fake_cache, monkeypatch, tmp_pat
     with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE"):
         hub.resolve_model("acme/other", download=True)
     monkeypatch.setattr(hub, "_hub_installed", lambda: False)
-    with pytest.raises(CheckpointError, match=r"pip install huggingface_hub && hf download acme/other --revision r1"):
+    with pytest.raises(
+        CheckpointError, match=r"pip install huggingface_hub && hf download acme/other --revision r1"
+    ):
         hub.resolve_model("acme/other", "r1", download=True)
     with pytest.raises(CheckpointError, match="model directory ./nowhere does not exist"):
         hub.resolve_model("./nowhere")
@@ -100,7 +102,9 @@ def test_download_through_huggingface_hub_when_asked(fake_cache, monkeypatch, qw
         calls.append((repo_id, revision, tuple(allow_patterns), cache_dir))
         return str(add_snapshot(Path(cache_dir), repo_id, qwen3_checkpoint, C1))
 
-    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
+    monkeypatch.setitem(
+        sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download)
+    )
     monkeypatch.setattr(hub, "_hub_installed", lambda: True)
     with pytest.raises(CheckpointError, match="fetch it with"):  # not asked: nothing downloaded
         hub.resolve_model("acme/new", download=False)

@@ -11,17 +11,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import checkpoints as C
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors_reference import independent_slot_checks
 
-import checkpoints as C
 from expertcache import LLM, SamplingParams
 from expertcache.engine.kv_cache import KVCache
 from expertcache.engine.state_cache import StateCache
 from expertcache.errors import ConfigError
 from expertcache.layers.gated_deltanet import chunked_delta_rule, l2norm, recurrent_step
-from safetensors_reference import independent_slot_checks
 
 
 @pytest.fixture(autouse=True)
@@ -29,9 +29,12 @@ def _slot_checks_read_safetensors(monkeypatch):
     """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
     independent_slot_checks(monkeypatch)
 
+
 ATOL = RTOL = 1e-4
 NEW_TOKENS = 24
-PROMPT = torch.randint(3, C.tokenizer_vocab_size(), (21,), generator=torch.Generator().manual_seed(7)).tolist()
+PROMPT = torch.randint(
+    3, C.tokenizer_vocab_size(), (21,), generator=torch.Generator().manual_seed(7)
+).tolist()
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -90,7 +93,9 @@ def test_chunked_prefill_equals_unchunked(model, chunk):
     """The state carries across prefill chunks (chunk sizes that do not divide the prompts), with
     decodes of other sequences in the same steps."""
     llm = LLM(str(model.path), device="cpu", max_num_batched_tokens=chunk, max_num_seqs=2)
-    torch.testing.assert_close(llm.logits(PROMPT), C.reference_logits(model.reference, PROMPT), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        llm.logits(PROMPT), C.reference_logits(model.reference, PROMPT), atol=ATOL, rtol=RTOL
+    )
     for p, out in zip(prompts(), llm.generate(prompts(), GREEDY)):
         assert list(out.token_ids) == model.expected(p), f"prompt of {len(p)} tokens, chunk {chunk}"
 
@@ -99,7 +104,9 @@ def test_preemption_restores_state(model):
     """A KV cache too small for all sequences preempts (blocks and state slot freed); the sequence is
     recomputed from token 0 with a fresh state and still gives the same tokens."""
     llm = model.llm
-    per_block = KVCache.bytes_per_block(len(llm.cfg.attention_layer_ids), 4, llm.cfg.kv_token_shapes, llm.dtype)
+    per_block = KVCache.bytes_per_block(
+        len(llm.cfg.attention_layer_ids), 4, llm.cfg.kv_token_shapes, llm.dtype
+    )
     many = [PROMPT[i:] + PROMPT[:i] for i in range(0, 20, 4)]
     tight = LLM(str(model.path), device="cpu", max_model_len=64, block_size=4, kv_cache_memory=per_block * 20)
     got = [list(o.token_ids) for o in tight.generate(many, GREEDY)]
@@ -114,7 +121,9 @@ def test_tight_expert_budget_equals_resident(model):
     try:
         assert llm.experts.stats()["hits"] + llm.experts.stats()["misses"] == 0
         torch.testing.assert_close(llm.logits(PROMPT), model.llm.logits(PROMPT), atol=1e-5, rtol=1e-5)
-        assert [list(o.token_ids) for o in llm.generate(prompts(), GREEDY)] == [model.expected(p) for p in prompts()]
+        assert [list(o.token_ids) for o in llm.generate(prompts(), GREEDY)] == [
+            model.expected(p) for p in prompts()
+        ]
         assert llm.experts.stats()["misses"] > 0
     finally:
         llm.close()
@@ -123,8 +132,9 @@ def test_tight_expert_budget_equals_resident(model):
 def test_fused_expert_layout(model, tmp_path):
     fused = C.to_fused_layout(model.path, tmp_path / "fused")
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in C.tensor_files(fused))
-    torch.testing.assert_close(LLM(str(fused), device="cpu").logits(PROMPT), model.llm.logits(PROMPT),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        LLM(str(fused), device="cpu").logits(PROMPT), model.llm.logits(PROMPT), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_prefix_caching_is_refused_with_a_note(model, capsys):
@@ -132,7 +142,9 @@ def test_prefix_caching_is_refused_with_a_note(model, capsys):
     assert "prefix caching is off for hybrid" in capsys.readouterr().err
     assert not llm.kv.prefix_caching
     first, again = llm.generate([PROMPT], GREEDY)[0], llm.generate([PROMPT], GREEDY)[0]
-    assert again.num_cached_tokens == 0 and list(again.token_ids) == list(first.token_ids) == model.expected(PROMPT)
+    assert again.num_cached_tokens == 0 and list(again.token_ids) == list(first.token_ids) == model.expected(
+        PROMPT
+    )
 
 
 def test_state_bytes_independent_of_context(model):
@@ -147,13 +159,18 @@ def test_state_bytes_independent_of_context(model):
 
 def test_qwen3_next_dense_layers(checkpoint):
     """decoder_sparse_step / mlp_only_layers give dense SwiGLU layers; a custom layer_types order."""
-    path = checkpoint("qwen3_next", decoder_sparse_step=2, mlp_only_layers=[3],
-                      layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    path = checkpoint(
+        "qwen3_next",
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )
     llm = LLM(str(path), device="cpu")
     assert llm.cfg.moe_layers == (False, True, False, False)
     assert llm.cfg.attention_layer_ids == [1, 3]
-    torch.testing.assert_close(llm.logits(PROMPT), C.reference_logits(C.load_reference(path), PROMPT),
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        llm.logits(PROMPT), C.reference_logits(C.load_reference(path), PROMPT), atol=ATOL, rtol=RTOL
+    )
 
 
 def test_bad_layer_types_named(checkpoint, tmp_path):
@@ -172,7 +189,7 @@ def test_chunked_form_equals_recurrent_form():
     def rnd(*s):
         return torch.randn(*s, generator=g, dtype=torch.float64)
 
-    q, k, v = l2norm(rnd(B, H, L, Dk)) * Dk ** -0.5, l2norm(rnd(B, H, L, Dk)), rnd(B, H, L, Dv)
+    q, k, v = l2norm(rnd(B, H, L, Dk)) * Dk**-0.5, l2norm(rnd(B, H, L, Dk)), rnd(B, H, L, Dv)
     decay, beta = -F.softplus(rnd(B, H, L)) * 2, torch.sigmoid(rnd(B, H, L))
     s0 = rnd(B, H, Dk, Dv) * 0.3
     state, ref = s0.clone(), []
@@ -211,7 +228,9 @@ def test_plan_counts_state_and_attention_kv(model, capsys):
 
 def test_n_samples_copy_the_prompt_state(model):
     """n > 1: the siblings forked after the prompt get a copy of its state (greedy: all equal)."""
-    outs = model.llm.generate([PROMPT], SamplingParams(n=3, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    outs = model.llm.generate(
+        [PROMPT], SamplingParams(n=3, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    )
     assert [o.index for o in outs] == [0, 1, 2]
     assert [list(o.token_ids) for o in outs] == [model.expected(PROMPT)] * 3
     assert model.llm.states.num_free == model.llm.states.num_slots
@@ -223,8 +242,15 @@ def test_qwen35_multimodal_checkpoint_reads_the_text_model(tmp_path):
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
     text = C.hf_config("qwen3_5_moe").to_dict()
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
-                  patch_size=4, num_position_embeddings=16)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=text["hidden_size"],
+        patch_size=4,
+        num_position_embeddings=16,
+    )
     torch.manual_seed(0)
     ref = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision)).eval()
     C.randomize_(ref, 3)
@@ -233,7 +259,9 @@ def test_qwen35_multimodal_checkpoint_reads_the_text_model(tmp_path):
     C.write_generation_config(path)
     C.rewrite_tensors(path, lambda t: {**t, "mtp.fc.weight": torch.zeros(4, 4)})
     names = C.tensor_files(path)
-    assert any(k.startswith("model.language_model.layers.") for k in names) and any(k.startswith("model.visual.") for k in names)
+    assert any(k.startswith("model.language_model.layers.") for k in names) and any(
+        k.startswith("model.visual.") for k in names
+    )
     llm = LLM(str(path), device="cpu")
     with torch.no_grad():
         expected = ref(torch.tensor([PROMPT])).logits[0].float()
@@ -253,8 +281,9 @@ def test_quantized_experts_under_a_tight_budget(model, tmp_path):
     tight = LLM(str(q), device="cpu", device_memory="25%", host_memory="25%", verify=True)
     try:
         torch.testing.assert_close(tight.logits(PROMPT), resident.logits(PROMPT), atol=1e-5, rtol=1e-5)
-        assert [o.token_ids for o in tight.generate(prompts(), GREEDY)] == \
-            [o.token_ids for o in resident.generate(prompts(), GREEDY)]
+        assert [o.token_ids for o in tight.generate(prompts(), GREEDY)] == [
+            o.token_ids for o in resident.generate(prompts(), GREEDY)
+        ]
         assert tight.experts.stats()["misses"] > 0
         # int8 experts stay close to the fp32 model (logits of magnitude ~1-5)
         assert (resident.logits(PROMPT) - model.llm.logits(PROMPT)).abs().mean() < 0.05

@@ -15,62 +15,137 @@ from __future__ import annotations
 
 import json
 
+import checkpoints
+import int4_packers as packers
 import pytest
 import torch
 
-import checkpoints
-import int4_packers as packers
 from expertcache import LLM, SamplingParams, kernels
-from expertcache.errors import CheckpointError, ConfigError
 from expertcache.config import EngineConfig
+from expertcache.errors import CheckpointError, ConfigError
 from expertcache.plan.model import model_sizes, read_model
 
 H, I, E, L, K = 64, 48, 16, 2, 2
-TINY = dict(dtype=torch.bfloat16, hidden_size=H, moe_intermediate_size=I, num_experts=E, num_hidden_layers=L,
-            num_experts_per_tok=K)
+TINY = dict(
+    dtype=torch.bfloat16,
+    hidden_size=H,
+    moe_intermediate_size=I,
+    num_experts=E,
+    num_hidden_layers=L,
+    num_experts_per_tok=K,
+)
 SEQ = [(i * 37 + 11) % 300 + 3 for i in range(40)]
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], list(range(100, 130))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 # name -> (format, quantization_config, packer params, the tiers' method)
 CASES = {
-    "gptq4-g16-asym": ("gptq", dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=False),
-                       dict(bits=4, group_size=16, sym=False), "int4"),
-    "gptq4-channel-sym-v2": ("gptq", dict(quant_method="gptq", bits=4, group_size=-1, sym=True, desc_act=False,
-                                          checkpoint_format="gptq_v2"),
-                             dict(bits=4, group_size=-1, sym=True, v2=True), "int4"),
-    "gptq4-g32-ragged": ("gptq", dict(quant_method="gptq", bits=4, group_size=32, sym=False, desc_act=False),
-                         dict(bits=4, group_size=32, sym=False), "int4"),  # down_proj: 48 columns, 2 groups
-    "gptq8-asym-v2": ("gptq", dict(quant_method="gptq", bits=8, group_size=16, sym=False, desc_act=False,
-                                   checkpoint_format="gptq_v2"),
-                      dict(bits=8, group_size=16, sym=False, v2=True), "gptq"),  # no exact int8: kept as shipped
-    "gptq8-g16-sym": ("gptq", dict(quant_method="gptq", bits=8, group_size=16, sym=True, desc_act=False),
-                      dict(bits=8, group_size=16, sym=True), "int8"),
-    "gptq4-act-order": ("gptq", dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=True),
-                        dict(bits=4, group_size=16, sym=False, desc_act=True), "gptq"),
-    "gptq4-static-groups": ("gptq", dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=True,
-                                         static_groups=True),
-                            dict(bits=4, group_size=16, sym=False), "int4"),  # act-order, groups in order
-    "awq-g16": ("awq", dict(quant_method="awq", bits=4, group_size=16, zero_point=True, version="gemm"),
-                dict(group_size=16), "int4"),
-    "ct-w4a16-g16": ("compressed-tensors", dict(
-        quant_method="compressed-tensors", format="pack-quantized", ignore=["lm_head", "re:.*mlp.gate$"],
-        config_groups={"group_0": {"targets": ["Linear"], "weights": dict(
-            num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)}}),
-        dict(bits=4, group_size=16, symmetric=True), "int4"),
-    "ct-w4a16-channel-asym": ("compressed-tensors", dict(
-        quant_method="compressed-tensors", format="pack-quantized", ignore=["lm_head", "re:.*mlp.gate$"],
-        config_groups={"group_0": {"targets": ["Linear"], "weights": dict(
-            num_bits=4, type="int", symmetric=False, strategy="channel")}}),
-        dict(bits=4, group_size=-1, symmetric=False), "int4"),
-    "ct-w8a16-g16": ("compressed-tensors", dict(
-        quant_method="compressed-tensors", format="pack-quantized", ignore=["lm_head", "re:.*mlp.gate$"],
-        config_groups={"group_0": {"targets": ["Linear"], "weights": dict(
-            num_bits=8, type="int", symmetric=True, strategy="group", group_size=16)}}),
-        dict(bits=8, group_size=16, symmetric=True), "int8"),
+    "gptq4-g16-asym": (
+        "gptq",
+        dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=False),
+        dict(bits=4, group_size=16, sym=False),
+        "int4",
+    ),
+    "gptq4-channel-sym-v2": (
+        "gptq",
+        dict(
+            quant_method="gptq", bits=4, group_size=-1, sym=True, desc_act=False, checkpoint_format="gptq_v2"
+        ),
+        dict(bits=4, group_size=-1, sym=True, v2=True),
+        "int4",
+    ),
+    "gptq4-g32-ragged": (
+        "gptq",
+        dict(quant_method="gptq", bits=4, group_size=32, sym=False, desc_act=False),
+        dict(bits=4, group_size=32, sym=False),
+        "int4",
+    ),  # down_proj: 48 columns, 2 groups
+    "gptq8-asym-v2": (
+        "gptq",
+        dict(
+            quant_method="gptq", bits=8, group_size=16, sym=False, desc_act=False, checkpoint_format="gptq_v2"
+        ),
+        dict(bits=8, group_size=16, sym=False, v2=True),
+        "gptq",
+    ),  # no exact int8: kept as shipped
+    "gptq8-g16-sym": (
+        "gptq",
+        dict(quant_method="gptq", bits=8, group_size=16, sym=True, desc_act=False),
+        dict(bits=8, group_size=16, sym=True),
+        "int8",
+    ),
+    "gptq4-act-order": (
+        "gptq",
+        dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=True),
+        dict(bits=4, group_size=16, sym=False, desc_act=True),
+        "gptq",
+    ),
+    "gptq4-static-groups": (
+        "gptq",
+        dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=True, static_groups=True),
+        dict(bits=4, group_size=16, sym=False),
+        "int4",
+    ),  # act-order, groups in order
+    "awq-g16": (
+        "awq",
+        dict(quant_method="awq", bits=4, group_size=16, zero_point=True, version="gemm"),
+        dict(group_size=16),
+        "int4",
+    ),
+    "ct-w4a16-g16": (
+        "compressed-tensors",
+        dict(
+            quant_method="compressed-tensors",
+            format="pack-quantized",
+            ignore=["lm_head", "re:.*mlp.gate$"],
+            config_groups={
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16),
+                }
+            },
+        ),
+        dict(bits=4, group_size=16, symmetric=True),
+        "int4",
+    ),
+    "ct-w4a16-channel-asym": (
+        "compressed-tensors",
+        dict(
+            quant_method="compressed-tensors",
+            format="pack-quantized",
+            ignore=["lm_head", "re:.*mlp.gate$"],
+            config_groups={
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": dict(num_bits=4, type="int", symmetric=False, strategy="channel"),
+                }
+            },
+        ),
+        dict(bits=4, group_size=-1, symmetric=False),
+        "int4",
+    ),
+    "ct-w8a16-g16": (
+        "compressed-tensors",
+        dict(
+            quant_method="compressed-tensors",
+            format="pack-quantized",
+            ignore=["lm_head", "re:.*mlp.gate$"],
+            config_groups={
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=16),
+                }
+            },
+        ),
+        dict(bits=8, group_size=16, symmetric=True),
+        "int8",
+    ),
 }
-TIERS = {"resident": {}, "tiered": dict(device_memory="13%", host_memory="13%", cache_policy="lru", verify=True),
-         "low-memory": dict(low_memory=True, device_memory="13%", host_memory=0, verify=True)}
+TIERS = {
+    "resident": {},
+    "tiered": dict(device_memory="13%", host_memory="13%", cache_policy="lru", verify=True),
+    "low-memory": dict(low_memory=True, device_memory="13%", host_memory=0, verify=True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +197,17 @@ def test_matches_dequantized_twin(case, tier, written, twin_results):
     try:
         assert llm.source.method.name == CASES[case][3]
         # every tier holds the compact layout: int4 codes two per byte / int8 / the shipped int32 words
-        pools = ([llm.experts.dev.buf, llm.experts.host.buf] if tier != "resident"
-                 else [llm.experts.pools[layer] for layer in llm.source.layers])
+        pools = (
+            [llm.experts.dev.buf, llm.experts.host.buf]
+            if tier != "resident"
+            else [llm.experts.pools[layer] for layer in llm.source.layers]
+        )
         bits = CASES[case][2].get("bits", 4)
-        want = {"int4": (torch.uint8, (E, I, H // 2)), "int8": (torch.int8, (E, I, H)),
-                "gptq": (torch.int32, (E, H * bits // 32, I))}[CASES[case][3]]  # qweight [K/p, N]
+        want = {
+            "int4": (torch.uint8, (E, I, H // 2)),
+            "int8": (torch.int8, (E, I, H)),
+            "gptq": (torch.int32, (E, H * bits // 32, I)),
+        }[CASES[case][3]]  # qweight [K/p, N]
         key = "gate.qweight" if CASES[case][3] == "gptq" else "gate.weight"
         for pool in pools:
             t = pool[key]
@@ -148,8 +229,12 @@ def test_twin_matches_transformers(case, written, twin_results):
     ref = checkpoints.load_reference(written(case)[1])
     llm = LLM(str(written(case)[0]))
     try:
-        torch.testing.assert_close(llm.logits(SEQ), checkpoints.reference_logits(ref, SEQ), atol=1e-4, rtol=1e-4)
-        assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == checkpoints.reference_greedy(ref, PROMPTS[0], 12)
+        torch.testing.assert_close(
+            llm.logits(SEQ), checkpoints.reference_logits(ref, SEQ), atol=1e-4, rtol=1e-4
+        )
+        assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == checkpoints.reference_greedy(
+            ref, PROMPTS[0], 12
+        )
     finally:
         llm.close()
 
@@ -185,26 +270,46 @@ def test_exclusions_and_per_module_overrides(base, tmp_path):
     """GPTQ: modules_to_not_convert leaves layer 0's q_proj bf16, GPTQModel's dynamic makes every v_proj
     8-bit; compressed-tensors: two config groups by regex (o_proj 8-bit first, then experts and
     attention 4-bit; the router and lm_head match none), `ignore` leaves k_proj."""
+
     def gptq_params(module):
         if module == "model.layers.0.self_attn.q_proj":
             return None
-        return dict(bits=8, group_size=16, sym=True) if module.endswith("v_proj") else dict(bits=4, group_size=16)
+        return (
+            dict(bits=8, group_size=16, sym=True)
+            if module.endswith("v_proj")
+            else dict(bits=4, group_size=16)
+        )
 
-    gq = dict(quant_method="gptq", bits=4, group_size=16, sym=False, desc_act=False,
-              modules_to_not_convert=["model.layers.0.self_attn.q_proj"],
-              dynamic={r"+:.*v_proj": {"bits": 8, "sym": True}})
+    gq = dict(
+        quant_method="gptq",
+        bits=4,
+        group_size=16,
+        sym=False,
+        desc_act=False,
+        modules_to_not_convert=["model.layers.0.self_attn.q_proj"],
+        dynamic={r"+:.*v_proj": {"bits": 8, "sym": True}},
+    )
 
     def ct_params(module):
         if module.endswith("k_proj"):
             return None
         return dict(bits=8, group_size=16) if module.endswith("o_proj") else dict(bits=4, group_size=16)
 
-    cq = dict(quant_method="compressed-tensors", format="pack-quantized", ignore=["lm_head", "re:.*mlp.gate$",
-                                                                                 "re:.*k_proj$"],
-              config_groups={"g8": {"targets": ["re:.*o_proj$"], "weights": dict(
-                  num_bits=8, type="int", symmetric=True, strategy="group", group_size=16)},
-                  "g4": {"targets": ["re:.*experts.*", "re:.*self_attn.*"], "weights": dict(
-                      num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)}})
+    cq = dict(
+        quant_method="compressed-tensors",
+        format="pack-quantized",
+        ignore=["lm_head", "re:.*mlp.gate$", "re:.*k_proj$"],
+        config_groups={
+            "g8": {
+                "targets": ["re:.*o_proj$"],
+                "weights": dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=16),
+            },
+            "g4": {
+                "targets": ["re:.*experts.*", "re:.*self_attn.*"],
+                "weights": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16),
+            },
+        },
+    )
     for fmt, qconfig, params_for in (("gptq", gq, gptq_params), ("compressed-tensors", cq, ct_params)):
         qdir, twin = packers.write(base, tmp_path / fmt, fmt, qconfig, None, params_for=params_for)
         llm, ref = LLM(str(qdir)), LLM(str(twin))
@@ -228,35 +333,45 @@ EXPERT0 = "model.layers.0.mlp.experts.0"
 def test_layouts_that_lie_are_errors_naming_the_tensor(written, tmp_path):
     qdir, _ = written("gptq4-g16-asym")
     # bits 8 in the config, 4-bit tensors on disk
-    with pytest.raises(CheckpointError, match=r"experts\.0\.gate_proj\.qweight is torch.int32 \[8, 48\].*bits 8"):
+    with pytest.raises(
+        CheckpointError, match=r"experts\.0\.gate_proj\.qweight is torch.int32 \[8, 48\].*bits 8"
+    ):
         LLM(str(_edit(qdir, tmp_path, "bits", bits=8)))
+
     # a missing qzeros
     def drop_zeros(t):
         t.pop(f"{EXPERT0}.down_proj.qzeros")
         return t
+
     with pytest.raises(CheckpointError, match=rf"missing tensor {EXPERT0}\.down_proj\.qzeros"):
         LLM(str(_edit(qdir, tmp_path, "qzeros", drop_zeros)))
+
     # a g_idx of the wrong length
     def short_gidx(t):
         t[f"{EXPERT0}.up_proj.g_idx"] = t[f"{EXPERT0}.up_proj.g_idx"][:-1].clone()
         return t
+
     with pytest.raises(CheckpointError, match=rf"{EXPERT0}\.up_proj\.g_idx is torch.int32 \[63\]"):
         LLM(str(_edit(qdir, tmp_path, "gidx", short_gidx)))
     # act-order groups in a checkpoint whose config says desc_act false: named at the expert's read
     act, _ = written("gptq4-act-order")
     with pytest.raises(CheckpointError, match=rf"{EXPERT0}\.gate_proj\.g_idx does not put column k in group"):
         LLM(str(_edit(act, tmp_path, "order", desc_act=False)))
+
     # a dense module's tensors are checked the same way
     def short_dense(t):
         t["model.layers.1.self_attn.o_proj.scales"] = t["model.layers.1.self_attn.o_proj.scales"][:-1].clone()
         return t
+
     with pytest.raises(CheckpointError, match=r"self_attn\.o_proj\.scales is torch.float16 \[3, 64\]"):
         LLM(str(_edit(qdir, tmp_path, "dense", short_dense)))
     # compressed-tensors: weight_shape that disagrees with the packed tensor
     ct, _ = written("ct-w4a16-g16")
+
     def wrong_shape(t):
         t[f"{EXPERT0}.down_proj.weight_shape"] = torch.tensor([64, 40], dtype=torch.int64)
         return t
+
     with pytest.raises(CheckpointError, match=rf"{EXPERT0}\.down_proj\.weight_shape is \[64, 40\]"):
         LLM(str(_edit(ct, tmp_path, "wshape", wrong_shape)))
 
@@ -264,10 +379,14 @@ def test_layouts_that_lie_are_errors_naming_the_tensor(written, tmp_path):
 def test_exclusions_must_match_the_tensors(written, tmp_path):
     qdir, _ = written("gptq4-g16-asym")
     # the config says a module is left unquantized, the checkpoint holds it quantized
-    with pytest.raises(CheckpointError, match=r"self_attn\.k_proj\.qweight is quantized but .* leaves module"):
+    with pytest.raises(
+        CheckpointError, match=r"self_attn\.k_proj\.qweight is quantized but .* leaves module"
+    ):
         LLM(str(_edit(qdir, tmp_path, "excl", modules_to_not_convert=["model.layers.1.self_attn.k_proj"])))
     # routed experts under a per-module override: refused (one layout for every expert)
-    with pytest.raises(ConfigError, match=r"routed expert module model\.layers\.0\.mlp\.experts\.0\.down_proj"):
+    with pytest.raises(
+        ConfigError, match=r"routed expert module model\.layers\.0\.mlp\.experts\.0\.down_proj"
+    ):
         LLM(str(_edit(qdir, tmp_path, "dyn", dynamic={r"+:.*experts.*down_proj": {"bits": 8}})))
 
 
@@ -292,8 +411,13 @@ def test_format_per_config_group(written, twin_results, tmp_path):
     groups["group_0"]["format"] = "pack-quantized"
     llm = LLM(str(_edit(ct, tmp_path, "mixed", format="mixed-precision", config_groups=groups)))
     twin_logits = twin_results("ct-w4a16-g16")[0]
-    torch.testing.assert_close(llm.logits(SEQ), twin_logits, atol=2e-5 * twin_logits.abs().max().item(), rtol=0)
-    groups["group_1"] = {"targets": ["re:.*o_proj$"], "format": "float-quantized",
-                         "weights": dict(num_bits=8, type="float", strategy="channel")}
+    torch.testing.assert_close(
+        llm.logits(SEQ), twin_logits, atol=2e-5 * twin_logits.abs().max().item(), rtol=0
+    )
+    groups["group_1"] = {
+        "targets": ["re:.*o_proj$"],
+        "format": "float-quantized",
+        "weights": dict(num_bits=8, type="float", strategy="channel"),
+    }
     with pytest.raises(ConfigError, match="compressed-tensors mixes the formats"):
         LLM(str(_edit(ct, tmp_path, "mixed2", format="mixed-precision", config_groups=groups)))

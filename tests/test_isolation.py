@@ -45,8 +45,10 @@ def assert_others_alone(seqs, ref, index: int) -> None:
 def test_tiny_temperature_is_greedy_alongside_other_streams(expertcache_api, llm, temperature):
     api = expertcache_api
     ref = alone(llm, api)
-    params = [api.SamplingParams(max_tokens=6, temperature=temperature, ignore_eos=True, seed=i)
-              for i in range(len(PROMPTS))]
+    params = [
+        api.SamplingParams(max_tokens=6, temperature=temperature, ignore_eos=True, seed=i)
+        for i in range(len(PROMPTS))
+    ]
     params[1] = api.SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True, seed=1)  # a sampled stream
     outs = llm.generate(PROMPTS, params)
     assert all(o.finish_reason == "length" for o in outs)
@@ -63,7 +65,9 @@ def test_sampler_is_safe_for_extreme_finite_logits():
             g = torch.Generator().manual_seed(0)
             assert sample(logits, SamplingParams(temperature=t, top_p=top_p, top_k=top_k), g) == 0
     flat = torch.full((7,), -3e38)
-    picks = {sample(flat, SamplingParams(temperature=1.0), torch.Generator().manual_seed(s)) for s in range(40)}
+    picks = {
+        sample(flat, SamplingParams(temperature=1.0), torch.Generator().manual_seed(s)) for s in range(40)
+    }
     assert picks <= set(range(7)) and len(picks) > 1  # uniform, never NaN probabilities
 
 

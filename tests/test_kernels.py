@@ -18,19 +18,28 @@ import shutil
 
 import pytest
 import torch
+from kernel_refs import moe_reference
 
 from expertcache import LLM, kernels
 from expertcache.experts.compute import ExpertFFN, moe_ffn
 from expertcache.kernels import build
-from expertcache.kernels.formats import plain_spec, quant_spec
+from expertcache.kernels.formats import quant_spec
 from expertcache.quant import make_quant_method
 from expertcache.quantize.rewrite import quantize_checkpoint
-from kernel_refs import moe_reference
 
 # (format, parameters): group/block sizes chosen so that shapes leave ragged edges
-FORMATS = [("bf16", {}), ("fp16", {}), ("fp32", {}), ("fp8", {"block_size": [16, 24]}), ("fp8-channel", {}),
-           ("fp8-tensor", {}), ("int8", {"group_size": 40}), ("int8", {"group_size": 20}),
-           ("int4", {"group_size": 36}), ("mxfp4", {})]
+FORMATS = [
+    ("bf16", {}),
+    ("fp16", {}),
+    ("fp32", {}),
+    ("fp8", {"block_size": [16, 24]}),
+    ("fp8-channel", {}),
+    ("fp8-tensor", {}),
+    ("int8", {"group_size": 40}),
+    ("int8", {"group_size": 20}),
+    ("int4", {"group_size": 36}),
+    ("mxfp4", {}),
+]
 TOKENS = [1, 2, 7, 16, 64, 300]
 PATHS = {"gemv": 1 << 30, "tiled": 0}  # SMALL_T for every format code
 
@@ -90,7 +99,11 @@ def test_dense_linear_bf16_weight_and_fallback_cases():
     x = torch.randn(2, 5, 33)
     y = kernels.dense_linear(x, w)
     assert y.shape == (2, 5, 70)
-    _close(y.reshape(10, 70), x.reshape(10, 33).double() @ w.double().T, x.reshape(10, 33).double().abs() @ w.double().abs().T)
+    _close(
+        y.reshape(10, 70),
+        x.reshape(10, 33).double() @ w.double().T,
+        x.reshape(10, 33).double().abs() @ w.double().abs().T,
+    )
     assert kernels.dense_linear(x.double(), w) is None  # float64 activations: not a kernel case
     assert kernels.dense_linear(x, w.to(torch.float8_e4m3fn)) is None  # no plain kernel for raw fp8
 
@@ -102,7 +115,10 @@ def _moe_pool(fmt, params, S, H, I):
     rename = lambda pool, proj: {key.replace("p.", f"{proj}.", 1): t for key, t in pool.items()}  # noqa: E731
     pool = {**rename(pg, "gate"), **rename(pu, "up"), **rename(pd, "down")}
     if fmt in ("bf16", "fp16", "fp32"):  # plain pools are gate_up [S, 2I, H] + down [S, H, I]
-        pool = {"gate_up": torch.cat([pool["gate.weight"], pool["up.weight"]], 1), "down": pool["down.weight"]}
+        pool = {
+            "gate_up": torch.cat([pool["gate.weight"], pool["up.weight"]], 1),
+            "down": pool["down.weight"],
+        }
         mg = None
     return mg, pool, gate, up, down
 
@@ -139,15 +155,25 @@ def _fused_pool(fmt, params, S, H, I, interleaved):
     method, pgu, gu = _packed(fmt, params, 2 * I, H, S, seed=4)
     _, pd, down = _packed(fmt, params, H, I, S, seed=5)
     gate, up = (gu[:, 0::2], gu[:, 1::2]) if interleaved else (gu[:, :I], gu[:, I:])
-    pool = {**{k.replace("p.", "gate_up.", 1): t for k, t in pgu.items()}, **{k.replace("p.", "down.", 1): t for k, t in pd.items()}}
+    pool = {
+        **{k.replace("p.", "gate_up.", 1): t for k, t in pgu.items()},
+        **{k.replace("p.", "down.", 1): t for k, t in pd.items()},
+    }
     if fmt in ("bf16", "fp16", "fp32"):
         pool, method = {"gate_up": pool["gate_up.weight"], "down": pool["down.weight"]}, None
     return method, pool, gate, up, down
 
 
 @needs_cpp
-@pytest.mark.parametrize("fmt,params,layout", [("int8", {"group_size": 16}, "split"), ("bf16", {}, "interleaved"),
-                                               ("mxfp4", {}, "fused-interleaved"), ("int4", {"group_size": 8}, "fused")])
+@pytest.mark.parametrize(
+    "fmt,params,layout",
+    [
+        ("int8", {"group_size": 16}, "split"),
+        ("bf16", {}, "interleaved"),
+        ("mxfp4", {}, "fused-interleaved"),
+        ("int4", {"group_size": 8}, "fused"),
+    ],
+)
 def test_grouped_moe_clamped_swiglu_biases_layouts_and_accumulation(fmt, params, layout, monkeypatch):
     S, H, I, K, T = 4, 64, 32, 2, 9
     interleaved = "interleaved" in layout
@@ -155,10 +181,19 @@ def test_grouped_moe_clamped_swiglu_biases_layouts_and_accumulation(fmt, params,
         method, pool, gate, up, down = _moe_pool(fmt, params, S, H, I)
     else:
         method, pool, gate, up, down = _fused_pool(fmt, params, S, H, I, interleaved)
-    ffn = ExpertFFN(act="clamped_swiglu", interleaved=interleaved, fused_quant=method is not None and layout != "split",
-                    alpha=1.702, limit=7.0)
+    ffn = ExpertFFN(
+        act="clamped_swiglu",
+        interleaved=interleaved,
+        fused_quant=method is not None and layout != "split",
+        alpha=1.702,
+        limit=7.0,
+    )
     g = torch.Generator().manual_seed(5)
-    bg, bu, bd = torch.randn(S, I, generator=g), torch.randn(S, I, generator=g), torch.randn(S, H, generator=g)
+    bg, bu, bd = (
+        torch.randn(S, I, generator=g),
+        torch.randn(S, I, generator=g),
+        torch.randn(S, H, generator=g),
+    )
     gu_bias = torch.stack([bg, bu], -1).reshape(S, 2 * I) if interleaved else torch.cat([bg, bu], 1)
     pool = {**pool, "down_bias": bd}
     if layout != "split":  # (split gate/up parts carry no gate_up bias in any supported family)
@@ -186,8 +221,14 @@ def test_grouped_moe_errors_name_the_problem():
     with pytest.raises(RuntimeError, match="slot 3 out of range"):
         kernels.moe(x, torch.tensor([[0], [3]]), torch.ones(2, 1), pool, None, out)
     with pytest.raises(RuntimeError, match="x has 15 features"):
-        kernels.moe(torch.randn(2, 15), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), pool, None,
-                    torch.zeros(2, 15))
+        kernels.moe(
+            torch.randn(2, 15),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, 1),
+            pool,
+            None,
+            torch.zeros(2, 15),
+        )
 
 
 @needs_cpp
@@ -237,8 +278,9 @@ def test_cpu_threads_kernels_get_the_count_torch_one_thread_restored():
 
 
 @needs_cpp
-@pytest.mark.parametrize("fmt,params", [f for f in FORMATS if f[0] in ("bf16", "int8", "fp8", "mxfp4")],
-                         ids=lambda f: str(f))
+@pytest.mark.parametrize(
+    "fmt,params", [f for f in FORMATS if f[0] in ("bf16", "int8", "fp8", "mxfp4")], ids=lambda f: str(f)
+)
 def test_specs_built_once_follow_slot_refills(fmt, params):
     """Weight specs are cached per pool (the same tensor objects every step): a slot refilled in place
     computes with its new bytes, and a pool dict rebuilt from other tensors is not mistaken for it."""
@@ -263,7 +305,9 @@ def test_specs_built_once_follow_slot_refills(fmt, params):
     w = torch.randn(7, 64).bfloat16()
     y = kernels.dense_linear(x, w)
     w.copy_(torch.randn(7, 64))  # dense weights are views too
-    assert torch.allclose(kernels.dense_linear(x, w), x @ w.float().T, atol=1e-5) and not torch.allclose(y, x @ w.float().T)
+    assert torch.allclose(kernels.dense_linear(x, w), x @ w.float().T, atol=1e-5) and not torch.allclose(
+        y, x @ w.float().T
+    )
 
 
 @needs_cpp
@@ -284,13 +328,20 @@ def test_activation_over_the_whole_float_range(act):
     ffn = ExpertFFN(act=act, alpha=1.702, limit=7.0) if act != "silu" else None
     out = torch.zeros(1, H)
     assert kernels.moe(x, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), pool, None, out, ffn)
-    ref = moe_reference(x, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), gate.double(), up.double(),
-                        down.double(), act=act)[0][0, :I]
+    ref = moe_reference(
+        x,
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.ones(1, 1),
+        gate.double(),
+        up.double(),
+        down.double(),
+        act=act,
+    )[0][0, :I]
     assert ref.abs().max() > 50 and (ref.abs() < 1e-30).any()  # the range reaches both ends
     # float32 rounds the exponent's argument a*g (relative 2^-24), which e^(a*g) turns into an absolute
     # error of |a*g| * 2^-24 in its own relative terms: the same in torch's float32 path
     arg = c.double().clamp(max=7.0) * 1.702 if act != "silu" else c.double()
-    assert ((out[0, :I].double() - ref).abs() <= (1e-6 + arg.abs() * 2.0 ** -23) * ref.abs() + 1e-30).all()
+    assert ((out[0, :I].double() - ref).abs() <= (1e-6 + arg.abs() * 2.0**-23) * ref.abs() + 1e-30).all()
 
 
 @needs_cpp
@@ -361,8 +412,14 @@ def test_a_finished_build_loads_without_ninja_or_its_lock(monkeypatch, tmp_path)
 
 
 SEQ = [(i * 37 + 11) % 300 + 3 for i in range(40)]
-MODEL = dict(dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2,
-             num_experts_per_tok=2)
+MODEL = dict(
+    dtype=torch.bfloat16,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_hidden_layers=2,
+    num_experts_per_tok=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -436,8 +493,13 @@ def test_dense_quantized_equals_a_checkpoint_holding_the_dequantized_projections
     llm = LLM(str(bf16_model), dense=fmt)
     w = llm.model.layers[0]["attn"].w
     assert all(isinstance(w[k], QuantizedWeight) for k in w if k.endswith("proj.weight"))
-    assert any(line.startswith(f"dense projections: {fmt} (group 128), quantized at load: {2 * MODEL['num_hidden_layers']} "
-                               "matrices") for line in llm.plan_lines)
+    assert any(
+        line.startswith(
+            f"dense projections: {fmt} (group 128), quantized at load: {2 * MODEL['num_hidden_layers']} "
+            "matrices"
+        )
+        for line in llm.plan_lines
+    )
     got, want = llm.logits(SEQ), LLM(str(ref_dir)).logits(SEQ)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     assert not torch.equal(got, LLM(str(bf16_model)).logits(SEQ))  # the projections were quantized

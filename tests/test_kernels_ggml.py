@@ -52,12 +52,16 @@ def blocks(t: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]
     rng = np.random.default_rng(seed)
     _, qk, nbytes = GGUF_TYPES[t]
     if t in QUANTISED:
-        data = quantize((rng.standard_normal((n, k)) * rng.uniform(0.1, 2, (n, 1))).astype(np.float32), qtype(t))
+        data = quantize(
+            (rng.standard_normal((n, k)) * rng.uniform(0.1, 2, (n, 1))).astype(np.float32), qtype(t)
+        )
     else:
         data = rng.integers(0, 256, (n, k // qk, nbytes), dtype=np.uint8)
         for i, off in enumerate(FP16_FIELDS[t]):  # d: either sign; dmin: positive
-            scale = rng.uniform(2e-3, 2e-2, (n, k // qk)) * (rng.choice([-1, 1], (n, k // qk)) if i == 0 else 1)
-            data[:, :, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, k // qk, 2)
+            scale = rng.uniform(2e-3, 2e-2, (n, k // qk)) * (
+                rng.choice([-1, 1], (n, k // qk)) if i == 0 else 1
+            )
+            data[:, :, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, k // qk, 2)
         data = data.reshape(n, -1)
     w = torch.from_numpy(dequantize(data, qtype(t)).astype(np.float64))
     return data, w
@@ -132,9 +136,11 @@ def _moe_case(gt: str, dt: str, S: int, H: int, I: int, seed: int, biases: bool)
     g, gw = pool(gt, I, H, S, seed)
     u, uw = pool(gt, I, H, S, seed + 100)
     d, dw = pool(dt, H, I, S, seed + 200)
-    specs = (quant_spec(method(gt), {"gate.weight": g}, "gate", I, H),
-             quant_spec(method(gt), {"up.weight": u}, "up", I, H),
-             quant_spec(method(dt), {"down.weight": d}, "down", H, I))
+    specs = (
+        quant_spec(method(gt), {"gate.weight": g}, "gate", I, H),
+        quant_spec(method(gt), {"up.weight": u}, "up", I, H),
+        quant_spec(method(dt), {"down.weight": d}, "down", H, I),
+    )
     gen = torch.Generator().manual_seed(seed)
     bias = tuple(torch.randn(S, n, generator=gen) * 0.1 for n in (I, I, H)) if biases else (None, None, None)
     return specs, (gw, uw, dw), bias, {"gate.weight": g, "up.weight": u, "down.weight": d}
@@ -143,12 +149,31 @@ def _moe_case(gt: str, dt: str, S: int, H: int, I: int, seed: int, biases: bool)
 def _moe(x, slots, weights, specs, act, bias, math, small_t):
     code = specs[0][0]
     alpha, limit = (1.702, 7.0) if act == "clamped_swiglu" else (1.0, float("inf"))
-    return kernels.extension().moe(x, slots, weights, *specs, kernels.ACTIVATIONS[act], alpha, limit, *bias, None,
-                                   small_t, max(1, int(256 * GGUF_UNIT_ROWS[code])), kernels.CPU_MATHS[math])
+    return kernels.extension().moe(
+        x,
+        slots,
+        weights,
+        *specs,
+        kernels.ACTIVATIONS[act],
+        alpha,
+        limit,
+        *bias,
+        None,
+        small_t,
+        max(1, int(256 * GGUF_UNIT_ROWS[code])),
+        kernels.CPU_MATHS[math],
+    )
 
 
-MOE_CASES = [("q4_k", "q6_k"), ("q5_k", "q5_k"), ("iq4_xs", "q4_k"), ("q8_0", "q8_0"), ("q4_0", "q5_0"),
-             ("iq4_nl", "iq4_nl"), ("mxfp4", "mxfp4")]
+MOE_CASES = [
+    ("q4_k", "q6_k"),
+    ("q5_k", "q5_k"),
+    ("iq4_xs", "q4_k"),
+    ("q8_0", "q8_0"),
+    ("q4_0", "q5_0"),
+    ("iq4_nl", "iq4_nl"),
+    ("mxfp4", "mxfp4"),
+]
 
 
 @needs_cpp
@@ -173,8 +198,11 @@ def test_the_python_moe_entry_reads_a_gguf_pool(monkeypatch):
     """kernels.moe over a pool {"gate.weight", "up.weight", "down.weight"} of one GGUF method (with the
     codes' tuning registered beside the other formats', as formats.GGUF_SMALL_T / GGUF_UNIT_ROWS give it)."""
     monkeypatch.setattr(kernels, "SMALL_T", {**kernels.SMALL_T, **GGUF_SMALL_T})
-    monkeypatch.setattr(kernels, "_UNIT_ROWS_OF", {**kernels._UNIT_ROWS_OF,
-                                                   **{c: max(1, int(256 * r)) for c, r in GGUF_UNIT_ROWS.items()}})
+    monkeypatch.setattr(
+        kernels,
+        "_UNIT_ROWS_OF",
+        {**kernels._UNIT_ROWS_OF, **{c: max(1, int(256 * r)) for c, r in GGUF_UNIT_ROWS.items()}},
+    )
     S, H, I = 4, 256, 256
     _, (gw, uw, dw), _, parts = _moe_case("q4_k", "q4_k", S, H, I, seed=9, biases=False)
     x = _x(3, H, 2) * 0.5
@@ -210,8 +238,19 @@ def test_linear_fast_against_float64_of_quantised_activations(t):
 
 @needs_cpp
 @pytest.mark.parametrize("act", ["silu", "clamped_swiglu"])
-@pytest.mark.parametrize("gt,dt", [("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q8_0", "q8_0"), ("mxfp4", "mxfp4"),
-                                   ("q4_0", "iq4_nl"), ("q5_k", "q6_k"), ("q5_0", "q8_0"), ("iq4_xs", "q4_k")])
+@pytest.mark.parametrize(
+    "gt,dt",
+    [
+        ("q4_k", "q6_k"),
+        ("q6_k", "q4_k"),
+        ("q8_0", "q8_0"),
+        ("mxfp4", "mxfp4"),
+        ("q4_0", "iq4_nl"),
+        ("q5_k", "q6_k"),
+        ("q5_0", "q8_0"),
+        ("iq4_xs", "q4_k"),
+    ],
+)
 def test_fused_moe_fast_against_float64_of_quantised_activations(gt, dt, act):
     _skip_no_fast()
     S, A = 5, 3

@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_refs import F32ACT, Q8ACT32, assert_moe_close, moe_reference
+from test_kernels import _close, _moe_pool, _packed, _routing
+from test_kernels_mxfp4 import (
+    AVX512,
+    ISAS,
+    MATHS,
+    TOKENS,
+    _linear,
+    _skip_unavailable,
+    isa,  # noqa: F401 - the fixture
+    rounding,
+)
 
 from expertcache import kernels
 from expertcache.kernels.formats import quant_spec
-from kernel_refs import F32ACT, Q8ACT32, assert_moe_close, moe_reference
-from test_kernels import _close, _moe_pool, _packed, _routing
-from test_kernels_mxfp4 import isa  # noqa: F401 - the fixture
-from test_kernels_mxfp4 import AVX512, ISAS, MATHS, TOKENS, _linear, _skip_unavailable, rounding
 
 needs_cpp = pytest.mark.skipif(kernels.backend() != "cpp", reason=f"C++ kernels unavailable: {kernels.why()}")
 CASES = [(37, 352, 32), (5, 330, 64), (3, 200, 96), (9, 2880, 128), (4, 160, 1 << 20)]  # (N, K, group)
@@ -54,8 +62,12 @@ def test_few_tokens_with_the_zero_point_after_the_loop(group):
         pytest.skip("the AVX-512 4-bit kernels are not dispatched on this CPU")
     n, k = 7, 2880 + 64  # 7 rows: 3 pairs and 1 alone; 23.5 groups of 128: a tail group, two epilogue vectors
     m, pool, _ = _packed("int4", {"group_size": group}, n, k, seed=group + 1)
-    z = pool["p.weight_zero"]  # zero points anywhere in 0..15, not only near the middle as random weights give
-    pool["p.weight_zero"] = torch.randint(0, 16, z.shape, generator=torch.Generator().manual_seed(3)).to(z.dtype)
+    z = pool[
+        "p.weight_zero"
+    ]  # zero points anywhere in 0..15, not only near the middle as random weights give
+    pool["p.weight_zero"] = torch.randint(0, 16, z.shape, generator=torch.Generator().manual_seed(3)).to(
+        z.dtype
+    )
     w = m.dequantize({key: t[0] for key, t in pool.items()}, "p").double()[None]
     spec = quant_spec(m, pool, "p", n, k)
     for T in (1, 2, 3):
@@ -98,14 +110,19 @@ def test_grouped_moe_against_float64(math, isa):
 def test_fused_interleaved_gate_up_with_biases_exact(isa):
     """gate / up as the even / odd rows of one int4 gate_up (row strides of two rows, scales and zero
     points sliced the same way), clamped SwiGLU and biases, exact math, against the float64 loop."""
-    from expertcache.experts.compute import ExpertFFN
     from test_kernels import _fused_pool
+
+    from expertcache.experts.compute import ExpertFFN
 
     S, H, I, K, T = 4, 160, 96, 2, 9
     method, pool, gate, up, down = _fused_pool("int4", {"group_size": 32}, S, H, I, interleaved=True)
     ffn = ExpertFFN(act="clamped_swiglu", interleaved=True, fused_quant=True, alpha=1.702, limit=7.0)
     g = torch.Generator().manual_seed(5)
-    bg, bu, bd = torch.randn(S, I, generator=g), torch.randn(S, I, generator=g), torch.randn(S, H, generator=g)
+    bg, bu, bd = (
+        torch.randn(S, I, generator=g),
+        torch.randn(S, I, generator=g),
+        torch.randn(S, H, generator=g),
+    )
     pool = {**pool, "gate_up_bias": torch.stack([bg, bu], -1).reshape(S, 2 * I), "down_bias": bd}
     gate_spec = kernels.moe_args(pool, method, H, ffn)[0]
     want = "avx512-int4-f32act" if isa == "dispatched" and AVX512 else "avx2-f32act"

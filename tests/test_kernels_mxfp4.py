@@ -22,12 +22,12 @@ import sys
 
 import pytest
 import torch
+from kernel_refs import F32ACT, Q8ACT32, assert_moe_close, moe_reference, mxfp4_weight
+from test_kernels import _close, _packed, _routing
 
 from expertcache import kernels
 from expertcache.experts.compute import ExpertFFN
 from expertcache.kernels.formats import MXFP4, quant_spec
-from kernel_refs import F32ACT, Q8ACT32, assert_moe_close, moe_reference, mxfp4_weight
-from test_kernels import _close, _packed, _routing
 
 needs_cpp = pytest.mark.skipif(kernels.backend() != "cpp", reason=f"C++ kernels unavailable: {kernels.why()}")
 AVX512 = kernels.backend() == "cpp" and kernels.extension().avx512_supported()
@@ -169,8 +169,10 @@ def _gpt_oss_pool(S: int, H: int, I: int):
     up rows odd, down [S, H, I], biases -> (method, pool, ffn, float64 gate, up, down, biases)."""
     method, pgu, gu = _packed("mxfp4", {}, 2 * I, H, S, seed=4)
     _, pd, down = _packed("mxfp4", {}, H, I, S, seed=5)
-    pool = {**{k.replace("p.", "gate_up.", 1): t for k, t in pgu.items()},
-            **{k.replace("p.", "down.", 1): t for k, t in pd.items()}}
+    pool = {
+        **{k.replace("p.", "gate_up.", 1): t for k, t in pgu.items()},
+        **{k.replace("p.", "down.", 1): t for k, t in pd.items()},
+    }
     g = torch.Generator().manual_seed(6)
     bgu, bd = torch.randn(S, 2 * I, generator=g), torch.randn(S, H, generator=g)
     pool.update(gate_up_bias=bgu, down_bias=bd)
@@ -200,11 +202,13 @@ def test_gpt_oss_experts_through_the_fused_call(math, isa):
 
 @needs_cpp
 def test_env_var_starts_a_process_on_the_fallback():
-    code = ("from expertcache import kernels; e = kernels.extension(); "
-            "from expertcache.kernels.formats import MXFP4; import torch; "
-            "spec = (MXFP4, torch.zeros(1, 2, 16, dtype=torch.uint8), None, "
-            "torch.full((1, 2, 1), 127, dtype=torch.uint8), 2, 32, 32, 1); "
-            "print(e.get_avx512(), e.kernel_of(spec, 0))")
+    code = (
+        "from expertcache import kernels; e = kernels.extension(); "
+        "from expertcache.kernels.formats import MXFP4; import torch; "
+        "spec = (MXFP4, torch.zeros(1, 2, 16, dtype=torch.uint8), None, "
+        "torch.full((1, 2, 1), 127, dtype=torch.uint8), 2, 32, 32, 1); "
+        "print(e.get_avx512(), e.kernel_of(spec, 0))"
+    )
     env = {**os.environ, "EXPERTCACHE_CPU_ISA": "avx2"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     out = run.stdout

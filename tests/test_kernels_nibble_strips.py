@@ -22,12 +22,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-
-from expertcache import kernels
-from expertcache.kernels.formats import INT4
 from kernel_refs import Q8ACT32, assert_moe_close, int4_weight, moe_reference, mxfp4_weight
 from test_kernels import _close, _moe_pool, _packed, _routing
 from test_kernels_mxfp4 import FAST, _gpt_oss_pool, _hand_spec
+
+from expertcache import kernels
+from expertcache.kernels.formats import INT4
 
 STRIPS = kernels.backend() == "cpp" and FAST and kernels.extension().avx512_supported()
 pytestmark = pytest.mark.skipif(not STRIPS, reason="needs the C++ kernels on a CPU with AVX-512 BF16/VNNI")
@@ -93,8 +93,10 @@ def test_mxfp4_sliced_rows(way):
 def test_int4_against_float64(n, k, group, way):
     m, pool, _ = _packed("int4", {"group_size": group}, n, k, seed=group)
     spec = (INT4, pool["p.weight"], pool["p.weight_scale"], pool["p.weight_zero"], n, k, group, 1)
-    assert kernels.kernel_name(spec, "fast") == "avx512vnni-int4-q8act32" + {"strips-amx": "+strips-amx",
-                                                                              "strips": "+strips", "pairs": ""}[way]
+    assert (
+        kernels.kernel_name(spec, "fast")
+        == "avx512vnni-int4-q8act32" + {"strips-amx": "+strips-amx", "strips": "+strips", "pairs": ""}[way]
+    )
     w = int4_weight(pool["p.weight"][0], pool["p.weight_scale"][0], pool["p.weight_zero"][0], k, group)
     _check(spec, w)
 
@@ -104,8 +106,9 @@ def test_int4_zero_points_above_16(way):
     n, k, group = 70, 352, 32
     m, pool, _ = _packed("int4", {"group_size": group}, n, k, seed=9)
     zero = pool["p.weight_zero"].clone()
-    zero[0, 40:45] = torch.randint(17, 256, zero[0, 40:45].shape, generator=torch.Generator().manual_seed(1),
-                                   dtype=torch.uint8)  # the second strip only
+    zero[0, 40:45] = torch.randint(
+        17, 256, zero[0, 40:45].shape, generator=torch.Generator().manual_seed(1), dtype=torch.uint8
+    )  # the second strip only
     spec = (INT4, pool["p.weight"], pool["p.weight_scale"], zero, n, k, group, 1)
     w = int4_weight(pool["p.weight"][0], pool["p.weight_scale"][0], zero[0], k, group)
     _check(spec, w, tokens=[7, 64])
@@ -206,10 +209,19 @@ def test_amx_setting_follows_the_cpu_and_the_environment(tmp_path):
     with _setting("strips-amx"):
         assert ext.get_amx() == ext.amx_supported()
         assert kernels.kernel_name(_hand_spec(4, 64, seed=0)[0], "fast").endswith(
-            "+strips-amx" if ext.amx_supported() else "+strips")
+            "+strips-amx" if ext.amx_supported() else "+strips"
+        )
     for isa, want in [("avx512", False), ("avx2", False), ("", ext.amx_supported())]:
-        code = ("from expertcache import kernels; print(kernels.extension().get_amx(), "
-                "kernels.isa.defaults.amx and kernels.extension().amx_supported())")
+        code = (
+            "from expertcache import kernels; print(kernels.extension().get_amx(), "
+            "kernels.isa.defaults.amx and kernels.extension().amx_supported())"
+        )
         env = {**os.environ, "EXPERTCACHE_CPU_ISA": isa}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.split() == [str(want)] * 2, (isa, out.stdout, out.stderr[-500:])  # the config agrees
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.split() == [str(want)] * 2, (
+            isa,
+            out.stdout,
+            out.stderr[-500:],
+        )  # the config agrees

@@ -72,8 +72,11 @@ def import_graph() -> dict[tuple[str, str], list[str]]:
         src = _node(".".join(_module_name(f)))
         for line, mod, names, alias in _imports(f):
             # `from pkg import sub` imports the module pkg.sub; `from mod import name` imports mod
-            targets = [alias.name] if alias else [f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod
-                                                  for a in names]
+            targets = (
+                [alias.name]
+                if alias
+                else [f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod for a in names]
+            )
             for t in targets:
                 if t.split(".")[0] != "expertcache" or not _is_module(".".join(t.split(".")[:2])):
                     continue
@@ -140,8 +143,11 @@ def test_no_import_cycles():
     msg = []
     for comp in cycles:
         msg.append("cycle among " + ", ".join(sorted(comp)) + ":")
-        msg += [f"  {a} -> {b}  ({', '.join(w[:3])})" for (a, b), w in sorted(edges.items())
-                if a in comp and b in comp]
+        msg += [
+            f"  {a} -> {b}  ({', '.join(w[:3])})"
+            for (a, b), w in sorted(edges.items())
+            if a in comp and b in comp
+        ]
     assert not cycles, "\n".join(msg)
 
 
@@ -149,12 +155,18 @@ def test_imports_follow_the_documented_layering():
     layers = declared_layers()
     nodes = all_nodes()
     assert len(layers) > 10, "docs/structure.md: no layering table under '## Layering'"
-    assert not nodes - layers.keys(), (f"docs/structure.md '## Layering' does not place "
-                                       f"{sorted(nodes - layers.keys())}: add each to a layer")
-    assert not layers.keys() - nodes, f"docs/structure.md '## Layering' names {sorted(layers.keys() - nodes)}, " \
-                                      "which are not in expertcache/"
-    upward = [f"  {a} (layer {layers[a]}) -> {b} (layer {layers[b]})  ({', '.join(w[:3])})"
-              for (a, b), w in sorted(import_graph().items()) if layers[b] > layers[a]]
+    assert not nodes - layers.keys(), (
+        f"docs/structure.md '## Layering' does not place {sorted(nodes - layers.keys())}: add each to a layer"
+    )
+    assert not layers.keys() - nodes, (
+        f"docs/structure.md '## Layering' names {sorted(layers.keys() - nodes)}, "
+        "which are not in expertcache/"
+    )
+    upward = [
+        f"  {a} (layer {layers[a]}) -> {b} (layer {layers[b]})  ({', '.join(w[:3])})"
+        for (a, b), w in sorted(import_graph().items())
+        if layers[b] > layers[a]
+    ]
     assert not upward, "imports that go up the layering of docs/structure.md:\n" + "\n".join(upward)
 
 
@@ -206,12 +218,16 @@ def test_the_checks_see_what_they_look_for(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "low" / "__init__.py").write_text("")
     (pkg / "low" / "a.py").write_text("def f():\n    from ..high import g\n\n_hidden = 1\n")
-    (pkg / "high.py").write_text("from .low.a import _hidden\nfrom .low import a\n\ndef g():\n    return a._hidden\n")
+    (pkg / "high.py").write_text(
+        "from .low.a import _hidden\nfrom .low import a\n\ndef g():\n    return a._hidden\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
     edges = import_graph()
     assert edges[("low", "high")] == ["expertcache/low/a.py:2"]
     assert edges[("high", "low")] == ["expertcache/high.py:1", "expertcache/high.py:2"]
     assert strongly_connected(edges) == [{"low", "high"}]
-    assert private_uses() == ["expertcache/high.py:1: from expertcache.low.a import _hidden",
-                              "expertcache/high.py:5: a._hidden (expertcache.low.a)"]
+    assert private_uses() == [
+        "expertcache/high.py:1: from expertcache.low.a import _hidden",
+        "expertcache/high.py:5: a._hidden (expertcache.low.a)",
+    ]

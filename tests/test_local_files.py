@@ -9,11 +9,10 @@ import re
 import stat
 import threading
 
+import checkpoints as C
 import pytest
 import torch
 from safetensors import safe_open
-
-import checkpoints as C
 from test_hub import C1, add_snapshot
 
 from expertcache import hub
@@ -27,6 +26,7 @@ from expertcache.loader.safetensors_index import TensorIndex
 def test_written_files_take_the_umask_mode_without_setting_the_umask(tmp_path, monkeypatch, mask):
     old = os.umask(mask)
     try:
+
         def no_umask(_):
             raise AssertionError("os.umask changed the process-wide umask while writing")
 
@@ -116,7 +116,9 @@ def test_a_shard_name_that_is_not_a_string_is_refused(sharded):
     first = next(iter(data["weight_map"]))
     data["weight_map"][first] = None
     index.write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match=re.escape(f"weight_map[{first!r}] is None, not a shard file name")):
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"weight_map[{first!r}] is None, not a shard file name")
+    ):
         TensorIndex(sharded)
 
 
@@ -163,13 +165,16 @@ def test_a_ref_that_is_not_a_commit_hash_is_refused(hub_repo, content):
 
 
 # -- config numbers ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("field, value, needle", [
-    ("rms_norm_eps", "tiny", "rms_norm_eps must be a finite number, got 'tiny'"),
-    ("rms_norm_eps", True, "rms_norm_eps must be a finite number, got True"),
-    ("rms_norm_eps", -1e-6, "rms_norm_eps must be > 0"),
-    ("rms_norm_eps", [1e-6], "rms_norm_eps must be a finite number"),
-    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("rms_norm_eps", "tiny", "rms_norm_eps must be a finite number, got 'tiny'"),
+        ("rms_norm_eps", True, "rms_norm_eps must be a finite number, got True"),
+        ("rms_norm_eps", -1e-6, "rms_norm_eps must be > 0"),
+        ("rms_norm_eps", [1e-6], "rms_norm_eps must be a finite number"),
+        ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
+    ],
+)
 def test_bad_config_numbers_name_the_field_and_file(qwen3_checkpoint, tmp_path, field, value, needle):
     from expertcache.models.registry import read_config
 
@@ -188,10 +193,13 @@ def test_integer_eps_is_a_number(qwen3_checkpoint, tmp_path):
     assert read_config(broken)[1].rms_norm_eps == 1.0
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("routed_scaling_factor", "2.5x", "routed_scaling_factor must be a finite number, got '2.5x'"),
-    ("routed_scaling_factor", 0, "routed_scaling_factor must be > 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("routed_scaling_factor", "2.5x", "routed_scaling_factor must be a finite number, got '2.5x'"),
+        ("routed_scaling_factor", 0, "routed_scaling_factor must be > 0"),
+    ],
+)
 def test_bad_deepseek_numbers_name_the_field(tmp_path, field, value, needle):
     from expertcache.models.registry import read_config
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import checkpoints as C
 import pytest
 import torch
+from safetensors_reference import independent_slot_checks
 
-import checkpoints as C
 from expertcache import LLM, SamplingParams
 from expertcache.cli import main
 from expertcache.engine.kv_cache import KVCache
@@ -21,13 +22,13 @@ from expertcache.errors import ConfigError
 from expertcache.experts.policy import POLICIES
 from expertcache.layers.mla import MLAttention
 from expertcache.models.registry import FAMILIES, read_config
-from safetensors_reference import independent_slot_checks
 
 
 @pytest.fixture(autouse=True)
 def _slot_checks_read_safetensors(monkeypatch):
     """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
     independent_slot_checks(monkeypatch)
+
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEQ = [(i * 29 + 7) % 300 + 3 for i in range(40)]
@@ -36,11 +37,14 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 # 16 experts (4 groups of 4 where the family groups), 3 layers with a dense first one, bf16 storage
 CACHE_CASES = {
-    "deepseek_v2": dict(n_routed_experts=16, num_hidden_layers=3, topk_method="group_limited_greedy", n_group=4,
-                        topk_group=2),
+    "deepseek_v2": dict(
+        n_routed_experts=16, num_hidden_layers=3, topk_method="group_limited_greedy", n_group=4, topk_group=2
+    ),
     "deepseek_v3": dict(n_routed_experts=16, num_hidden_layers=3, n_group=4, topk_group=2),
     "glm4_moe": dict(n_routed_experts=16, num_hidden_layers=3, use_qk_norm=True, attention_bias=True),
-    "glm4_moe_lite": dict(n_routed_experts=16, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"]),
+    "glm4_moe_lite": dict(
+        n_routed_experts=16, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"]
+    ),
 }
 
 
@@ -171,8 +175,9 @@ def test_n_samples_fork_the_latent_cache(checkpoint):
     prompt = [(i * 11 + 3) % 300 + 3 for i in range(40)]
     outs = llm.generate([prompt], SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=6, ignore_eos=True))
     for o in outs:
-        alone = llm.generate([prompt], SamplingParams(seed=7 + o.index, temperature=1.0, max_tokens=6,
-                                                      ignore_eos=True))[0]
+        alone = llm.generate(
+            [prompt], SamplingParams(seed=7 + o.index, temperature=1.0, max_tokens=6, ignore_eos=True)
+        )[0]
         assert o.token_ids == alone.token_ids
     assert len({tuple(o.token_ids) for o in outs}) > 1
 
@@ -200,22 +205,46 @@ def test_long_prompt_fits_the_latent_budget(checkpoint):
 # -- config fields parsed or rejected by name ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,changes,match", [
-    ("deepseek_v2", dict(topk_method="sparsemixer"), r"topk_method='sparsemixer' is not supported"),
-    ("deepseek_v3", dict(topk_method="greedy"), r"topk_method='greedy' is not supported"),
-    ("deepseek_v2", dict(norm_topk_prob=True), r"norm_topk_prob=true is not supported"),
-    ("deepseek_v3", dict(scoring_func="softmax"), r"scoring_func='softmax' is not supported"),
-    ("deepseek_v3", dict(n_group=3), r"n_group=3 must divide n_routed_experts=16"),
-    ("deepseek_v3", dict(num_key_value_heads=2), r"num_key_value_heads=2 must equal num_attention_heads"),
-    ("deepseek_v2", dict(mlp_bias=True), r"mlp_bias"),
-    ("deepseek_v3", dict(rope_scaling={"type": "yarn", "factor": 4, "partial_rotary_factor": 0.5,
-                                       "original_max_position_embeddings": 64}), r"partial_rotary_factor"),
-    ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse"]), r"mlp_layer_types=.* each of the 3 layers"),
-    ("glm4_moe_lite", dict(first_k_dense_replace=2), r"first_k_dense_replace=2 disagrees with mlp_layer_types"),
-    ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}),
-     r"partial_rotary_factor=0.1 of head_dim=16 gives 1 rotary dims"),
-    ("glm4_moe", dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
-])
+@pytest.mark.parametrize(
+    "family,changes,match",
+    [
+        ("deepseek_v2", dict(topk_method="sparsemixer"), r"topk_method='sparsemixer' is not supported"),
+        ("deepseek_v3", dict(topk_method="greedy"), r"topk_method='greedy' is not supported"),
+        ("deepseek_v2", dict(norm_topk_prob=True), r"norm_topk_prob=true is not supported"),
+        ("deepseek_v3", dict(scoring_func="softmax"), r"scoring_func='softmax' is not supported"),
+        ("deepseek_v3", dict(n_group=3), r"n_group=3 must divide n_routed_experts=16"),
+        ("deepseek_v3", dict(num_key_value_heads=2), r"num_key_value_heads=2 must equal num_attention_heads"),
+        ("deepseek_v2", dict(mlp_bias=True), r"mlp_bias"),
+        (
+            "deepseek_v3",
+            dict(
+                rope_scaling={
+                    "type": "yarn",
+                    "factor": 4,
+                    "partial_rotary_factor": 0.5,
+                    "original_max_position_embeddings": 64,
+                }
+            ),
+            r"partial_rotary_factor",
+        ),
+        (
+            "glm4_moe_lite",
+            dict(mlp_layer_types=["dense", "sparse"]),
+            r"mlp_layer_types=.* each of the 3 layers",
+        ),
+        (
+            "glm4_moe_lite",
+            dict(first_k_dense_replace=2),
+            r"first_k_dense_replace=2 disagrees with mlp_layer_types",
+        ),
+        (
+            "glm4_moe",
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}),
+            r"partial_rotary_factor=0.1 of head_dim=16 gives 1 rotary dims",
+        ),
+        ("glm4_moe", dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+    ],
+)
 def test_unsupported_config_is_a_clear_error(checkpoint, tmp_path, family, changes, match):
     path = C.copy_checkpoint(checkpoint(family, **CACHE_CASES[family]), tmp_path / "model")
     C.edit_config(path, **changes)
@@ -228,7 +257,13 @@ def test_moe_layer_freq_places_sparse_layers(tmp_path):
     from expertcache.models.deepseek import deepseek_sparse_layers
 
     assert deepseek_sparse_layers({"first_k_dense_replace": 1, "moe_layer_freq": 2}, 6) == (
-        False, False, True, False, True, False)
+        False,
+        False,
+        True,
+        False,
+        True,
+        False,
+    )
     assert deepseek_sparse_layers({"first_k_dense_replace": 3}, 5) == (False, False, False, True, True)
 
 
@@ -246,9 +281,14 @@ def _with_mtp_layer(src: Path, dst: Path) -> Path:
         last = f"model.layers.{n - 1}."
         extra = {k.replace(last, f"model.layers.{n}."): v.clone() for k, v in t.items() if k.startswith(last)}
         H = t["model.norm.weight"].shape[0]
-        extra.update({f"model.layers.{n}.enorm.weight": torch.ones(H), f"model.layers.{n}.hnorm.weight": torch.ones(H),
-                      f"model.layers.{n}.eh_proj.weight": torch.zeros(H, 2 * H),
-                      f"model.layers.{n}.shared_head.norm.weight": torch.ones(H)})
+        extra.update(
+            {
+                f"model.layers.{n}.enorm.weight": torch.ones(H),
+                f"model.layers.{n}.hnorm.weight": torch.ones(H),
+                f"model.layers.{n}.eh_proj.weight": torch.zeros(H, 2 * H),
+                f"model.layers.{n}.shared_head.norm.weight": torch.ones(H),
+            }
+        )
         return {**t, **extra}
 
     C.rewrite_tensors(dst, add)
@@ -290,7 +330,9 @@ def test_deepseek_v3_block_fp8_as_shipped(checkpoint, tmp_path):
 
     def mqa_fp8(t):  # DeepSeek ships kv_a_proj_with_mqa [R + P, H] in fp8 too
         for name in [n for n in t if n.endswith("kv_a_proj_with_mqa.weight")]:
-            t[name], t[name.replace(".weight", ".weight_scale_inv")] = quantize_fp8_block(t[name].float(), (32, 32))
+            t[name], t[name.replace(".weight", ".weight_scale_inv")] = quantize_fp8_block(
+                t[name].float(), (32, 32)
+            )
         return t
 
     C.rewrite_tensors(shipped, mqa_fp8)
@@ -308,58 +350,201 @@ def test_deepseek_v3_block_fp8_as_shipped(checkpoint, tmp_path):
 # config.json of the hub repos as published (fields that matter here; dims of the real models)
 HUB = {
     "deepseek-ai/DeepSeek-V2-Lite": dict(
-        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
-        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
-        num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, ep_size=1, routed_scaling_factor=1.0,
-        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
-        topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=6, moe_layer_freq=1,
-        first_k_dense_replace=1, norm_topk_prob=False, scoring_func="softmax", aux_loss_alpha=0.001, seq_aux=True,
-        hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_theta=10000, rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
-                                        "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
-                                        "type": "yarn"},
-        attention_bias=False, bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16"),
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        ep_size=1,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=6,
+        moe_layer_freq=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=False,
+        scoring_func="softmax",
+        aux_loss_alpha=0.001,
+        seq_aux=True,
+        hidden_act="silu",
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000,
+        rope_scaling={
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        attention_bias=False,
+        bos_token_id=100000,
+        eos_token_id=100001,
+        torch_dtype="bfloat16",
+    ),
     "deepseek-ai/DeepSeek-V3": dict(
-        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
-        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1,
-        num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, ep_size=1,
-        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
-        qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
-        moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid",
-        hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_theta=10000, rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                        "type": "yarn"},
-        quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                             "weight_block_size": [128, 128]},
-        attention_bias=False, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16"),
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_nextn_predict_layers=1,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        ep_size=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        topk_method="noaux_tc",
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+        moe_layer_freq=1,
+        first_k_dense_replace=3,
+        norm_topk_prob=True,
+        scoring_func="sigmoid",
+        hidden_act="silu",
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000,
+        rope_scaling={
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        quantization_config={
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        },
+        attention_bias=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="bfloat16",
+    ),
     "zai-org/GLM-4.5-Air": dict(
-        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=151552, hidden_size=4096,
-        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46, num_nextn_predict_layers=1,
-        num_attention_heads=96, num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5,
-        n_shared_experts=1, n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1,
-        num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False,
-        attention_bias=True, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_theta=1000000, tie_word_embeddings=False, eos_token_id=[151329, 151336, 151338],
-        pad_token_id=151329, torch_dtype="bfloat16"),
+        architectures=["Glm4MoeForCausalLM"],
+        model_type="glm4_moe",
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=46,
+        num_nextn_predict_layers=1,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        partial_rotary_factor=0.5,
+        n_shared_experts=1,
+        n_routed_experts=128,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        use_qk_norm=False,
+        attention_bias=True,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000,
+        tie_word_embeddings=False,
+        eos_token_id=[151329, 151336, 151338],
+        pad_token_id=151329,
+        torch_dtype="bfloat16",
+    ),
     "zai-org/GLM-4.7-Flash": dict(
-        architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", vocab_size=154880, hidden_size=2048,
-        intermediate_size=10240, moe_intermediate_size=1536, num_hidden_layers=47, num_nextn_predict_layers=1,
-        num_attention_heads=20, num_key_value_heads=20, n_shared_experts=1, n_routed_experts=64,
-        routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64, v_head_dim=256,
-        qk_nope_head_dim=192, topk_method="noaux_tc", n_group=1, topk_group=1, num_experts_per_tok=4,
-        first_k_dense_replace=1, norm_topk_prob=True, hidden_act="silu", max_position_embeddings=202752,
-        rms_norm_eps=1e-5, rope_theta=1000000, rope_interleave=True, tie_word_embeddings=False,
-        eos_token_id=[154820, 154827, 154829], pad_token_id=154820, torch_dtype="bfloat16"),
+        architectures=["Glm4MoeLiteForCausalLM"],
+        model_type="glm4_moe_lite",
+        vocab_size=154880,
+        hidden_size=2048,
+        intermediate_size=10240,
+        moe_intermediate_size=1536,
+        num_hidden_layers=47,
+        num_nextn_predict_layers=1,
+        num_attention_heads=20,
+        num_key_value_heads=20,
+        n_shared_experts=1,
+        n_routed_experts=64,
+        routed_scaling_factor=1.8,
+        kv_lora_rank=512,
+        q_lora_rank=768,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        qk_nope_head_dim=192,
+        topk_method="noaux_tc",
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        max_position_embeddings=202752,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000,
+        rope_interleave=True,
+        tie_word_embeddings=False,
+        eos_token_id=[154820, 154827, 154829],
+        pad_token_id=154820,
+        torch_dtype="bfloat16",
+    ),
 }
 # Kimi-K2: DeepSeek-V3's architecture and tensor layout with other sizes
 HUB["moonshotai/Kimi-K2-Instruct"] = {
-    **HUB["deepseek-ai/DeepSeek-V3"], "model_type": "kimi_k2", "vocab_size": 163840, "num_nextn_predict_layers": 0,
-    "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384, "routed_scaling_factor": 2.827,
-    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "max_position_embeddings": 131072,
-    "rope_theta": 50000.0, "bos_token_id": 163584, "eos_token_id": 163585,
-    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"}}
+    **HUB["deepseek-ai/DeepSeek-V3"],
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "num_nextn_predict_layers": 0,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "routed_scaling_factor": 2.827,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072,
+    "rope_theta": 50000.0,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "rope_scaling": {
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+}
 # (moe layers, routed experts, top-k, router kind, KV values per layer and token: latent or 2 x g x D)
 HUB_EXPECT = {
     "deepseek-ai/DeepSeek-V2-Lite": (26, 64, 6, "softmax", 576),
@@ -376,7 +561,12 @@ def test_hub_configs_parse(tmp_path, repo):
     family, cfg, _ = read_config(tmp_path)
     assert FAMILIES[HUB[repo]["architectures"][0]] is family
     moe, experts, top_k, kind, kv = HUB_EXPECT[repo]
-    assert (len(cfg.moe_layer_ids), cfg.num_experts, cfg.top_k, cfg.router.kind) == (moe, experts, top_k, kind)
+    assert (len(cfg.moe_layer_ids), cfg.num_experts, cfg.top_k, cfg.router.kind) == (
+        moe,
+        experts,
+        top_k,
+        kind,
+    )
     assert sum(map(lambda s: int(torch.tensor(s).prod()), cfg.kv_token_shapes)) == kv
     if cfg.mla is not None:
         assert cfg.rope_interleave and cfg.rotary_dim == 64
@@ -403,18 +593,63 @@ def _hub_spelling(path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
-@pytest.mark.parametrize("family,overrides", [
-    ("deepseek_v2", dict(rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
-                                          "rope_theta": 10000.0, "mscale": 0.707, "mscale_all_dim": 0.707,
-                                          "beta_fast": 32, "beta_slow": 1}, q_lora_rank=None)),
-    ("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
-                                          "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                          "beta_fast": 32, "beta_slow": 1}, n_group=4, topk_group=2,
-                         n_routed_experts=16)),
-    ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
-                      attention_bias=True, n_routed_experts=16)),
-    ("glm4_moe_lite", dict(n_routed_experts=16, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])),
-], ids=["deepseek-v2-lite-spelling", "deepseek-v3-spelling", "glm-4.5-air-spelling", "glm-4.7-flash-spelling"])
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        (
+            "deepseek_v2",
+            dict(
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 32,
+                    "rope_theta": 10000.0,
+                    "mscale": 0.707,
+                    "mscale_all_dim": 0.707,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                },
+                q_lora_rank=None,
+            ),
+        ),
+        (
+            "deepseek_v3",
+            dict(
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 32,
+                    "rope_theta": 10000.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                },
+                n_group=4,
+                topk_group=2,
+                n_routed_experts=16,
+            ),
+        ),
+        (
+            "glm4_moe",
+            dict(
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+                attention_bias=True,
+                n_routed_experts=16,
+            ),
+        ),
+        (
+            "glm4_moe_lite",
+            dict(n_routed_experts=16, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"]),
+        ),
+    ],
+    ids=[
+        "deepseek-v2-lite-spelling",
+        "deepseek-v3-spelling",
+        "glm-4.5-air-spelling",
+        "glm-4.7-flash-spelling",
+    ],
+)
 def test_hub_spelled_config_matches_transformers(checkpoint, tmp_path, family, overrides):
     path = C.copy_checkpoint(checkpoint(family, **overrides), tmp_path / "model")
     _hub_spelling(path)
@@ -435,9 +670,14 @@ DS_CONVERSATIONS = {
     ],
     "tool-calls": [
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+            ],
+        },
         {"role": "tool", "content": '{"temp": 18}'},
         {"role": "tool", "content": '{"temp": 24}'},
         {"role": "assistant", "content": "Paris 18, Rome 24."},
@@ -445,8 +685,11 @@ DS_CONVERSATIONS = {
     ],
     "tool-output-last": [
         {"role": "user", "content": "Time?"},
-        {"role": "assistant", "content": "Let me check.", "tool_calls": [
-            {"type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [{"type": "function", "function": {"name": "now", "arguments": "{}"}}],
+        },
         {"role": "tool", "content": "12:00"},
     ],
 }
@@ -456,10 +699,13 @@ DS_CONVERSATIONS = {
 def deepseek_chat(checkpoint, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = C.copy_checkpoint(checkpoint("deepseek_v3", **CACHE_CASES["deepseek_v3"]),
-                             tmp_path_factory.mktemp("ds-chat") / "model")
+    path = C.copy_checkpoint(
+        checkpoint("deepseek_v3", **CACHE_CASES["deepseek_v3"]), tmp_path_factory.mktemp("ds-chat") / "model"
+    )
     tc = json.loads((path / "tokenizer_config.json").read_text())
-    tc.update(chat_template=(FIXTURES / "deepseek_v3_chat_template.jinja").read_text(), bos_token="<|endoftext|>")
+    tc.update(
+        chat_template=(FIXTURES / "deepseek_v3_chat_template.jinja").read_text(), bos_token="<|endoftext|>"
+    )
     (path / "tokenizer_config.json").write_text(json.dumps(tc))
     return LLM(str(path)), AutoTokenizer.from_pretrained(str(path))
 
@@ -477,8 +723,6 @@ def test_deepseek_v3_chat_template_matches_transformers(deepseek_chat, conv, add
 
 def test_help_lists_every_registered_architecture(capsys):
     from expertcache.cli import SUPPORTED
-
-    from expertcache.models import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next  # noqa: F401
 
     listed = {line.split()[0] for line in SUPPORTED.splitlines()[1:]}
     assert listed == set(FAMILIES)

@@ -19,8 +19,10 @@ needs_cpp = pytest.mark.skipif(kernels.backend() != "cpp", reason=f"C++ kernels 
 
 def _pool(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"gate_up": (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(dtype),
-            "down": (torch.randn(E, H, I, generator=g) * 0.2).to(dtype)}
+    return {
+        "gate_up": (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(dtype),
+        "down": (torch.randn(E, H, I, generator=g) * 0.2).to(dtype),
+    }
 
 
 def _reference(x, slots, w, pool):
@@ -49,7 +51,9 @@ def test_cpu_float32_pool_goes_to_the_cpp_kernels_and_bf16_activations_to_torch(
     pool = _pool()
     chosen = choose_backend(pool, "cpu", MoEOptions(hidden=H, exclude=frozenset({"triton"})))
     assert chosen.kind.name == "cpp" and chosen.line.startswith("MoE compute: cpp, the C++ CPU kernels")
-    bf = choose_backend(pool, "cpu", MoEOptions(dtype=torch.bfloat16, hidden=H, exclude=frozenset({"triton"})))
+    bf = choose_backend(
+        pool, "cpu", MoEOptions(dtype=torch.bfloat16, hidden=H, exclude=frozenset({"triton"}))
+    )
     assert bf.kind.name == "torch" and "not cpp: they compute float32 activations" in bf.line
     x, slots, w = _routing()
     want = _reference(x, slots, w, pool)
@@ -93,8 +97,15 @@ def test_a_registered_kind_is_chosen_where_its_check_passes(monkeypatch):
         calls.append(x.shape)
         return backends.KINDS["torch"].compute(x, slots, weights, pool, method, ffn, out, host)
 
-    register(Kind("half", "half-precision test kernel", lambda p, d, o: None if p["down"].dtype == torch.float16
-                  else "not float16 parts", compute), before="cpp")
+    register(
+        Kind(
+            "half",
+            "half-precision test kernel",
+            lambda p, d, o: None if p["down"].dtype == torch.float16 else "not float16 parts",
+            compute,
+        ),
+        before="cpp",
+    )
     assert list(backends.KINDS) == ["triton", "half", "cpp", "torch"]
     with pytest.raises(ValueError, match="registered already"):
         register(backends.KINDS["half"])
@@ -115,7 +126,8 @@ def test_the_builders_choice_is_the_lazy_one_and_moe_ffn_takes_it():
     built = choose_backend(pool, "cpu", MoEOptions.for_ffn(None, SWIGLU, x.dtype, H))
     assert built.kind is backends.backend_for(pool, x, None, SWIGLU).kind
     calls = []
-    spy = backends.Backend(Kind("spy", "spy", lambda p, d, o: None,
-                                lambda *a: calls.append(1) or built(*a)), "MoE compute: spy")
+    spy = backends.Backend(
+        Kind("spy", "spy", lambda p, d, o: None, lambda *a: calls.append(1) or built(*a)), "MoE compute: spy"
+    )
     got = moe_ffn(x, slots, w, pool, backend=spy)
     assert calls == [1] and torch.allclose(got.double(), _reference(x, slots, w, pool), atol=1e-5)

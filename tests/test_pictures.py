@@ -42,7 +42,8 @@ def test_replay_png(trace_path, tmp_path, capsys, figures):
     assert len(styles) == len(policies)  # no policy hides behind another
     notes = [t.get_text() for t in ax.texts]
     assert any("above MIN" in t for t in notes) == any(
-        h > m for p in policies for h, m in zip(lines[p].get_ydata(), lines["MIN (reference)"].get_ydata()))
+        h > m for p in policies for h, m in zip(lines[p].get_ydata(), lines["MIN (reference)"].get_ydata())
+    )
 
 
 def test_stats_png_labelled(trace_path, tmp_path, capsys, figures):
@@ -57,7 +58,9 @@ def test_stats_png_labelled(trace_path, tmp_path, capsys, figures):
 def test_plan_png(qwen3_checkpoint, tmp_path, capsys, figures):
     out = tmp_path / "plan.png"
     assert main(["plan", str(qwen3_checkpoint), "--device-memory", "50%", "--png", str(out)]) == 0
-    assert out.read_bytes()[:8] == PNG and f"wrote the memory plan picture to {out}" in capsys.readouterr().err
+    assert (
+        out.read_bytes()[:8] == PNG and f"wrote the memory plan picture to {out}" in capsys.readouterr().err
+    )
     ax = figures[-1].axes[0]
     ticks = [t.get_text() for t in ax.get_yticklabels()]
     assert ticks[-1].startswith("RAM") and "disk" in ticks

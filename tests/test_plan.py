@@ -21,8 +21,14 @@ from expertcache.trace.synthetic import synth_trace
 @pytest.fixture(scope="module")
 def ckpt(checkpoint):
     # 16 experts, top-2, 3 layers, bf16 storage, sharded: several safetensors headers to read
-    return checkpoint("qwen3_moe", dtype=torch.bfloat16, num_experts=16, num_experts_per_tok=2, num_hidden_layers=3,
-                      max_shard_size="200KB")
+    return checkpoint(
+        "qwen3_moe",
+        dtype=torch.bfloat16,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        max_shard_size="200KB",
+    )
 
 
 def plan_json(capsys, *args) -> tuple[int, dict]:
@@ -102,8 +108,9 @@ def test_reads_headers_only(ckpt, which, monkeypatch, capsys):
 # -- the engine's own plan ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device_memory,host_memory", [("25%", "auto"), ("13%", "13%"), ("300KiB", "40%"),
-                                                        ("100%", None)])
+@pytest.mark.parametrize(
+    "device_memory,host_memory", [("25%", "auto"), ("13%", "13%"), ("300KiB", "40%"), ("100%", None)]
+)
 def test_slots_equal_the_engines(ckpt, capsys, monkeypatch, device_memory, host_memory):
     import expertcache.ramlimit as ramlimit
 
@@ -122,10 +129,12 @@ def test_slots_equal_the_engines(ckpt, capsys, monkeypatch, device_memory, host_
             assert p["device_slots"] == llm.experts.device_slots
             assert p["host_slots"] == llm.experts.host_slots
         # the same lines; the engine then adds its prefetch/policy line (tiered) and its KV cache line
-        assert llm.plan_lines[:len(p["lines"])] == p["lines"]
+        assert llm.plan_lines[: len(p["lines"])] == p["lines"]
         assert len(llm.plan_lines) - len(p["lines"]) == (1 if p["resident"] else 2)
         c = llm.cfg
-        assert r["kv"]["bytes_per_token"] == 2 * c.num_layers * c.num_kv_heads * c.head_dim * llm.dtype.itemsize
+        assert (
+            r["kv"]["bytes_per_token"] == 2 * c.num_layers * c.num_kv_heads * c.head_dim * llm.dtype.itemsize
+        )
     finally:
         llm.close()
 
@@ -141,11 +150,19 @@ def test_plan_prints_the_dense_term_the_engine_allocates(ckpt, capsys, flags):
     assert main(["plan", str(ckpt), "--device-memory", "50%", "--host-memory", "100%", *flags]) == 0
     from expertcache.units import fmt_bytes
 
-    assert f"dense {fmt_bytes(r['bytes']['dense_stored'])} stored, {fmt_bytes(r['bytes']['dense_compute'])} as" in \
-        capsys.readouterr().out
-    kw = {f.lstrip("-").replace("-", "_"): v for f, v in zip(flags[::2], flags[1::2])} if "--dense" in flags else {}
+    assert (
+        f"dense {fmt_bytes(r['bytes']['dense_stored'])} stored, {fmt_bytes(r['bytes']['dense_compute'])} as"
+        in capsys.readouterr().out
+    )
+    kw = (
+        {f.lstrip("-").replace("-", "_"): v for f, v in zip(flags[::2], flags[1::2])}
+        if "--dense" in flags
+        else {}
+    )
     with ledger.simulate(1 << 40):
-        llm = LLM(str(ckpt), device_memory="50%", host_memory="100%", low_memory="--low-memory" in flags, **kw)
+        llm = LLM(
+            str(ckpt), device_memory="50%", host_memory="100%", low_memory="--low-memory" in flags, **kw
+        )
     try:
         assert llm.ledger.terms["dense"] == llm.device_plan.terms["dense"] == r["bytes"]["dense_compute"]
     finally:
@@ -162,11 +179,17 @@ def test_cuda_plan_needs_no_gpu(ckpt, capsys):
     L, E = r["model"]["moe_layers"], r["model"]["num_experts"]
     assert p["device_slots"] == (b["experts_stored"] // 4 - p["staging"]) // (b["expert_fast"] * L)
     assert d["terms"]["expert_slots"] == p["device_slots"] * L * b["expert_fast"]
-    assert d["card"] == "rtx4090-24gb" and d["card_bytes"] == 24 << 30 and d["terms"]["cuda_context"] == 500 << 20
+    assert (
+        d["card"] == "rtx4090-24gb"
+        and d["card_bytes"] == 24 << 30
+        and d["terms"]["cuda_context"] == 500 << 20
+    )
     assert d["total"] == sum(d["terms"].values())
     # a size is the GPU total: 200 KiB cannot hold the CUDA context, refused naming it
     rc, r = plan_json(capsys, ckpt, "--device", "cuda", "--device-memory", "200KiB", "--gpu", "rtx4060-8gb")
-    assert rc == 1 and "CUDA context 400.00 MiB" in r["plan"]["error"] and "give at least" in r["plan"]["error"]
+    assert (
+        rc == 1 and "CUDA context 400.00 MiB" in r["plan"]["error"] and "give at least" in r["plan"]["error"]
+    )
     rc = main(["plan", str(ckpt), "--device", "cuda", "--profile", "cpu-only", "--device-memory", "25%"])
     assert rc == 2 and "no GPU figures" in capsys.readouterr().err
     assert main(["plan", str(ckpt), "--device", "cuda", "--gpu", "cpu-only"]) == 2
@@ -192,20 +215,78 @@ def test_json_keys_are_stable(ckpt, capsys):
     assert rc == 0
     assert list(r) == ["model", "device", "dtype", "bytes", "plan", "device_plan", "kv", "speed"]
     assert list(r["device_plan"]) == ["card", "card_bytes", "max_model_len", "budget", "terms", "total"]
-    assert list(r["device_plan"]["terms"]) == ["dense", "kv_cache", "linear_state", "activations", "logits",
-                                               "expert_slots", "staging", "cuda_context", "allocator_slack"]
-    assert list(r["model"]) == ["dir", "dir_bytes", "architecture", "layers", "moe_layers", "num_experts", "top_k"]
-    assert list(r["bytes"]) == ["dense_stored", "dense_compute", "experts_stored", "expert_stored", "expert_fast",
-                                "stored_format", "fast_format"]
-    assert list(r["plan"]) == ["fits", "error", "resident", "device_slots", "host_slots", "device_budget",
-                               "host_budget", "device_used", "host_used", "staging", "lines"]
-    assert list(r["kv"]) == ["bytes_per_token", "device_free", "tokens_in_device_free", "state_bytes_per_sequence",
-                             "auto_max_model_len", "auto_max_num_seqs", "auto_tokens", "auto_bytes"]
-    assert list(r["speed"]) == ["profile", "profile_source", "step_overhead_ms", "layer_overhead_ms", "source", "synthetic", "from_disk", "low", "high",
-                                "band_tok_s", "schedule"]
+    assert list(r["device_plan"]["terms"]) == [
+        "dense",
+        "kv_cache",
+        "linear_state",
+        "activations",
+        "logits",
+        "expert_slots",
+        "staging",
+        "cuda_context",
+        "allocator_slack",
+    ]
+    assert list(r["model"]) == [
+        "dir",
+        "dir_bytes",
+        "architecture",
+        "layers",
+        "moe_layers",
+        "num_experts",
+        "top_k",
+    ]
+    assert list(r["bytes"]) == [
+        "dense_stored",
+        "dense_compute",
+        "experts_stored",
+        "expert_stored",
+        "expert_fast",
+        "stored_format",
+        "fast_format",
+    ]
+    assert list(r["plan"]) == [
+        "fits",
+        "error",
+        "resident",
+        "device_slots",
+        "host_slots",
+        "device_budget",
+        "host_budget",
+        "device_used",
+        "host_used",
+        "staging",
+        "lines",
+    ]
+    assert list(r["kv"]) == [
+        "bytes_per_token",
+        "device_free",
+        "tokens_in_device_free",
+        "state_bytes_per_sequence",
+        "auto_max_model_len",
+        "auto_max_num_seqs",
+        "auto_tokens",
+        "auto_bytes",
+    ]
+    assert list(r["speed"]) == [
+        "profile",
+        "profile_source",
+        "step_overhead_ms",
+        "layer_overhead_ms",
+        "source",
+        "synthetic",
+        "from_disk",
+        "low",
+        "high",
+        "band_tok_s",
+        "schedule",
+    ]
     if r["device"] == "cuda" and not r["plan"]["resident"]:  # the schedule model's four combinations
         assert sorted((e["cpu_compute"], e["prefetch"]) for e in r["speed"]["schedule"]) == [
-            (False, False), (False, True), (True, False), (True, True)]
+            (False, False),
+            (False, True),
+            (True, False),
+            (True, True),
+        ]
     else:
         assert r["speed"]["schedule"] is None
     assert list(r["speed"]["low"]) == ["policy", "prefetch", "hit_rate", "tok_s"]
@@ -232,8 +313,18 @@ def recorded(ckpt, tmp_path_factory):
 
 
 def test_trace_band(ckpt, recorded, capsys):
-    rc, r = plan_json(capsys, ckpt, "--device-memory", "25%", "--trace", recorded, "--profile", "rtx4090-pcie4",
-                      "--device", "cuda")
+    rc, r = plan_json(
+        capsys,
+        ckpt,
+        "--device-memory",
+        "25%",
+        "--trace",
+        recorded,
+        "--profile",
+        "rtx4090-pcie4",
+        "--device",
+        "cuda",
+    )
     assert rc == 0
     s = r["speed"]
     assert "15 decode rows" in s["source"] and s["synthetic"] is None
@@ -265,9 +356,8 @@ def test_trace_of_another_model_is_rejected(ckpt, tmp_path, capsys):
 
 
 def test_quantized_experts_stay_quantized_in_the_fastest_tier(ckpt, tmp_path, capsys, monkeypatch):
-    from expertcache.quantize.rewrite import quantize_checkpoint
-
     import expertcache.ramlimit as ramlimit
+    from expertcache.quantize.rewrite import quantize_checkpoint
 
     monkeypatch.setattr(ramlimit, "available", lambda: (8 << 30, "MemAvailable"))
     q = tmp_path / "int8"
@@ -279,6 +369,6 @@ def test_quantized_experts_stay_quantized_in_the_fastest_tier(ckpt, tmp_path, ca
     llm = LLM(str(q), device_memory="25%")
     try:
         assert r["plan"]["device_slots"] == llm.experts.device_slots
-        assert llm.plan_lines[:len(r["plan"]["lines"])] == r["plan"]["lines"]
+        assert llm.plan_lines[: len(r["plan"]["lines"])] == r["plan"]["lines"]
     finally:
         llm.close()

@@ -15,8 +15,12 @@ from expertcache.experts.policy import ONLINE
 
 
 def planner(capacity=2, E=8, policy="lru", **kw):
-    return StepPlanner(PlannerConfig(num_experts=E, device_slots=capacity, host_slots=None, expert_bytes=1,
-                                     policy=policy, **kw), num_layers=1)
+    return StepPlanner(
+        PlannerConfig(
+            num_experts=E, device_slots=capacity, host_slots=None, expert_bytes=1, policy=policy, **kw
+        ),
+        num_layers=1,
+    )
 
 
 def step(p, t, experts, rows=1):
@@ -43,8 +47,15 @@ def test_adversarial_order_gives_one_miss_not_two():
 def test_no_expert_fetched_twice_and_no_victim_from_the_step(policy, seed):
     rng = random.Random(seed)
     E, cap = 12, rng.choice([2, 3, 5])
-    cfg = PlannerConfig(num_experts=E, device_slots=cap, host_slots=rng.choice([None, 3, 6]), expert_bytes=1,
-                        policy=policy, prefill_admit_tokens=4, cpu_compute="cost")
+    cfg = PlannerConfig(
+        num_experts=E,
+        device_slots=cap,
+        host_slots=rng.choice([None, 3, 6]),
+        expert_bytes=1,
+        policy=policy,
+        prefill_admit_tokens=4,
+        cpu_compute="cost",
+    )
     p = StepPlanner(cfg, 1, cpu_faster=lambda n: n == 3)  # a miss of 3 tokens is computed on the CPU
     table = p.layers[0].device
     for t in range(1, 120):
@@ -77,13 +88,15 @@ def test_no_expert_fetched_twice_and_no_victim_from_the_step(policy, seed):
 
 # -- CPU compute of misses, and admission beside it, against a brute-force optimum --------------------
 
+
 def _cost_profile():
     from expertcache.cost.model import ExpertCost
     from expertcache.cost.profiles import Profile
 
     # 100 MB experts of 50 M parameters: CPU max(2 ms, 1 ms * rows); link 3 ms; GPU 0.1 ms
-    prof = Profile("hand", link_gbs=100 / 3, disk_gbs=2, cpu_mem_gbs=50, cpu_gflops=100, gpu_mem_gbs=1000,
-                   gpu_tflops=100)
+    prof = Profile(
+        "hand", link_gbs=100 / 3, disk_gbs=2, cpu_mem_gbs=50, cpu_gflops=100, gpu_mem_gbs=1000, gpu_tflops=100
+    )
     return ExpertCost(prof, 10**8, 5 * 10**7)
 
 
@@ -125,22 +138,33 @@ def brute_force(cost, trace):
 
 
 def planner_choices(cost, trace, cpu_compute="cost"):
-    p = StepPlanner(PlannerConfig(num_experts=8, device_slots=1, host_slots=None, expert_bytes=10**8,
-                                  cpu_compute=cpu_compute), 1, cpu_faster=cost.cpu_faster)
+    p = StepPlanner(
+        PlannerConfig(
+            num_experts=8, device_slots=1, host_slots=None, expert_bytes=10**8, cpu_compute=cpu_compute
+        ),
+        1,
+        cpu_faster=cost.cpu_faster,
+    )
     out = []
     for t, (e, n) in enumerate(trace, 1):
         plan = p.plan_step(0, [e], [n], n, t)
-        out += ["admit" if f.on_cpu else "move" for f in plan.fills] + ["cpu" for o in plan.off_slot if o.on_cpu]
+        out += ["admit" if f.on_cpu else "move" for f in plan.fills] + [
+            "cpu" for o in plan.off_slot if o.on_cpu
+        ]
         p.end_step(0, plan)
     return out, p.layers[0].counters
 
 
-@pytest.mark.parametrize("trace", [
-    [(0, 1)] * 3 + [(1, 1)] * 3 + [(0, 1)] * 2,  # decode with reuse: CPU now, admitted beside it
-    [(0, 1), (1, 1), (2, 1), (3, 1)],  # no reuse: the CPU; the copy beside it costs nothing here
-    [(0, 10), (0, 1), (1, 12), (2, 1), (2, 1)],  # many rows: moving beats the CPU
-    [(0, 3), (0, 3), (1, 4)],  # both sides of the break-even (3 rows: CPU 3 ms < move 3.1 ms)
-], ids=["reuse", "no-reuse", "prefill-rows", "break-even"])
+@pytest.mark.parametrize(
+    "trace",
+    [
+        [(0, 1)] * 3 + [(1, 1)] * 3 + [(0, 1)] * 2,  # decode with reuse: CPU now, admitted beside it
+        [(0, 1), (1, 1), (2, 1), (3, 1)],  # no reuse: the CPU; the copy beside it costs nothing here
+        [(0, 10), (0, 1), (1, 12), (2, 1), (2, 1)],  # many rows: moving beats the CPU
+        [(0, 3), (0, 3), (1, 4)],  # both sides of the break-even (3 rows: CPU 3 ms < move 3.1 ms)
+    ],
+    ids=["reuse", "no-reuse", "prefill-rows", "break-even"],
+)
 def test_cpu_compute_and_admission_reach_the_brute_force_optimum(trace):
     cost = _cost_profile()
     best, _ = brute_force(cost, trace)
@@ -168,7 +192,9 @@ def _optimum_hits(steps: list[list[int]], capacity: int) -> int:
 
     best = 0
     for s in steps:
-        best += max(len(set(c) & set(s)) for n in range(min(capacity, len(s)) + 1) for c in combinations(s, n))
+        best += max(
+            len(set(c) & set(s)) for n in range(min(capacity, len(s)) + 1) for c in combinations(s, n)
+        )
     return best
 
 
@@ -182,20 +208,36 @@ def test_perfect_prefetch_loads_no_expert_twice_and_reaches_the_optimum(policy, 
 
     rng = random.Random(3)
     E, cap, K = 16, 6, 4
-    steps = [list(dict.fromkeys(e for _ in range(rng.choice([1, 1, 1, 2])) for e in rng.sample(range(E), K)))
-             for _ in range(300)]
-    p = StepPlanner(PlannerConfig(num_experts=E, device_slots=cap, host_slots=host_slots, expert_bytes=1,
-                                  policy=policy, prefetch="device", gate_threshold=None), num_layers=1)
+    steps = [
+        list(dict.fromkeys(e for _ in range(rng.choice([1, 1, 1, 2])) for e in rng.sample(range(E), K)))
+        for _ in range(300)
+    ]
+    p = StepPlanner(
+        PlannerConfig(
+            num_experts=E,
+            device_slots=cap,
+            host_slots=host_slots,
+            expert_bytes=1,
+            policy=policy,
+            prefetch="device",
+            gate_threshold=None,
+        ),
+        num_layers=1,
+    )
     hits = 0
     for t, s in enumerate(steps, 1):
         pf = p.plan_prefetch(0, s, len(s), t)
         plan = p.plan_step(0, s, [1] * len(s), len(s), t)
         p.end_step(0, plan)
-        loads = Counter([x.expert for x in pf if getattr(x, "slot", -1) >= 0] + [f.expert for f in plan.fills])
+        loads = Counter(
+            [x.expert for x in pf if getattr(x, "slot", -1) >= 0] + [f.expert for f in plan.fills]
+        )
         assert max(loads.values(), default=0) <= 1, (t, s, pf, plan)
-        reads = Counter([x.expert for x in pf if getattr(x, "src", None) is not None and x.src.read]
-                        + [f.expert for f in plan.fills if f.src is not None and f.src.read]
-                        + [o.expert for o in plan.off_slot if o.src.read])
+        reads = Counter(
+            [x.expert for x in pf if getattr(x, "src", None) is not None and x.src.read]
+            + [f.expert for f in plan.fills if f.src is not None and f.src.read]
+            + [o.expert for o in plan.off_slot if o.src.read]
+        )
         assert max(reads.values(), default=0) <= 1, (t, s, pf, plan)
         hits += len(plan.hits)
         p.layers[0].device.check()

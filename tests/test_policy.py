@@ -161,7 +161,9 @@ def test_adaptive_follows_the_better_candidate_on_each_workload():
     from expertcache.trace.synthetic import synth_trace
 
     scan = RoutingTrace(experts=np.array([[[t % 3, 3 + t % 61]] for t in range(600)]), num_experts=64)
-    shifts = synth_trace(layers=2, experts=64, top_k=8, tokens=2000, zipf=1.1, reuse=0.4, shift_every=256, seed=1)
+    shifts = synth_trace(
+        layers=2, experts=64, top_k=8, tokens=2000, zipf=1.1, reuse=0.4, shift_every=256, seed=1
+    )
     for trace, cap, winner in ((scan, 3, "lfru-admit"), (shifts, 9, "lfru")):
         rate = {n: replay(trace, n, cap, with_min=False).hit_rate for n in ("lfru", "lfru-admit", "adaptive")}
         loser = ({"lfru", "lfru-admit"} - {winner}).pop()
@@ -201,13 +203,20 @@ def test_same_decisions_as_the_numpy_implementation(seed):
     stats = gen.integers(0, 50, (1, E))
     for name in ("lru", "lfru", "lfu", "static", "lfru-admit", "adaptive", "min"):
         kw = {"stats": stats} if name == "static" and seed % 3 == 0 else {}
-        assert _decisions(new, name, steps, prefetch, E, cap, **kw) == _decisions(ref, name, steps, prefetch, E, cap,
-                                                                                  **kw), name
+        assert _decisions(new, name, steps, prefetch, E, cap, **kw) == _decisions(
+            ref, name, steps, prefetch, E, cap, **kw
+        ), name
 
 
 def test_adaptive_samples_its_ghosts_only_above_64_experts():
     from expertcache.experts.policy import ghost_sample, make_policy
 
-    assert [ghost_sample(E, c) for E, c in ((16, 4), (64, 48), (128, 12), (128, 32), (256, 64))] == [1, 1, 1, 4, 8]
+    assert [ghost_sample(E, c) for E, c in ((16, 4), (64, 48), (128, 12), (128, 32), (256, 64))] == [
+        1,
+        1,
+        1,
+        4,
+        8,
+    ]
     p = make_policy("adaptive", 128, 32)
     assert 20 <= sum(p.watched) <= 44 and p.ghosts[0].capacity == round(32 * sum(p.watched) / 128)

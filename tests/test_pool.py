@@ -15,7 +15,11 @@ from expertcache.experts.layout import Part
 from expertcache.experts.pool import PAGE, SlotPool
 
 # odd shapes and mixed dtypes: part sizes that are not multiples of the page or of each other
-PARTS = [Part("gate_up", (6, 5), torch.bfloat16), Part("down", (5, 3), torch.float32), Part("scale", (7,), torch.uint8)]
+PARTS = [
+    Part("gate_up", (6, 5), torch.bfloat16),
+    Part("down", (5, 3), torch.float32),
+    Part("scale", (7,), torch.uint8),
+]
 L, S = 3, 4
 
 
@@ -46,11 +50,15 @@ def test_views_address_each_slot_byte_exact_in_the_region():
     offsets, total = expected_offsets(PARTS, L, S)
     assert pool.offsets == offsets
     # read the region back chunk by chunk (as it is page-locked), compare with the stated layout
-    region = bytes(torch.cat([pool.region[o:o + n] for o, n in _chunks(total, 1000)]).numpy())
+    region = bytes(torch.cat([pool.region[o : o + n] for o, n in _chunks(total, 1000)]).numpy())
     for (name, i, s), t in written.items():
         p = next(q for q in PARTS if q.name == name)
         at = offsets[name] + (i * S + s) * p.nbytes
-        assert region[at:at + p.nbytes] == bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy()), (name, i, s)
+        assert region[at : at + p.nbytes] == bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy()), (
+            name,
+            i,
+            s,
+        )
     # the per-layer views are the same memory
     for (name, i, s), t in written.items():
         assert torch.equal(pool.layer(i)[name][s].view(torch.uint8), t.view(torch.uint8))
@@ -102,6 +110,7 @@ def runtime(monkeypatch):
         monkeypatch.setattr(pool_mod, "clear_cuda_error", lambda: None)
         monkeypatch.setattr(pool_mod, "PIN_CHUNK", chunk)
         return rt
+
     return make
 
 
@@ -120,8 +129,11 @@ def assert_registrations_tile(regs, base, total):
 
 
 # page-multiple slots (split into chunks of whole slots), slots that tile pages four to one, and odd ones
-PIN_PARTS = [Part("gate_up", (2, 1024), torch.bfloat16), Part("down", (512,), torch.bfloat16),
-             Part("scale", (7,), torch.uint8)]
+PIN_PARTS = [
+    Part("gate_up", (2, 1024), torch.bfloat16),
+    Part("down", (512,), torch.bfloat16),
+    Part("scale", (7,), torch.uint8),
+]
 
 
 def test_pinned_region_is_registered_in_slot_aligned_chunks_and_released(runtime):
@@ -135,7 +147,11 @@ def test_pinned_region_is_registered_in_slot_aligned_chunks_and_released(runtime
         for s in range(6):
             for name, t in pool.views(i, s).items():
                 lo = t.data_ptr()
-                assert len(containing(rt.registered, lo, lo + t.numel() * t.element_size())) == 1, (name, i, s)
+                assert len(containing(rt.registered, lo, lo + t.numel() * t.element_size())) == 1, (
+                    name,
+                    i,
+                    s,
+                )
     # chunks of whole slots, about PIN_CHUNK: gate_up (4 KiB slots) in chunks of 6 slots; down's 1 KiB slots
     # four to a page, so chunks of 24; scale's 7-byte slots never end on a page: one registration
     # (down: 30 KiB of slots in a 32 KiB page-rounded part)
@@ -167,7 +183,9 @@ def test_no_slot_of_a_qwen3_sized_tier_straddles_two_registrations():
         assert (first == last).all()  # the first and the last byte of each slot in the same chunk
     naive = np.arange(0, at, 1 << 30)
     lo = parts[0][0] + parts[0][1] * np.arange(slots)
-    assert (np.searchsorted(naive, lo, "right") != np.searchsorted(naive, lo + parts[0][1] - 1, "right")).sum() > 0
+    assert (
+        np.searchsorted(naive, lo, "right") != np.searchsorted(naive, lo + parts[0][1] - 1, "right")
+    ).sum() > 0
 
 
 def test_pinning_failure_falls_back_to_pageable_with_a_note(runtime, capsys):
@@ -198,6 +216,9 @@ def test_the_memory_plan_is_what_the_tiers_allocate(cache_checkpoint):
         assert cache.host.nbytes == plan.host_used
         assert cache.dev.nbytes == plan.device_used  # the CPU reserves no staging expert
         for pool in (cache.host, cache.dev):
-            assert pool.reserved_bytes == pool.region.numel() and 0 <= pool.reserved_bytes - pool.nbytes < 2 * PAGE
+            assert (
+                pool.reserved_bytes == pool.region.numel()
+                and 0 <= pool.reserved_bytes - pool.nbytes < 2 * PAGE
+            )
     finally:
         llm.close()

@@ -41,8 +41,14 @@ def run(env_value: str | None) -> dict:
     if env_value is not None:
         env["EXPERTCACHE_POOL_STATS"] = env_value
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(bench=str(ROOT / "bench"))], env=env, check=True,
-                         capture_output=True, text=True, timeout=600).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(bench=str(ROOT / "bench"))],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -55,7 +61,9 @@ def test_stats_count_the_jobs_and_units_of_known_calls():
     jobs, units, helper_units, ns, work, wait, _start, cpu = moe[0]
     assert units % jobs == 0 and units >= jobs  # the same units every call
     assert 0 <= helper_units <= units
-    assert ns >= work >= 0 and ns >= wait >= 0 and work + wait <= ns + jobs  # work and wait split the job's time
+    assert (
+        ns >= work >= 0 and ns >= wait >= 0 and work + wait <= ns + jobs
+    )  # work and wait split the job's time
     assert cpu > 0
 
 

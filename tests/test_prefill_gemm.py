@@ -17,16 +17,18 @@ import sys
 
 import pytest
 import torch
+from test_kernels import _moe_pool, _packed, _routing
 
 from expertcache import LLM, kernels
 from expertcache.experts.compute import SWIGLU, ExpertFFN, moe_ffn
 from expertcache.kernels import prefill_gemm
 from expertcache.kernels.formats import plain_spec
-from test_kernels import _moe_pool, _packed, _routing
 
 fast_cpu = kernels.backend() == "cpp" and kernels.extension().fast_supported()
-needs_fast = pytest.mark.skipif(not fast_cpu, reason="the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI")
-ULP = 2.0 ** -7  # one bf16 ulp, relative (8 significant bits)
+needs_fast = pytest.mark.skipif(
+    not fast_cpu, reason="the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI"
+)
+ULP = 2.0**-7  # one bf16 ulp, relative (8 significant bits)
 
 
 def r16(x: torch.Tensor) -> torch.Tensor:
@@ -124,14 +126,19 @@ def test_experts_of_many_tokens_on_the_matmul_the_rest_on_the_kernel(T):
 def test_a_pool_the_kernels_do_not_read_sends_its_big_experts_to_the_matmul_and_the_rest_to_torch():
     S, H, I, K, T = 4, 96, 40, 2, 64
     _, pool, gate, up, down = _moe_pool("bf16", {}, S, H, I)
-    pool = {"gate_up": pool["gate_up"].transpose(1, 2).contiguous(), "down": pool["down"].transpose(1, 2).contiguous()}
-    ffn = ExpertFFN(transposed=True)  # plain weights stored [in, out], as GPT-OSS's bf16 checkpoints: no kernel
+    pool = {
+        "gate_up": pool["gate_up"].transpose(1, 2).contiguous(),
+        "down": pool["down"].transpose(1, 2).contiguous(),
+    }
+    ffn = ExpertFFN(
+        transposed=True
+    )  # plain weights stored [in, out], as GPT-OSS's bf16 checkpoints: no kernel
     assert kernels.moe_args(pool, None, H, ffn) is None
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
     slots, weights = _routing(T, K, S, seed=5)
     slots[:, 0] = 0  # slot 0: every token; slot 1: 56 tokens; slot 2: 8 (on the torch code)
     slots[: T - 8, 1] = 1
-    slots[T - 8:, 1] = 2
+    slots[T - 8 :, 1] = 2
     before = prefill_gemm.CALLS["expert"]
     with kernels.cpu_math("fast"), prefill_gemm.fixed_crossover(16):
         out = moe_ffn(x, slots, weights, pool, None, ffn=ffn)
@@ -175,9 +182,12 @@ def test_gpt_oss_fused_interleaved_mxfp4_experts_on_the_matmul():
     S, H, I, T = 2, 64, 32, 24
     method, gu_parts, gu = _packed("mxfp4", {}, 2 * I, H, S, seed=7)  # gate_up rows alternate gate, up
     _, dn_parts, down = _packed("mxfp4", {}, H, I, S, seed=8)
-    pool = {**{k.replace("p.", "gate_up.", 1): t for k, t in gu_parts.items()},
-            **{k.replace("p.", "down.", 1): t for k, t in dn_parts.items()},
-            "gate_up_bias": torch.randn(S, 2 * I), "down_bias": torch.randn(S, H)}
+    pool = {
+        **{k.replace("p.", "gate_up.", 1): t for k, t in gu_parts.items()},
+        **{k.replace("p.", "down.", 1): t for k, t in dn_parts.items()},
+        "gate_up_bias": torch.randn(S, 2 * I),
+        "down_bias": torch.randn(S, H),
+    }
     ffn = ExpertFFN(act="clamped_swiglu", interleaved=True, fused_quant=True, alpha=1.702, limit=7.0)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(9))
     slots = torch.ones(T, 1, dtype=torch.long)  # every token to slot 1
@@ -193,7 +203,9 @@ def test_gpt_oss_fused_interleaved_mxfp4_experts_on_the_matmul():
     h = r16((u + 1) * g * torch.sigmoid(1.702 * g))
     y = r16(h @ down[1].T) + pool["down_bias"][1].double()
     ref = weights.double() * y
-    slack = weights.double() * (ULP * y.abs() + 2 * ULP * (h.abs() @ down[1].abs().T)) + 1e-5 * ref.abs().max()
+    slack = (
+        weights.double() * (ULP * y.abs() + 2 * ULP * (h.abs() @ down[1].abs().T)) + 1e-5 * ref.abs().max()
+    )
     assert ((out.double() - ref).abs() <= slack).all()
 
 
@@ -201,7 +213,9 @@ def test_the_environment_switch_turns_the_path_off():
     code = "from expertcache.kernels import prefill_gemm; print(prefill_gemm.enabled())"
     for value, expect in (("0", "False"), ("1", "True")):
         env = {**os.environ, prefill_gemm.ENV: value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
         assert out.stdout.strip() == expect
 
 
@@ -232,7 +246,9 @@ def test_the_crossover_is_measured_once_per_machine_and_cached(monkeypatch, tmp_
     assert prefill_gemm.crossover("dense", "bf16", 70, 1031, probe) == 128 and len(runs) == 1
     (tmp_path / "prefill_gemm.json").write_text("{damaged")
     prefill_gemm._loaded[0] = ""
-    assert prefill_gemm.crossover("dense", "bf16", 70, 1031, probe) == 128 and len(runs) == 2  # measured again
+    assert (
+        prefill_gemm.crossover("dense", "bf16", 70, 1031, probe) == 128 and len(runs) == 2
+    )  # measured again
 
 
 SEQ = [(i * 37 + 11) % 300 + 3 for i in range(96)]
@@ -240,8 +256,15 @@ SEQ = [(i * 37 + 11) % 300 + 3 for i in range(96)]
 
 @needs_fast
 def test_whole_model_prefill_on_the_matmul_is_within_bf16_of_the_kernel_path(checkpoint):
-    path = checkpoint("qwen3_moe", dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=32, num_experts=4,
-                      num_hidden_layers=2, num_experts_per_tok=2)
+    path = checkpoint(
+        "qwen3_moe",
+        dtype=torch.bfloat16,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_hidden_layers=2,
+        num_experts_per_tok=2,
+    )
     llm = LLM(str(path), cpu_math="fast")
     exact = LLM(str(path)).logits(SEQ)
     prefill_gemm.enable(False)
@@ -318,4 +341,6 @@ def test_the_experts_on_the_kernels_threads_equal_bf16_expert_one_at_a_time(inte
     err = (out.double() - want).abs()
     assert (err <= 1e-6 * want.abs().max()).all(), f"max error {err.max():.3g}"
     with pytest.raises(RuntimeError, match="experts_bf16: down"):
-        pool_experts(x, slots, weights, {"gate_up": pool["gate_up"], "down": pool["down"][:, :, 1:]}, take, ffn, out)
+        pool_experts(
+            x, slots, weights, {"gate_up": pool["gate_up"], "down": pool["down"][:, :, 1:]}, take, ffn, out
+        )

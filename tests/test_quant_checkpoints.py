@@ -23,19 +23,19 @@ import json
 import re
 from pathlib import Path
 
+import checkpoints
 import pytest
 import torch
 from safetensors.torch import save_file
+from safetensors_reference import independent_slot_checks
+from test_quant_e2e import dequantized_dense_checkpoint
 
-import checkpoints
 from expertcache import LLM, SamplingParams
 from expertcache.errors import CheckpointError, ConfigError
 from expertcache.quant.fp8_block import quantize_fp8_block
 from expertcache.quant.fp8_channel import quantize_fp8_channel
 from expertcache.quant.mxfp4 import quantize_mxfp4
 from expertcache.quantize.rewrite import quantize_checkpoint
-from test_quant_e2e import dequantized_dense_checkpoint
-from safetensors_reference import independent_slot_checks
 
 
 @pytest.fixture(autouse=True)
@@ -43,10 +43,23 @@ def _slot_checks_read_safetensors(monkeypatch):
     """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
     independent_slot_checks(monkeypatch)
 
+
 B = 32
-RAGGED = dict(hidden_size=80, head_dim=20, num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=48,
-              intermediate_size=72, num_hidden_layers=3, mlp_only_layers=[1], num_experts=16, num_experts_per_tok=2)
-MX = dict(hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2, num_experts=16, num_experts_per_tok=2)
+RAGGED = dict(
+    hidden_size=80,
+    head_dim=20,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    moe_intermediate_size=48,
+    intermediate_size=72,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],
+    num_experts=16,
+    num_experts_per_tok=2,
+)
+MX = dict(
+    hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2, num_experts=16, num_experts_per_tok=2
+)
 SEQ = [(i * 29 + 7) % 300 + 3 for i in range(40)]
 PROMPT = [5, 17, 42, 99, 7, 3]
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -65,7 +78,9 @@ def is_linear(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith("_proj.weight")
 
 
-def write_checkpoint(src: Path, dst: Path, tensors: dict[str, torch.Tensor], qcfg: dict, shards: int = 2) -> Path:
+def write_checkpoint(
+    src: Path, dst: Path, tensors: dict[str, torch.Tensor], qcfg: dict, shards: int = 2
+) -> Path:
     """config.json (+ quantization_config), tensors in `shards` files + index, tokenizer files copied."""
     dst.mkdir(parents=True, exist_ok=True)
     hf = json.loads((src / "config.json").read_text())
@@ -73,7 +88,11 @@ def write_checkpoint(src: Path, dst: Path, tensors: dict[str, torch.Tensor], qcf
     hf["dtype"] = "bfloat16"
     (dst / "config.json").write_text(json.dumps(hf, indent=2))
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+        if (
+            f.is_file()
+            and f.suffix != ".safetensors"
+            and f.name not in ("config.json", "model.safetensors.index.json")
+        ):
             (dst / f.name).write_bytes(f.read_bytes())
     names = sorted(tensors)
     weight_map = {}
@@ -84,7 +103,8 @@ def write_checkpoint(src: Path, dst: Path, tensors: dict[str, torch.Tensor], qcf
         weight_map.update({n: fname for n in part})
     total = sum(t.nbytes for t in tensors.values())
     (dst / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     return dst
 
 
@@ -99,10 +119,18 @@ def ship_fp8_block(src: Path, dst: Path, scale_dtype=torch.float32) -> Path:
             out[name[: -len("weight")] + "weight_scale_inv"] = s.to(scale_dtype)
         else:
             out[name] = t
-    routers = [f"model.layers.{i}.mlp.gate" for i in range(cfg["num_hidden_layers"])
-               if i not in cfg.get("mlp_only_layers", [])]
-    qcfg = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [B, B],
-            "modules_to_not_convert": ["lm_head", *routers]}
+    routers = [
+        f"model.layers.{i}.mlp.gate"
+        for i in range(cfg["num_hidden_layers"])
+        if i not in cfg.get("mlp_only_layers", [])
+    ]
+    qcfg = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [B, B],
+        "modules_to_not_convert": ["lm_head", *routers],
+    }
     return write_checkpoint(src, dst, out, qcfg)
 
 
@@ -121,18 +149,32 @@ def ship_compressed_tensors(src: Path, dst: Path, strategy: str, scale_shape: st
                 out[f"{base}.input_scale"] = torch.tensor([0.0123], dtype=torch.float32)
         else:
             out[name] = t
-    act = ({"dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True, "type": "float"}
-           if strategy == "channel" else
-           {"dynamic": False, "num_bits": 8, "strategy": "tensor", "symmetric": True, "type": "float"})
+    act = (
+        {"dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True, "type": "float"}
+        if strategy == "channel"
+        else {"dynamic": False, "num_bits": 8, "strategy": "tensor", "symmetric": True, "type": "float"}
+    )
     qcfg = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"type": "float", "num_bits": 8, "strategy": strategy, "symmetric": True, "dynamic": False,
-                        "group_size": None, "block_structure": None, "observer": "minmax"},
-            "input_activations": act, "output_activations": None}},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "type": "float",
+                    "num_bits": 8,
+                    "strategy": strategy,
+                    "symmetric": True,
+                    "dynamic": False,
+                    "group_size": None,
+                    "block_structure": None,
+                    "observer": "minmax",
+                },
+                "input_activations": act,
+                "output_activations": None,
+            }
+        },
         "ignore": ["lm_head", "re:.*mlp.gate$"],
         "kv_cache_scheme": None,
     }
@@ -149,8 +191,15 @@ def ship_mxfp4(src: Path, dst: Path) -> Path:
             out[f"{base}.weight_blocks"], out[f"{base}.weight_scales"] = blocks, scales
         else:
             out[name] = t
-    qcfg = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    qcfg = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     return write_checkpoint(src, dst, out, qcfg)
 
 
@@ -210,7 +259,9 @@ def check_against_dense(shipped: Path, tmp_path: Path, oracle: bool = True) -> N
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["f32-scales", "bf16-scales"])
 def test_block_fp8_as_shipped(ragged, tmp_path, scale_dtype, fp8_shipped):
-    shipped = fp8_shipped if scale_dtype == torch.float32 else ship_fp8_block(ragged, tmp_path / "q", scale_dtype)
+    shipped = (
+        fp8_shipped if scale_dtype == torch.float32 else ship_fp8_block(ragged, tmp_path / "q", scale_dtype)
+    )
     t = checkpoints.read_tensors(shipped)
     # the builder did what real checkpoints do
     assert t[f"{ATTN}.weight"].dtype == torch.float8_e4m3fn
@@ -218,12 +269,19 @@ def test_block_fp8_as_shipped(ragged, tmp_path, scale_dtype, fp8_shipped):
     assert t["model.layers.1.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn  # dense MLP layer
     assert t["model.layers.1.mlp.down_proj.weight_scale_inv"].shape == (3, 3)  # [80, 72]
     assert t[f"{EXPERT}.weight_scale_inv"].shape == (2, 3)  # [48, 80]
-    for n in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", "model.norm.weight"):
+    for n in (
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.gate.weight",
+        "model.norm.weight",
+    ):
         assert t[n].dtype == torch.bfloat16, n
     check_against_dense(shipped, tmp_path, oracle=scale_dtype == torch.float32)
 
 
-@pytest.mark.parametrize("strategy,scale_shape", [("channel", "default"), ("tensor", "default"), ("tensor", "scalar")])
+@pytest.mark.parametrize(
+    "strategy,scale_shape", [("channel", "default"), ("tensor", "default"), ("tensor", "scalar")]
+)
 def test_compressed_tensors_fp8_as_shipped(ragged, tmp_path, strategy, scale_shape):
     shipped = ship_compressed_tensors(ragged, tmp_path / "q", strategy, scale_shape)
     t = checkpoints.read_tensors(shipped)
@@ -264,6 +322,7 @@ def drop(name):
     def fn(t):
         del t[name]
         return t
+
     return fn
 
 
@@ -271,10 +330,13 @@ def replace(name, value):
     def fn(t):
         t[name] = value
         return t
+
     return fn
 
 
-@pytest.mark.parametrize("name", [f"{EXPERT}.weight_scale_inv", f"{ATTN}.weight_scale_inv"], ids=["expert", "attention"])
+@pytest.mark.parametrize(
+    "name", [f"{EXPERT}.weight_scale_inv", f"{ATTN}.weight_scale_inv"], ids=["expert", "attention"]
+)
 def test_missing_scale_names_tensor(fp8_shipped, tmp_path, name):
     path = broken(fp8_shipped, tmp_path, drop(name))
     with pytest.raises(ERRORS, match=re.escape(name[: -len(".weight_scale_inv")])) as e:
@@ -282,7 +344,9 @@ def test_missing_scale_names_tensor(fp8_shipped, tmp_path, name):
     assert "scale" in str(e.value)
 
 
-@pytest.mark.parametrize("name", [f"{EXPERT}.weight_scale_inv", f"{ATTN}.weight_scale_inv"], ids=["expert", "attention"])
+@pytest.mark.parametrize(
+    "name", [f"{EXPERT}.weight_scale_inv", f"{ATTN}.weight_scale_inv"], ids=["expert", "attention"]
+)
 def test_scale_with_wrong_shape_names_tensor(fp8_shipped, tmp_path, name):
     path = broken(fp8_shipped, tmp_path, replace(name, torch.ones(4, 4)))
     with pytest.raises(ERRORS, match=re.escape(name[: -len("_inv")] if "self_attn" in name else name)) as e:
@@ -302,7 +366,9 @@ def test_block_size_in_config_vs_scale_shape(fp8_shipped, tmp_path):
 
 
 def test_unknown_quant_method(fp8_shipped, tmp_path):
-    path = broken(fp8_shipped, tmp_path, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    path = broken(
+        fp8_shipped, tmp_path, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}
+    )
     with pytest.raises(ConfigError, match=r"quant_method.*'bitsandbytes'"):
         LLM(str(path))
 
@@ -310,14 +376,18 @@ def test_unknown_quant_method(fp8_shipped, tmp_path):
 def test_config_layout_without_its_tensors(fp8_shipped, tmp_path):
     """A config naming GPTQ over fp8 tensors: the first expert tensor GPTQ needs is named as missing."""
     path = broken(fp8_shipped, tmp_path, quantization_config={"quant_method": "gptq", "bits": 4})
-    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.0\.mlp\.experts\.0\.gate_proj\.qweight"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor model\.layers\.0\.mlp\.experts\.0\.gate_proj\.qweight"
+    ):
         LLM(str(path))
 
 
 def test_unsupported_compressed_tensors_scheme(ragged, tmp_path):
     shipped = ship_compressed_tensors(ragged, tmp_path / "q", "channel")
     qcfg = json.loads((shipped / "config.json").read_text())["quantization_config"]
-    qcfg["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4, strategy="group", group_size=128)
+    qcfg["config_groups"]["group_0"]["weights"].update(
+        type="int", num_bits=4, strategy="group", group_size=128
+    )
     checkpoints.edit_config(shipped, quantization_config=qcfg)
     with pytest.raises(ConfigError, match="compressed-tensors format .* weights .* not supported"):
         LLM(str(shipped))
@@ -360,6 +430,7 @@ def test_scale_of_wrong_dtype(fp8_shipped, tmp_path):
 
 def test_every_expert_scale_of_wrong_dtype_fails_at_load(fp8_shipped, tmp_path):
     """Regression (fixed in c524aeb): an int32 scale passed load and failed at the first forward."""
+
     def all_int(t):
         for k in list(t):
             if ".experts." in k and k.endswith("weight_scale_inv"):
@@ -378,7 +449,9 @@ def test_fp8_experts_without_quantization_config(fp8_shipped, tmp_path):
     def dense_bf16(t):  # only the experts stay fp8
         for k in list(t):
             if k.endswith(".weight") and t[k].dtype == torch.float8_e4m3fn and ".experts." not in k:
-                t[k] = dequantize_fp8_block(t[k], t.pop(f"{k[: -len('weight')]}weight_scale_inv"), (B, B)).bfloat16()
+                t[k] = dequantize_fp8_block(
+                    t[k], t.pop(f"{k[: -len('weight')]}weight_scale_inv"), (B, B)
+                ).bfloat16()
         return t
 
     path = broken(fp8_shipped, tmp_path, dense_bf16, quantization_config=checkpoints.DELETE)

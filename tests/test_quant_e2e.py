@@ -23,15 +23,15 @@ import math
 import re
 from pathlib import Path
 
+import checkpoints
 import pytest
 import torch
 from safetensors.torch import save_file
+from safetensors_reference import independent_slot_checks
 
-import checkpoints
 from expertcache import LLM, SamplingParams
 from expertcache.quant.checkpoint import method_from_config
 from expertcache.quantize.rewrite import quantize_checkpoint
-from safetensors_reference import independent_slot_checks
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +39,16 @@ def _slot_checks_read_safetensors(monkeypatch):
     """verify=True and check(contents=True) compare slots with the checkpoint read by safetensors."""
     independent_slot_checks(monkeypatch)
 
+
 H, I, E, L, K = 64, 64, 16, 2, 2
-TINY = dict(dtype=torch.bfloat16, hidden_size=H, moe_intermediate_size=I, num_experts=E, num_hidden_layers=L,
-            num_experts_per_tok=K)
+TINY = dict(
+    dtype=torch.bfloat16,
+    hidden_size=H,
+    moe_intermediate_size=I,
+    num_experts=E,
+    num_hidden_layers=L,
+    num_experts_per_tok=K,
+)
 
 # (format, quantize_checkpoint kwargs). fp8 block 48 and int8 group 24 leave ragged edge blocks/groups.
 FORMATS = {
@@ -98,7 +105,7 @@ def dequantized_dense_checkpoint(qdir: Path, dst: Path) -> Path:
     out: dict[str, torch.Tensor] = {}
     done: set[str] = set()
     for name, t in tensors.items():
-        if name.endswith(f".{primary}") and not (t.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        if name.endswith(f".{primary}") and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             base = name[: -len(primary) - 1]
             out[f"{base}.weight"] = method.dequantize(tensors, base).contiguous()
             done.add(base)
@@ -117,7 +124,11 @@ def dequantized_dense_checkpoint(qdir: Path, dst: Path) -> Path:
     hf.pop("torch_dtype", None)
     (dst / "config.json").write_text(json.dumps(hf, indent=2))
     for f in qdir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+        if (
+            f.is_file()
+            and f.suffix != ".safetensors"
+            and f.name not in ("config.json", "model.safetensors.index.json")
+        ):
             (dst / f.name).write_bytes(f.read_bytes())
     return dst
 
@@ -178,9 +189,11 @@ def test_quantized_checkpoint_layout_and_bytes(fmt, quantized):
     for layer in range(L):
         for j in (0, E - 1):
             names = [n for n in tensors if n.startswith(f"model.layers.{layer}.mlp.experts.{j}.")]
-            want = {f"model.layers.{layer}.mlp.experts.{j}.{k}" for p, s in
-                    (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))
-                    for k in method.layout(p, s)}
+            want = {
+                f"model.layers.{layer}.mlp.experts.{j}.{k}"
+                for p, s in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))
+                for k in method.layout(p, s)
+            }
             assert set(names) == want
             assert sum(tensors[n].nbytes for n in names) == llm_bytes
     # dense tensors are untouched bf16
@@ -199,8 +212,11 @@ def test_tight_cache_equals_resident(fmt, mode, quantized, resident):
         assert cache.device_slots == K and cache.host_slots == K, llm.plan_lines
         # every tier holds the stored parts, in their stored dtypes (no dequantized copies)
         method = llm.quant
-        want = {f"{c}.{s}": spec.dtype for c, shp in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
-                for s, spec in ((k.split(".", 1)[1], v) for k, v in method.layout(c, shp).items())}
+        want = {
+            f"{c}.{s}": spec.dtype
+            for c, shp in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
+            for s, spec in ((k.split(".", 1)[1], v) for k, v in method.layout(c, shp).items())
+        }
         assert {n: t.dtype for n, t in cache.dev.buf.items()} == want
         assert {n: t.dtype for n, t in cache.host.buf.items()} == want
         assert llm.source.expert_nbytes == expected_expert_bytes(fmt, FORMATS[fmt])

@@ -57,14 +57,30 @@ def test_e4m3fn_decode_all_codes_match_bit_reference():
 
 
 def test_e4m3fn_encode_hand_values():
-    x = torch.tensor([0.0, -0.0, 448.0, 500.0, 1e30, -1e30, math.inf, -math.inf,
-                      2.0**-6, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 1.0625, 1.1875, 0.3])
+    x = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            448.0,
+            500.0,
+            1e30,
+            -1e30,
+            math.inf,
+            -math.inf,
+            2.0**-6,
+            2.0**-9,
+            2.0**-10,
+            3 * 2.0**-10,
+            1.0625,
+            1.1875,
+            0.3,
+        ]
+    )
     got = bits(encode_e4m3fn(x))
     # 2^-10 is a tie between 0 and 2^-9 -> even (0); 3*2^-10 ties 0x01/0x02 -> 0x02;
     # 1.0625 ties 1.0 (0x38) / 1.125 -> 0x38; 1.1875 ties 1.125 / 1.25 (0x3A) -> 0x3A;
     # 0.3 = 1.2 * 2^-2 -> nearest 1.25 * 2^-2 = e 5, m 2 -> 0x2A.
-    assert got == [0x00, 0x80, 0x7E, 0x7E, 0x7E, 0xFE, 0x7E, 0xFE,
-                   0x08, 0x01, 0x00, 0x02, 0x38, 0x3A, 0x2A]
+    assert got == [0x00, 0x80, 0x7E, 0x7E, 0x7E, 0xFE, 0x7E, 0xFE, 0x08, 0x01, 0x00, 0x02, 0x38, 0x3A, 0x2A]
     nan = encode_e4m3fn(torch.tensor([math.nan]))
     assert bits(nan)[0] & 0x7F == 0x7F  # NaN stays NaN
 
@@ -78,15 +94,57 @@ def test_e4m3fn_encode_roundtrips_every_finite_code():
 
 
 def test_e2m1_decode_table():
-    assert decode_e2m1(torch.arange(16)).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    assert decode_e2m1(torch.arange(16)).tolist() == [
+        0,
+        0.5,
+        1,
+        1.5,
+        2,
+        3,
+        4,
+        6,
+        -0.0,
+        -0.5,
+        -1,
+        -1.5,
+        -2,
+        -3,
+        -4,
+        -6,
+    ]
     assert torch.signbit(decode_e2m1(torch.tensor([8])))[0]
 
 
 def test_e2m1_encode_hand_values_and_ties():
-    x = torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 4, 6, -6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
-                      0.26, 5.01, 7.0, 100.0, math.inf, -0.1, -5.5, -2.9])
-    want = [0, 1, 2, 3, 4, 5, 6, 7, 15, 0, 2, 2, 4, 4, 6, 6,
-            1, 7, 7, 7, 7, 8, 15, 13]
+    x = torch.tensor(
+        [
+            0.0,
+            0.5,
+            1,
+            1.5,
+            2,
+            3,
+            4,
+            6,
+            -6,
+            0.25,
+            0.75,
+            1.25,
+            1.75,
+            2.5,
+            3.5,
+            5.0,
+            0.26,
+            5.01,
+            7.0,
+            100.0,
+            math.inf,
+            -0.1,
+            -5.5,
+            -2.9,
+        ]
+    )
+    want = [0, 1, 2, 3, 4, 5, 6, 7, 15, 0, 2, 2, 4, 4, 6, 6, 1, 7, 7, 7, 7, 8, 15, 13]
     assert encode_e2m1(x).tolist() == want
 
 
@@ -202,11 +260,15 @@ def block_fp8_encode_reference(w: torch.Tensor, bo: int, bi: int) -> tuple[torch
         for j in range(nbi):
             blk = w[i * bo : (i + 1) * bo, j * bi : (j + 1) * bi]
             s[i, j] = blk.abs().max() / 448.0
-            q[i * bo : (i + 1) * bo, j * bi : (j + 1) * bi] = (blk / s[i, j]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            q[i * bo : (i + 1) * bo, j * bi : (j + 1) * bi] = (
+                (blk / s[i, j]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            )
     return q, s
 
 
-@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((130, 257), (64, 128)), ((256, 256), (128, 128))])
+@pytest.mark.parametrize(
+    "shape,block", [((300, 200), (128, 128)), ((130, 257), (64, 128)), ((256, 256), (128, 128))]
+)
 def test_block_fp8_dequant_ragged_vs_loop(shape, block):
     g = torch.Generator().manual_seed(3)
     weight = (torch.randn(shape, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -246,7 +308,9 @@ def test_fp8_channel_roundtrip(strategy, scale_shape):
     w = torch.randn(40, 96) * torch.logspace(-2, 0, 40)[:, None]
     q, s = quantize_fp8_channel(w, strategy)
     assert tuple(s.shape) == scale_shape and q.dtype == torch.float8_e4m3fn
-    assert torch.isclose(q.float().abs().amax(dim=1 if strategy == "channel" else None), torch.tensor(E4M3_MAX)).all()
+    assert torch.isclose(
+        q.float().abs().amax(dim=1 if strategy == "channel" else None), torch.tensor(E4M3_MAX)
+    ).all()
     back = dequantize_fp8_channel(q, s)
     torch.testing.assert_close(back, q.float() * s, rtol=0, atol=0)
     assert ((back - w).abs() <= w.abs() * 2**-4 + s * 2**-10).all()
@@ -262,7 +326,9 @@ def test_int8_hand_values():
     q, s = quantize_int8(w, group=4)  # groups [0:4], [4:6] (ragged)
     assert s.tolist() == [[1.0, (torch.tensor(4.0) / 127).item()]]
     assert q.tolist() == [[127, -64, 0, 1, 64, -127]]  # -63.5 ties to even
-    torch.testing.assert_close(dequantize_int8(q, s, 4), torch.tensor([[127.0, -64, 0, 1, 64 * s[0, 1].item(), -4]]))
+    torch.testing.assert_close(
+        dequantize_int8(q, s, 4), torch.tensor([[127.0, -64, 0, 1, 64 * s[0, 1].item(), -4]])
+    )
 
 
 @pytest.mark.parametrize("shape,group", [((32, 300), 128), ((16, 256), 128), ((8, 64), 32)])

@@ -24,16 +24,34 @@ def stored_bytes(stored: dict[str, torch.Tensor]) -> int:
 #   fp8-tensor 3*(65536 + 4); int8 3*(65536 + 256*2*4); int4 3*(32768 + 256*2*(4+1));
 #   mxfp4 3*(256*8*16 + 256*8)
 EXPECTED_256 = {
-    "fp32": 786432, "bf16": 393216, "fp16": 393216, "fp8": 196656, "fp8-channel": 199680,
-    "fp8-tensor": 196620, "int8": 202752, "int4": 105984, "mxfp4": 104448,
+    "fp32": 786432,
+    "bf16": 393216,
+    "fp16": 393216,
+    "fp8": 196656,
+    "fp8-channel": 199680,
+    "fp8-tensor": 196620,
+    "int8": 202752,
+    "int4": 105984,
+    "mxfp4": 104448,
 }
 # max abs round-trip error allowed for N(0, 0.02) weights (loose sanity, exact bounds are in test_quant_formats)
-TOL = {"fp32": 0, "bf16": 4e-4, "fp16": 1e-4, "fp8": 6e-3, "fp8-channel": 6e-3, "fp8-tensor": 6e-3,
-       "int8": 5e-4, "int4": 8e-3, "mxfp4": 3e-2}
+TOL = {
+    "fp32": 0,
+    "bf16": 4e-4,
+    "fp16": 1e-4,
+    "fp8": 6e-3,
+    "fp8-channel": 6e-3,
+    "fp8-tensor": 6e-3,
+    "int8": 5e-4,
+    "int4": 8e-3,
+    "mxfp4": 3e-2,
+}
 
 
 def test_registry_names():
-    assert set(EXPECTED_256) == {n for n in QUANT_METHODS if not n.startswith("gguf-")}  # GGUF's: test_gguf_quant
+    assert set(EXPECTED_256) == {
+        n for n in QUANT_METHODS if not n.startswith("gguf-")
+    }  # GGUF's: test_gguf_quant
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_256))
@@ -45,7 +63,9 @@ def test_nbytes_layout_and_roundtrip(name):
     layout = {}
     for p in PROJS:
         layout.update(m.layout(p, (256, 256)))
-    assert {k: (tuple(t.shape), t.dtype) for k, t in stored.items()} == {k: tuple(v) for k, v in layout.items()}
+    assert {k: (tuple(t.shape), t.dtype) for k, t in stored.items()} == {
+        k: tuple(v) for k, v in layout.items()
+    }
     for p in PROJS:
         back = m.dequantize(stored, p)
         assert back.dtype == torch.float32 and back.shape == (256, 256)
@@ -54,9 +74,14 @@ def test_nbytes_layout_and_roundtrip(name):
 
 @pytest.mark.parametrize(
     "name,params,shape",
-    [("fp8", {"block_size": [128, 64]}, (300, 200)), ("int8", {"group_size": 128}, (40, 300)),
-     ("int4", {"group_size": 128}, (40, 300)), ("mxfp4", {}, (40, 96)), ("fp8-channel", {}, (33, 70)),
-     ("bf16", {}, (7, 9))],
+    [
+        ("fp8", {"block_size": [128, 64]}, (300, 200)),
+        ("int8", {"group_size": 128}, (40, 300)),
+        ("int4", {"group_size": 128}, (40, 300)),
+        ("mxfp4", {}, (40, 96)),
+        ("fp8-channel", {}, (33, 70)),
+        ("bf16", {}, (7, 9)),
+    ],
 )
 def test_ragged_shapes_nbytes_buffer_and_linear(name, params, shape):
     m = make_quant_method(name, **params)
@@ -117,7 +142,9 @@ def test_missing_scale_names_tensor():
 
 def test_block_size_mismatch_is_reported():
     stored = make_quant_method("fp8", block_size=128).pack(expert((300, 200)))
-    with pytest.raises(ValueError, match=r"gate_proj\.weight_scale .*\[3, 2\].*\[5, 4\].*block size \[64, 64\]"):
+    with pytest.raises(
+        ValueError, match=r"gate_proj\.weight_scale .*\[3, 2\].*\[5, 4\].*block size \[64, 64\]"
+    ):
         make_quant_method("fp8", block_size=64).dequantize(stored, "gate_proj")
     stored8 = make_quant_method("int8", group_size=128).pack(expert((8, 256)))
     with pytest.raises(ValueError, match=r"down_proj\.weight_scale.*group size 64"):
@@ -151,7 +178,10 @@ def test_checkpoint_scale_names_and_dtypes_accepted():
     m = make_quant_method("fp8", block_size=[128, 128])
     stored = m.pack(expert((200, 300), projs=("w3",)))
     want = m.dequantize(stored, "w3")
-    ds = {"w3.weight": stored["w3.weight"].view(torch.uint8), "w3.weight_scale_inv": stored["w3.weight_scale"]}
+    ds = {
+        "w3.weight": stored["w3.weight"].view(torch.uint8),
+        "w3.weight_scale_inv": stored["w3.weight_scale"],
+    }
     assert torch.equal(m.dequantize(ds, "w3"), want)
     t = make_quant_method("fp8-tensor")
     st = t.pack(expert((8, 16), projs=("w1",)))

@@ -83,15 +83,19 @@ def test_low_memory_auto_budget_is_what_the_other_terms_leave(checkpoint, monkey
     path = checkpoint("qwen3_moe", dtype=torch.bfloat16)
     free = {"b": 0}
     monkeypatch.setattr(ramlimit, "available", lambda: (free["b"], "memory cgroup /test (limit)"))
-    probe = LLM(str(path), low_memory=True, device_memory="50%", host_memory=0, kv_cache_memory="1MiB").device_plan
+    probe = LLM(
+        str(path), low_memory=True, device_memory="50%", host_memory=0, kv_cache_memory="1MiB"
+    ).device_plan
     other = probe.total - probe.terms["expert_slots"]
     per_layer_expert = probe.terms["expert_slots"] // probe.experts.device.slots  # one slot in every layer
     slots = 3  # room for exactly 3 experts per layer after the margin
     free["b"] = other + budget.LOW_MEMORY_MARGIN + slots * per_layer_expert + per_layer_expert // 2
     llm = LLM(str(path), low_memory=True, kv_cache_memory="1MiB")
     assert llm.device_plan.experts.device.slots == slots and llm.device_plan.experts.host.slots == 0
-    assert any("auto device budget (CPU, low memory)" in line and "memory cgroup /test" in line
-               for line in llm.plan_lines)
+    assert any(
+        "auto device budget (CPU, low memory)" in line and "memory cgroup /test" in line
+        for line in llm.plan_lines
+    )
     free["b"] = other + budget.LOW_MEMORY_MARGIN + per_layer_expert  # below top_k slots per layer
     with pytest.raises(Exception, match="holds 1 experts per layer, but a token needs top_k"):
         LLM(str(path), low_memory=True, kv_cache_memory="1MiB")

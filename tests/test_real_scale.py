@@ -8,20 +8,37 @@ import re
 import sys
 from pathlib import Path
 
+import checkpoints as C
 import pytest
 import torch
 
-import checkpoints as C
 from expertcache import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import real_scale as R  # noqa: E402
 
 TOY = {
-    "gpt-oss-20b": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        sliding_window=4, eos_token_id=2, pad_token_id=1),
-    "qwen3-30b-a3b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2),
+    "gpt-oss-20b": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        eos_token_id=2,
+        pad_token_id=1,
+    ),
+    "qwen3-30b-a3b": dict(
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
 NEW = 8
@@ -38,9 +55,8 @@ def write(tmp_path: Path, model: str) -> Path:
 def transformers_on(path: Path):
     """transformers' model for the checkpoint's config.json, fp32, MXFP4 experts dequantized by
     transformers' own converter (integrations.mxfp4.convert_moe_packed_tensors)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from gpt_oss_checkpoints import dequantized_state
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(path)
     if hasattr(cfg, "quantization_config"):
@@ -48,7 +64,9 @@ def transformers_on(path: Path):
     cfg._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     state = dequantized_state(C.read_tensors(path))
-    model.load_state_dict(C.fuse_experts(state), strict=True)  # per-expert Qwen3 tensors as transformers holds them
+    model.load_state_dict(
+        C.fuse_experts(state), strict=True
+    )  # per-expert Qwen3 tensors as transformers holds them
     return model
 
 
@@ -64,7 +82,9 @@ def test_written_checkpoint_runs_as_transformers_does(tmp_path, model):
     else:
         assert "model.layers.2.mlp.experts.7.down_proj.weight" in names
     llm = LLM(str(path), max_model_len=64, kv_cache_memory="4MiB", cpu_math="exact")
-    got = list(llm.generate([PROMPT], SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))[0].token_ids)
+    got = list(
+        llm.generate([PROMPT], SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))[0].token_ids
+    )
     assert got == C.reference_greedy(transformers_on(path), PROMPT, NEW)
 
 
@@ -72,15 +92,23 @@ def test_layout_counts_the_bytes_safetensors_holds(tmp_path):
     path = write(tmp_path, "gpt-oss-20b")
     lay = R.layout(path)
     t = C.read_tensors(path)
-    experts0 = sum(v.numel() * v.element_size() for k, v in t.items() if k.startswith("model.layers.0.mlp.experts."))
+    experts0 = sum(
+        v.numel() * v.element_size() for k, v in t.items() if k.startswith("model.layers.0.mlp.experts.")
+    )
     outside = sum(v.numel() * v.element_size() for k, v in t.items() if not k.startswith("model.layers."))
     assert lay["layers"][0]["experts"] == experts0 and lay["outside"] == outside
     assert sorted(lay["layers"]) == [0, 1, 2]
 
 
 def test_summary_line(capsys):
-    res = {"llama.cpp": [{"tg16": 2.0, "pp128": 10.0}, {"tg16": 4.0, "pp128": 20.0}, {"tg16": 3.0, "pp128": 30.0}],
-           "fast": [{"tg16": 3.0, "pp128": 30.0}, {"tg16": 4.0, "pp128": 20.0}, {"tg16": 9.0, "pp128": 60.0}]}
+    res = {
+        "llama.cpp": [
+            {"tg16": 2.0, "pp128": 10.0},
+            {"tg16": 4.0, "pp128": 20.0},
+            {"tg16": 3.0, "pp128": 30.0},
+        ],
+        "fast": [{"tg16": 3.0, "pp128": 30.0}, {"tg16": 4.0, "pp128": 20.0}, {"tg16": 9.0, "pp128": 60.0}],
+    }
     R.summarize("model=m", res, {"tg16": (8.0, "x")})
     lines = capsys.readouterr().out.splitlines()
     fields = [dict(re.findall(r"(\w+)=([^\s]+)", line)) for line in lines]

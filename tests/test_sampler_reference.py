@@ -32,7 +32,9 @@ CONFIGS = [
 ]
 
 
-def reference(logits: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+def reference(
+    logits: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> np.ndarray:
     lg = np.asarray(logits, dtype=np.float64) / temperature
     if top_k > 0:
         cut = np.sort(lg)[::-1][min(top_k, lg.size) - 1]
@@ -103,8 +105,10 @@ def test_a_wrong_distribution_fails_the_same_check():
     """The chi-square check can fail: T=1 draws tested against the T=0.7 reference."""
     n = 10_000
     gen = torch.Generator().manual_seed(1234)
-    counts = np.bincount([sampler.sample(torch.tensor(LOGITS), SamplingParams(temperature=1.0), gen)
-                          for _ in range(n)], minlength=len(LOGITS))
+    counts = np.bincount(
+        [sampler.sample(torch.tensor(LOGITS), SamplingParams(temperature=1.0), gen) for _ in range(n)],
+        minlength=len(LOGITS),
+    )
     expected = n * reference(LOGITS, temperature=0.7)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     df = len(LOGITS) - 1

@@ -50,9 +50,12 @@ def test_logprobs_equal_log_softmax_of_logits(qwen3_llm):
     # (no cache use); without them the cache is used and generated logprobs are still the model's.
     again = llm.generate([prompt], p)[0]
     assert again.num_cached_tokens == 0
-    assert [e[1] for e in again.prompt_logprobs[1:]] == pytest.approx([e[1] for e in first.prompt_logprobs[1:]],
-                                                                      abs=ATOL)
-    cached = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True))[0]
+    assert [e[1] for e in again.prompt_logprobs[1:]] == pytest.approx(
+        [e[1] for e in first.prompt_logprobs[1:]], abs=ATOL
+    )
+    cached = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True))[
+        0
+    ]
     assert cached.num_cached_tokens == 32
     assert cached.token_ids == first.token_ids
     for j, tok in enumerate(cached.token_ids):
@@ -68,8 +71,16 @@ def test_logprobs_come_before_penalties_biases_and_temperature(qwen3_llm):
     prompt = _prompt(20, seed=5)
     plain = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
     biased_tok = next(t for t in range(3, 300) if t != plain)
-    p = SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=2, ignore_eos=True, frequency_penalty=1.5,
-                       presence_penalty=0.5, logit_bias={biased_tok: 100.0})
+    p = SamplingParams(
+        max_tokens=5,
+        temperature=0.8,
+        seed=3,
+        logprobs=2,
+        ignore_eos=True,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        logit_bias={biased_tok: 100.0},
+    )
     out = llm.generate([prompt], p)[0]
     assert out.token_ids[0] == biased_tok  # the bias reached the choice ...
     ref = torch.log_softmax(llm.logits(prompt + out.token_ids), dim=-1)
@@ -105,13 +116,15 @@ def test_n_samples_share_prompt_blocks_and_match_single_runs(qwen3_checkpoint):
     outs = llm.generate([prompt], p)
     assert [o.index for o in outs] == [0, 1, 2, 3]
     for o in outs:
-        alone = llm.generate([prompt], SamplingParams(seed=7 + o.index, temperature=1.0, max_tokens=4,
-                                                      ignore_eos=True))[0]
+        alone = llm.generate(
+            [prompt], SamplingParams(seed=7 + o.index, temperature=1.0, max_tokens=4, ignore_eos=True)
+        )[0]
         assert o.token_ids == alone.token_ids
     assert len({tuple(o.token_ids) for o in outs}) > 1  # the samples differ
 
 
 # -- penalties --------------------------------------------------------------------------------------
+
 
 def _reference_penalties(row: torch.Tensor, seq: Sequence, eos: set[int]) -> torch.Tensor:
     """The definitions, one token at a time."""
@@ -136,10 +149,15 @@ def test_penalties_match_reference():
     V, eos = 50, {0, 1}
     seqs = []
     for b in range(6):
-        p = SamplingParams(max_tokens=20, presence_penalty=rng.choice([0, 0.5, -1.2]),
-                           frequency_penalty=rng.choice([0, 0.7, 2.0]), repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
-                           logit_bias={rng.randrange(V): rng.uniform(-100, 100) for _ in range(b % 3)},
-                           min_tokens=rng.choice([0, 5]), stop_token_ids=[7] if b % 2 else [])
+        p = SamplingParams(
+            max_tokens=20,
+            presence_penalty=rng.choice([0, 0.5, -1.2]),
+            frequency_penalty=rng.choice([0, 0.7, 2.0]),
+            repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
+            logit_bias={rng.randrange(V): rng.uniform(-100, 100) for _ in range(b % 3)},
+            min_tokens=rng.choice([0, 5]),
+            stop_token_ids=[7] if b % 2 else [],
+        )
         s = Sequence([rng.randrange(V) for _ in range(8)], p)
         s.tokens += [rng.randrange(V) for _ in range(rng.randrange(0, 9))]
         seqs.append(s)
@@ -154,8 +172,15 @@ def test_penalties_match_reference():
 def test_greedy_with_penalties_follows_reference(qwen3_llm):
     llm = qwen3_llm
     prompt = _prompt(12, seed=9)
-    p = SamplingParams(max_tokens=6, temperature=0, frequency_penalty=1.5, presence_penalty=0.5,
-                       repetition_penalty=1.2, logit_bias={5: 3.0}, ignore_eos=True)
+    p = SamplingParams(
+        max_tokens=6,
+        temperature=0,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        repetition_penalty=1.2,
+        logit_bias={5: 3.0},
+        ignore_eos=True,
+    )
     got = llm.generate([prompt], p)[0].token_ids
     seq = Sequence(prompt, p)
     for _ in range(6):  # reference: full logits, the per-token definitions, argmax
@@ -167,26 +192,44 @@ def test_greedy_with_penalties_follows_reference(qwen3_llm):
 def test_min_tokens_blocks_eos(qwen3_llm):
     prompt = _prompt(6, seed=2)
     eos = sorted(qwen3_llm.engine.eos)
-    out = qwen3_llm.generate([prompt], SamplingParams(max_tokens=5, min_tokens=5, temperature=0,
-                                                      logit_bias={eos[0]: 100.0}))[0]
+    out = qwen3_llm.generate(
+        [prompt], SamplingParams(max_tokens=5, min_tokens=5, temperature=0, logit_bias={eos[0]: 100.0})
+    )[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
-    out = qwen3_llm.generate([prompt], SamplingParams(max_tokens=5, min_tokens=2, temperature=0,
-                                                      logit_bias={eos[0]: 100.0}))[0]
+    out = qwen3_llm.generate(
+        [prompt], SamplingParams(max_tokens=5, min_tokens=2, temperature=0, logit_bias={eos[0]: 100.0})
+    )[0]
     assert out.token_ids[-1] == eos[0] and len(out.token_ids) == 3 and out.finish_reason == "stop"
 
 
 # each field just outside its range (engine/params.py's table) -> the ParamError naming that field
 OUT_OF_RANGE = [
-    ("max_tokens", {"max_tokens": 0}), ("max_tokens", {"max_tokens": 2.0}),
-    ("temperature", {"temperature": -0.1}), ("temperature", {"temperature": 2.01}),
-    ("temperature", {"temperature": float("inf")}), ("top_p", {"top_p": 0}), ("top_p", {"top_p": 1.01}),
-    ("top_k", {"top_k": -2}), ("seed", {"seed": 2**63}), ("seed", {"seed": -(2**63) - 1}), ("seed", {"seed": 1.5}),
-    ("stop", {"stop": [""]}), ("stop", {"stop": ["a", 3]}), ("stop_token_ids", {"stop_token_ids": [-1]}),
-    ("ignore_eos", {"ignore_eos": "yes"}), ("n", {"n": 0}), ("n", {"n": 129}), ("logprobs", {"logprobs": 21}),
-    ("prompt_logprobs", {"prompt_logprobs": -1}), ("presence_penalty", {"presence_penalty": 2.5}),
-    ("frequency_penalty", {"frequency_penalty": -3}), ("repetition_penalty", {"repetition_penalty": 0}),
-    ("logit_bias", {"logit_bias": {1: 101}}), ("logit_bias", {"logit_bias": {"x": 1}}),
-    ("min_tokens", {"min_tokens": 17}), ("min_tokens", {"min_tokens": -1}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": 2.0}),
+    ("temperature", {"temperature": -0.1}),
+    ("temperature", {"temperature": 2.01}),
+    ("temperature", {"temperature": float("inf")}),
+    ("top_p", {"top_p": 0}),
+    ("top_p", {"top_p": 1.01}),
+    ("top_k", {"top_k": -2}),
+    ("seed", {"seed": 2**63}),
+    ("seed", {"seed": -(2**63) - 1}),
+    ("seed", {"seed": 1.5}),
+    ("stop", {"stop": [""]}),
+    ("stop", {"stop": ["a", 3]}),
+    ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("ignore_eos", {"ignore_eos": "yes"}),
+    ("n", {"n": 0}),
+    ("n", {"n": 129}),
+    ("logprobs", {"logprobs": 21}),
+    ("prompt_logprobs", {"prompt_logprobs": -1}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("frequency_penalty", {"frequency_penalty": -3}),
+    ("repetition_penalty", {"repetition_penalty": 0}),
+    ("logit_bias", {"logit_bias": {1: 101}}),
+    ("logit_bias", {"logit_bias": {"x": 1}}),
+    ("min_tokens", {"min_tokens": 17}),
+    ("min_tokens", {"min_tokens": -1}),
 ]
 
 
@@ -198,8 +241,19 @@ def test_each_field_out_of_range_names_it(field, kw):
 
 
 def test_range_ends_are_accepted_and_normalised():
-    p = SamplingParams(max_tokens=1, temperature=2, top_p=1, top_k=-1, seed=-(2**63), stop="end", n=128,
-                       logprobs=20, presence_penalty=-2, frequency_penalty=2, logit_bias={"7": 100, 8: -100})
+    p = SamplingParams(
+        max_tokens=1,
+        temperature=2,
+        top_p=1,
+        top_k=-1,
+        seed=-(2**63),
+        stop="end",
+        n=128,
+        logprobs=20,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        logit_bias={"7": 100, 8: -100},
+    )
     assert (p.top_k, p.stop, p.logit_bias) == (0, ["end"], {7: 100.0, 8: -100.0})
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
 
@@ -208,16 +262,20 @@ def test_engine_checks_context_and_batch_once(qwen3_llm):
     """prompt + max_tokens against the context and n against max_num_seqs: add_request's ParamError
     names the field (the server and the CLI call the same check_context / check_batch)."""
     eng = qwen3_llm.engine
-    cases = [(_prompt(4), SamplingParams(max_tokens=eng.max_model_len - 3), "max_tokens"),
-             (_prompt(eng.max_model_len), SamplingParams(max_tokens=1), "prompt"),
-             (_prompt(4), SamplingParams(n=eng.scheduler.max_num_seqs + 1), "n"),
-             (_prompt(4), SamplingParams(logit_bias={qwen3_llm.cfg.vocab_size: 1.0}), "logit_bias")]
+    cases = [
+        (_prompt(4), SamplingParams(max_tokens=eng.max_model_len - 3), "max_tokens"),
+        (_prompt(eng.max_model_len), SamplingParams(max_tokens=1), "prompt"),
+        (_prompt(4), SamplingParams(n=eng.scheduler.max_num_seqs + 1), "n"),
+        (_prompt(4), SamplingParams(logit_bias={qwen3_llm.cfg.vocab_size: 1.0}), "logit_bias"),
+    ]
     for ids, params, field in cases:
         with pytest.raises(ParamError) as e:
             eng.add_request(ids, params)
         assert e.value.field == field, e.value
     assert not eng.has_unfinished()
-    eng.add_request(_prompt(4), SamplingParams(max_tokens=eng.max_model_len - 4, n=eng.scheduler.max_num_seqs))
+    eng.add_request(
+        _prompt(4), SamplingParams(max_tokens=eng.max_model_len - 4, n=eng.scheduler.max_num_seqs)
+    )
     eng.abort(next(iter(eng.seqs)))
 
 
@@ -225,8 +283,11 @@ def test_engine_checks_context_and_batch_once(qwen3_llm):
 
 SCHEMA = {
     "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "color": {"enum": ["red", "green", "blue"]}},
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
     "required": ["ok", "n", "color"],
     "additionalProperties": False,
 }
@@ -234,8 +295,10 @@ SCHEMA = {
 
 def test_json_schema_output_valid_on_random_model(qwen3_llm):
     g = qwen3_llm.grammars.json_schema(SCHEMA)
-    outs = qwen3_llm.generate([_prompt(5, seed=s) for s in range(3)],
-                              SamplingParams(max_tokens=60, temperature=1.0, seed=1, structured=g))
+    outs = qwen3_llm.generate(
+        [_prompt(5, seed=s) for s in range(3)],
+        SamplingParams(max_tokens=60, temperature=1.0, seed=1, structured=g),
+    )
     for o in outs:
         assert o.finish_reason == "stop", o.text
         doc = json.loads(o.text)
@@ -248,10 +311,14 @@ def test_regex_and_choice_grammars(qwen3_llm):
     import re
 
     g = qwen3_llm.grammars.regex(r"[a-c]{3}-[0-9]{2}")
-    out = qwen3_llm.generate([_prompt(4)], SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured=g))[0]
+    out = qwen3_llm.generate(
+        [_prompt(4)], SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured=g)
+    )[0]
     assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", out.text), out.text
     g = qwen3_llm.grammars.choice(["yes", "no", "maybe"])
-    out = qwen3_llm.generate([_prompt(4)], SamplingParams(max_tokens=20, temperature=1.0, seed=4, structured=g))[0]
+    out = qwen3_llm.generate(
+        [_prompt(4)], SamplingParams(max_tokens=20, temperature=1.0, seed=4, structured=g)
+    )[0]
     assert out.text in ("yes", "no", "maybe")
     with pytest.raises(ValueError):
         qwen3_llm.grammars.lark("start: (")
@@ -264,7 +331,9 @@ def test_logprobs_come_before_the_grammar_mask(qwen3_llm):
 
     prompt = _prompt(6, seed=9)
     g = qwen3_llm.grammars.regex(r"[a-c]{3}-[0-9]{2}")
-    out = qwen3_llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, logprobs=2, structured=g))[0]
+    out = qwen3_llm.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0, logprobs=2, structured=g)
+    )[0]
     assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", out.text), out.text
     ref = torch.log_softmax(qwen3_llm.logits(prompt + out.token_ids), dim=-1)
     masked = 0
@@ -276,8 +345,10 @@ def test_logprobs_come_before_the_grammar_mask(qwen3_llm):
 
 def test_json_object_output_parses(qwen3_llm):
     g = qwen3_llm.grammars.json_object()
-    outs = qwen3_llm.generate([_prompt(5, seed=s) for s in range(4)],
-                              SamplingParams(max_tokens=100, temperature=1.0, seed=2, structured=g))
+    outs = qwen3_llm.generate(
+        [_prompt(5, seed=s) for s in range(4)],
+        SamplingParams(max_tokens=100, temperature=1.0, seed=2, structured=g),
+    )
     # any object is allowed, so a random model may write one long string until max_tokens; every
     # output that finished is one JSON object
     done = [o for o in outs if o.finish_reason == "stop"]

@@ -66,8 +66,15 @@ def test_cpu_job_waits_for_its_rows_and_bytes_never_for_the_hits():
 
 
 def test_a_host_slot_read_waits_for_the_copy_reading_it():
-    cfg = dict(num_experts=8, device_slots=2, host_slots=2, expert_bytes=1, cpu_compute="always", prefetch="device",
-               gate_threshold=None)
+    cfg = dict(
+        num_experts=8,
+        device_slots=2,
+        host_slots=2,
+        expert_bytes=1,
+        cpu_compute="always",
+        prefetch="device",
+        gate_threshold=None,
+    )
     p, b = StepPlanner(PlannerConfig(**cfg), 2), ScheduleBuilder()
     plan0 = p.plan_step(0, [0], [1], 1, 1)
     s0 = b.layer(0, plan0, [0], [1], prefetch=(1, p.plan_prefetch(1, [3], 1, 1)))
@@ -108,8 +115,17 @@ def test_check_rules_catches_each_broken_rule():
 @pytest.mark.parametrize("seed", range(4))
 def test_random_runs_keep_every_rule(seed):
     rng = random.Random(seed)
-    cfg = dict(num_experts=12, device_slots=3, host_slots=rng.choice([None, 4, 0]), expert_bytes=1,
-               cpu_compute="cost", prefetch="device", gate_threshold=None, direct=False, prefill_admit_tokens=4)
+    cfg = dict(
+        num_experts=12,
+        device_slots=3,
+        host_slots=rng.choice([None, 4, 0]),
+        expert_bytes=1,
+        cpu_compute="cost",
+        prefetch="device",
+        gate_threshold=None,
+        direct=False,
+        prefill_admit_tokens=4,
+    )
     p, b = StepPlanner(PlannerConfig(**cfg), 3, cpu_faster=lambda n: n <= 1), ScheduleBuilder()
     scheds = []
     for t in range(1, 60):
@@ -131,6 +147,7 @@ def test_random_runs_keep_every_rule(seed):
 
 
 # -- the time of a schedule ------------------------------------------------------------------------
+
 
 def brute_makespan(scheds, sec):
     """Longest chain through the DAG of waits, queue order (io: one lane), the host's issue order
@@ -164,8 +181,15 @@ PROF = Profile("t", link_gbs=10, disk_gbs=2, cpu_mem_gbs=50, cpu_gflops=100, gpu
 
 def test_makespan_equals_the_longest_chain_and_the_critical_path_adds_up():
     rng = random.Random(1)
-    cfg = dict(num_experts=8, device_slots=3, host_slots=4, expert_bytes=10**8, cpu_compute="cost",
-               prefetch="device", gate_threshold=None)
+    cfg = dict(
+        num_experts=8,
+        device_slots=3,
+        host_slots=4,
+        expert_bytes=10**8,
+        cpu_compute="cost",
+        prefetch="device",
+        gate_threshold=None,
+    )
     p, b = StepPlanner(PlannerConfig(**cfg), 2, cpu_faster=lambda n: n <= 1), ScheduleBuilder()
     scheds = []
     for t in range(1, 12):
@@ -199,7 +223,9 @@ def test_cpu_compute_takes_the_misses_off_the_links_critical_path():
         tl = evaluate([s], sec)
         times[mode] = tl.makespan
         kinds = [next(o for o in s.ops if o.id == i).kind for i in tl.critical_path()]
-        assert kinds == (["dense", "ids", "h2d", "moe"] if mode == "never" else ["dense", "ids", "rows", "cpu", "add"])
+        assert kinds == (
+            ["dense", "ids", "h2d", "moe"] if mode == "never" else ["dense", "ids", "rows", "cpu", "add"]
+        )
     assert times["never"] == pytest.approx(1e-3 + 10e-6 + 10e-6 + 1e-2 + 1e-4)
     assert times["always"] < times["never"]
 
@@ -212,11 +238,17 @@ def test_scheduled_decode_prediction_by_hand():
     from expertcache.trace.format import RoutingTrace
     from expertcache.trace.simulate import ModelShape, simulate_schedule
 
-    prof = Profile("t", link_gbs=100 / 3, disk_gbs=2, cpu_mem_gbs=50, cpu_gflops=100, gpu_mem_gbs=1000,
-                   gpu_tflops=100)
+    prof = Profile(
+        "t", link_gbs=100 / 3, disk_gbs=2, cpu_mem_gbs=50, cpu_gflops=100, gpu_mem_gbs=1000, gpu_tflops=100
+    )
     shape = ModelShape(expert_params=5 * 10**7, dense_params=5 * 10**8)  # dense: 1 GB / 1 TB/s = 1 ms a step
-    t = RoutingTrace(experts=np.zeros((2, 1, 1), np.int32), num_experts=2, step=np.arange(2), expert_bytes=10**8,
-                     phase=np.ones(2, np.int8))
+    t = RoutingTrace(
+        experts=np.zeros((2, 1, 1), np.int32),
+        num_experts=2,
+        step=np.arange(2),
+        expert_bytes=10**8,
+        phase=np.ones(2, np.int8),
+    )
     lat = 10e-6
     r = simulate_schedule(t, shape, prof, "lru", 1, hidden=64, cpu_compute=False)
     want = (1e-3 + lat + lat + 3e-3 + 1e-4) + (1e-3 + lat + 1e-4)

@@ -14,8 +14,13 @@ def test_preemption_recomputes_and_matches_unconstrained(qwen3_checkpoint):
 
     llm = LLM(str(qwen3_checkpoint), max_model_len=64, block_size=4, prefix_caching=False)
     per_block = KVCache.bytes_per_block(llm.cfg.num_layers, 4, llm.cfg.kv_token_shapes, llm.dtype)
-    tight = LLM(str(qwen3_checkpoint), max_model_len=64, block_size=4, prefix_caching=False,
-                kv_cache_memory=per_block * 20)  # 80 tokens for 5 sequences of up to 51
+    tight = LLM(
+        str(qwen3_checkpoint),
+        max_model_len=64,
+        block_size=4,
+        prefix_caching=False,
+        kv_cache_memory=per_block * 20,
+    )  # 80 tokens for 5 sequences of up to 51
     assert tight.kv.num_blocks == 20
     got = [o.token_ids for o in tight.generate(prompts, params)]
     assert got == expected

@@ -25,8 +25,17 @@ KEY = "test-key-123"
 @pytest.fixture(scope="module")
 def server(qwen3_checkpoint, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    with start_server(qwen3_checkpoint, log_path, "--api-key", KEY, "--served-model-name", "tiny",
-                      "--log-interval", "1", key=KEY) as srv:
+    with start_server(
+        qwen3_checkpoint,
+        log_path,
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "tiny",
+        "--log-interval",
+        "1",
+        key=KEY,
+    ) as srv:
         yield srv
 
 
@@ -112,15 +121,30 @@ def test_completions_text_ids_and_stream(server, qwen3_llm):
     from expertcache import SamplingParams
 
     client = server.client()
-    a = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    a = client.completions.create(
+        model="tiny",
+        prompt="The quick brown fox",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert a.object == "text_completion"
-    want = qwen3_llm.generate("The quick brown fox", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    want = qwen3_llm.generate(
+        "The quick brown fox", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )[0]
     assert a.usage.completion_tokens == 8 and a.choices[0].finish_reason == "length"
     assert a.choices[0].text == want.text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0, stream=True,
-        extra_body={"ignore_eos": True}))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny",
+            prompt="The quick brown fox",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert streamed == a.choices[0].text
     ids = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
     assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens >= 1
@@ -128,25 +152,63 @@ def test_completions_text_ids_and_stream(server, qwen3_llm):
 
 def test_stop_string_and_seed(server, qwen3_llm):
     client = server.client()
-    full = client.completions.create(model="tiny", prompt="Hello world", max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    full = (
+        client.completions.create(
+            model="tiny", prompt="Hello world", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = full[6:8]
-    cut = client.completions.create(model="tiny", prompt="Hello world", max_tokens=16, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
+    cut = client.completions.create(
+        model="tiny",
+        prompt="Hello world",
+        max_tokens=16,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[: full.find(stop)]
-    s1, s2 = (chat(client, "seeded", temperature=1.0, top_p=0.9, seed=7, max_tokens=6,
-                   extra_body={"top_k": 50, "ignore_eos": True}).choices[0].message.content for _ in range(2))
+    s1, s2 = (
+        chat(
+            client,
+            "seeded",
+            temperature=1.0,
+            top_p=0.9,
+            seed=7,
+            max_tokens=6,
+            extra_body={"top_k": 50, "ignore_eos": True},
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    )
     assert s1 == s2
     from expertcache import SamplingParams
 
     # the same sampling in process: temperature, top_p, top_k and the seed all reached the engine
     params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     assert s1 == qwen3_llm.chat([{"role": "user", "content": "seeded"}], params)[0].text
-    other = chat(client, "seeded", temperature=1.0, top_p=0.9, seed=8, max_tokens=6,
-                 extra_body={"top_k": 50, "ignore_eos": True}).choices[0].message.content
-    assert other == qwen3_llm.chat([{"role": "user", "content": "seeded"}],
-                                   SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=8,
-                                                  ignore_eos=True))[0].text
+    other = (
+        chat(
+            client,
+            "seeded",
+            temperature=1.0,
+            top_p=0.9,
+            seed=8,
+            max_tokens=6,
+            extra_body={"top_k": 50, "ignore_eos": True},
+        )
+        .choices[0]
+        .message.content
+    )
+    assert (
+        other
+        == qwen3_llm.chat(
+            [{"role": "user", "content": "seeded"}],
+            SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=8, ignore_eos=True),
+        )[0].text
+    )
 
 
 def test_concurrent_greedy_equals_sequential(server):
@@ -154,20 +216,27 @@ def test_concurrent_greedy_equals_sequential(server):
     prompts = ["Hello world", "What is the capital of France?", "Numbers: 0 1 2", "The end of the story"]
     sequential = [chat(client, p, max_tokens=10).choices[0].message.content for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        concurrent = list(pool.map(lambda p: chat(client, p, max_tokens=10).choices[0].message.content, prompts))
+        concurrent = list(
+            pool.map(lambda p: chat(client, p, max_tokens=10).choices[0].message.content, prompts)
+        )
     assert concurrent == sequential
 
 
 def test_shared_system_prompt_hits_prefix_cache(server):
     client = server.client()
     system = "You are a helpful assistant. " * 6 + "The quick brown fox jumps over the lazy dog. " * 2
-    hits0, computed0 = server.metric("expertcache:prefix_cache_hits_total"), server.metric(
-        "expertcache:prompt_tokens_computed_total")
+    hits0, computed0 = (
+        server.metric("expertcache:prefix_cache_hits_total"),
+        server.metric("expertcache:prompt_tokens_computed_total"),
+    )
     usages = []
     for q in ("Hello there", "What is 42?"):
-        r = client.chat.completions.create(model="tiny", max_tokens=2, temperature=0,
-                                           messages=[{"role": "system", "content": system},
-                                                     {"role": "user", "content": q}])
+        r = client.chat.completions.create(
+            model="tiny",
+            max_tokens=2,
+            temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+        )
         usages.append(r.usage)
     cached = usages[1].prompt_tokens_details.cached_tokens
     assert cached >= 64, usages  # the shared system prompt, in whole 16-token blocks
@@ -188,13 +257,21 @@ BAD = [
     ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, "model"),
     ("max_tokens 0", "/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, "max_tokens"),
     ("max_tokens < 0", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ("max_completion_tokens 0", "/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0},
-     "max_completion_tokens"),
+    (
+        "max_completion_tokens 0",
+        "/v1/chat/completions",
+        {"messages": MSG, "max_completion_tokens": 0},
+        "max_completion_tokens",
+    ),
     ("beyond context", "/v1/chat/completions", {"messages": MSG, "max_tokens": 100000}, "max_tokens"),
     ("prompt beyond context", "/v1/completions", {"prompt": list(range(1, 300)), "max_tokens": 1}, "prompt"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, "messages"),
-    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
-     "messages[0].role"),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        "messages[0].role",
+    ),
     ("missing messages", "/v1/chat/completions", {"model": "tiny"}, "messages"),
     ("n=0", "/v1/chat/completions", {"messages": MSG, "n": 0}, "n"),
     ("top_p 0", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, "top_p"),
@@ -205,23 +282,58 @@ BAD = [
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
     ("functions", "/v1/chat/completions", {"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
     ("logprobs 6", "/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs"),
-    ("top_logprobs 21", "/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
-    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
-    ("presence_penalty 3", "/v1/chat/completions", {"messages": MSG, "presence_penalty": 3}, "presence_penalty"),
-    ("frequency_penalty -2.5", "/v1/completions", {"prompt": "hi", "frequency_penalty": -2.5}, "frequency_penalty"),
+    (
+        "top_logprobs 21",
+        "/v1/chat/completions",
+        {"messages": MSG, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"messages": MSG, "top_logprobs": 2},
+        "top_logprobs",
+    ),
+    (
+        "presence_penalty 3",
+        "/v1/chat/completions",
+        {"messages": MSG, "presence_penalty": 3},
+        "presence_penalty",
+    ),
+    (
+        "frequency_penalty -2.5",
+        "/v1/completions",
+        {"prompt": "hi", "frequency_penalty": -2.5},
+        "frequency_penalty",
+    ),
     ("logit_bias key", "/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ("logit_bias value", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, "logit_bias"),
     ("best_of < n", "/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
     ("best_of streamed", "/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, "best_of"),
-    ("tools without tool format", "/v1/chat/completions",
-     {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("tool_choice without tools", "/v1/chat/completions", {"messages": MSG, "tool_choice": "required"},
-     "tool_choice"),
-    ("bad json_schema", "/v1/chat/completions",
-     {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ("two constraints", "/v1/chat/completions",
-     {"messages": MSG, "response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    (
+        "tools without tool format",
+        "/v1/chat/completions",
+        {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools",
+    ),
+    (
+        "tool_choice without tools",
+        "/v1/chat/completions",
+        {"messages": MSG, "tool_choice": "required"},
+        "tool_choice",
+    ),
+    (
+        "bad json_schema",
+        "/v1/chat/completions",
+        {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format",
+    ),
+    (
+        "two constraints",
+        "/v1/chat/completions",
+        {"messages": MSG, "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+        "guided_regex",
+    ),
 ]
 
 
@@ -243,40 +355,58 @@ OUT_OF_RANGE = [
     ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"logit_bias": {"5": -101}}, "logit_bias"),
-    ("/v1/completions", {"logit_bias": {"1000000": 1}}, "logit_bias"),  # outside the vocabulary: the engine's check
+    (
+        "/v1/completions",
+        {"logit_bias": {"1000000": 1}},
+        "logit_bias",
+    ),  # outside the vocabulary: the engine's check
     ("/v1/completions", {"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
 ]
 
 
-@pytest.mark.parametrize("path,fields,param", OUT_OF_RANGE, ids=[f"{p[-16:]}-{b}" for p, b, _ in OUT_OF_RANGE])
+@pytest.mark.parametrize(
+    "path,fields,param", OUT_OF_RANGE, ids=[f"{p[-16:]}-{b}" for p, b, _ in OUT_OF_RANGE]
+)
 def test_each_sampling_field_out_of_range_is_400_naming_it(server, path, fields, param):
     body = {"prompt": "hi", **fields} if path == "/v1/completions" else {"messages": MSG, **fields}
     with server.http() as c:
         r = c.post(path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["message"].startswith(f"'{param}' ") and "\n" not in err["message"], err
+    assert (
+        err["param"] == param and err["message"].startswith(f"'{param}' ") and "\n" not in err["message"]
+    ), err
 
 
 def test_seed_range_is_the_engines(server):
     """Both ends of the one seed range (a signed 64-bit integer) are served, and reproducible."""
     client = server.client()
     for seed in (-(2**63), 2**63 - 1, -1):
-        a, b = (client.completions.create(model="tiny", prompt="seeded", max_tokens=4, temperature=1.0, seed=seed)
-                .choices[0].text for _ in range(2))
+        a, b = (
+            client.completions.create(model="tiny", prompt="seeded", max_tokens=4, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+            for _ in range(2)
+        )
         assert a == b
 
 
 @pytest.mark.parametrize("name,path,body,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_400(server, name, path, body, param):
     with server.http() as c:
-        r = c.post(path, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) \
+        r = (
+            c.post(path, content=body, headers={"content-type": "application/json"})
+            if isinstance(body, bytes)
             else c.post(path, json=body)
+        )
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["type"] == "invalid_request_error" and err["message"] and set(err) == {
-            "message", "type", "param", "code"}
+        assert (
+            err["type"] == "invalid_request_error"
+            and err["message"]
+            and set(err) == {"message", "type", "param", "code"}
+        )
         assert err["param"] == param
         assert c.get("/health").status_code == 200
 
@@ -295,11 +425,23 @@ def test_api_key_required(server):
 
 # every route and what it answers without the key (docs/limits.md's table): only /health and the
 # browser UI's static files are public; /metrics needs --public-metrics; the API docs need --api-docs
-ROUTES = [("GET", "/health", 200), ("GET", "/", 200), ("GET", "/ui/app.js", 200),
-          ("GET", "/metrics", 401), ("GET", "/stats", 401), ("GET", "/v1/models", 401),
-          ("GET", "/v1/models/tiny", 401), ("POST", "/v1/completions", 401), ("POST", "/v1/chat/completions", 401),
-          ("POST", "/tokenize", 401), ("POST", "/detokenize", 401), ("GET", "/docs", 401), ("GET", "/redoc", 401),
-          ("GET", "/openapi.json", 401), ("GET", "/no/such/route", 401)]
+ROUTES = [
+    ("GET", "/health", 200),
+    ("GET", "/", 200),
+    ("GET", "/ui/app.js", 200),
+    ("GET", "/metrics", 401),
+    ("GET", "/stats", 401),
+    ("GET", "/v1/models", 401),
+    ("GET", "/v1/models/tiny", 401),
+    ("POST", "/v1/completions", 401),
+    ("POST", "/v1/chat/completions", 401),
+    ("POST", "/tokenize", 401),
+    ("POST", "/detokenize", 401),
+    ("GET", "/docs", 401),
+    ("GET", "/redoc", 401),
+    ("GET", "/openapi.json", 401),
+    ("GET", "/no/such/route", 401),
+]
 
 
 @pytest.mark.parametrize("method,path,status", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
@@ -310,8 +452,12 @@ def test_every_route_needs_the_key(server, method, path, status):
         if status == 401:
             assert r.json()["error"]["code"] == "invalid_api_key"
     with server.http() as c:  # with the key: served, and the API docs do not exist without --api-docs
-        bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1}, "/tokenize": {"prompt": "hi"},
-                  "/v1/chat/completions": {"messages": MSG, "max_tokens": 1}, "/detokenize": {"tokens": [1]}}
+        bodies = {
+            "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+            "/tokenize": {"prompt": "hi"},
+            "/v1/chat/completions": {"messages": MSG, "max_tokens": 1},
+            "/detokenize": {"tokens": [1]},
+        }
         r = c.request(method, path, json=bodies.get(path))
         expected = 404 if path in ("/docs", "/redoc", "/openapi.json", "/no/such/route") else 200
         assert r.status_code == expected, r.text
@@ -342,6 +488,7 @@ def test_client_disconnect_aborts_request(server):
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 4:
                     break  # leave mid-stream: the connection closes with the context
+
         def idle():
             eng = c.get("/stats").json()["engine"]
             return eng if eng["running"] == 0 and eng["waiting"] == 0 else None
@@ -359,8 +506,11 @@ def _post_raw(url: str, path: str, body: dict):
     host, port = url.rsplit("//", 1)[1].split(":")
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)), timeout=30)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-              f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -370,9 +520,15 @@ def test_dropped_non_streaming_requests_are_aborted(server, path):
     aborted in the engine (the abort count grows by 2 a cycle, far fewer tokens generated than asked
     for), and none is left running or holding KV blocks."""
     max_tokens = 200  # the tiny model's context is 256 tokens
-    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            **({"prompt": "Hello"} if path == "/v1/completions" else {"messages": MSG})}
+    body = {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        **({"prompt": "Hello"} if path == "/v1/completions" else {"messages": MSG}),
+    }
     with server.http() as c:
+
         def engine():
             return c.get("/stats").json()["engine"]
 
@@ -398,19 +554,34 @@ def test_metrics_and_stats(server):
     with server.http() as c:
         text = c.get("/metrics").text
         stats = c.get("/stats").json()
-    for name in ("num_requests_running", "num_requests_waiting", "prompt_tokens_total", "generation_tokens_total",
-                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket", "kv_cache_usage_perc", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "expert_cache_hits_total", "expert_cache_misses_total",
-                 "expert_cache_bytes_total", "expert_cpu_computed_share"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "expert_cache_hits_total",
+        "expert_cache_misses_total",
+        "expert_cache_bytes_total",
+        "expert_cpu_computed_share",
+    ):
         assert f"expertcache:{name}" in text, name
     assert server.metric("expertcache:generation_tokens_total") >= 3
     assert stats["status"] == "ok" and isinstance(stats["expert_stats"], dict)
     assert stats["engine"]["engine_counters"]["generated_tokens"] >= 3
     # the periodic status line (--log-interval 1) appears while the engine works: keep it busy until it does
     client = server.client()
-    assert wait_until(lambda: chat(client, "keep busy", max_tokens=32, extra_body={"ignore_eos": True}) and
-                      "Avg generation throughput" in server.log_path.read_text(errors="replace"))
+    assert wait_until(
+        lambda: (
+            chat(client, "keep busy", max_tokens=32, extra_body={"ignore_eos": True})
+            and "Avg generation throughput" in server.log_path.read_text(errors="replace")
+        )
+    )
 
 
 def test_server_log_has_no_tracebacks(server):
@@ -422,9 +593,13 @@ def test_server_log_has_no_tracebacks(server):
     with server.http() as c, c.stream("POST", "/v1/completions", json=body) as r:
         next(r.iter_lines())  # the first event, then leave
     host, port = server.url.rsplit("//", 1)[1].split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:  # promises 1000 bytes, sends 10, leaves
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ".encode())
+    with socket.create_connection(
+        (host, int(port)), timeout=30
+    ) as s:  # promises 1000 bytes, sends 10, leaves
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"prompt": '.encode()
+        )
     deadline = time.monotonic() + 60  # an upper bound, not a measured time
     log = ""
     while time.monotonic() < deadline:
@@ -448,20 +623,32 @@ def test_expert_metrics_follow_the_stats_layout(monkeypatch, qwen3_checkpoint):
     stats = llm.expert_stats()
     tiers = stats["per_tier"]
     assert tiers["device"]["hits"] + tiers["device"]["misses"] > 0
-    snap = {"running": 2, "waiting": 1, "kv_cache_usage": 0.5, "prefix_cache_queries": 100,
-            "prefix_cache_hits": 40, "num_preemptions": 0, "expert_stats": stats,
-            "engine_counters": {"prompt_tokens": 60, "generated_tokens": 7}}
+    snap = {
+        "running": 2,
+        "waiting": 1,
+        "kv_cache_usage": 0.5,
+        "prefix_cache_queries": 100,
+        "prefix_cache_hits": 40,
+        "num_preemptions": 0,
+        "expert_stats": stats,
+        "engine_counters": {"prompt_tokens": 60, "generated_tokens": 7},
+    }
     m = ServerMetrics()
     m.attach(lambda: snap, lambda: 1.0)
     text = m.render().decode()
     for tier, d in tiers.items():
         if "hits" in d:
             assert f'expertcache:expert_cache_hits_total{{tier="{tier}"}} {float(d["hits"])}' in text, tier
-            assert f'expertcache:expert_cache_misses_total{{tier="{tier}"}} {float(d["misses"])}' in text, tier
+            assert f'expertcache:expert_cache_misses_total{{tier="{tier}"}} {float(d["misses"])}' in text, (
+                tier
+            )
         moved = sum(v for k, v in d.items() if "bytes" in k)
         assert f'expertcache:expert_cache_bytes_total{{tier="{tier}"}} {float(moved)}' in text, tier
-    for line in (f"expertcache:expert_cpu_computed_share {float(stats['cpu_computed_share'])}",
-                 "expertcache:kv_cache_usage_perc 0.5", "expertcache:prefix_cache_hits_total 40.0"):
+    for line in (
+        f"expertcache:expert_cpu_computed_share {float(stats['cpu_computed_share'])}",
+        "expertcache:kv_cache_usage_perc 0.5",
+        "expertcache:prefix_cache_hits_total 40.0",
+    ):
         assert line in text, line
     log = ThroughputLog(interval_s=1.0)
     from expertcache.server import stats_log
@@ -480,7 +667,9 @@ def test_tiered_expert_cache_reports_stats_in_process(qwen3_checkpoint):
 
     from expertcache.server.app import ServerConfig, create_app
 
-    app = create_app(ServerConfig("tiny", {"model": str(qwen3_checkpoint), "device_memory": "50%", "progress": True}))
+    app = create_app(
+        ServerConfig("tiny", {"model": str(qwen3_checkpoint), "device_memory": "50%", "progress": True})
+    )
     with TestClient(app, base_url="http://localhost") as c:
         deadline = time.monotonic() + 120  # an upper bound for a loaded machine, not a measured time
         while time.monotonic() < deadline:
@@ -528,12 +717,15 @@ def test_public_metrics_api_docs_and_allowed_hosts_in_process(qwen3_checkpoint):
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--host", "0.0.0.0"], "--allowed-hosts"),
-    (["--max-stop-strings", "65"], "--max-stop-strings"),
-    (["--max-logit-bias", "-1"], "--max-logit-bias"),
-    (["--record-routing-max-steps", "0"], "--record-routing-max-steps"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--host", "0.0.0.0"], "--allowed-hosts"),
+        (["--max-stop-strings", "65"], "--max-stop-strings"),
+        (["--max-logit-bias", "-1"], "--max-logit-bias"),
+        (["--record-routing-max-steps", "0"], "--record-routing-max-steps"),
+    ],
+)
 def test_serve_flags_are_checked_before_loading(flags, needle):
     import argparse
 

@@ -73,8 +73,10 @@ def test_norms_decline_what_they_do_not_handle(monkeypatch):
     assert small_ops.add_rms_norm(x, torch.randn(3, 16), w, 1e-6) is None
     # the torch fallback then computes: the same values
     xb = x.bfloat16()
-    assert torch.equal(basic.rms_norm(xb, w, 1e-6), w * (xb.float() * torch.rsqrt(
-        xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16))
+    assert torch.equal(
+        basic.rms_norm(xb, w, 1e-6),
+        w * (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16),
+    )
     monkeypatch.setattr(build, "_state", {"mod": None, "why": "disabled by the test"})
     assert small_ops.rms_norm(x, w, 1e-6) is None and small_ops.row_stats(x) is None
     assert small_ops.softmax_topk(x, 2, True) is None and small_ops.add_rms_norm(x, x, w, 1e-6) is None
@@ -87,17 +89,17 @@ def _logit_rows(V: int) -> torch.Tensor:
     L = torch.randn(10, V, generator=g) * 4
     nan, inf = float("nan"), float("inf")
     L[1, V // 2] = nan
-    L[1, V // 3] = inf      # NaN and +inf: max NaN, argmax the NaN
+    L[1, V // 3] = inf  # NaN and +inf: max NaN, argmax the NaN
     L[2, 7] = inf
-    L[2, V - 1] = inf       # two +inf: the first
-    L[3] = -inf             # all -inf
-    L[4, 9] = -inf          # one -inf, otherwise finite
+    L[2, V - 1] = inf  # two +inf: the first
+    L[3] = -inf  # all -inf
+    L[4, 9] = -inf  # one -inf, otherwise finite
     L[5, [3, V // 2, V - 2]] = 50.0  # repeated maximum: the first
-    L[6] = 0.0              # flat
-    L[7, 0] = 3e38          # extreme finite values (their sum overflows)
+    L[6] = 0.0  # flat
+    L[7, 0] = 3e38  # extreme finite values (their sum overflows)
     L[7, 1:] = -3e38
-    L[8, V - 1] = nan       # NaN in the last position (the scalar tail)
-    L[9, :] = 3e38          # every value huge and equal
+    L[8, V - 1] = nan  # NaN in the last position (the scalar tail)
+    L[9, :] = 3e38  # every value huge and equal
     return L
 
 
@@ -111,12 +113,16 @@ def test_row_stats_against_torch_and_float64(V):
     mx, am, lse, fin = small_ops.row_stats(L)
     assert torch.equal(fin, torch.isfinite(L).all(-1))
     ref_max = L.max(-1).values
-    assert torch.equal(mx.isnan(), ref_max.isnan()) and torch.equal(mx[~mx.isnan()], ref_max[~ref_max.isnan()])
+    assert torch.equal(mx.isnan(), ref_max.isnan()) and torch.equal(
+        mx[~mx.isnan()], ref_max[~ref_max.isnan()]
+    )
     assert torch.equal(am, L.argmax(-1))
     ref = torch.logsumexp(L.double(), -1)
     assert torch.equal(lse.isnan(), ref.isnan())
     ok = ~ref.isnan()
-    assert torch.equal(lse[ok].isinf(), ref[ok].isinf()) and torch.equal(lse[ok & ref.isinf()], ref[ok & ref.isinf()].float())
+    assert torch.equal(lse[ok].isinf(), ref[ok].isinf()) and torch.equal(
+        lse[ok & ref.isinf()], ref[ok & ref.isinf()].float()
+    )
     close = ok & ~ref.isinf()
     assert ((lse[close].double() - ref[close]).abs() <= 2e-6 * ref[close].abs().clamp(min=1)).all()
 
@@ -165,10 +171,14 @@ def test_softmax_topk_is_torchs_choice(E, k, renorm):
 def test_softmax_topk_declines_ties_near_ties_and_nonfinite():
     base = torch.linspace(-2, 2, 16)[None].repeat(2, 1)
     assert small_ops.softmax_topk(base, 4, True) is not None
-    for tweak in ([(1, 15, 2.0), (1, 14, 2.0)],        # exact tie inside the top-k
-                  [(0, 11, base[0, 12].item())],       # tie at the k-th / (k+1)-th boundary
-                  [(0, 14, 2.0 - 1e-7)],               # near-tie
-                  [(1, 3, float("nan"))], [(0, 0, float("-inf"))], [(0, 0, float("inf"))]):
+    for tweak in (
+        [(1, 15, 2.0), (1, 14, 2.0)],  # exact tie inside the top-k
+        [(0, 11, base[0, 12].item())],  # tie at the k-th / (k+1)-th boundary
+        [(0, 14, 2.0 - 1e-7)],  # near-tie
+        [(1, 3, float("nan"))],
+        [(0, 0, float("-inf"))],
+        [(0, 0, float("inf"))],
+    ):
         x = base.clone()
         for r, c, v in tweak:
             x[r, c] = v
@@ -202,8 +212,15 @@ SEQ = [(i * 37 + 11) % 300 + 3 for i in range(40)]
 def test_whole_model_small_ops_equal_torch_path(checkpoint, monkeypatch):
     """The tiny model's logits (every position) with the fused norms, residual adds and router
     against the same model with every small op declined (the torch code computes)."""
-    path = checkpoint("qwen3_moe", dtype=torch.bfloat16, hidden_size=64, moe_intermediate_size=32, num_experts=8,
-                      num_hidden_layers=2, num_experts_per_tok=2)
+    path = checkpoint(
+        "qwen3_moe",
+        dtype=torch.bfloat16,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_hidden_layers=2,
+        num_experts_per_tok=2,
+    )
     llm = LLM(str(path))
     llm.model.fused_blocks = False  # the layers' Python path (the C++ block equals it: test_attn_block.py)
     calls = {"n": 0}

@@ -20,9 +20,16 @@ def test_short_soak_leaves_the_server_idle_and_unchanged(qwen3_checkpoint):
     spec.loader.exec_module(soak)
     # a fixed number of requests (not a time window): what runs does not depend on the machine's speed;
     # the 600 s are only an upper bound
-    res = soak.run(dict(model=str(qwen3_checkpoint), device="cpu", max_num_seqs=8, device_memory="50%",
-                        host_memory="75%"), clients=6, seconds=600, seed=1, rss_growth_limit_mb=256,
-                   requests_per_client=8)
+    res = soak.run(
+        dict(
+            model=str(qwen3_checkpoint), device="cpu", max_num_seqs=8, device_memory="50%", host_memory="75%"
+        ),
+        clients=6,
+        seconds=600,
+        seed=1,
+        rss_growth_limit_mb=256,
+        requests_per_client=8,
+    )
     assert res["failures"] == [], res
     assert res["requests"] == 6 * 8 and res["disconnects"] > 0 and res["invalid"] > 0
     assert res["5xx"] == 0 and res["leaked_blocks"] == 0 and res["expert_check"] == "ok"

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-TEXT = ("Hello, wörld! 你好，世界。 Emoji: 🙂🚀 done.\n  indented  spaces\tand tabs; "
-        "résumé naïve café — «quotes» 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 END")
+TEXT = (
+    "Hello, wörld! 你好，世界。 Emoji: 🙂🚀 done.\n  indented  spaces\tand tabs; "
+    "résumé naïve café — «quotes» 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 END"
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,10 @@ def test_pieces_join_to_the_whole_decode(tok):
     assert stopped is None and got == tok.decode(ids)
 
 
-@pytest.mark.parametrize("stop", [["世界"], ["🚀"], ["tabs", "Emoji"], ["résumé"], ["END"], ["not there"],
-                                  ["s", "spaces"], ["\n  "]])
+@pytest.mark.parametrize(
+    "stop",
+    [["世界"], ["🚀"], ["tabs", "Emoji"], ["résumé"], ["END"], ["not there"], ["s", "spaces"], ["\n  "]],
+)
 def test_stop_strings_cut_at_the_first_match(tok, stop):
     ids = tok.encode(TEXT, add_special_tokens=False)
     whole = tok.decode(ids)
@@ -48,7 +52,9 @@ def test_stop_strings_cut_at_the_first_match(tok, stop):
     assert got == (whole[: min(hits)] if hits else whole)
     assert (stopped is not None) == bool(hits)
     if hits:  # it stopped at the token that completed the match, not later
-        assert min(hits) + len(stop[[whole.find(s) for s in stop].index(min(hits))]) > len(tok.decode(ids[:stopped]))
+        assert min(hits) + len(stop[[whole.find(s) for s in stop].index(min(hits))]) > len(
+            tok.decode(ids[:stopped])
+        )
 
 
 def test_split_utf8_character_is_held_until_complete(tok):

@@ -14,36 +14,94 @@ from expertcache.server.tool_calls.glm import GlmFormat
 from expertcache.server.tool_calls.harmony import HarmonyFormat
 from expertcache.server.tool_calls.qwen import QwenFormat
 
-WEATHER = {"name": "get_weather", "description": "weather now",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                          "required": ["city", "days"], "additionalProperties": False}}
-TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
-                                           "required": ["tz"], "additionalProperties": False}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "weather now",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+TIME = {
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"tz": {"type": "string"}},
+        "required": ["tz"],
+        "additionalProperties": False,
+    },
+}
 
 # (format, completion text with special tokens, content, reasoning, [(name, arguments)])
 CANNED = [
-    (QwenFormat(), 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
-                   '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>',
-     "Let me check.", "", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})]),
+    (
+        QwenFormat(),
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>',
+        "Let me check.",
+        "",
+        [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})],
+    ),
     (QwenFormat(), "No tools needed: 2 < 3.", "No tools needed: 2 < 3.", "", []),
-    (QwenFormat(), '<tool_call>\n{"name": broken}\n</tool_call>', '<tool_call>\n{"name": broken}\n</tool_call>', "", []),
-    (HarmonyFormat(), "<|channel|>analysis<|message|>User wants weather in Paris.<|end|><|start|>assistant"
-                      '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-                      '{"city": "Paris", "days": 2}<|call|>',
-     "", "User wants weather in Paris.", [("get_weather", {"city": "Paris", "days": 2})]),
-    (HarmonyFormat(), "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
-                      "It is 4.<|return|>", "It is 4.", "Easy.", []),
-    (HarmonyFormat(), '<|channel|>analysis<|message|>hm<|end|><|start|>assistant to=functions.get_time'
-                      '<|channel|>commentary json<|message|>{"tz": "UTC"}<|call|>', "", "hm", [("get_time", {"tz": "UTC"})]),
-    (DeepSeekFormat(), "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-                       '```json\n{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function'
-                       '<｜tool▁sep｜>get_time\n```json\n{"tz": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
-     "Checking.", "", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})]),
-    (DeepSeekFormat(), '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "CET"}'
-                       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", "", [("get_time", {"tz": "CET"})]),
-    (GlmFormat(), "Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
-                  "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
-     "Sure.", "", [("get_weather", {"city": "Paris", "days": 2})]),
+    (
+        QwenFormat(),
+        '<tool_call>\n{"name": broken}\n</tool_call>',
+        '<tool_call>\n{"name": broken}\n</tool_call>',
+        "",
+        [],
+    ),
+    (
+        HarmonyFormat(),
+        "<|channel|>analysis<|message|>User wants weather in Paris.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Paris", "days": 2}<|call|>',
+        "",
+        "User wants weather in Paris.",
+        [("get_weather", {"city": "Paris", "days": 2})],
+    ),
+    (
+        HarmonyFormat(),
+        "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "It is 4.<|return|>",
+        "It is 4.",
+        "Easy.",
+        [],
+    ),
+    (
+        HarmonyFormat(),
+        "<|channel|>analysis<|message|>hm<|end|><|start|>assistant to=functions.get_time"
+        '<|channel|>commentary json<|message|>{"tz": "UTC"}<|call|>',
+        "",
+        "hm",
+        [("get_time", {"tz": "UTC"})],
+    ),
+    (
+        DeepSeekFormat(),
+        "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function'
+        '<｜tool▁sep｜>get_time\n```json\n{"tz": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "Checking.",
+        "",
+        [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})],
+    ),
+    (
+        DeepSeekFormat(),
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "CET"}'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "",
+        "",
+        [("get_time", {"tz": "CET"})],
+    ),
+    (
+        GlmFormat(),
+        "Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
+        "Sure.",
+        "",
+        [("get_weather", {"city": "Paris", "days": 2})],
+    ),
 ]
 
 
@@ -103,18 +161,20 @@ def test_forcing_grammar_accepts_the_canned_call(fmt, qwen3_llm):
 
     canned = {
         "qwen": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","days":2}}\n</tool_call>',
-        "harmony": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-                   '{"city":"Paris","days":2}<|call|>',
-        "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
-                       '{"city":"Paris","days":2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "harmony": "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city":"Paris","days":2}<|call|>',
+        "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city":"Paris","days":2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
         "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days"
-                 "</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
+        "</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
     }[fmt.name]
     lark = fmt.grammar([WEATHER, TIME], parallel=False, marker=marker)
     assert _accepts(grammars, lark, canned)
     assert not _accepts(grammars, lark, canned.replace("get_weather", "get_wether"))
     p = fmt.parse(canned, final=True)
-    assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [("get_weather", {"city": "Paris", "days": 2})]
+    assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [
+        ("get_weather", {"city": "Paris", "days": 2})
+    ]
 
 
 def test_real_templates_detect_their_format(qwen3_tokenizer_dir):
@@ -162,16 +222,22 @@ def test_many_open_markers_parse_like_the_regex(fmt):
 
     if isinstance(fmt, DeepSeekFormat):
         op, cl = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
-        call = '<｜tool▁calls▁begin｜>' + op + 'get_time<｜tool▁sep｜>{"tz": "CET"}' + cl
+        call = "<｜tool▁calls▁begin｜>" + op + 'get_time<｜tool▁sep｜>{"tz": "CET"}' + cl
         text = call + (op + "x") * 4000
     else:
         op, cl = "<tool_call>", "</tool_call>"
-        body = '\n{"name": "get_time", "arguments": {"tz": "CET"}}\n' if isinstance(fmt, QwenFormat) else \
-            "get_time\n<arg_key>tz</arg_key>\n<arg_value>CET</arg_value>\n"
+        body = (
+            '\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+            if isinstance(fmt, QwenFormat)
+            else "get_time\n<arg_key>tz</arg_key>\n<arg_value>CET</arg_value>\n"
+        )
         text = "hi " + op + body + cl + (op + " x") * 4000
     from expertcache.server.tool_calls.base import blocks
 
-    want = [(m.start(), m.end(), m.group(1)) for m in re.finditer(re.escape(op) + "(.*?)" + re.escape(cl), text, re.S)]
+    want = [
+        (m.start(), m.end(), m.group(1))
+        for m in re.finditer(re.escape(op) + "(.*?)" + re.escape(cl), text, re.S)
+    ]
     assert list(blocks(text, op, cl)) == want and len(want) == 1
     p = fmt.parse(text, final=True)
     assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [("get_time", {"tz": "CET"})]

@@ -23,27 +23,59 @@ def run(argv, capsys):
 @pytest.fixture
 def trace_file(tmp_path, capsys):
     p = tmp_path / "s.npz"
-    rc, out, _ = run(["synth", str(p), "--layers", "2", "--experts", "8", "--top-k", "2", "--tokens", "120",
-                      "--zipf", "1.2", "--reuse", "0.4", "--expert-bytes", "1MiB"], capsys)
+    rc, out, _ = run(
+        [
+            "synth",
+            str(p),
+            "--layers",
+            "2",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--tokens",
+            "120",
+            "--zipf",
+            "1.2",
+            "--reuse",
+            "0.4",
+            "--expert-bytes",
+            "1MiB",
+        ],
+        capsys,
+    )
     assert rc == 0 and "120 rows x 2 layers x top-2" in out and p.exists()
     return p
 
 
 def test_replay_json(trace_file, capsys):
-    rc, out, _ = run(["replay", str(trace_file), "--capacity", "2,3", "--policy", "lru,min", "--json"], capsys)
+    rc, out, _ = run(
+        ["replay", str(trace_file), "--capacity", "2,3", "--policy", "lru,min", "--json"], capsys
+    )
     rows = json.loads(out)
-    assert rc == 0 and [(r["policy"], r["capacity"]) for r in rows] == [("lru", 2), ("min", 2), ("lru", 3), ("min", 3)]
+    assert rc == 0 and [(r["policy"], r["capacity"]) for r in rows] == [
+        ("lru", 2),
+        ("min", 2),
+        ("lru", 3),
+        ("min", 3),
+    ]
     ref = replay(RoutingTrace.load(trace_file), "lru", 3)
     r = rows[2]
     assert set(r) >= {"policy", "capacity", "hit_rate", "min_hit_rate", "bytes_moved", "per_layer"}
-    assert (r["hit_rate"], r["min_hit_rate"], r["bytes_moved"]) == (ref.hit_rate, ref.min_hit_rate, ref.bytes_moved)
+    assert (r["hit_rate"], r["min_hit_rate"], r["bytes_moved"]) == (
+        ref.hit_rate,
+        ref.min_hit_rate,
+        ref.bytes_moved,
+    )
     assert rows[3]["hit_rate"] == rows[3]["min_hit_rate"] and len(r["per_layer"]) == 2
 
 
 def test_replay_budget_all_and_png(trace_file, tmp_path, capsys):
     rc, out, _ = run(["replay", str(trace_file), "--budget", "6MiB", "--policy", "all", "--json"], capsys)
     rows = json.loads(out)
-    assert {r["capacity"] for r in rows} == {3} and {"lru", "lfru", "static", "lfru-admit"} <= {r["policy"] for r in rows}
+    assert {r["capacity"] for r in rows} == {3} and {"lru", "lfru", "static", "lfru-admit"} <= {
+        r["policy"] for r in rows
+    }
     png = tmp_path / "sweep.png"
     rc, out, _ = run(["replay", str(trace_file), "--sweep", "--policy", "lru", "--png", str(png)], capsys)
     assert rc == 0 and png.stat().st_size > 1000 and "MIN" in out
@@ -63,6 +95,8 @@ def test_stats_import_export_simulate(trace_file, tmp_path, capsys):
     np.testing.assert_array_equal(RoutingTrace.load(back).experts, RoutingTrace.load(trace_file).experts)
     rc, _, err = run(["import", str(jl), str(back), "--num-experts", "4"], capsys)
     assert rc == 2 and "out of range" in err
-    rc, out, _ = run(["simulate", str(trace_file), "--capacity", "3", "--profile", "rtx3060-pcie4", "--json"], capsys)
+    rc, out, _ = run(
+        ["simulate", str(trace_file), "--capacity", "3", "--profile", "rtx3060-pcie4", "--json"], capsys
+    )
     p = json.loads(out)
     assert rc == 0 and p["tok_s"] > 0 and p["profile"] == "rtx3060-pcie4"

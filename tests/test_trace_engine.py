@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from safetensors_reference import independent_slot_checks
 
 from expertcache import LLM, SamplingParams
 from expertcache.trace.format import RoutingTrace
 from expertcache.trace.recorder import RoutingRecorder
 from expertcache.trace.replay import replay, replay_config
-from safetensors_reference import independent_slot_checks
 
 
 @pytest.fixture(autouse=True)
@@ -23,12 +23,20 @@ def _slot_checks_read_safetensors(monkeypatch):
 @pytest.mark.parametrize("policy", ["lru", "lfru", "lfru-admit"])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_replay_equals_engine_counters(cache_checkpoint, tmp_path, policy, prefetch):
-    llm = LLM(str(cache_checkpoint), device_memory="25%", cache_policy=policy, prefetch=prefetch, cpu_compute="never",
-              prefill_admit_tokens=10**6)
+    llm = LLM(
+        str(cache_checkpoint),
+        device_memory="25%",
+        cache_policy=policy,
+        prefetch=prefetch,
+        cpu_compute="never",
+        prefill_admit_tokens=10**6,
+    )
     slots = llm.experts.device_slots
     llm.engine.recorder = RoutingRecorder(llm)
-    llm.generate([[5, 6, 7, 8, 9], [40, 41], list(range(100, 130))],
-                 [SamplingParams(max_tokens=n, temperature=0.8, seed=n) for n in (12, 20, 6)])
+    llm.generate(
+        [[5, 6, 7, 8, 9], [40, 41], list(range(100, 130))],
+        [SamplingParams(max_tokens=n, temperature=0.8, seed=n) for n in (12, 20, 6)],
+    )
     path = tmp_path / "trace.npz"
     llm.engine.recorder.save(path)
     stats = llm.expert_stats()
@@ -42,7 +50,10 @@ def test_replay_equals_engine_counters(cache_checkpoint, tmp_path, policy, prefe
     for ours, theirs in zip(stats["per_layer"], res.per_layer):
         assert (ours["hits"], ours["misses"]) == (theirs["hits"], theirs["misses"])
     if prefetch:
-        assert (res.prefetch_issued, res.prefetch_useful) == (stats["prefetch"]["issued"], stats["prefetch"]["useful"])
+        assert (res.prefetch_issued, res.prefetch_useful) == (
+            stats["prefetch"]["issued"],
+            stats["prefetch"]["useful"],
+        )
 
 
 @pytest.mark.parametrize("policy", ["lru", "adaptive"])
@@ -60,7 +71,9 @@ def test_replay_equals_engine_with_every_feature_on(cache_checkpoint, tmp_path, 
     llm = LLM(str(cache_checkpoint), cache_policy=policy, **kw)
     planner = llm.experts.planner
     assert llm.experts.exclusive and llm.experts.host_slots < 16
-    planner.cfg = replace(planner.cfg, cpu_compute="cost")  # force the per-miss choice: 1-token misses on the CPU
+    planner.cfg = replace(
+        planner.cfg, cpu_compute="cost"
+    )  # force the per-miss choice: 1-token misses on the CPU
     planner.cpu_faster = lambda tokens: tokens == 1
     llm.engine.recorder = RoutingRecorder(llm)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
@@ -70,8 +83,15 @@ def test_replay_equals_engine_with_every_feature_on(cache_checkpoint, tmp_path, 
     stats = llm.expert_stats()
     llm.close()
     tot = {k: sum(layer[k] for layer in stats["per_layer"]) for k in stats["per_layer"][0] if k != "layer"}
-    for k in ("cpu_computed", "waves", "demoted", "host_misses", "host_hits", "disk_bytes",
-              "prefetch_issued" if prefetch == "device" else "host_prefetch_issued"):
+    for k in (
+        "cpu_computed",
+        "waves",
+        "demoted",
+        "host_misses",
+        "host_hits",
+        "disk_bytes",
+        "prefetch_issued" if prefetch == "device" else "host_prefetch_issued",
+    ):
         assert tot[k] > 0, f"{k}: the feature was not exercised"
     res = replay_config(RoutingTrace.load(path), planner.cfg, cpu_faster=planner.cpu_faster)
     for ours, theirs in zip(stats["per_layer"], res.per_layer):
@@ -85,7 +105,9 @@ def test_recorded_rows_match_use_counts(cache_checkpoint, tmp_path):
     trace = llm.engine.recorder.trace()
     counts = torch.tensor(llm.expert_stats()["use_counts"])
     for li in range(3):
-        assert torch.equal(torch.bincount(torch.from_numpy(trace.experts[:, li].ravel()).long(), minlength=16), counts[li])
+        assert torch.equal(
+            torch.bincount(torch.from_numpy(trace.experts[:, li].ravel()).long(), minlength=16), counts[li]
+        )
     assert trace.token.tolist() == list(range(7))  # 3 prompt tokens + 4 decoded inputs
     llm.close()
 

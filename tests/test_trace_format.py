@@ -13,10 +13,19 @@ def small_trace():
     ex = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(3)]) for _ in range(10)])
     la = ex.copy()
     la[:, 0] = -1
-    return RoutingTrace(experts=ex, num_experts=8, weights=rng.random(ex.shape).astype(np.float32),
-                        seq=[0] * 5 + [1] * 5, token=list(range(5)) * 2, phase=[0, 0, 1, 1, 1] * 2,
-                        step=[0, 0, 1, 2, 3, 4, 5, 6, 7, 8], lookahead=la, model="m",
-                        layer_ids=[1, 3, 5], expert_bytes=1234)
+    return RoutingTrace(
+        experts=ex,
+        num_experts=8,
+        weights=rng.random(ex.shape).astype(np.float32),
+        seq=[0] * 5 + [1] * 5,
+        token=list(range(5)) * 2,
+        phase=[0, 0, 1, 1, 1] * 2,
+        step=[0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+        lookahead=la,
+        model="m",
+        layer_ids=[1, 3, 5],
+        expert_bytes=1234,
+    )
 
 
 def assert_same(a, b, lookahead=True):
@@ -25,8 +34,12 @@ def assert_same(a, b, lookahead=True):
     np.testing.assert_allclose(a.weights, b.weights, rtol=1e-6)
     if lookahead:
         np.testing.assert_array_equal(a.lookahead, b.lookahead)
-    assert (a.num_experts, a.layer_ids, a.model, a.expert_bytes) == (b.num_experts, b.layer_ids, b.model,
-                                                                      b.expert_bytes)
+    assert (a.num_experts, a.layer_ids, a.model, a.expert_bytes) == (
+        b.num_experts,
+        b.layer_ids,
+        b.model,
+        b.expert_bytes,
+    )
 
 
 def test_npz_round_trip(tmp_path):
@@ -47,8 +60,12 @@ def test_jsonl_round_trip(tmp_path):
 
 def test_jsonl_minimal_fields(tmp_path):
     p = tmp_path / "m.jsonl"
-    recs = [{"seq": s, "layer": l, "token": i, "experts": [i % 4, 4 + l]} for s in (0, 1) for i in range(3)
-            for l in (0, 1)]
+    recs = [
+        {"seq": s, "layer": l, "token": i, "experts": [i % 4, 4 + l]}
+        for s in (0, 1)
+        for i in range(3)
+        for l in (0, 1)
+    ]
     p.write_text("\n".join(json.dumps(r) for r in recs))
     t = RoutingTrace.from_jsonl(p, num_experts=8)
     assert t.experts.shape == (6, 2, 2) and t.weights is None
@@ -56,16 +73,27 @@ def test_jsonl_minimal_fields(tmp_path):
     assert t.experts[4, 1].tolist() == [1, 5]
 
 
-@pytest.mark.parametrize("lines, match", [
-    (['{"seq":0,"layer":0,"experts":[1,2]}'], "line 1: missing field 'token'"),
-    (['{"seq":0,"layer":0,"token":0,"experts":[1,2]}', '{"seq":0,"layer":0,"token":1,"experts":[1]}'],
-     "line 2: field 'experts' has 1 ids"),
-    (['{"seq":0,"layer":0,"token":0,"experts":[1,9]}'], "line 1: field 'experts' id 9 out of range"),
-    (['{"seq":0,"layer":0,"token":0,"experts":[1,2],"phase":"train"}'], "line 1: field 'phase'"),
-    (['not json'], "line 1: invalid JSON"),
-    (['{"seq":0,"layer":0,"token":0,"experts":[1,2]}', '{"seq":0,"layer":1,"token":0,"experts":[1,2]}',
-      '{"seq":0,"layer":0,"token":1,"experts":[1,2]}'], "lacks layer 1"),
-])
+@pytest.mark.parametrize(
+    "lines, match",
+    [
+        (['{"seq":0,"layer":0,"experts":[1,2]}'], "line 1: missing field 'token'"),
+        (
+            ['{"seq":0,"layer":0,"token":0,"experts":[1,2]}', '{"seq":0,"layer":0,"token":1,"experts":[1]}'],
+            "line 2: field 'experts' has 1 ids",
+        ),
+        (['{"seq":0,"layer":0,"token":0,"experts":[1,9]}'], "line 1: field 'experts' id 9 out of range"),
+        (['{"seq":0,"layer":0,"token":0,"experts":[1,2],"phase":"train"}'], "line 1: field 'phase'"),
+        (["not json"], "line 1: invalid JSON"),
+        (
+            [
+                '{"seq":0,"layer":0,"token":0,"experts":[1,2]}',
+                '{"seq":0,"layer":1,"token":0,"experts":[1,2]}',
+                '{"seq":0,"layer":0,"token":1,"experts":[1,2]}',
+            ],
+            "lacks layer 1",
+        ),
+    ],
+)
 def test_jsonl_malformed(tmp_path, lines, match):
     p = tmp_path / "bad.jsonl"
     p.write_text("\n".join(lines))

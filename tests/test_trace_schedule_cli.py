@@ -9,8 +9,16 @@ from expertcache.cost.profiles import get_profile
 from expertcache.trace.simulate import ModelShape, simulate_schedule
 from expertcache.trace.synthetic import synth_trace
 
-CONFIG = {"hidden_size": 64, "num_hidden_layers": 4, "moe_intermediate_size": 32, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16, "vocab_size": 100}
+CONFIG = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 16,
+    "vocab_size": 100,
+}
 
 
 def test_schedule_flag_prints_the_schedule_model(tmp_path, capsys):
@@ -23,8 +31,19 @@ def test_schedule_flag_prints_the_schedule_model(tmp_path, capsys):
     fields = {k: v for k, v in card.__dict__.items() if k != "name" and v} | {"cpu_job_ms": 0.0}
     (tmp_path / "card.toml").write_text("".join(f"{k} = {float(v)}\n" for k, v in fields.items()))
     prof = str(tmp_path / "card.toml")
-    args = ["trace", "simulate", str(tmp_path / "t.npz"), "--capacity", "4", "--profile", prof,
-            "--model-config", str(tmp_path / "config.json"), "--schedule", "--json"]
+    args = [
+        "trace",
+        "simulate",
+        str(tmp_path / "t.npz"),
+        "--capacity",
+        "4",
+        "--profile",
+        prof,
+        "--model-config",
+        str(tmp_path / "config.json"),
+        "--schedule",
+        "--json",
+    ]
     assert main(args) == 0
     got = json.loads(capsys.readouterr().out)
     want = simulate_schedule(trace, ModelShape.from_config(CONFIG), get_profile(prof), "adaptive", 4, 64)
@@ -39,8 +58,13 @@ def test_schedule_flag_refusals(tmp_path, capsys):
     trace.save(tmp_path / "t.npz")
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     base = ["trace", "simulate", str(tmp_path / "t.npz"), "--capacity", "4", "--schedule"]
-    assert main(base + ["--profile", "rtx4090-pcie4", "--model-config", str(tmp_path / "config.json"),
-                        "--from-disk"]) == 2
+    assert (
+        main(
+            base
+            + ["--profile", "rtx4090-pcie4", "--model-config", str(tmp_path / "config.json"), "--from-disk"]
+        )
+        == 2
+    )
     assert "drop --from-disk" in capsys.readouterr().err
     assert main(base + ["--profile", "rtx4090-pcie4"]) == 2
     assert "pass --model-config" in capsys.readouterr().err

@@ -19,11 +19,14 @@ def test_parse_bytes():
 
 
 def test_builtin_and_toml_profiles(tmp_path):
-    assert {"cpu-only", "rtx3060-pcie4", "rtx4090-pcie4", "a100-pcie4", "h100-pcie5", "laptop-pcie3"} <= set(BUILTIN)
+    assert {"cpu-only", "rtx3060-pcie4", "rtx4090-pcie4", "a100-pcie4", "h100-pcie5", "laptop-pcie3"} <= set(
+        BUILTIN
+    )
     (tmp_path / "rigs.toml").write_text(
         "[profiles.box]\nlink_gbs = 10\ndisk_gbs = 1\ncpu_mem_gbs = 20\ncpu_gflops = 100\n"
         "gpu_mem_gbs = 300\ngpu_tflops = 10\n[profiles.other]\nlink_gbs = 1\ndisk_gbs = 1\n"
-        "cpu_mem_gbs = 1\ncpu_gflops = 1\n")
+        "cpu_mem_gbs = 1\ncpu_gflops = 1\n"
+    )
     p = get_profile(f"{tmp_path}/rigs.toml:box")
     assert p == Profile("box", 10, 1, 20, 100, 300, 10)
     assert not get_profile(f"{tmp_path}/rigs.toml:other").has_gpu
@@ -37,8 +40,20 @@ def test_builtin_and_toml_profiles(tmp_path):
 
 
 def result(hits, misses, issued=0, rows=100, eb=1_000_000):
-    return ReplayResult("lru", 4, False, hits, misses, hits / (hits + misses), misses * eb, eb, steps=rows,
-                        rows=rows, pairs=hits + misses, prefetch_issued=issued)
+    return ReplayResult(
+        "lru",
+        4,
+        False,
+        hits,
+        misses,
+        hits / (hits + misses),
+        misses * eb,
+        eb,
+        steps=rows,
+        rows=rows,
+        pairs=hits + misses,
+        prefetch_issued=issued,
+    )
 
 
 PROF = Profile("t", link_gbs=1, disk_gbs=0.5, cpu_mem_gbs=10, cpu_gflops=100, gpu_mem_gbs=100, gpu_tflops=1)
@@ -75,10 +90,20 @@ def test_more_hits_is_faster_and_prefetch_overlaps():
 def test_cpu_only_and_config(tmp_path):
     p = simulate(result(150, 50), SHAPE, BUILTIN["cpu-only"])
     assert p.misses_on_cpu == 50 and p.transfer_stall_s == 0
-    s = ModelShape.from_config({"hidden_size": 8, "num_hidden_layers": 2, "moe_intermediate_size": 4,
-                                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
-                                "num_experts": 3, "vocab_size": 10})
+    s = ModelShape.from_config(
+        {
+            "hidden_size": 8,
+            "num_hidden_layers": 2,
+            "moe_intermediate_size": 4,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 4,
+            "num_experts": 3,
+            "vocab_size": 10,
+        }
+    )
     assert s.expert_params == 96 and s.dense_params == 2 * (8 * 8 * 2 + 8 * 4 * 2 + 8 * 3) + 80
     with pytest.raises(ValueError, match="missing field 'vocab_size'"):
-        ModelShape.from_config({"hidden_size": 8, "num_hidden_layers": 2, "intermediate_size": 4,
-                                "num_attention_heads": 2})
+        ModelShape.from_config(
+            {"hidden_size": 8, "num_hidden_layers": 2, "intermediate_size": 4, "num_attention_heads": 2}
+        )

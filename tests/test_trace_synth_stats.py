@@ -23,7 +23,9 @@ def test_reuse_distance_predicts_lru_hits():
     h = reuse_distance_hist(t)
     assert sum(h.values()) == 600
     for c in (1, 2, 4, 7):
-        assert replay(t, "lru", c, with_min=False).hits == sum(v for d, v in h.items() if d != "cold" and d < c)
+        assert replay(t, "lru", c, with_min=False).hits == sum(
+            v for d, v in h.items() if d != "cold" and d < c
+        )
 
 
 def test_reuse_knob():
@@ -39,8 +41,10 @@ def test_zipf_knob_and_per_layer_permutation():
     assert top_share(flat).max() < 0.33  # uniform: top 4 of 16 take about 25%
     s = top_share(skew)
     assert s[0] < 0.33 < 0.6 < s[1]
-    hot = [np.argsort(-use_counts(synth_trace(layers=1, experts=16, tokens=400, zipf=1.5, seed=k))[0])[0]
-           for k in range(6)]
+    hot = [
+        np.argsort(-use_counts(synth_trace(layers=1, experts=16, tokens=400, zipf=1.5, seed=k))[0])[0]
+        for k in range(6)
+    ]
     assert len(set(hot)) > 1  # the hot expert is a random id, not always 0
 
 
@@ -50,8 +54,9 @@ def test_topic_shift_moves_hot_set():
     b = use_counts(RoutingTrace(experts=t.experts[300:], num_experts=32))[0]
     assert set(np.argsort(-a)[:3]) != set(np.argsort(-b)[:3])
     still = synth_trace(layers=1, experts=32, top_k=2, tokens=600, zipf=2.0, seed=2)
-    assert np.argmax(use_counts(RoutingTrace(experts=still.experts[:300], num_experts=32))[0]) == \
-        np.argmax(use_counts(RoutingTrace(experts=still.experts[300:], num_experts=32))[0])
+    assert np.argmax(use_counts(RoutingTrace(experts=still.experts[:300], num_experts=32))[0]) == np.argmax(
+        use_counts(RoutingTrace(experts=still.experts[300:], num_experts=32))[0]
+    )
 
 
 def test_seeded_and_sequences():
@@ -64,7 +69,9 @@ def test_seeded_and_sequences():
 
 def test_synthetic_lookahead_has_the_asked_recall_and_leaves_routing_alone():
     plain = synth_trace(layers=4, experts=32, top_k=4, tokens=600, zipf=1.1, reuse=0.4, seed=5)
-    t = synth_trace(layers=4, experts=32, top_k=4, tokens=600, zipf=1.1, reuse=0.4, seed=5, lookahead_recall=0.8)
+    t = synth_trace(
+        layers=4, experts=32, top_k=4, tokens=600, zipf=1.1, reuse=0.4, seed=5, lookahead_recall=0.8
+    )
     assert np.array_equal(t.experts, plain.experts) and plain.lookahead is None
     assert (t.lookahead[:, 0] == -1).all()
     la, ex = t.lookahead[:, 1:], t.experts[:, 1:]

@@ -19,14 +19,17 @@ pytest.importorskip("triton")
 
 import checkpoints  # noqa: E402
 import gpt_oss_checkpoints as gpt_oss  # noqa: E402
+from test_quant_checkpoints import ship_fp8_block  # noqa: E402
+
 from expertcache import LLM, SamplingParams  # noqa: E402
 from expertcache.errors import ConfigError  # noqa: E402
 from expertcache.experts.compute import ExpertFFN, with_moe_kernel  # noqa: E402
 from expertcache.kernels import triton_moe  # noqa: E402
-from test_quant_checkpoints import ship_fp8_block  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not triton_moe.interpreted(),
-                                reason="needs TRITON_INTERPRET=1 before expertcache.kernels.triton_moe loads")
+pytestmark = pytest.mark.skipif(
+    not triton_moe.interpreted(),
+    reason="needs TRITON_INTERPRET=1 before expertcache.kernels.triton_moe loads",
+)
 PROMPT = [5, 17, 42, 99, 7, 3, 11]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SMALL = dict(max_model_len=64, max_num_seqs=2, kv_cache_memory="4MiB")
@@ -60,6 +63,7 @@ def counted(monkeypatch) -> list:
     def spy(*a, **k):
         calls.append(a[0].shape[0])
         return real(*a, **k)
+
     monkeypatch.setattr(triton_moe, "fused_moe", spy)
     return calls
 
@@ -98,22 +102,38 @@ def test_qwen3_moe_bf16(qwen3, monkeypatch):
 def test_qwen3_moe_bf16_through_the_expert_cache(qwen3, monkeypatch):
     """A budget: the tiered cache computes hits and fills through the kernel, the pairs' slot alignment made
     on the host from its slot table (the device alignment never runs)."""
+
     def no_device_alignment(*a, **k):
         raise AssertionError("the tiered step aligned its pairs on the device")
 
     monkeypatch.setattr(triton_moe, "align_by_slot", no_device_alignment)
-    compare(qwen3, monkeypatch, 1e-4, {"format": "torch.bfloat16"}, device_memory="40%", host_memory="100%",
-            cache_policy="lru")
+    compare(
+        qwen3,
+        monkeypatch,
+        1e-4,
+        {"format": "torch.bfloat16"},
+        device_memory="40%",
+        host_memory="100%",
+        cache_policy="lru",
+    )
 
 
 def test_gpt_oss_bf16(gpt_oss_bf16, monkeypatch):
-    compare(gpt_oss_bf16, monkeypatch, 1e-4, {"format": "torch.bfloat16", "act": "clamped_swiglu",
-                                              "interleaved": True, "transposed": True})
+    compare(
+        gpt_oss_bf16,
+        monkeypatch,
+        1e-4,
+        {"format": "torch.bfloat16", "act": "clamped_swiglu", "interleaved": True, "transposed": True},
+    )
 
 
 def test_gpt_oss_mxfp4(gpt_oss_mxfp4, monkeypatch):
-    compare(gpt_oss_mxfp4, monkeypatch, 1e-4, {"format": "mxfp4", "act": "clamped_swiglu", "interleaved": True,
-                                               "fused_quant": True})
+    compare(
+        gpt_oss_mxfp4,
+        monkeypatch,
+        1e-4,
+        {"format": "mxfp4", "act": "clamped_swiglu", "interleaved": True, "fused_quant": True},
+    )
 
 
 def test_deepseek_v3_block_fp8(deepseek_fp8, monkeypatch):
@@ -135,6 +155,7 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
 def test_unsupported_format_is_refused_for_triton_and_left_to_torch_by_auto(monkeypatch):
     class NF4:
         name = "nf4"
+
     with pytest.raises(ConfigError, match="nf4"):
         with_moe_kernel(ExpertFFN(), "triton", "cpu", NF4())
     monkeypatch.setattr(triton_moe, "unavailable_reason", lambda device: None)  # as if on a CUDA machine
@@ -199,7 +220,9 @@ def test_auto_chosen_triton_falls_back_to_torch_on_failure(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("fused Triton MoE kernel failed (RuntimeError: PTX assembly failed)") == 1, err
     layer2 = {n: t.clone() for n, t in pool.items()}  # another layer of the same configuration
-    assert torch.equal(compute.moe_ffn(x, slots, w, pool, ffn=auto), expected)  # no second try, no second note
+    assert torch.equal(
+        compute.moe_ffn(x, slots, w, pool, ffn=auto), expected
+    )  # no second try, no second note
     assert torch.equal(compute.moe_ffn(x, slots, w, layer2, ffn=auto), expected)
     assert len(tries) == 2 and "failed" not in capsys.readouterr().err
     wide = {"gate_up": torch.randn(E, 4 * I, H), "down": torch.randn(E, H, 2 * I)}  # another configuration

@@ -17,15 +17,23 @@ if not torch.cuda.is_available():  # with a GPU the kernels compile for it (neve
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from expertcache.experts.compute import ExpertFFN  # noqa: E402
-from expertcache.kernels import triton_moe, triton_moe_jit, triton_pool  # noqa: E402
-from expertcache.kernels.triton_moe import (align_by_slot, alignment_to, fused_moe, host_alignment,  # noqa: E402
-                                            num_blocks_bound)
-from expertcache.quant.method import make_quant_method  # noqa: E402
 from kernel_refs import F32ACT, moe_reference  # noqa: E402  (tests/: the kernels' float64 MoE sum)
 
-pytestmark = pytest.mark.skipif(not (triton_moe.interpreted() or torch.cuda.is_available()),
-                                reason="needs CUDA or TRITON_INTERPRET=1 before expertcache.kernels.triton_moe loads")
+from expertcache.experts.compute import ExpertFFN  # noqa: E402
+from expertcache.kernels import triton_moe, triton_moe_jit, triton_pool  # noqa: E402
+from expertcache.kernels.triton_moe import (
+    align_by_slot,
+    alignment_to,
+    fused_moe,
+    host_alignment,  # noqa: E402
+    num_blocks_bound,
+)
+from expertcache.quant.method import make_quant_method  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (triton_moe.interpreted() or torch.cuda.is_available()),
+    reason="needs CUDA or TRITON_INTERPRET=1 before expertcache.kernels.triton_moe loads",
+)
 DEV = "cpu" if triton_moe.interpreted() else "cuda"
 GPT_OSS = ExpertFFN(act="clamped_swiglu", interleaved=True, transposed=True, alpha=1.702, limit=1.5)
 
@@ -33,12 +41,23 @@ GPT_OSS = ExpertFFN(act="clamped_swiglu", interleaved=True, transposed=True, alp
 def reference(x, slots, weights, experts, ffn=ExpertFFN()):
     """float64 (tests/kernel_refs.py's MoE sum, activations as given): sum over pairs with a slot of
     w * (act(x gate^T + bg, x up^T + bu) down^T + bd)."""
+
     def stack(k):
         return torch.stack([e[k] for e in experts])
 
     params = {"limit": ffn.limit, "alpha": ffn.alpha} if ffn.act == "clamped_swiglu" else {}
-    return moe_reference(x, slots, weights, stack("gate"), stack("up"), stack("down"), F32ACT, ffn.act,
-                         (stack("bg"), stack("bu"), stack("bd")), **params)[0]
+    return moe_reference(
+        x,
+        slots,
+        weights,
+        stack("gate"),
+        stack("up"),
+        stack("down"),
+        F32ACT,
+        ffn.act,
+        (stack("bg"), stack("bu"), stack("bd")),
+        **params,
+    )[0]
 
 
 def canonical(S, H, I, seed, bias=False):
@@ -47,15 +66,26 @@ def canonical(S, H, I, seed, bias=False):
 
     def r(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).double()
-    return [{"gate": r(I, H, scale=H ** -0.5), "up": r(I, H, scale=H ** -0.5), "down": r(H, I, scale=I ** -0.5),
-             "bg": r(I, scale=0.3 * bias), "bu": r(I, scale=0.3 * bias), "bd": r(H, scale=0.3 * bias)}
-            for _ in range(S)]
+
+    return [
+        {
+            "gate": r(I, H, scale=H**-0.5),
+            "up": r(I, H, scale=H**-0.5),
+            "down": r(H, I, scale=I**-0.5),
+            "bg": r(I, scale=0.3 * bias),
+            "bu": r(I, scale=0.3 * bias),
+            "bd": r(H, scale=0.3 * bias),
+        }
+        for _ in range(S)
+    ]
 
 
 def fused_rows(e, interleaved):
     """gate_up [2I, H] of an expert: gate rows then up rows, or alternating (gate = even rows)."""
     if interleaved:
-        return torch.stack([e["gate"], e["up"]], 1).flatten(0, 1), torch.stack([e["bg"], e["bu"]], 1).flatten()
+        return torch.stack([e["gate"], e["up"]], 1).flatten(0, 1), torch.stack(
+            [e["bg"], e["bu"]], 1
+        ).flatten()
     return torch.cat([e["gate"], e["up"]]), torch.cat([e["bg"], e["bu"]])
 
 
@@ -67,8 +97,10 @@ def float_pool(experts, dtype, ffn=ExpertFFN(), bias=False):
         pool = {n: t.transpose(1, 2).contiguous() for n, t in pool.items()}
     if bias:
         pool["gate_up_bias"], pool["down_bias"] = torch.stack(bgu), torch.stack([e["bd"] for e in experts])
-    stored = [{**e, **{n: e[n].to(dtype).double() for n in ("gate", "up", "down", "bg", "bu", "bd")}}
-              for e in experts]
+    stored = [
+        {**e, **{n: e[n].to(dtype).double() for n in ("gate", "up", "down", "bg", "bu", "bd")}}
+        for e in experts
+    ]
     return {n: t.to(dtype) for n, t in pool.items()}, stored
 
 
@@ -113,7 +145,9 @@ def case(T, K, S, H, seed):
 
 
 FORMATS = {  # name -> (QuantMethod or None with the plain dtype, atol)
-    "fp32": (None, torch.float32, 2e-4), "bf16": (None, torch.bfloat16, 2e-4), "fp16": (None, torch.float16, 2e-4),
+    "fp32": (None, torch.float32, 2e-4),
+    "bf16": (None, torch.bfloat16, 2e-4),
+    "fp16": (None, torch.float16, 2e-4),
     "fp8": (make_quant_method("fp8", block_size=[16, 32]), None, 2e-4),
     "fp8-channel": (make_quant_method("fp8-channel"), None, 2e-4),
     "fp8-tensor": (make_quant_method("fp8-tensor"), None, 2e-4),
@@ -191,7 +225,9 @@ def test_adds_into_the_given_output():
     x, slots, w = case(5, 2, S, H, seed=6)
     base = torch.randn(5, H)
     got = fused_moe(x, slots, w, pool, out=base.clone()) if DEV == "cpu" else run(x, slots, w, pool) + base
-    torch.testing.assert_close(got.double(), base.double() + reference(x, slots, w, stored), atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(
+        got.double(), base.double() + reference(x, slots, w, stored), atol=2e-4, rtol=2e-4
+    )
 
 
 def check_alignment(al, slots, S, block_m, exact):
@@ -210,8 +246,8 @@ def check_alignment(al, slots, S, block_m, exact):
         assert len(bslot) == num_blocks_bound(P, S, block_m) and al.num_rows == P
     seen = []
     for b, s in enumerate(bslot):
-        rows = [r for r in sorted_rows[b * block_m:(b + 1) * block_m] if r < al.num_rows]
-        assert all(r == al.num_rows for r in sorted_rows[b * block_m:(b + 1) * block_m] if r >= al.num_rows)
+        rows = [r for r in sorted_rows[b * block_m : (b + 1) * block_m] if r < al.num_rows]
+        assert all(r == al.num_rows for r in sorted_rows[b * block_m : (b + 1) * block_m] if r >= al.num_rows)
         if s < 0:
             assert rows == []
         else:
@@ -220,8 +256,9 @@ def check_alignment(al, slots, S, block_m, exact):
     assert len([s for s in bslot if s >= 0]) == blocks_needed
     assert seen == list(range(len(want)))  # rows 0..R-1, each once, in order
     assert [pair_of_row[r] for r in seen] == [i for _, i in want]
-    assert [row_of_pair[i] for i in range(P)] == [seen[[p for _, p in want].index(i)] if sl[i] >= 0 else -1
-                                                 for i in range(P)]
+    assert [row_of_pair[i] for i in range(P)] == [
+        seen[[p for _, p in want].index(i)] if sl[i] >= 0 else -1 for i in range(P)
+    ]
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
@@ -265,6 +302,7 @@ def test_workspace_bytes_counts_the_calls_buffers(monkeypatch):
         t = real_empty(*a, **k)
         made.append(t.numel() * t.element_size())
         return t
+
     monkeypatch.setattr(torch, "empty", empty)
     al = alignment_to(host_alignment(slots, S), DEV)
     fused_moe(x.to(DEV), None, w.to(DEV), {n: t.to(DEV) for n, t in pool.items()}, alignment=al)
@@ -273,7 +311,8 @@ def test_workspace_bytes_counts_the_calls_buffers(monkeypatch):
     assert sum(made) >= rows * (I + H) * 4  # inter and out_rows for the call's own rows, no more
     assert sum(made) <= triton_moe.workspace_bytes(rows, H, I, torch.float32, S)
     assert triton_moe.workspace_bytes(T * K, H, I, torch.bfloat16, S) < triton_moe.workspace_bytes(
-        T * K, H, I, torch.float32, S)
+        T * K, H, I, torch.float32, S
+    )
 
 
 def test_warm_up_runs_each_config_once():
@@ -294,6 +333,7 @@ def test_no_host_read(monkeypatch):
 
     def refuse(*a, **k):
         raise AssertionError("host read during fused_moe")
+
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     if DEV == "cuda":
@@ -319,8 +359,8 @@ def test_slot_offsets_are_64_bit():
         tl.store(out_ptr, triton_moe_jit.slot_base(tl.load(slot_ptr), stride))
 
     out = torch.zeros(1, dtype=torch.int64, device=DEV)
-    probe[(1,)](torch.tensor([3], dtype=torch.int32, device=DEV), out, 2 ** 30)
-    assert int(out) == 3 * 2 ** 30
+    probe[(1,)](torch.tensor([3], dtype=torch.int32, device=DEV), out, 2**30)
+    assert int(out) == 3 * 2**30
 
 
 def test_strided_pool_view_is_addressed_through_its_strides():
@@ -352,6 +392,7 @@ def test_config_table_by_shape():
 def test_unknown_format_is_refused_by_name():
     class Other:
         name = "nf4"
+
     with pytest.raises(ValueError, match="nf4"):
         triton_pool.projections({"gate.weight": torch.zeros(1, 2, 2)}, Other(), None)
 
@@ -363,8 +404,12 @@ def test_grouped_mm_is_gated_on_compute_capability(monkeypatch):
     if not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no grouped_mm")
     cuda = torch.device("cuda", 0)
-    for cap, dtype, ok in (((7, 5), torch.float16, False), ((7, 0), torch.float32, False),
-                           ((8, 0), torch.bfloat16, True), ((9, 0), torch.float16, False)):
+    for cap, dtype, ok in (
+        ((7, 5), torch.float16, False),
+        ((7, 0), torch.float32, False),
+        ((8, 0), torch.bfloat16, True),
+        ((9, 0), torch.float16, False),
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
         assert compute.grouped_mm_ok(cuda, dtype) is ok, (cap, dtype)
     assert compute.grouped_mm_ok(torch.device("cpu"), torch.float32)

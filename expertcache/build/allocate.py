@@ -36,18 +36,31 @@ class Memory:
 
 def kv_and_state(ck, config, plan: DevicePlan, ledger: Ledger) -> tuple[KVCache, StateCache | None]:
     cfg, dtype, device = ck.cfg, config.load.torch_dtype, config.load.torch_device
+
     def zeros(what):
         return lambda shape, dt: ledger.alloc(shape, dt, what, zero=True)
 
-    kv = KVCache(len(cfg.attention_layer_ids), plan.kv.num_blocks, config.scheduler.block_size, cfg.kv_token_shapes,
-                 dtype, device, ck.prefix_caching, alloc=zeros("kv_cache"))
-    states = StateCache(cfg, plan.kv.state_slots, dtype, device, alloc=zeros("linear_state")) \
-        if plan.kv.state_slots else None
+    kv = KVCache(
+        len(cfg.attention_layer_ids),
+        plan.kv.num_blocks,
+        config.scheduler.block_size,
+        cfg.kv_token_shapes,
+        dtype,
+        device,
+        ck.prefix_caching,
+        alloc=zeros("kv_cache"),
+    )
+    states = (
+        StateCache(cfg, plan.kv.state_slots, dtype, device, alloc=zeros("linear_state"))
+        if plan.kv.state_slots
+        else None
+    )
     return kv, states
 
 
-def expert_provider(ck, config, plan: DevicePlan, ledger: Ledger, lines: list[str], show, progress,
-                    placement=None, group=None) -> ExpertProvider:
+def expert_provider(
+    ck, config, plan: DevicePlan, ledger: Ledger, lines: list[str], show, progress, placement=None, group=None
+) -> ExpertProvider:
     """This rank's expert provider, its slots and staging allocated (the tiered cache also reads its
     host tier as it is made; fill.fill_experts reads the rest)."""
     source, device, dtype, cache = ck.source, config.load.torch_device, config.load.torch_dtype, config.cache
@@ -59,19 +72,36 @@ def expert_provider(ck, config, plan: DevicePlan, ledger: Ledger, lines: list[st
         from ..parallel.local import LocalExperts
 
         show(lines)
-        return LocalExperts(source, device, dtype, placement.owned(group.rank), progress, alloc=alloc, load=False)
+        return LocalExperts(
+            source, device, dtype, placement.owned(group.rank), progress, alloc=alloc, load=False
+        )
     if plan.experts is None:
-        lines += [(f"experts: {len(source.layers)} layers x {ck.cfg.num_experts} x {fmt_bytes(source.expert_nbytes)} "
-                   f"= {fmt_bytes(source.total_nbytes)}, all resident"), *plan.lines]
+        lines += [
+            (
+                f"experts: {len(source.layers)} layers x {ck.cfg.num_experts} x {fmt_bytes(source.expert_nbytes)} "
+                f"= {fmt_bytes(source.total_nbytes)}, all resident"
+            ),
+            *plan.lines,
+        ]
         show(lines)
         return ResidentExperts(source, device, dtype, alloc=alloc, load=False)
     from ..experts.build import build_expert_cache
 
-    experts, tier_lines = build_expert_cache(source, device, dtype, cache, plan.experts, progress=progress,
-                                             on_plan=lambda t: show(lines + with_device(plan, t)), alloc=alloc,
-                                             load=False)
+    experts, tier_lines = build_expert_cache(
+        source,
+        device,
+        dtype,
+        cache,
+        plan.experts,
+        progress=progress,
+        on_plan=lambda t: show(lines + with_device(plan, t)),
+        alloc=alloc,
+        load=False,
+    )
     lines += with_device(plan, tier_lines)
-    if not plan.experts.resident:  # TieredExperts allocates its pools itself (experts/manager.py): counted as made
+    if (
+        not plan.experts.resident
+    ):  # TieredExperts allocates its pools itself (experts/manager.py): counted as made
         ledger.charge("expert_slots", experts.dev.buf)
         ledger.charge("staging", experts.stage or {})
     return experts
@@ -79,17 +109,21 @@ def expert_provider(ck, config, plan: DevicePlan, ledger: Ledger, lines: list[st
 
 def with_device(plan: DevicePlan, lines: list[str]) -> list[str]:
     """The expert cache's lines with the device plan's (CUDA: the auto budget and the total) in place."""
-    return plan.lines + lines[len(plan.experts.lines):]
+    return plan.lines + lines[len(plan.experts.lines) :]
 
 
-def parallel_provider(ck, config, group, placement, local: ExpertProvider) -> tuple[ExpertProvider, str | None]:
+def parallel_provider(
+    ck, config, group, placement, local: ExpertProvider
+) -> tuple[ExpertProvider, str | None]:
     """`local` behind the expert-parallel provider, with the peer tier where it pays."""
     from ..parallel.experts import ExpertParallelExperts
     from ..parallel.peer import build as build_peer
 
     source, ep = ck.source, config.parallel
     peer, moves, line = build_peer(group, ep.peer_tier, local, source, config.cache.cost_profile)
-    return ExpertParallelExperts(group, local, placement, ep, source.layers, ck.cfg.num_experts, peer, moves), line
+    return ExpertParallelExperts(
+        group, local, placement, ep, source.layers, ck.cfg.num_experts, peer, moves
+    ), line
 
 
 def placement_of(ck, config, group):
@@ -98,5 +132,7 @@ def placement_of(ck, config, group):
 
     layers, E, ep = ck.source.layers, ck.cfg.num_experts, config.parallel
     if ep.num_redundant_experts:
-        return balanced_placement(torch.zeros(len(layers), E), layers, group.world_size, ep.num_redundant_experts)
+        return balanced_placement(
+            torch.zeros(len(layers), E), layers, group.world_size, ep.num_redundant_experts
+        )
     return static_placement(layers, E, group.world_size)

@@ -52,11 +52,15 @@ def read_checkpoint(config) -> Checkpoint:
     family, cfg, hf_config = read_config(model_dir)
     mml = sched.max_model_len
     if mml is not None and mml > cfg.max_position_embeddings:
-        raise ConfigError(f"max_model_len={mml} exceeds the model's max_position_embeddings="
-                          f"{cfg.max_position_embeddings} ({model_dir / 'config.json'})")
+        raise ConfigError(
+            f"max_model_len={mml} exceeds the model's max_position_embeddings="
+            f"{cfg.max_position_embeddings} ({model_dir / 'config.json'})"
+        )
     if config.parallel is not None and cfg.linear_attn is not None:
-        raise ConfigError(f"expert_parallel: {family.name} is a hybrid linear-attention model; "
-                          "expert parallelism supports softmax-attention models only")
+        raise ConfigError(
+            f"expert_parallel: {family.name} is a hybrid linear-attention model; "
+            "expert parallelism supports softmax-attention models only"
+        )
     index = open_index(model_dir, family)
     mtp_layers = drop_mtp_layers(index, cfg, hf_config)
     check_layer_count(index, cfg.num_layers)
@@ -72,8 +76,22 @@ def read_checkpoint(config) -> Checkpoint:
         tokenizer = None  # token-id prompts still work; text raises
     prefix_caching = sched.prefix_caching
     if cfg.linear_attn is not None and prefix_caching:
-        print("note: prefix caching is off for hybrid linear-attention models (a cached prefix's KV "
-              "blocks cannot restore the linear-attention state)", file=sys.stderr)
+        print(
+            "note: prefix caching is off for hybrid linear-attention models (a cached prefix's KV "
+            "blocks cannot restore the linear-attention state)",
+            file=sys.stderr,
+        )
         prefix_caching = False
-    return Checkpoint(model_dir, family, cfg, hf_config, index, mtp_layers, quant, source, tokenizer,
-                      mml or default_max_model_len(cfg.max_position_embeddings), prefix_caching)
+    return Checkpoint(
+        model_dir,
+        family,
+        cfg,
+        hf_config,
+        index,
+        mtp_layers,
+        quant,
+        source,
+        tokenizer,
+        mml or default_max_model_len(cfg.max_position_embeddings),
+        prefix_caching,
+    )

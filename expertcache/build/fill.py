@@ -96,10 +96,13 @@ class DenseReader:
         if isinstance(ws, tuple):
             out = tuple(self.quantize(w, self.dense_method) for w in ws)
         else:
-            out = {k: self.quantize(w, self.dense_method) if k.endswith("proj.weight") else self.keep(w)
-                   for k, w in ws.items()}
-        self.packed += [w for w in (out if isinstance(out, tuple) else out.values())
-                           if isinstance(w, QuantizedWeight)]
+            out = {
+                k: self.quantize(w, self.dense_method) if k.endswith("proj.weight") else self.keep(w)
+                for k, w in ws.items()
+            }
+        self.packed += [
+            w for w in (out if isinstance(out, tuple) else out.values()) if isinstance(w, QuantizedWeight)
+        ]
         return out
 
     # -- the model ----------------------------------------------------------------------------------
@@ -109,7 +112,11 @@ class DenseReader:
         unless lm_head shares it."""
         ck, cfg = self.ck, self.ck.cfg
         emb = ck.index.info(EMBED, (cfg.vocab_size, cfg.hidden_size))
-        keep = not tied(cfg, ck.index) and emb.dtype in (torch.bfloat16, torch.float16) and self.dtype == torch.float32
+        keep = (
+            not tied(cfg, ck.index)
+            and emb.dtype in (torch.bfloat16, torch.float16)
+            and self.dtype == torch.float32
+        )
         disk = on_disk(cfg, ck.index, self.device, self.low_memory)
         if disk:
             table = RowReader(emb, self.check_finite)
@@ -126,8 +133,10 @@ class DenseReader:
     def layer(self, i: int) -> dict:
         cfg, names, index, H = self.ck.cfg, self.ck.family.names, self.ck.index, self.ck.cfg.hidden_size
         p = f"model.layers.{i}"
-        layer = {"input_ln": self.norm(f"{p}.input_layernorm.weight", (H,)),
-                 "post_ln": self.norm(f"{p}.post_attention_layernorm.weight", (H,))}
+        layer = {
+            "input_ln": self.norm(f"{p}.input_layernorm.weight", (H,)),
+            "post_ln": self.norm(f"{p}.post_attention_layernorm.weight", (H,)),
+        }
         if cfg.is_linear(i):
             g = GatedDeltaNet(cfg, i, self.keep(load_linear_attn(self.read, index, f"{p}.linear_attn", cfg)))
             self.ledger.charge("dense", [g.neg_A, g.conv_w])  # derived from the layer's weights
@@ -138,24 +147,36 @@ class DenseReader:
             layer["mha"] = self.quantized(self.mha(p))
         if not cfg.moe_layers[i]:
             inter = cfg.intermediate_size
-            layer["mlp"] = self.quantized((self.read(f"{p}.mlp.gate_proj.weight", (inter, H)),
-                                           self.read(f"{p}.mlp.up_proj.weight", (inter, H)),
-                                           self.read(f"{p}.mlp.down_proj.weight", (H, inter))))
+            layer["mlp"] = self.quantized(
+                (
+                    self.read(f"{p}.mlp.gate_proj.weight", (inter, H)),
+                    self.read(f"{p}.mlp.up_proj.weight", (inter, H)),
+                    self.read(f"{p}.mlp.down_proj.weight", (H, inter)),
+                )
+            )
             return layer
-        prefix = next((f"{p}.{m}" for m in names.moe_prefixes if f"{p}.{m}.{names.router}.weight" in index),
-                      f"{p}.{names.moe_prefixes[0]}")
+        prefix = next(
+            (f"{p}.{m}" for m in names.moe_prefixes if f"{p}.{m}.{names.router}.weight" in index),
+            f"{p}.{names.moe_prefixes[0]}",
+        )
         r32 = torch.float32 if cfg.router.float32_logits else None  # the reference keeps these in fp32
         E = cfg.num_experts
         layer["router"] = self.load(f"{prefix}.{names.router}.weight", (E, H), r32)
         if cfg.router_bias:
             layer["router_bias"] = self.load(f"{prefix}.{names.router}.bias", (E,), r32)
         if cfg.router.kind == "noaux_tc":
-            layer["correction"] = self.load(f"{prefix}.{names.router}.e_score_correction_bias", (E,), torch.float32)
+            layer["correction"] = self.load(
+                f"{prefix}.{names.router}.e_score_correction_bias", (E,), torch.float32
+            )
         if cfg.shared_expert_intermediate_size:
             S, se = cfg.shared_expert_intermediate_size, f"{prefix}.{names.shared_expert}"
-            layer["shared"] = self.quantized((self.read(f"{se}.gate_proj.weight", (S, H)),
-                                              self.read(f"{se}.up_proj.weight", (S, H)),
-                                              self.read(f"{se}.down_proj.weight", (H, S))))
+            layer["shared"] = self.quantized(
+                (
+                    self.read(f"{se}.gate_proj.weight", (S, H)),
+                    self.read(f"{se}.up_proj.weight", (S, H)),
+                    self.read(f"{se}.down_proj.weight", (H, S)),
+                )
+            )
             if cfg.shared_expert_gate:
                 layer["shared_gate"] = self.load(f"{prefix}.{names.shared_expert_gate}.weight", (1, H))
         return layer
@@ -165,10 +186,12 @@ class DenseReader:
         cfg, H, read = self.ck.cfg, self.ck.cfg.hidden_size, self.read
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q_rows = 2 * q_dim if cfg.attn_output_gate else q_dim  # per head: [query, gate]
-        a = {"q_proj.weight": read(f"{p}.self_attn.q_proj.weight", (q_rows, H)),
-             "k_proj.weight": read(f"{p}.self_attn.k_proj.weight", (kv_dim, H)),
-             "v_proj.weight": read(f"{p}.self_attn.v_proj.weight", (kv_dim, H)),
-             "o_proj.weight": read(f"{p}.self_attn.o_proj.weight", (H, q_dim))}
+        a = {
+            "q_proj.weight": read(f"{p}.self_attn.q_proj.weight", (q_rows, H)),
+            "k_proj.weight": read(f"{p}.self_attn.k_proj.weight", (kv_dim, H)),
+            "v_proj.weight": read(f"{p}.self_attn.v_proj.weight", (kv_dim, H)),
+            "o_proj.weight": read(f"{p}.self_attn.o_proj.weight", (H, q_dim)),
+        }
         if cfg.qkv_bias:
             for n, d in (("q", q_rows), ("k", kv_dim), ("v", kv_dim)):
                 a[f"{n}_proj.bias"] = read(f"{p}.self_attn.{n}_proj.bias", (d,))
@@ -188,8 +211,9 @@ class DenseReader:
         if tied(cfg, ck.index):
             w = embed.table
         else:
-            w = (self.read if self.head_method is not None else self.load)("lm_head.weight",
-                                                                          (cfg.vocab_size, cfg.hidden_size))
+            w = (self.read if self.head_method is not None else self.load)(
+                "lm_head.weight", (cfg.vocab_size, cfg.hidden_size)
+            )
         return w if self.head_method is None else self.quantize(w, self.head_method)
 
 

@@ -90,8 +90,10 @@ class Ledger:
     def _check(self, what: str, nbytes: int) -> None:
         if self.cap is not None and self.total + nbytes > self.cap:
             before = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.terms.items()) or "nothing"
-            raise BudgetError(f"device memory cap {fmt_bytes(self.cap)} exceeded by {what} ({fmt_bytes(nbytes)}) "
-                              f"after {before}")
+            raise BudgetError(
+                f"device memory cap {fmt_bytes(self.cap)} exceeded by {what} ({fmt_bytes(nbytes)}) "
+                f"after {before}"
+            )
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -60,12 +60,29 @@ from ..models import embedding
 from ..spec.model_config import ModelConfig, rope_inv_freq
 from ..units import fmt_bytes
 
-TERMS = ("dense", "kv_cache", "linear_state", "activations", "logits", "expert_slots", "staging", "cuda_context",
-         "allocator_slack")
+TERMS = (
+    "dense",
+    "kv_cache",
+    "linear_state",
+    "activations",
+    "logits",
+    "expert_slots",
+    "staging",
+    "cuda_context",
+    "allocator_slack",
+)
 ALLOCATED = ("dense", "kv_cache", "linear_state", "expert_slots", "staging")
-NAMES = {"dense": "dense weights", "kv_cache": "KV cache", "linear_state": "linear-attention state",
-         "activations": "activations", "logits": "logits", "expert_slots": "expert slots", "staging": "staging",
-         "cuda_context": "CUDA context", "allocator_slack": "allocator slack"}
+NAMES = {
+    "dense": "dense weights",
+    "kv_cache": "KV cache",
+    "linear_state": "linear-attention state",
+    "activations": "activations",
+    "logits": "logits",
+    "expert_slots": "expert slots",
+    "staging": "staging",
+    "cuda_context": "CUDA context",
+    "allocator_slack": "allocator slack",
+}
 SLACK = 0.03  # of the non-expert terms: the caching allocator's block rounding and fragmentation
 SLACK_FLOOR = 64 << 20  # 2 MiB small-block segments, cuBLAS workspaces
 AUTO_MARGIN = 512 << 20  # left free by --device-memory auto on CUDA (other processes, cuBLAS workspaces)
@@ -86,8 +103,10 @@ class GpuSpec:
     def from_profile(cls, prof) -> GpuSpec:
         """A named card profile (cost/profiles.py: vram_gib, context_mib, capability)."""
         if not prof.vram_gib:
-            raise ConfigError(f"--gpu {prof.name}: this profile has no card fields (vram_gib, context_mib, "
-                              "capability); pick a card profile, e.g. rtx4060-8gb")
+            raise ConfigError(
+                f"--gpu {prof.name}: this profile has no card fields (vram_gib, context_mib, "
+                "capability); pick a card profile, e.g. rtx4060-8gb"
+            )
         total, ctx = int(prof.vram_gib * (1 << 30)), int(prof.context_mib * (1 << 20))
         major, minor = divmod(round(prof.capability * 10), 10)
         return cls(prof.name, total, total - ctx, ctx, (major, minor))
@@ -118,8 +137,14 @@ class KVPlan:
         return self.state_slots * self.state_bytes_per_sequence
 
 
-def plan_kv(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int, block_size: int,
-            kv_cache_memory) -> KVPlan:
+def plan_kv(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    max_num_seqs: int,
+    block_size: int,
+    kv_cache_memory,
+) -> KVPlan:
     """The paged KV cache (auto, or a --kv-cache-memory budget) and the linear-attention state."""
     kv_layers = len(cfg.attention_layer_ids)  # hybrid models: linear-attention layers keep no KV
     per_block = max(1, KVCache.bytes_per_block(kv_layers, block_size, cfg.kv_token_shapes, dtype))
@@ -134,12 +159,21 @@ def plan_kv(cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_se
         if num_blocks < min_blocks:
             raise ConfigError(
                 f"kv_cache_memory={fmt_bytes(budget)} holds {num_blocks * block_size} tokens, fewer than "
-                f"max_model_len={max_model_len}; raise it or lower max_model_len")
+                f"max_model_len={max_model_len}; raise it or lower max_model_len"
+            )
     return KVPlan(num_blocks, block_size, per_block, state_slots, StateCache.bytes_per_sequence(cfg, dtype))
 
 
-def dense_bytes(index, cfg: ModelConfig, names, dtype: torch.dtype, device: torch.device, low_memory: bool = False,
-                dense: str | None = None, lm_head: str | None = None) -> int:
+def dense_bytes(
+    index,
+    cfg: ModelConfig,
+    names,
+    dtype: torch.dtype,
+    device: torch.device,
+    low_memory: bool = False,
+    dense: str | None = None,
+    lm_head: str | None = None,
+) -> int:
     """The dense weights as models/transformer.py holds them, from the headers alone (`names`: the
     family's WeightNames). An embedding whose rows stay on disk (models/embedding.py `on_disk`: low
     memory on the CPU, untied) is not held, so not counted."""
@@ -171,7 +205,9 @@ def dense_bytes(index, cfg: ModelConfig, names, dtype: torch.dtype, device: torc
     if tied and head_q is not None:  # the embedding stays; lm_head is its packed copy
         total += head_q.nbytes((cfg.vocab_size, cfg.hidden_size))
     la = cfg.linear_attn
-    if la is not None:  # derived at load per linear-attention layer: -exp(A_log) in float32, the conv transposed
+    if (
+        la is not None
+    ):  # derived at load per linear-attention layer: -exp(A_log) in float32, the conv transposed
         total += sum(la.layers) * (la.num_v_heads * 4 + la.conv_dim * la.conv_kernel * dtype.itemsize)
     inv, _ = rope_inv_freq(cfg)
     return total + inv.numel() * inv.element_size()
@@ -187,14 +223,19 @@ def _quantized_by_dense(name: str, cfg: ModelConfig, names) -> bool:
         return cfg.mla is None and not cfg.is_linear(i)
     if rest in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
         return not cfg.moe_layers[i]
-    return cfg.moe_layers[i] and bool(cfg.shared_expert_intermediate_size) and re.search(
-        rf"\.{re.escape(names.shared_expert)}\.(gate|up|down)_proj$", rest) is not None
+    return (
+        cfg.moe_layers[i]
+        and bool(cfg.shared_expert_intermediate_size)
+        and re.search(rf"\.{re.escape(names.shared_expert)}\.(gate|up|down)_proj$", rest) is not None
+    )
 
 
 LOGITS_BLOCK_BYTES = 256 << 20  # off the CPU: a step's prompt-token logits (both dtypes) fit this
 
 
-def logits_block_rows(vocab_size: int, dtype: torch.dtype, device: torch.device, max_num_batched_tokens: int) -> int:
+def logits_block_rows(
+    vocab_size: int, dtype: torch.dtype, device: torch.device, max_num_batched_tokens: int
+) -> int:
     """F: the prompt tokens whose logits one step may compute (prompt logprobs, LLM.logits): the rows
     whose compute-dtype and float32 logits fit LOGITS_BLOCK_BYTES, on every device (the scheduler holds
     a step to it, so the plan's logits term is a bound: on a CPU under a memory limit it is RAM too;
@@ -202,14 +243,24 @@ def logits_block_rows(vocab_size: int, dtype: torch.dtype, device: torch.device,
     return max(1, min(max_num_batched_tokens, LOGITS_BLOCK_BYTES // (vocab_size * (dtype.itemsize + 4))))
 
 
-def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int,
-                    max_model_len: int, device: torch.device | None = None) -> tuple[int, int]:
+def workspace_bytes(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    device: torch.device | None = None,
+) -> tuple[int, int]:
     """(activations, logits) of the widest step: the formulas in the module docstring (device None: the CPU)."""
     device = torch.device("cpu") if device is None else device
     T, H = max_num_batched_tokens, cfg.hidden_size
     q_rows = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
-    widest = max(q_rows + 2 * cfg.num_kv_heads * cfg.head_dim, 2 * (cfg.intermediate_size or 0),
-                 2 * (cfg.shared_expert_intermediate_size or 0), cfg.top_k * 2 * cfg.moe_intermediate_size)
+    widest = max(
+        q_rows + 2 * cfg.num_kv_heads * cfg.head_dim,
+        2 * (cfg.intermediate_size or 0),
+        2 * (cfg.shared_expert_intermediate_size or 0),
+        cfg.top_k * 2 * cfg.moe_intermediate_size,
+    )
     kv_token = sum(math.prod(s) for s in cfg.kv_token_shapes)
     gather = 2 * max_num_seqs * max_model_len * kv_token * dtype.itemsize if cfg.attention_layer_ids else 0
     rows = min(T, max_num_seqs + logits_block_rows(cfg.vocab_size, dtype, device, T))
@@ -226,7 +277,9 @@ def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens
 
 # -- the expert tiers ---------------------------------------------------------------------------
 
-LOW_MEMORY_MARGIN = 256 << 20  # left free by a low-memory CPU plan's auto budget (at least; 5% of the room above it)
+LOW_MEMORY_MARGIN = (
+    256 << 20
+)  # left free by a low-memory CPU plan's auto budget (at least; 5% of the room above it)
 
 
 def resolve(value, total: int, auto: int, name: str) -> int:
@@ -243,12 +296,22 @@ class TierPlan:
 
     def describe(self, name: str, num_layers: int, num_experts: int) -> str:
         used = self.slots * num_layers * self.expert_bytes
-        return (f"{name}: {self.slots} slots/layer x {num_layers} layers x {fmt_bytes(self.expert_bytes)} = "
-                f"{fmt_bytes(used)} ({self.slots / num_experts:.0%} of experts; budget {fmt_bytes(self.budget)})")
+        return (
+            f"{name}: {self.slots} slots/layer x {num_layers} layers x {fmt_bytes(self.expert_bytes)} = "
+            f"{fmt_bytes(used)} ({self.slots / num_experts:.0%} of experts; budget {fmt_bytes(self.budget)})"
+        )
 
 
-def plan_tier(value, name: str, expert_bytes: int, num_layers: int, num_experts: int, top_k: int,
-              auto: int, reserve: int = 0) -> TierPlan:
+def plan_tier(
+    value,
+    name: str,
+    expert_bytes: int,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    auto: int,
+    reserve: int = 0,
+) -> TierPlan:
     total = expert_bytes * num_layers * num_experts
     budget = resolve(value, total, auto, name)
     slots = min(num_experts, max(0, budget - reserve) // (expert_bytes * num_layers))
@@ -257,7 +320,8 @@ def plan_tier(value, name: str, expert_bytes: int, num_layers: int, num_experts:
         raise BudgetError(
             f"{name}={fmt_bytes(budget)} holds {slots} experts per layer, but a token needs top_k={top_k}: "
             f"give at least {fmt_bytes(need)} ({top_k} x {num_layers} layers x {fmt_bytes(expert_bytes)}"
-            + (f" + {fmt_bytes(reserve)} staging" if reserve else "") + ")"
+            + (f" + {fmt_bytes(reserve)} staging" if reserve else "")
+            + ")"
         )
     return TierPlan(slots, expert_bytes, budget)
 
@@ -277,7 +341,6 @@ class MemoryPlan:
     def resident(self) -> bool:
         return self.host is None
 
-
     @property
     def device_used(self) -> int:
         return self.device.slots * self.device.expert_bytes * self.layers + self.staging
@@ -295,8 +358,15 @@ def _share(value) -> bool:
     return value is not None and parse_budget(value, "budget").share
 
 
-def plan_tiers(source, device: torch.device, dtype: torch.dtype, device_memory=None, host_memory=None,
-               low_memory: bool = False, other_ram: int = 0) -> MemoryPlan:
+def plan_tiers(
+    source,
+    device: torch.device,
+    dtype: torch.dtype,
+    device_memory=None,
+    host_memory=None,
+    low_memory: bool = False,
+    other_ram: int = 0,
+) -> MemoryPlan:
     """Budgets -> the expert tiers, with the lines the engine prints (plan_device's expert half: on
     CUDA it is handed what is left of the GPU after every other term). Reads headers only.
 
@@ -311,44 +381,80 @@ def plan_tiers(source, device: torch.device, dtype: torch.dtype, device_memory=N
     low_cpu = low_memory and device.type == "cpu"
     dev_parts = fastest_parts(source, device, dtype, low_memory)
     dev_bytes = sum(p.nbytes for p in dev_parts)
-    lines = [(f"experts: {L} layers x {E} experts x {fmt_bytes(source.stored_nbytes)} = "
-              f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "
-              f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})")]
+    lines = [
+        (
+            f"experts: {L} layers x {E} experts x {fmt_bytes(source.stored_nbytes)} = "
+            f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "
+            f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})"
+        )
+    ]
     ram, why = ramlimit.available()  # read once per plan: every `auto` budget below takes it
     ram_text = f"available RAM {fmt_bytes(ram)} ({why})"
     if _is_auto(device_memory) and device.type == "cuda":
-        raise ValueError("device_memory 'auto' on cuda is resolved by plan_device; give the fastest tier's "
-                         "budget in bytes or as a share here")
+        raise ValueError(
+            "device_memory 'auto' on cuda is resolved by plan_device; give the fastest tier's "
+            "budget in bytes or as a share here"
+        )
     if _is_auto(device_memory) and low_cpu and _is_auto(host_memory):
         host_memory = 0  # a second copy in the same RAM buys nothing
     auto_dev = _auto_cpu_device(source, device_memory, host_memory, low_cpu, other_ram, ram, ram_text, lines)
     staging = dev_bytes if device.type == "cuda" else 0
-    dplan = plan_tier("auto" if device_memory is None else device_memory, "device_memory", dev_bytes, L, E, K,
-                      auto_dev, reserve=staging)
+    dplan = plan_tier(
+        "auto" if device_memory is None else device_memory,
+        "device_memory",
+        dev_bytes,
+        L,
+        E,
+        K,
+        auto_dev,
+        reserve=staging,
+    )
     if dplan.slots >= E:
         lines.append(dplan.describe("device", L, E) + ": every expert resident, loaded once")
         return MemoryPlan(dplan, None, 0, L, dev_parts, lines)
     lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
     host_auto = ram // 2
-    if low_cpu and not _is_auto(host_memory) and \
-            resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0:
+    if (
+        low_cpu
+        and not _is_auto(host_memory)
+        and resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0
+    ):
         hplan = TierPlan(0, source.expert_nbytes, 0)
     else:
         if not _is_auto(host_memory) and resolve(host_memory, source.total_nbytes, 0, "host_memory") == 0:
-            raise BudgetError("host_memory=0: no expert could be staged in RAM; on CPU add --low-memory (misses "
-                              "are then read from disk straight into the expert slots), or give a host budget")
-        hplan = plan_tier("auto" if host_memory is None else host_memory, "host_memory", source.expert_nbytes,
-                          L, E, K, host_auto)
+            raise BudgetError(
+                "host_memory=0: no expert could be staged in RAM; on CPU add --low-memory (misses "
+                "are then read from disk straight into the expert slots), or give a host budget"
+            )
+        hplan = plan_tier(
+            "auto" if host_memory is None else host_memory,
+            "host_memory",
+            source.expert_nbytes,
+            L,
+            E,
+            K,
+            host_auto,
+        )
     if _is_auto(host_memory):
         lines.append(f"auto host budget = half of {ram_text} = {fmt_bytes(host_auto)}")
-    lines.append(hplan.describe("host", L, E) + (": every expert in RAM" if hplan.slots >= E else
-                                                  "; the rest streamed from disk"))
+    lines.append(
+        hplan.describe("host", L, E)
+        + (": every expert in RAM" if hplan.slots >= E else "; the rest streamed from disk")
+    )
     lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
     return MemoryPlan(dplan, hplan, staging, L, dev_parts, lines)
 
 
-def _auto_cpu_device(source, device_memory, host_memory, low_cpu: bool, other_ram: int, ram: int, ram_text: str,
-                     lines: list[str]) -> int:
+def _auto_cpu_device(
+    source,
+    device_memory,
+    host_memory,
+    low_cpu: bool,
+    other_ram: int,
+    ram: int,
+    ram_text: str,
+    lines: list[str],
+) -> int:
     """The fastest tier's `auto` budget on the CPU (0 when device_memory is not auto), its line appended."""
     if not _is_auto(device_memory):
         return 0
@@ -358,13 +464,16 @@ def _auto_cpu_device(source, device_memory, host_memory, low_cpu: bool, other_ra
     host = resolve(host_memory, source.total_nbytes, 0, "host_memory")
     margin = max(LOW_MEMORY_MARGIN, ram // 20)
     auto_dev = max(0, ram - other_ram - host - margin)
-    lines.append(f"auto device budget (CPU, low memory) = {ram_text} - the engine's other terms "
-                 f"{fmt_bytes(other_ram)} - host tier {fmt_bytes(host)} - margin {fmt_bytes(margin)} = "
-                 f"{fmt_bytes(auto_dev)}")
+    lines.append(
+        f"auto device budget (CPU, low memory) = {ram_text} - the engine's other terms "
+        f"{fmt_bytes(other_ram)} - host tier {fmt_bytes(host)} - margin {fmt_bytes(margin)} = "
+        f"{fmt_bytes(auto_dev)}"
+    )
     return auto_dev
 
 
 # -- every term on the device ------------------------------------------------------------------
+
 
 @dataclass
 class DevicePlan:
@@ -393,8 +502,15 @@ class DevicePlan:
         return f"{parts} = {fmt_bytes(self.total)}"
 
 
-def plan_device(source, names, config, max_model_len: int, gpu: GpuSpec | None = None,
-                cap: int | None = None, owned: int | None = None) -> DevicePlan:
+def plan_device(
+    source,
+    names,
+    config,
+    max_model_len: int,
+    gpu: GpuSpec | None = None,
+    cap: int | None = None,
+    owned: int | None = None,
+) -> DevicePlan:
     """Every byte the engine takes on its device, by term, and the expert tiers: the one answer to
     "how many bytes may X take on device D". `config`: an EngineConfig (config.py); `gpu`: the CUDA
     device or a card (None on the CPU); `cap`: a CPU stand-in's limit (build/ledger.py simulate);
@@ -403,10 +519,18 @@ def plan_device(source, names, config, max_model_len: int, gpu: GpuSpec | None =
     cfg, index, sched, cache = source.cfg, source.index, config.scheduler, config.cache
     device, dtype, low_memory = config.load.torch_device, config.load.torch_dtype, cache.low_memory
     kv = plan_kv(cfg, dtype, max_model_len, sched.max_num_seqs, sched.block_size, sched.kv_cache_memory)
-    act, logits = workspace_bytes(cfg, dtype, sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len, device)
-    fixed = {"dense": dense_bytes(index, cfg, names, dtype, device, low_memory, config.kernels.dense,
-                                  config.kernels.lm_head),
-             "kv_cache": kv.kv_bytes, "linear_state": kv.state_bytes, "activations": act, "logits": logits}
+    act, logits = workspace_bytes(
+        cfg, dtype, sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len, device
+    )
+    fixed = {
+        "dense": dense_bytes(
+            index, cfg, names, dtype, device, low_memory, config.kernels.dense, config.kernels.lm_head
+        ),
+        "kv_cache": kv.kv_bytes,
+        "linear_state": kv.state_bytes,
+        "activations": act,
+        "logits": logits,
+    }
     cuda = device.type == "cuda"
     slack = int(SLACK * sum(fixed.values())) + SLACK_FLOOR if cuda else 0
     context = gpu.context if cuda and gpu is not None else 0
@@ -416,9 +540,13 @@ def plan_device(source, names, config, max_model_len: int, gpu: GpuSpec | None =
     staging = per_expert if cuda else 0
     value, lines = cache.device_memory, []
     budget = cap if not cuda else _cuda_budget(value, cache.tiered, gpu, lines)
-    label = (f"the device cap {fmt_bytes(cap)}" if cap is not None else
-             f"device_memory=auto ({fmt_bytes(budget)})" if budget is not None and _is_auto(value)
-             else f"device_memory={fmt_bytes(budget or 0)}")
+    label = (
+        f"the device cap {fmt_bytes(cap)}"
+        if cap is not None
+        else f"device_memory=auto ({fmt_bytes(budget)})"
+        if budget is not None and _is_auto(value)
+        else f"device_memory={fmt_bytes(budget or 0)}"
+    )
     need = outside + staging + K * L * per_expert  # the smallest plan: top_k slots per layer
     refusal = BudgetError(_refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda))
     if budget is not None and budget < need:
@@ -427,8 +555,15 @@ def plan_device(source, names, config, max_model_len: int, gpu: GpuSpec | None =
     if cache.tiered:
         tier_budget = value if (not cuda or _share(value)) else max(0, budget - outside)
         try:
-            experts = plan_tiers(source, device, dtype, tier_budget, cache.host_memory, low_memory,
-                                 other_ram=0 if cuda else outside)
+            experts = plan_tiers(
+                source,
+                device,
+                dtype,
+                tier_budget,
+                cache.host_memory,
+                low_memory,
+                other_ram=0 if cuda else outside,
+            )
         except BudgetError:
             if not cuda:
                 raise
@@ -437,19 +572,31 @@ def plan_device(source, names, config, max_model_len: int, gpu: GpuSpec | None =
         slots, staging, host = experts.device.slots * L * per_expert, experts.staging, experts.host_used
     else:
         slots, staging, host = (L * E if owned is None else owned) * per_expert, 0, 0
-    terms = {**fixed, "expert_slots": slots, "staging": staging, "cuda_context": context, "allocator_slack": slack}
+    terms = {
+        **fixed,
+        "expert_slots": slots,
+        "staging": staging,
+        "cuda_context": context,
+        "allocator_slack": slack,
+    }
     plan = DevicePlan(device, budget, terms, experts, kv, host, gpu, lines)
     if cuda:
         where = f"{gpu.name}, {fmt_bytes(gpu.total)}" if gpu is not None else "no card given"
-        plan.lines.append(f"device memory ({where}): {plan.arithmetic()}"
-                          + (f" of {fmt_bytes(budget)}" if budget is not None else ""))
+        plan.lines.append(
+            f"device memory ({where}): {plan.arithmetic()}"
+            + (f" of {fmt_bytes(budget)}" if budget is not None else "")
+        )
     if budget is not None and plan.total > budget:
-        raise BudgetError(f"{label} does not fit the engine: {plan.arithmetic()}; give at "
-                          f"least {fmt_bytes(plan.total)}, or smaller expert tiers")
+        raise BudgetError(
+            f"{label} does not fit the engine: {plan.arithmetic()}; give at "
+            f"least {fmt_bytes(plan.total)}, or smaller expert tiers"
+        )
     if cuda and gpu is not None and plan.total - gpu.context > gpu.free:
-        raise BudgetError(f"device_memory: the plan needs {fmt_bytes(plan.total - gpu.context)} besides the CUDA "
-                          f"context but {gpu.name} has {fmt_bytes(gpu.free)} free ({plan.arithmetic()}); "
-                          "give a smaller --device-memory")
+        raise BudgetError(
+            f"device_memory: the plan needs {fmt_bytes(plan.total - gpu.context)} besides the CUDA "
+            f"context but {gpu.name} has {fmt_bytes(gpu.free)} free ({plan.arithmetic()}); "
+            "give a smaller --device-memory"
+        )
     return plan
 
 
@@ -469,22 +616,41 @@ def _cuda_budget(value, tiered: bool, gpu: GpuSpec | None, lines: list[str]) -> 
     if gpu is None:
         raise ConfigError("device_memory: 'auto' on cuda needs a visible GPU or a card (--gpu NAME)")
     budget = max(0, gpu.free + gpu.context - AUTO_MARGIN)
-    lines.append(f"auto device budget = free {fmt_bytes(gpu.free)} + CUDA context {fmt_bytes(gpu.context)} - "
-                 f"margin {fmt_bytes(AUTO_MARGIN)} = {fmt_bytes(budget)} ({gpu.name})")
+    lines.append(
+        f"auto device budget = free {fmt_bytes(gpu.free)} + CUDA context {fmt_bytes(gpu.context)} - "
+        f"margin {fmt_bytes(AUTO_MARGIN)} = {fmt_bytes(budget)} ({gpu.name})"
+    )
     return budget
 
 
 def _refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda) -> str:
     terms = {**fixed, "cuda_context": context, "allocator_slack": slack}
     parts = [f"{NAMES[k]} {fmt_bytes(v)}" for k, v in terms.items() if v]
-    parts.append(f"top_k={K} expert slots per layer ({K} x {L} layers x {fmt_bytes(per_expert)}) "
-                 f"{fmt_bytes(K * L * per_expert)}")
+    parts.append(
+        f"top_k={K} expert slots per layer ({K} x {L} layers x {fmt_bytes(per_expert)}) "
+        f"{fmt_bytes(K * L * per_expert)}"
+    )
     if staging:
         parts.append(f"staging {fmt_bytes(staging)}")
-    return (f"{label} does not fit the engine on the {'GPU' if cuda else 'device'}: "
-            f"{' + '.join(parts)} = {fmt_bytes(need)}; give at least {fmt_bytes(need)} (or lower --max-model-len, "
-            f"--kv-cache-memory, --max-num-batched-tokens)")
+    return (
+        f"{label} does not fit the engine on the {'GPU' if cuda else 'device'}: "
+        f"{' + '.join(parts)} = {fmt_bytes(need)}; give at least {fmt_bytes(need)} (or lower --max-model-len, "
+        f"--kv-cache-memory, --max-num-batched-tokens)"
+    )
 
 
-__all__ = ["ALLOCATED", "TERMS", "DevicePlan", "GpuSpec", "KVPlan", "MemoryPlan", "TierPlan", "dense_bytes",
-           "fastest_parts", "plan_device", "plan_kv", "plan_tiers", "workspace_bytes"]
+__all__ = [
+    "ALLOCATED",
+    "TERMS",
+    "DevicePlan",
+    "GpuSpec",
+    "KVPlan",
+    "MemoryPlan",
+    "TierPlan",
+    "dense_bytes",
+    "fastest_parts",
+    "plan_device",
+    "plan_kv",
+    "plan_tiers",
+    "workspace_bytes",
+]

@@ -55,7 +55,7 @@ def mem_gbs(mib: int = 256, reps: int = 3) -> float:
 def matmul_gflops(n: int = 512, reps: int = 3) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    return 2 * n ** 3 / _best(lambda: a @ b, reps) / 1e9
+    return 2 * n**3 / _best(lambda: a @ b, reps) / 1e9
 
 
 def gemv_gflops(h: int = 256, i: int = 512, batch: int = 64, reps: int = 5) -> float:
@@ -168,7 +168,9 @@ def cpu_job_ms(device, hidden: int = 2048, rows: int = 1, reps: int = 20) -> flo
         th.join()
 
 
-def measure_cpu_profile(model_dir: str | Path | None = None, name: str = "this-cpu", gemv: bool = False) -> Measured:
+def measure_cpu_profile(
+    model_dir: str | Path | None = None, name: str = "this-cpu", gemv: bool = False
+) -> Measured:
     """Profile(name, link 0, disk, cpu mem, cpu GFLOP/s) of this machine (no GPU terms)."""
     files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir else []
     disk, direct = disk_gbs(files) if files else (3.0, False)
@@ -177,8 +179,14 @@ def measure_cpu_profile(model_dir: str | Path | None = None, name: str = "this-c
     notes = "" if files else "disk not measured (no model dir): 3 GB/s assumed"
     if files and not direct:
         notes = "O_DIRECT refused: disk figure includes the page cache"
-    prof = Profile(name, link_gbs=0.0, disk_gbs=round(disk, 3), cpu_mem_gbs=round(mem, 3), cpu_gflops=round(flops, 2),
-                   layer_overhead_ms=host_layer_ms(BUILTIN["cpu-only"]))
+    prof = Profile(
+        name,
+        link_gbs=0.0,
+        disk_gbs=round(disk, 3),
+        cpu_mem_gbs=round(mem, 3),
+        cpu_gflops=round(flops, 2),
+        layer_overhead_ms=host_layer_ms(BUILTIN["cpu-only"]),
+    )
     return Measured(prof, torch.get_num_threads(), direct, notes)
 
 
@@ -195,10 +203,14 @@ def link_gbs(device, mib: int = 64, pinned: bool = True, reps: int = 3) -> float
     return src.numel() / _best(copy, reps) / 1e9
 
 
-def gpu_figures(device, hidden: int = 2048, inter: int = 768, experts: int = 64, reps: int = 5) -> tuple[float, float]:
+def gpu_figures(
+    device, hidden: int = 2048, inter: int = 768, experts: int = 64, reps: int = 5
+) -> tuple[float, float]:
     """(GB/s, TFLOP/s) of the device: one-row bf16 products against `experts` expert-shaped
     weights (the decode shape: bandwidth-bound), and a 4096^3 bf16 matmul (compute-bound)."""
-    ws = [torch.randn(2 * inter + hidden, hidden, device=device, dtype=torch.bfloat16) for _ in range(experts)]
+    ws = [
+        torch.randn(2 * inter + hidden, hidden, device=device, dtype=torch.bfloat16) for _ in range(experts)
+    ]
     x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
 
     def gemv():
@@ -215,7 +227,7 @@ def gpu_figures(device, hidden: int = 2048, inter: int = 768, experts: int = 64,
         torch.cuda.synchronize(device)
 
     mm()
-    return gbs, 2 * 4096 ** 3 / _best(mm, reps) / 1e12
+    return gbs, 2 * 4096**3 / _best(mm, reps) / 1e12
 
 
 def measure_cuda_profile(device, model_dir=None) -> Measured:
@@ -226,9 +238,14 @@ def measure_cuda_profile(device, model_dir=None) -> Measured:
     gbs, tflops = gpu_figures(device)
     from dataclasses import replace
 
-    prof = replace(m.profile, link_gbs=round(pinned, 2), gpu_mem_gbs=round(gbs, 1), gpu_tflops=round(tflops, 1),
-                   layer_overhead_ms=host_layer_ms(BUILTIN["rtx4090-pcie4"], device),
-                   cpu_job_ms=cpu_job_ms(device))
+    prof = replace(
+        m.profile,
+        link_gbs=round(pinned, 2),
+        gpu_mem_gbs=round(gbs, 1),
+        gpu_tflops=round(tflops, 1),
+        layer_overhead_ms=host_layer_ms(BUILTIN["rtx4090-pcie4"], device),
+        cpu_job_ms=cpu_job_ms(device),
+    )
     notes = "; ".join(x for x in (m.notes, f"pageable link {pageable:.1f} GB/s") if x)
     return Measured(prof, m.threads, m.disk_direct, notes)
 
@@ -260,11 +277,15 @@ def _hardware_key(model_dir) -> str:
     import os
 
     dev = Path(model_dir).stat().st_dev if model_dir else -1  # the disk figure is the model's filesystem's
-    return (f"v2|{cpu_name()}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-            f"|dev={dev}")
+    return (
+        f"v2|{cpu_name()}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+        f"|dev={dev}"
+    )
 
 
-def this_cpu(model_dir: str | Path | None = None, refresh: bool = False, device=None) -> tuple[Measured, bool]:
+def this_cpu(
+    model_dir: str | Path | None = None, refresh: bool = False, device=None
+) -> tuple[Measured, bool]:
     """The `this-cpu` profile (with a CUDA `device`: `this-machine`, its link and device figures
     too), measured once per machine (hardware key: CPU model, cores, torch threads and version, the
     model's filesystem, the device's name) and cached in memory and in
@@ -291,8 +312,12 @@ def this_cpu(model_dir: str | Path | None = None, refresh: bool = False, device=
             pass  # an older or damaged entry: measure again
     m = measure_cpu_profile(model_dir) if device is None else measure_cuda_profile(device, model_dir)
     _MEASURED[key] = m
-    saved[key] = {"profile": m.profile.__dict__, "threads": m.threads, "disk_direct": m.disk_direct,
-                  "notes": m.notes}
+    saved[key] = {
+        "profile": m.profile.__dict__,
+        "threads": m.threads,
+        "disk_direct": m.disk_direct,
+        "notes": m.notes,
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(saved, indent=1))
@@ -321,22 +346,33 @@ def resolve_profile(spec: str | None, device: str, model_dir=None) -> tuple[Prof
             raise ValueError("profile: 'this-machine' measures a CUDA device; none is available here")
         m, cached = this_cpu(model_dir, device=torch.device("cuda"))
         prof = m.profile
-        how = (f"measured {'earlier (cached)' if cached else 'now'} with {m.threads} torch threads"
-               + (f"; {m.notes}" if m.notes else ""))
+        how = f"measured {'earlier (cached)' if cached else 'now'} with {m.threads} torch threads" + (
+            f"; {m.notes}" if m.notes else ""
+        )
     elif spec == "this-cpu":
         m, cached = this_cpu(model_dir)
         prof = m.profile
-        how = (f"measured {'earlier (cached)' if cached else 'now'} with {m.threads} torch threads"
-               + (f"; {m.notes}" if m.notes else ""))
+        how = f"measured {'earlier (cached)' if cached else 'now'} with {m.threads} torch threads" + (
+            f"; {m.notes}" if m.notes else ""
+        )
         if device == "cuda":
             g = BUILTIN[DEFAULT_PROFILE["cuda"]]
-            prof = replace(prof, link_gbs=g.link_gbs, gpu_mem_gbs=g.gpu_mem_gbs, gpu_tflops=g.gpu_tflops,
-                           layer_overhead_ms=host_layer_ms(g), cpu_job_ms=g.cpu_job_ms)
+            prof = replace(
+                prof,
+                link_gbs=g.link_gbs,
+                gpu_mem_gbs=g.gpu_mem_gbs,
+                gpu_tflops=g.gpu_tflops,
+                layer_overhead_ms=host_layer_ms(g),
+                cpu_job_ms=g.cpu_job_ms,
+            )
             how += f"; link and GPU figures from {g.name}"
     else:
         prof = get_profile(spec)
     if device == "cpu" and prof.has_gpu:
-        prof, how = replace(prof, gpu_mem_gbs=0.0, gpu_tflops=0.0), how + "; GPU figures ignored for device cpu"
+        prof, how = (
+            replace(prof, gpu_mem_gbs=0.0, gpu_tflops=0.0),
+            how + "; GPU figures ignored for device cpu",
+        )
     if device == "cuda" and not prof.has_gpu:
         raise ValueError(f"profile: {prof.name!r} has no GPU figures; pick a GPU profile for device cuda")
     return prof, how

@@ -39,18 +39,24 @@ class ExpertCost:
 
     def gpu_use(self, rows: float = 1.0) -> float:
         p = self.profile
-        return max(self.expert_bytes / (p.gpu_mem_gbs * GB), 2 * self.expert_params * rows / (p.gpu_tflops * TF))
+        return max(
+            self.expert_bytes / (p.gpu_mem_gbs * GB), 2 * self.expert_params * rows / (p.gpu_tflops * TF)
+        )
 
     def cpu_use(self, rows: float = 1.0) -> float:
         p = self.profile
-        return max(self.expert_bytes / (p.cpu_mem_gbs * GB), 2 * self.expert_params * rows / (p.cpu_gflops * 1e9))
+        return max(
+            self.expert_bytes / (p.cpu_mem_gbs * GB), 2 * self.expert_params * rows / (p.cpu_gflops * 1e9)
+        )
 
     def disk(self) -> float:
         return self.expert_bytes / (self.profile.disk_gbs * GB) if self.profile.disk_gbs > 0 else 0.0
 
     def transfer(self, from_disk: bool = False) -> float:
         link = self.profile.link_gbs
-        return (self.expert_bytes / (link * GB) if link > 0 else float("inf")) + (self.disk() if from_disk else 0.0)
+        return (self.expert_bytes / (link * GB) if link > 0 else float("inf")) + (
+            self.disk() if from_disk else 0.0
+        )
 
     def cpu_job(self) -> float:
         """The CPU path's fixed cost per layer (seconds), paid once by the first CPU expert of a step."""
@@ -67,7 +73,9 @@ class ExpertCost:
 
     def peer(self) -> float:
         p = self.profile
-        return p.peer_latency_ms / 1e3 + (self.expert_bytes / (p.peer_gbs * GB) if p.peer_gbs > 0 else float("inf"))
+        return p.peer_latency_ms / 1e3 + (
+            self.expert_bytes / (p.peer_gbs * GB) if p.peer_gbs > 0 else float("inf")
+        )
 
     def peer_faster(self) -> bool:
         """Is an expert missing from this rank's memory cheaper fetched from a peer rank's memory than

@@ -27,8 +27,12 @@ class Profile:
     gpu_mem_gbs: float = 0.0
     gpu_tflops: float = 0.0
     step_overhead_ms: float = 0.0  # fixed cost per forward step (dispatch, launches); calibrated, 0 = ignored
-    layer_overhead_ms: float = 0.0  # fixed host cost per MoE layer per step (planner, op dispatch); see BUILTIN
-    cpu_job_ms: float = 0.0  # fixed cost of a layer's CPU job (rows copy, worker wake-up, join, add); see BUILTIN
+    layer_overhead_ms: float = (
+        0.0  # fixed host cost per MoE layer per step (planner, op dispatch); see BUILTIN
+    )
+    cpu_job_ms: float = (
+        0.0  # fixed cost of a layer's CPU job (rows copy, worker wake-up, join, add); see BUILTIN
+    )
     # expert parallelism: the link between two ranks (NVLink, PCIe P2P, Ethernet, loopback gloo), what
     # the peer tier pays per expert fetched from another rank's memory; 0 = not known (the group
     # measures its own link once at start)
@@ -60,35 +64,143 @@ GPU_LAYER_MS = 1.0
 # cost.measure.cpu_job_ms on this machine's CPU, is 0.015 ms); `this-machine` measures it.
 GPU_CPU_JOB_MS = 0.1
 
-BUILTIN: dict[str, Profile] = {p.name: p for p in (
-    # layer_overhead_ms: CPU 1.2 = measured on this project's 2-core machine (resident demo model decodes
-    # 13.2 ms/step, of which the byte/FLOP terms explain ~3 ms over 8 layers). GPU = GPU_LAYER_MS (below),
-    # the host's time per MoE layer on the scheduled path as the CPU measures it (not yet on a GPU).
-    # cpu_job_ms: GPU_CPU_JOB_MS (below); 0 without a GPU (everything is the CPU path).
-    Profile("cpu-only", link_gbs=0, disk_gbs=3, cpu_mem_gbs=50, cpu_gflops=800, layer_overhead_ms=1.2),
-    Profile("laptop-pcie3", link_gbs=12, disk_gbs=2, cpu_mem_gbs=40, cpu_gflops=400, gpu_mem_gbs=190, gpu_tflops=9,
-            layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
-    Profile("rtx3060-pcie4", link_gbs=25, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=360,
-            gpu_tflops=25, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
-    Profile("rtx4090-pcie4", link_gbs=25, disk_gbs=6, cpu_mem_gbs=70, cpu_gflops=1500, gpu_mem_gbs=1000,
-            gpu_tflops=160, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
-    Profile("a100-pcie4", link_gbs=25, disk_gbs=6, cpu_mem_gbs=150, cpu_gflops=2000, gpu_mem_gbs=1900,
-            gpu_tflops=300, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
-    # cards (vram_gib, context_mib, capability: the device-memory plan); context figures are typical
-    # CUDA 12 contexts with cuBLAS loaded (about 0.3-0.6 GiB), not measured here
-    Profile("rtx4060-8gb", link_gbs=13, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=272,
-            gpu_tflops=15, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=8, context_mib=400, capability=8.9),
-    Profile("rtx3060-12gb", link_gbs=25, disk_gbs=5, cpu_mem_gbs=55, cpu_gflops=1000, gpu_mem_gbs=360,
-            gpu_tflops=25, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=12, context_mib=400, capability=8.6),
-    Profile("rtx4090-24gb", link_gbs=25, disk_gbs=6, cpu_mem_gbs=70, cpu_gflops=1500, gpu_mem_gbs=1000,
-            gpu_tflops=160, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=24, context_mib=500, capability=8.9),
-    Profile("a100-80gb", link_gbs=25, disk_gbs=6, cpu_mem_gbs=150, cpu_gflops=2000, gpu_mem_gbs=1900,
-            gpu_tflops=300, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=80, context_mib=500, capability=8.0),
-    Profile("h200-141gb", link_gbs=50, disk_gbs=10, cpu_mem_gbs=250, cpu_gflops=3000, gpu_mem_gbs=4800,
-            gpu_tflops=750, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS, vram_gib=140, context_mib=550, capability=9.0),
-    Profile("h100-pcie5", link_gbs=50, disk_gbs=10, cpu_mem_gbs=250, cpu_gflops=3000, gpu_mem_gbs=2000,
-            gpu_tflops=750, layer_overhead_ms=GPU_LAYER_MS, cpu_job_ms=GPU_CPU_JOB_MS),
-)}
+BUILTIN: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        # layer_overhead_ms: CPU 1.2 = measured on this project's 2-core machine (resident demo model decodes
+        # 13.2 ms/step, of which the byte/FLOP terms explain ~3 ms over 8 layers). GPU = GPU_LAYER_MS (below),
+        # the host's time per MoE layer on the scheduled path as the CPU measures it (not yet on a GPU).
+        # cpu_job_ms: GPU_CPU_JOB_MS (below); 0 without a GPU (everything is the CPU path).
+        Profile("cpu-only", link_gbs=0, disk_gbs=3, cpu_mem_gbs=50, cpu_gflops=800, layer_overhead_ms=1.2),
+        Profile(
+            "laptop-pcie3",
+            link_gbs=12,
+            disk_gbs=2,
+            cpu_mem_gbs=40,
+            cpu_gflops=400,
+            gpu_mem_gbs=190,
+            gpu_tflops=9,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+        ),
+        Profile(
+            "rtx3060-pcie4",
+            link_gbs=25,
+            disk_gbs=5,
+            cpu_mem_gbs=55,
+            cpu_gflops=1000,
+            gpu_mem_gbs=360,
+            gpu_tflops=25,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+        ),
+        Profile(
+            "rtx4090-pcie4",
+            link_gbs=25,
+            disk_gbs=6,
+            cpu_mem_gbs=70,
+            cpu_gflops=1500,
+            gpu_mem_gbs=1000,
+            gpu_tflops=160,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+        ),
+        Profile(
+            "a100-pcie4",
+            link_gbs=25,
+            disk_gbs=6,
+            cpu_mem_gbs=150,
+            cpu_gflops=2000,
+            gpu_mem_gbs=1900,
+            gpu_tflops=300,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+        ),
+        # cards (vram_gib, context_mib, capability: the device-memory plan); context figures are typical
+        # CUDA 12 contexts with cuBLAS loaded (about 0.3-0.6 GiB), not measured here
+        Profile(
+            "rtx4060-8gb",
+            link_gbs=13,
+            disk_gbs=5,
+            cpu_mem_gbs=55,
+            cpu_gflops=1000,
+            gpu_mem_gbs=272,
+            gpu_tflops=15,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+            vram_gib=8,
+            context_mib=400,
+            capability=8.9,
+        ),
+        Profile(
+            "rtx3060-12gb",
+            link_gbs=25,
+            disk_gbs=5,
+            cpu_mem_gbs=55,
+            cpu_gflops=1000,
+            gpu_mem_gbs=360,
+            gpu_tflops=25,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+            vram_gib=12,
+            context_mib=400,
+            capability=8.6,
+        ),
+        Profile(
+            "rtx4090-24gb",
+            link_gbs=25,
+            disk_gbs=6,
+            cpu_mem_gbs=70,
+            cpu_gflops=1500,
+            gpu_mem_gbs=1000,
+            gpu_tflops=160,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+            vram_gib=24,
+            context_mib=500,
+            capability=8.9,
+        ),
+        Profile(
+            "a100-80gb",
+            link_gbs=25,
+            disk_gbs=6,
+            cpu_mem_gbs=150,
+            cpu_gflops=2000,
+            gpu_mem_gbs=1900,
+            gpu_tflops=300,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+            vram_gib=80,
+            context_mib=500,
+            capability=8.0,
+        ),
+        Profile(
+            "h200-141gb",
+            link_gbs=50,
+            disk_gbs=10,
+            cpu_mem_gbs=250,
+            cpu_gflops=3000,
+            gpu_mem_gbs=4800,
+            gpu_tflops=750,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+            vram_gib=140,
+            context_mib=550,
+            capability=9.0,
+        ),
+        Profile(
+            "h100-pcie5",
+            link_gbs=50,
+            disk_gbs=10,
+            cpu_mem_gbs=250,
+            cpu_gflops=3000,
+            gpu_mem_gbs=2000,
+            gpu_tflops=750,
+            layer_overhead_ms=GPU_LAYER_MS,
+            cpu_job_ms=GPU_CPU_JOB_MS,
+        ),
+    )
+}
 
 _FIELDS = {f.name for f in fields(Profile)} - {"name"}
 _REQUIRED = {"link_gbs", "disk_gbs", "cpu_mem_gbs", "cpu_gflops"}

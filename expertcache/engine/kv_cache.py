@@ -19,7 +19,6 @@ from collections import deque
 
 import torch
 
-
 DEFAULT_MAX_MODEL_LEN = 4096  # the context cap when max_model_len is not given
 AUTO_KV_BYTES = 1 << 30  # --kv-cache-memory auto: at most this much, unless one sequence needs more
 
@@ -47,14 +46,24 @@ class KVCache:
     kv_token_shapes: ((g, D), (g, D)) for keys and values, ((R + P,),) for an MLA latent). Layer l's
     tensors are `tensors[l]`, each [num_blocks, block_size, *shape]."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, token_shapes: tuple[tuple[int, ...], ...],
-                 dtype: torch.dtype, device: torch.device, prefix_caching: bool = True, alloc=None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        token_shapes: tuple[tuple[int, ...], ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        prefix_caching: bool = True,
+        alloc=None,
+    ):
         """`alloc(shape, dtype)`: how the zeroed blocks are allocated (construction's ledger; default torch.zeros)."""
         if num_blocks < 1:
             raise ValueError("KV cache needs at least one block")
         alloc = alloc or (lambda shape, dt: torch.zeros(shape, dtype=dt, device=device))
-        self.tensors = [tuple(alloc((num_blocks, block_size, *s), dtype) for s in token_shapes)
-                        for _ in range(num_layers)]
+        self.tensors = [
+            tuple(alloc((num_blocks, block_size, *s), dtype) for s in token_shapes) for _ in range(num_layers)
+        ]
         self.block_size, self.num_blocks, self.prefix_caching = block_size, num_blocks, prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: deque[int] = deque(range(num_blocks))
@@ -89,7 +98,7 @@ class KVCache:
             return []
         out, prev, bs = [], None, self.block_size
         for i in range(len(tokens) // bs):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = self._chain(prev, chunk)
             bid = self.by_hash.get(h)
             if bid is None or self.blocks[bid].tokens != chunk:
@@ -153,7 +162,7 @@ class KVCache:
         prev, bs = None, self.block_size
         for i in range(min(len(tokens) // bs, len(block_ids))):
             b = self.blocks[block_ids[i]]
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
             if b.hash is None:
                 b.hash, b.tokens = self._chain(prev, chunk), chunk
                 self.by_hash.setdefault(b.hash, b.id)

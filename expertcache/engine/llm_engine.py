@@ -49,24 +49,38 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...],
-                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, recorder=None,
-                 max_logits_rows: int | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer | None,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        recorder=None,
+        max_logits_rows: int | None = None,
+    ):
         self.runner, self.tokenizer, self.kv = runner, tokenizer, runner.kv
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, runner.states, max_logits_rows)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs, max_num_batched_tokens, runner.states, max_logits_rows
+        )
         self.seqs: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.counters = EngineCounters()
         self.recorder = recorder
-        self.record_max_steps: int | None = None  # steps the recorder keeps; then recording stops (logged once)
+        self.record_max_steps: int | None = (
+            None  # steps the recorder keeps; then recording stops (logged once)
+        )
         self.record_stopped = False
         # (layer, expert) -> parts found non-finite at first read (ExpertSource.nonfinite, live)
         self.nonfinite_experts: dict[tuple[int, int], list[str]] = {}
         self.expert_name = None  # (layer, expert) -> the checkpoint's tensor names, for messages
         self.texts: dict[int, StopText] = {}  # seq_id -> its text and stop-string state (unfinished samples)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
         if not prompt_ids:
             raise ParamError("prompt", "is empty: at least one token is needed")
         vocab = self.runner.model.cfg.vocab_size
@@ -141,7 +155,7 @@ class LLMEngine:
         ready: list[tuple[Sequence, int]] = []  # (sequence, row of its next-token logits)
         for b, (seq, n) in enumerate(work):
             if full[b]:
-                self._record_prompt_logprobs(seq, n, logits[spans[b].start:spans[b].stop])
+                self._record_prompt_logprobs(seq, n, logits[spans[b].start : spans[b].stop])
             # prompt tokens computed for the first time (a preempted sequence recomputes its own)
             self.counters.prompt_tokens += max(0, min(seq.num_computed + n, seq.prompt_len) - seq.high_water)
             seq.num_computed += n
@@ -169,7 +183,7 @@ class LLMEngine:
             sampled = []
             for b, seq in enumerate(seqs):
                 try:
-                    toks, entries = sample_batch(rows[b:b + 1], [seq], self.eos)
+                    toks, entries = sample_batch(rows[b : b + 1], [seq], self.eos)
                     sampled.append((seq, toks[0], entries[0]))
                 except Exception as e:  # noqa: BLE001
                     log.exception("request %s: sampling failed", seq.request_id)
@@ -191,8 +205,11 @@ class LLMEngine:
             return True
         if not self.record_stopped:
             self.record_stopped = True
-            log.warning("routing recording stopped after %d engine steps (--record-routing-max-steps); the trace "
-                        "keeps those steps", self.record_max_steps)
+            log.warning(
+                "routing recording stopped after %d engine steps (--record-routing-max-steps); the trace "
+                "keeps those steps",
+                self.record_max_steps,
+            )
         return False
 
     def _accept(self, seq: Sequence, tok: int, entry) -> StepOutput:
@@ -219,10 +236,15 @@ class LLMEngine:
             msg += f"; its hidden state first became non-finite in layer {layer}"
         experts = [k for k in self.nonfinite_experts if layer is None or k[0] == layer]
         if experts:
-            names = [self.expert_name(*k) if self.expert_name else f"layer {k[0]} expert {k[1]}" for k in experts[:3]]
+            names = [
+                self.expert_name(*k) if self.expert_name else f"layer {k[0]} expert {k[1]}"
+                for k in experts[:3]
+            ]
             return msg + f"; likely cause: non-finite expert weights ({', '.join(names)})"
-        return msg + ("; likely cause: non-finite weights (the checkpoint's tensors are scanned at load unless "
-                      "--no-check-finite) or an overflow of the compute dtype")
+        return msg + (
+            "; likely cause: non-finite weights (the checkpoint's tensors are scanned at load unless "
+            "--no-check-finite) or an overflow of the compute dtype"
+        )
 
     def _isolate_step_failure(self, work: list[tuple[Sequence, int]], error: Exception) -> list[StepOutput]:
         """The model step of `work` raised: run each sequence alone (nothing sampled, nothing advanced:
@@ -268,7 +290,7 @@ class LLMEngine:
     def _record_prompt_logprobs(self, seq: Sequence, n: int, rows: torch.Tensor) -> None:
         """rows [n, V]: logits at positions num_computed .. num_computed+n-1, each predicting the next token."""
         start = seq.num_computed
-        targets = seq.tokens[start + 1: min(start + n + 1, seq.prompt_len)]
+        targets = seq.tokens[start + 1 : min(start + n + 1, seq.prompt_len)]
         for i, entry in enumerate(prompt_logprobs(rows, targets, seq.params.prompt_logprobs)):
             seq.prompt_logprobs[start + 1 + i] = entry
 

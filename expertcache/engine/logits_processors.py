@@ -38,15 +38,18 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos: set[int]) -
     rep = torch.tensor([x.repetition_penalty for x in p], dtype=dt, device=dev)
     if bool((rep != 1).any()):
         ids, valid = _padded([s.tokens if x.repetition_penalty != 1 else [] for s, x in zip(seqs, p)], dev)
-        seen = torch.zeros(B, V, dtype=torch.int32, device=dev).scatter_add_(1, ids, valid.to(torch.int32)) > 0
+        seen = (
+            torch.zeros(B, V, dtype=torch.int32, device=dev).scatter_add_(1, ids, valid.to(torch.int32)) > 0
+        )
         r = rep[:, None]
         logits.copy_(torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits))
 
     freq = torch.tensor([x.frequency_penalty for x in p], dtype=dt, device=dev)
     pres = torch.tensor([x.presence_penalty for x in p], dtype=dt, device=dev)
     if bool((freq != 0).any() or (pres != 0).any()):
-        ids, valid = _padded([s.generated if (x.frequency_penalty or x.presence_penalty) else []
-                              for s, x in zip(seqs, p)], dev)
+        ids, valid = _padded(
+            [s.generated if (x.frequency_penalty or x.presence_penalty) else [] for s, x in zip(seqs, p)], dev
+        )
         counts = torch.zeros(B, V, dtype=dt, device=dev).scatter_add_(1, ids, valid.to(dt))
         logits -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(dt)
 

@@ -87,24 +87,35 @@ def context_room(prompt_len: int, max_model_len: int) -> int:
     """Tokens left to generate after the prompt; ParamError("prompt") when none."""
     room = max_model_len - prompt_len
     if room < 1:
-        raise ParamError("prompt", f"has {prompt_len} tokens, which leaves no room to generate in the "
-                         f"maximum context length of {max_model_len} tokens", CONTEXT_CODE)
+        raise ParamError(
+            "prompt",
+            f"has {prompt_len} tokens, which leaves no room to generate in the "
+            f"maximum context length of {max_model_len} tokens",
+            CONTEXT_CODE,
+        )
     return room
 
 
 def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
     """The one check of prompt + max_tokens against the context length (engine, server and CLI)."""
     if max_tokens > context_room(prompt_len, max_model_len):
-        raise ParamError("max_tokens", f"({max_tokens}) plus the prompt ({prompt_len} tokens) exceeds the "
-                         f"maximum context length of {max_model_len} tokens", CONTEXT_CODE)
+        raise ParamError(
+            "max_tokens",
+            f"({max_tokens}) plus the prompt ({prompt_len} tokens) exceeds the "
+            f"maximum context length of {max_model_len} tokens",
+            CONTEXT_CODE,
+        )
 
 
 def check_batch(sequences: int, max_num_seqs: int, param: str = "n") -> None:
     """The one check of a request's sequences (its samples; the server: prompts x samples) against the
     engine's batch: they run together, so more than max_num_seqs can never be scheduled."""
     if sequences > max_num_seqs:
-        raise ParamError(param, f"makes the request run {sequences} sequences, more than the engine's batch "
-                         f"of {max_num_seqs} (max_num_seqs)")
+        raise ParamError(
+            param,
+            f"makes the request run {sequences} sequences, more than the engine's batch "
+            f"of {max_num_seqs} (max_num_seqs)",
+        )
 
 
 @dataclass
@@ -167,17 +178,28 @@ class SamplingParams:
         for k, v in (self.logit_bias or {}).items():
             tok = _token_id(k)
             if not (_is_real(v) and -100 <= v <= 100):
-                raise ParamError("logit_bias", f"values must be numbers in [-100, 100], got {v!r} "
-                                 f"for token {tok}")
+                raise ParamError(
+                    "logit_bias", f"values must be numbers in [-100, 100], got {v!r} for token {tok}"
+                )
             bias[tok] = float(v)
         self.logit_bias = bias
-        _int("min_tokens", self.min_tokens, 0, self.max_tokens,
-             f"an integer in [0, max_tokens={self.max_tokens}]")
+        _int(
+            "min_tokens",
+            self.min_tokens,
+            0,
+            self.max_tokens,
+            f"an integer in [0, max_tokens={self.max_tokens}]",
+        )
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 # One token's log-probability: (token id, logprob, [(alternative id, logprob), ...] best first).

@@ -20,7 +20,7 @@ def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch
     for b, (seq, n) in enumerate(work):
         start, blocks = seq.num_computed, seq.block_ids
         p = range(start, start + n)
-        ids += seq.tokens[start:start + n]
+        ids += seq.tokens[start : start + n]
         pos += p
         slots += [blocks[i // block_size] * block_size + i % block_size for i in p]
         seq_of += [b] * n
@@ -32,7 +32,9 @@ def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch
     def t(x):
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    spans = tuple((seq.num_computed, n) for seq, n in work)  # the torch attention's per-sequence view, no read
+    spans = tuple(
+        (seq.num_computed, n) for seq, n in work
+    )  # the torch attention's per-sequence view, no read
     batch = AttnBatch(t(pos), t(slots), t(tables), t(seq_of), t(row_of), max_q, t(qpos), spans)
     return t(ids), batch, t(last)
 
@@ -41,8 +43,9 @@ class ModelRunner:
     def __init__(self, model: MoETransformer, kv: KVCache, states: StateCache | None = None):
         self.model, self.kv, self.states = model, kv, states
 
-    def forward(self, ids: torch.Tensor, batch: AttnBatch, rows: torch.Tensor | None,
-                states: StateBatch | None = None) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, batch: AttnBatch, rows: torch.Tensor | None, states: StateBatch | None = None
+    ) -> torch.Tensor:
         """The one call into the model (expert-parallel rank 0 overrides it to mirror the batch)."""
         return self.model.forward(ids, batch, self.kv.tensors, rows, states)
 
@@ -58,7 +61,9 @@ class ModelRunner:
         ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
         return self.forward(ids, batch, None if all_logits else last, self._states(work))
 
-    def run_rows(self, work: list[tuple[Sequence, int]], full: list[bool]) -> tuple[torch.Tensor, list[range]]:
+    def run_rows(
+        self, work: list[tuple[Sequence, int]], full: list[bool]
+    ) -> tuple[torch.Tensor, list[range]]:
         """Like run, with every new token's logits for the sequences b where full[b] (prompt logprobs)
         and only the last one for the others; -> logits [R, V] and each sequence's rows (its last row
         is the next-token distribution)."""

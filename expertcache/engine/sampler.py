@@ -16,7 +16,6 @@ from .logits_processors import apply_penalties
 from .params import SamplingParams, TokenLogprob
 from .structured import apply_grammar
 
-
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by 1e-40 overflows to inf.
 GREEDY_BELOW = 1e-5
 
@@ -26,8 +25,9 @@ def greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_BELOW or params.top_k == 1
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-           argmax: int | None = None) -> int:
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, argmax: int | None = None
+) -> int:
     """logits [V] float32, all finite -> token id (argmax: the row's argmax when already known). Safe
     for any finite logits: they are shifted so the largest is 0 before the division, so nothing
     overflows to +inf and softmax has a 1."""
@@ -62,8 +62,12 @@ def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return finite, torch.logsumexp(logits, -1), argmax, logits.gather(1, argmax[:, None])[:, 0]
 
 
-def sample_batch(logits: torch.Tensor, seqs: list, eos: set[int], stats: tuple | None = None,
-                 ) -> tuple[list[int], list[TokenLogprob]]:
+def sample_batch(
+    logits: torch.Tensor,
+    seqs: list,
+    eos: set[int],
+    stats: tuple | None = None,
+) -> tuple[list[int], list[TokenLogprob]]:
     """logits [B, V] (the model's, row b for seqs[b]) -> (next token per sequence, its logprob entry).
     stats: row_stats(logits) when the caller has it.
 
@@ -113,8 +117,8 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     one entry per target: its logprob under the model and the top-k alternatives."""
     out: list[TokenLogprob] = []
     for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):  # row blocks: temporaries [rows, V], not [n, V]
-        block = targets[start:start + PROMPT_LOGPROB_ROWS]
-        lp = torch.log_softmax(logits[start:start + len(block)].float(), dim=-1)
+        block = targets[start : start + PROMPT_LOGPROB_ROWS]
+        lp = torch.log_softmax(logits[start : start + len(block)].float(), dim=-1)
         t = torch.tensor(block, device=logits.device)
         chosen = lp.gather(1, t[:, None])[:, 0].tolist()
         if k:

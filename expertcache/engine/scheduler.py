@@ -26,8 +26,14 @@ from .state_cache import StateCache
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 states: StateCache | None = None, max_logits_rows: int | None = None):
+    def __init__(
+        self,
+        kv: KVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        states: StateCache | None = None,
+        max_logits_rows: int | None = None,
+    ):
         self.kv, self.max_num_seqs, self.budget = kv, max_num_seqs, max_num_batched_tokens
         self.max_logits_rows = max_logits_rows or max_num_batched_tokens
         self.states = states
@@ -48,8 +54,11 @@ class Scheduler:
         """Blocks for tokens[:upto], the ones about to be written private (copy-on-write)."""
         need = self._blocks_needed(seq, upto)
         bs = self.kv.block_size
-        shared = [i for i in range(seq.num_computed // bs, min(len(seq.block_ids), -(-upto // bs)))
-                  if self.kv.is_shared(seq.block_ids[i])]
+        shared = [
+            i
+            for i in range(seq.num_computed // bs, min(len(seq.block_ids), -(-upto // bs)))
+            if self.kv.is_shared(seq.block_ids[i])
+        ]
         if need + len(shared) > self.kv.num_free:
             return False
         if self.states is not None and seq.state_slot is None:
@@ -95,11 +104,18 @@ class Scheduler:
                 batch.append((seq, n))
                 budget -= n
                 logits_rows -= n if self.needs_logits(seq) else 0
-        while self.waiting and budget > 0 and len(self.running) + 1 + self.waiting[0].pending_forks <= self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + 1 + self.waiting[0].pending_forks <= self.max_num_seqs
+        ):
             seq = self.waiting[0]
             if not seq.block_ids:
-                cached = ([] if seq.params.prompt_logprobs is not None
-                          else self.kv.match_prefix(seq.tokens[: len(seq.tokens) - 1]))
+                cached = (
+                    []
+                    if seq.params.prompt_logprobs is not None
+                    else self.kv.match_prefix(seq.tokens[: len(seq.tokens) - 1])
+                )
                 self.kv.acquire(cached)
                 seq.block_ids = cached
                 seq.num_computed = len(cached) * self.kv.block_size

@@ -20,8 +20,9 @@ class Sequence:
     their own `index`, params (seed + index) and grammar matcher.
     """
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 index: int = 0):
+    def __init__(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, index: int = 0
+    ):
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.index = index
@@ -53,14 +54,18 @@ class Sequence:
         p = self.params
         seed = None if p.seed is None else (p.seed + index) % 2**63
         child = Sequence(self.tokens[: self.prompt_len], replace(p, n=1, seed=seed), self.request_id, index)
-        child.num_computed, child.num_cached, child.high_water = self.num_computed, self.num_cached, self.prompt_len
+        child.num_computed, child.num_cached, child.high_water = (
+            self.num_computed,
+            self.num_cached,
+            self.prompt_len,
+        )
         child.admitted = True
         child.prompt_logprobs = self.prompt_logprobs
         return child
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def num_uncomputed(self) -> int:

@@ -24,7 +24,9 @@ from ..spec.model_config import ModelConfig
 
 
 class StateCache:
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device, alloc=None):
+    def __init__(
+        self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device, alloc=None
+    ):
         """`alloc(shape, dtype)`: how the zeroed states are allocated (construction's ledger; default torch.zeros)."""
         la = cfg.linear_attn
         alloc = alloc or (lambda shape, dt: torch.zeros(shape, dtype=dt, device=device))
@@ -34,9 +36,12 @@ class StateCache:
             raise ValueError("StateCache needs at least one slot")
         self.num_slots = num_slots
         self.layers = {
-            i: (alloc((num_slots, la.conv_kernel - 1, la.conv_dim), dtype),
-                alloc((num_slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32))
-            for i in range(cfg.num_layers) if la.layers[i]
+            i: (
+                alloc((num_slots, la.conv_kernel - 1, la.conv_dim), dtype),
+                alloc((num_slots, la.num_v_heads, la.k_head_dim, la.v_head_dim), torch.float32),
+            )
+            for i in range(cfg.num_layers)
+            if la.layers[i]
         }
         self.free = list(range(num_slots - 1, -1, -1))
 
@@ -46,8 +51,9 @@ class StateCache:
         la = cfg.linear_attn
         if la is None:
             return 0
-        per_layer = ((la.conv_kernel - 1) * la.conv_dim * dtype.itemsize
-                     + la.num_v_heads * la.k_head_dim * la.v_head_dim * 4)
+        per_layer = (
+            la.conv_kernel - 1
+        ) * la.conv_dim * dtype.itemsize + la.num_v_heads * la.k_head_dim * la.v_head_dim * 4
         return sum(la.layers) * per_layer
 
     @property
@@ -76,5 +82,8 @@ class StateCache:
         self.free.append(slot)
 
     def batch(self, slots: list[int], lengths: list[int], device: torch.device) -> StateBatch:
-        return StateBatch(torch.tensor(slots, dtype=torch.int64, device=device),
-                          torch.tensor(lengths, dtype=torch.int64, device=device), self.layers)
+        return StateBatch(
+            torch.tensor(slots, dtype=torch.int64, device=device),
+            torch.tensor(lengths, dtype=torch.int64, device=device),
+            self.layers,
+        )

@@ -34,16 +34,21 @@ class StopText:
         (unless `force`)."""
         if self.read == len(self.ids):
             return ""
+
         def dec(ids):
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
-        before = dec(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
-        after = dec(self.ids[self.prefix:])
-        if not force and after.endswith("\ufffd") and self._incomplete() \
-                and len(self.ids) - self.read < MAX_PENDING_TOKENS:
+        before = dec(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        after = dec(self.ids[self.prefix :])
+        if (
+            not force
+            and after.endswith("\ufffd")
+            and self._incomplete()
+            and len(self.ids) - self.read < MAX_PENDING_TOKENS
+        ):
             return ""  # an incomplete UTF-8 character: wait for the next token
         self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
     def _incomplete(self) -> bool:
         """Whether the text ends inside a UTF-8 character that more bytes can still complete (then

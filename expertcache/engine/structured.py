@@ -36,7 +36,8 @@ def _llguidance():
         raise StructuredUnavailable(
             "structured output (response_format, guided decoding, tool_choice 'required' or a named "
             "function) needs llguidance, a dependency of expertcache that is missing from this install: "
-            "pip install 'llguidance>=1.0'") from None
+            "pip install 'llguidance>=1.0'"
+        ) from None
     return llguidance
 
 
@@ -78,13 +79,19 @@ class Grammars:
     def __init__(self, tokenizer_json: str, model_vocab: int, tokenizer_vocab: int, eos_ids: list[int]):
         self.ll = _llguidance()
         self.n_vocab = max(model_vocab, tokenizer_vocab)
-        self.tokenizer = self.ll.LLTokenizer(tokenizer_json, n_vocab=self.n_vocab, eos_token=list(eos_ids) or None)
+        self.tokenizer = self.ll.LLTokenizer(
+            tokenizer_json, n_vocab=self.n_vocab, eos_token=list(eos_ids) or None
+        )
 
     def _checked(self, spec: str, description: str) -> Grammar:
         """Compile `spec` (the one compile of a request's grammar) or ValueError naming what is wrong."""
         start = self.ll.LLMatcher(self.tokenizer, spec, log_level=0)
         if start.is_error():
-            err = start.get_error() or self.ll.LLMatcher.validate_grammar(spec, self.tokenizer) or "invalid grammar"
+            err = (
+                start.get_error()
+                or self.ll.LLMatcher.validate_grammar(spec, self.tokenizer)
+                or "invalid grammar"
+            )
             raise ValueError(f"{description}: {err.strip().splitlines()[0]}")
         return Grammar(self, spec, description, start)
 
@@ -123,7 +130,9 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     """logits [B, V] in place; bitmask [len(rows), W] int32, bit t of row i (little-endian words)
     set = token t allowed in logits row rows[i]."""
     V = logits.shape[1]
-    forbidden = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=-1, count=V, bitorder="little").view(bool)
+    forbidden = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=-1, count=V, bitorder="little").view(
+        bool
+    )
     forbidden = torch.from_numpy(forbidden).to(logits.device)
     for i, b in enumerate(rows):  # in place, row by row: no gather/scatter of the whole batch
         logits[b].masked_fill_(forbidden[i], float("-inf"))

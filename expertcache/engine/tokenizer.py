@@ -22,7 +22,11 @@ from ..errors import CheckpointError
 
 def _byte_level_map() -> dict[str, int]:
     """GPT-2's byte-level alphabet: printable character -> the byte it encodes."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = dict(zip(keep, keep)), 0
     for b in range(256):
         if b not in chars:
@@ -66,7 +70,9 @@ class Tokenizer:
         self.template_file = cfg_path
         template = self.config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+            template = next(
+                (t["template"] for t in template if t.get("name") == "default"), template[0]["template"]
+            )
         jinja_file = model_dir / "chat_template.jinja"
         if template is None and jinja_file.exists():
             template, self.template_file = jinja_file.read_text(), jinja_file
@@ -127,7 +133,9 @@ class Tokenizer:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.filters["tojson"] = _tojson
             env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
             env.globals["raise_exception"] = _raise
@@ -135,12 +143,21 @@ class Tokenizer:
             try:
                 self._template = env.from_string(self.chat_template)
             except TemplateError as e:
-                raise CheckpointError(f"{self.template_file}: the chat template does not parse ({e})") from None
+                raise CheckpointError(
+                    f"{self.template_file}: the chat template does not parse ({e})"
+                ) from None
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
         except SecurityError as e:
-            raise CheckpointError(f"{self.template_file}: the chat template was refused by the sandbox ({e})") from None
+            raise CheckpointError(
+                f"{self.template_file}: the chat template was refused by the sandbox ({e})"
+            ) from None
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)

@@ -121,9 +121,11 @@ class Backend:
                     raise
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 self.next = choose_backend(pool, x.device, self.rest)
-                print(f"note: the {self.kind.summary} failed ({self.failed}); computing these experts with "
-                      f"the {self.next.kind.summary} from now on (--moe-kernel chooses up front)",
-                      file=sys.stderr)
+                print(
+                    f"note: the {self.kind.summary} failed ({self.failed}); computing these experts with "
+                    f"the {self.next.kind.summary} from now on (--moe-kernel chooses up front)",
+                    file=sys.stderr,
+                )
         return self.next(x, slots, weights, pool, method, ffn, out, host)
 
 
@@ -177,8 +179,14 @@ def backend_for(pool: Pool, x: torch.Tensor, method, ffn: ExpertFFN) -> Backend:
     entry = hit[1].get(key)
     if entry is not None and entry[0] is method and entry[1] is ffn:
         return entry[2]
-    config = (x.device, x.dtype, x.shape[1], method, ffn,
-              *((n, t.dtype, t.device, tuple(t.shape[1:])) for n, t in pool.items()))
+    config = (
+        x.device,
+        x.dtype,
+        x.shape[1],
+        method,
+        ffn,
+        *((n, t.dtype, t.device, tuple(t.shape[1:])) for n, t in pool.items()),
+    )
     backend = _SHARED.get(config)
     if backend is None:
         backend = _SHARED[config] = choose_backend(pool, x.device, MoEOptions.of(method, ffn, x))
@@ -241,7 +249,14 @@ def _torch(x, slots, weights, pool, method, ffn, out, host) -> torch.Tensor:
     return torch_moe(x, slots, weights, pool, method, torch.zeros_like(x) if out is None else out, ffn, host)
 
 
-register(Kind("triton", "fused Triton MoE kernel", _triton_why_not, _triton,
-              automatic=lambda device: device.type == "cuda"))
+register(
+    Kind(
+        "triton",
+        "fused Triton MoE kernel",
+        _triton_why_not,
+        _triton,
+        automatic=lambda device: device.type == "cuda",
+    )
+)
 register(Kind("cpp", "C++ CPU kernels", _cpp_why_not, _cpp))
 register(Kind("torch", "torch code", lambda pool, device, options: None, _torch))

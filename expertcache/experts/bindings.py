@@ -50,7 +50,9 @@ class Bindings:
             return self.c.host.views(i, hs)
         buf = self.bufs.get((i, e))
         if buf is None:
-            buf = self.bufs[(i, e)] = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.c.source.parts}
+            buf = self.bufs[(i, e)] = {
+                p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.c.source.parts
+            }
         return buf
 
     def _dev_views(self, i: int, s: int):
@@ -61,7 +63,9 @@ class Bindings:
         step = self.step
         if step.shape[0] <= SMALL:
             of = dict(pairs)
-            return torch.tensor([of.get(e, -1) for e in step.tolist()], dtype=torch.int64).view(self.T, self.K)
+            return torch.tensor([of.get(e, -1) for e in step.tolist()], dtype=torch.int64).view(
+                self.T, self.K
+            )
         table = torch.full((self.c.E,), -1, dtype=torch.int64)
         table[[e for e, _ in pairs]] = torch.tensor([s for _, s in pairs], dtype=torch.int64)
         return table[step].view(self.T, self.K)
@@ -78,6 +82,7 @@ class Bindings:
 
         def run():
             c.read_into(o.layer, e, dst)
+
         if c.peer is not None and c.peer.offers(c.layers[o.layer], e):
             run.on_caller = True  # a peer rank's bytes: only the engine thread takes them
         return run
@@ -89,6 +94,7 @@ class Bindings:
         def run():
             for n in dst:
                 dst[n].copy_(src[n], non_blocking=nb)
+
         return run
 
     def demote(self, o):
@@ -99,6 +105,7 @@ class Bindings:
         def run():
             for n, t in dst.items():
                 t.copy_(src[n])
+
         return run
 
     def moe(self, o):
@@ -110,11 +117,14 @@ class Bindings:
         elif o.tag == "fills":
             slots = self._slots([(f.expert, f.slot) for f in self.plan.fills if not f.on_cpu])
         else:  # all: hits and fills in one call
-            slots = self._slots(self.plan.hits + [(f.expert, f.slot) for f in self.plan.fills if not f.on_cpu])
+            slots = self._slots(
+                self.plan.hits + [(f.expert, f.slot) for f in self.plan.fills if not f.on_cpu]
+            )
         pool, method, ffn = c.dev.layer(self.i), c.method, c.ffn
 
         def run():
             self.out = moe_ffn(x, slots, w, pool, method, out=self.out, ffn=ffn, host=True)
+
         return run
 
     def _wave(self, o):
@@ -122,15 +132,18 @@ class Bindings:
         c, x, w, e = self.c, self.x, self.w, o.experts[0]
         tok, k = self._pairs_of(e)
         if o.reads:  # staged
+
             def run():
                 y = expert_ffn(x[tok], c.stage, c.method, c.ffn)
                 self.output().index_put_((tok,), y * w[tok, k, None], accumulate=True)
+
             return run
         src = self._host_views(o.layer, e, o.host_reads[0] if o.host_reads else -1)
 
         def unstaged():
             y = expert_ffn(x[tok].to("cpu", torch.float32), src, c.method, c.ffn).to(x.device, x.dtype)
             self.output().index_put_((tok,), y * w[tok, k, None], accumulate=True)
+
         return unstaged
 
     def _on_cpu(self):
@@ -162,6 +175,7 @@ class Bindings:
             xr.copy_(x[idx], non_blocking=True)  # CUDA: into pinned memory, on the d2h stream (no host wait)
             wr.copy_(w[idx], non_blocking=True)
             res["xw"] = (xr, wr)
+
         return run
 
     def cpu(self, o):
@@ -181,9 +195,13 @@ class Bindings:
                 moe_ffn(xr, slots, wr, pool, c.method, out=y, ffn=ffn, host=True)
             for e in transient:  # no host slot could be had: its bytes in a transient buffer
                 r, k = (step.view(T, K)[rows] == e).nonzero(as_tuple=True)
-                y.index_put_((r,), expert_ffn(xr[r], bufs[(o.layer, e)], c.method, ffn) * wr[r, k, None],
-                             accumulate=True)
+                y.index_put_(
+                    (r,),
+                    expert_ffn(xr[r], bufs[(o.layer, e)], c.method, ffn) * wr[r, k, None],
+                    accumulate=True,
+                )
             res["y"] = y.pin_memory() if c.cuda else y
+
         return run
 
     def add(self, o):
@@ -193,4 +211,5 @@ class Bindings:
             y, idx = res.pop("y"), res.pop("rows_dev")
             out = self.output()
             out.index_put_((idx,), y.to(out.device, out.dtype, non_blocking=cuda), accumulate=True)
+
         return run

@@ -24,8 +24,20 @@ from .backends import Backend, MoEOptions, backend_for, choose_backend
 from .config import MOE_KERNELS
 from .ffn import ACTIVATIONS, GROUPED_MM_MAX_PAIRS, SWIGLU, ExpertFFN, expert_ffn, grouped_mm_ok, torch_moe
 
-__all__ = ["ACTIVATIONS", "GROUPED_MM_MAX_PAIRS", "SWIGLU", "Backend", "ExpertFFN", "MoEOptions",
-           "choose_backend", "expert_ffn", "grouped_mm_ok", "moe_ffn", "torch_moe", "with_moe_kernel"]
+__all__ = [
+    "ACTIVATIONS",
+    "GROUPED_MM_MAX_PAIRS",
+    "SWIGLU",
+    "Backend",
+    "ExpertFFN",
+    "MoEOptions",
+    "choose_backend",
+    "expert_ffn",
+    "grouped_mm_ok",
+    "moe_ffn",
+    "torch_moe",
+    "with_moe_kernel",
+]
 
 
 def with_moe_kernel(ffn: ExpertFFN, choice: str, device: torch.device | str, method=None) -> ExpertFFN:
@@ -47,9 +59,17 @@ def with_moe_kernel(ffn: ExpertFFN, choice: str, device: torch.device | str, met
     raise ConfigError(f"moe_kernel='triton': {why}")
 
 
-def moe_ffn(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
-            method=None, out: torch.Tensor | None = None, ffn: ExpertFFN = SWIGLU,
-            host: bool = False, backend: Backend | None = None) -> torch.Tensor:
+def moe_ffn(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    method=None,
+    out: torch.Tensor | None = None,
+    ffn: ExpertFFN = SWIGLU,
+    host: bool = False,
+    backend: Backend | None = None,
+) -> torch.Tensor:
     """Grouped expert FFN from pool tensors {part: [S, ...]}; pairs with slot -1 are skipped -> out (a new
     one where `out` is None). `host`: `slots` is a host tensor (derived from the layer's host copy of
     its ids, as TieredExperts does), so the torch code groups it with no device read; else it groups one

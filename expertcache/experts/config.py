@@ -24,7 +24,11 @@ from .policy import DEFAULT_POLICY, ONLINE
 from .prefetch import PREFETCH_MODES
 
 CPU_COMPUTE = ("auto", "always", "never")
-MOE_KERNELS = ("auto", "triton", "torch")  # auto: triton on CUDA where it runs, else torch (experts/compute.py)
+MOE_KERNELS = (
+    "auto",
+    "triton",
+    "torch",
+)  # auto: triton on CUDA where it runs, else torch (experts/compute.py)
 
 
 @dataclass(frozen=True)
@@ -121,9 +125,13 @@ class CacheConfig:
         parse_budget(self.host_memory, "host_memory")
         if self.policy is not None and self.policy not in ONLINE:
             extra = " ('min' needs future knowledge: trace replay only)" if self.policy == "min" else ""
-            raise ConfigError(f"cache_policy: unknown {self.policy!r}{extra}; choose one of {', '.join(ONLINE)}")
+            raise ConfigError(
+                f"cache_policy: unknown {self.policy!r}{extra}; choose one of {', '.join(ONLINE)}"
+            )
         if self.prefetch not in PREFETCH_MODES:
-            raise ConfigError(f"prefetch: must be one of {', '.join(PREFETCH_MODES)} or a bool, got {self.prefetch!r}")
+            raise ConfigError(
+                f"prefetch: must be one of {', '.join(PREFETCH_MODES)} or a bool, got {self.prefetch!r}"
+            )
         if self.cpu_compute not in CPU_COMPUTE:
             raise ConfigError(f"cpu_compute: must be auto, always or never, got {self.cpu_compute!r}")
         if self.moe_kernel not in MOE_KERNELS:
@@ -145,10 +153,12 @@ class CacheConfig:
         if not self.tiered:
             moot = self.cache_only_options()
             if moot:
-                raise ConfigError(f"{', '.join(moot)}: only the expert cache uses "
-                                  f"{'this option' if len(moot) == 1 else 'these options'}, and without "
-                                  f"device_memory or host_memory every expert is resident; give a budget "
-                                  f"(e.g. device_memory='25%') or leave {'it' if len(moot) == 1 else 'them'} out")
+                raise ConfigError(
+                    f"{', '.join(moot)}: only the expert cache uses "
+                    f"{'this option' if len(moot) == 1 else 'these options'}, and without "
+                    f"device_memory or host_memory every expert is resident; give a budget "
+                    f"(e.g. device_memory='25%') or leave {'it' if len(moot) == 1 else 'them'} out"
+                )
 
     @property
     def tiered(self) -> bool:
@@ -161,9 +171,18 @@ class CacheConfig:
 
     def cache_only_options(self) -> list[str]:
         """The options set away from their defaults that only the tiered cache uses (keyword names)."""
-        out = [k for k, default in (("cache_policy", None), ("prefetch", "auto"), ("cpu_compute", "auto"),
-                                    ("load_stats", None), ("prefill_admit_tokens", 64), ("cost_profile", None))
-               if getattr(self, KEYWORDS.get(k, k)) != default]
+        out = [
+            k
+            for k, default in (
+                ("cache_policy", None),
+                ("prefetch", "auto"),
+                ("cpu_compute", "auto"),
+                ("load_stats", None),
+                ("prefill_admit_tokens", 64),
+                ("cost_profile", None),
+            )
+            if getattr(self, KEYWORDS.get(k, k)) != default
+        ]
         out += [f.name for f in fields(CacheAblation) if getattr(self.ablation, f.name) != f.default]
         return out
 
@@ -176,11 +195,16 @@ class CacheConfig:
         known = set(KEYWORDS) | {f.name for f in fields(cls)} - {"policy", "ablation"} | abl
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ConfigError(f"unknown option {unknown[0]!r}; expert cache options: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"unknown option {unknown[0]!r}; expert cache options: {', '.join(sorted(known))}"
+            )
         if "prefetch" in options:
             p = options["prefetch"]
-            options["prefetch"] = {True: "device", False: "off", None: "auto"}.get(p, p) if isinstance(
-                p, (bool, type(None))) else p
+            options["prefetch"] = (
+                {True: "device", False: "off", None: "auto"}.get(p, p)
+                if isinstance(p, (bool, type(None)))
+                else p
+            )
         kw = {KEYWORDS.get(k, k): v for k, v in options.items() if k not in abl}
         return cls(**kw, ablation=CacheAblation(**{k: v for k, v in options.items() if k in abl}))
 

@@ -159,8 +159,9 @@ class InlineExecutor(Executor):
             if op.queue == "io" and not getattr(fn, "on_caller", False):
                 self.pending[op.id] = self.io.submit(_in_mode(fn))
                 return
-            if op.queue == "h2d" and (op.tag == "prefetch" or (self.copy_tail is not None
-                                                                and not self.copy_tail.done())):
+            if op.queue == "h2d" and (
+                op.tag == "prefetch" or (self.copy_tail is not None and not self.copy_tail.done())
+            ):
                 self.pending[op.id] = self.copy_tail = self.copy.submit(_in_mode(fn))
                 return
         fn()
@@ -206,6 +207,7 @@ def _in_mode(fn):
     def run():
         with torch.inference_mode(mode):
             fn()
+
     return run
 
 
@@ -230,7 +232,9 @@ class _Router:
 
     def deferred(self, op: Op, deps: list[_Done]) -> bool:
         with self.lock:
-            if self.queued[op.queue] or any(w.op.queue not in GPU_QUEUES and not w.event.is_set() for w in deps):
+            if self.queued[op.queue] or any(
+                w.op.queue not in GPU_QUEUES and not w.event.is_set() for w in deps
+            ):
                 self.queued[op.queue] += 1
                 return True
         return False
@@ -243,9 +247,15 @@ class _Router:
 class ThreadExecutor(Executor):
     """CPU backend: one worker thread per queue (module doc)."""
 
-    def __init__(self, io_lanes: int = 2, before: Callable[[Op], None] | None = None,
-                 on_wait: Callable[[Op, list[int]], None] | None = None, exclusive: tuple[str, ...] = (),
-                 enqueuer: bool = False, sync_io: bool = False):
+    def __init__(
+        self,
+        io_lanes: int = 2,
+        before: Callable[[Op], None] | None = None,
+        on_wait: Callable[[Op, list[int]], None] | None = None,
+        exclusive: tuple[str, ...] = (),
+        enqueuer: bool = False,
+        sync_io: bool = False,
+    ):
         super().__init__(sync_io)
         self.before, self.on_wait, self.exclusive = before, on_wait, set(exclusive)
         self.compute_lock = threading.Lock()
@@ -255,8 +265,11 @@ class ThreadExecutor(Executor):
         if enqueuer:
             self.queues["enqueue"] = queue_mod.SimpleQueue()
         lanes = {"io": io_lanes}
-        self.threads = [threading.Thread(target=self._worker, args=(q,), daemon=True, name=f"sched-{q}-{k}")
-                        for q in self.queues for k in range(lanes.get(q, 1))]
+        self.threads = [
+            threading.Thread(target=self._worker, args=(q,), daemon=True, name=f"sched-{q}-{k}")
+            for q in self.queues
+            for k in range(lanes.get(q, 1))
+        ]
         for t in self.threads:
             t.start()
 
@@ -339,8 +352,11 @@ class CudaExecutor(Executor):
 
         super().__init__(sync_io)
         self.torch, self.device = torch, device
-        self.streams = {"device": torch.cuda.current_stream(device), "d2h": torch.cuda.Stream(device),
-                        "h2d": torch.cuda.Stream(device)}
+        self.streams = {
+            "device": torch.cuda.current_stream(device),
+            "d2h": torch.cuda.Stream(device),
+            "h2d": torch.cuda.Stream(device),
+        }
         init = (lambda: torch.cuda.set_device(device)) if device.index is not None else None
         self.cpu = ThreadPoolExecutor(1, thread_name_prefix="expert-cpu", initializer=init)
         self.io = ThreadPoolExecutor(io_lanes, thread_name_prefix="expert-io", initializer=init)
@@ -420,8 +436,11 @@ class CudaExecutor(Executor):
     def prune(self) -> None:
         """Forget ops the device has finished too (a recorded event is not a finished copy)."""
         with self.lock:
-            for i in [i for i, d in self.done.items() if d.event.is_set() and d.error is None
-                      and (d.cuda_event is None or d.cuda_event.query())]:
+            for i in [
+                i
+                for i, d in self.done.items()
+                if d.event.is_set() and d.error is None and (d.cuda_event is None or d.cuda_event.query())
+            ]:
                 del self.done[i]
 
     def close(self) -> None:
@@ -433,7 +452,7 @@ EXECUTORS = ("inline", "threads", "cuda")
 
 
 def make_executor(kind: str, device, overlap_io: bool = True) -> Executor:
-    """"inline" (a CPU device), "cuda" (a CUDA device) or "threads" (the CPU backend of the CUDA
+    """ "inline" (a CPU device), "cuda" (a CUDA device) or "threads" (the CPU backend of the CUDA
     path's tests: its GPU ops routed as the CUDA backend routes them); `overlap_io` False: every read
     synchronous (module doc)."""
     if kind == "cuda":

@@ -88,8 +88,9 @@ def _add_bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return y if b is None else y + b.to(y.dtype)
 
 
-def expert_ffn(x: torch.Tensor, w: dict[str, torch.Tensor], method=None,
-               ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
+def expert_ffn(
+    x: torch.Tensor, w: dict[str, torch.Tensor], method=None, ffn: ExpertFFN = SWIGLU
+) -> torch.Tensor:
     """One expert on x [n, H] with its parts `w` (gate_up [2I, H] + down [H, I], or quantized parts)."""
     if kernels.backend() == "cpp" and x.dtype == torch.float32 and x.device.type == "cpu":
         out = torch.zeros_like(x)  # a pool of one slot, every token routed to it with weight 1
@@ -126,24 +127,36 @@ def grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0) and dtype in (torch.bfloat16, torch.float32)
 
 
-def torch_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
-              method, out: torch.Tensor, ffn: ExpertFFN, host: bool) -> torch.Tensor:
+def torch_moe(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    method,
+    out: torch.Tensor,
+    ffn: ExpertFFN,
+    host: bool,
+) -> torch.Tensor:
     """out += the pool's experts for their pairs, in torch (`host`: `slots` is a host tensor)."""
     T, K = slots.shape
     groups = group_by_slot(slots if host else to_host(slots))
     if not groups.active:
         return out
-    if (method is None and T * K <= GROUPED_MM_MAX_PAIRS and grouped_mm_ok(x.device, x.dtype)
-            and pool["gate_up"].dtype == x.dtype):  # a stored-dtype pool is converted per active slot below
+    if (
+        method is None
+        and T * K <= GROUPED_MM_MAX_PAIRS
+        and grouped_mm_ok(x.device, x.dtype)
+        and pool["gate_up"].dtype == x.dtype
+    ):  # a stored-dtype pool is converted per active slot below
         return _grouped(x, groups.on(x.device, pool["gate_up"].shape[0]), weights, pool, out, ffn)
     g = groups.on(x.device)
     w = weights.reshape(-1)[g.order].to(x.dtype)
     start = 0
     for s, n in zip(groups.active, groups.counts):
-        tok = g.token[start:start + n]
+        tok = g.token[start : start + n]
         y = expert_ffn(x[tok], {name: t[s] for name, t in pool.items()}, method, ffn)
         # index_put_ rather than index_add_: the latter takes milliseconds with 2 CPU threads here
-        out.index_put_((tok,), y * w[start:start + n, None], accumulate=True)
+        out.index_put_((tok,), y * w[start : start + n, None], accumulate=True)
         start += n
     return out
 

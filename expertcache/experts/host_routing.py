@@ -81,8 +81,8 @@ class SlotGroups:
             parts.append(n.cumsum(0))
         packed = to_device(torch.cat(parts), device)
         order = packed[:P]
-        offs = packed[2 * P:].to(torch.int32) if num_slots is not None else None
-        return DeviceGroups(order, order // self.K, packed[P:2 * P], offs)
+        offs = packed[2 * P :].to(torch.int32) if num_slots is not None else None
+        return DeviceGroups(order, order // self.K, packed[P : 2 * P], offs)
 
 
 def group_by_slot(slots: torch.Tensor) -> SlotGroups:
@@ -94,7 +94,6 @@ def group_by_slot(slots: torch.Tensor) -> SlotGroups:
     active, counts = torch.unique_consecutive(flat[order], return_counts=True)
     active, counts = active.tolist(), counts.tolist()
     if active and active[0] < 0:
-        order = order[counts[0]:]
+        order = order[counts[0] :]
         active, counts = active[1:], counts[1:]
     return SlotGroups(order, flat[order], active, counts, slots.shape[1])
-

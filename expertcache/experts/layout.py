@@ -32,8 +32,8 @@ import torch
 
 from .. import kernels
 from ..errors import CheckpointError, ConfigError
-from ..loader.safetensors_index import TensorIndex
 from ..loader.checks import SKIP_HINT, nonfinite_parts
+from ..loader.safetensors_index import TensorIndex
 from ..quant.checkpoint import index_quantized_dense
 from ..quant.shipped import ShippedInt
 from ..spec.model_config import ModelConfig
@@ -133,8 +133,10 @@ class ExpertSource:
                 self._biases(layer, prefix)
             else:
                 if cfg.expert_bias:
-                    raise CheckpointError(f"{index.model_dir}: missing tensor {fused} (experts with biases are "
-                                          "read from the fused layout only)")
+                    raise CheckpointError(
+                        f"{index.model_dir}: missing tensor {fused} (experts with biases are "
+                        "read from the fused layout only)"
+                    )
                 g, u, d = names.expert_projs
                 dtypes = set()
                 for j in range(E):
@@ -150,26 +152,39 @@ class ExpertSource:
                     self._names[layer, j] = f"{base}.{{{g},{u},{d}}}.weight"
                 example = gi.name
             if not all(d.is_floating_point for d in dtypes):
-                raise CheckpointError(f"{example} (and the other routed experts) stored as "
-                                      f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: expert "
-                                      "weights must be floating point unless config.json names a quantized layout")
+                raise CheckpointError(
+                    f"{example} (and the other routed experts) stored as "
+                    f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: expert "
+                    "weights must be floating point unless config.json names a quantized layout"
+                )
             if dtypes & set(FLOAT8):
-                raise ConfigError(f"{example} (and the other routed experts) stored as "
-                                  f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))} but config.json "
-                                  "has no quantization_config saying how to scale them")
+                raise ConfigError(
+                    f"{example} (and the other routed experts) stored as "
+                    f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))} but config.json "
+                    "has no quantization_config saying how to scale them"
+                )
             if len(dtypes) != 1 or (dtype is not None and dtypes != {dtype}):
                 raise CheckpointError(f"layer {layer}: routed experts mix dtypes {sorted(map(str, dtypes))}")
             dtype = dtypes.pop()
         self.dtype = dtype or torch.float32
-        self.parts = (Part("gate_up", gu_shape, self.dtype), Part("down", dn_shape, self.dtype)) + self.bias_parts
+        self.parts = (
+            Part("gate_up", gu_shape, self.dtype),
+            Part("down", dn_shape, self.dtype),
+        ) + self.bias_parts
         self.expert_nbytes = sum(p.nbytes for p in self.parts)
         self.stored_parts, self.stored_nbytes = self.parts, self.expert_nbytes
         self.ffn = self._ffn(names, transposed=tr, fused_quant=False)
 
     def _ffn(self, names: WeightNames, transposed: bool, fused_quant: bool) -> ExpertFFN:
         cfg = self.cfg
-        return ExpertFFN(act=cfg.expert_act, interleaved=names.gate_up_interleaved, transposed=transposed,
-                         fused_quant=fused_quant, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+        return ExpertFFN(
+            act=cfg.expert_act,
+            interleaved=names.gate_up_interleaved,
+            transposed=transposed,
+            fused_quant=fused_quant,
+            alpha=cfg.swiglu_alpha,
+            limit=cfg.swiglu_limit,
+        )
 
     def _biases(self, layer: int, prefix: str) -> None:
         """Expert biases (cfg.expert_bias): experts.gate_up_proj_bias [E, 2I], experts.down_proj_bias [E, H]."""
@@ -177,15 +192,19 @@ class ExpertSource:
             return
         cfg = self.cfg
         E, parts = cfg.num_experts, []
-        for part, proj, n in (("gate_up_bias", "gate_up_proj", 2 * cfg.moe_intermediate_size),
-                              ("down_bias", "down_proj", cfg.hidden_size)):
+        for part, proj, n in (
+            ("gate_up_bias", "gate_up_proj", 2 * cfg.moe_intermediate_size),
+            ("down_bias", "down_proj", cfg.hidden_size),
+        ):
             t = self.index.info(f"{prefix}.experts.{proj}_bias", (E, n))
             parts.append(Part(part, (n,), t.dtype))
             for j in range(E):
                 self._ranges[layer, j][part] = _entry(t, j, E)
         if self.bias_parts and tuple(parts) != self.bias_parts:
-            raise CheckpointError(f"layer {layer}: expert bias dtypes {[str(p.dtype) for p in parts]} differ "
-                                  "from the other layers'")
+            raise CheckpointError(
+                f"layer {layer}: expert bias dtypes {[str(p.dtype) for p in parts]} differ "
+                "from the other layers'"
+            )
         self.bias_parts = tuple(parts)
 
     def _quantized(self, names: WeightNames) -> None:
@@ -197,8 +216,10 @@ class ExpertSource:
             module = f"{self.moe_prefix(self.layers[0], names)}.experts.0.{names.expert_projs[0]}"
             m = self.method = self.stored_method = m.method_for(module)
             if m is None:
-                raise ConfigError(f"config.json: quantization_config leaves routed expert module {module} "
-                                  "unquantized; unquantized experts in a quantized checkpoint are not supported")
+                raise ConfigError(
+                    f"config.json: quantization_config leaves routed expert module {module} "
+                    "unquantized; unquantized experts in a quantized checkpoint are not supported"
+                )
         parts: dict[str, Part] = {}
         used: set[str] = set()  # the experts' tensors (the rest of a shipped layout is dense)
         fused_any = False
@@ -209,8 +230,11 @@ class ExpertSource:
             fused_any |= fused
             for j in range(E):
                 ranges = {}
-                projs = (("gate_up", "gate_up_proj"), ("down", "down_proj")) if fused else \
-                    zip(("gate", "up", "down"), names.expert_projs)
+                projs = (
+                    (("gate_up", "gate_up_proj"), ("down", "down_proj"))
+                    if fused
+                    else zip(("gate", "up", "down"), names.expert_projs)
+                )
                 for canon, proj in projs:
                     for key, spec in m.layout(canon, shapes[canon]).items():
                         suffix = key.split(".", 1)[1]
@@ -219,8 +243,10 @@ class ExpertSource:
                             t = self.index.info(name)
                             shape, rng = t.shape[1:], _entry(t, j, E)
                             if t.shape[0] != E:
-                                raise CheckpointError(f"{t.file.name}: tensor {name} has {t.shape[0]} experts, "
-                                                      f"config.json says {E}")
+                                raise CheckpointError(
+                                    f"{t.file.name}: tensor {name} has {t.shape[0]} experts, "
+                                    f"config.json says {E}"
+                                )
                         else:
                             name = f"{prefix}.experts.{j}.{proj}.{suffix}"
                             if name not in self.index and suffix in m.aliases:
@@ -231,22 +257,32 @@ class ExpertSource:
                             raise CheckpointError(
                                 f"{t.file.name}: tensor {name} is {t.dtype} {list(t.shape)}, but {m.name} experts "
                                 f"need {spec.dtype} {list(spec.shape)}{' per expert' if fused else ''}"
-                                f"{m.shape_hint(shapes[canon])}")
+                                f"{m.shape_hint(shapes[canon])}"
+                            )
                         used.add(name)
                         part = Part(key, spec.shape, t.dtype)
                         if parts.setdefault(key, part) != part:
-                            raise CheckpointError(f"tensor {name}: {t.dtype} differs from other experts' {parts[key].dtype}")
+                            raise CheckpointError(
+                                f"tensor {name}: {t.dtype} differs from other experts' {parts[key].dtype}"
+                            )
                         ranges[key] = rng
                 self._ranges[layer, j] = ranges
-                self._names[layer, j] = (f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]" if fused else
-                                         f"{prefix}.experts.{j}.{{{','.join(names.expert_projs)}}}")
+                self._names[layer, j] = (
+                    f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]"
+                    if fused
+                    else f"{prefix}.experts.{j}.{{{','.join(names.expert_projs)}}}"
+                )
             if fused:
                 self._biases(layer, prefix)
             elif cfg.expert_bias:
-                raise CheckpointError(f"{self.index.model_dir}: missing tensor {prefix}.experts.gate_up_proj{primary} "
-                                      "(experts with biases are read from the fused layout only)")
+                raise CheckpointError(
+                    f"{self.index.model_dir}: missing tensor {prefix}.experts.gate_up_proj{primary} "
+                    "(experts with biases are read from the fused layout only)"
+                )
         if fused_any and any(k.split(".")[0] in ("gate", "up") for k in parts):
-            raise CheckpointError(f"{self.index.model_dir}: layers mix the fused and per-expert quantized layouts")
+            raise CheckpointError(
+                f"{self.index.model_dir}: layers mix the fused and per-expert quantized layouts"
+            )
         self.parts = tuple(parts.values()) + self.bias_parts
         self.stored_parts = self.parts
         self.stored_nbytes = sum(p.nbytes for p in self.parts)
@@ -267,34 +303,50 @@ class ExpertSource:
             for j in range(self.cfg.num_experts):
                 for proj in (g, u, d):
                     if m.method_for(f"{base}.{j}.{proj}") is not m:
-                        raise ConfigError(f"config.json: quantization_config gives routed expert module "
-                                          f"{base}.{j}.{proj} other parameters than {base}.0.{g} (an exclusion or "
-                                          "per-module override); routed experts must share one layout")
+                        raise ConfigError(
+                            f"config.json: quantization_config gives routed expert module "
+                            f"{base}.{j}.{proj} other parameters than {base}.0.{g} (an exclusion or "
+                            "per-module override); routed experts must share one layout"
+                        )
         # act-order in the config: the first expert's g_idx says whether the groups are contiguous anyway
         # (GPTQ's static groups); every later read checks its own
         first = f"{self.moe_prefix(self.layers[0], names)}.experts.0"
-        in_order = None if m.exact_groups else all(
-            torch.equal(self.index.load(f"{first}.{proj}.g_idx").long(),
-                        torch.arange(shapes[canon][1]) // m.group_size(shapes[canon][1]))
-            for canon, proj in zip(("gate", "up", "down"), (g, u, d)))
+        in_order = (
+            None
+            if m.exact_groups
+            else all(
+                torch.equal(
+                    self.index.load(f"{first}.{proj}.g_idx").long(),
+                    torch.arange(shapes[canon][1]) // m.group_size(shapes[canon][1]),
+                )
+                for canon, proj in zip(("gate", "up", "down"), (g, u, d))
+            )
+        )
         tier = m.tier(max(self.cfg.hidden_size, self.cfg.moe_intermediate_size), in_order)
         if tier is None:
             return
         self.method = tier
         self._projs = dict(zip(("gate", "up", "down"), (g, u, d)))
-        self.parts = tuple(Part(key, spec.shape, spec.dtype) for canon in ("gate", "up", "down")
-                           for key, spec in tier.layout(canon, shapes[canon]).items())
+        self.parts = tuple(
+            Part(key, spec.shape, spec.dtype)
+            for canon in ("gate", "up", "down")
+            for key, spec in tier.layout(canon, shapes[canon]).items()
+        )
         for key, ranges in self._ranges.items():
             self._ranges[key] = StoredRanges(ranges, self, key)
 
-    def convert(self, layer: int, expert: int, raw: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> None:
+    def convert(
+        self, layer: int, expert: int, raw: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]
+    ) -> None:
         """Expert (layer, expert)'s shipped tensors `raw` -> its tier parts, written into `dst` (exact)."""
         for canon, proj in self._projs.items():
             try:
                 parts = self.stored_method.repack(raw, canon, self.method)
             except ValueError as e:
                 prefix = self._names[layer, expert].split("{", 1)[0]
-                raise CheckpointError(f"{self.index.model_dir}: tensor {prefix}{proj}{str(e)[len(canon):]}") from None
+                raise CheckpointError(
+                    f"{self.index.model_dir}: tensor {prefix}{proj}{str(e)[len(canon) :]}"
+                ) from None
             for suffix, t in parts.items():
                 dst[f"{canon}.{suffix}"].copy_(t)
 
@@ -332,8 +384,10 @@ class ExpertSource:
         return bad
 
     def nonfinite_error(self, layer: int, expert: int) -> CheckpointError:
-        return CheckpointError(f"{self.expert_name(layer, expert)}: expert {expert} of layer {layer} holds non-finite "
-                               f"values (NaN or inf) in {', '.join(self.nonfinite[layer, expert])}; {SKIP_HINT}")
+        return CheckpointError(
+            f"{self.expert_name(layer, expert)}: expert {expert} of layer {layer} holds non-finite "
+            f"values (NaN or inf) in {', '.join(self.nonfinite[layer, expert])}; {SKIP_HINT}"
+        )
 
     def ranges(self, layer: int, expert: int) -> dict[str, list[Range]]:
         return self._ranges[layer, expert]
@@ -347,7 +401,7 @@ class ExpertSource:
             for path, off, n in self.ranges(layer, expert)[part.name]:
                 with open(path, "rb", buffering=0) as f:
                     f.seek(off)
-                    f.readinto(memoryview(buf)[pos:pos + n])
+                    f.readinto(memoryview(buf)[pos : pos + n])
                 pos += n
             out[part.name] = torch.frombuffer(buf, dtype=torch.uint8).view(part.dtype).view(part.shape)
         if self.stored_parts is self.parts:

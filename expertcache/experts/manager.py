@@ -66,17 +66,32 @@ def demotable(cuda: bool, dev_parts, source_parts) -> bool:
     pinned host slot; its binding is not built)."""
     src = {p.name: p for p in source_parts}
     exact = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
-    return not cuda and all(p.name in src and tuple(p.shape) == tuple(src[p.name].shape) and (
-        p.dtype == src[p.name].dtype or (src[p.name].dtype, p.dtype) in exact) for p in dev_parts)
+    return not cuda and all(
+        p.name in src
+        and tuple(p.shape) == tuple(src[p.name].shape)
+        and (p.dtype == src[p.name].dtype or (src[p.name].dtype, p.dtype) in exact)
+        for p in dev_parts
+    )
 
 
 class TieredExperts(ExpertProvider):
     """The tiered cache for the slot counts of a memory plan and a validated CacheConfig
     (policy, prefetch mode, cpu_compute, prefill admission; ablation switches in cfg.ablation)."""
 
-    def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, device_slots: int,
-                 host_slots: int | None, options: CacheConfig | None = None, stats: torch.Tensor | None = None,
-                 progress=None, dev_parts=None, cost: ExpertCost | None = None, executor: str | None = None):
+    def __init__(
+        self,
+        source: ExpertSource,
+        device: torch.device,
+        dtype: torch.dtype,
+        device_slots: int,
+        host_slots: int | None,
+        options: CacheConfig | None = None,
+        stats: torch.Tensor | None = None,
+        progress=None,
+        dev_parts=None,
+        cost: ExpertCost | None = None,
+        executor: str | None = None,
+    ):
         """`executor`: what runs a step's schedule: None = "cuda" on a CUDA device (streams, events and
         worker threads), else "inline" (the calling thread); "threads" = the CPU backend of the CUDA
         path (tests of its ordering on a CPU)."""
@@ -94,8 +109,11 @@ class TieredExperts(ExpertProvider):
         self.direct = is_direct(device, dev_parts, source.parts)
         # device slots hold the stored format (a peer rank can be sent their bytes as they are)
         self.dev_stored = [(p.name, p.dtype, tuple(p.shape)) for p in dev_parts] == [
-            (p.name, p.dtype, tuple(p.shape)) for p in source.parts]
-        self.peer = None  # expert parallelism: offers this layer's missing experts from other ranks (parallel.peer)
+            (p.name, p.dtype, tuple(p.shape)) for p in source.parts
+        ]
+        self.peer = (
+            None  # expert parallelism: offers this layer's missing experts from other ranks (parallel.peer)
+        )
         partial = host_slots is not None and host_slots > 0
         self.prefetch_mode = resolve_prefetch(prefetch, device, self.direct, partial)
         self.wants_prefetch = self.prefetch_mode != "off"
@@ -104,27 +122,45 @@ class TieredExperts(ExpertProvider):
         self.cuda = device.type == "cuda"
         executor = executor or ("cuda" if self.cuda else "inline")
         # per missing expert on CUDA (cpu_compute auto): computed on the CPU when that beats moving it
-        self.cost = cost or ExpertCost(default_profile(device.type), source.expert_nbytes,
-                                       3 * cfg.hidden_size * cfg.moe_intermediate_size)
+        self.cost = cost or ExpertCost(
+            default_profile(device.type),
+            source.expert_nbytes,
+            3 * cfg.hidden_size * cfg.moe_intermediate_size,
+        )
         nbytes = source.expert_nbytes
         # exclusive tiers: an expert leaving the device tier keeps its bytes in a host slot (demotion)
         # and one promoted from a host slot frees it, so RAM + device hold disjoint experts
         can = demotable(self.cuda, dev_parts, source.parts) and partial
         if exclusive and not can:
-            raise ValueError("exclusive=True needs a CPU device, a partial host tier and device slots that "
-                             "widen the stored format exactly (bf16/fp16 -> fp32, or the same dtype)")
+            raise ValueError(
+                "exclusive=True needs a CPU device, a partial host tier and device slots that "
+                "widen the stored format exactly (bf16/fp16 -> fp32, or the same dtype)"
+            )
         self.exclusive = can if exclusive is None else exclusive
         self.device_slots = device_slots
         self.host_all = host_slots is None
         self.host_slots = self.E if self.host_all else host_slots
         L = len(self.layers)
-        self.planner = StepPlanner(PlannerConfig(
-            num_experts=self.E, device_slots=device_slots, host_slots=host_slots, expert_bytes=nbytes, policy=policy,
-            cpu_compute={"auto": "cost" if self.cuda else "never"}.get(cpu_compute, cpu_compute),
-            prefetch=self.prefetch_mode, prefill_admit_tokens=prefill_admit_tokens, exclusive=self.exclusive,
-            direct=self.direct, staged_waves=self.cuda, gate_threshold=abl.prefetch_gate,
-            gate_waste=0.25 if self.cuda else 1.0), L, stats,
-            cpu_faster=self.cost.cpu_faster)
+        self.planner = StepPlanner(
+            PlannerConfig(
+                num_experts=self.E,
+                device_slots=device_slots,
+                host_slots=host_slots,
+                expert_bytes=nbytes,
+                policy=policy,
+                cpu_compute={"auto": "cost" if self.cuda else "never"}.get(cpu_compute, cpu_compute),
+                prefetch=self.prefetch_mode,
+                prefill_admit_tokens=prefill_admit_tokens,
+                exclusive=self.exclusive,
+                direct=self.direct,
+                staged_waves=self.cuda,
+                gate_threshold=abl.prefetch_gate,
+                gate_waste=0.25 if self.cuda else 1.0,
+            ),
+            L,
+            stats,
+            cpu_faster=self.cost.cpu_faster,
+        )
         self.reader = DiskReader(o_direct=abl.o_direct)
         self.t = 0
         self._uses = torch.zeros(L, self.E, dtype=torch.int64)  # use counts of big steps (bincount)
@@ -136,8 +172,11 @@ class TieredExperts(ExpertProvider):
         # read by the step through the torch tensor sharing its memory (one index_select)
         self.lut = np.full((L, self.E), -1, dtype=np.int64)
         self._lut_t = torch.from_numpy(self.lut)
-        self.stage = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
-                      if self.cuda else None)  # the waves' staging slot (a CPU device computes from the host)
+        self.stage = (
+            {p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
+            if self.cuda
+            else None
+        )  # the waves' staging slot (a CPU device computes from the host)
         self.executor, self.builder = None, ScheduleBuilder(staged_waves=self.cuda)
         # host tier: stored dtype; all experts (slot = expert id) when host_slots is None
         self.host = SlotPool(source.parts, L, self.host_slots, torch.device("cpu"), pin=self.cuda)
@@ -196,7 +235,9 @@ class TieredExperts(ExpertProvider):
         ref = self.source.read(layer, e)
         for n, t in dst.items():
             if not torch.equal(t.cpu(), ref[n].to(t.dtype)):
-                raise AssertionError(f"slot bytes of layer {layer} expert {e} part {n} differ from the checkpoint")
+                raise AssertionError(
+                    f"slot bytes of layer {layer} expert {e} part {n} differ from the checkpoint"
+                )
 
     # -- provider interface --------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -247,8 +288,11 @@ class TieredExperts(ExpertProvider):
             pf = (j, self.planner.plan_prefetch(j, ahead[1].tolist(), ahead[2], self.t))
         ex = self.executor
         # in issue order nothing is gained by computing the hits before fills whose bytes are in memory
-        merge = ex.inline and plan.fills and not any(f.src is None or f.src.read or f.src.transient
-                                                     for f in plan.fills)
+        merge = (
+            ex.inline
+            and plan.fills
+            and not any(f.src is None or f.src.read or f.src.transient for f in plan.fills)
+        )
         sched = self.builder.layer(i, plan, experts, tokens, pf, merge=bool(merge))
         b = Bindings(self, i, x, step, weights, hit_slots, plan, lazy_out=ex.inline)
         fns = b.fns(sched)
@@ -308,7 +352,9 @@ class TieredExperts(ExpertProvider):
                 self.lut[i][e] = s
 
     def stats(self) -> dict:
-        s = collect(self.counters, self.use_counts, self.device_slots, None if self.host_all else self.host_slots)
+        s = collect(
+            self.counters, self.use_counts, self.device_slots, None if self.host_all else self.host_slots
+        )
         s["residency"] = self.residency()
         return s
 
@@ -317,7 +363,7 @@ class TieredExperts(ExpertProvider):
         rows = []
         for i in range(len(self.layers)):
             row = [1 if self.host_all else 0] * self.E
-            for e in (self.host_tables[i].resident() if self.host_tables else []):
+            for e in self.host_tables[i].resident() if self.host_tables else []:
                 row[e] = 1
             for e in self.dev_tables[i].resident():
                 row[e] = 2
@@ -335,7 +381,7 @@ class TieredExperts(ExpertProvider):
         row = [0] * self.E
         for e in self.dev_tables[i].resident():
             row[e] = 2 if self.dev_stored else 1
-        for e in (self.host_tables[i].resident() if self.host_tables else []):
+        for e in self.host_tables[i].resident() if self.host_tables else []:
             row[e] = 2
         return row
 
@@ -369,7 +415,9 @@ class TieredExperts(ExpertProvider):
             assert not table.pinned, "pins must not outlive a layer's step"
             lut = self.lut[i]
             for e in range(self.E):
-                assert lut[e] == table.slot_of[e], f"layer {layer}: lookup says expert {e} in slot {lut[e]}, table {table.slot_of[e]}"
+                assert lut[e] == table.slot_of[e], (
+                    f"layer {layer}: lookup says expert {e} in slot {lut[e]}, table {table.slot_of[e]}"
+                )
                 if contents and lut[e] >= 0:
                     self._verify(layer, e, self.dev.views(i, lut[e]))
             if st.host is not None:

@@ -163,10 +163,15 @@ class LayerState:
 
     def __init__(self, cfg: PlannerConfig, layer: int, stats=None, oracle: NextUse | None = None, **params):
         E = cfg.num_experts
-        self.device = SlotTable(E, cfg.device_slots, make_policy(cfg.policy, E, cfg.device_slots, layer, stats,
-                                                                 oracle=oracle, **params))
+        self.device = SlotTable(
+            E,
+            cfg.device_slots,
+            make_policy(cfg.policy, E, cfg.device_slots, layer, stats, oracle=oracle, **params),
+        )
         partial = cfg.host_slots is not None and cfg.host_slots > 0
-        self.host = SlotTable(E, cfg.host_slots, make_policy("lru", E, cfg.host_slots, layer)) if partial else None
+        self.host = (
+            SlotTable(E, cfg.host_slots, make_policy("lru", E, cfg.host_slots, layer)) if partial else None
+        )
         self.prefetched: set[int] = set()  # device prefetches not yet used
         self.host_prefetched: set[int] = set()
         self.pf_evicted: set[int] = set()  # experts this step's prefetches evicted
@@ -177,15 +182,24 @@ class LayerState:
 class StepPlanner:
     """Plans every layer's steps (see module doc); `layers[i]` is the state of MoE layer index i."""
 
-    def __init__(self, cfg: PlannerConfig, num_layers: int, stats=None, cpu_faster: Callable[[int], bool] | None = None,
-                 oracles: list[NextUse] | None = None, **policy_params):
+    def __init__(
+        self,
+        cfg: PlannerConfig,
+        num_layers: int,
+        stats=None,
+        cpu_faster: Callable[[int], bool] | None = None,
+        oracles: list[NextUse] | None = None,
+        **policy_params,
+    ):
         if cfg.cpu_compute not in ("always", "never", "cost"):
             raise ValueError(f"cpu_compute must be always, never or cost, got {cfg.cpu_compute!r}")
         if cfg.cpu_compute == "cost" and cpu_faster is None:
             raise ValueError("cpu_compute='cost' needs the cost model's cpu_faster(tokens)")
         self.cfg, self.cpu_faster = cfg, cpu_faster
-        self.layers = [LayerState(cfg, i, stats, oracle=oracles[i] if oracles else None, **policy_params)
-                       for i in range(num_layers)]
+        self.layers = [
+            LayerState(cfg, i, stats, oracle=oracles[i] if oracles else None, **policy_params)
+            for i in range(num_layers)
+        ]
         self.gate = PrefetchGate(num_layers, cfg.gate_threshold, waste=cfg.gate_waste)
 
     @property
@@ -199,8 +213,9 @@ class StepPlanner:
         self._cpu_faster = rule
         self.priced_first = rule is not None and "first" in inspect.signature(rule).parameters
         # ExpertCost's rule is a pure function of (rows, first) (its profile is frozen): asked once per pair
-        self.cpu_memo: dict[tuple[int, bool], bool] | None = {} if isinstance(getattr(rule, "__self__", None),
-                                                                              ExpertCost) else None
+        self.cpu_memo: dict[tuple[int, bool], bool] | None = (
+            {} if isinstance(getattr(rule, "__self__", None), ExpertCost) else None
+        )
 
     def _cpu(self, rows: int, first: bool) -> bool:
         memo = self.cpu_memo
@@ -208,8 +223,9 @@ class StepPlanner:
             return self._cpu_faster(rows, first=first) if self.priced_first else self._cpu_faster(rows)
         got = memo.get((rows, first))
         if got is None:
-            got = memo[(rows, first)] = self._cpu_faster(rows, first=first) if self.priced_first else \
-                self._cpu_faster(rows)
+            got = memo[(rows, first)] = (
+                self._cpu_faster(rows, first=first) if self.priced_first else self._cpu_faster(rows)
+            )
         return got
 
     # -- one step ---------------------------------------------------------------------------------
@@ -247,7 +263,9 @@ class StepPlanner:
                 c.cpu_computed += cpu
                 offs.append((e, cpu))
                 continue
-            a = table.access(e, t)  # cost: admitted where the policy predicts reuse, even if computed on the CPU
+            a = table.access(
+                e, t
+            )  # cost: admitted where the policy predicts reuse, even if computed on the CPU
             if a.slot < 0:
                 c.cpu_computed += cpu
                 offs.append((e, cpu))

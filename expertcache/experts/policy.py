@@ -49,8 +49,17 @@ import numpy as np
 
 POLICIES: dict[str, Callable[..., Policy]] = {}
 DEFAULT_POLICY = "adaptive"  # the best of lfru-admit, lfru and lfu per layer, online (README, "Policies against the optimum")
-ONLINE = ("lru", "lfru", "lfu", "static", "lfru-admit", "adaptive")  # usable by the engine (no future knowledge)
-GHOST_SAMPLE_EXPERTS = 64  # adaptive: ghosts watch every expert up to this many, a 1/R sample above (module doc)
+ONLINE = (
+    "lru",
+    "lfru",
+    "lfu",
+    "static",
+    "lfru-admit",
+    "adaptive",
+)  # usable by the engine (no future knowledge)
+GHOST_SAMPLE_EXPERTS = (
+    64  # adaptive: ghosts watch every expert up to this many, a 1/R sample above (module doc)
+)
 
 
 def register(name: str):
@@ -62,16 +71,24 @@ def register(name: str):
     return deco
 
 
-def make_policy(name: str, num_experts: int, capacity: int, layer: int = 0, stats=None,
-                oracle: NextUse | None = None, **params) -> Policy:
+def make_policy(
+    name: str,
+    num_experts: int,
+    capacity: int,
+    layer: int = 0,
+    stats=None,
+    oracle: NextUse | None = None,
+    **params,
+) -> Policy:
     """Build policy `name` for one layer. `stats` is an optional [layers, experts]
     use-count matrix (saved expert statistics) for policies that start warm;
     `oracle` gives next-use times (replay only, for "min"); `params` tune a policy
     (e.g. decay=0.9 for lfru)."""
     if name not in POLICIES:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name](num_experts=num_experts, capacity=capacity, layer=layer, stats=stats,
-                          oracle=oracle, **params)
+    return POLICIES[name](
+        num_experts=num_experts, capacity=capacity, layer=layer, stats=stats, oracle=oracle, **params
+    )
 
 
 class Policy:
@@ -308,8 +325,12 @@ class LFRU(_Scored):
         self.t_score[e] = t
         if self.ranking and e in self.resident:
             so = self.slot_of
-            x = self.entry[e] = (s if self.lam == 0.0 else math.log(s) + t * self.lam, t,
-                                 so[e] if so is not None else e, e)
+            x = self.entry[e] = (
+                s if self.lam == 0.0 else math.log(s) + t * self.lam,
+                t,
+                so[e] if so is not None else e,
+                e,
+            )
             heapq.heappush(self.heap, x)
             if len(self.heap) > 4 * len(self.resident) + 64:
                 self._rebuild()
@@ -363,8 +384,10 @@ class Static(_Scored):
         if stats is not None:
             stats = np.asarray(stats, dtype=np.float64)
             if stats.ndim != 2 or stats.shape[1] != self.num_experts or self.layer >= stats.shape[0]:
-                raise ValueError(f"stats: expected a [layers, {self.num_experts}] matrix covering layer "
-                                 f"{self.layer}, got shape {stats.shape}")
+                raise ValueError(
+                    f"stats: expected a [layers, {self.num_experts}] matrix covering layer "
+                    f"{self.layer}, got shape {stats.shape}"
+                )
             self.count = stats[self.layer].tolist()
         else:
             self.count = [0.0] * self.num_experts
@@ -429,8 +452,9 @@ class LFRUAdmit(LFRU):
         if not self.ranking:
             self.set_ranking(True)
         top = self._top()
-        least = min([x[0] for x in self.fresh.values()] + ([top[0]] if top is not None else []),
-                    default=math.inf)
+        least = min(
+            [x[0] for x in self.fresh.values()] + ([top[0]] if top is not None else []), default=math.inf
+        )
         if self.rank_of(mine, t) >= least:
             return True
         self.score[e], self.t_score[e] = mine, t  # a refused use still counts (as TinyLFU's sketch)
@@ -493,8 +517,14 @@ class _GhostLFRU:
 
     def step(self, uses: list[int], t: int) -> int:
         """The uses of one step at time t, in order -> how many hit."""
-        score, ts, last, slot_of, entry, heap = (self.score, self.t_score, self.last_use, self.slot_of,
-                                                 self.entry, self.heap)
+        score, ts, last, slot_of, entry, heap = (
+            self.score,
+            self.t_score,
+            self.last_use,
+            self.slot_of,
+            self.entry,
+            self.heap,
+        )
         d, lam, log, push, pop = self.decay, self.lam, math.log, heapq.heappush, heapq.heappop
         pinned: set[int] = set()
         hits = 0
@@ -570,8 +600,13 @@ class Adaptive(Policy):
     optimum": bench/policy_bench.py, untuned traces).
     """
 
-    def __init__(self, candidates=("lfru-admit", "lfru", "lfu"), decay: float = 0.98,
-                 ghost_experts: int = GHOST_SAMPLE_EXPERTS, **kw):
+    def __init__(
+        self,
+        candidates=("lfru-admit", "lfru", "lfu"),
+        decay: float = 0.98,
+        ghost_experts: int = GHOST_SAMPLE_EXPERTS,
+        **kw,
+    ):
         super().__init__(**kw)
         E, cap = self.num_experts, self.capacity
         args = {"num_experts": E, "layer": self.layer, "stats": kw.get("stats")}
@@ -714,7 +749,9 @@ class MIN(_Scored):
     def __init__(self, oracle: NextUse | None = None, **kw):
         super().__init__(**kw)
         if oracle is None:
-            raise ValueError("min: needs a next-use oracle (future knowledge); it exists only in trace replay")
+            raise ValueError(
+                "min: needs a next-use oracle (future knowledge); it exists only in trace replay"
+            )
         self.oracle = oracle
         self.ranking = False  # keys change with time: no heap
 

@@ -92,8 +92,10 @@ def pin_chunks(parts: list[tuple[int, int, int]], total: int) -> list[tuple[int,
     for j, (off, slot, n) in enumerate(parts):
         end = parts[j + 1][0] if j + 1 < len(parts) else total
         if off % PAGE or end < off + slot * n:
-            raise ValueError(f"pin_chunks: part {j} at byte {off} ({n} slots of {slot} B) is not page-aligned "
-                             f"or overruns byte {end}")
+            raise ValueError(
+                f"pin_chunks: part {j} at byte {off} ({n} slots of {slot} B) is not page-aligned "
+                f"or overruns byte {end}"
+            )
         step = math.lcm(slot, PAGE) if slot else end - off
         step *= max(1, PIN_CHUNK // step)
         out += [(o, min(step, end - o)) for o in range(off, end, step)] if end > off else []
@@ -128,7 +130,9 @@ class SlotPool:
         else:
             if pin:
                 raise ValueError("SlotPool: pin=True is for a tier in host RAM, not on device " + str(device))
-            self.buf = {p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device) for p in parts}
+            self.buf = {
+                p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device) for p in parts
+            }
             self.reserved_bytes = self.nbytes
         self.inflight: dict[tuple[int, int], InFlight] = {}
         self._layers_of: dict | None = None  # the `buf` dict the per-layer views were made from
@@ -142,8 +146,12 @@ class SlotPool:
             self.layout.append((total, p.nbytes, layers * slots))
             total += -(-n // PAGE) * PAGE
         self.region = hostmem.empty((total,), torch.uint8)
-        return {p.name: self.region[self.offsets[p.name]:self.offsets[p.name] + n].view(p.dtype)
-                .view(layers, slots, *p.shape) for p, n in zip(parts, sizes)}
+        return {
+            p.name: self.region[self.offsets[p.name] : self.offsets[p.name] + n]
+            .view(p.dtype)
+            .view(layers, slots, *p.shape)
+            for p, n in zip(parts, sizes)
+        }
 
     def _pin(self) -> None:
         base, done = self.region.data_ptr(), []
@@ -151,9 +159,12 @@ class SlotPool:
             if not cuda_host_register(base + off, n):
                 clear_cuda_error()
                 _release(done, self.region)
-                print(f"note: could not page-lock the host tier ({fmt_bytes(self.region.numel())}, failed at "
-                      f"byte {off}); it stays in pageable memory, so host -> device copies are slower and "
-                      "block the host (raise `ulimit -l` or lower --host-memory to pin it)", file=sys.stderr)
+                print(
+                    f"note: could not page-lock the host tier ({fmt_bytes(self.region.numel())}, failed at "
+                    f"byte {off}); it stays in pageable memory, so host -> device copies are slower and "
+                    "block the host (raise `ulimit -l` or lower --host-memory to pin it)",
+                    file=sys.stderr,
+                )
                 return
             done.append(base + off)
         self.pinned, self.pinned_bytes = True, self.region.numel()
@@ -168,7 +179,9 @@ class SlotPool:
         their weight specs once per layer: kernels.moe caches them by these objects); assigning a new
         `buf` dict makes new ones."""
         if self._layers_of is not self.buf:
-            self._layers = [{n: t[j] for n, t in self.buf.items()} for j in range(len(next(iter(self.buf.values()))))]
+            self._layers = [
+                {n: t[j] for n, t in self.buf.items()} for j in range(len(next(iter(self.buf.values()))))
+            ]
             self._layers_of = self.buf
         return self._layers[i]
 

@@ -32,8 +32,14 @@ class PrefetchGate:
     stays at 0.626, while on the trained tinymoe-py16 it still raises 0.538 -> 0.598. Replay
     (trace.replay) runs the same gate."""
 
-    def __init__(self, layers: int, threshold: float | None = 0.0, alpha: float = 0.25, probe_every: int = 16,
-                 waste: float = 1.0):
+    def __init__(
+        self,
+        layers: int,
+        threshold: float | None = 0.0,
+        alpha: float = 0.25,
+        probe_every: int = 16,
+        waste: float = 1.0,
+    ):
         self.threshold, self.alpha, self.probe_every, self.waste = threshold, alpha, probe_every, waste
         self.score = [0.5] * layers
         self.skipped = [0] * layers
@@ -49,7 +55,9 @@ class PrefetchGate:
 
     def update(self, i: int, issued: int, used: int, harm: int) -> None:
         if issued:
-            self.score[i] += self.alpha * ((used - harm - self.waste * (issued - used)) / issued - self.score[i])
+            self.score[i] += self.alpha * (
+                (used - harm - self.waste * (issued - used)) / issued - self.score[i]
+            )
 
 
 PREFETCH_MODES = ("auto", "device", "host", "off")

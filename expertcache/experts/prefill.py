@@ -65,19 +65,38 @@ def _on_pool_threads(pool: dict[str, torch.Tensor], method, ffn) -> bool:
     same numerics as bf16_expert): plain bf16 parts [out, in], contiguous, no biases, SiLU; else bf16_expert
     in Python, one expert at a time."""
     ext = kernels.extension()
-    return (ext is not None and method is None and not ffn.transposed and ffn.act == "silu"
-            and set(pool) == {"gate_up", "down"} and all(t.dtype == torch.bfloat16 and t.is_contiguous()
-                                                        for t in pool.values()))
+    return (
+        ext is not None
+        and method is None
+        and not ffn.transposed
+        and ffn.act == "silu"
+        and set(pool) == {"gate_up", "down"}
+        and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in pool.values())
+    )
 
 
-def pool_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor],
-                 take: torch.Tensor, ffn, out: torch.Tensor) -> None:
+def pool_experts(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    take: torch.Tensor,
+    ffn,
+    out: torch.Tensor,
+) -> None:
     """out += the experts of the slots in `take` (bool [S]) for their pairs, on the kernels' threads, each
     expert one unit (the caller checked _on_pool_threads)."""
     with torch.no_grad():
-        kernels.extension().experts_bf16(x.contiguous(), slots.to(torch.int64).contiguous(),
-                                         weights.float().contiguous(), pool["gate_up"], pool["down"], take,
-                                         ffn.interleaved, out)
+        kernels.extension().experts_bf16(
+            x.contiguous(),
+            slots.to(torch.int64).contiguous(),
+            weights.float().contiguous(),
+            pool["gate_up"],
+            pool["down"],
+            take,
+            ffn.interleaved,
+            out,
+        )
 
 
 def _intermediate(pool: dict[str, torch.Tensor], method, ffn) -> int:
@@ -90,8 +109,15 @@ def _intermediate(pool: dict[str, torch.Tensor], method, ffn) -> int:
     return pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
 
 
-def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
-                ffn, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def prefill_moe(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    method,
+    ffn,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The experts of many tokens on the bf16 matmul -> (out, rest): out (a new zeroed one where `out` is
     None) holding their pairs, rest the slots with those pairs masked to -1 for the caller's own path
     (the kernels, or the torch code where they do not read the pool); None: no expert goes to the
@@ -108,16 +134,20 @@ def prefill_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, poo
         return None
     H, I = x.shape[1], _intermediate(pool, method, ffn)
     on_kernel = kernels.moe_args(pool, method, H, ffn) is not None  # else the torch code computes the rest
-    threaded = _on_pool_threads(pool, method, ffn) and (out is None or (out.dtype == torch.float32
-                                                                      and out.is_contiguous()))
+    threaded = _on_pool_threads(pool, method, ffn) and (
+        out is None or (out.dtype == torch.float32 and out.is_contiguous())
+    )
 
     def probe():
         one = {n: t[:1] for n, t in pool.items()}  # slot 0, as a pool of one
         w0 = {n: t[0] for n, t in pool.items()}
         xs = {n: torch.randn(n, H) for n in prefill_gemm.PROBE_T}
         route = {n: (torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)) for n in prefill_gemm.PROBE_T}
-        base = ((lambda n: kernels.moe_out(xs[n], *route[n], one, method, ffn)) if on_kernel
-                else (lambda n: expert_ffn(xs[n], w0, method, ffn)))
+        base = (
+            (lambda n: kernels.moe_out(xs[n], *route[n], one, method, ffn))
+            if on_kernel
+            else (lambda n: expert_ffn(xs[n], w0, method, ffn))
+        )
         if threaded:
             yes = torch.ones(1, dtype=torch.bool)
             return base, (lambda n: pool_experts(xs[n], *route[n], one, yes, ffn, torch.zeros(n, H)))

@@ -54,8 +54,16 @@ class ExpertProvider:
 class ResidentExperts(ExpertProvider):
     """Every expert loaded once into stacked per-layer pools {part: [E, ...]} (slot = expert id)."""
 
-    def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, progress=None, parts=None,
-                 alloc=None, load: bool = True):
+    def __init__(
+        self,
+        source: ExpertSource,
+        device: torch.device,
+        dtype: torch.dtype,
+        progress=None,
+        parts=None,
+        alloc=None,
+        load: bool = True,
+    ):
         """`alloc(shape, dtype)`: how the pools are allocated (default hostmem.empty on `device`); `load`
         False: allocated only, `load()` reads the experts later."""
         self.source, self.method, self.ffn = source, source.method, source.ffn
@@ -63,7 +71,8 @@ class ResidentExperts(ExpertProvider):
         parts = parts or source.compute_parts(dtype, device)
         alloc = alloc or (lambda shape, dt: hostmem.empty(shape, dt, device))
         self.pools: dict[int, dict[str, torch.Tensor]] = {
-            layer: {p.name: alloc((E, *p.shape), p.dtype) for p in parts} for layer in source.layers}
+            layer: {p.name: alloc((E, *p.shape), p.dtype) for p in parts} for layer in source.layers
+        }
         if load:
             self.load(progress)
 

@@ -51,8 +51,17 @@ from dataclasses import dataclass, field
 from .planner import Demotion, Fill, HostSource, StepPlan
 
 QUEUES = ("device", "d2h", "h2d", "cpu", "io")
-KINDS = {"dense": "device", "moe": "device", "add": "device", "ids": "d2h", "rows": "d2h", "demote": "d2h",
-         "h2d": "h2d", "cpu": "cpu", "read": "io"}
+KINDS = {
+    "dense": "device",
+    "moe": "device",
+    "add": "device",
+    "ids": "d2h",
+    "rows": "d2h",
+    "demote": "d2h",
+    "h2d": "h2d",
+    "cpu": "cpu",
+    "read": "io",
+}
 STAGE = -2  # the staging slot of off-slot waves
 
 
@@ -73,7 +82,9 @@ class Op:
     reads: tuple[int, ...] = ()  # device slots read (moe)
     host_slot: int = -1  # host slot written (read, demote) or read (h2d); -1 none / transient
     host_reads: tuple[int, ...] = ()  # host slots the CPU job (or an unstaged wave) reads
-    tag: str = ""  # moe: hits | fills | all (hits and fills in one) | wave; h2d/read: demand | prefetch | admit
+    tag: str = (
+        ""  # moe: hits | fills | all (hits and fills in one) | wave; h2d/read: demand | prefetch | admit
+    )
 
     @property
     def queue(self) -> str:
@@ -129,7 +140,9 @@ class ScheduleBuilder:
             return None, -1
         key = (i, src.slot)
         if src.transient or src.read:
-            waits = [] if src.transient else [*self.host_readers.pop(key, {}).values(), self.host_writer.get(key)]
+            waits = (
+                [] if src.transient else [*self.host_readers.pop(key, {}).values(), self.host_writer.get(key)]
+            )
             op = self._op(sched, "read", waits, layer=i, experts=(e,), host_slot=src.slot, tag=tag)
             if not src.transient:
                 self.host_writer[key] = op.id
@@ -146,20 +159,30 @@ class ScheduleBuilder:
             op = self._op(sched, "read", slot_free, layer=i, experts=(e,), slot=slot, tag=tag)
         else:
             after, hs = got or self._host_bytes(sched, i, e, src, tag)
-            op = self._op(sched, "h2d", [after, *slot_free], layer=i, experts=(e,), slot=slot, host_slot=hs, tag=tag)
+            op = self._op(
+                sched, "h2d", [after, *slot_free], layer=i, experts=(e,), slot=slot, host_slot=hs, tag=tag
+            )
             if hs >= 0:
                 self.host_readers.setdefault((i, hs), {})["h2d"] = op.id
         self.dev_writer[key] = op.id
         return op.id
 
-    def _moe(self, sched, i: int, pairs: list[tuple[int, int]], tokens: dict[int, int], tag: str,
-             waits=()) -> Op:
+    def _moe(
+        self, sched, i: int, pairs: list[tuple[int, int]], tokens: dict[int, int], tag: str, waits=()
+    ) -> Op:
         experts, slots = tuple([e for e, _ in pairs]), tuple([s for _, s in pairs])
         keys = [(i, s) for s in slots] if STAGE not in slots else [_key(i, s) for s in slots]
         writer = self.dev_writer
         w = [writer[k] for k in keys if k in writer]
-        op = self._op(sched, "moe", w + list(waits) if waits else w, experts=experts,
-                      tokens=tuple([tokens[e] for e in experts]), reads=slots, tag=tag)
+        op = self._op(
+            sched,
+            "moe",
+            w + list(waits) if waits else w,
+            experts=experts,
+            tokens=tuple([tokens[e] for e in experts]),
+            reads=slots,
+            tag=tag,
+        )
         reader, n = self.dev_reader, op.id
         for k in keys:
             reader[k] = n
@@ -168,9 +191,14 @@ class ScheduleBuilder:
     def _demote(self, sched, i: int, d: Demotion) -> None:
         """Device slot d.dev_slot's bytes back into host slot d.host_slot (before the slot is refilled)."""
         dkey, hkey = (i, d.dev_slot), (i, d.host_slot)
-        waits = [self.dev_writer.get(dkey), *self.host_readers.pop(hkey, {}).values(), self.host_writer.get(hkey)]
-        op = self._op(sched, "demote", waits, layer=i, experts=(d.expert,), reads=(d.dev_slot,),
-                      host_slot=d.host_slot)
+        waits = [
+            self.dev_writer.get(dkey),
+            *self.host_readers.pop(hkey, {}).values(),
+            self.host_writer.get(hkey),
+        ]
+        op = self._op(
+            sched, "demote", waits, layer=i, experts=(d.expert,), reads=(d.dev_slot,), host_slot=d.host_slot
+        )
         self.dev_reader[dkey] = op.id  # the fill into the slot waits for it
         self.host_writer[hkey] = op.id
 
@@ -181,13 +209,28 @@ class ScheduleBuilder:
             self._moe(sched, i, [(o.expert, STAGE)], n, "wave", [w])
             return
         after, hs = got
-        op = self._op(sched, "moe", [after], experts=(o.expert,), tokens=(n[o.expert],),
-                      host_reads=(hs,) if hs >= 0 else (), tag="wave")
+        op = self._op(
+            sched,
+            "moe",
+            [after],
+            experts=(o.expert,),
+            tokens=(n[o.expert],),
+            host_reads=(hs,) if hs >= 0 else (),
+            tag="wave",
+        )
         if hs >= 0:
             self.host_readers.setdefault((i, hs), {})["device"] = op.id
 
-    def layer(self, i: int, plan: StepPlan, experts: list[int], tokens: list[int],
-              prefetch: tuple[int, list] | None = None, dense: bool = False, merge: bool = False) -> LayerSchedule:
+    def layer(
+        self,
+        i: int,
+        plan: StepPlan,
+        experts: list[int],
+        tokens: list[int],
+        prefetch: tuple[int, list] | None = None,
+        dense: bool = False,
+        merge: bool = False,
+    ) -> LayerSchedule:
         """Layer i's step: `plan` from StepPlanner.plan_step for `experts` with `tokens` rows each;
         `prefetch` (layer j, StepPlanner.plan_prefetch's items: Prefetch and Demotion) issued after
         the layer's own copies; `dense`: lead with the layer's dense op (pricing; the engine runs it
@@ -208,17 +251,31 @@ class ScheduleBuilder:
             self._demote(sched, i, dm)
         # demand bytes: CPU experts' host copies first (the CPU job waits for them), then fills
         cpu_src = [self._host_bytes(sched, i, o.expert, o.src, "demand") for o in cpu]
-        wave_src = [self._host_bytes(sched, i, o.expert, o.src, "demand") for o in waves] if not self.staged_waves \
+        wave_src = (
+            [self._host_bytes(sched, i, o.expert, o.src, "demand") for o in waves]
+            if not self.staged_waves
             else [None] * len(waves)
-        rows = self._op(sched, "rows", experts=tuple(o.expert for o in cpu),
-                        tokens=(sum(n[o.expert] for o in cpu),)) if cpu else None
+        )
+        rows = (
+            self._op(
+                sched, "rows", experts=tuple(o.expert for o in cpu), tokens=(sum(n[o.expert] for o in cpu),)
+            )
+            if cpu
+            else None
+        )
         fill_ops = [self._into_slot(sched, i, f.expert, f.slot, f.src, "demand") for f in fills]
         merged = merge and fills
         if plan.hits and not merged:
             self._moe(sched, i, plan.hits, n, "hits")
         if cpu:
-            job = self._op(sched, "cpu", [rows.id, *(a for a, _ in cpu_src)], experts=tuple(o.expert for o in cpu),
-                           tokens=tuple(n[o.expert] for o in cpu), host_reads=tuple(hs for _, hs in cpu_src if hs >= 0))
+            job = self._op(
+                sched,
+                "cpu",
+                [rows.id, *(a for a, _ in cpu_src)],
+                experts=tuple(o.expert for o in cpu),
+                tokens=tuple(n[o.expert] for o in cpu),
+                host_reads=tuple(hs for _, hs in cpu_src if hs >= 0),
+            )
             for _, hs in cpu_src:
                 if hs >= 0:
                     self.host_readers.setdefault((i, hs), {})["cpu"] = job.id
@@ -265,14 +322,20 @@ def check_rules(scheds: list[LayerSchedule]) -> None:
                 assert not bad, f"cpu op {o.id} waits on device compute {bad}"
             if o.slot != -1:  # a write into a device slot: only that slot's readers and writers
                 for w in deps:
-                    ok = o.slot in w.reads or w.slot == o.slot or (
-                        w.kind == "read" and w.host_slot == o.host_slot and w.slot == -1)
-                    assert ok, f"op {o.id} writing slot {o.slot} waits on op {w.id} ({w.kind}), not of that slot"
+                    ok = (
+                        o.slot in w.reads
+                        or w.slot == o.slot
+                        or (w.kind == "read" and w.host_slot == o.host_slot and w.slot == -1)
+                    )
+                    assert ok, (
+                        f"op {o.id} writing slot {o.slot} waits on op {w.id} ({w.kind}), not of that slot"
+                    )
             key = (o.layer, o.host_slot)
             if o.kind in ("read", "demote") and o.host_slot >= 0 and o.slot == -1:
                 for r in readers.pop(key, []):
-                    assert reaches(ops, prev, o.id, r), \
+                    assert reaches(ops, prev, o.id, r), (
                         f"read {o.id} into host slot {o.host_slot} may overwrite it while op {r} reads it"
+                    )
             elif o.kind == "h2d" and o.host_slot >= 0:
                 readers.setdefault(key, []).append(o.id)
             for hs in o.host_reads:

@@ -45,8 +45,14 @@ class Timeline:
         return sorted(self.start, key=lambda o: (self.start[o], o))
 
 
-def evaluate(scheds: list[LayerSchedule], seconds: Callable[[Op], float], io_lanes: int = 4,
-             host_s: float = 0.0, op_s: float = 0.0, issue_s: float = 0.0) -> Timeline:
+def evaluate(
+    scheds: list[LayerSchedule],
+    seconds: Callable[[Op], float],
+    io_lanes: int = 4,
+    host_s: float = 0.0,
+    op_s: float = 0.0,
+    issue_s: float = 0.0,
+) -> Timeline:
     """Start and end of every op (module doc); `op_s` is added to every op: the executor's
     hand-off from one queue to the next (an event set, a thread woken); `issue_s` is the host's
     time to issue one op (its clock advances by it per op); both measured by the caller."""
@@ -80,8 +86,9 @@ def evaluate(scheds: list[LayerSchedule], seconds: Callable[[Op], float], io_lan
     return Timeline(start, end, held, max(end.values(), default=0.0))
 
 
-def op_seconds(cost: ExpertCost, hidden: int, dense_s: float = 0.0, link_latency_s: float = 10e-6,
-               act_bytes: int = 2) -> Callable[[Op], float]:
+def op_seconds(
+    cost: ExpertCost, hidden: int, dense_s: float = 0.0, link_latency_s: float = 10e-6, act_bytes: int = 2
+) -> Callable[[Op], float]:
     """Per-op seconds under a cost profile (module doc)."""
     link = cost.profile.link_gbs * 1e9
 
@@ -95,7 +102,9 @@ def op_seconds(cost: ExpertCost, hidden: int, dense_s: float = 0.0, link_latency
         if o.kind == "moe":
             return sum(cost.gpu_use(n) for n in o.tokens)
         if o.kind == "cpu":
-            return cost.cpu_job() + sum(cost.cpu_use(n) for n in o.tokens)  # one job per layer: its fixed cost once
+            return cost.cpu_job() + sum(
+                cost.cpu_use(n) for n in o.tokens
+            )  # one job per layer: its fixed cost once
         if o.kind == "rows":
             return link_latency_s + (sum(o.tokens) * hidden * act_bytes / link if link > 0 else 0.0)
         return link_latency_s  # ids, add

@@ -80,8 +80,9 @@ class SlotTable:
             evicted = self.policy.choose(self.owner, self.pinned)
             if evicted < 0:  # every slot pinned
                 return -1, -1
-            assert self.slot_of[evicted] >= 0 and evicted not in self.pinned, \
+            assert self.slot_of[evicted] >= 0 and evicted not in self.pinned, (
                 f"policy {self.policy.name} chose a pinned or absent victim"
+            )
             s = self.slot_of[evicted]
             self.slot_of[evicted] = -1
             self.policy.remove(evicted)

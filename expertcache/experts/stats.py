@@ -44,7 +44,9 @@ class LayerCounters:
     waves: int = 0  # uses computed through the staging slots (no slot could be kept)
 
 
-def collect(layers: dict[int, LayerCounters], use_counts: torch.Tensor, device_slots: int, host_slots: int | None) -> dict:
+def collect(
+    layers: dict[int, LayerCounters], use_counts: torch.Tensor, device_slots: int, host_slots: int | None
+) -> dict:
     tot = LayerCounters()
     for c in layers.values():
         for k, v in asdict(c).items():
@@ -59,11 +61,20 @@ def collect(layers: dict[int, LayerCounters], use_counts: torch.Tensor, device_s
         "cpu_admitted_share": tot.cpu_admitted / tot.misses if tot.misses else 0.0,
         "prefetch": {"issued": tot.prefetch_issued, "useful": tot.prefetch_useful},
         "per_tier": {
-            "device": {"slots_per_layer": device_slots, "hits": tot.hits, "misses": tot.misses,
-                       "bytes_in": tot.bytes_moved},
-            "host": {"slots_per_layer": host_slots, "hits": tot.host_hits, "misses": tot.host_misses,
-                     "prefetch_issued": tot.host_prefetch_issued, "prefetch_useful": tot.host_prefetch_useful,
-                     "demoted": tot.demoted},
+            "device": {
+                "slots_per_layer": device_slots,
+                "hits": tot.hits,
+                "misses": tot.misses,
+                "bytes_in": tot.bytes_moved,
+            },
+            "host": {
+                "slots_per_layer": host_slots,
+                "hits": tot.host_hits,
+                "misses": tot.host_misses,
+                "prefetch_issued": tot.host_prefetch_issued,
+                "prefetch_useful": tot.host_prefetch_useful,
+                "demoted": tot.demoted,
+            },
             "disk": {"bytes_read": tot.disk_bytes},
         },
         "per_layer": [{"layer": layer, **asdict(c)} for layer, c in sorted(layers.items())],
@@ -79,14 +90,24 @@ def summary_line(s: dict) -> str:
         parts.append(f"host {host['hits'] / hu:.1%}")
     parts.append(f"moved {s['bytes_moved'] / 1e9:.3f} GB")
     if s["misses"]:
-        parts.append(f"cpu-computed {s['cpu_computed_share']:.0%} of misses"
-                     + (f" ({s['cpu_admitted_share']:.0%} admitted too)" if s.get("cpu_admitted_share") else ""))
+        parts.append(
+            f"cpu-computed {s['cpu_computed_share']:.0%} of misses"
+            + (f" ({s['cpu_admitted_share']:.0%} admitted too)" if s.get("cpu_admitted_share") else "")
+        )
     return ", ".join(parts)
 
 
 def save_stats(path: str | Path, use_counts: torch.Tensor, layers: list[int], model: str) -> None:
-    Path(path).write_text(json.dumps({"format": "expertcache-stats-v1", "model": model, "layers": layers,
-                                      "use_counts": use_counts.tolist()}))
+    Path(path).write_text(
+        json.dumps(
+            {
+                "format": "expertcache-stats-v1",
+                "model": model,
+                "layers": layers,
+                "use_counts": use_counts.tolist(),
+            }
+        )
+    )
 
 
 def load_stats(path: str | Path, layers: list[int], num_experts: int) -> torch.Tensor:
@@ -96,6 +117,8 @@ def load_stats(path: str | Path, layers: list[int], num_experts: int) -> torch.T
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{path}: not an expertcache stats file ({e})") from None
     if d.get("layers") != layers or tuple(counts.shape) != (len(layers), num_experts):
-        raise ValueError(f"{path}: stats are for layers {d.get('layers')} x {list(counts.shape)[1:]} experts, "
-                         f"this model has layers {layers} x {num_experts}")
+        raise ValueError(
+            f"{path}: stats are for layers {d.get('layers')} x {list(counts.shape)[1:]} experts, "
+            f"this model has layers {layers} x {num_experts}"
+        )
     return counts

@@ -42,8 +42,10 @@ def expert_types(gf: GGUFFile) -> dict[tuple[int, str], str]:
         if s is not None and s[2] == "weight":
             out[s[0], s[1]] = t.type.name
         elif p is not None and out.setdefault((p[0], p[1]), t.type.name) != t.type.name:
-            raise CheckpointError(f"{gf.path}: tensor {t.name} is {t.type.name}, the layer's other "
-                                  f"ffn_{p[1]} experts {out[p[0], p[1]]}; one layer's experts share one type")
+            raise CheckpointError(
+                f"{gf.path}: tensor {t.name} is {t.type.name}, the layer's other "
+                f"ffn_{p[1]} experts {out[p[0], p[1]]}; one layer's experts share one type"
+            )
     return out
 
 
@@ -59,16 +61,20 @@ def _quantization(path: Path, gf: GGUFFile) -> dict | None:
     if mixed:
         p, ts = next(iter(mixed.items()))
         layers = {t: sorted(la for (la, q), tt in types.items() if q == p and tt == t) for t in ts}
-        raise CheckpointError(f"{path}: routed experts blk.N.ffn_{p}_exps differ in type across layers "
-                              f"({'; '.join(f'{t} in layers {ls[:6]}' + ('...' if len(ls) > 6 else '') for t, ls in layers.items())}); "
-                              "every layer's experts of one projection must share one type (the expert slots "
-                              "hold one layout per projection)")
+        raise CheckpointError(
+            f"{path}: routed experts blk.N.ffn_{p}_exps differ in type across layers "
+            f"({'; '.join(f'{t} in layers {ls[:6]}' + ('...' if len(ls) > 6 else '') for t, ls in layers.items())}); "
+            "every layer's experts of one projection must share one type (the expert slots "
+            "hold one layout per projection)"
+        )
     one = {p: next(iter(ts)) for p, ts in per_proj.items()}
     if "gate_up" in one and not ({"gate", "up"} & set(one)):  # blk.N.ffn_gate_up_exps
         one.update(gate=one["gate_up"], up=one.pop("gate_up"))
     if set(one) != {"gate", "up", "down"}:
-        raise CheckpointError(f"{path}: routed experts have stacks {sorted(one)}; expected blk.N.ffn_gate_exps, "
-                              "ffn_up_exps and ffn_down_exps")
+        raise CheckpointError(
+            f"{path}: routed experts have stacks {sorted(one)}; expected blk.N.ffn_gate_exps, "
+            "ffn_up_exps and ffn_down_exps"
+        )
     floats = {"F32", "F16", "BF16"}
     if set(one.values()) <= floats:
         return None

@@ -22,7 +22,13 @@ NOT_IN_METADATA = {
     "qwen3moe": {"norm_topk_prob": True},
     # gpt-oss: the clamped SwiGLU's constants are in llama.cpp's graph (alpha 1.702, limit 7.0), as in
     # GPT-OSS's config.json; its YaRN's beta_fast 32 / beta_slow 1 and truncate false are config.json's too
-    "gpt-oss": {"swiglu_alpha": 1.702, "swiglu_limit": 7.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+    "gpt-oss": {
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
     # mixtral: renormalised top-k softmax is the family's routing, nothing to state
     # deepseek2: the converter writes YaRN's mscale_all_dim (as rope.scaling.yarn_log_multiplier = 0.1 x it)
     # but not mscale; DeepSeek's published configs have mscale = mscale_all_dim
@@ -107,9 +113,13 @@ def _experts(m: Meta) -> dict:
 
 
 def _qwen3moe(m: Meta) -> dict:
-    return {**_base(m), **_experts(m), "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
-            "intermediate_size": int(m.get("feed_forward_length", 0)),
-            "norm_topk_prob": bool(m.get("expert_weights_norm", NOT_IN_METADATA["qwen3moe"]["norm_topk_prob"]))}
+    return {
+        **_base(m),
+        **_experts(m),
+        "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
+        "intermediate_size": int(m.get("feed_forward_length", 0)),
+        "norm_topk_prob": bool(m.get("expert_weights_norm", NOT_IN_METADATA["qwen3moe"]["norm_topk_prob"])),
+    }
 
 
 register(Arch("qwen3moe", "Qwen3MoeForCausalLM", _qwen3moe))
@@ -117,27 +127,45 @@ register(Arch("qwen3moe", "Qwen3MoeForCausalLM", _qwen3moe))
 
 def _gpt_oss(m: Meta) -> dict:
     facts = NOT_IN_METADATA["gpt-oss"]
-    hf = {**_base(m), "num_local_experts": int(m.req("expert_count")),
-          "num_experts_per_tok": int(m.req("expert_used_count")),
-          "intermediate_size": int(m.get("expert_feed_forward_length", m.get("feed_forward_length"))),
-          "sliding_window": int(m.req("attention.sliding_window")), "attention_bias": True,
-          "swiglu_alpha": facts["swiglu_alpha"], "swiglu_limit": facts["swiglu_limit"]}
+    hf = {
+        **_base(m),
+        "num_local_experts": int(m.req("expert_count")),
+        "num_experts_per_tok": int(m.req("expert_used_count")),
+        "intermediate_size": int(m.get("expert_feed_forward_length", m.get("feed_forward_length"))),
+        "sliding_window": int(m.req("attention.sliding_window")),
+        "attention_bias": True,
+        "swiglu_alpha": facts["swiglu_alpha"],
+        "swiglu_limit": facts["swiglu_limit"],
+    }
     if "rope_scaling" in hf:
         hf["rope_scaling"].update({k: facts[k] for k in ("beta_fast", "beta_slow", "truncate")})
     return hf
 
 
-register(Arch("gpt-oss", "GptOssForCausalLM", _gpt_oss, router="router", fused_experts=True,
-              weight_names=(("fused_transposed", False), ("gate_up_interleaved", False))))
+register(
+    Arch(
+        "gpt-oss",
+        "GptOssForCausalLM",
+        _gpt_oss,
+        router="router",
+        fused_experts=True,
+        weight_names=(("fused_transposed", False), ("gate_up_interleaved", False)),
+    )
+)
 
 
 def _llama(m: Meta) -> dict:
     """arch `llama` with experts is Mixtral (a dense llama is not a MoE model)."""
     if not m.get("expert_count"):
-        raise CheckpointError(f"{m.path}: a dense llama model (no llama.expert_count); expertcache runs MoE models")
-    hf = {**_base(m), "num_local_experts": int(m.req("expert_count")),
-          "num_experts_per_tok": int(m.req("expert_used_count")),
-          "intermediate_size": int(m.get("expert_feed_forward_length", m.get("feed_forward_length")))}
+        raise CheckpointError(
+            f"{m.path}: a dense llama model (no llama.expert_count); expertcache runs MoE models"
+        )
+    hf = {
+        **_base(m),
+        "num_local_experts": int(m.req("expert_count")),
+        "num_experts_per_tok": int(m.req("expert_used_count")),
+        "intermediate_size": int(m.get("expert_feed_forward_length", m.get("feed_forward_length"))),
+    }
     hf["head_dim"] = int(m.get("rope.dimension_count", hf["head_dim"]))
     return hf
 
@@ -155,23 +183,31 @@ def _glm4moe(m: Meta) -> dict:
     nextn = int(m.get("nextn_predict_layers", 0))
     gating = GATING.get(m.get("expert_gating_func", 2))
     if gating != "sigmoid":
-        raise CheckpointError(f"{m.path}: {m.arch}.expert_gating_func {m.get('expert_gating_func')!r}: GLM-4.5 "
-                              "routes by sigmoid (2)")
-    hf.update({
-        "num_hidden_layers": hf["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
-        "n_routed_experts": int(m.req("expert_count")), "num_experts_per_tok": int(m.req("expert_used_count")),
-        "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
-        "intermediate_size": int(m.get("feed_forward_length", 0)),
-        "n_shared_experts": int(m.get("expert_shared_count", 0)),
-        "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
-        "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
-        "n_group": int(m.get("expert_group_count", 1)), "topk_group": int(m.get("expert_group_used_count", 1)),
-        "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-        "partial_rotary_factor": int(m.get("rope.dimension_count", hf["head_dim"])) / hf["head_dim"],
-        "attention_bias": "blk.0.attn_q.bias" in m.tensors,
-        "use_qk_norm": "blk.0.attn_q_norm.weight" in m.tensors,
-    })
+        raise CheckpointError(
+            f"{m.path}: {m.arch}.expert_gating_func {m.get('expert_gating_func')!r}: GLM-4.5 "
+            "routes by sigmoid (2)"
+        )
+    hf.update(
+        {
+            "num_hidden_layers": hf["num_hidden_layers"] - nextn,
+            "num_nextn_predict_layers": nextn,
+            "n_routed_experts": int(m.req("expert_count")),
+            "num_experts_per_tok": int(m.req("expert_used_count")),
+            "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
+            "intermediate_size": int(m.get("feed_forward_length", 0)),
+            "n_shared_experts": int(m.get("expert_shared_count", 0)),
+            "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
+            "n_group": int(m.get("expert_group_count", 1)),
+            "topk_group": int(m.get("expert_group_used_count", 1)),
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "partial_rotary_factor": int(m.get("rope.dimension_count", hf["head_dim"])) / hf["head_dim"],
+            "attention_bias": "blk.0.attn_q.bias" in m.tensors,
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in m.tensors,
+        }
+    )
     return hf
 
 
@@ -187,29 +223,43 @@ def _deepseek2(m: Meta) -> dict:
     k_mla = int(m.get("attention.key_length_mla", hf["head_dim"]))
     gating = GATING.get(m.get("expert_gating_func", 1))
     if gating is None:
-        raise CheckpointError(f"{m.path}: {m.arch}.expert_gating_func {m.get('expert_gating_func')!r} is not "
-                              "supported (1 softmax, 2 sigmoid)")
+        raise CheckpointError(
+            f"{m.path}: {m.arch}.expert_gating_func {m.get('expert_gating_func')!r} is not "
+            "supported (1 softmax, 2 sigmoid)"
+        )
     n_group, topk_group = int(m.get("expert_group_count", 1)), int(m.get("expert_group_used_count", 1))
     v3 = gating == "sigmoid"
-    hf.update({
-        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
-        "num_key_value_heads": heads, "head_dim": rope_dim,  # (DeepseekV2/V3Config: head_dim = qk_rope_head_dim)
-        "q_lora_rank": m.get("attention.q_lora_rank"), "kv_lora_rank": int(m.req("attention.kv_lora_rank")),
-        "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": k_mla - rope_dim,
-        "v_head_dim": int(m.req("attention.value_length_mla")),
-        "n_routed_experts": int(m.req("expert_count")), "num_experts_per_tok": int(m.req("expert_used_count")),
-        "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
-        "intermediate_size": int(m.get("feed_forward_length", 0)),
-        "n_shared_experts": int(m.get("expert_shared_count", 0)),
-        "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
-        "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
-        "n_group": n_group, "topk_group": topk_group, "scoring_func": gating,
-        "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if n_group > 1 else "greedy"),
-    })
+    hf.update(
+        {
+            "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+            "num_key_value_heads": heads,
+            "head_dim": rope_dim,  # (DeepseekV2/V3Config: head_dim = qk_rope_head_dim)
+            "q_lora_rank": m.get("attention.q_lora_rank"),
+            "kv_lora_rank": int(m.req("attention.kv_lora_rank")),
+            "qk_rope_head_dim": rope_dim,
+            "qk_nope_head_dim": k_mla - rope_dim,
+            "v_head_dim": int(m.req("attention.value_length_mla")),
+            "n_routed_experts": int(m.req("expert_count")),
+            "num_experts_per_tok": int(m.req("expert_used_count")),
+            "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
+            "intermediate_size": int(m.get("feed_forward_length", 0)),
+            "n_shared_experts": int(m.get("expert_shared_count", 0)),
+            "first_k_dense_replace": int(m.get("leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
+            "n_group": n_group,
+            "topk_group": topk_group,
+            "scoring_func": gating,
+            "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if n_group > 1 else "greedy"),
+        }
+    )
     scaling = hf.get("rope_scaling")
     if scaling is not None and scaling["rope_type"] == "yarn":
-        for key, hf_key in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"), ("attn_factor", "attention_factor")):
+        for key, hf_key in (
+            ("beta_fast", "beta_fast"),
+            ("beta_slow", "beta_slow"),
+            ("attn_factor", "attention_factor"),
+        ):
             if m.get(f"rope.scaling.yarn_{key}") is not None:
                 scaling[hf_key] = float(m.get(f"rope.scaling.yarn_{key}"))
         log_mul = m.get("rope.scaling.yarn_log_multiplier")
@@ -225,12 +275,21 @@ def hf_config(path: Path, metadata: dict, tensor_names, vocab_size: int) -> tupl
     """(Arch, the config.json dict) from a file's metadata; `tensor_names`: the GGUF tensor names."""
     arch = metadata.get("general.architecture")
     if arch not in ARCHES:
-        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(ARCHES)})")
+        raise CheckpointError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(ARCHES)})"
+        )
     a = ARCHES[arch]
     m = Meta(path, metadata, arch, tensor_names)
-    hf = {"architectures": [a.hf_architecture], "vocab_size": vocab_size,
-          "tie_word_embeddings": "output.weight" not in tensor_names, **a.fields(m)}
-    for key, hf_key in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")):
+    hf = {
+        "architectures": [a.hf_architecture],
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        **a.fields(m),
+    }
+    for key, hf_key in (
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+    ):
         if key in metadata:
             hf[hf_key] = int(metadata[key])
     eot = metadata.get("tokenizer.ggml.eot_token_id")

@@ -74,18 +74,27 @@ class GGUFIndex(TensorIndex):
         self._experts(stacks, arch, projs)
         for layer, kv in kv_b.items():
             if set(kv) != {"k", "v"}:
-                raise CheckpointError(f"{gf.path}: tensor blk.{layer}.attn_{'v' if 'k' in kv else 'k'}_b.weight is "
-                                      f"missing beside {next(iter(kv.values())).name}")
+                raise CheckpointError(
+                    f"{gf.path}: tensor blk.{layer}.attn_{'v' if 'k' in kv else 'k'}_b.weight is "
+                    f"missing beside {next(iter(kv.values())).name}"
+                )
             name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
             self.tensors[name] = _kv_b(name, kv["k"], kv["v"])
         if self.left_out:
-            shown = ", ".join(self.left_out[:4]) + (f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else "")
-            print(f"note: {gf.path.name}: {len(self.left_out)} tensor(s) not read by the {arch.arch} model: {shown}",
-                  file=sys.stderr)
+            shown = ", ".join(self.left_out[:4]) + (
+                f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else ""
+            )
+            print(
+                f"note: {gf.path.name}: {len(self.left_out)} tensor(s) not read by the {arch.arch} model: {shown}",
+                file=sys.stderr,
+            )
         for type_name, names in self._dequantized.items():
-            print(f"note: {gf.path.name}: {len(names)} dense tensor(s) of type {type_name} ({names[0]}"
-                  f"{', ...' if len(names) > 1 else ''}) are dequantized at load to float32 through the gguf "
-                  "package (no decoder of that type here)", file=sys.stderr)
+            print(
+                f"note: {gf.path.name}: {len(names)} dense tensor(s) of type {type_name} ({names[0]}"
+                f"{', ...' if len(names) > 1 else ''}) are dequantized at load to float32 through the gguf "
+                "package (no decoder of that type here)",
+                file=sys.stderr,
+            )
 
     def _dense(self, t: GGUFTensor, name: str, heads: int) -> GGUFInfo:
         if t.type.name in FLOATS:
@@ -103,14 +112,20 @@ class GGUFIndex(TensorIndex):
         for (layer, canon, kind), t in stacks.items():
             want = 3 if kind == "weight" else 2
             if len(t.dims) != want:
-                raise CheckpointError(f"{t.file}: tensor {t.name} has ggml dims {list(t.dims)}; expected "
-                                      f"{'[in, out, experts]' if kind == 'weight' else '[out, experts]'}")
+                raise CheckpointError(
+                    f"{t.file}: tensor {t.name} has ggml dims {list(t.dims)}; expected "
+                    f"{'[in, out, experts]' if kind == 'weight' else '[out, experts]'}"
+                )
             if kind == "bias" and t.type.name not in FLOATS:
-                raise CheckpointError(f"{t.file}: tensor {t.name} is {t.type.name}; expert biases must be F32/F16/BF16")
+                raise CheckpointError(
+                    f"{t.file}: tensor {t.name} is {t.type.name}; expert biases must be F32/F16/BF16"
+                )
             if kind == "weight" and t.type.name not in FLOATS and method_name(t.type.name) is None:
-                raise CheckpointError(f"{t.file}: tensor {t.name} (routed experts) is {t.type.name}, which has no "
-                                      "expert format here (supported: F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, "
-                                      "Q6_K, IQ4_NL, IQ4_XS, MXFP4); requantize the experts with llama-quantize")
+                raise CheckpointError(
+                    f"{t.file}: tensor {t.name} (routed experts) is {t.type.name}, which has no "
+                    "expert format here (supported: F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, "
+                    "Q6_K, IQ4_NL, IQ4_XS, MXFP4); requantize the experts with llama-quantize"
+                )
             if kind == "weight":
                 self.expert_types[layer, canon] = t.type.name
         fused_layers = {layer for (layer, canon, _) in stacks if canon == "gate_up"}
@@ -122,7 +137,9 @@ class GGUFIndex(TensorIndex):
                     continue
                 parts = (t, stacks.get((layer, "up", kind))) if canon == "gate" else (t,)
                 if None in parts:
-                    raise CheckpointError(f"{t.file}: missing tensor {t.name.replace('gate', 'up')} (beside {t.name})")
+                    raise CheckpointError(
+                        f"{t.file}: missing tensor {t.name.replace('gate', 'up')} (beside {t.name})"
+                    )
                 proj = "down_proj" if canon == "down" else "gate_up_proj"
                 name = f"{prefix}.{proj}" + ("_bias" if kind == "bias" else "")
                 self.tensors[name] = _stack(name, parts, kind)
@@ -131,33 +148,51 @@ class GGUFIndex(TensorIndex):
                 shape = _expert_shape(t)
                 for j in range(E):
                     name = f"{prefix}.{j}.{projs[canon]}.weight"
-                    self.tensors[name] = GGUFInfo(name, t.file, _expert_dtype(t), shape, t.offset + j * per, per, t.type,
-                                                  f"{t.name}[{j}]")
+                    self.tensors[name] = GGUFInfo(
+                        name,
+                        t.file,
+                        _expert_dtype(t),
+                        shape,
+                        t.offset + j * per,
+                        per,
+                        t.type,
+                        f"{t.name}[{j}]",
+                    )
             else:
-                raise CheckpointError(f"{t.file}: tensor {t.name}: expert biases are not read for the {arch.arch} "
-                                      "architecture")
+                raise CheckpointError(
+                    f"{t.file}: tensor {t.name}: expert biases are not read for the {arch.arch} architecture"
+                )
 
     def _one_expert(self, t: GGUFTensor, arch: Arch, projs: dict, layer: int, canon: str, j: int) -> None:
         if len(t.dims) != 2:
-            raise CheckpointError(f"{t.file}: tensor {t.name} has ggml dims {list(t.dims)}; expected [in, out]")
+            raise CheckpointError(
+                f"{t.file}: tensor {t.name} has ggml dims {list(t.dims)}; expected [in, out]"
+            )
         if t.type.name not in FLOATS and method_name(t.type.name) is None:
-            raise CheckpointError(f"{t.file}: tensor {t.name} (a routed expert) is {t.type.name}, which has no expert "
-                                  "format here; requantize the experts with llama-quantize")
+            raise CheckpointError(
+                f"{t.file}: tensor {t.name} (a routed expert) is {t.type.name}, which has no expert "
+                "format here; requantize the experts with llama-quantize"
+            )
         self.expert_types[layer, canon] = t.type.name
         name = f"model.layers.{layer}.{arch.moe_prefix}.experts.{j}.{projs[canon]}.weight"
         shape = (t.dims[1], t.dims[0]) if t.type.name in FLOATS else (t.dims[1], t.type.row_bytes(t.dims[0]))
-        self.tensors[name] = GGUFInfo(name, t.file, _expert_dtype(t), shape, t.offset, t.nbytes, t.type, t.name)
+        self.tensors[name] = GGUFInfo(
+            name, t.file, _expert_dtype(t), shape, t.offset, t.nbytes, t.type, t.name
+        )
 
     def info(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         t = self.tensors.get(name)
         if t is None:
             g = gguf_name(name, self.arch)
-            raise CheckpointError(f"{self.model_dir}: missing tensor {g + ' (' + name + ')' if g else name}"
-                                  f"{_gguf_hint(name)}")
+            raise CheckpointError(
+                f"{self.model_dir}: missing tensor {g + ' (' + name + ')' if g else name}{_gguf_hint(name)}"
+            )
         if shape is not None and tuple(shape) != t.shape:
             g = getattr(t, "gguf_name", name)
-            raise CheckpointError(f"{t.file.name}: tensor {g} ({name}) has shape {list(t.shape)}, the config implies "
-                                  f"{list(shape)}")
+            raise CheckpointError(
+                f"{t.file.name}: tensor {g} ({name}) has shape {list(t.shape)}, the config implies "
+                f"{list(shape)}"
+            )
         return t
 
     def load(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -182,7 +217,9 @@ class GGUFStack(GGUFInfo):
     pieces: tuple = ()
 
     def expert_ranges(self, j: int) -> list[tuple]:
-        return [(p.file, p.offset + j * (p.nbytes // p.dims[-1]), p.nbytes // p.dims[-1]) for p in self.pieces]
+        return [
+            (p.file, p.offset + j * (p.nbytes // p.dims[-1]), p.nbytes // p.dims[-1]) for p in self.pieces
+        ]
 
 
 def _expert_dtype(t: GGUFTensor) -> torch.dtype:
@@ -201,12 +238,24 @@ def _expert_shape(t: GGUFTensor) -> tuple[int, ...]:
 def _stack(name: str, pieces: tuple, kind: str) -> GGUFStack:
     first = pieces[0]
     if any(p.type != first.type or p.dims != first.dims for p in pieces):
-        raise CheckpointError(f"{first.file}: tensors {', '.join(p.name for p in pieces)} differ in type or shape; "
-                              "they are served as one stack")
+        raise CheckpointError(
+            f"{first.file}: tensors {', '.join(p.name for p in pieces)} differ in type or shape; "
+            "they are served as one stack"
+        )
     E, one = first.dims[-1], _expert_shape(first)
     shape = (E, len(pieces) * one[0], *one[1:])
-    return GGUFStack(name, first.file, _expert_dtype(first), shape, first.offset, sum(p.nbytes for p in pieces),
-                     first.type, "+".join(p.name for p in pieces), 0, pieces)
+    return GGUFStack(
+        name,
+        first.file,
+        _expert_dtype(first),
+        shape,
+        first.offset,
+        sum(p.nbytes for p in pieces),
+        first.type,
+        "+".join(p.name for p in pieces),
+        0,
+        pieces,
+    )
 
 
 @dataclass(frozen=True)
@@ -224,18 +273,32 @@ class KVB(GGUFInfo):
 
 def _kv_b(name: str, k_b: GGUFTensor, v_b: GGUFTensor) -> KVB:
     if len(k_b.dims) != 3 or len(v_b.dims) != 3 or k_b.dims[2] != v_b.dims[2] or k_b.dims[1] != v_b.dims[0]:
-        raise CheckpointError(f"{k_b.file}: tensors {k_b.name} {list(k_b.dims)} and {v_b.name} {list(v_b.dims)} "
-                              "(ggml dims) are not [nope, kv_lora, heads] and [kv_lora, v, heads]")
+        raise CheckpointError(
+            f"{k_b.file}: tensors {k_b.name} {list(k_b.dims)} and {v_b.name} {list(v_b.dims)} "
+            "(ggml dims) are not [nope, kv_lora, heads] and [kv_lora, v, heads]"
+        )
     heads, kv_lora = k_b.dims[2], k_b.dims[1]
     shape = (heads * (k_b.dims[0] + v_b.dims[1]), kv_lora)
-    return KVB(name, k_b.file, torch.float32, shape, k_b.offset, k_b.nbytes + v_b.nbytes, k_b.type,
-               f"{k_b.name}+{v_b.name}", 0, k_b, v_b)
+    return KVB(
+        name,
+        k_b.file,
+        torch.float32,
+        shape,
+        k_b.offset,
+        k_b.nbytes + v_b.nbytes,
+        k_b.type,
+        f"{k_b.name}+{v_b.name}",
+        0,
+        k_b,
+        v_b,
+    )
 
 
 def _as_float(t: GGUFTensor) -> torch.Tensor:
     """Any GGUF tensor's values, flat, float32 (or its float dtype)."""
-    info = GGUFInfo(t.name, t.file, FLOATS.get(t.type.name, torch.float32), t.shape, t.offset, t.nbytes, t.type,
-                    t.name)
+    info = GGUFInfo(
+        t.name, t.file, FLOATS.get(t.type.name, torch.float32), t.shape, t.offset, t.nbytes, t.type, t.name
+    )
     if t.type.name in FLOATS:
         raw = torch.empty(t.nbytes, dtype=torch.uint8)
         with open(t.file, "rb", buffering=0) as f:
@@ -255,8 +318,11 @@ def dequantize(t: GGUFInfo) -> torch.Tensor:
     if t.type.name in DECODERS:
         return DECODERS[t.type.name](raw.view(-1, t.type.block_bytes)).reshape(t.shape)
     gguf = _gguf_package(t)
-    return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(t.type.id)).copy()
-                            ).float().reshape(t.shape)
+    return (
+        torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(t.type.id)).copy())
+        .float()
+        .reshape(t.shape)
+    )
 
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -270,9 +336,11 @@ def _gguf_package(t):
     try:
         import gguf
     except ImportError:
-        raise CheckpointError(f"{t.file}: tensor {t.name if isinstance(t, GGUFTensor) else t.gguf_name} is "
-                              f"{t.type.name}; that type is read through the gguf package "
-                              "(pip install gguf), or requantize the file") from None
+        raise CheckpointError(
+            f"{t.file}: tensor {t.name if isinstance(t, GGUFTensor) else t.gguf_name} is "
+            f"{t.type.name}; that type is read through the gguf package "
+            "(pip install gguf), or requantize the file"
+        ) from None
     return gguf
 
 

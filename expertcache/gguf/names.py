@@ -21,24 +21,45 @@ from .families import Arch
 
 GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
     # multi-head latent attention (deepseek2); attn_k_b + attn_v_b (newer files) are kv_b_proj split (index.py)
-    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
-    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
 }
 KV_B_SPLIT = {"attn_k_b": "k", "attn_v_b": "v"}
-MOE = {"ffn_gate_inp": "{router}", "ffn_gate_shexp": "{shared}.gate_proj", "ffn_up_shexp": "{shared}.up_proj",
-       "ffn_down_shexp": "{shared}.down_proj", "ffn_gate_inp_shexp": "shared_expert_gate",
-       "exp_probs_b": "{router}.e_score_correction"}
-EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down",
-           "ffn_gate_up_exps": "gate_up"}  # gate_up: [in, 2 x out, E], gate rows first (llama-graph.cpp)
+MOE = {
+    "ffn_gate_inp": "{router}",
+    "ffn_gate_shexp": "{shared}.gate_proj",
+    "ffn_up_shexp": "{shared}.up_proj",
+    "ffn_down_shexp": "{shared}.down_proj",
+    "ffn_gate_inp_shexp": "shared_expert_gate",
+    "exp_probs_b": "{router}.e_score_correction",
+}
+EXPERTS = {
+    "ffn_gate_exps": "gate",
+    "ffn_up_exps": "up",
+    "ffn_down_exps": "down",
+    "ffn_gate_up_exps": "gate_up",
+}  # gate_up: [in, 2 x out, E], gate rows first (llama-graph.cpp)
 BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
-PER_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")  # older Mixtral files: one per expert
+PER_EXPERT = re.compile(
+    r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$"
+)  # older Mixtral files: one per expert
 
 
 def hf_name(name: str, a: Arch) -> str | None:
@@ -86,10 +107,20 @@ def gguf_name(name: str, a: Arch) -> str | None:
         return None
     layer, module, suffix = m.groups()
     modules = {v: k for k, v in LAYER.items()}
-    modules.update({f"{a.moe_prefix}.{v.format(router=a.router, shared=a.shared_expert)}": k for k, v in MOE.items()})
+    modules.update(
+        {f"{a.moe_prefix}.{v.format(router=a.router, shared=a.shared_expert)}": k for k, v in MOE.items()}
+    )
     if ".experts." in module:
         proj = module.rsplit(".", 1)[-1]
-        canon = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down",
-                 "gate_up_proj": "gate", "down": "down"}.get(proj)
+        canon = {
+            "gate_proj": "gate",
+            "up_proj": "up",
+            "down_proj": "down",
+            "w1": "gate",
+            "w3": "up",
+            "w2": "down",
+            "gate_up_proj": "gate",
+            "down": "down",
+        }.get(proj)
         return None if canon is None else f"blk.{layer}.ffn_{canon}_exps.{suffix}"
     return f"blk.{layer}.{modules[module]}.{suffix}" if module in modules else None

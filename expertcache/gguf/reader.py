@@ -27,11 +27,34 @@ from ..quant.ggml_blocks import TYPES, GGMLType
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # value type id -> (name, struct format or None for string / array)
-VALUE_TYPES = {0: ("u8", "<B"), 1: ("i8", "<b"), 2: ("u16", "<H"), 3: ("i16", "<h"), 4: ("u32", "<I"),
-               5: ("i32", "<i"), 6: ("f32", "<f"), 7: ("bool", "<?"), 8: ("string", None), 9: ("array", None),
-               10: ("u64", "<Q"), 11: ("i64", "<q"), 12: ("f64", "<d")}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-          12: "<f8"}
+VALUE_TYPES = {
+    0: ("u8", "<B"),
+    1: ("i8", "<b"),
+    2: ("u16", "<H"),
+    3: ("i16", "<h"),
+    4: ("u32", "<I"),
+    5: ("i32", "<i"),
+    6: ("f32", "<f"),
+    7: ("bool", "<?"),
+    8: ("string", None),
+    9: ("array", None),
+    10: ("u64", "<Q"),
+    11: ("i64", "<q"),
+    12: ("f64", "<d"),
+}
+_NUMPY = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 MAX_STRING = 1 << 30
 _U64 = struct.Struct("<Q")  # a longer string or array is a corrupt header, not a model
@@ -126,8 +149,10 @@ def split_files(path: Path) -> list[Path]:
     if m is None:
         return [path]
     if int(m["i"]) != 1:
-        raise CheckpointError(f"{path}: part {int(m['i'])} of a split GGUF set; give the first part "
-                              f"({m['stem']}-00001-of-{m['n']}.gguf)")
+        raise CheckpointError(
+            f"{path}: part {int(m['i'])} of a split GGUF set; give the first part "
+            f"({m['stem']}-00001-of-{m['n']}.gguf)"
+        )
     n = int(m["n"])
     files = [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
     missing = [f.name for f in files if not f.is_file()]
@@ -146,7 +171,9 @@ def _read_one(path: Path, out: GGUFFile, first: bool) -> None:
             raise CheckpointError(f"{path}: GGUF version {version} is not supported (supported: 2, 3)")
         n_tensors, n_kv = r.scalar("<Q", "the tensor count"), r.scalar("<Q", "the metadata count")
         if n_tensors > r.size or n_kv > r.size:
-            raise CheckpointError(f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata entries)")
+            raise CheckpointError(
+                f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata entries)"
+            )
         meta = {}
         for _ in range(n_kv):
             key = r.string("a metadata key")
@@ -171,8 +198,10 @@ def _read_one(path: Path, out: GGUFFile, first: bool) -> None:
         if t is None:
             raise CheckpointError(f"{path}: tensor {name} has unknown ggml type id {type_id}")
         if dims and dims[0] % t.block:
-            raise CheckpointError(f"{path}: tensor {name} ({t.name}) has rows of {dims[0]} elements, not a "
-                                  f"multiple of its block of {t.block}")
+            raise CheckpointError(
+                f"{path}: tensor {name} ({t.name}) has rows of {dims[0]} elements, not a "
+                f"multiple of its block of {t.block}"
+            )
         rows = 1
         for d in dims[1:]:
             rows *= d
@@ -180,8 +209,10 @@ def _read_one(path: Path, out: GGUFFile, first: bool) -> None:
         if offset % align:
             raise CheckpointError(f"{path}: tensor {name} data offset {offset} is not aligned to {align}")
         if data + offset + nbytes > r.size:
-            raise CheckpointError(f"{path}: truncated GGUF file (tensor {name} ends at byte {data + offset + nbytes}, "
-                                  f"file has {r.size})")
+            raise CheckpointError(
+                f"{path}: truncated GGUF file (tensor {name} ends at byte {data + offset + nbytes}, "
+                f"file has {r.size})"
+            )
         if name in out.tensors:
             raise CheckpointError(f"{path}: tensor {name} appears twice")
         out.tensors[name] = GGUFTensor(name, t, dims, path, data + offset, nbytes)

@@ -25,8 +25,10 @@ from ..errors import CheckpointError
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-           r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 class Pre(NamedTuple):
@@ -36,19 +38,46 @@ class Pre(NamedTuple):
 
 
 PRE: dict[str, Pre] = {
-    "qwen2": Pre(((r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                  r"\s*[\r\n]+|\s+(?!\S)|\s+"),), nfc=True),
-    "qwen35": Pre(((r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+"
-                   r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),), nfc=True),
+    "qwen2": Pre(
+        (
+            (
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+"
+            ),
+        ),
+        nfc=True,
+    ),
+    "qwen35": Pre(
+        (
+            (
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+"
+                r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+            ),
+        ),
+        nfc=True,
+    ),
     "llama-bpe": Pre((_LLAMA3,), ignore_merges=True),
     "glm4": Pre((_LLAMA3,), ignore_merges=True),
-    "gpt-4o": Pre(((r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                   r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
-                   r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"
-                   r"\s*[\r\n]+|\s+(?!\S)|\s+"),)),
-    "deepseek-v3": Pre((r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
-                        (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
-                        r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"))),
+    "gpt-4o": Pre(
+        (
+            (
+                r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+                r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+"
+            ),
+        )
+    ),
+    "deepseek-v3": Pre(
+        (
+            r"\p{N}{1,3}",
+            r"[一-龥぀-ゟ゠-ヿ]+",
+            (
+                r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+                r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+            ),
+        )
+    ),
     "gpt-2": Pre((r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",)),
 }
 PRE["llama3"] = PRE["llama-v3"] = PRE["llama-bpe"]
@@ -66,33 +95,47 @@ def build_tokenizer(path: Path, meta: dict) -> GGUFTokenizer:
     if model is None or "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model/tokens)")
     if model != "gpt2":
-        raise CheckpointError(f"{path}: tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', "
-                              "byte-level BPE); pass a tokenizer.json directory instead")
+        raise CheckpointError(
+            f"{path}: tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', "
+            "byte-level BPE); pass a tokenizer.json directory instead"
+        )
     pre_name = meta.get("tokenizer.ggml.pre", "default")
     if pre_name not in PRE:
-        raise CheckpointError(f"{path}: tokenizer.ggml.pre {pre_name!r} is not supported (supported: "
-                              f"{', '.join(sorted(PRE))}); pass a tokenizer.json directory instead")
+        raise CheckpointError(
+            f"{path}: tokenizer.ggml.pre {pre_name!r} is not supported (supported: "
+            f"{', '.join(sorted(PRE))}); pass a tokenizer.json directory instead"
+        )
     pre = PRE[pre_name]
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if len(types) != len(tokens):
-        raise CheckpointError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        raise CheckpointError(
+            f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+        )
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     bad = next((m for m in merges if len(m) != 2 or m[0] not in vocab or m[1] not in vocab), None)
     if bad is not None:
-        raise CheckpointError(f"{path}: tokenizer.ggml.merges holds {' '.join(bad)!r}, not two tokens of the vocabulary")
-    tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges, fuse_unk=False, byte_fallback=False))
+        raise CheckpointError(
+            f"{path}: tokenizer.ggml.merges holds {' '.join(bad)!r}, not two tokens of the vocabulary"
+        )
+    tok = HFTokenizer(
+        models.BPE(vocab, merges, ignore_merges=pre.ignore_merges, fuse_unk=False, byte_fallback=False)
+    )
     if pre.nfc:
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in pre.regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    added = [AddedToken(t, special=ty == CONTROL, normalized=False) for t, ty in zip(tokens, types)
-             if ty in (CONTROL, USER_DEFINED)]
+    added = [
+        AddedToken(t, special=ty == CONTROL, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (CONTROL, USER_DEFINED)
+    ]
     tok.add_special_tokens([a for a in added if a.special])
     tok.add_tokens([a for a in added if not a.special])
 

@@ -61,9 +61,11 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # llama.cpp pairs its 4-bit formats with q8 (csrc/nibble_kernels.h); the other formats stay exact.
 # It needs AVX-512 F/BW/VL/BF16/VNNI (csrc/fast_kernels.h).
 CPU_MATHS = {"exact": 0, "fast": 1}
-CPU_MATH_NOTES = {"exact": "float32 activations",
-                  "fast": "bf16 and int8 weights against activations rounded to bf16 / int8 blocks of 64, "
-                          "mxfp4 and int4 against int8 blocks of 32, AVX-512 BF16/VNNI; other formats exact"}
+CPU_MATH_NOTES = {
+    "exact": "float32 activations",
+    "fast": "bf16 and int8 weights against activations rounded to bf16 / int8 blocks of 64, "
+    "mxfp4 and int4 against int8 blocks of 32, AVX-512 BF16/VNNI; other formats exact",
+}
 _math = [0]  # the code in effect: set by cpu_math() around a forward
 _FAST = CPU_MATHS["fast"]
 
@@ -217,8 +219,9 @@ def reads_stored(device: torch.device | str, dtype: torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.float32 and backend() == "cpp"
 
 
-def dense_dtype(stored: torch.dtype, ndim: int, device: torch.device | str, dtype: torch.dtype,
-                low_memory: bool = False) -> torch.dtype:
+def dense_dtype(
+    stored: torch.dtype, ndim: int, device: torch.device | str, dtype: torch.dtype, low_memory: bool = False
+) -> torch.dtype:
     """The dtype a dense weight stored as `stored` is held in: a 2-D weight narrower than `dtype` keeps
     its stored float dtype where the kernels read it (or in low-memory mode: converted per use)."""
     narrow = ndim == 2 and stored in (torch.bfloat16, torch.float16) and stored.itemsize < dtype.itemsize
@@ -249,8 +252,12 @@ def _cached_specs(tensors: list[torch.Tensor], key: tuple, build) -> tuple | Non
     """build() -> a tuple of specs (None: the kernels do not read these weights), once per weights."""
     first = tensors[0]
     hit = _SPECS.get(id(first))
-    if hit is not None and hit[1] == key and len(hit[0]) == len(tensors) and all(
-            r() is t for r, t in zip(hit[0], tensors)):
+    if (
+        hit is not None
+        and hit[1] == key
+        and len(hit[0]) == len(tensors)
+        and all(r() is t for r, t in zip(hit[0], tensors))
+    ):
         return hit[2]
     try:
         specs = build()
@@ -258,12 +265,16 @@ def _cached_specs(tensors: list[torch.Tensor], key: tuple, build) -> tuple | Non
         specs = None
     if specs is None or _views_only(specs, tensors):
         k = id(first)
-        refs = [weakref.ref(first, lambda _, k=k, table=_SPECS: table.pop(k, None))] + [weakref.ref(t) for t in tensors[1:]]
+        refs = [weakref.ref(first, lambda _, k=k, table=_SPECS: table.pop(k, None))] + [
+            weakref.ref(t) for t in tensors[1:]
+        ]
         _SPECS[k] = (refs, key, specs)
     return specs
 
 
-_DENSE: dict[int, tuple] = {}  # id(dense weight) -> (weakref, spec or None), as _SPECS for one tensor (a faster lookup)
+_DENSE: dict[
+    int, tuple
+] = {}  # id(dense weight) -> (weakref, spec or None), as _SPECS for one tensor (a faster lookup)
 
 
 def dense_spec(w: torch.Tensor) -> tuple | None:
@@ -311,7 +322,7 @@ def prefill_dense(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
 
     def probe():
-        rows = w[:prefill_gemm.PROBE_ROWS]
+        rows = w[: prefill_gemm.PROBE_ROWS]
         rows = rows.contiguous()
         spec = plain_spec(rows.unsqueeze(0))
         xs = {n: torch.randn(n, K) for n in prefill_gemm.PROBE_T}
@@ -334,21 +345,41 @@ def projection(spec: tuple, bias: torch.Tensor | None = None) -> tuple:
     return (spec, bias, SMALL_T[spec[0]], _UNIT_ROWS_OF[spec[0]])
 
 
-def attn_block(h: torch.Tensor, mlp: torch.Tensor | None, input_ln: torch.Tensor, post_ln: torch.Tensor, eps: float,
-               qkv: tuple, o: tuple, router: tuple, attention: tuple, top_k: int, renorm: bool,
-               moe: tuple | None = None) -> tuple:
+def attn_block(
+    h: torch.Tensor,
+    mlp: torch.Tensor | None,
+    input_ln: torch.Tensor,
+    post_ln: torch.Tensor,
+    eps: float,
+    qkv: tuple,
+    o: tuple,
+    router: tuple,
+    attention: tuple,
+    top_k: int,
+    renorm: bool,
+    moe: tuple | None = None,
+) -> tuple:
     """A MoE layer's attention half in one call (csrc/decode_block.cpp), in the CPU math in effect:
     -> (s, h2, x2, logits, ids or None, weights or None, out or None). qkv / o / router: projection();
     attention: the attention kernel's arguments after eps (cos, sin, caches, batch tensors, window,
     scale, sinks), preceded by the head norms (q_norm, k_norm); moe: moe_args() of a pool whose slot
     s holds expert s (then out: that layer's MoE output, once the top-k answered)."""
     q_norm, k_norm, *rest = attention
-    return extension().attn_block(h, mlp, input_ln, post_ln, eps, qkv, o, router, _math[0], q_norm, k_norm, *rest,
-                                  top_k, renorm, moe)
+    return extension().attn_block(
+        h, mlp, input_ln, post_ln, eps, qkv, o, router, _math[0], q_norm, k_norm, *rest, top_k, renorm, moe
+    )
 
 
-def attn_stack(h: torch.Tensor, mlp: torch.Tensor | None, layers: list, kv: list, step: tuple, eps: float, start: int,
-               with_moe: bool) -> tuple:
+def attn_stack(
+    h: torch.Tensor,
+    mlp: torch.Tensor | None,
+    layers: list,
+    kv: list,
+    step: tuple,
+    eps: float,
+    start: int,
+    with_moe: bool,
+) -> tuple:
     """Consecutive layers' attention blocks in one call from layer `start` (csrc/decode_block.cpp), each
     with its MoE inside, until a layer's MoE needs Python or the last layer -> (stop, sums, s, h2, x2,
     logits, ids, weights, out) of layer `stop`; sums: the residual sums s of the layers run. layers[i]:
@@ -369,7 +400,9 @@ def _rows(spec: tuple, rows: slice) -> tuple:
     return (code, data, scale, zero, data.shape[1], k, g, bo)
 
 
-def quant_weight_spec(method, parts: dict[str, torch.Tensor], proj: str, shape: tuple[int, int]) -> tuple | None:
+def quant_weight_spec(
+    method, parts: dict[str, torch.Tensor], proj: str, shape: tuple[int, int]
+) -> tuple | None:
     """The kernel spec of one weight [N, K] stored by QuantMethod `method` as `parts` {"<proj>.<suffix>":
     tensor}, or None when no kernel reads that format. Built once per weight: its tensors are views
     of the parts, so it stays valid while they do."""
@@ -393,8 +426,11 @@ def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple
         raise Unsupported("plain weights stored [in, out]")
     fused = method is None or (ffn is not None and ffn.fused_quant)
     if fused:
-        gu = plain_spec(pool["gate_up"]) if method is None else quant_spec(
-            method, pool, "gate_up", pool[f"gate_up.{method.primary}"].shape[1], H)
+        gu = (
+            plain_spec(pool["gate_up"])
+            if method is None
+            else quant_spec(method, pool, "gate_up", pool[f"gate_up.{method.primary}"].shape[1], H)
+        )
         I = gu[4] // 2
         gate, up = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, I), slice(I, 2 * I))
         gate, up = _rows(gu, gate), _rows(gu, up)
@@ -430,8 +466,15 @@ def _moe_args(pool: dict[str, torch.Tensor], method, H: int, ffn) -> tuple:
     return (gate, up, down, ACTIVATIONS[act], alpha, limit, *bias, SMALL_T[code], _UNIT_ROWS_OF[code])
 
 
-def moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
-        out: torch.Tensor, ffn=None) -> bool:
+def moe(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    method,
+    out: torch.Tensor,
+    ffn=None,
+) -> bool:
     """out += the grouped expert FFN over pool slots (one call for the layer), for the experts' layout
     and activation `ffn` (experts.compute.ExpertFFN, None = SwiGLU); biases are the pool parts
     "gate_up_bias" [S, 2I] and "down_bias" [S, H]. False: not handled (a format, layout or dtype the
@@ -445,11 +488,20 @@ def moe_args(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple |
     """The MoE kernel's arguments for a pool (built once per pool), or None: no kernel reads it."""
     if extension() is None:
         return None
-    return _cached_specs(list(pool.values()), (method, H, ffn, tuple(pool)), lambda: _moe_args(pool, method, H, ffn))
+    return _cached_specs(
+        list(pool.values()), (method, H, ffn, tuple(pool)), lambda: _moe_args(pool, method, H, ffn)
+    )
 
 
-def moe_out(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: dict[str, torch.Tensor], method,
-            ffn=None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+def moe_out(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    method,
+    ffn=None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """moe() into `out`, or into a zeroed output the kernel makes (out None) -> the output; None: not
     handled."""
     if not _usable(x):
@@ -460,4 +512,32 @@ def moe_out(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pool: d
     return extension().moe(x, slots, weights, *args[:9], out, *args[9:], _math[0])  # made contiguous there
 
 
-__all__ = ["isa", "CpuIsa", "IsaDefaults", "prefill_dense", "prefill_gemm", "prefill_step", "kernel_name", "attn_block", "attn_stack", "backend", "dense_spec", "projection", "cpu_math", "cpu_math_unavailable", "cpu_threads", "CPU_MATHS", "dense_linear", "moe", "moe_args", "moe_out", "pool_specs", "reads_stored", "dense_dtype", "quant_linear", "quant_weight_spec", "why", "Unsupported"]
+__all__ = [
+    "isa",
+    "CpuIsa",
+    "IsaDefaults",
+    "prefill_dense",
+    "prefill_gemm",
+    "prefill_step",
+    "kernel_name",
+    "attn_block",
+    "attn_stack",
+    "backend",
+    "dense_spec",
+    "projection",
+    "cpu_math",
+    "cpu_math_unavailable",
+    "cpu_threads",
+    "CPU_MATHS",
+    "dense_linear",
+    "moe",
+    "moe_args",
+    "moe_out",
+    "pool_specs",
+    "reads_stored",
+    "dense_dtype",
+    "quant_linear",
+    "quant_weight_spec",
+    "why",
+    "Unsupported",
+]

@@ -36,10 +36,22 @@ def takes(batch, k_cache: torch.Tensor) -> bool:
     return batch.max_q <= MAX_Q and k_cache.dtype in CACHE_DTYPES
 
 
-def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
-           scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
-           q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
-           cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor | None:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """-> out [T, h * D], with the new k/v written into the caches at batch.slot_mapping; or None (not
     handled, nothing written). batch: layers.attention.AttnBatch (read by attribute). q/k are normed
     (q_norm/k_norm, eps) then rotated (cos/sin) per head; positions visible as layers/attention.py says."""
@@ -48,5 +60,22 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_ca
     ext = extension()
     if ext is None:
         return None
-    return ext.attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, batch.slot_mapping,
-                         batch.block_tables, batch.seq_of_token, batch.positions, window or 0, scale, sinks)
+    return ext.attention(
+        q,
+        k,
+        v,
+        q_norm,
+        k_norm,
+        eps,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        batch.slot_mapping,
+        batch.block_tables,
+        batch.seq_of_token,
+        batch.positions,
+        window or 0,
+        scale,
+        sinks,
+    )

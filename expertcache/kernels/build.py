@@ -78,7 +78,10 @@ def _compile():
     except UnsafeDirectoryError as e:
         return None, str(e)
     except Exception as e:  # a failed build must not stop the engine: the torch path computes the same
-        return None, f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+        return (
+            None,
+            f"building the C++ kernels failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})",
+        )
     if not mod.cpu_supported():
         return None, "this CPU lacks AVX2/FMA/F16C"
     return mod, ""
@@ -134,9 +137,19 @@ def _build(out: Path):
     # torch's own build lock (out/lock) is left behind by a process killed while compiling, and would
     # make this build wait forever; under build_lock no other build is running, so any is stale
     (out / "lock").unlink(missing_ok=True)
-    print(f"expertcache: building the C++ CPU kernels once into {out} (about a minute)", file=sys.stderr, flush=True)
-    mod = cpp_extension.load(name="expertcache_kernels", sources=[str(f) for f in SOURCES], extra_cflags=FLAGS,
-                             extra_ldflags=["-pthread"], build_directory=str(out), verbose=False)
+    print(
+        f"expertcache: building the C++ CPU kernels once into {out} (about a minute)",
+        file=sys.stderr,
+        flush=True,
+    )
+    mod = cpp_extension.load(
+        name="expertcache_kernels",
+        sources=[str(f) for f in SOURCES],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-pthread"],
+        build_directory=str(out),
+        verbose=False,
+    )
     (out / BUILT).touch()
     return mod
 

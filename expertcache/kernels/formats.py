@@ -25,9 +25,17 @@ class Unsupported(Exception):
 PLAIN_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8, INT8, INT4, MXFP4 = 3, 4, 5, 6
 # GGUF block types (csrc/ggml_kernels.h): name -> (code, QK weights a block, bytes a block)
-GGUF_TYPES = {"q8_0": (7, 32, 34), "q4_0": (8, 32, 18), "q5_0": (9, 32, 22), "iq4_nl": (10, 32, 18),
-              "mxfp4": (11, 32, 17), "q4_k": (12, 256, 144), "q5_k": (13, 256, 176), "q6_k": (14, 256, 210),
-              "iq4_xs": (15, 256, 136)}
+GGUF_TYPES = {
+    "q8_0": (7, 32, 34),
+    "q4_0": (8, 32, 18),
+    "q5_0": (9, 32, 22),
+    "iq4_nl": (10, 32, 18),
+    "mxfp4": (11, 32, 17),
+    "q4_k": (12, 256, 144),
+    "q5_k": (13, 256, 176),
+    "q6_k": (14, 256, 210),
+    "iq4_xs": (15, 256, 136),
+}
 # The per-code tuning the kernels' callers read (kernels/__init__.py SMALL_T, UNIT_ROWS), for the GGUF codes:
 # tokens up to which a row is decoded in registers per pass of tokens (beyond: a tile decoded to float32
 # once), and rows per unit of work relative to bf16 (the bytes of a bf16 unit). Rows measured faster than
@@ -45,6 +53,7 @@ def register(*names: str):
         for n in names:
             SPECS[n] = fn
         return fn
+
     return deco
 
 
@@ -125,13 +134,18 @@ def _gguf(type_name: str):
         key = f"{proj}.weight"
         w = parts[key]
         if K % qk:
-            raise Unsupported(f"{method.name}: {key} has {K} columns, not a multiple of the {qk}-weight block")
+            raise Unsupported(
+                f"{method.name}: {key} has {K} columns, not a multiple of the {qk}-weight block"
+            )
         row = K // qk * nbytes
         if w.dtype != torch.uint8 or w.dim() != 3 or tuple(w.shape[1:]) != (N, row):
-            raise Unsupported(f"{method.name}: {key} must be uint8 [S, {N}, {row}], got {w.dtype} {list(w.shape)}")
+            raise Unsupported(
+                f"{method.name}: {key} must be uint8 [S, {N}, {row}], got {w.dtype} {list(w.shape)}"
+            )
         if w.stride(-1) != 1:
             raise Unsupported(f"{method.name}: {key} rows are not contiguous")
         return (code, w, None, None, N, K, qk, 1)
+
     return spec
 
 

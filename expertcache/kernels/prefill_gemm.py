@@ -215,5 +215,20 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(xb, w).float()
 
 
-__all__ = ["CALLS", "ENV", "MIN_T", "NEVER", "PROBE_T", "bf16_linear", "crossover", "enable", "enabled",
-           "fixed_crossover", "gemm_threads", "set_forward_threads", "measure", "table", "takes"]
+__all__ = [
+    "CALLS",
+    "ENV",
+    "MIN_T",
+    "NEVER",
+    "PROBE_T",
+    "bf16_linear",
+    "crossover",
+    "enable",
+    "enabled",
+    "fixed_crossover",
+    "gemm_threads",
+    "set_forward_threads",
+    "measure",
+    "table",
+    "takes",
+]

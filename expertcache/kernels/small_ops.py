@@ -27,7 +27,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
     return None if ext is None else ext.rms_norm(x, w, eps)
 
 
-def add_rms_norm(h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+def add_rms_norm(
+    h: torch.Tensor, d: torch.Tensor, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     ext = extension()
     return None if ext is None else ext.add_rms_norm(h, d, w, eps)
 

@@ -89,8 +89,10 @@ def _jit(name: str):
 
     fn = getattr(triton_moe_jit, name)
     if type(fn).__name__ != "JITFunction":
-        raise RuntimeError(f"triton_aot: {name} is a {type(fn).__name__} (TRITON_INTERPRET is set?); "
-                           "compile ahead of time in a process without the interpreter")
+        raise RuntimeError(
+            f"triton_aot: {name} is a {type(fn).__name__} (TRITON_INTERPRET is set?); "
+            "compile ahead of time in a process without the interpreter"
+        )
     return fn
 
 
@@ -107,8 +109,14 @@ def _pool(fmt: str, variant: Variant, dtype):
     S, H, I = SHAPE["S"], SHAPE["H"], SHAPE["I"]
     g = torch.Generator().manual_seed(0)
     plain = fmt in ("bf16", "fp16", "fp32")
-    ffn = FFN(act=variant.act, interleaved=variant.interleaved, transposed=variant.transposed and plain,
-              fused_quant=variant.fused_quant and not plain, alpha=1.702, limit=7.0)
+    ffn = FFN(
+        act=variant.act,
+        interleaved=variant.interleaved,
+        transposed=variant.transposed and plain,
+        fused_quant=variant.fused_quant and not plain,
+        alpha=1.702,
+        limit=7.0,
+    )
     if plain:
         wdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt]
         if wdt != dtype:
@@ -125,7 +133,10 @@ def _pool(fmt: str, variant: Variant, dtype):
             if ffn.fused_quant:
                 w["gate_up.weight"] = torch.randn(2 * I, H, generator=g)
             else:
-                w |= {"gate.weight": torch.randn(I, H, generator=g), "up.weight": torch.randn(I, H, generator=g)}
+                w |= {
+                    "gate.weight": torch.randn(I, H, generator=g),
+                    "up.weight": torch.randn(I, H, generator=g),
+                }
             _PACKED[key] = {n: torch.stack([t] * S) for n, t in method.pack(w).items()}
         pool = dict(_PACKED[key])
     if variant.bias:
@@ -170,9 +181,12 @@ def specializations(target_cc: int, dtypes=DTYPES) -> list[Spec]:
                     x = torch.zeros(T, H, dtype=dtype)
                     w = torch.zeros(T, K)
                     out_t = torch.zeros_like(x)
-                    for kernel, _grid, args, consts, opts in triton_moe.launches(x, pool, method, ffn, w, al, out_t,
-                                                                                 cfg, proj):
-                        spec = bind(kernel, args, consts, opts, backend, binders, f"{fmt}/{vname}/{dname}/{cname}")
+                    for kernel, _grid, args, consts, opts in triton_moe.launches(
+                        x, pool, method, ffn, w, al, out_t, cfg, proj
+                    ):
+                        spec = bind(
+                            kernel, args, consts, opts, backend, binders, f"{fmt}/{vname}/{dname}/{cname}"
+                        )
                         if spec_key(spec) not in seen:
                             seen.add(spec_key(spec))
                             out.append(spec)
@@ -195,12 +209,26 @@ def bind(kernel, args, consts, opts, backend, binders: dict, label: str = "") ->
 
 def spec_key(s: Spec) -> tuple:
     """Two launches compile the same kernel iff their keys are equal."""
-    return (s.kernel, repr(s.signature), repr(sorted(s.constexprs.items())), repr(sorted(s.attrs.items())),
-            repr(sorted(s.options.items())))
+    return (
+        s.kernel,
+        repr(s.signature),
+        repr(sorted(s.constexprs.items())),
+        repr(sorted(s.attrs.items())),
+        repr(sorted(s.options.items())),
+    )
 
 
-FMT_OF = {"bf16": "float", "fp16": "float", "fp32": "float", "fp8": "fp8", "fp8-channel": "fp8", "fp8-tensor": "fp8",
-          "int8": "int8", "int4": "int4", "mxfp4": "mxfp4"}  # the tile decoder (constexpr FMT) of each format
+FMT_OF = {
+    "bf16": "float",
+    "fp16": "float",
+    "fp32": "float",
+    "fp8": "fp8",
+    "fp8-channel": "fp8",
+    "fp8-tensor": "fp8",
+    "int8": "int8",
+    "int4": "int4",
+    "mxfp4": "mxfp4",
+}  # the tile decoder (constexpr FMT) of each format
 
 
 def representative(specs: list[Spec]) -> list[Spec]:
@@ -233,10 +261,14 @@ def _resources(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            [_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     line = next(x for x in text.splitlines() if "REG:" in x)
-    return {k: int(v) for k, v in (kv.split(":")[:2] for kv in line.split() if ":" in kv and kv.split(":")[1].isdigit())}
+    return {
+        k: int(v)
+        for k, v in (kv.split(":")[:2] for kv in line.split() if ":" in kv and kv.split(":")[1].isdigit())
+    }
 
 
 def compile_one(spec: Spec, cc: int) -> dict:
@@ -250,10 +282,19 @@ def compile_one(spec: Spec, cc: int) -> dict:
     k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=spec.options)
     res = _resources(k.asm["cubin"])
     ptx = k.asm["ptx"]
-    return {"kernel": spec.kernel, "label": spec.label, "cc": cc, "shared": int(k.metadata.shared),
-            "static_shared": res.get("SHARED", 0), "regs": res["REG"], "local": res.get("LOCAL", 0),
-            "num_warps": int(k.metadata.num_warps), "num_stages": int(k.metadata.num_stages),
-            "fp8_cvt": "e4m3" in ptx, "seconds": round(time.monotonic() - t, 3)}
+    return {
+        "kernel": spec.kernel,
+        "label": spec.label,
+        "cc": cc,
+        "shared": int(k.metadata.shared),
+        "static_shared": res.get("SHARED", 0),
+        "regs": res["REG"],
+        "local": res.get("LOCAL", 0),
+        "num_warps": int(k.metadata.num_warps),
+        "num_stages": int(k.metadata.num_stages),
+        "fp8_cvt": "e4m3" in ptx,
+        "seconds": round(time.monotonic() - t, 3),
+    }
 
 
 def _work(args) -> list[dict]:
@@ -269,13 +310,19 @@ def problems(r: dict) -> list[str]:
     if r["shared"] + r["static_shared"] > shared_max:
         out.append(f"shared memory {r['shared'] + r['static_shared']} B > {shared_max} B per block")
     if r["regs"] > MAX_REGS_PER_THREAD or r["regs"] * threads > regfile:
-        out.append(f"{r['regs']} registers x {threads} threads > the limits ({MAX_REGS_PER_THREAD}/thread, {regfile}/SM)")
+        out.append(
+            f"{r['regs']} registers x {threads} threads > the limits ({MAX_REGS_PER_THREAD}/thread, {regfile}/SM)"
+        )
     if r["fp8_cvt"]:
-        out.append("an fp8 conversion instruction in the PTX" + (" (no fp8 units)" if r["cc"] < FP8_UNITS else ""))
+        out.append(
+            "an fp8 conversion instruction in the PTX" + (" (no fp8 units)" if r["cc"] < FP8_UNITS else "")
+        )
     return out
 
 
-def compile_all(targets=tuple(TARGETS), jobs: int | None = None, dtypes=DTYPES, subset: bool = False) -> list[dict]:
+def compile_all(
+    targets=tuple(TARGETS), jobs: int | None = None, dtypes=DTYPES, subset: bool = False
+) -> list[dict]:
     """Enumerate and compile every specialization (`subset`: the representative ones) for every target,
     `jobs` processes at a time (each started without TRITON_INTERPRET)."""
     os.environ.pop("TRITON_INTERPRET", None)
@@ -288,7 +335,7 @@ def compile_all(targets=tuple(TARGETS), jobs: int | None = None, dtypes=DTYPES, 
         if subset:
             specs = representative(specs)
         n = max(1, -(-len(specs) // jobs))
-        work += [(cc, specs[i:i + n]) for i in range(0, len(specs), n)]
+        work += [(cc, specs[i : i + n]) for i in range(0, len(specs), n)]
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
         return [r for rs in ex.map(_work, work) for r in rs]
 
@@ -299,7 +346,9 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--json", default=None, help="write every compiled kernel's figures here")
-    ap.add_argument("--representative", action="store_true", help="only the specializations that bound the rest")
+    ap.add_argument(
+        "--representative", action="store_true", help="only the specializations that bound the rest"
+    )
     args = ap.parse_args(argv)
     t = time.monotonic()
     results = compile_all(args.targets, args.jobs, args.dtypes, args.representative)
@@ -309,8 +358,10 @@ def main(argv=None) -> int:
         worst = {k: max(r[k] for r in rs) for k in ("shared", "regs", "local")}
         errs = [(r, p) for r in rs for p in problems(r)]
         bad += len(errs)
-        print(f"triton_aot sm_{cc} kernels={len(rs)} max_shared={worst['shared']} max_regs={worst['regs']} "
-              f"max_spill_bytes={worst['local']} problems={len(errs)}")
+        print(
+            f"triton_aot sm_{cc} kernels={len(rs)} max_shared={worst['shared']} max_regs={worst['regs']} "
+            f"max_spill_bytes={worst['local']} problems={len(errs)}"
+        )
         for r, p in errs:
             print(f"triton_aot sm_{cc} {r['kernel']} {r['label']}: {p}")
     print(f"triton_aot seconds={time.monotonic() - t:.0f}")

@@ -39,8 +39,20 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .triton_moe_jit import (CLAMPED_SWIGLU, DOT_BF16, DOT_FP16, DOT_FP32, E2M1_VALUES, FP8, MXFP4, SILU,
-                              down_kernel, gate_up_kernel, reduce_kernel, triton)
+from .triton_moe_jit import (
+    CLAMPED_SWIGLU,
+    DOT_BF16,
+    DOT_FP16,
+    DOT_FP32,
+    E2M1_VALUES,
+    FP8,
+    MXFP4,
+    SILU,
+    down_kernel,
+    gate_up_kernel,
+    reduce_kernel,
+    triton,
+)
 from .triton_pool import Proj, biases, projections, supported
 
 # Launch configurations by shape (a starting table: not tuned on a GPU yet). "decode": few pairs per
@@ -77,8 +89,10 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cpu":
         if interpreted():
             return None
-        return ("on device='cpu' the Triton kernels run only under the interpreter: start with TRITON_INTERPRET=1 "
-                "(slow; for tests) or use moe_kernel='auto' / 'torch'")
+        return (
+            "on device='cpu' the Triton kernels run only under the interpreter: start with TRITON_INTERPRET=1 "
+            "(slow; for tests) or use moe_kernel='auto' / 'torch'"
+        )
     return f"no Triton kernels for device {device.type!r}"
 
 
@@ -161,8 +175,14 @@ def _small_alignment(sl: list[int], block_m: int) -> Alignment:
     for row, p in enumerate(pair_of_row):
         row_of_pair[p] = row
     i64 = np.int64
-    return Alignment(np.array(sorted_rows, i64), np.array(block_slot, i64), np.array(pair_of_row, i64),
-                     np.array(row_of_pair, i64), block_m, R)
+    return Alignment(
+        np.array(sorted_rows, i64),
+        np.array(block_slot, i64),
+        np.array(pair_of_row, i64),
+        np.array(row_of_pair, i64),
+        block_m,
+        R,
+    )
 
 
 def alignment_to(al: Alignment, device, pin: bool = True) -> Alignment:
@@ -175,7 +195,7 @@ def alignment_to(al: Alignment, device, pin: bool = True) -> Alignment:
     buf = np.zeros(sum(size), dtype=np.int64)  # packed in numpy: no torch op until the copy
     at = 0
     for a, n in zip(arrays, size):
-        buf[at:at + a.size] = a
+        buf[at : at + a.size] = a
         at += n
     packed = torch.from_numpy(buf)
     device = torch.device(device)
@@ -184,7 +204,7 @@ def alignment_to(al: Alignment, device, pin: bool = True) -> Alignment:
     on = packed.to(device, non_blocking=True)
     views, at = [], 0
     for a, n in zip(arrays, size):
-        views.append(on[at:at + a.size])
+        views.append(on[at : at + a.size])
         at += n
     return Alignment(*views, al.block_m, al.num_rows)
 
@@ -212,8 +232,9 @@ def align_by_slot(slots: torch.Tensor, num_slots: int, block_m: int) -> Alignmen
     return Alignment(sorted_rows, torch.where(bslot < num_slots, bslot, -1), order, row_of_pair, block_m, P)
 
 
-def workspace_bytes(rows: int, hidden: int, inter: int, dtype: torch.dtype, num_slots: int = 0,
-                    block_m: int | None = None) -> int:
+def workspace_bytes(
+    rows: int, hidden: int, inter: int, dtype: torch.dtype, num_slots: int = 0, block_m: int | None = None
+) -> int:
     """Device bytes one fused_moe call allocates besides its output: inter [rows, I] (x's dtype for a
     bf16/fp16 dot, else float32), out_rows [rows, H] float32, the routing weights (float32) and the
     device alignment's int64 temporaries (its sort, runs and bound-sized grid; a host alignment is
@@ -247,7 +268,9 @@ def config_name(num_pairs: int, num_slots: int) -> str:
     return "decode" if num_pairs <= DECODE_PAIRS_PER_SLOT * num_slots else "prefill"
 
 
-def pick_config(num_pairs: int, num_slots: int, shared_limit: int | None = None, fp32_dot: bool = False) -> dict:
+def pick_config(
+    num_pairs: int, num_slots: int, shared_limit: int | None = None, fp32_dot: bool = False
+) -> dict:
     """The CONFIGS entry for a call, with SMALL_SHARED's changes on a device whose shared memory per block
     (`shared_limit`, bytes; None: no limit known) is at most SMALL_SHARED_BYTES; there a float32 dot
     (`fp32_dot`) also halves block_k (fp8 weights with float32 activations needed 100-112 KiB)."""
@@ -285,10 +308,19 @@ def _dot_kind(dtype: torch.dtype) -> int:
     return {torch.bfloat16: DOT_BF16, torch.float16: DOT_FP16}.get(dtype, DOT_FP32)
 
 
-def fused_moe(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor, pool: dict[str, torch.Tensor],
-              method=None, ffn=None, out: torch.Tensor | None = None, block_m: int | None = None,
-              block_n: int | None = None, block_k: int | None = None,
-              alignment: Alignment | None = None) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    slots: torch.Tensor | None,
+    weights: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    method=None,
+    ffn=None,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    alignment: Alignment | None = None,
+) -> torch.Tensor:
     """out += sum_k weights[t,k] * FFN_{slots[t,k]}(x[t]) over the pairs with a slot (-1: skipped, the caller
     computes them elsewhere); -> out [T, H] in x.dtype (a new zeroed one when None). `ffn` is an
     experts.compute.ExpertFFN (None: SwiGLU, gate rows first, [out, in], no biases); `method` the pool's
@@ -307,17 +339,23 @@ def fused_moe(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor
             cfg[name] = _check_block(name, given)
     if alignment is not None:
         if block_m is not None and alignment.block_m != cfg["block_m"]:
-            raise ValueError(f"fused_moe alignment: made for block_m {alignment.block_m}, the call asks {block_m}")
+            raise ValueError(
+                f"fused_moe alignment: made for block_m {alignment.block_m}, the call asks {block_m}"
+            )
         cfg["block_m"] = alignment.block_m
         if alignment.row_of_pair.numel() != P:
-            raise ValueError(f"fused_moe alignment: {alignment.row_of_pair.numel()} pairs, the call has {P} (T*K)")
+            raise ValueError(
+                f"fused_moe alignment: {alignment.row_of_pair.numel()} pairs, the call has {P} (T*K)"
+            )
     if out is None:
         out = torch.zeros_like(x)
     if P == 0:
         return out
     dev = x.device
     if alignment is None:
-        alignment = align_by_slot(slots.reshape(-1).to(dev, torch.int64, non_blocking=True), S, cfg["block_m"])
+        alignment = align_by_slot(
+            slots.reshape(-1).to(dev, torch.int64, non_blocking=True), S, cfg["block_m"]
+        )
     if alignment.block_slot.numel() == 0:  # a host alignment with no pair for this pool
         return out
     target = out if out.stride(-1) == 1 else out.contiguous()  # the sum's kernel writes rows of unit stride
@@ -363,21 +401,77 @@ def launches(x, pool, method, ffn, weights, al: Alignment, out, cfg, proj) -> li
     nb = al.block_slot.numel()
     shared = dict(FMT=fmt, HAS_BIAS=has_bias, DOT=dot, BM=BM, BN=BN, BK=BK)
     return [
-        (gate_up_kernel, (nb, triton.cdiv(I, BN)),
-         (xc, *parts(g), *parts(u), gbias, ubias, lut, inter, al.sorted_rows, al.block_slot, al.pair_of_row,
-          H, I, K, NR, xc.stride(0), *g.w_strides, *g.s_strides, *g.s_block, *gb_s, alpha, limit),
-         dict(shared, ACT=act), opts),
-        (down_kernel, (nb, triton.cdiv(H, BN)),
-         (inter, *parts(d), db, lut, rw, out_rows, al.sorted_rows, al.block_slot, al.pair_of_row, H, I, NR,
-          *d.w_strides, *d.s_strides, *d.s_block, *db_s), shared, opts),
-        (reduce_kernel, (triton.cdiv(T, REDUCE_BLOCK_T), triton.cdiv(H, REDUCE_BLOCK_H)),
-         (out_rows, al.row_of_pair, out, T, H, K, out.stride(0)),
-         dict(BT=REDUCE_BLOCK_T, BH=REDUCE_BLOCK_H), {} if interpreted() else dict(num_warps=4)),
+        (
+            gate_up_kernel,
+            (nb, triton.cdiv(I, BN)),
+            (
+                xc,
+                *parts(g),
+                *parts(u),
+                gbias,
+                ubias,
+                lut,
+                inter,
+                al.sorted_rows,
+                al.block_slot,
+                al.pair_of_row,
+                H,
+                I,
+                K,
+                NR,
+                xc.stride(0),
+                *g.w_strides,
+                *g.s_strides,
+                *g.s_block,
+                *gb_s,
+                alpha,
+                limit,
+            ),
+            dict(shared, ACT=act),
+            opts,
+        ),
+        (
+            down_kernel,
+            (nb, triton.cdiv(H, BN)),
+            (
+                inter,
+                *parts(d),
+                db,
+                lut,
+                rw,
+                out_rows,
+                al.sorted_rows,
+                al.block_slot,
+                al.pair_of_row,
+                H,
+                I,
+                NR,
+                *d.w_strides,
+                *d.s_strides,
+                *d.s_block,
+                *db_s,
+            ),
+            shared,
+            opts,
+        ),
+        (
+            reduce_kernel,
+            (triton.cdiv(T, REDUCE_BLOCK_T), triton.cdiv(H, REDUCE_BLOCK_H)),
+            (out_rows, al.row_of_pair, out, T, H, K, out.stride(0)),
+            dict(BT=REDUCE_BLOCK_T, BH=REDUCE_BLOCK_H),
+            {} if interpreted() else dict(num_warps=4),
+        ),
     ]
 
 
-def warm_up(pool: dict[str, torch.Tensor], method=None, ffn=None, dtype: torch.dtype = torch.bfloat16,
-            top_k: int = 1, configs=("decode",)) -> int:
+def warm_up(
+    pool: dict[str, torch.Tensor],
+    method=None,
+    ffn=None,
+    dtype: torch.dtype = torch.bfloat16,
+    top_k: int = 1,
+    configs=("decode",),
+) -> int:
     """Compile the kernels a layer of `pool` will launch (its format, variant and activation dtype) for
     each of `configs` before the first request, so no request waits for a compile: one call per config
     with every pair skipped but one (on slot 0), its output discarded. Pair counts are not
@@ -410,6 +504,22 @@ def _hidden(pool, method, ffn) -> int:
     return d.shape[2] if transposed else d.shape[1]
 
 
-__all__ = ["CONFIGS", "Alignment", "align_by_slot", "alignment_to", "available", "fused_moe", "host_alignment",
-           "config_name", "interpreted", "num_blocks_bound", "pick_config", "shared_limit", "projections", "supported", "unavailable_reason",
-           "warm_up", "workspace_bytes"]
+__all__ = [
+    "CONFIGS",
+    "Alignment",
+    "align_by_slot",
+    "alignment_to",
+    "available",
+    "fused_moe",
+    "host_alignment",
+    "config_name",
+    "interpreted",
+    "num_blocks_bound",
+    "pick_config",
+    "shared_limit",
+    "projections",
+    "supported",
+    "unavailable_reason",
+    "warm_up",
+    "workspace_bytes",
+]

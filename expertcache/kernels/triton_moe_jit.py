@@ -34,8 +34,25 @@ if triton is not None:
         return slot.to(tl.int64) * stride
 
     @triton.jit
-    def _tile(w_ptr, s_ptr, z_ptr, lut_ptr, wbase, sbase, offs_n, offs_k, nmask, kmask,
-              w_n, w_k, s_n, s_k, S_BN, S_BK, FMT: tl.constexpr):
+    def _tile(
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        lut_ptr,
+        wbase,
+        sbase,
+        offs_n,
+        offs_k,
+        nmask,
+        kmask,
+        w_n,
+        w_k,
+        s_n,
+        s_k,
+        S_BN,
+        S_BK,
+        FMT: tl.constexpr,
+    ):
         """Dequantised weight tile W[n, k] as float32 [BK, BN] (transposed for the dot)."""
         m = kmask[:, None] & nmask[None, :]
         if FMT == 0:
@@ -78,11 +95,46 @@ if triton is not None:
         return acc + tl.dot(a, b)
 
     @triton.jit(do_not_specialize=["NR"])
-    def gate_up_kernel(x_ptr, gw_ptr, gs_ptr, gz_ptr, uw_ptr, us_ptr, uz_ptr, gb_ptr, ub_ptr, lut_ptr,
-                        inter_ptr, sorted_ptr, bslot_ptr, pair_ptr,
-                        H, I, TOPK, NR, sx_t, w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n, alpha, limit,
-                        FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def gate_up_kernel(
+        x_ptr,
+        gw_ptr,
+        gs_ptr,
+        gz_ptr,
+        uw_ptr,
+        us_ptr,
+        uz_ptr,
+        gb_ptr,
+        ub_ptr,
+        lut_ptr,
+        inter_ptr,
+        sorted_ptr,
+        bslot_ptr,
+        pair_ptr,
+        H,
+        I,
+        TOPK,
+        NR,
+        sx_t,
+        w_s,
+        w_n,
+        w_k,
+        s_s,
+        s_n,
+        s_k,
+        S_BN,
+        S_BK,
+        b_s,
+        b_n,
+        alpha,
+        limit,
+        FMT: tl.constexpr,
+        ACT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        DOT: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         b, nb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(bslot_ptr + b)
         if slot >= 0:
@@ -97,13 +149,50 @@ if triton is not None:
             for k0 in range(0, H, BK):
                 offs_k = k0 + tl.arange(0, BK)
                 kmask = offs_k < H
-                a = tl.load(x_ptr + tok[:, None] * sx_t + offs_k[None, :], mask=valid[:, None] & kmask[None, :],
-                            other=0.0)
+                a = tl.load(
+                    x_ptr + tok[:, None] * sx_t + offs_k[None, :],
+                    mask=valid[:, None] & kmask[None, :],
+                    other=0.0,
+                )
                 a = _to_dot(a, DOT)
-                wg = _tile(gw_ptr, gs_ptr, gz_ptr, lut_ptr, wbase, sbase, offs_n, offs_k, nmask, kmask,
-                           w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
-                wu = _tile(uw_ptr, us_ptr, uz_ptr, lut_ptr, wbase, sbase, offs_n, offs_k, nmask, kmask,
-                           w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
+                wg = _tile(
+                    gw_ptr,
+                    gs_ptr,
+                    gz_ptr,
+                    lut_ptr,
+                    wbase,
+                    sbase,
+                    offs_n,
+                    offs_k,
+                    nmask,
+                    kmask,
+                    w_n,
+                    w_k,
+                    s_n,
+                    s_k,
+                    S_BN,
+                    S_BK,
+                    FMT,
+                )
+                wu = _tile(
+                    uw_ptr,
+                    us_ptr,
+                    uz_ptr,
+                    lut_ptr,
+                    wbase,
+                    sbase,
+                    offs_n,
+                    offs_k,
+                    nmask,
+                    kmask,
+                    w_n,
+                    w_k,
+                    s_n,
+                    s_k,
+                    S_BN,
+                    S_BK,
+                    FMT,
+                )
                 acc_g = _dot(a, _to_dot(wg, DOT), acc_g, DOT)
                 acc_u = _dot(a, _to_dot(wu, DOT), acc_u, DOT)
             if HAS_BIAS:
@@ -116,14 +205,45 @@ if triton is not None:
                 h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
             else:
                 h = acc_g * tl.sigmoid(acc_g) * acc_u
-            tl.store(inter_ptr + rows[:, None] * I + offs_n[None, :], _to_dot(h, DOT),
-                     mask=valid[:, None] & nmask[None, :])
+            tl.store(
+                inter_ptr + rows[:, None] * I + offs_n[None, :],
+                _to_dot(h, DOT),
+                mask=valid[:, None] & nmask[None, :],
+            )
 
     @triton.jit(do_not_specialize=["NR"])
-    def down_kernel(inter_ptr, dw_ptr, ds_ptr, dz_ptr, db_ptr, lut_ptr, rw_ptr, out_ptr, sorted_ptr, bslot_ptr,
-                     pair_ptr, H, I, NR, w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n,
-                     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def down_kernel(
+        inter_ptr,
+        dw_ptr,
+        ds_ptr,
+        dz_ptr,
+        db_ptr,
+        lut_ptr,
+        rw_ptr,
+        out_ptr,
+        sorted_ptr,
+        bslot_ptr,
+        pair_ptr,
+        H,
+        I,
+        NR,
+        w_s,
+        w_n,
+        w_k,
+        s_s,
+        s_n,
+        s_k,
+        S_BN,
+        S_BK,
+        b_s,
+        b_n,
+        FMT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        DOT: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         b, nb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(bslot_ptr + b)
         if slot >= 0:
@@ -137,19 +257,42 @@ if triton is not None:
             for k0 in range(0, I, BK):
                 offs_k = k0 + tl.arange(0, BK)
                 kmask = offs_k < I
-                a = tl.load(inter_ptr + rows[:, None] * I + offs_k[None, :], mask=valid[:, None] & kmask[None, :],
-                            other=0.0)
-                wd = _tile(dw_ptr, ds_ptr, dz_ptr, lut_ptr, wbase, sbase, offs_n, offs_k, nmask, kmask,
-                           w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
+                a = tl.load(
+                    inter_ptr + rows[:, None] * I + offs_k[None, :],
+                    mask=valid[:, None] & kmask[None, :],
+                    other=0.0,
+                )
+                wd = _tile(
+                    dw_ptr,
+                    ds_ptr,
+                    dz_ptr,
+                    lut_ptr,
+                    wbase,
+                    sbase,
+                    offs_n,
+                    offs_k,
+                    nmask,
+                    kmask,
+                    w_n,
+                    w_k,
+                    s_n,
+                    s_k,
+                    S_BN,
+                    S_BK,
+                    FMT,
+                )
                 acc = _dot(a, _to_dot(wd, DOT), acc, DOT)
             if HAS_BIAS:
-                acc += tl.load(db_ptr + slot_base(slot, b_s) + offs_n * b_n, mask=nmask,
-                               other=0.0).to(tl.float32)[None, :]
+                acc += tl.load(db_ptr + slot_base(slot, b_s) + offs_n * b_n, mask=nmask, other=0.0).to(
+                    tl.float32
+                )[None, :]
             acc *= tl.load(rw_ptr + pair, mask=valid, other=0.0)[:, None]  # the routing weight
             tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc, mask=valid[:, None] & nmask[None, :])
 
     @triton.jit(do_not_specialize=["T"])
-    def reduce_kernel(rows_ptr, row_of_pair_ptr, out_ptr, T, H, TOPK, so_t, BT: tl.constexpr, BH: tl.constexpr):
+    def reduce_kernel(
+        rows_ptr, row_of_pair_ptr, out_ptr, T, H, TOPK, so_t, BT: tl.constexpr, BH: tl.constexpr
+    ):
         tb, hb = tl.program_id(0), tl.program_id(1)
         tok = tb * BT + tl.arange(0, BT)
         tmask = tok < T

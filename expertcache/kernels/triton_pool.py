@@ -30,18 +30,24 @@ class Proj(NamedTuple):
 
 # quant format name -> (FMT, code suffix, scale suffix, zero suffix)
 QUANT_FORMATS = {
-    "bf16": (FLOAT, "weight", None, None), "fp16": (FLOAT, "weight", None, None),
+    "bf16": (FLOAT, "weight", None, None),
+    "fp16": (FLOAT, "weight", None, None),
     "fp32": (FLOAT, "weight", None, None),
-    "fp8": (FP8, "weight", "weight_scale", None), "fp8-channel": (FP8, "weight", "weight_scale", None),
-    "fp8-tensor": (FP8, "weight", "weight_scale", None), "int8": (INT8, "weight", "weight_scale", None),
-    "int4": (INT4, "weight", "weight_scale", "weight_zero"), "mxfp4": (MXFP4, "weight_blocks", "weight_scales", None),
+    "fp8": (FP8, "weight", "weight_scale", None),
+    "fp8-channel": (FP8, "weight", "weight_scale", None),
+    "fp8-tensor": (FP8, "weight", "weight_scale", None),
+    "int8": (INT8, "weight", "weight_scale", None),
+    "int4": (INT4, "weight", "weight_scale", "weight_zero"),
+    "mxfp4": (MXFP4, "weight_blocks", "weight_scales", None),
 }
 
 
 def supported(method) -> str | None:
     """Why the kernels cannot compute experts stored by `method` (a QuantMethod or None), or None."""
     if method is not None and method.name not in QUANT_FORMATS:
-        return f"no Triton MoE kernel for the {method.name!r} expert format (have: {', '.join(QUANT_FORMATS)})"
+        return (
+            f"no Triton MoE kernel for the {method.name!r} expert format (have: {', '.join(QUANT_FORMATS)})"
+        )
     return None
 
 
@@ -56,8 +62,10 @@ def _scale_block(method) -> tuple[int, int]:
 
 def _strides(t: torch.Tensor, out_dim: int = 1, in_dim: int = 2) -> tuple[int, int, int]:
     """(slot, out, in) element strides; a missing or size-1 dimension reads stride 0 (broadcast)."""
+
     def at(d):
         return t.stride(d) if t.dim() > d and t.shape[d] > 1 else 0
+
     return t.stride(0), at(out_dim), at(in_dim)
 
 
@@ -75,7 +83,9 @@ def _quant_proj(pool, prefix: str, method, which: int | None, interleaved: bool)
         w = w.view(torch.uint8)
     if fmt == MXFP4:  # [S, out, in/32, 16] -> bytes along the row
         if w.stride(2) != 16 * w.stride(3):
-            raise ValueError(f"{prefix}.{code}: mxfp4 blocks must be contiguous within a row for the Triton kernel")
+            raise ValueError(
+                f"{prefix}.{code}: mxfp4 blocks must be contiguous within a row for the Triton kernel"
+            )
         w = w.as_strided(w.shape[:2] + (w.shape[2] * 16,), (w.stride(0), w.stride(1), w.stride(3)))
     scale = pool.get(f"{prefix}.{scale_sfx}") if scale_sfx else None
     zero = pool.get(f"{prefix}.{zero_sfx}") if zero_sfx else None
@@ -84,8 +94,10 @@ def _quant_proj(pool, prefix: str, method, which: int | None, interleaved: bool)
     block = _scale_block(method)
     if which is not None:  # a fused gate_up part: this projection's rows
         if block[0] > 1 and (interleaved or (w.shape[1] // 2) % block[0]):
-            raise ValueError(f"{prefix}.{code}: block-scaled gate_up rows cannot be split into gate and up for the "
-                             f"Triton kernel (block rows {block[0]})")
+            raise ValueError(
+                f"{prefix}.{code}: block-scaled gate_up rows cannot be split into gate and up for the "
+                f"Triton kernel (block rows {block[0]})"
+            )
         w = _rows(w, which, interleaved)
         if scale is not None and scale.dim() > 2 and scale.shape[1] > 1:
             scale = _rows(scale, which, interleaved)
@@ -100,8 +112,10 @@ def projections(pool: dict[str, torch.Tensor], method, ffn) -> tuple[int, int, P
     """A pool -> (FMT, I, gate, up, down) in the kernels' terms (views, no copies)."""
     fmt, g, u, d = _projections(pool, method, ffn)
     if (g.w_strides, g.s_strides) != (u.w_strides, u.s_strides):
-        raise ValueError("gate and up expert weights are laid out differently in the slot pool; the Triton kernel "
-                         "reads both with one set of strides")
+        raise ValueError(
+            "gate and up expert weights are laid out differently in the slot pool; the Triton kernel "
+            "reads both with one set of strides"
+        )
     transposed = method is None and ffn is not None and ffn.transposed
     return fmt, g.w.shape[2 if transposed else 1], g, u, d
 

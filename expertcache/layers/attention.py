@@ -51,16 +51,20 @@ class Attention:
         self.cfg, self.w, self.rotary = cfg, w, rotary
         self.h, self.g, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window[layer]
-        self.scale = self.d ** -0.5
+        self.scale = self.d**-0.5
         self.sinks = w.get("sinks")
         self.q_rows = (2 if cfg.attn_output_gate else 1) * self.h * self.d
         head_norm = cfg.qk_norm == "head"
         self._kernel_norms = (w["q_norm.weight"], w["k_norm.weight"]) if head_norm else (None, None)
         self.fused = "qkv_proj.weight" in w
         # a fused qkv the kernel can take whole: nothing between the projection and the kernel
-        self.plain_qkv = self.fused and not cfg.attn_output_gate and cfg.qk_norm != "full" and cfg.clip_qkv is None
+        self.plain_qkv = (
+            self.fused and not cfg.attn_output_gate and cfg.qk_norm != "full" and cfg.clip_qkv is None
+        )
 
-    def __call__(self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
         w, T = self.w, x.shape[0]
         qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")) if self.fused else None
         o = self._kernel(qkv, None, None, batch, k_cache, v_cache) if self.plain_qkv else None  # [T, h * D]
@@ -120,8 +124,22 @@ class Attention:
             return None
         cos, sin = self.rotary.tables(batch.positions, q.dtype)
         qn, kn = self._kernel_norms
-        return attend(q, k, v, k_cache, v_cache, batch, self.scale, self.window, self.sinks, qn, kn,
-                      self.cfg.rms_norm_eps, cos, sin)
+        return attend(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            batch,
+            self.scale,
+            self.window,
+            self.sinks,
+            qn,
+            kn,
+            self.cfg.rms_norm_eps,
+            cos,
+            sin,
+        )
 
     def _torch(self, q, k, v, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor:
         """The same in torch ops: -> [T, h, D]."""
@@ -136,7 +154,7 @@ class Attention:
         v_cache.view(-1, self.g, self.d)[batch.slot_mapping] = v.to(v_cache.dtype)
         o, off = [], 0
         for b, (start, n) in enumerate(host_spans(batch)):
-            o.append(self._sequence(q[off:off + n], b, start, n, batch, k_cache, v_cache))
+            o.append(self._sequence(q[off : off + n], b, start, n, batch, k_cache, v_cache))
             off += n
         return torch.cat(o) if len(o) > 1 else o[0]
 
@@ -152,7 +170,7 @@ class Attention:
         L = start + n
         lo = max(0, start - self.window + 1) if self.window else 0  # the first key any query sees
         bs = k_cache.shape[1]
-        blocks = batch.block_tables[b, lo // bs:-(-L // bs)]
+        blocks = batch.block_tables[b, lo // bs : -(-L // bs)]
         cut = slice(lo - lo // bs * bs, L - lo // bs * bs)
 
         def ctx(cache):  # [1, g, Lk, D]
@@ -167,8 +185,15 @@ class Attention:
                 from torch.nn.attention.bias import causal_lower_right
 
                 mask = causal_lower_right(n, Lk)
-            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, is_causal=n > 1 and n == Lk,
-                                               scale=self.scale, enable_gqa=self.g != self.h)
+            o = F.scaled_dot_product_attention(
+                qs,
+                keys,
+                vals,
+                attn_mask=mask,
+                is_causal=n > 1 and n == Lk,
+                scale=self.scale,
+                enable_gqa=self.g != self.h,
+            )
             return o[0].transpose(0, 1)
         if self.g != self.h:
             keys, vals = (t.repeat_interleave(self.h // self.g, dim=1) for t in (keys, vals))
@@ -188,8 +213,11 @@ class Attention:
                 bias[..., :Lk].masked_fill_(~mask, float("-inf"))
                 bias[..., Lk] = self.sinks.to(q.dtype)[None, :, None]
                 mask = bias
-            out.append(F.scaled_dot_product_attention(qs[:, :, a:a + qpos.shape[0]], keys, vals, attn_mask=mask,
-                                                      scale=self.scale))
+            out.append(
+                F.scaled_dot_product_attention(
+                    qs[:, :, a : a + qpos.shape[0]], keys, vals, attn_mask=mask, scale=self.scale
+                )
+            )
         return torch.cat(out, 2)[0].transpose(0, 1)
 
 

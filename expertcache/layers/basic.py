@@ -11,7 +11,6 @@ from ..kernels import small_ops
 from ..quant import make_quant_method
 from ..spec.model_config import ModelConfig, rope_inv_freq
 
-
 CONVERT_ROWS = 4096  # rows of a stored-dtype weight converted at a time (bounded scratch memory)
 DEQUANT_BYTES = 64 << 20  # float32 scratch of a quantized weight dequantized on the torch path (CUDA)
 
@@ -23,7 +22,9 @@ LOAD_FORMATS = {"int8": dict(group_size=128), "int4": dict(group_size=128)}
 def load_quant_method(name: str, what: str = "lm_head"):
     """The QuantMethod of load-time format `name` for `what` (lm_head, or the dense projections)."""
     if name not in LOAD_FORMATS:
-        raise ValueError(f"{what}: unknown format {name!r}; choose one of {sorted(LOAD_FORMATS)} (or omit it)")
+        raise ValueError(
+            f"{what}: unknown format {name!r}; choose one of {sorted(LOAD_FORMATS)} (or omit it)"
+        )
     return make_quant_method(name, **LOAD_FORMATS[name])
 
 
@@ -33,11 +34,13 @@ class QuantizedWeight:
 
     def __init__(self, w: torch.Tensor, method, rows: int = 16384):
         self.method, self.shape, self.dtype = method, tuple(w.shape), torch.int8
-        chunks = [method.pack({"w.weight": w[i:i + rows].float()}) for i in range(0, w.shape[0], rows)]
+        chunks = [method.pack({"w.weight": w[i : i + rows].float()}) for i in range(0, w.shape[0], rows)]
         self.parts = {k: hostmem.cat([c[k] for c in chunks]) for k in chunks[0]}  # row-wise formats: exact
         self.nbytes = sum(t.numel() * t.element_size() for t in self.parts.values())
         assert all(t.shape[0] == self.shape[0] for t in self.parts.values()), "linear slices the parts by row"
-        self.spec = kernels.quant_weight_spec(method, self.parts, "w", self.shape)  # once: the parts never change
+        self.spec = kernels.quant_weight_spec(
+            method, self.parts, "w", self.shape
+        )  # once: the parts never change
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype: the CPU kernels, else dequantized a block of rows at a
@@ -54,8 +57,8 @@ class QuantizedWeight:
         buf = torch.empty(rows, in_dim, dtype=torch.float32, device=x.device)
         for i in range(0, out_rows, rows):
             n = min(rows, out_rows - i)
-            block = {k: t[i:i + n] for k, t in self.parts.items()}  # row-wise formats: rows i..i+n
-            out[..., i:i + n] = self.method.linear(xf, block, "w", buf=buf[:n])
+            block = {k: t[i : i + n] for k, t in self.parts.items()}  # row-wise formats: rows i..i+n
+            out[..., i : i + n] = self.method.linear(xf, block, "w", buf=buf[:n])
         return out
 
 
@@ -80,7 +83,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
         return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
     out = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
     for i in range(0, w.shape[0], CONVERT_ROWS):
-        out[..., i:i + CONVERT_ROWS] = F.linear(x, w[i:i + CONVERT_ROWS].to(x.dtype))
+        out[..., i : i + CONVERT_ROWS] = F.linear(x, w[i : i + CONVERT_ROWS].to(x.dtype))
     return out if b is None else out + b.to(x.dtype)
 
 
@@ -102,7 +105,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm: (s, rms_norm(s)) with s = h + d [..., H], a new tensor."""
     fused = small_ops.add_rms_norm(h, d, weight, eps)
     if fused is not None:
@@ -158,7 +163,7 @@ class Rotary:
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] == self.dim:
             return x * cos + rotate_half(x) * sin
-        r, rest = x[..., :self.dim], x[..., self.dim:]
+        r, rest = x[..., : self.dim], x[..., self.dim :]
         return torch.cat((r * cos + rotate_half(r) * sin, rest), dim=-1)
 
 
@@ -167,8 +172,8 @@ def deinterleave_rows(w: torch.Tensor, group: int, start: int, dim: int) -> torc
     group in interleaved rotary pairs (x0, x1), (x2, x3) ... reordered to half-split (x0, x2, ..., x1, x3, ...).
     Rotating the reordered vector half-split equals rotating the original pairwise (same dot products)."""
     perm = torch.arange(w.shape[0]).view(-1, group)
-    seg = perm[:, start:start + dim]
-    perm[:, start:start + dim] = torch.cat((seg[:, 0::2], seg[:, 1::2]), dim=1)
+    seg = perm[:, start : start + dim]
+    perm[:, start : start + dim] = torch.cat((seg[:, 0::2], seg[:, 1::2]), dim=1)
     return w[perm.reshape(-1)]
 
 

@@ -23,7 +23,7 @@ import torch
 from .. import kernels
 from ..kernels import attention as attention_kernel
 from ..spec.model_config import ModelConfig
-from .attention import AttnBatch, Attention
+from .attention import Attention, AttnBatch
 from .basic import kernel_spec
 from .moe import finish_route, route_logits
 
@@ -42,11 +42,21 @@ class AttnBlock:
         self.qkv, self.o, self.router = qkv, o, router
 
     @classmethod
-    def build(cls, cfg: ModelConfig, layer: dict, device: torch.device, dtype: torch.dtype) -> AttnBlock | None:
+    def build(
+        cls, cfg: ModelConfig, layer: dict, device: torch.device, dtype: torch.dtype
+    ) -> AttnBlock | None:
         attn = layer.get("attn")
-        if (torch.device(device).type != "cpu" or dtype != torch.float32 or kernels.backend() != "cpp"
-                or not isinstance(attn, Attention) or not attn.plain_qkv or "router" not in layer
-                or cfg.router.kind != "softmax" or cfg.router.float32_logits or "router_bias" in layer):
+        if (
+            torch.device(device).type != "cpu"
+            or dtype != torch.float32
+            or kernels.backend() != "cpp"
+            or not isinstance(attn, Attention)
+            or not attn.plain_qkv
+            or "router" not in layer
+            or cfg.router.kind != "softmax"
+            or cfg.router.float32_logits
+            or "router_bias" in layer
+        ):
             return None
         w = attn.w
         qkv = _projection(w["qkv_proj.weight"], w.get("qkv_proj.bias"))
@@ -54,8 +64,15 @@ class AttnBlock:
         router = _projection(layer["router"], None)
         return None if None in (qkv, o, router) else cls(cfg, attn, layer, qkv, o, router)
 
-    def __call__(self, h: torch.Tensor, mlp: torch.Tensor | None, batch: AttnBatch, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, moe: tuple | None = None) -> tuple | None:
+    def __call__(
+        self,
+        h: torch.Tensor,
+        mlp: torch.Tensor | None,
+        batch: AttnBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        moe: tuple | None = None,
+    ) -> tuple | None:
         """h [T, H] the residual stream, mlp the previous layer's MLP / MoE output (None: nothing to add)
         -> (s, h2, x2, (ids, weights), out): s = h + mlp (the previous layer's output), h2 the stream
         after attention, x2 its post-attention norm, the router's choice; out: with `moe` (the
@@ -65,11 +82,24 @@ class AttnBlock:
             return None  # a prefill step under fast math: its projections may go to the bf16 matmul (linear)
         cfg, layer = self.cfg, self.layer
         s, h2, x2, logits, ids, w, out = kernels.attn_block(
-            h, mlp, layer["input_ln"], layer["post_ln"], cfg.rms_norm_eps, self.qkv, self.o, self.router,
-            self.attn.kernel_args(batch, k_cache, v_cache), cfg.top_k, cfg.norm_topk_prob, moe)
+            h,
+            mlp,
+            layer["input_ln"],
+            layer["post_ln"],
+            cfg.rms_norm_eps,
+            self.qkv,
+            self.o,
+            self.router,
+            self.attn.kernel_args(batch, k_cache, v_cache),
+            cfg.top_k,
+            cfg.norm_topk_prob,
+            moe,
+        )
         return s, h2, x2, self.routed(logits, ids, w, x2.dtype), out
 
-    def routed(self, logits: torch.Tensor, ids: torch.Tensor | None, w: torch.Tensor | None, dtype: torch.dtype):
+    def routed(
+        self, logits: torch.Tensor, ids: torch.Tensor | None, w: torch.Tensor | None, dtype: torch.dtype
+    ):
         """The router's (ids, weights) from the block's results; ids None (the fused top-k declined, a
         near-tie): the router's torch code decides from the logits."""
         cfg = self.cfg
@@ -81,8 +111,21 @@ class AttnBlock:
         """The layer's entry of kernels.attn_stack's `layers` (moe: as __call__'s)."""
         cfg, layer = self.cfg, self.layer
         qn, kn, window, scale, sinks = self.attn.kernel_layer_args()
-        return (layer["input_ln"], layer["post_ln"], self.qkv, self.o, self.router, qn, kn, window, scale, sinks,
-                cfg.top_k, cfg.norm_topk_prob, moe)
+        return (
+            layer["input_ln"],
+            layer["post_ln"],
+            self.qkv,
+            self.o,
+            self.router,
+            qn,
+            kn,
+            window,
+            scale,
+            sinks,
+            cfg.top_k,
+            cfg.norm_topk_prob,
+            moe,
+        )
 
 
 class AttnStack:
@@ -104,13 +147,28 @@ class AttnStack:
         """The attention kernel takes this step (every layer's cache has the first one's dtype)."""
         return attention_kernel.takes(batch, kv[0][0]) and not kernels.prefill_step(batch.positions.shape[0])
 
-    def __call__(self, h: torch.Tensor, mlp: torch.Tensor | None, batch: AttnBatch, kv: list, start: int,
-                 with_moe: bool) -> tuple:
+    def __call__(
+        self,
+        h: torch.Tensor,
+        mlp: torch.Tensor | None,
+        batch: AttnBatch,
+        kv: list,
+        start: int,
+        with_moe: bool,
+    ) -> tuple:
         """kv: every layer's (k_cache, v_cache), for a step the stack takes -> (stop, sums, s, h2, x2,
         routed, out) of layer `stop` (routed: None when out is given; sums: the residual sums s of the
         layers run after an mlp)."""
         first = self.blocks[0]
         stop, sums, s, h2, x2, logits, ids, w, out = kernels.attn_stack(
-            h, mlp, self.layers, kv, first.attn.kernel_step_args(batch), first.cfg.rms_norm_eps, start, with_moe)
+            h,
+            mlp,
+            self.layers,
+            kv,
+            first.attn.kernel_step_args(batch),
+            first.cfg.rms_norm_eps,
+            start,
+            with_moe,
+        )
         routed = None if out is not None else self.blocks[stop].routed(logits, ids, w, x2.dtype)
         return stop, sums, s, h2, x2, routed, out

@@ -123,13 +123,24 @@ class GatedDeltaNet:
     def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor]):
         la = cfg.linear_attn
         self.layer, self.w, self.eps = layer, w, cfg.rms_norm_eps
-        self.hk, self.hv, self.dk, self.dv, self.kw = (la.num_k_heads, la.num_v_heads, la.k_head_dim,
-                                                       la.v_head_dim, la.conv_kernel)
+        self.hk, self.hv, self.dk, self.dv, self.kw = (
+            la.num_k_heads,
+            la.num_v_heads,
+            la.k_head_dim,
+            la.v_head_dim,
+            la.conv_kernel,
+        )
         self.neg_A = -w["A_log"].float().exp()  # [Hv]
         self.conv_w = w["conv"][:, 0].t().contiguous()  # [K, C]
 
-    def __call__(self, x: torch.Tensor, seq_of_token: torch.Tensor, row_of_token: torch.Tensor, max_q: int,
-                 states: StateBatch) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        seq_of_token: torch.Tensor,
+        row_of_token: torch.Tensor,
+        max_q: int,
+        states: StateBatch,
+    ) -> torch.Tensor:
         """x [T, H] (tokens of sequence b contiguous, in order) -> [T, H]; updates the states in place."""
         w, T = self.w, x.shape[0]
         conv_pool, rec_pool = states.layers[self.layer]
@@ -139,7 +150,7 @@ class GatedDeltaNet:
         qkv = self._conv(qkv, seq_of_token, row_of_token, max_q, slots, states.lengths, conv_pool)
         q, k, v = qkv.split([kd, kd, vd], dim=-1)
         r = self.hv // self.hk
-        q = l2norm(q.reshape(T, self.hk, self.dk).float()).repeat_interleave(r, dim=1) * self.dk ** -0.5
+        q = l2norm(q.reshape(T, self.hk, self.dk).float()).repeat_interleave(r, dim=1) * self.dk**-0.5
         k = l2norm(k.reshape(T, self.hk, self.dk).float()).repeat_interleave(r, dim=1)
         v = v.reshape(T, self.hv, self.dv).float()
         beta = torch.sigmoid(b).float()
@@ -187,5 +198,5 @@ class GatedDeltaNet:
         buf = buf.to(self.conv_w.dtype)
         out = buf[:, :max_q] * self.conv_w[0]  # depthwise: out[t, c] = sum_j w[c, j] x[t - K + 1 + j, c]
         for j in range(1, K):
-            out += buf[:, j:j + max_q] * self.conv_w[j]
+            out += buf[:, j : j + max_q] * self.conv_w[j]
         return F.silu(out[seq_of_token, row_of_token]).to(qkv.dtype)

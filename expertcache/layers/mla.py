@@ -34,7 +34,9 @@ PATHS = ("auto", "naive", "absorbed")
 LATENT_NORM_EPS = 1e-6
 
 
-def load_mla(cfg: ModelConfig, prefix: str, load: Callable[[str, tuple], torch.Tensor]) -> dict[str, torch.Tensor]:
+def load_mla(
+    cfg: ModelConfig, prefix: str, load: Callable[[str, tuple], torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The attention weights of one layer; `load(name, shape)` reads (and converts) a tensor."""
     m, H, h = cfg.mla, cfg.hidden_size, cfg.num_heads
     N, P, V, R = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
@@ -75,7 +77,7 @@ class MLAttention:
         self.window = cfg.sliding_window[layer]
         self.path = "auto"  # one of PATHS; "naive" / "absorbed" force a path (tests, benchmarks)
         kv_b = w["kv_b_proj.weight"].view(self.h, self.N + self.V, self.R)
-        self.w_uk, self.w_uv = kv_b[:, :self.N], kv_b[:, self.N:]  # [h, N, R], [h, V, R]
+        self.w_uk, self.w_uv = kv_b[:, : self.N], kv_b[:, self.N :]  # [h, N, R], [h, V, R]
 
     def choose(self, T: int, B: int, Q: int, L: int) -> str:
         """naive or absorbed: the one with fewer multiply-adds for this batch shape."""
@@ -108,16 +110,22 @@ class MLAttention:
             kv = linear(lat[..., :R], w["kv_b_proj.weight"]).view(B, L, h, N + V)
             keys = torch.cat((kv[..., :N], lat[:, :, None, R:].expand(B, L, h, P)), dim=-1)
             query = pad_queries(batch, torch.cat((q[..., :N], q_pe), dim=-1))
-            o = F.scaled_dot_product_attention(query.transpose(1, 2), keys.transpose(1, 2),
-                                               kv[..., N:].transpose(1, 2), attn_mask=mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(
+                query.transpose(1, 2),
+                keys.transpose(1, 2),
+                kv[..., N:].transpose(1, 2),
+                attn_mask=mask,
+                scale=self.scale,
+            )
             o = o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token]  # [T, h, V]
         else:
             w_uk, w_uv = self.w_uk.to(q.dtype), self.w_uv.to(q.dtype)
             q_lat = torch.einsum("thn,hnr->thr", q[..., :N], w_uk)
             query = pad_queries(batch, torch.cat((q_lat, q_pe), dim=-1)).transpose(1, 2)  # [B, h, Q, R + P]
             kv = lat[:, None]  # [B, 1, L, R + P]: one latent head shared by all h query heads
-            o = F.scaled_dot_product_attention(query, kv, kv[..., :R], attn_mask=mask, scale=self.scale,
-                                               enable_gqa=True)  # [B, h, Q, R]
+            o = F.scaled_dot_product_attention(
+                query, kv, kv[..., :R], attn_mask=mask, scale=self.scale, enable_gqa=True
+            )  # [B, h, Q, R]
             o = o.transpose(1, 2)[batch.seq_of_token, batch.row_of_token]  # [T, h, R]
             o = torch.einsum("thr,hvr->thv", o, w_uv)
         return linear(o.reshape(T, h * V), w["o_proj.weight"], w.get("o_proj.bias"))

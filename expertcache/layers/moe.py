@@ -88,7 +88,9 @@ def _noaux_tc(logits, correction, top_k, spec, renorm):
     return ids, _normed(scores.gather(1, ids), renorm, 1e-20)
 
 
-def router_logits(x: torch.Tensor, router_w: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None):
+def router_logits(
+    x: torch.Tensor, router_w: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None
+):
     """x [T, H] -> the router's logits [T, E] in float32."""
     if spec.float32_logits:
         return linear(x.float(), router_w.float(), None if bias is None else bias.float())
@@ -102,15 +104,32 @@ def finish_route(ids: torch.Tensor, w: torch.Tensor, spec: RouterSpec, dtype: to
     return ids, (w if w.dtype == dtype else w.to(dtype))
 
 
-def route_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, spec: RouterSpec,
-                 correction: torch.Tensor | None, dtype: torch.dtype):
+def route_logits(
+    logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    spec: RouterSpec,
+    correction: torch.Tensor | None,
+    dtype: torch.dtype,
+):
     """The experts and weights (in dtype) of each token from its router logits [T, E] float32."""
-    ids, w = ROUTERS[spec.kind](logits, None if correction is None else correction.float(), top_k, spec, norm_topk_prob)
+    ids, w = ROUTERS[spec.kind](
+        logits, None if correction is None else correction.float(), top_k, spec, norm_topk_prob
+    )
     return finish_route(ids, w, spec, dtype)
 
 
-def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          spec: RouterSpec | None = None, correction: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+def route(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    spec: RouterSpec | None = None,
+    correction: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+):
     """The experts and weights of each token (spec None = softmax, no scaling)."""
     spec = spec or RouterSpec()
-    return route_logits(router_logits(x, router_w, spec, bias), top_k, norm_topk_prob, spec, correction, x.dtype)
+    return route_logits(
+        router_logits(x, router_w, spec, bias), top_k, norm_topk_prob, spec, correction, x.dtype
+    )

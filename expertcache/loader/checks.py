@@ -24,12 +24,16 @@ SKIP_HINT = "--no-check-finite (check_finite=False) loads it anyway"
 def check_layer_count(index: TensorIndex, num_layers: int) -> None:
     found = {int(m.group(1)) for name in index.tensors if (m := LAYER.match(name))}
     if found and max(found) >= num_layers:
-        raise ConfigError(f"config.json: num_hidden_layers={num_layers}, but {index.model_dir} holds tensors for "
-                          f"{max(found) + 1} layers (model.layers.0 .. model.layers.{max(found)}); "
-                          "a config that drops layers would silently run another model")
+        raise ConfigError(
+            f"config.json: num_hidden_layers={num_layers}, but {index.model_dir} holds tensors for "
+            f"{max(found) + 1} layers (model.layers.0 .. model.layers.{max(found)}); "
+            "a config that drops layers would silently run another model"
+        )
 
 
-FINITE_CHUNK = 1 << 22  # elements scanned at a time: isfinite's temporaries stay a few MiB, not the tensor's size
+FINITE_CHUNK = (
+    1 << 22
+)  # elements scanned at a time: isfinite's temporaries stay a few MiB, not the tensor's size
 
 
 def is_finite(t: torch.Tensor) -> bool:
@@ -40,7 +44,7 @@ def is_finite(t: torch.Tensor) -> bool:
     flat = t.reshape(-1)
     fp8 = t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     for i in range(0, flat.numel(), FINITE_CHUNK):
-        part = flat[i:i + FINITE_CHUNK]
+        part = flat[i : i + FINITE_CHUNK]
         if fp8:
             part = part.to(torch.float16)  # exact; isfinite has no float8 kernel
         if not bool(torch.isfinite(part).all()):
@@ -52,10 +56,14 @@ def check_dense(index: TensorIndex, name: str, t: torch.Tensor, check_finite: bo
     """t is the dense weight `name` as loaded (dequantized when stored as fp8)."""
     info = index.info(name)
     if not info.dtype.is_floating_point:
-        raise CheckpointError(f"{info.file.name}: tensor {name} is stored as {str(info.dtype).replace('torch.', '')}; "
-                              "dense weights must be floating point (bf16, f16, f32 or fp8 with a scale)")
+        raise CheckpointError(
+            f"{info.file.name}: tensor {name} is stored as {str(info.dtype).replace('torch.', '')}; "
+            "dense weights must be floating point (bf16, f16, f32 or fp8 with a scale)"
+        )
     if check_finite and not is_finite(t):
-        raise CheckpointError(f"{info.file.name}: tensor {name} holds non-finite values (NaN or inf); {SKIP_HINT}")
+        raise CheckpointError(
+            f"{info.file.name}: tensor {name} holds non-finite values (NaN or inf); {SKIP_HINT}"
+        )
 
 
 def nonfinite_parts(parts: dict[str, torch.Tensor]) -> list[str]:

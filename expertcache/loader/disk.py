@@ -67,7 +67,7 @@ class DiskReader:
             except OSError:  # e.g. EINVAL on a filesystem that accepted the flag but not the read
                 got = -1
             if got >= offset - start + n:
-                dst[:] = memoryview(buf)[offset - start: offset - start + n]
+                dst[:] = memoryview(buf)[offset - start : offset - start + n]
                 self.direct_used = True
                 self._count(n)
                 return
@@ -94,7 +94,7 @@ class DiskReader:
         mv = memoryview(dst.view(torch.uint8).reshape(-1).numpy())
         pos = 0
         for path, off, n in ranges:
-            self.read_range(path, off, mv[pos: pos + n])
+            self.read_range(path, off, mv[pos : pos + n])
             pos += n
         assert pos == dst.numel() * dst.element_size(), "ranges do not match the destination size"
 
@@ -118,10 +118,12 @@ class DiskReader:
     def submit_parts(self, ranges: dict[str, list], dst: dict[str, torch.Tensor], then=None) -> Future:
         """read_parts on the I/O pool, then `then()` (if given) on the same thread; the future
         completes when every part is in and `then` returned."""
+
         def job():
             self.read_parts(ranges, dst)
             if then is not None:
                 then()
+
         return self.pool.submit(job)
 
     def close(self) -> None:

@@ -42,8 +42,11 @@ ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp8 would need it
 def readable(info: TensorInfo) -> bool:
     """info is a plain 2-D float tensor whose bytes are its rows in order (not a view over other
     stored tensors, e.g. a quantized module's PackedInfo, whose nbytes are its stored parts')."""
-    return (len(info.shape) == 2 and info.dtype in ROW_DTYPES
-            and info.nbytes == math.prod(info.shape) * info.dtype.itemsize)
+    return (
+        len(info.shape) == 2
+        and info.dtype in ROW_DTYPES
+        and info.nbytes == math.prod(info.shape) * info.dtype.itemsize
+    )
 
 
 class RowReader:
@@ -51,8 +54,10 @@ class RowReader:
 
     def __init__(self, info: TensorInfo, check_finite: bool = True):
         if not readable(info):
-            raise ValueError(f"{info.file.name}: tensor {info.name} ({info.dtype}, shape {list(info.shape)}) is not "
-                             "a plain 2-D float tensor; its rows cannot be read one by one")
+            raise ValueError(
+                f"{info.file.name}: tensor {info.name} ({info.dtype}, shape {list(info.shape)}) is not "
+                "a plain 2-D float tensor; its rows cannot be read one by one"
+            )
         self.info, self.check_finite = info, check_finite
         self.num_rows, self.row_len = info.shape
         self.row_bytes = self.row_len * info.dtype.itemsize
@@ -73,14 +78,16 @@ class RowReader:
         u = uniq.tolist()
         if u[0] < 0 or u[-1] >= self.num_rows:
             bad = u[0] if u[0] < 0 else u[-1]
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.num_rows}) of tensor "
-                             f"{self.info.name} ({self.info.file.name})")
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary [0, {self.num_rows}) of tensor "
+                f"{self.info.name} ({self.info.file.name})"
+            )
         out = torch.empty(len(u), self.row_len, dtype=self.info.dtype)  # [U, H]
         dst = memoryview(out.view(torch.uint8).reshape(-1).numpy())
         # runs of consecutive ids, one read each: run k is u[starts[k]:starts[k + 1]]
         starts = [0, *(i for i in range(1, len(u)) if u[i] != u[i - 1] + 1), len(u)]
         for a, b in zip(starts, starts[1:]):
-            self._read(u[a], dst[a * self.row_bytes: b * self.row_bytes])
+            self._read(u[a], dst[a * self.row_bytes : b * self.row_bytes])
         if self.check_finite:
             self._check(u, out)
         return out.index_select(0, inverse).reshape(*ids.shape, self.row_len)
@@ -91,8 +98,10 @@ class RowReader:
         while pos < len(dst):
             got = os.preadv(self.fd, [dst[pos:]], offset + pos)
             if got <= 0:
-                raise CheckpointError(f"{self.info.file}: short read of tensor {self.info.name} rows from {first} "
-                                      f"(byte {offset + pos}): file truncated?")
+                raise CheckpointError(
+                    f"{self.info.file}: short read of tensor {self.info.name} rows from {first} "
+                    f"(byte {offset + pos}): file truncated?"
+                )
             pos += got
         self.bytes_read += pos
 
@@ -101,8 +110,10 @@ class RowReader:
         finite = torch.isfinite(out).all(-1)  # [U]
         if not bool(finite.all()):
             token = u[int(torch.nonzero(~finite)[0])]
-            raise CheckpointError(f"{self.info.file.name}: tensor {self.info.name} row {token} (token id {token}) "
-                                  f"holds non-finite values (NaN or inf); {SKIP_HINT}")
+            raise CheckpointError(
+                f"{self.info.file.name}: tensor {self.info.name} row {token} (token id {token}) "
+                f"holds non-finite values (NaN or inf); {SKIP_HINT}"
+            )
 
     def close(self) -> None:
         self._close()

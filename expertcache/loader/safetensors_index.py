@@ -23,10 +23,18 @@ from .. import hostmem
 from ..errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -50,7 +58,9 @@ def read_header(path: Path) -> tuple[dict, int]:
                 raise CheckpointError(f"{path}: truncated safetensors file (no header)")
             (n,) = struct.unpack("<Q", raw)
             if n > size - 8 or n > 100 << 20:
-                raise CheckpointError(f"{path}: truncated or corrupt safetensors header (length {n}, file {size} bytes)")
+                raise CheckpointError(
+                    f"{path}: truncated or corrupt safetensors header (length {n}, file {size} bytes)"
+                )
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise CheckpointError(f"missing safetensors file {path}") from None
@@ -65,8 +75,10 @@ def shard_name(index: Path, name: str) -> str:
     (Not resolved through symlinks: a hub-cache snapshot's shards are links into its blobs/.)"""
     parts = Path(name).parts
     if not name or Path(name).is_absolute() or ".." in parts or "\0" in name:
-        raise CheckpointError(f"{index}: shard file {name!r} is outside the checkpoint directory "
-                              "(shard names must be relative paths inside it)")
+        raise CheckpointError(
+            f"{index}: shard file {name!r} is outside the checkpoint directory "
+            "(shard names must be relative paths inside it)"
+        )
     return name
 
 
@@ -85,7 +97,9 @@ class TensorIndex:
                 begin, end = h["data_offsets"]
                 dtype, shape = DTYPES[h["dtype"]], tuple(h["shape"])
                 if end - begin != math.prod(shape) * dtype.itemsize:
-                    raise CheckpointError(f"{path}: tensor {name} byte range does not match shape {list(shape)}")
+                    raise CheckpointError(
+                        f"{path}: tensor {name} byte range does not match shape {list(shape)}"
+                    )
                 if data_start + end > size:
                     raise CheckpointError(
                         f"{path}: truncated safetensors file (tensor {name} ends at byte "
@@ -104,7 +118,9 @@ class TensorIndex:
                 raise CheckpointError(f"{index}: weight_map must be an object of tensor name -> shard file")
             bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
             if bad is not None:
-                raise CheckpointError(f"{index}: weight_map[{bad!r}] is {weight_map[bad]!r}, not a shard file name")
+                raise CheckpointError(
+                    f"{index}: weight_map[{bad!r}] is {weight_map[bad]!r}, not a shard file name"
+                )
             return [self.model_dir / shard_name(index, f) for f in sorted(set(weight_map.values()))]
         single = self.model_dir / "model.safetensors"
         if single.exists():
@@ -132,7 +148,9 @@ class TensorIndex:
         if t is None:
             raise CheckpointError(f"{self.model_dir}: missing tensor {name}")
         if shape is not None and tuple(shape) != t.shape:
-            raise CheckpointError(f"{t.file.name}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
+            raise CheckpointError(
+                f"{t.file.name}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}"
+            )
         return t
 
     def load(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -13,7 +13,11 @@ def base_fields(hf: dict, family: str, partial_rotary: bool = False) -> dict:
     hidden = require_int(hf, "hidden_size")
     heads = require_int(hf, "num_attention_heads")
     eos = hf.get("eos_token_id")
-    eos = () if eos is None else tuple(as_int(e, "eos_token_id", 0) for e in (eos if isinstance(eos, list) else [eos]))
+    eos = (
+        ()
+        if eos is None
+        else tuple(as_int(e, "eos_token_id", 0) for e in (eos if isinstance(eos, list) else [eos]))
+    )
     num_layers = require_int(hf, "num_hidden_layers")
     return dict(
         family=family,

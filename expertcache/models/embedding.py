@@ -30,8 +30,13 @@ def tied(cfg: ModelConfig, index: TensorIndex) -> bool:
 
 def on_disk(cfg: ModelConfig, index: TensorIndex, device: torch.device, low_memory: bool) -> bool:
     """The embedding's rows are read from the checkpoint per step instead of held (see the docstring)."""
-    return (low_memory and torch.device(device).type == "cpu" and not tied(cfg, index)
-            and EMBED in index and readable(index.info(EMBED)))
+    return (
+        low_memory
+        and torch.device(device).type == "cpu"
+        and not tied(cfg, index)
+        and EMBED in index
+        and readable(index.info(EMBED))
+    )
 
 
 class Table:

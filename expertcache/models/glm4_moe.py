@@ -19,20 +19,34 @@ ROUTING = {"noaux_tc": "noaux_tc"}
 
 
 def parse(hf: dict):
-    hf = {**hf, "partial_rotary_factor": hf.get("partial_rotary_factor",
-                                                (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5))}
+    hf = {
+        **hf,
+        "partial_rotary_factor": hf.get(
+            "partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
+        ),
+    }
     f = base_fields(hf, "glm4_moe", partial_rotary=True)
     e, n = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0), f["num_layers"]
     first = int(hf.get("first_k_dense_replace", 1) or 0)
     rotary = int(f["head_dim"] * get_float(f["rope"], "partial_rotary_factor", 1.0, positive=True))
     if rotary % 2 or not 0 < rotary <= f["head_dim"]:
-        raise ConfigError(f"config.json: partial_rotary_factor={f['rope']['partial_rotary_factor']} of head_dim="
-                          f"{f['head_dim']} gives {rotary} rotary dims (must be even and positive)")
-    return finish({
-        **f, **router_fields(hf, ROUTING, "sigmoid", e), **moe_fields(hf, e, tuple(i >= first for i in range(n))),
-        "rotary_dim": rotary, "qkv_bias": bool(hf.get("attention_bias", False)), "o_bias": False,
-        "qk_norm": "head" if hf.get("use_qk_norm") else None, "clip_qkv": None, "sliding_window": (None,) * n,
-    })
+        raise ConfigError(
+            f"config.json: partial_rotary_factor={f['rope']['partial_rotary_factor']} of head_dim="
+            f"{f['head_dim']} gives {rotary} rotary dims (must be even and positive)"
+        )
+    return finish(
+        {
+            **f,
+            **router_fields(hf, ROUTING, "sigmoid", e),
+            **moe_fields(hf, e, tuple(i >= first for i in range(n))),
+            "rotary_dim": rotary,
+            "qkv_bias": bool(hf.get("attention_bias", False)),
+            "o_bias": False,
+            "qk_norm": "head" if hf.get("use_qk_norm") else None,
+            "clip_qkv": None,
+            "sliding_window": (None,) * n,
+        }
+    )
 
 
 def parse_lite(hf: dict):
@@ -40,19 +54,28 @@ def parse_lite(hf: dict):
     e, n = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0), f["num_layers"]
     types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
     if len(types) != n or set(types) - {"dense", "sparse"}:
-        raise ConfigError(f"config.json: mlp_layer_types={types} must list 'dense' or 'sparse' for each of "
-                          f"the {n} layers")
+        raise ConfigError(
+            f"config.json: mlp_layer_types={types} must list 'dense' or 'sparse' for each of the {n} layers"
+        )
     leading = next((i for i, t in enumerate(types) if t == "sparse"), n)
     first = hf.get("first_k_dense_replace")
     if first is not None and int(first) != leading:
-        raise ConfigError(f"config.json: first_k_dense_replace={first} disagrees with mlp_layer_types {types} "
-                          f"({leading} leading dense layers); transformers follows mlp_layer_types")
-    return finish({
-        **f, **mla_fields(hf, f), **router_fields(hf, ROUTING, "sigmoid", e),
-        **moe_fields(hf, e, tuple(t == "sparse" for t in types)),
-        "qk_norm": None, "clip_qkv": None, "sliding_window": (None,) * n,
-        "rope_interleave": bool(hf.get("rope_interleave", True)),
-    })
+        raise ConfigError(
+            f"config.json: first_k_dense_replace={first} disagrees with mlp_layer_types {types} "
+            f"({leading} leading dense layers); transformers follows mlp_layer_types"
+        )
+    return finish(
+        {
+            **f,
+            **mla_fields(hf, f),
+            **router_fields(hf, ROUTING, "sigmoid", e),
+            **moe_fields(hf, e, tuple(t == "sparse" for t in types)),
+            "qk_norm": None,
+            "clip_qkv": None,
+            "sliding_window": (None,) * n,
+            "rope_interleave": bool(hf.get("rope_interleave", True)),
+        }
+    )
 
 
 GLM4_MOE = register(Family("glm4_moe", ("Glm4MoeForCausalLM",), parse, NAMES))

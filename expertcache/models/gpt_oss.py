@@ -15,15 +15,30 @@ do not use) are not read.
 
 from __future__ import annotations
 
-from .common import base_fields, finish, raise_cfg
 from ..spec.model_config import RouterSpec, require
+from .common import base_fields, finish, raise_cfg
 from .registry import Family, WeightNames, register
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-DEFAULTS = dict(rms_norm_eps=1e-5, rope_theta=150000.0, num_key_value_heads=8, head_dim=64, sliding_window=128,
-                attention_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0, num_experts_per_tok=4)
-DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 4096}
+DEFAULTS = dict(
+    rms_norm_eps=1e-5,
+    rope_theta=150000.0,
+    num_key_value_heads=8,
+    head_dim=64,
+    sliding_window=128,
+    attention_bias=True,
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+    num_experts_per_tok=4,
+)
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 
 def parse(hf: dict):
@@ -46,28 +61,30 @@ def parse(hf: dict):
     if not limit > 0:
         raise_cfg(f"swiglu_limit={limit!r} must be positive")
     bias = bool(hf["attention_bias"])
-    return finish({
-        **f,
-        "qkv_bias": bias,
-        "o_bias": bias,
-        "qk_norm": None,
-        "clip_qkv": None,
-        "sliding_window": tuple(int(window) if t == "sliding_attention" else None for t in types),
-        "num_experts": int(require(hf, "num_local_experts", "num_experts")),
-        "norm_topk_prob": False,
-        "moe_intermediate_size": int(require(hf, "intermediate_size")),
-        "intermediate_size": 0,
-        "moe_layers": (True,) * n,
-        "shared_expert_intermediate_size": 0,
-        "shared_expert_gate": False,
-        "attn_sinks": True,
-        "router_bias": True,
-        "router": RouterSpec(kind="topk_softmax"),
-        "expert_bias": True,
-        "expert_act": "clamped_swiglu",
-        "swiglu_alpha": alpha,
-        "swiglu_limit": limit,
-    })
+    return finish(
+        {
+            **f,
+            "qkv_bias": bias,
+            "o_bias": bias,
+            "qk_norm": None,
+            "clip_qkv": None,
+            "sliding_window": tuple(int(window) if t == "sliding_attention" else None for t in types),
+            "num_experts": int(require(hf, "num_local_experts", "num_experts")),
+            "norm_topk_prob": False,
+            "moe_intermediate_size": int(require(hf, "intermediate_size")),
+            "intermediate_size": 0,
+            "moe_layers": (True,) * n,
+            "shared_expert_intermediate_size": 0,
+            "shared_expert_gate": False,
+            "attn_sinks": True,
+            "router_bias": True,
+            "router": RouterSpec(kind="topk_softmax"),
+            "expert_bias": True,
+            "expert_act": "clamped_swiglu",
+            "swiglu_alpha": alpha,
+            "swiglu_limit": limit,
+        }
+    )
 
 
 def _number(hf: dict, key: str) -> float:
@@ -77,6 +94,17 @@ def _number(hf: dict, key: str) -> float:
     return float(v)
 
 
-FAMILY = register(Family("gpt_oss", ("GptOssForCausalLM",), parse,
-                         WeightNames(("mlp",), "router", ("gate_proj", "up_proj", "down_proj"),
-                                     fused_transposed=True, gate_up_interleaved=True)))
+FAMILY = register(
+    Family(
+        "gpt_oss",
+        ("GptOssForCausalLM",),
+        parse,
+        WeightNames(
+            ("mlp",),
+            "router",
+            ("gate_proj", "up_proj", "down_proj"),
+            fused_transposed=True,
+            gate_up_interleaved=True,
+        ),
+    )
+)

@@ -12,8 +12,8 @@ import re
 import sys
 
 from ..loader.safetensors_index import TensorIndex
-from ..units import fmt_bytes
 from ..spec.model_config import ModelConfig
+from ..units import fmt_bytes
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -33,7 +33,10 @@ def drop_mtp_layers(index: TensorIndex, cfg: ModelConfig, hf: dict) -> list[int]
     nbytes = sum(index.info(n).nbytes for n in names)
     index.drop(names)
     layers = sorted(extra)
-    print(f"note: ignoring {len(layers)} multi-token-prediction layer(s) in the checkpoint: "
-          f"model.layers.{{{','.join(map(str, layers))}}}.* ({len(names)} tensors, {fmt_bytes(nbytes)}); "
-          "generation does not use them, they are not read", file=sys.stderr)
+    print(
+        f"note: ignoring {len(layers)} multi-token-prediction layer(s) in the checkpoint: "
+        f"model.layers.{{{','.join(map(str, layers))}}}.* ({len(names)} tensors, {fmt_bytes(nbytes)}); "
+        "generation does not use them, they are not read",
+        file=sys.stderr,
+    )
     return layers

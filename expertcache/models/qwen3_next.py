@@ -14,8 +14,8 @@ reads either. Qwen3.5-MoE always renormalises the top-k weights and has no dense
 tower (`model.visual.*`) is not (prompts are text only).
 """
 
-from .common import base_fields, finish, get_float, raise_cfg, sparse_layers
 from ..spec.model_config import LinearAttnConfig, require
+from .common import base_fields, finish, get_float, raise_cfg, sparse_layers
 from .registry import Family, WeightNames, register
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -50,8 +50,10 @@ def _parse(hf: dict, family: str, moe_layers) -> dict:
     bias = bool(hf.get("attention_bias", False))
     rotary = int(f["head_dim"] * get_float(f["rope"], "partial_rotary_factor", 1.0, positive=True))
     if rotary % 2 or not 0 < rotary <= f["head_dim"]:
-        raise_cfg(f"partial_rotary_factor of head_dim={f['head_dim']} gives {rotary} rotary dims "
-                  "(must be even and positive)")
+        raise_cfg(
+            f"partial_rotary_factor of head_dim={f['head_dim']} gives {rotary} rotary dims "
+            "(must be even and positive)"
+        )
     return {
         **f,
         "rotary_dim": rotary,
@@ -73,8 +75,13 @@ def _parse(hf: dict, family: str, moe_layers) -> dict:
 
 def parse_next(hf: dict):
     f = _parse(hf, "qwen3_next", sparse_layers)
-    return finish({**f, "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-                   "intermediate_size": int(hf.get("intermediate_size", 0))})
+    return finish(
+        {
+            **f,
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            "intermediate_size": int(hf.get("intermediate_size", 0)),
+        }
+    )
 
 
 def parse_qwen35(hf: dict):
@@ -90,11 +97,18 @@ def text_tensors(name: str) -> str | None:
     if name.startswith(("mtp.", "model.visual.")):
         return None
     if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
+        return "model." + name[len("model.language_model.") :]
     return name
 
 
 NAMES = WeightNames(("mlp",), "gate", ("gate_proj", "up_proj", "down_proj"))
 NEXT = register(Family("qwen3_next", ("Qwen3NextForCausalLM",), parse_next, NAMES, text_tensors))
-QWEN35 = register(Family("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-                         parse_qwen35, NAMES, text_tensors))
+QWEN35 = register(
+    Family(
+        "qwen3_5_moe",
+        ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        parse_qwen35,
+        NAMES,
+        text_tensors,
+    )
+)

@@ -38,8 +38,15 @@ KEEP_LAYER_OUTPUTS = 16 << 20
 class MoETransformer:
     """Assembled from weights already read (build/fill.py DenseWeights): it reads nothing itself."""
 
-    def __init__(self, cfg: ModelConfig, weights, experts: ExpertProvider, device: torch.device, dtype: torch.dtype,
-                 cpu_math: str = "exact"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights,
+        experts: ExpertProvider,
+        device: torch.device,
+        dtype: torch.dtype,
+        cpu_math: str = "exact",
+    ):
         self.cfg, self.experts, self.device, self.dtype = cfg, experts, device, dtype
         self.cpu_math = cpu_math  # kernels.CPU_MATHS: how the CPU kernels compute in every forward
         # per forward with logits_rows: `finite_after` [num_layers, B] bool, row b's hidden state finite
@@ -55,7 +62,9 @@ class MoETransformer:
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.embed: Table | RowReader = weights.embed  # rows(input_ids [T]) -> [T, H]
         self.rotary, self.norm, self.lm_head = weights.rotary, weights.norm, weights.lm_head
-        self.dense_quantized: list[QuantizedWeight] = weights.dense_quantized  # what `dense` quantized at load
+        self.dense_quantized: list[QuantizedWeight] = (
+            weights.dense_quantized
+        )  # what `dense` quantized at load
         self.kv_index = {layer: n for n, layer in enumerate(cfg.attention_layer_ids)}
         self.layers = [self._mixer(i, dict(layer)) for i, layer in enumerate(weights.layers)]
         moe = cfg.moe_layer_ids
@@ -69,7 +78,9 @@ class MoETransformer:
         self._block_moe = [
             experts.kernel_moe_args(i, cfg.hidden_size)
             if b is not None and "shared" not in layer and cfg.router.scaling == 1.0
-            else None for i, (b, layer) in enumerate(zip(self.blocks, self.layers))]
+            else None
+            for i, (b, layer) in enumerate(zip(self.blocks, self.layers))
+        ]
         # and, where every layer has a block, the whole stack of them in one call a step
         self.stack = AttnStack.build(self.blocks, self._block_moe)
 
@@ -83,8 +94,14 @@ class MoETransformer:
         return layer
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_rows: torch.Tensor | None = None, states: StateBatch | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: AttnBatch,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_rows: torch.Tensor | None = None,
+        states: StateBatch | None = None,
+    ) -> torch.Tensor:
         """input_ids [T] -> logits [len(logits_rows) or T, V] in float32. kv: one (k, v) cache pair per
         attention layer; states: the sequences' linear-attention states (hybrid models only)."""
         with kernels.cpu_threads(self.device), kernels.cpu_math(self.cpu_math):
@@ -120,11 +137,15 @@ class MoETransformer:
             # the MoE inside the block only when nothing needs the routing in Python this step
             with_moe = self.route_override is None and not self.record_routing
             moes = self._block_moe if with_moe else [None] * len(blocks)
-            stacked = self.stack is not None and self.fused_blocks and self._run_stack(h, batch, kv, with_moe, done)
+            stacked = (
+                self.stack is not None and self.fused_blocks and self._run_stack(h, batch, kv, with_moe, done)
+            )
             if stacked:
                 h, mlp = stacked
             for i, layer in enumerate(() if stacked else self.layers):
-                fused = blocks[i](h, mlp, batch, *kv[self.kv_index[i]], moes[i]) if blocks and blocks[i] else None
+                fused = (
+                    blocks[i](h, mlp, batch, *kv[self.kv_index[i]], moes[i]) if blocks and blocks[i] else None
+                )
                 if fused is not None:
                     s, h, x, routed, out = fused
                     if mlp is not None:
@@ -173,10 +194,19 @@ class MoETransformer:
 
     def _route(self, layer: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        return route(x, layer["router"], cfg.top_k, cfg.norm_topk_prob, cfg.router, layer.get("correction"),
-                     layer.get("router_bias"))
+        return route(
+            x,
+            layer["router"],
+            cfg.top_k,
+            cfg.norm_topk_prob,
+            cfg.router,
+            layer.get("correction"),
+            layer.get("router_bias"),
+        )
 
-    def _moe(self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor, routed: tuple | None = None) -> torch.Tensor:
+    def _moe(
+        self, i: int, layer: dict, h: torch.Tensor, x: torch.Tensor, routed: tuple | None = None
+    ) -> torch.Tensor:
         ids, w = self._route(layer, x) if routed is None else routed
         if self.route_override is not None:
             ids, w = self.route_override(i, ids, w)

@@ -4,8 +4,16 @@ from .config import ParallelConfig
 from .group import EPGroup, ExpertParallelError, checkpoint_fingerprint
 from .placement import Placement, balanced_placement, static_placement
 
-__all__ = ["ParallelConfig", "EPGroup", "ExpertParallelError", "checkpoint_fingerprint", "Placement",
-           "balanced_placement", "static_placement", "start"]
+__all__ = [
+    "ParallelConfig",
+    "EPGroup",
+    "ExpertParallelError",
+    "checkpoint_fingerprint",
+    "Placement",
+    "balanced_placement",
+    "static_placement",
+    "start",
+]
 
 
 def start(expert_parallel, device, worker_kwargs: dict, serve):
@@ -22,8 +30,15 @@ def start(expert_parallel, device, worker_kwargs: dict, serve):
         group = EPGroup.from_env(device, cfg.timeout_s)
         group.exit_on_failure = cfg.exit_on_failure
         if group.world_size != cfg.world_size:
-            raise ExpertParallelError(f"--expert-parallel {cfg.world_size} but torchrun started "
-                                      f"{group.world_size} ranks")
+            raise ExpertParallelError(
+                f"--expert-parallel {cfg.world_size} but torchrun started {group.world_size} ranks"
+            )
         return cfg, group
-    return cfg, EPGroup.launch(cfg.world_size, device, serve, {**worker_kwargs, "expert_parallel": cfg},
-                               cfg.timeout_s, cfg.exit_on_failure)
+    return cfg, EPGroup.launch(
+        cfg.world_size,
+        device,
+        serve,
+        {**worker_kwargs, "expert_parallel": cfg},
+        cfg.timeout_s,
+        cfg.exit_on_failure,
+    )

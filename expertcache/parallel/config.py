@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-
 PEER_TIER = ("auto", "on", "off")
 DEFAULTS = {"eplb_window_size": 1000, "eplb_step_interval": 3000}  # vLLM's
 
@@ -34,18 +33,43 @@ class ParallelConfig:
             need(value is None or self.eplb, field, value, "it only applies with eplb=True (--enable-eplb)")
             if value is None:  # frozen: the default is filled in once, here
                 object.__setattr__(self, field, DEFAULTS[field])
-        need(isinstance(self.world_size, int) and self.world_size >= 1, "world_size", self.world_size,
-             "expected an integer >= 1 (--expert-parallel)")
-        need(isinstance(self.num_redundant_experts, int) and self.num_redundant_experts >= 0,
-             "num_redundant_experts", self.num_redundant_experts, "expected an integer >= 0")
-        need(isinstance(self.eplb_window_size, int) and self.eplb_window_size >= 1, "eplb_window_size",
-             self.eplb_window_size, "expected an integer >= 1")
-        need(isinstance(self.eplb_step_interval, int) and self.eplb_step_interval >= 1, "eplb_step_interval",
-             self.eplb_step_interval, "expected an integer >= 1")
-        need(self.peer_tier in PEER_TIER, "peer_tier", self.peer_tier, f"expected one of {PEER_TIER} (--peer-tier)")
+        need(
+            isinstance(self.world_size, int) and self.world_size >= 1,
+            "world_size",
+            self.world_size,
+            "expected an integer >= 1 (--expert-parallel)",
+        )
+        need(
+            isinstance(self.num_redundant_experts, int) and self.num_redundant_experts >= 0,
+            "num_redundant_experts",
+            self.num_redundant_experts,
+            "expected an integer >= 0",
+        )
+        need(
+            isinstance(self.eplb_window_size, int) and self.eplb_window_size >= 1,
+            "eplb_window_size",
+            self.eplb_window_size,
+            "expected an integer >= 1",
+        )
+        need(
+            isinstance(self.eplb_step_interval, int) and self.eplb_step_interval >= 1,
+            "eplb_step_interval",
+            self.eplb_step_interval,
+            "expected an integer >= 1",
+        )
+        need(
+            self.peer_tier in PEER_TIER,
+            "peer_tier",
+            self.peer_tier,
+            f"expected one of {PEER_TIER} (--peer-tier)",
+        )
         need(self.timeout_s > 0, "timeout_s", self.timeout_s, "expected seconds > 0")
-        need(not (self.num_redundant_experts and self.world_size == 1), "num_redundant_experts",
-             self.num_redundant_experts, "replicas need --expert-parallel >= 2")
+        need(
+            not (self.num_redundant_experts and self.world_size == 1),
+            "num_redundant_experts",
+            self.num_redundant_experts,
+            "replicas need --expert-parallel >= 2",
+        )
 
     @classmethod
     def of(cls, value) -> "ParallelConfig":

@@ -39,8 +39,17 @@ BALANCE_HISTORY = 1000  # steps of per-rank load kept for /stats
 
 
 class ExpertParallelExperts(ExpertProvider):
-    def __init__(self, group: EPGroup, local: ExpertProvider, placement: Placement, cfg: ParallelConfig,
-                 layers: list[int], num_experts: int, peer: PeerTier | None = None, peer_moves: bool = False):
+    def __init__(
+        self,
+        group: EPGroup,
+        local: ExpertProvider,
+        placement: Placement,
+        cfg: ParallelConfig,
+        layers: list[int],
+        num_experts: int,
+        peer: PeerTier | None = None,
+        peer_moves: bool = False,
+    ):
         self.group, self.local, self.cfg, self.layers = group, local, cfg, layers
         self.peer = peer  # the peer tier over `local`'s memory tiers (None: off, or no tiers)
         self.peer_moves = peer_moves  # rearrangements take new experts' bytes from their old ranks
@@ -76,8 +85,9 @@ class ExpertParallelExperts(ExpertProvider):
             new = self.requested
             if new is None and self.cfg.eplb and self.steps and self.steps % self.cfg.eplb_step_interval == 0:
                 load = torch.stack(list(self.window)).sum(0) if self.window else self.step_load
-                new = balanced_placement(load, self.layers, self.N, self.cfg.num_redundant_experts,
-                                         self.placement.version + 1)
+                new = balanced_placement(
+                    load, self.layers, self.N, self.cfg.num_redundant_experts, self.placement.version + 1
+                )
                 if not worth_moving(self.placement, new, load, self.layers):
                     new = None
             if new is not None:
@@ -124,7 +134,9 @@ class ExpertParallelExperts(ExpertProvider):
         ranks = assign_ranks(ids_cpu, table, counts, self.steps)
         if self.rank == 0:  # the balancer and the balance stats live on rank 0
             self.step_pairs += torch.bincount(ranks.reshape(-1), minlength=self.N)
-            self.step_load[self.row_of[layer]] += torch.bincount(ids_cpu.reshape(-1), minlength=self.step_load.shape[1])
+            self.step_load[self.row_of[layer]] += torch.bincount(
+                ids_cpu.reshape(-1), minlength=self.step_load.shape[1]
+            )
         peer = self.peer
         if peer is not None:
             peer.before(layer, ids_cpu, ranks)
@@ -139,7 +151,9 @@ class ExpertParallelExperts(ExpertProvider):
             out.index_put_((tok,), y, accumulate=True)
         if peer is not None:
             peer.after(layer)
-            buf[n + self.rank * self.E: n + (self.rank + 1) * self.E] = peer.codes_row(layer).to(buf.device, buf.dtype)
+            buf[n + self.rank * self.E : n + (self.rank + 1) * self.E] = peer.codes_row(layer).to(
+                buf.device, buf.dtype
+            )
         self.group.all_reduce_(buf)
         if peer is not None:
             peer.carry(layer, buf[n:].view(self.N, self.E))
@@ -155,9 +169,13 @@ class ExpertParallelExperts(ExpertProvider):
     # -- stats ----------------------------------------------------------------------------------------
     def gather_stats(self) -> None:
         """Every rank, in the same step: rank 0 collects each rank's own counters."""
-        mine = {"rank": self.rank, "bytes_rearranged": self.bytes_rearranged,
-                "bytes_rearranged_peer": self.bytes_rearranged_peer, "cache": self._cache_stats(),
-                "peer": self.peer.counters() if self.peer is not None else None}
+        mine = {
+            "rank": self.rank,
+            "bytes_rearranged": self.bytes_rearranged,
+            "bytes_rearranged_peer": self.bytes_rearranged_peer,
+            "cache": self._cache_stats(),
+            "peer": self.peer.counters() if self.peer is not None else None,
+        }
         got = self.group.gather(mine)
         if got is not None:
             self.rank_stats = got
@@ -169,9 +187,13 @@ class ExpertParallelExperts(ExpertProvider):
     def parallel_stats(self) -> dict:
         recent = [b for _, b in self.balance]
         last = self.balance[-1] if self.balance else ([0] * self.N, 0.0)
-        ranks = self.rank_stats or [{"bytes_rearranged": self.bytes_rearranged,
-                                     "bytes_rearranged_peer": self.bytes_rearranged_peer,
-                                     "peer": self.peer.counters() if self.peer is not None else None}]
+        ranks = self.rank_stats or [
+            {
+                "bytes_rearranged": self.bytes_rearranged,
+                "bytes_rearranged_peer": self.bytes_rearranged_peer,
+                "peer": self.peer.counters() if self.peer is not None else None,
+            }
+        ]
         peers = [r["peer"] for r in ranks if r.get("peer")]
         return {
             "world_size": self.N,
@@ -204,9 +226,13 @@ class ExpertParallelExperts(ExpertProvider):
 
 
 def summary_line(ep: dict) -> str:
-    line = (f"expert parallel {ep['world_size']} ranks, balance max/mean {ep['balance_mean']:.2f} "
-            f"(worst step {ep['balance_max']:.2f}), {ep['rearrangements']} rearrangements")
+    line = (
+        f"expert parallel {ep['world_size']} ranks, balance max/mean {ep['balance_mean']:.2f} "
+        f"(worst step {ep['balance_max']:.2f}), {ep['rearrangements']} rearrangements"
+    )
     if ep.get("peer_tier"):
-        line += (f", peer tier {ep['peer_hits']} hits, {ep['peer_bytes_in'] / 1e6:.2f} MB in"
-                 f" + {ep['bytes_rearranged_peer'] / 1e6:.2f} MB rearranged")
+        line += (
+            f", peer tier {ep['peer_hits']} hits, {ep['peer_bytes_in'] / 1e6:.2f} MB in"
+            f" + {ep['bytes_rearranged_peer'] / 1e6:.2f} MB rearranged"
+        )
     return line

@@ -51,7 +51,9 @@ class ExpertParallelError(ExpertCacheError, RuntimeError):
 def _loopback_interface() -> str:
     """The loopback interface's name (lo on Linux, lo0 on macOS)."""
     names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in ("lo", "lo0") if n in names), next((n for n in names if n.startswith("lo")), "lo"))
+    return next(
+        (n for n in ("lo", "lo0") if n in names), next((n for n in names if n.startswith("lo")), "lo")
+    )
 
 
 def private_rendezvous() -> tuple[str, Path]:
@@ -72,8 +74,16 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
 
 
 class EPGroup:
-    def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float,
-                 procs: list | None = None, exit_on_failure: bool = False, store_dir: Path | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float,
+        procs: list | None = None,
+        exit_on_failure: bool = False,
+        store_dir: Path | None = None,
+    ):
         self.rank, self.world_size, self.device, self.timeout_s = rank, world_size, device, timeout_s
         self.store_dir = store_dir  # rank 0 of a spawned group: the rendezvous directory, removed at close
         self.exit_on_failure = exit_on_failure
@@ -84,8 +94,9 @@ class EPGroup:
         self.pg = dist.new_group(timeout=timedelta(seconds=timeout_s))
         # a second gloo group for rearrangement moves on a background thread (never on the engine
         # thread's group, whose collectives must stay in one order on every rank)
-        self.move_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) \
-            if world_size > 1 else None
+        self.move_group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1 else None
+        )
         if self.procs:
             threading.Thread(target=self._watch, daemon=True, name="ep-watch").start()
 
@@ -95,12 +106,23 @@ class EPGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
+        )
 
     @classmethod
-    def join(cls, rank: int, world_size: int, device: torch.device, init_method: str,
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> "EPGroup":
+    def join(
+        cls,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        init_method: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> "EPGroup":
         cls._init(rank, world_size, device, init_method, timeout_s)
         return cls(rank, world_size, device, timeout_s)
 
@@ -112,15 +134,24 @@ class EPGroup:
         return cls.join(rank, world, device, "env://", timeout_s)
 
     @classmethod
-    def launch(cls, world_size: int, device: torch.device, serve, worker_kwargs: dict,
-               timeout_s: float = DEFAULT_TIMEOUT_S, exit_on_failure: bool = False) -> "EPGroup":
+    def launch(
+        cls,
+        world_size: int,
+        device: torch.device,
+        serve,
+        worker_kwargs: dict,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        exit_on_failure: bool = False,
+    ) -> "EPGroup":
         """Spawn ranks 1..N-1 on this machine (each joins, then calls serve(worker_kwargs, group)) and
         join as rank 0."""
         from .worker import worker_main
 
         if dist.is_initialized():
-            raise ExpertParallelError("this process already belongs to a torch.distributed group (one "
-                                      "expert-parallel LLM per process: close() the other one first)")
+            raise ExpertParallelError(
+                "this process already belongs to a torch.distributed group (one "
+                "expert-parallel LLM per process: close() the other one first)"
+            )
         init, store_dir = private_rendezvous()
         # the ranks' data links on loopback only (read when each process creates its gloo/NCCL
         # sockets; the spawned workers inherit it)
@@ -129,8 +160,12 @@ class EPGroup:
         procs = []
         for r in range(1, world_size):
             dev = torch.device("cuda", r % torch.cuda.device_count()) if device.type == "cuda" else device
-            p = ctx.Process(target=worker_main, args=(r, world_size, str(dev), init, timeout_s, serve, worker_kwargs),
-                            name=f"expertcache-ep-rank{r}", daemon=True)
+            p = ctx.Process(
+                target=worker_main,
+                args=(r, world_size, str(dev), init, timeout_s, serve, worker_kwargs),
+                name=f"expertcache-ep-rank{r}",
+                daemon=True,
+            )
             p.start()
             procs.append(p)
         # join on a helper thread while watching the workers: one that dies before it joins (an import
@@ -148,14 +183,21 @@ class EPGroup:
         why = None
         while joiner.is_alive() and why is None:
             joiner.join(0.2)
-            why = next((f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs, start=1)
-                        if p.exitcode is not None), None)
+            why = next(
+                (
+                    f"rank {r} exited with code {p.exitcode}"
+                    for r, p in enumerate(procs, start=1)
+                    if p.exitcode is not None
+                ),
+                None,
+            )
         if why is not None or failed:
             for p in procs:
                 p.kill()
             shutil.rmtree(store_dir, ignore_errors=True)
-            raise ExpertParallelError(f"expert-parallel group of {world_size} did not form: "
-                                      f"{why or failed[0]}") from None
+            raise ExpertParallelError(
+                f"expert-parallel group of {world_size} did not form: {why or failed[0]}"
+            ) from None
         return cls(0, world_size, device, timeout_s, procs, exit_on_failure, store_dir)
 
     # -- failures --------------------------------------------------------------------------------
@@ -198,8 +240,11 @@ class EPGroup:
             self._fail(f"a malformed message between expert-parallel ranks (during {what}): {e}")
             raise ExpertParallelError(self.failed) from None
         except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on a lost peer or timeout
-            who = self.failed or self._dead_worker() or \
-                f"a rank did not answer within {self.timeout_s:.0f} s or lost its connection"
+            who = (
+                self.failed
+                or self._dead_worker()
+                or f"a rank did not answer within {self.timeout_s:.0f} s or lost its connection"
+            )
             if not self.failed:
                 self._fail(f"{who} (during {what})")
             raise ExpertParallelError(f"{who} (during {what}: {str(e).splitlines()[0][:200]})") from None
@@ -212,7 +257,9 @@ class EPGroup:
 
         def run():
             buf = wire.encode(obj).to(self.device) if self.rank == 0 else None
-            size = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64, device=self.device)
+            size = torch.tensor(
+                [buf.numel() if buf is not None else 0], dtype=torch.int64, device=self.device
+            )
             dist.broadcast(size, 0, group)
             if buf is None:
                 buf = torch.empty(wire.check_size(int(size.item())), dtype=torch.uint8, device=self.device)
@@ -231,7 +278,9 @@ class EPGroup:
             longest = max(wire.check_size(int(s.item())) for s in sizes)
             padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
             padded[: buf.numel()] = buf
-            out = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+            out = [
+                torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)
+            ]
             dist.all_gather(out, padded, group)
             return [o[: int(s.item())] for o, s in zip(out, sizes)]
 
@@ -256,14 +305,20 @@ class EPGroup:
         """Every rank has loaded its model (the start's timeout): the steps' timeout applies from here."""
         self.all_true(True, startup=True)
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-                 group=None, startup: bool = False) -> None:
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        group=None,
+        startup: bool = False,
+    ) -> None:
         """Point-to-point: post every (tensor, peer rank) send and receive together (batch_isend_irecv)
         and wait for all of them. Every pair of ranks must list its transfers in the same order.
         `group`: another process group (the move group); `startup`: with the start's timeout."""
         group = dist.group.WORLD if startup else (group or self.pg)
-        ops = [dist.P2POp(dist.isend, t, r, group) for t, r in sends] + \
-              [dist.P2POp(dist.irecv, t, r, group) for t, r in recvs]
+        ops = [dist.P2POp(dist.isend, t, r, group) for t, r in sends] + [
+            dist.P2POp(dist.irecv, t, r, group) for t, r in recvs
+        ]
         if ops:
             self._call("point-to-point", lambda: [w.wait() for w in dist.batch_isend_irecv(ops)])
 
@@ -276,8 +331,9 @@ class EPGroup:
         values = self._all_gather("all_gather", value, None)
         bad = [r for r, v in enumerate(values) if v != values[0]]
         if bad:
-            raise ExpertParallelError(f"ranks {bad} see a different {what} than rank 0 "
-                                      "(every rank must load the same checkpoint)")
+            raise ExpertParallelError(
+                f"ranks {bad} see a different {what} than rank 0 (every rank must load the same checkpoint)"
+            )
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -23,8 +23,16 @@ from ..experts.provider import ExpertProvider
 
 
 class LocalExperts(ExpertProvider):
-    def __init__(self, source: ExpertSource, device: torch.device, dtype: torch.dtype, owned: dict[int, list[int]],
-                 progress=None, alloc=None, load: bool = True):
+    def __init__(
+        self,
+        source: ExpertSource,
+        device: torch.device,
+        dtype: torch.dtype,
+        owned: dict[int, list[int]],
+        progress=None,
+        alloc=None,
+        load: bool = True,
+    ):
         """`alloc(shape, dtype)`: how the first pools are allocated (construction's Ledger; default
         torch.empty on `device`); `load` False: allocated only, `load()` reads this rank's experts."""
         self.source, self.device, self.dtype, self.progress = source, device, dtype, progress
@@ -77,16 +85,29 @@ class LocalExperts(ExpertProvider):
     def _move(self, moves, recvs, old_pools, old_slot_of, group, rank) -> int:
         """This rank's sends (from the current pools) and receives (into the new ones) of `moves`,
         posted together in move order; -> bytes received."""
-        wire = (lambda t: t.reshape(-1).view(torch.uint8)) if self.device.type == "cpu" else \
-            (lambda t: t.reshape(-1).view(torch.uint8).cpu())  # the move group is gloo: CPU tensors
+        wire = (
+            (lambda t: t.reshape(-1).view(torch.uint8))
+            if self.device.type == "cpu"
+            else (lambda t: t.reshape(-1).view(torch.uint8).cpu())
+        )  # the move group is gloo: CPU tensors
         sends = []
         for src, dst, layer, e in moves:
             if src == rank:
                 s = int(old_slot_of[layer][e])
                 sends += [(wire(t[s].contiguous()), dst) for t in old_pools[layer].values()]
-        bufs = [(views, [wire(v) if self.device.type == "cpu" else torch.empty(v.numel() * v.element_size(),
-                                                                                   dtype=torch.uint8)
-                         for v in views], src) for _, views, src in recvs]
+        bufs = [
+            (
+                views,
+                [
+                    wire(v)
+                    if self.device.type == "cpu"
+                    else torch.empty(v.numel() * v.element_size(), dtype=torch.uint8)
+                    for v in views
+                ],
+                src,
+            )
+            for _, views, src in recvs
+        ]
         group.exchange(sends, [(b, src) for _, bs, src in bufs for b in bs], group.move_group)
         for views, bs, _ in bufs:
             if self.device.type != "cpu":
@@ -97,8 +118,9 @@ class LocalExperts(ExpertProvider):
     # -- rearrangement ------------------------------------------------------------------------------
     def prepare(self, owned: dict[int, list[int]], moves=None, group=None) -> None:
         self.progress = None
-        self._next = self._pool.submit(self._build, owned, self.pools, self.slot_of, moves, group,
-                                       group.rank if group is not None else 0)
+        self._next = self._pool.submit(
+            self._build, owned, self.pools, self.slot_of, moves, group, group.rank if group is not None else 0
+        )
 
     def ready(self) -> bool:
         return self._next is None or self._next.done()
@@ -117,7 +139,9 @@ class LocalExperts(ExpertProvider):
     def forward(self, layer, x, ids, weights):
         slots = self.slot_of[layer][ids]
         if bool((slots < 0).any()):
-            raise RuntimeError(f"layer {layer}: experts {ids[slots < 0].unique().tolist()} are not held by this rank")
+            raise RuntimeError(
+                f"layer {layer}: experts {ids[slots < 0].unique().tolist()} are not held by this rank"
+            )
         return moe_ffn(x, slots, weights, self.pools[layer], self.method, ffn=self.ffn)
 
     def close(self) -> None:

@@ -34,7 +34,6 @@ import time
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from ..cost.model import ExpertCost
 from ..experts.layout import ExpertSource
@@ -42,7 +41,9 @@ from ..experts.manager import TieredExperts
 from .group import EPGroup
 
 
-def plan_transfers(codes: torch.Tensor, ids: torch.Tensor, ranks: torch.Tensor, slots: int) -> list[tuple[int, int, int]]:
+def plan_transfers(
+    codes: torch.Tensor, ids: torch.Tensor, ranks: torch.Tensor, slots: int
+) -> list[tuple[int, int, int]]:
     """codes [N, E], ids/ranks [T, K] -> [(sender, receiver, expert)] in receiver, expert order."""
     N, E = codes.shape
     need = torch.zeros(N, E, dtype=torch.bool)
@@ -70,15 +71,19 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 
 class PeerTier:
-    def __init__(self, group: EPGroup, cache: TieredExperts, source: ExpertSource, layers: list[int], slots: int):
+    def __init__(
+        self, group: EPGroup, cache: TieredExperts, source: ExpertSource, layers: list[int], slots: int
+    ):
         self.group, self.cache, self.source, self.layers = group, cache, source, layers
         self.rank, self.N, self.E = group.rank, group.world_size, source.cfg.num_experts
         self.slots = slots
         self.next_of = {layer: layers[(i + 1) % len(layers)] for i, layer in enumerate(layers)}
         # receive buffers: `slots` experts in the stored format, on the backend's device
         dev = group.device if group.device.type == "cuda" else torch.device("cpu")
-        self.buffers = [{p.name: torch.empty(p.shape, dtype=p.dtype, device=dev) for p in source.parts}
-                        for _ in range(slots)]
+        self.buffers = [
+            {p.name: torch.empty(p.shape, dtype=p.dtype, device=dev) for p in source.parts}
+            for _ in range(slots)
+        ]
         self.dev = dev
         self.known: dict[int, torch.Tensor] = {}  # layer -> codes [N, E] carried by the previous all-reduce
         self.offer: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -149,8 +154,13 @@ class PeerTier:
 
     # -- stats -----------------------------------------------------------------------------------------
     def counters(self) -> dict:
-        return {"hits": self.hits, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "unused": self.unused, "stale_sends": self.stale_sends}
+        return {
+            "hits": self.hits,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "unused": self.unused,
+            "stale_sends": self.stale_sends,
+        }
 
     def into(self, stats: dict) -> dict:
         """A rank's cache stats with the peer tier: per_tier["peer"] (hits, bytes received, received but
@@ -211,9 +221,11 @@ def decide(group: EPGroup, mode: str, cost: ExpertCost) -> tuple[bool, str]:
     cost = replace(cost, profile=prof)
     faster = cost.peer_faster()
     on = mode == "on" or faster
-    line = (f"peer tier: {'on' if on else 'off'} ({'forced' if mode == 'on' else 'cost model'}): link "
-            f"{prof.peer_gbs:g} GB/s + {prof.peer_latency_ms:g} ms ({how}): {cost.peer() * 1e3:.3f} ms per expert "
-            f"vs disk {cost.disk() * 1e3:.3f} ms ({prof.disk_gbs:g} GB/s)")
+    line = (
+        f"peer tier: {'on' if on else 'off'} ({'forced' if mode == 'on' else 'cost model'}): link "
+        f"{prof.peer_gbs:g} GB/s + {prof.peer_latency_ms:g} ms ({how}): {cost.peer() * 1e3:.3f} ms per expert "
+        f"vs disk {cost.disk() * 1e3:.3f} ms ({prof.disk_gbs:g} GB/s)"
+    )
     on, line = group.broadcast((on, line) if group.rank == 0 else None, startup=True)
     return on, line
 
@@ -230,10 +242,15 @@ def build(group: EPGroup, mode: str, local, source: ExpertSource, cost_profile: 
         return None, False, None
     prof, _ = resolve_profile(cost_profile, group.device.type, source.index.model_dir)
     cfg = source.cfg
-    on, line = decide(group, mode, ExpertCost(prof, source.expert_nbytes, 3 * cfg.hidden_size * cfg.moe_intermediate_size))
+    on, line = decide(
+        group, mode, ExpertCost(prof, source.expert_nbytes, 3 * cfg.hidden_size * cfg.moe_intermediate_size)
+    )
     if not on:
         return None, False, line
     if tiered:
-        return PeerTier(group, local, source, source.layers, max(1, cfg.top_k)), False, \
-            line + f"; receive buffers {max(1, cfg.top_k)} x {source.expert_nbytes / 2**20:.2f} MiB"
+        return (
+            PeerTier(group, local, source, source.layers, max(1, cfg.top_k)),
+            False,
+            line + f"; receive buffers {max(1, cfg.top_k)} x {source.expert_nbytes / 2**20:.2f} MiB",
+        )
     return None, True, line + " (rearrangement moves)"

@@ -44,7 +44,9 @@ class Placement:
 
     def owned(self, rank: int) -> dict[int, list[int]]:
         """layer -> sorted logical experts that `rank` holds."""
-        return {layer: [e for e, rs in enumerate(reps) if rank in rs] for layer, reps in self.replicas.items()}
+        return {
+            layer: [e for e, rs in enumerate(reps) if rank in rs] for layer, reps in self.replicas.items()
+        }
 
     def moves_to(self, new: "Placement") -> list[tuple[int, int, int, int]]:
         """[(from rank, to rank, layer, expert)]: every expert a rank holds in `new` but not here, taken
@@ -90,9 +92,13 @@ def assign_ranks(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, s
     return table[ids, choice]
 
 
-def balanced_layer(load: list[float], num_ranks: int, num_redundant: int,
-                   coact: list[list[float]] | None = None,
-                   rank_load: list[float] | None = None) -> tuple[tuple[int, ...], ...]:
+def balanced_layer(
+    load: list[float],
+    num_ranks: int,
+    num_redundant: int,
+    coact: list[list[float]] | None = None,
+    rank_load: list[float] | None = None,
+) -> tuple[tuple[int, ...], ...]:
     """One layer's replicas for loads [E]: replicate the hottest, then pack heaviest-first.
     `coact` [E, E] (tokens routed to both experts): a rank's cost for an expert also counts the
     tokens it shares with the experts already there (per replica pair), so experts that fire together
@@ -103,9 +109,13 @@ def balanced_layer(load: list[float], num_ranks: int, num_redundant: int,
     num_redundant = min(num_redundant, E * (num_ranks - 1))  # at most one replica per rank
     count = [1] * E
     for _ in range(num_redundant):
-        e = max((e for e in range(E) if count[e] < num_ranks), key=lambda e: (load[e] / count[e], -count[e], -e))
+        e = max(
+            (e for e in range(E) if count[e] < num_ranks), key=lambda e: (load[e] / count[e], -count[e], -e)
+        )
         count[e] += 1
-    physical = sorted(((load[e] / count[e], e) for e in range(E) for _ in range(count[e])), key=lambda p: (-p[0], p[1]))
+    physical = sorted(
+        ((load[e] / count[e], e) for e in range(E) for _ in range(count[e])), key=lambda p: (-p[0], p[1])
+    )
     room = capacities(len(physical), num_ranks)
     rank_load = [0.0] * num_ranks if rank_load is None else rank_load
     holds: list[set[int]] = [set() for _ in range(num_ranks)]
@@ -117,7 +127,10 @@ def balanced_layer(load: list[float], num_ranks: int, num_redundant: int,
         if coact is None:
             r = min(fits, key=lambda r: (rank_load[r], r))
         else:
-            r = min(fits, key=lambda r: (rank_load[r] + sum(coact[e][o] / (count[e] * count[o]) for o in holds[r]), r))
+            r = min(
+                fits,
+                key=lambda r: (rank_load[r] + sum(coact[e][o] / (count[e] * count[o]) for o in holds[r]), r),
+            )
         room[r] -= 1
         rank_load[r] += share
         holds[r].add(e)
@@ -125,15 +138,28 @@ def balanced_layer(load: list[float], num_ranks: int, num_redundant: int,
     return tuple(tuple(sorted(r)) for r in reps)
 
 
-def balanced_placement(load: torch.Tensor, layers: list[int], num_ranks: int, num_redundant: int,
-                       version: int = 0, coact: torch.Tensor | None = None) -> Placement:
+def balanced_placement(
+    load: torch.Tensor,
+    layers: list[int],
+    num_ranks: int,
+    num_redundant: int,
+    version: int = 0,
+    coact: torch.Tensor | None = None,
+) -> Placement:
     """load [L, E] (rows in the order of `layers`) -> a Placement with `num_redundant` extra replicas per
     layer; `coact` [L, E, E]: co-activation counts (see balanced_layer)."""
     rows = load.double().tolist()
     co = coact.double().tolist() if coact is not None else [None] * len(rows)
     ranks = [0.0] * num_ranks  # expected pairs per rank over the layers packed so far
-    return Placement(num_ranks, {layer: balanced_layer(row, num_ranks, num_redundant, c, ranks)
-                                 for layer, row, c in zip(layers, rows, co)}, version, num_redundant)
+    return Placement(
+        num_ranks,
+        {
+            layer: balanced_layer(row, num_ranks, num_redundant, c, ranks)
+            for layer, row, c in zip(layers, rows, co)
+        },
+        version,
+        num_redundant,
+    )
 
 
 def coactivation(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -145,8 +171,9 @@ def coactivation(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return c
 
 
-def rank_loads(ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, num_ranks: int,
-               step: int = 0) -> torch.Tensor:
+def rank_loads(
+    ids: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, num_ranks: int, step: int = 0
+) -> torch.Tensor:
     """Routed pairs each rank computes for ids [T, K] -> [N]."""
     return torch.bincount(assign_ranks(ids, table, counts, step).reshape(-1), minlength=num_ranks)
 

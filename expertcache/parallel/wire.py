@@ -24,9 +24,21 @@ from ..layers.attention import AttnBatch
 from .placement import Placement
 
 TYPES = {"AttnBatch": AttnBatch, "Placement": Placement}  # the only classes a message may hold
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 # The largest message a rank accepts (and sends), checked before the receiver allocates for it: a step's
@@ -42,8 +54,10 @@ def check_size(n: int) -> int:
     """n, the announced byte length of a message, if a message may have it; else WireError (before any
     buffer of that size is allocated)."""
     if not 8 <= n <= MAX_MESSAGE_BYTES:
-        raise WireError(f"message of {n} bytes announced; a message holds 8 to {MAX_MESSAGE_BYTES} bytes "
-                        "(parallel/wire.py MAX_MESSAGE_BYTES)")
+        raise WireError(
+            f"message of {n} bytes announced; a message holds 8 to {MAX_MESSAGE_BYTES} bytes "
+            "(parallel/wire.py MAX_MESSAGE_BYTES)"
+        )
     return n
 
 
@@ -51,8 +65,10 @@ def encode(obj) -> torch.Tensor:
     """obj -> uint8 tensor [8 + header + tensor bytes] on the CPU."""
     tensors: list[torch.Tensor] = []
     header = json.dumps(_pack(obj, tensors), separators=(",", ":")).encode()
-    parts = [torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8),
-             torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+    parts = [
+        torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8),
+        torch.frombuffer(bytearray(header), dtype=torch.uint8),
+    ]
     parts += [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     check_size(sum(p.numel() for p in parts))
     return torch.cat(parts)
@@ -67,13 +83,13 @@ def decode(buf: torch.Tensor):
     if n > len(raw) - 8:
         raise WireError(f"message header of {n} bytes in a message of {len(raw)} bytes")
     try:
-        tree = json.loads(raw[8:8 + n])
+        tree = json.loads(raw[8 : 8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"message header is not JSON: {e}") from None
     except RecursionError:
         raise WireError(f"message header of {n} bytes nests deeper than Python can parse") from None
     try:
-        return _unpack(tree, memoryview(raw)[8 + n:])
+        return _unpack(tree, memoryview(raw)[8 + n :])
     except RecursionError:
         raise WireError(f"message header of {n} bytes nests deeper than a message may") from None
 
@@ -89,7 +105,11 @@ def _pack(x, tensors: list):
         return {"$tensor": [str(x.dtype).removeprefix("torch."), list(x.shape), offset]}
     name = type(x).__name__
     if TYPES.get(name) is type(x):
-        fields = x._asdict() if isinstance(x, tuple) else {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+        fields = (
+            x._asdict()
+            if isinstance(x, tuple)
+            else {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+        )
         return {"$type": name, "fields": _pack(fields, tensors)}
     if isinstance(x, (list, tuple)):
         items = [_pack(v, tensors) for v in x]
@@ -116,7 +136,7 @@ def _unpack(x, data: memoryview):
                 raise WireError(f"tensor of {nbytes} bytes at {offset} outside the message's {len(data)}")
             if nbytes == 0:
                 return torch.empty(shape, dtype=dtype)
-            flat = torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=torch.uint8)
+            flat = torch.frombuffer(bytearray(data[offset : offset + nbytes]), dtype=torch.uint8)
             return flat.view(dtype).reshape(shape)
         if "$tuple" in x:
             return tuple(_unpack(v, data) for v in x["$tuple"])

@@ -12,8 +12,9 @@ import os
 import torch
 
 
-def worker_main(rank: int, world_size: int, device: str, init_method: str, timeout_s: float, serve,
-                kwargs: dict) -> None:
+def worker_main(
+    rank: int, world_size: int, device: str, init_method: str, timeout_s: float, serve, kwargs: dict
+) -> None:
     from .group import EPGroup
 
     threads = kwargs.pop("threads", None) or max(1, (os.cpu_count() or 1) // world_size)

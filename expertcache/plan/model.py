@@ -77,25 +77,34 @@ def model_sizes(info: ModelInfo, config: EngineConfig) -> Sizes:
     src, cfg = info.source, info.cfg
     dtype, device, k = config.load.torch_dtype, config.load.torch_device, config.kernels
     dense_stored = info.index.nbytes() - src.total_nbytes
-    dense_compute = dense_bytes(info.index, cfg, info.names, dtype, device, config.cache.low_memory, k.dense, k.lm_head)
+    dense_compute = dense_bytes(
+        info.index, cfg, info.names, dtype, device, config.cache.low_memory, k.dense, k.lm_head
+    )
     fast_parts = src.compute_parts(dtype, device)
     fast = sum(p.nbytes for p in fast_parts)
     method = src.method.name if src.method is not None else None
     stored = src.stored_method.name if src.stored_method is not None else None  # a shipped layout's own name
-    return Sizes(dense_stored=dense_stored, dense_compute=int(dense_compute), experts_stored=src.total_nbytes,
-                 expert_stored=src.stored_nbytes, expert_fast=fast,
-                 expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
-                 stored_dtype=stored or str(src.dtype).removeprefix("torch."),
-                 fast_format=(f"{method}, as stored" if method == stored else f"{method}, repacked from {stored}")
-                 if method else str(fast_parts[0].dtype).removeprefix("torch.")
-                 + (", as stored" if fast_parts[0].dtype != dtype else ""),
-                 quantized=method,
-                 kv_per_token=KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.kv_token_shapes, dtype),
-                 state_per_sequence=StateCache.bytes_per_sequence(cfg, dtype))
+    return Sizes(
+        dense_stored=dense_stored,
+        dense_compute=int(dense_compute),
+        experts_stored=src.total_nbytes,
+        expert_stored=src.stored_nbytes,
+        expert_fast=fast,
+        expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
+        stored_dtype=stored or str(src.dtype).removeprefix("torch."),
+        fast_format=(f"{method}, as stored" if method == stored else f"{method}, repacked from {stored}")
+        if method
+        else str(fast_parts[0].dtype).removeprefix("torch.")
+        + (", as stored" if fast_parts[0].dtype != dtype else ""),
+        quantized=method,
+        kv_per_token=KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.kv_token_shapes, dtype),
+        state_per_sequence=StateCache.bytes_per_sequence(cfg, dtype),
+    )
 
 
-def plan_memory(info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto",
-                host_memory="auto") -> MemoryPlan:
+def plan_memory(
+    info: ModelInfo, device: torch.device, dtype: torch.dtype, device_memory="auto", host_memory="auto"
+) -> MemoryPlan:
     """The expert tiers alone for a fastest-tier budget (build/plan.py plan_tiers, the function the
     device plan calls; on CUDA the device plan gives it what is left after every other term)."""
     return plan_tiers(info.source, device, dtype, device_memory, host_memory)
@@ -117,7 +126,11 @@ def budget_for_slots(info: ModelInfo, config: EngineConfig, slots: int, gpu: Gpu
 
     p = device_plan(info, replace(config, cache=replace(config.cache, device_memory="100%")), gpu)
     layer_slot = len(info.source.layers) * p.experts.device.expert_bytes
-    others = sum(v for k, v in p.terms.items() if k != "expert_slots") if config.load.torch_device.type == "cuda" else 0
+    others = (
+        sum(v for k, v in p.terms.items() if k != "expert_slots")
+        if config.load.torch_device.type == "cuda"
+        else 0
+    )
     return others + slots * layer_slot + layer_slot // 2
 
 

@@ -32,15 +32,20 @@ class AWQ(ShippedInt):
     def _check_shape(self, shape, key="weight"):
         s = super()._check_shape(shape, key)
         if s[0] % 8 or s[1] % 2:
-            raise ValueError(f"{key}: awq packs 8 output columns per int32 word (and the project two input "
-                             f"columns per byte); {list(shape)} must be a multiple of 8 by a multiple of 2")
+            raise ValueError(
+                f"{key}: awq packs 8 output columns per int32 word (and the project two input "
+                f"columns per byte); {list(shape)} must be a multiple of 8 by a multiple of 2"
+            )
         return s
 
     def _layout(self, shape: Shape) -> dict[str, TensorSpec]:
         N, K = shape
         ng = self._groups(shape)
-        return {"qweight": TensorSpec((K, N // 8), torch.int32), "qzeros": TensorSpec((ng, N // 8), torch.int32),
-                "scales": TensorSpec((ng, N), torch.float16)}
+        return {
+            "qweight": TensorSpec((K, N // 8), torch.int32),
+            "qzeros": TensorSpec((ng, N // 8), torch.int32),
+            "scales": TensorSpec((ng, N), torch.float16),
+        }
 
     def _shape_hint(self, shape: Shape) -> str:
         return f" with group_size {self.group}; check the checkpoint's quantization_config"
@@ -56,12 +61,18 @@ class AWQ(ShippedInt):
         # of `odd`, position 2q+1: columns (2, 6, 3, 7)[q] -- column = 4 * (q % 2) + 2 * odd + q // 2
         even = (a & 0x0F0F0F0F) | ((b & 0x0F0F0F0F) << 4)
         odd = ((a >> 4) & 0x0F0F0F0F) | (b & _HIGH_NIBBLES.to(b.device))
-        by = torch.stack((even, odd), dim=-1).view(torch.uint8).view(K // 2, N // 8, 2, 2, 2)  # [j, c, odd, q//2, q%2]
+        by = (
+            torch.stack((even, odd), dim=-1).view(torch.uint8).view(K // 2, N // 8, 2, 2, 2)
+        )  # [j, c, odd, q//2, q%2]
         return by.permute(1, 4, 2, 3, 0).reshape(N, K // 2)  # [c, q%2, odd, q//2, j] -> [N, K/2]
 
     def _zero_scale_group(self, parts, shape):
         zero = unpack_int32(parts["qzeros"], 4, dim=1, order=AWQ_ORDER).to(torch.int16).T
-        return zero, parts["scales"].to(torch.float32).T, torch.arange(shape[1], device=zero.device) // self.group
+        return (
+            zero,
+            parts["scales"].to(torch.float32).T,
+            torch.arange(shape[1], device=zero.device) // self.group,
+        )
 
 
 _HIGH_NIBBLES = torch.tensor(0xF0F0F0F0 - (1 << 32), dtype=torch.int32)
@@ -72,10 +83,14 @@ def awq_from_config(q: dict) -> AWQ:
     if version != "gemm":
         raise ConfigError(f"config.json: awq version {q.get('version')!r} is not supported (supported: gemm)")
     if q.get("bits", q.get("w_bit", 4)) != 4:
-        raise ConfigError(f"config.json: awq bits={q.get('bits', q.get('w_bit'))} is not supported (supported: 4)")
+        raise ConfigError(
+            f"config.json: awq bits={q.get('bits', q.get('w_bit'))} is not supported (supported: 4)"
+        )
     if not q.get("zero_point", True):
-        raise ConfigError("config.json: awq zero_point false is not supported (AutoAWQ's GEMM checkpoints "
-                          "carry zero points)")
+        raise ConfigError(
+            "config.json: awq zero_point false is not supported (AutoAWQ's GEMM checkpoints "
+            "carry zero points)"
+        )
     try:
         default = AWQ(group_size=q.get("group_size", q.get("q_group_size", 128)))
     except ValueError as e:

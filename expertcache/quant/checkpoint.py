@@ -48,10 +48,16 @@ def method_from_config(hf: dict) -> QuantMethod | None:
         if kind == "compressed-tensors":
             groups = list((q.get("config_groups") or {}).values())
             w = (groups[0] if groups else {}).get("weights") or {}
-            if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") not in ("tensor", "channel"):
-                raise ConfigError(f"config.json: compressed-tensors format {q.get('format')!r} weights {w} are not "
-                                  "supported (supported: float 8-bit, strategy tensor or channel; format "
-                                  "pack-quantized int 4/8-bit)")
+            if (
+                w.get("type") != "float"
+                or w.get("num_bits") != 8
+                or w.get("strategy") not in ("tensor", "channel")
+            ):
+                raise ConfigError(
+                    f"config.json: compressed-tensors format {q.get('format')!r} weights {w} are not "
+                    "supported (supported: float 8-bit, strategy tensor or channel; format "
+                    "pack-quantized int 4/8-bit)"
+                )
             return make_quant_method(f"fp8-{w['strategy']}")
         if kind == "mxfp4":
             return make_quant_method("mxfp4")
@@ -62,8 +68,10 @@ def method_from_config(hf: dict) -> QuantMethod | None:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"config.json: quantization_config {q}: {e}") from None
-    raise ConfigError(f"config.json: quantization_config.quant_method={kind!r} is not supported "
-                      "(supported: fp8, compressed-tensors, mxfp4, expertcache, gptq, awq)")
+    raise ConfigError(
+        f"config.json: quantization_config.quant_method={kind!r} is not supported "
+        "(supported: fp8, compressed-tensors, mxfp4, expertcache, gptq, awq)"
+    )
 
 
 def _pack_quantized(q: dict) -> bool:
@@ -72,12 +80,16 @@ def _pack_quantized(q: dict) -> bool:
         return q.get("format") == "pack-quantized"
     formats = {g.get("format") for g in (q.get("config_groups") or {}).values()}
     if "pack-quantized" in formats and formats != {"pack-quantized"}:
-        raise ConfigError(f"config.json: compressed-tensors mixes the formats {sorted(map(str, formats))}; "
-                          "supported: pack-quantized in every group")
+        raise ConfigError(
+            f"config.json: compressed-tensors mixes the formats {sorted(map(str, formats))}; "
+            "supported: pack-quantized in every group"
+        )
     return formats == {"pack-quantized"}
 
 
-def load_dense(index: TensorIndex, name: str, shape: tuple[int, ...], method: QuantMethod | None) -> torch.Tensor:
+def load_dense(
+    index: TensorIndex, name: str, shape: tuple[int, ...], method: QuantMethod | None
+) -> torch.Tensor:
     """A dense weight as float32 (or its stored float dtype); fp8 weights are dequantized with their scale.
 
     The scale is looked up under the weight's own name (`<base>.weight_scale` or `<base>.weight_scale_inv`),
@@ -99,7 +111,11 @@ def load_dense(index: TensorIndex, name: str, shape: tuple[int, ...], method: Qu
     for suffix in ("weight_scale", "weight_scale_inv"):
         if f"{base}.{suffix}" in index:
             # keep the checkpoint's name when the method knows it (block fp8: weight_scale_inv)
-            key = suffix if suffix == "weight_scale" or method.aliases.get("weight_scale") == suffix else "weight_scale"
+            key = (
+                suffix
+                if suffix == "weight_scale" or method.aliases.get("weight_scale") == suffix
+                else "weight_scale"
+            )
             stored[f"{base}.{key}"] = index.load(f"{base}.{suffix}")
             break
     try:
@@ -115,8 +131,11 @@ def _read(t: TensorInfo) -> torch.Tensor:
         f.seek(t.offset)
         if f.readinto(buf) != t.nbytes:
             raise CheckpointError(f"{t.file}: short read of tensor {t.name}: file truncated?")
-    return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(t.shape) if t.nbytes else \
-        torch.empty(t.shape, dtype=t.dtype)
+    return (
+        torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(t.shape)
+        if t.nbytes
+        else torch.empty(t.shape, dtype=t.dtype)
+    )
 
 
 @dataclass(frozen=True)
@@ -143,8 +162,10 @@ def index_quantized_dense(index: TensorIndex, method: QuantMethod | None, skip: 
         m = method.method_for(module)
         p = index.info(name)
         if m is None:
-            raise CheckpointError(f"{p.file.name}: tensor {name} is quantized but config.json's quantization_config "
-                                  f"leaves module {module} unquantized")
+            raise CheckpointError(
+                f"{p.file.name}: tensor {name} is quantized but config.json's quantization_config "
+                f"leaves module {module} unquantized"
+            )
         try:
             shape = m.weight_shape(p.shape, module)
             parts = {key.rsplit(".", 1)[1]: index.info(key) for key in m.layout(module, shape)}
@@ -152,5 +173,14 @@ def index_quantized_dense(index: TensorIndex, method: QuantMethod | None, skip: 
         except ValueError as e:
             raise CheckpointError(f"{p.file.name}: {e}") from None
         index.drop(parts[k].name for k in parts)
-        index.tensors[f"{module}.weight"] = PackedInfo(f"{module}.weight", p.file, torch.float32, shape, p.offset,
-                                                       sum(t.nbytes for t in parts.values()), module, m, parts)
+        index.tensors[f"{module}.weight"] = PackedInfo(
+            f"{module}.weight",
+            p.file,
+            torch.float32,
+            shape,
+            p.offset,
+            sum(t.nbytes for t in parts.values()),
+            module,
+            m,
+            parts,
+        )

@@ -35,14 +35,19 @@ class PackQuantized(ShippedInt):
         s = super()._check_shape(shape, key)
         p = codes_per_word(self.bits)
         if s[1] % p or (not self.symmetric and s[0] % p):
-            raise ValueError(f"{key}: {self.bits}-bit pack-quantized packs {p} codes per int32 word; "
-                             f"{list(shape)} does not divide")
+            raise ValueError(
+                f"{key}: {self.bits}-bit pack-quantized packs {p} codes per int32 word; "
+                f"{list(shape)} does not divide"
+            )
         return s
 
     def _layout(self, shape: Shape) -> dict[str, TensorSpec]:
         N, K = shape
         p, ng = codes_per_word(self.bits), self._groups(shape)
-        out = {"weight_packed": TensorSpec((N, K // p), torch.int32), "weight_scale": TensorSpec((N, ng), torch.float16)}
+        out = {
+            "weight_packed": TensorSpec((N, K // p), torch.int32),
+            "weight_scale": TensorSpec((N, ng), torch.float16),
+        }
         if not self.symmetric:
             out["weight_zero_point"] = TensorSpec((N // p, ng), torch.int32)
         out["weight_shape"] = TensorSpec((2,), torch.int64)
@@ -55,12 +60,15 @@ class PackQuantized(ShippedInt):
         return (primary.shape[0], primary.shape[1] * codes_per_word(self.bits))
 
     def _code_bytes(self, parts, shape):
-        return parts["weight_packed"].contiguous().view(torch.uint8)  # words along K, lowest bits first: the project's order
+        return (
+            parts["weight_packed"].contiguous().view(torch.uint8)
+        )  # words along K, lowest bits first: the project's order
 
     def _zero_scale_group(self, parts, shape):
         if parts["weight_shape"].tolist() != list(shape):
-            raise BadValues(f"weight_shape is {parts['weight_shape'].tolist()} but the packed tensors hold "
-                            f"{list(shape)}")
+            raise BadValues(
+                f"weight_shape is {parts['weight_shape'].tolist()} but the packed tensors hold {list(shape)}"
+            )
         ng, device = self._groups(shape), parts["weight_scale"].device
         if self.symmetric:
             zero = torch.full((shape[0], ng), 1 << (self.bits - 1), dtype=torch.int16, device=device)
@@ -85,7 +93,9 @@ def pack_quantized_from_config(q: dict) -> PackQuantized:
         if w.get("actorder") not in (None, False, "static"):
             raise ConfigError(f"{where}: actorder {w['actorder']!r} (weight_g_idx) is not supported")
         if group.get("input_activations"):
-            raise ConfigError(f"{where}: quantized input activations are not supported (weight-only W4A16/W8A16)")
+            raise ConfigError(
+                f"{where}: quantized input activations are not supported (weight-only W4A16/W8A16)"
+            )
         gs = w.get("group_size") if strategy == "group" else -1
         if not isinstance(gs, int) or (gs < 1 and gs != -1):
             raise ConfigError(f"{where}: group_size must be a positive integer, got {gs!r}")

@@ -13,15 +13,31 @@ from __future__ import annotations
 import torch
 
 E2M1_MAX = 6.0
-E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES: tuple[float, ...] = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 """Value of each e2m1 code 0..15."""
 
 # Rounding |x| to the magnitude grid: code = number of thresholds passed. Each
 # midpoint is passed on a tie iff the upper neighbour has the even code
 # (round-half-to-even on the code, i.e. on the mantissa bit).
 _TIE_DOWN = (0.25, 1.25, 2.5, 5.0)  # ties go to the lower (even) code: 0, 2, 4, 6
-_TIE_UP = (0.75, 1.75, 3.5)         # ties go to the upper (even) code: 2, 4, 6
+_TIE_UP = (0.75, 1.75, 3.5)  # ties go to the upper (even) code: 2, 4, 6
 E8M0_NAN = 0xFF
 E8M0_BIAS = 127
 

@@ -35,9 +35,7 @@ def decode_e4m3fn(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     elif x.dtype != FP8_DTYPE:
         raise ValueError(f"decode_e4m3fn expects float8_e4m3fn or uint8 codes, got {x.dtype}")
     if out is not None and (out.shape != x.shape or out.dtype != torch.float32):
-        raise ValueError(
-            f"out buffer must be float32 {list(x.shape)}, got {out.dtype} {list(out.shape)}"
-        )
+        raise ValueError(f"out buffer must be float32 {list(x.shape)}, got {out.dtype} {list(out.shape)}")
     if x.device.type != "cpu":
         return x.to(torch.float32) if out is None else out.copy_(x)
     # On the CPU torch's fp8 -> fp32 cast is slow (~1.5 ms for 512x512); a 256-entry table

@@ -48,8 +48,9 @@ class GGMLBlocks(QuantMethod):
     def _check_shape(self, shape: tuple[int, ...], key: str = "weight") -> Shape:
         out, in_ = super()._check_shape(shape, key)
         if in_ % self.qk:
-            raise ValueError(f"{key}: {self.name} needs an input dim that is a multiple of {self.qk}, "
-                             f"got {list(shape)}")
+            raise ValueError(
+                f"{key}: {self.name} needs an input dim that is a multiple of {self.qk}, got {list(shape)}"
+            )
         return out, in_
 
     def _layout(self, shape: Shape) -> dict[str, TensorSpec]:
@@ -57,8 +58,10 @@ class GGMLBlocks(QuantMethod):
 
     def _shape_of(self, primary: torch.Tensor) -> Shape:
         if primary.shape[1] % self.block_bytes:
-            raise ValueError(f"{self.name}: stored rows of {primary.shape[1]} bytes are not whole "
-                             f"{self.block_bytes}-byte blocks")
+            raise ValueError(
+                f"{self.name}: stored rows of {primary.shape[1]} bytes are not whole "
+                f"{self.block_bytes}-byte blocks"
+            )
         return (primary.shape[0], primary.shape[1] // self.block_bytes * self.qk)
 
     def _dequant(self, parts: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -66,8 +69,10 @@ class GGMLBlocks(QuantMethod):
         return out.copy_(DECODERS[self.type_name](blocks).view(out.shape))
 
     def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise ValueError(f"{self.name}: no quantiser here (weights in this format are read from GGUF files); "
-                         "pack supports gguf-q8_0 and gguf-q4_0")
+        raise ValueError(
+            f"{self.name}: no quantiser here (weights in this format are read from GGUF files); "
+            "pack supports gguf-q8_0 and gguf-q4_0"
+        )
 
 
 def _roundf(x: torch.Tensor) -> torch.Tensor:

@@ -164,8 +164,21 @@ def q3_k(b: torch.Tensor) -> torch.Tensor:
     return (dl[:, :, None] * (ql - (qh << 2)).float()).reshape(n, 256)
 
 
-DECODERS = {"Q4_1": q4_1, "Q5_1": q5_1, "Q2_K": q2_k, "Q3_K": q3_k, "Q8_0": q8_0, "Q4_0": q4_0, "Q5_0": q5_0, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "MXFP4": mxfp4,
-            "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}
+DECODERS = {
+    "Q4_1": q4_1,
+    "Q5_1": q5_1,
+    "Q2_K": q2_k,
+    "Q3_K": q3_k,
+    "Q8_0": q8_0,
+    "Q4_0": q4_0,
+    "Q5_0": q5_0,
+    "IQ4_NL": iq4_nl,
+    "IQ4_XS": iq4_xs,
+    "MXFP4": mxfp4,
+    "Q4_K": q4_k,
+    "Q5_K": q5_k,
+    "Q6_K": q6_k,
+}
 
 
 class GGMLType(NamedTuple):
@@ -179,21 +192,50 @@ class GGMLType(NamedTuple):
 
 
 _TABLE = [
-    ("F32", 0, 1, 4), ("F16", 1, 1, 2), ("Q4_0", 2, 32, 18), ("Q4_1", 3, 32, 20),
-    ("Q5_0", 6, 32, 22), ("Q5_1", 7, 32, 24), ("Q8_0", 8, 32, 34), ("Q8_1", 9, 32, 36),
-    ("Q2_K", 10, 256, 84), ("Q3_K", 11, 256, 110), ("Q4_K", 12, 256, 144), ("Q5_K", 13, 256, 176),
-    ("Q6_K", 14, 256, 210), ("Q8_K", 15, 256, 292), ("IQ2_XXS", 16, 256, 66), ("IQ2_XS", 17, 256, 74),
-    ("IQ3_XXS", 18, 256, 98), ("IQ1_S", 19, 256, 50), ("IQ4_NL", 20, 32, 18), ("IQ3_S", 21, 256, 110),
-    ("IQ2_S", 22, 256, 82), ("IQ4_XS", 23, 256, 136), ("I8", 24, 1, 1), ("I16", 25, 1, 2),
-    ("I32", 26, 1, 4), ("I64", 27, 1, 8), ("F64", 28, 1, 8), ("IQ1_M", 29, 256, 56),
-    ("BF16", 30, 1, 2), ("TQ1_0", 34, 256, 54), ("TQ2_0", 35, 256, 66), ("MXFP4", 39, 32, 17),
-    ("NVFP4", 40, 64, 36), ("Q1_0", 41, 128, 18),
+    ("F32", 0, 1, 4),
+    ("F16", 1, 1, 2),
+    ("Q4_0", 2, 32, 18),
+    ("Q4_1", 3, 32, 20),
+    ("Q5_0", 6, 32, 22),
+    ("Q5_1", 7, 32, 24),
+    ("Q8_0", 8, 32, 34),
+    ("Q8_1", 9, 32, 36),
+    ("Q2_K", 10, 256, 84),
+    ("Q3_K", 11, 256, 110),
+    ("Q4_K", 12, 256, 144),
+    ("Q5_K", 13, 256, 176),
+    ("Q6_K", 14, 256, 210),
+    ("Q8_K", 15, 256, 292),
+    ("IQ2_XXS", 16, 256, 66),
+    ("IQ2_XS", 17, 256, 74),
+    ("IQ3_XXS", 18, 256, 98),
+    ("IQ1_S", 19, 256, 50),
+    ("IQ4_NL", 20, 32, 18),
+    ("IQ3_S", 21, 256, 110),
+    ("IQ2_S", 22, 256, 82),
+    ("IQ4_XS", 23, 256, 136),
+    ("I8", 24, 1, 1),
+    ("I16", 25, 1, 2),
+    ("I32", 26, 1, 4),
+    ("I64", 27, 1, 8),
+    ("F64", 28, 1, 8),
+    ("IQ1_M", 29, 256, 56),
+    ("BF16", 30, 1, 2),
+    ("TQ1_0", 34, 256, 54),
+    ("TQ2_0", 35, 256, 66),
+    ("MXFP4", 39, 32, 17),
+    ("NVFP4", 40, 64, 36),
+    ("Q1_0", 41, 128, 18),
 ]
 TYPES: dict[int, GGMLType] = {i: GGMLType(n, i, b, bb) for n, i, b, bb in _TABLE}
 BY_NAME: dict[str, GGMLType] = {t.name: t for t in TYPES.values()}
 
-FLOATS: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                                  "F64": torch.float64}
+FLOATS: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
 # the types read in their stored bytes by a QuantMethod (quant/ggml.py registers "gguf-<name lower>")
 METHODS = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 

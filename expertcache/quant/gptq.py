@@ -31,8 +31,14 @@ class GPTQ(ShippedInt):
     name = "gptq"
     primary = "qweight"
 
-    def __init__(self, bits: int = 4, group_size: int = 128, sym: bool = True, desc_act: bool = False,
-                 zero_offset: int = 1):
+    def __init__(
+        self,
+        bits: int = 4,
+        group_size: int = 128,
+        sym: bool = True,
+        desc_act: bool = False,
+        zero_offset: int = 1,
+    ):
         codes_per_word(bits)
         if not isinstance(group_size, int) or (group_size < 1 and group_size != -1):
             raise ValueError(f"gptq group_size must be a positive int or -1, got {group_size!r}")
@@ -44,18 +50,26 @@ class GPTQ(ShippedInt):
         s = super()._check_shape(shape, key)
         p = codes_per_word(self.bits)
         if s[0] % p or s[1] % p:
-            raise ValueError(f"{key}: gptq {self.bits}-bit packs {p} codes per int32 word; both dims of "
-                             f"{list(shape)} must be multiples of {p}")
+            raise ValueError(
+                f"{key}: gptq {self.bits}-bit packs {p} codes per int32 word; both dims of "
+                f"{list(shape)} must be multiples of {p}"
+            )
         return s
 
     def _layout(self, shape: Shape) -> dict[str, TensorSpec]:
         N, K = shape
         p, ng = codes_per_word(self.bits), self._groups(shape)
-        return {"qweight": TensorSpec((K // p, N), torch.int32), "qzeros": TensorSpec((ng, N // p), torch.int32),
-                "scales": TensorSpec((ng, N), torch.float16), "g_idx": TensorSpec((K,), torch.int32)}
+        return {
+            "qweight": TensorSpec((K // p, N), torch.int32),
+            "qzeros": TensorSpec((ng, N // p), torch.int32),
+            "scales": TensorSpec((ng, N), torch.float16),
+            "g_idx": TensorSpec((K,), torch.int32),
+        }
 
     def _shape_hint(self, shape: Shape) -> str:
-        return f" with bits {self.bits} and group_size {self.group}; check the checkpoint's quantization_config"
+        return (
+            f" with bits {self.bits} and group_size {self.group}; check the checkpoint's quantization_config"
+        )
 
     def _shape_of(self, primary: torch.Tensor) -> Shape:
         return (primary.shape[1], primary.shape[0] * codes_per_word(self.bits))
@@ -77,9 +91,15 @@ def gptq_from_config(q: dict) -> GPTQ:
     {bits, group_size, sym, desc_act}} overrides)."""
     fmt = q.get("checkpoint_format", "gptq")
     if fmt not in FORMATS:
-        raise ConfigError(f"config.json: gptq checkpoint_format {fmt!r} is not supported (supported: gptq, gptq_v2)")
-    base = dict(bits=q.get("bits", 4), group_size=q.get("group_size", 128), sym=q.get("sym", True),
-                desc_act=q.get("desc_act", False))
+        raise ConfigError(
+            f"config.json: gptq checkpoint_format {fmt!r} is not supported (supported: gptq, gptq_v2)"
+        )
+    base = dict(
+        bits=q.get("bits", 4),
+        group_size=q.get("group_size", 128),
+        sym=q.get("sym", True),
+        desc_act=q.get("desc_act", False),
+    )
     for k in ("bits", "group_size"):
         if not isinstance(base[k], int):
             raise ConfigError(f"config.json: quantization_config.{k} must be an integer, got {base[k]!r}")
@@ -93,8 +113,10 @@ def gptq_from_config(q: dict) -> GPTQ:
             continue
         unknown = set(params) - set(base)
         if unknown:
-            raise ConfigError(f"config.json: gptq dynamic {pattern!r} sets {sorted(unknown)}; "
-                              f"supported per-module fields: {', '.join(base)}")
+            raise ConfigError(
+                f"config.json: gptq dynamic {pattern!r} sets {sorted(unknown)}; "
+                f"supported per-module fields: {', '.join(base)}"
+            )
         overrides.append((f"re:{pattern.removeprefix('+:')}", _make(q, fmt, {**base, **params})))
     default = _make(q, fmt, base)
     ModuleRules(default, excluded, overrides)

@@ -20,7 +20,9 @@ def codes_per_word(bits: int) -> int:
     return 32 // bits
 
 
-def unpack_int32(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+def unpack_int32(
+    words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """int32 words -> uint8 codes, each word's codes laid out along `dim` (first code first; with
     `order`, position i of a word holding element order[i] of its group)."""
     if words.dtype != torch.int32:
@@ -30,5 +32,7 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=w.device)
     codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., m, per]; the mask drops sign bits
     if order is not None:
-        codes = codes[..., torch.argsort(torch.tensor(order, device=w.device))]  # element c sits at position order.index(c)
+        codes = codes[
+            ..., torch.argsort(torch.tensor(order, device=w.device))
+        ]  # element c sits at position order.index(c)
     return codes.to(torch.uint8).flatten(-2).movedim(-1, dim)

@@ -88,7 +88,9 @@ def make_quant_method(name: str, **params: Any) -> "QuantMethod":
     unknown = set(params) - set(cls.params)
     if unknown:
         accepted = ", ".join(cls.params) or "none"
-        raise ValueError(f"quant format {name!r} does not take {sorted(unknown)}; accepted parameters: {accepted}")
+        raise ValueError(
+            f"quant format {name!r} does not take {sorted(unknown)}; accepted parameters: {accepted}"
+        )
     return cls(**params)
 
 
@@ -155,12 +157,18 @@ class QuantMethod:
                 stored[key] = w
                 continue
             if not key.endswith(".weight"):
-                raise ValueError(f"cannot pack {key!r}: expected keys 'P.weight' (or 'P.bias' passed through)")
+                raise ValueError(
+                    f"cannot pack {key!r}: expected keys 'P.weight' (or 'P.bias' passed through)"
+                )
             if w.dim() != 2 or not w.is_floating_point():
-                raise ValueError(f"{key}: expected a 2-D float weight [out, in], got {w.dtype} {list(w.shape)}")
+                raise ValueError(
+                    f"{key}: expected a 2-D float weight [out, in], got {w.dtype} {list(w.shape)}"
+                )
             self._check_shape(tuple(w.shape), key)
             if not bool(torch.isfinite(w).all()):
-                raise ValueError(f"{key}: weight has NaN or inf values; refusing to quantize it to {self.name}")
+                raise ValueError(
+                    f"{key}: weight has NaN or inf values; refusing to quantize it to {self.name}"
+                )
             p = proj_name(key)
             for suffix, t in self._quantize(w.detach().to(torch.float32)).items():
                 stored[f"{p}.{suffix}"] = t.contiguous()
@@ -191,7 +199,9 @@ class QuantMethod:
         """x float32 [T, in] -> x @ W^T float32 [T, out] (dequantize into `buf`, then matmul)."""
         w = self.dequantize(stored, name, out=buf)
         if x.shape[-1] != w.shape[1]:
-            raise ValueError(f"{proj_name(name)}: input has {x.shape[-1]} features, weight expects {w.shape[1]}")
+            raise ValueError(
+                f"{proj_name(name)}: input has {x.shape[-1]} features, weight expects {w.shape[1]}"
+            )
         return torch.nn.functional.linear(x.to(torch.float32), w)
 
     # ---- validation -------------------------------------------------------
@@ -209,7 +219,9 @@ class QuantMethod:
             return stored[f"{p}.{alias}"]
         have = sorted(k for k in stored if k.startswith(f"{p}."))
         wanted = f"{key}" + (f" (or {p}.{alias})" if alias else "")
-        raise ValueError(f"missing {wanted} for quant format {self.name!r}; stored tensors for {p}: {have or 'none'}")
+        raise ValueError(
+            f"missing {wanted} for quant format {self.name!r}; stored tensors for {p}: {have or 'none'}"
+        )
 
     def _gather(self, stored: Mapping[str, torch.Tensor], p: str) -> tuple[dict[str, torch.Tensor], Shape]:
         primary = self._lookup(stored, p, self.primary)

@@ -19,6 +19,7 @@ from .int8 import dequantize_int8, quantize_int8
 from .method import QuantMethod, Shape, TensorSpec, is_float_dtype, register
 from .mxfp4 import MX_BLOCK, dequantize_mxfp4, quantize_mxfp4
 
+
 class _Plain(QuantMethod):
     dtype: ClassVar[torch.dtype]
 
@@ -86,7 +87,10 @@ class _FP8Channel(_FP8Weight):
 
     def _layout(self, shape: Shape) -> dict[str, TensorSpec]:
         scale_shape = channel_scale_shapes(shape, self.strategy)[0]
-        return {"weight": TensorSpec(shape, FP8_DTYPE), "weight_scale": TensorSpec(scale_shape, torch.float32)}
+        return {
+            "weight": TensorSpec(shape, FP8_DTYPE),
+            "weight_scale": TensorSpec(scale_shape, torch.float32),
+        }
 
     def _accepts(self, suffix: str, spec: TensorSpec, t: torch.Tensor, shape: Shape) -> bool:
         if suffix == "weight_scale":
@@ -149,7 +153,9 @@ class Int4(_Grouped):
     def _check_shape(self, shape: tuple[int, ...], key: str = "weight") -> Shape:
         s = super()._check_shape(shape, key)
         if s[1] % 2:
-            raise ValueError(f"{key}: int4 packs two values per byte, input dim must be even, got {list(shape)}")
+            raise ValueError(
+                f"{key}: int4 packs two values per byte, input dim must be even, got {list(shape)}"
+            )
         return s
 
     def _layout(self, shape: Shape) -> dict[str, TensorSpec]:
@@ -168,7 +174,9 @@ class Int4(_Grouped):
         return {"weight": q, "weight_scale": s, "weight_zero": z}
 
     def _dequant(self, parts: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        return dequantize_int4(parts["weight"], parts["weight_scale"], parts["weight_zero"], self.group, out=out)
+        return dequantize_int4(
+            parts["weight"], parts["weight_scale"], parts["weight_zero"], self.group, out=out
+        )
 
 
 @register("mxfp4")
@@ -181,7 +189,9 @@ class MXFP4(QuantMethod):
     def _check_shape(self, shape: tuple[int, ...], key: str = "weight") -> Shape:
         s = super()._check_shape(shape, key)
         if s[1] % MX_BLOCK:
-            raise ValueError(f"{key}: mxfp4 needs the input dim to be a multiple of {MX_BLOCK}, got {list(shape)}")
+            raise ValueError(
+                f"{key}: mxfp4 needs the input dim to be a multiple of {MX_BLOCK}, got {list(shape)}"
+            )
         return s
 
     def _layout(self, shape: Shape) -> dict[str, TensorSpec]:

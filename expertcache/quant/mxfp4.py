@@ -56,7 +56,9 @@ def dequantize_mxfp4(
     value is an e2m1 value times a power of two, representable in float32.
     """
     if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[-1] != MX_BLOCK // 2:
-        raise ValueError(f"mxfp4 blocks must be uint8 [out, in/32, 16], got {blocks.dtype} {list(blocks.shape)}")
+        raise ValueError(
+            f"mxfp4 blocks must be uint8 [out, in/32, 16], got {blocks.dtype} {list(blocks.shape)}"
+        )
     if scales.dtype != torch.uint8 or tuple(scales.shape) != tuple(blocks.shape[:2]):
         raise ValueError(
             f"mxfp4 scales must be uint8 {list(blocks.shape[:2])} to match blocks {list(blocks.shape)}, "
@@ -76,4 +78,6 @@ def dequantize_mxfp4(
     return out
 
 
-_PAIR_TABLE = decode_e2m1(unpack_nibbles(torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None]))  # [256, 2]
+_PAIR_TABLE = decode_e2m1(
+    unpack_nibbles(torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None])
+)  # [256, 2]

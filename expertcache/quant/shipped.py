@@ -29,7 +29,9 @@ from .methods import Int4, Int8
 from .nibbles import unpack_nibbles
 
 if sys.byteorder != "little":  # int32 words are read as their bytes
-    raise ImportError("expertcache.quant.shipped reads int32-packed checkpoints on little-endian machines only")
+    raise ImportError(
+        "expertcache.quant.shipped reads int32-packed checkpoints on little-endian machines only"
+    )
 
 
 class ShippedInt(QuantMethod):
@@ -44,8 +46,10 @@ class ShippedInt(QuantMethod):
     rules: "ModuleRules | None" = None  # set by the config parser: other modules' parameters
 
     def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise ValueError(f"{self.name} checkpoints are read as shipped, not written; "
-                         "`expertcache quantize` writes the int4 / int8 formats")
+        raise ValueError(
+            f"{self.name} checkpoints are read as shipped, not written; "
+            "`expertcache quantize` writes the int4 / int8 formats"
+        )
 
     def _code_bytes(self, parts: dict[str, torch.Tensor], shape: Shape) -> torch.Tensor:
         """The codes as the project stores them: uint8 [N, K/2] two per byte, low nibble first along K
@@ -80,16 +84,22 @@ class ShippedInt(QuantMethod):
 
     def weight_shape(self, primary_shape: tuple[int, ...], module: str) -> Shape:
         """[out, in] of module `module` from its primary tensor's shape (ValueError naming it)."""
-        return self._check_shape(self._shape_of_checked(torch.empty(primary_shape, device="meta"), module), module)
+        return self._check_shape(
+            self._shape_of_checked(torch.empty(primary_shape, device="meta"), module), module
+        )
 
-    def check_stored(self, module: str, shape: Shape, stored: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    def check_stored(
+        self, module: str, shape: Shape, stored: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    ) -> None:
         """ValueError naming the first of `stored` {suffix: (shape, dtype)} that does not fit a weight of `shape`."""
         for suffix, spec in self._layout(shape).items():
             got_shape, dtype = stored[suffix]
             if not self._accepts(suffix, spec, torch.empty(got_shape, dtype=dtype, device="meta"), shape):
-                raise ValueError(f"tensor {module}.{suffix} is {dtype} {list(got_shape)}, but {self.name} needs "
-                                 f"{spec.dtype} {list(spec.shape)} for a weight of shape {list(shape)}"
-                                 f"{self._shape_hint(shape)}")
+                raise ValueError(
+                    f"tensor {module}.{suffix} is {dtype} {list(got_shape)}, but {self.name} needs "
+                    f"{spec.dtype} {list(spec.shape)} for a weight of shape {list(shape)}"
+                    f"{self._shape_hint(shape)}"
+                )
 
     def method_for(self, module: str) -> "ShippedInt | None":
         """The method of checkpoint module `module` (e.g. model.layers.0.self_attn.q_proj): None when
@@ -110,7 +120,9 @@ class ShippedInt(QuantMethod):
             return Int8(group_size=g)
         return None
 
-    def repack(self, stored: dict[str, torch.Tensor], name: str, tier: QuantMethod) -> dict[str, torch.Tensor]:
+    def repack(
+        self, stored: dict[str, torch.Tensor], name: str, tier: QuantMethod
+    ) -> dict[str, torch.Tensor]:
         """Projection `name`'s shipped tensors -> the stored tensors of `tier` (this method's `tier()`),
         {suffix: tensor}, exactly the same weight. Raises ValueError naming a tensor whose values
         do not fit the layout (groups out of order, a symmetric zero point that is not 2^(b-1))."""
@@ -122,8 +134,10 @@ class ShippedInt(QuantMethod):
             raise ValueError(f"{p}.{e}") from None
         K = shape[1]
         if not torch.equal(group, torch.arange(K, device=group.device) // tier.group):
-            raise ValueError(f"{p}.g_idx does not put column k in group k // {self.group_size(K)} although the "
-                             "config says desc_act false (or the first expert's groups were in that order)")
+            raise ValueError(
+                f"{p}.g_idx does not put column k in group k // {self.group_size(K)} although the "
+                "config says desc_act false (or the first expert's groups were in that order)"
+            )
         codes = self._code_bytes(parts, shape)
         if isinstance(tier, Int4):
             return {"weight": codes, "weight_scale": scale, "weight_zero": zero.to(torch.uint8)}

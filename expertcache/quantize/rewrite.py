@@ -30,8 +30,14 @@ from ..quant.method import make_quant_method
 SHARD_BYTES = 2 << 30
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, group_size: int | None = None,
-                        block_size: int | None = None, progress: bool = False) -> Path:
+def quantize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    fmt: str,
+    group_size: int | None = None,
+    block_size: int | None = None,
+    progress: bool = False,
+) -> Path:
     src, dst = Path(src), Path(dst)
     family, cfg, hf = read_config(src)
     if hf.get("quantization_config"):
@@ -41,10 +47,14 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, group_size: 
     index = TensorIndex(src)
     source = ExpertSource(index, cfg, family.names)
     if source.ffn != SWIGLU or source.bias_parts:
-        raise ValueError(f"{src}: {family.name} experts ({source.ffn.act}, biases or interleaved gate/up rows) "
-                         "cannot be rewritten by expertcache quantize (GPT-OSS checkpoints ship MXFP4 experts already)")
+        raise ValueError(
+            f"{src}: {family.name} experts ({source.ffn.act}, biases or interleaved gate/up rows) "
+            "cannot be rewritten by expertcache quantize (GPT-OSS checkpoints ship MXFP4 experts already)"
+        )
     dst.mkdir(parents=True, exist_ok=True)
-    expert_tensors = {n for layer in source.layers for n in _expert_names(index, layer, family.names, cfg.num_experts)}
+    expert_tensors = {
+        n for layer in source.layers for n in _expert_names(index, layer, family.names, cfg.num_experts)
+    }
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
 
@@ -65,8 +75,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, group_size: 
         prefix = source.moe_prefix(layer, family.names)
         for j in range(cfg.num_experts):
             w = source.read(layer, j)
-            weights = {f"{g}.weight": w["gate_up"][:I].float(), f"{u}.weight": w["gate_up"][I:].float(),
-                       f"{d}.weight": w["down"].float()}
+            weights = {
+                f"{g}.weight": w["gate_up"][:I].float(),
+                f"{u}.weight": w["gate_up"][I:].float(),
+                f"{d}.weight": w["down"].float(),
+            }
             for key, t in method.pack(weights).items():
                 put(f"{prefix}.experts.{j}.{key}", t)
         if progress:
@@ -77,8 +90,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, group_size: 
     hf["quantization_config"] = {"quant_method": "expertcache", "experts": fmt, **params}
     (dst / "config.json").write_text(json.dumps(hf, indent=2))
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in (
-                "config.json", "model.safetensors.index.json", "expertcache_demo.json"):  # the demo's manifest
+        if (
+            f.is_file()
+            and f.suffix != ".safetensors"
+            and f.name not in ("config.json", "model.safetensors.index.json", "expertcache_demo.json")
+        ):  # the demo's manifest
             # lists the source files' hashes: it would be wrong for the quantized copy
             shutil.copy2(f, dst / f.name)
     return dst
@@ -89,8 +105,12 @@ def _expert_names(index: TensorIndex, layer: int, names, num_experts: int) -> li
     for p in names.moe_prefixes:
         base = f"model.layers.{layer}.{p}.experts"
         out += [n for n in (f"{base}.gate_up_proj", f"{base}.down_proj") if n in index]
-        out += [f"{base}.{j}.{proj}.weight" for j in range(num_experts) for proj in names.expert_projs
-                if f"{base}.{j}.{proj}.weight" in index]
+        out += [
+            f"{base}.{j}.{proj}.weight"
+            for j in range(num_experts)
+            for proj in names.expert_projs
+            if f"{base}.{j}.{proj}.weight" in index
+        ]
     return out
 
 
@@ -111,4 +131,5 @@ def _write_index(dst: Path, n: int) -> None:
                 weight_map[name] = final.name
                 total += h["data_offsets"][1] - h["data_offsets"][0]
     (dst / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )

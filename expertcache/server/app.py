@@ -18,18 +18,18 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from pydantic import ValidationError
 
 from .async_engine import AsyncEngine
 from .constraints import request_grammar
@@ -42,7 +42,13 @@ from .loader import ModelLoader
 from .metrics import ServerMetrics
 from .openai_format import Shape
 from .prompts import chat_ids, completion_ids
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, sampling_params
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    sampling_params,
+)
 from .tool_calls import format_for
 
 STATIC_DIR = Path(__file__).with_name("static")  # index.html, app.js, style.css of the browser UI
@@ -76,7 +82,9 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.engine: AsyncEngine | None = None
         self.loader = ModelLoader(cfg.llm_kwargs, on_done=self._loaded)
-        self.metrics.attach(lambda: self.engine.snapshot() if self.engine else {}, lambda: self.loader.progress)
+        self.metrics.attach(
+            lambda: self.engine.snapshot() if self.engine else {}, lambda: self.loader.progress
+        )
         self.started = int(time.time())
         self.in_flight = ConcurrencyLimit(cfg.limits.max_concurrent_per_key)
 
@@ -93,9 +101,15 @@ class ServerState:
     def ready(self) -> AsyncEngine:
         if self.engine is None:
             if self.loader.state == "error":
-                raise ApiError(f"the model failed to load: {self.loader.error}", status=503, type="server_error")
-            raise ApiError(f"the model is still loading ({self.loader.progress:.0%}); retry when /health says ok",
-                           status=503, type="server_error", code="model_loading")
+                raise ApiError(
+                    f"the model failed to load: {self.loader.error}", status=503, type="server_error"
+                )
+            raise ApiError(
+                f"the model is still loading ({self.loader.progress:.0%}); retry when /health says ok",
+                status=503,
+                type="server_error",
+                code="model_loading",
+            )
         return self.engine
 
     @staticmethod
@@ -108,8 +122,11 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.model_name and name not in self.cfg.aliases:
-            raise ApiError(f"model {name!r} does not exist; this server serves {self.cfg.model_name!r}", "model",
-                           code="model_not_found")
+            raise ApiError(
+                f"model {name!r} does not exist; this server serves {self.cfg.model_name!r}",
+                "model",
+                code="model_not_found",
+            )
 
     def close(self) -> None:
         if self.engine is not None:
@@ -143,11 +160,15 @@ def _completion_job(llm, req: CompletionRequest, shape: Shape) -> Job:
         raise ApiError("'prompt' is an empty list", "prompt")
     ids = [completion_ids(llm, p) for p in prompts]
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-    params = sampling_params(req, len(ids[longest]), llm.max_model_len, "prompt", request_grammar(llm, req, None, None))
+    params = sampling_params(
+        req, len(ids[longest]), llm.max_model_len, "prompt", request_grammar(llm, req, None, None)
+    )
     texts = []
     if req.echo:
-        texts = [p if isinstance(p, str) else (llm.tokenizer.decode(i) if llm.tokenizer else "")
-                 for p, i in zip(prompts, ids)]
+        texts = [
+            p if isinstance(p, str) else (llm.tokenizer.decode(i) if llm.tokenizer else "")
+            for p, i in zip(prompts, ids)
+        ]
     return Job(shape, ids, params, req.samples, bool(req.stream), bool(req.echo), texts)
 
 
@@ -157,7 +178,9 @@ def _chat_job(llm, req: ChatCompletionRequest, shape: Shape) -> Job:
     fmt = format_for(template)
     tools = [t.function.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     if tools and (fmt is None or "tools" not in template):
-        raise ApiError("this model's chat template has no tool-call format, so 'tools' cannot be honoured", "tools")
+        raise ApiError(
+            "this model's chat template has no tool-call format, so 'tools' cannot be honoured", "tools"
+        )
     if req.tool_choice not in (None, "none", "auto") and not tools:
         raise ApiError("'tool_choice' forces a tool call but 'tools' is empty", "tool_choice")
     tools_on = bool(tools) and req.tool_choice != "none"
@@ -167,8 +190,16 @@ def _chat_job(llm, req: ChatCompletionRequest, shape: Shape) -> Job:
     ids = chat_ids(llm, req.messages, req.add_generation_prompt, **kwargs)
     grammar = request_grammar(llm, req, tools if tools_on else None, fmt)
     params = sampling_params(req, len(ids), llm.max_model_len, "messages", grammar)
-    return Job(shape, [ids], params, req.samples, bool(req.stream), tool_format=fmt, tools_on=tools_on,
-               parallel_tool_calls=req.parallel_tool_calls is not False)
+    return Job(
+        shape,
+        [ids],
+        params,
+        req.samples,
+        bool(req.stream),
+        tool_format=fmt,
+        tools_on=tools_on,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+    )
 
 
 async def _respond(state: ServerState, request: Request, job: Job):
@@ -218,8 +249,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         state.close()
 
     docs = cfg.access.api_docs  # /docs, /redoc, /openapi.json only when asked for (then behind the key)
-    app = FastAPI(title="expertcache", lifespan=lifespan, docs_url="/docs" if docs else None,
-                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
+    app = FastAPI(
+        title="expertcache",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.server = state
     app.add_middleware(BodyLimit, limit=state.body_limit)
     app.add_middleware(Gate, access=cfg.access)  # added last: runs first, before any body byte is read
@@ -231,8 +267,11 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method
         codes = {404: "not_found", 405: "method_not_allowed"}
-        err = ApiError(f"{request.method} {request.url.path}: {e.detail}", status=e.status_code,
-                       code=codes.get(e.status_code))
+        err = ApiError(
+            f"{request.method} {request.url.path}: {e.detail}",
+            status=e.status_code,
+            code=codes.get(e.status_code),
+        )
         response = err.response()
         response.headers.update(e.headers or {})  # 405's Allow
         return response
@@ -243,7 +282,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, e: ClientDisconnect):  # the client left while sending its body
-        log.info("%s %s: the client disconnected before its body was complete", request.method, request.url.path)
+        log.info(
+            "%s %s: the client disconnected before its body was complete", request.method, request.url.path
+        )
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
@@ -266,7 +307,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             return {"status": "ok"}
         if state.loader.state == "error":
             return JSONResponse({"status": "error"}, status_code=503)
-        return JSONResponse({"status": "loading", "progress": round(state.loader.progress, 4)}, status_code=503)
+        return JSONResponse(
+            {"status": "loading", "progress": round(state.loader.progress, 4)}, status_code=503
+        )
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -278,8 +321,12 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str, request: Request):
         if model_id != cfg.model_name and model_id not in cfg.aliases:
-            raise ApiError(f"model {model_id!r} does not exist; this server serves {cfg.model_name!r}", "model",
-                           status=404, code="model_not_found")
+            raise ApiError(
+                f"model {model_id!r} does not exist; this server serves {cfg.model_name!r}",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
         return (await models(request))["data"][0]
 
     async def generate(request: Request, chat: bool):
@@ -289,8 +336,12 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             llm = state.ready().llm
             count, param = check_fields(req, cfg.limits, llm.engine.scheduler.max_num_seqs)
             lease.grow(count, param)  # prompts x samples against --max-concurrent-per-key
-            shape = Shape(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", cfg.model_name, chat=chat,
-                          include_usage=req.include_usage)
+            shape = Shape(
+                f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                cfg.model_name,
+                chat=chat,
+                include_usage=req.include_usage,
+            )
             # tokenizing (GIL released) and grammar compiling on a worker thread: the loop stays free
             job = await run_in_threadpool(_chat_job if chat else _completion_job, llm, req, shape)
             return await _respond(state, request, job)
@@ -313,7 +364,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         if req.prompt is not None:
             if llm.tokenizer is None:
                 raise ApiError("this model has no tokenizer.json", "prompt")
-            ids = await run_in_threadpool(llm.tokenizer.encode, req.prompt, req.add_special_tokens is not False)
+            ids = await run_in_threadpool(
+                llm.tokenizer.encode, req.prompt, req.add_special_tokens is not False
+            )
         else:
             ids = await run_in_threadpool(chat_ids, llm, req.messages, req.add_generation_prompt)
         strs = None
@@ -342,7 +395,11 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def stats():
         snap = dict(state.engine.snapshot()) if state.engine else {}
         experts = snap.pop("expert_stats", {})
-        return {"model": cfg.model_name, "status": "ok" if state.engine else state.loader.state,
-                "engine": snap, "expert_stats": experts}
+        return {
+            "model": cfg.model_name,
+            "status": "ok" if state.engine else state.loader.state,
+            "engine": snap,
+            "expert_stats": experts,
+        }
 
     return app

@@ -123,12 +123,19 @@ class AsyncEngine:
         self._publish()
         self._thread.start()
 
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  queue: asyncio.Queue | None = None) -> RequestHandle:
+    async def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue | None = None,
+    ) -> RequestHandle:
         """Queue a request and wait until the engine accepted it; ApiError (400) if it refused.
         Its items go to `queue` when given (one queue for the prompts of a batched request)."""
         loop = asyncio.get_running_loop()
-        handle = RequestHandle(request_id, len(prompt_ids), loop, admitted=loop.create_future(), samples=params.n)
+        handle = RequestHandle(
+            request_id, len(prompt_ids), loop, admitted=loop.create_future(), samples=params.n
+        )
         if queue is not None:
             handle.queue = queue
         self._inbox.put(("add", handle, prompt_ids, params, time.perf_counter()))
@@ -186,7 +193,9 @@ class AsyncEngine:
             _, handle, prompt_ids, params, arrival = cmd
             try:
                 self.llm.engine.add_request(prompt_ids, params, handle.request_id)
-            except ParamError as e:  # the field's own name (the server's checks came first: e.g. logit_bias ids)
+            except (
+                ParamError
+            ) as e:  # the field's own name (the server's checks came first: e.g. logit_bias ids)
                 self._resolve(handle, ApiError(f"'{e.field}' {e.reason}", e.field, code=e.code))
                 return
             except ValueError as e:
@@ -194,8 +203,10 @@ class AsyncEngine:
                 return
             except Exception as e:  # noqa: BLE001
                 log.exception("add_request failed")
-                self._resolve(handle, ApiError(f"engine error: {type(e).__name__}: {e}", status=500,
-                                               type="server_error"))
+                self._resolve(
+                    handle,
+                    ApiError(f"engine error: {type(e).__name__}: {e}", status=500, type="server_error"),
+                )
                 return
             self._tracks[handle.request_id] = _Track(handle, arrival, self._totals_now())
             self.metrics.on_admit(len(prompt_ids))
@@ -212,7 +223,9 @@ class AsyncEngine:
             log.exception("engine step failed; failing %d requests", len(self._tracks))
             for rid, tr in list(self._tracks.items()):
                 self.llm.engine.abort(rid)
-                self._push(tr.handle, Delta("", [], error=f"engine error: {type(e).__name__}: {e}", request_id=rid))
+                self._push(
+                    tr.handle, Delta("", [], error=f"engine error: {type(e).__name__}: {e}", request_id=rid)
+                )
                 self.metrics.on_finish("error", None)
             self._tracks.clear()
             self._publish()
@@ -227,8 +240,11 @@ class AsyncEngine:
                 continue
             if out.new_token_ids:
                 n = len(out.new_token_ids)
-                self.metrics.on_tokens(n, ttft=now - tr.arrival if tr.first is None else None,
-                                       itl=None if tr.first is None else now - tr.last)
+                self.metrics.on_tokens(
+                    n,
+                    ttft=now - tr.arrival if tr.first is None else None,
+                    itl=None if tr.first is None else now - tr.last,
+                )
                 tr.first = tr.first if tr.first is not None else now
                 tr.last = now
                 tr.n_tokens += n
@@ -237,23 +253,46 @@ class AsyncEngine:
             if reason is None:
                 if out.text_delta or out.new_token_ids:
                     first = len(out.seq.generated) == 1
-                    deliveries.append((tr.handle, Delta(out.text_delta, list(out.new_token_ids), index=out.index,
-                                                        logprobs=out.logprobs, request_id=rid,
-                                                        prompt_logprobs=out.seq.prompt_logprobs if first else None)))
+                    deliveries.append(
+                        (
+                            tr.handle,
+                            Delta(
+                                out.text_delta,
+                                list(out.new_token_ids),
+                                index=out.index,
+                                logprobs=out.logprobs,
+                                request_id=rid,
+                                prompt_logprobs=out.seq.prompt_logprobs if first else None,
+                            ),
+                        )
+                    )
                 continue
             if reason.startswith("error"):  # one failed sample fails the request
                 del self._tracks[rid]
                 ended.discard(rid)
                 self.llm.engine.abort(rid)
-                deliveries.append((tr.handle, Delta("", [], error=reason.removeprefix("error: "), request_id=rid)))
+                deliveries.append(
+                    (tr.handle, Delta("", [], error=reason.removeprefix("error: "), request_id=rid))
+                )
                 self.metrics.on_finish("error", None)
                 continue
             ended.add(rid)
             self.metrics.on_finish(reason, now - tr.arrival)
-            deliveries.append((tr.handle, Delta(out.text_delta, list(out.new_token_ids), reason,
-                                                self._final(tr, out.seq), index=out.index, logprobs=out.logprobs,
-                                                request_id=rid, prompt_logprobs=out.seq.prompt_logprobs
-                                                if len(out.seq.generated) <= 1 else None)))
+            deliveries.append(
+                (
+                    tr.handle,
+                    Delta(
+                        out.text_delta,
+                        list(out.new_token_ids),
+                        reason,
+                        self._final(tr, out.seq),
+                        index=out.index,
+                        logprobs=out.logprobs,
+                        request_id=rid,
+                        prompt_logprobs=out.seq.prompt_logprobs if len(out.seq.generated) <= 1 else None,
+                    ),
+                )
+            )
         for rid in ended:  # requests whose last sample finished (all are out of the engine by now)
             if rid in self._tracks and not self.llm.engine.samples(rid):
                 del self._tracks[rid]
@@ -278,15 +317,18 @@ class AsyncEngine:
             "predicted_n": completion,
             "predicted_ms": round(gen_s * 1000, 3),
             # tokens after the first over the time since the first (1 / time per output token)
-            "predicted_per_second": round((completion - 1) / gen_s, 3) if completion > 1 and gen_s > 0 else 0.0,
+            "predicted_per_second": round((completion - 1) / gen_s, 3)
+            if completion > 1 and gen_s > 0
+            else 0.0,
         }
         end = self._totals_now()
         if tr.experts_at_start is not None and end is not None:
             uses = (end[0] - tr.experts_at_start[0]) + (end[1] - tr.experts_at_start[1])
             # engine-wide over the request's lifetime: shared with the requests batched alongside it
             timings["expert_hit_rate"] = round((end[0] - tr.experts_at_start[0]) / uses, 4) if uses else None
-        return Final(seq.prompt_len, completion, seq.num_cached, timings, seq.cumulative_logprob,
-                     seq.prompt_logprobs)
+        return Final(
+            seq.prompt_len, completion, seq.num_cached, timings, seq.cumulative_logprob, seq.prompt_logprobs
+        )
 
     def _totals_now(self) -> tuple[int, int] | None:
         """Engine-wide expert (hits, misses) as of the last step; computed at most once per step."""

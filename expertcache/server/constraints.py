@@ -83,5 +83,7 @@ def _forced_tools(req, tools: list[dict] | None) -> list[dict] | None:
         return tools
     named = [t for t in tools if t["name"] == choice.function.name]
     if not named:
-        raise ApiError(f"tool_choice names function {choice.function.name!r}, which is not in 'tools'", "tool_choice")
+        raise ApiError(
+            f"tool_choice names function {choice.function.name!r}, which is not in 'tools'", "tool_choice"
+        )
     return named

@@ -15,8 +15,14 @@ if TYPE_CHECKING:  # errors.py stays light: `serve`'s flags import limits.py and
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
@@ -36,7 +42,14 @@ def _loc_to_param(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "int", "list[int]", "list[str]", "list[list[int]]", "function-after") or "[" in str(part):
+        elif part in (
+            "str",
+            "int",
+            "list[int]",
+            "list[str]",
+            "list[list[int]]",
+            "function-after",
+        ) or "[" in str(part):
             continue
         else:
             out += ("." if out else "") + str(part)
@@ -49,7 +62,7 @@ def from_validation_error(e: "ValidationError") -> ApiError:
     param = _loc_to_param(tuple(err.get("loc", ())))
     msg = err.get("msg", "invalid value")
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     if err.get("type") == "missing":
         return ApiError(f"'{param}' is a required parameter", param)
     if err.get("type") == "extra_forbidden":

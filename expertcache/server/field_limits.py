@@ -21,19 +21,27 @@ def _stop(req, limits: Limits) -> None:
     except ParamError as e:
         raise ApiError(f"'stop' {e.reason}", "stop") from None
     if len(stop) > limits.max_stop_strings:
-        raise ApiError(f"'stop' has {len(stop)} strings; at most {limits.max_stop_strings} are accepted "
-                       "(--max-stop-strings)", "stop")
+        raise ApiError(
+            f"'stop' has {len(stop)} strings; at most {limits.max_stop_strings} are accepted "
+            "(--max-stop-strings)",
+            "stop",
+        )
     long = next((s for s in stop if len(s) > limits.max_stop_chars), None)
     if long is not None:
-        raise ApiError(f"a 'stop' string has {len(long)} characters; at most {limits.max_stop_chars} are accepted "
-                       "(--max-stop-chars)", "stop")
+        raise ApiError(
+            f"a 'stop' string has {len(long)} characters; at most {limits.max_stop_chars} are accepted "
+            "(--max-stop-chars)",
+            "stop",
+        )
 
 
 def _logit_bias(req, limits: Limits) -> None:
     n = len(req.logit_bias or {})
     if n > limits.max_logit_bias:
-        raise ApiError(f"'logit_bias' has {n} entries; at most {limits.max_logit_bias} are accepted "
-                       "(--max-logit-bias)", "logit_bias")
+        raise ApiError(
+            f"'logit_bias' has {n} entries; at most {limits.max_logit_bias} are accepted (--max-logit-bias)",
+            "logit_bias",
+        )
 
 
 def sequences(req, max_num_seqs: int) -> tuple[int, str]:
@@ -46,8 +54,11 @@ def sequences(req, max_num_seqs: int) -> tuple[int, str]:
         check_batch(total, max_num_seqs, param)
     except ParamError:
         what = f"{prompts} prompts x {samples} samples" if prompts > 1 else f"{samples} samples"
-        raise ApiError(f"this request runs {total} sequences ({what}), more than the server's batch of "
-                       f"{max_num_seqs} sequences (--max-num-seqs)", param) from None
+        raise ApiError(
+            f"this request runs {total} sequences ({what}), more than the server's batch of "
+            f"{max_num_seqs} sequences (--max-num-seqs)",
+            param,
+        ) from None
     return total, param
 
 

@@ -55,8 +55,10 @@ class Access:
             return cls(allowed_hosts=tuple(allowed_hosts), **kw)
         if host in LOOPBACK_BIND:
             return cls(**kw)
-        raise ConfigError(f"--host {host} is not loopback: name the host names clients use with --allowed-hosts "
-                          "(e.g. --allowed-hosts myserver.lan,10.0.0.5, or '*' for any)")
+        raise ConfigError(
+            f"--host {host} is not loopback: name the host names clients use with --allowed-hosts "
+            "(e.g. --allowed-hosts myserver.lan,10.0.0.5, or '*' for any)"
+        )
 
     def is_public(self, path: str) -> bool:
         return path in self.public_paths or path in UI_PATHS or path.startswith(UI_PREFIX)
@@ -72,8 +74,11 @@ class Access:
         # every key compared (constant time each): no early exit that times which one matched
         matches = [k for k in keys if hmac.compare_digest(token_bytes, k.encode())]
         if scheme.lower() != "bearer" or not matches:
-            raise ApiError("missing or invalid API key: send 'Authorization: Bearer <key>'", status=401,
-                           code="invalid_api_key")
+            raise ApiError(
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                status=401,
+                code="invalid_api_key",
+            )
         return matches[0]
 
 
@@ -103,21 +108,31 @@ class Gate:
         headers = dict(scope["headers"])
         host = headers.get(b"host", b"").decode("latin-1")
         if "*" not in a.allowed_hosts and _host_name(host) not in a.allowed_hosts:
-            raise ApiError(f"Host {host!r} is not one this server answers to (--allowed-hosts)", status=400,
-                           code="invalid_host")
+            raise ApiError(
+                f"Host {host!r} is not one this server answers to (--allowed-hosts)",
+                status=400,
+                code="invalid_host",
+            )
         origin = headers.get(b"origin")
         if origin is not None:
             authority = _origin_authority(origin.decode("latin-1"))
             if authority is None or authority != host.strip().lower():
-                raise ApiError("cross-origin requests are refused: the Origin header names another site",
-                               status=403, code="cross_origin")
+                raise ApiError(
+                    "cross-origin requests are refused: the Origin header names another site",
+                    status=403,
+                    code="cross_origin",
+                )
         path = scope["path"]
         who = "?" if a.is_public(path) and a.api_key else a.who(headers, scope.get("client"))
         if scope["method"] == "POST" and path in JSON_ROUTES:
             ctype = headers.get(b"content-type", b"").decode("latin-1").partition(";")[0].strip().lower()
             if ctype != "application/json":
-                raise ApiError(f"{path} takes a JSON body: send 'Content-Type: application/json' (got "
-                               f"{ctype or 'none'!r})", status=415, code="unsupported_media_type")
+                raise ApiError(
+                    f"{path} takes a JSON body: send 'Content-Type: application/json' (got "
+                    f"{ctype or 'none'!r})",
+                    status=415,
+                    code="unsupported_media_type",
+                )
         return who
 
     async def __call__(self, scope, receive, send):

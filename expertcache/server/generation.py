@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.params import SamplingParams
@@ -184,7 +183,9 @@ class Runner:
         got = task.result()
         if isinstance(got, str):
             fits = "does not fit" in got
-            raise ApiError(got, status=400 if fits else 500, type="invalid_request_error" if fits else "server_error")
+            raise ApiError(
+                got, status=400 if fits else 500, type="invalid_request_error" if fits else "server_error"
+            )
         return JSONResponse(await run_in_threadpool(self._whole, got))  # decoding and parsing off the loop
 
     def _whole(self, got: dict[tuple[int, int], _Choice]) -> dict:
@@ -212,8 +213,11 @@ class Runner:
 
     # -- stream ---------------------------------------------------------------------------------
     def stream(self) -> StreamingResponse:
-        return StreamingResponse(self._events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            self._events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def _events(self):
         shape, job = self.job.shape, self.job
@@ -224,8 +228,14 @@ class Runner:
         try:
             if shape.chat:
                 for k in range(self.total):
-                    yield shape.chunk({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                       "finish_reason": None})
+                    yield shape.chunk(
+                        {
+                            "index": k,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
             while left:
                 d: Delta = await self.queue.get()
                 if d.error is not None:
@@ -247,8 +257,9 @@ class Runner:
                     lps = None
                     if job.params.logprobs is not None:
                         lps = completion_logprobs(c.prompt_logprobs or [], self.text, job.prompts[prompt][0])
-                    yield shape.chunk({"index": k, "text": job.prompt_texts[prompt], "logprobs": lps,
-                                       "finish_reason": None})
+                    yield shape.chunk(
+                        {"index": k, "text": job.prompt_texts[prompt], "logprobs": lps, "finish_reason": None}
+                    )
                 for event in self._delta_events(c, d, k, parsed):
                     yield event
                 if d.finish_reason is not None:
@@ -269,24 +280,39 @@ class Runner:
         shape, p = self.job.shape, self.job.params
         done = d.finish_reason is not None
         if not shape.chat:
-            lps = completion_logprobs(d.logprobs, self.text) if p.logprobs is not None and d.logprobs else None
+            lps = (
+                completion_logprobs(d.logprobs, self.text) if p.logprobs is not None and d.logprobs else None
+            )
             if d.text or lps or done:
-                yield shape.chunk({"index": k, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason},
-                                  d.final.timings if done else None)
+                yield shape.chunk(
+                    {"index": k, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason},
+                    d.final.timings if done else None,
+                )
             return
-        lps = {"content": chat_content(d.logprobs, self.text), "refusal": None} if p.logprobs is not None and \
-            d.logprobs else None
+        lps = (
+            {"content": chat_content(d.logprobs, self.text), "refusal": None}
+            if p.logprobs is not None and d.logprobs
+            else None
+        )
         if parsed is not None:
-            deltas = [x for x in parsed if "tool_calls" not in x or (
-                self.job.tools_on and (self.job.parallel_tool_calls or x["tool_calls"][0]["index"] == 0))]
+            deltas = [
+                x
+                for x in parsed
+                if "tool_calls" not in x
+                or (self.job.tools_on and (self.job.parallel_tool_calls or x["tool_calls"][0]["index"] == 0))
+            ]
         else:
             deltas = [{"content": d.text}] if d.text else []
         if lps and not deltas:
             deltas = [{}]
         for i, delta in enumerate(deltas):
-            yield shape.chunk({"index": k, "delta": delta, "logprobs": lps if i == 0 else None, "finish_reason": None})
+            yield shape.chunk(
+                {"index": k, "delta": delta, "logprobs": lps if i == 0 else None, "finish_reason": None}
+            )
         if done:
             reason = d.finish_reason
             if c.diff is not None and c.diff.calls and self.job.tools_on:
                 reason = "tool_calls"
-            yield shape.chunk({"index": k, "delta": {}, "logprobs": None, "finish_reason": reason}, d.final.timings)
+            yield shape.chunk(
+                {"index": k, "delta": {}, "logprobs": None, "finish_reason": reason}, d.final.timings
+            )

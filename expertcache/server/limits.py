@@ -61,9 +61,11 @@ class Limits:
             raise ConfigError(f"--max-request-bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_concurrent_per_key < 0:
             raise ConfigError(f"--max-concurrent-per-key must be >= 0, got {self.max_concurrent_per_key}")
-        for flag, value, ceiling in (("--max-stop-strings", self.max_stop_strings, MAX_STOP_STRINGS_CEILING),
-                                     ("--max-stop-chars", self.max_stop_chars, MAX_STOP_CHARS_CEILING),
-                                     ("--max-logit-bias", self.max_logit_bias, MAX_LOGIT_BIAS_CEILING)):
+        for flag, value, ceiling in (
+            ("--max-stop-strings", self.max_stop_strings, MAX_STOP_STRINGS_CEILING),
+            ("--max-stop-chars", self.max_stop_chars, MAX_STOP_CHARS_CEILING),
+            ("--max-logit-bias", self.max_logit_bias, MAX_LOGIT_BIAS_CEILING),
+        ):
             if not 0 <= value <= ceiling:
                 raise ConfigError(f"{flag} must be in [0, {ceiling}], got {value}")
         if self.record_routing_max_steps < 1:
@@ -76,22 +78,29 @@ class Limits:
 
 
 def too_large(size: int, limit: int) -> ApiError:
-    return ApiError(f"the request body has {size if size >= 0 else 'more than ' + str(limit)} bytes, more than the "
-                    f"server's limit of {limit} bytes (--max-request-bytes)", status=413,
-                    code="request_too_large")
+    return ApiError(
+        f"the request body has {size if size >= 0 else 'more than ' + str(limit)} bytes, more than the "
+        f"server's limit of {limit} bytes (--max-request-bytes)",
+        status=413,
+        code="request_too_large",
+    )
 
 
 def _int(s: str) -> int:
     if len(s.lstrip("-")) > MAX_INT_DIGITS:
-        raise ApiError(f"a number in the request body has {len(s.lstrip('-'))} digits; at most {MAX_INT_DIGITS} "
-                       "are accepted")
+        raise ApiError(
+            f"a number in the request body has {len(s.lstrip('-'))} digits; at most {MAX_INT_DIGITS} "
+            "are accepted"
+        )
     return int(s)
 
 
 def _float(s: str) -> float:
     if len(s) > MAX_FLOAT_CHARS:
-        raise ApiError(f"a number in the request body is {len(s)} characters long; at most {MAX_FLOAT_CHARS} "
-                       "are accepted")
+        raise ApiError(
+            f"a number in the request body is {len(s)} characters long; at most {MAX_FLOAT_CHARS} "
+            "are accepted"
+        )
     return float(s)
 
 
@@ -134,8 +143,11 @@ def _check_text(v: str, path: tuple) -> None:
         v.encode("utf-8")
     except UnicodeEncodeError as e:
         param = _path(path) or None
-        raise ApiError(f"'{param or 'body'}' holds a lone surrogate ({v[e.start]!r} at character "
-                       f"{e.start}): not valid Unicode text", param) from None
+        raise ApiError(
+            f"'{param or 'body'}' holds a lone surrogate ({v[e.start]!r} at character "
+            f"{e.start}): not valid Unicode text",
+            param,
+        ) from None
 
 
 _DIGIT_RUN = re.compile(rb"\d{%d}" % (MAX_INT_DIGITS + 1))  # the shortest number _int or _float could refuse
@@ -155,7 +167,9 @@ def _named(e: ApiError, raw: bytes, pattern: re.Pattern) -> ApiError:
 def parse_body(raw: bytes) -> dict:
     """Bytes -> the JSON object of a request, or ApiError (400). Run it off the event loop."""
     try:
-        if _DIGIT_RUN.search(raw) is None:  # no number can be too long: C parsing of numbers, no hook per number
+        if (
+            _DIGIT_RUN.search(raw) is None
+        ):  # no number can be too long: C parsing of numbers, no hook per number
             obj = json.loads(raw, parse_constant=_constant)
         else:
             obj = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
@@ -171,7 +185,9 @@ def parse_body(raw: bytes) -> dict:
     return obj
 
 
-def encode_bounded(tokenizer, text: str, max_tokens: int, param: str, add_special_tokens: bool = True) -> list[int]:
+def encode_bounded(
+    tokenizer, text: str, max_tokens: int, param: str, add_special_tokens: bool = True
+) -> list[int]:
     """Token ids of `text`, or ApiError (400, context_length_exceeded) when it cannot fit in
     max_tokens: a text longer than CHARS_PER_TOKEN_BOUND x max_tokens characters is first tokenized
     up to that length, and refused if that prefix alone is already too long (a prefix has at most
@@ -180,8 +196,12 @@ def encode_bounded(tokenizer, text: str, max_tokens: int, param: str, add_specia
     if len(text) > bound:
         head = tokenizer.encode(text[:bound], add_special_tokens=add_special_tokens)
         if len(head) > max_tokens + 1:
-            raise ApiError(f"'{param}' has {len(text)} characters, which is more than {max_tokens} tokens, the "
-                           "maximum context length", param, code="context_length_exceeded")
+            raise ApiError(
+                f"'{param}' has {len(text)} characters, which is more than {max_tokens} tokens, the "
+                "maximum context length",
+                param,
+                code="context_length_exceeded",
+            )
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -227,9 +247,13 @@ class ConcurrencyLimit:
             return
         have = self.active.get(who, 0)
         if have + n > self.limit:
-            raise ApiError(f"this client already has {have} sequences in flight; {n} more would pass the server's "
-                           f"limit of {self.limit} per API key (--max-concurrent-per-key); retry when one finishes",
-                           status=429, type="rate_limit_error", code="rate_limit_exceeded")
+            raise ApiError(
+                f"this client already has {have} sequences in flight; {n} more would pass the server's "
+                f"limit of {self.limit} per API key (--max-concurrent-per-key); retry when one finishes",
+                status=429,
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+            )
         self.active[who] = have + n
 
     def release(self, who: str, n: int = 1) -> None:
@@ -254,8 +278,11 @@ class Lease:
     def grow(self, total: int, param: str | None = None) -> None:
         if total > self.held:
             if total > self.limit.limit > 0:
-                raise ApiError(f"this request runs {total} sequences (prompts x n), more than the server's limit "
-                               f"of {self.limit.limit} per API key (--max-concurrent-per-key)", param)
+                raise ApiError(
+                    f"this request runs {total} sequences (prompts x n), more than the server's limit "
+                    f"of {self.limit.limit} per API key (--max-concurrent-per-key)",
+                    param,
+                )
             self.limit.acquire(self.who, total - self.held)
             self.held = total
 

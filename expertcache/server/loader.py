@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
 log = logging.getLogger("expertcache.server")
 
 

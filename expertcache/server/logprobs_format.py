@@ -53,7 +53,9 @@ def chat_logprobs(entries: list, text: TokenText) -> dict:
     return {"content": chat_content(entries, text), "refusal": None}
 
 
-def completion_logprobs(entries: list, text: TokenText, first_token: int | None = None, offset: int = 0) -> dict:
+def completion_logprobs(
+    entries: list, text: TokenText, first_token: int | None = None, offset: int = 0
+) -> dict:
     """entries may start with None (an echoed prompt's first token, `first_token`: no logprob).
     top_logprobs holds the chosen token and its top alternatives (vLLM's convention)."""
     tokens, values, tops, offsets = [], [], [], []

@@ -22,8 +22,12 @@ def usage(prompt_finals: list[Final], finals: list[Final]) -> dict:
     """prompt_finals: one Final per prompt (its prompt counted once); finals: one per returned choice."""
     prompt = sum(f.prompt_tokens for f in prompt_finals)
     completion = sum(f.completion_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in prompt_finals)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in prompt_finals)},
+    }
 
 
 def sse(obj: dict) -> str:

@@ -34,14 +34,19 @@ def completion_ids(llm, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-def chat_ids(llm, messages: list[ChatMessage], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+def chat_ids(
+    llm, messages: list[ChatMessage], add_generation_prompt: bool = True, **template_kwargs
+) -> list[int]:
     """template_kwargs (tools=, reasoning_effort=) go into the template's context, as transformers does."""
     tok = llm.tokenizer
     if tok is None or not tok.chat_template:
         raise ApiError("this model has no chat template: use /v1/completions", "messages")
     try:
-        text = tok.apply_chat_template([m.as_template_dict() for m in messages],
-                                       add_generation_prompt=add_generation_prompt, **template_kwargs)
+        text = tok.apply_chat_template(
+            [m.as_template_dict() for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
     except (TemplateError, CheckpointError, ValueError, TypeError) as e:
         raise ApiError(f"the chat template rejected 'messages': {e}", "messages") from None
     try:

@@ -158,15 +158,23 @@ class ChatMessage(_Strict):
     def as_template_dict(self) -> dict:
         """The message as chat templates read it (transformers' convention: a tool call's
         arguments as a dict when they are a JSON object)."""
-        text = self.content if isinstance(self.content, str) or self.content is None else "".join(
-            p.text for p in self.content)
+        text = (
+            self.content
+            if isinstance(self.content, str) or self.content is None
+            else "".join(p.text for p in self.content)
+        )
         d: dict = {"role": self.role, "content": text or ""}
         if self.name is not None:
             d["name"] = self.name
         if self.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
-                               for c in self.tool_calls]
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         if self.reasoning_content is not None:
@@ -254,8 +262,9 @@ def _logprob_fields(req: _Sampling) -> tuple[int | None, int | None]:
         return ((req.top_logprobs or 0) if req.logprobs else None), None
     lp = getattr(req, "logprobs", None)
     if lp is not None and lp > MAX_LOGPROBS_COMPLETIONS:  # the endpoint's own limit, below the engine's
-        raise ApiError(f"'logprobs' must be at most {MAX_LOGPROBS_COMPLETIONS} in /v1/completions, got {lp}",
-                       "logprobs")
+        raise ApiError(
+            f"'logprobs' must be at most {MAX_LOGPROBS_COMPLETIONS} in /v1/completions, got {lp}", "logprobs"
+        )
     return lp, (lp if lp is not None and getattr(req, "echo", False) else None)
 
 
@@ -292,8 +301,9 @@ def api_error(e: ParamError, req: _Sampling, prompt_param: str) -> ApiError:
     return ApiError(f"'{param}' {e.reason}", param, code=e.code)
 
 
-def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_param: str,
-                    structured=None) -> SamplingParams:
+def sampling_params(
+    req: _Sampling, prompt_len: int, max_model_len: int, prompt_param: str, structured=None
+) -> SamplingParams:
     """The request's sampling fields as SamplingParams (which validates them), max_tokens defaulted to
     what the context leaves; -> SamplingParams or ApiError (400) naming the parameter."""
     try:
@@ -305,13 +315,23 @@ def sampling_params(req: _Sampling, prompt_len: int, max_model_len: int, prompt_
             max_tokens = room if req.DEFAULT_MAX_TOKENS is None else min(req.DEFAULT_MAX_TOKENS, room)
         logprobs, prompt_logprobs = _logprob_fields(req)
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
-            seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, n=engine_samples(req), logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, presence_penalty=req.presence_penalty or 0.0,
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop=req.stop,
+            ignore_eos=req.ignore_eos,
+            n=engine_samples(req),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=req.logit_bias, min_tokens=req.min_tokens or 0, structured=structured)
+            logit_bias=req.logit_bias,
+            min_tokens=req.min_tokens or 0,
+            structured=structured,
+        )
         check_context(prompt_len, params.max_tokens, max_model_len)
         return params
     except ParamError as e:

@@ -37,11 +37,13 @@ class ThroughputLog:
             return None
         ex = snap.get("expert_stats") or {}
         hits, misses = ex.get("hits", 0) or 0, ex.get("misses", 0) or 0
-        line = (f"Avg prompt throughput: {dp / dt:.1f} tok/s, Avg generation throughput: {dg / dt:.1f} tok/s, "
-                f"Running: {snap['running']} reqs, Waiting: {snap['waiting']} reqs, "
-                f"KV cache usage: {snap['kv_cache_usage']:.1%}, "
-                f"Prefix cache hit rate: {_rate(snap['prefix_cache_hits'], snap['prefix_cache_queries'])}, "
-                f"Expert hit rate: {_rate(hits, hits + misses)}")
+        line = (
+            f"Avg prompt throughput: {dp / dt:.1f} tok/s, Avg generation throughput: {dg / dt:.1f} tok/s, "
+            f"Running: {snap['running']} reqs, Waiting: {snap['waiting']} reqs, "
+            f"KV cache usage: {snap['kv_cache_usage']:.1%}, "
+            f"Prefix cache hit rate: {_rate(snap['prefix_cache_hits'], snap['prefix_cache_queries'])}, "
+            f"Expert hit rate: {_rate(hits, hits + misses)}"
+        )
         ep = ex.get("expert_parallel")
         if ep:
             line += f", EP balance (max/mean): {ep['balance_mean']:.2f}"

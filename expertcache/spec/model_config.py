@@ -77,7 +77,9 @@ class ModelConfig:
     mla: MLA | None = None  # multi-head latent attention instead of q/k/v projections
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
     router: RouterSpec = field(default_factory=RouterSpec)
-    attn_output_gate: bool = False  # q_proj also yields a per-head gate: o = attn * sigmoid(gate) (Qwen3-Next)
+    attn_output_gate: bool = (
+        False  # q_proj also yields a per-head gate: o = attn * sigmoid(gate) (Qwen3-Next)
+    )
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): 1.0 for zero-centred norms (Qwen3-Next)
     linear_attn: LinearAttnConfig | None = None  # hybrid models: the Gated DeltaNet layers
 
@@ -155,7 +157,9 @@ def get_int(hf: dict, key: str, default: int, minimum: int = 0) -> int:
 def check_value(hf: dict, key: str, allowed, default=None):
     value = hf.get(key, default)
     if value not in allowed:
-        raise ConfigError(f"config.json: {key}={value!r} is not supported (supported: {sorted(map(str, allowed))})")
+        raise ConfigError(
+            f"config.json: {key}={value!r} is not supported (supported: {sorted(map(str, allowed))})"
+        )
     return value
 
 
@@ -173,7 +177,9 @@ def rope_parameters(hf: dict, partial_rotary: bool = False) -> dict:
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     if rope["rope_type"] not in ROPE_TYPES:
-        raise ConfigError(f"config.json: rope type {rope['rope_type']!r} is not supported (supported: {ROPE_TYPES})")
+        raise ConfigError(
+            f"config.json: rope type {rope['rope_type']!r} is not supported (supported: {ROPE_TYPES})"
+        )
     if hf.get("partial_rotary_factor") is not None:
         rope.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
     if not partial_rotary and rope.get("partial_rotary_factor", 1.0) != 1.0:

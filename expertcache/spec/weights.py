@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WeightNames:
-    moe_prefixes: tuple[str, ...]  # module holding router + experts, tried in order ("mlp", "block_sparse_moe")
+    moe_prefixes: tuple[
+        str, ...
+    ]  # module holding router + experts, tried in order ("mlp", "block_sparse_moe")
     router: str  # under the moe prefix
     expert_projs: tuple[str, str, str]  # (gate, up, down) names inside experts.{j}
     shared_expert: str = "shared_expert"

@@ -24,17 +24,20 @@ import json
 import sys
 from pathlib import Path
 
-from ..experts.policy import ONLINE, POLICIES
 from ..errors import ConfigError
+from ..experts.policy import ONLINE, POLICIES
+from ..units import fmt_bytes as format_bytes
+from ..units import parse_bytes
 from .format import RoutingTrace, load_trace
-from ..units import fmt_bytes as format_bytes, parse_bytes
 
 
 def check_capacities(caps: list[int], num_experts: int, flag: str = "--capacity") -> list[int]:
     bad = [c for c in caps if not 1 <= c <= num_experts]
     if bad:
-        raise ConfigError(f"{flag} {bad[0]}: slots per layer must be between 1 and {num_experts} "
-                          f"(the trace's experts per layer)")
+        raise ConfigError(
+            f"{flag} {bad[0]}: slots per layer must be between 1 and {num_experts} "
+            f"(the trace's experts per layer)"
+        )
     return caps
 
 
@@ -46,15 +49,19 @@ def _capacities(args, trace: RoutingTrace) -> list[int]:
             raise ValueError("--budget: the trace has no expert_bytes; use --capacity")
         cap = parse_bytes(args.budget) // (trace.expert_bytes * trace.num_layers)
         if cap < 1:
-            raise ValueError(f"--budget: {args.budget} holds no expert per layer "
-                             f"({format_bytes(trace.expert_bytes)} each, {trace.num_layers} layers)")
+            raise ValueError(
+                f"--budget: {args.budget} holds no expert per layer "
+                f"({format_bytes(trace.expert_bytes)} each, {trace.num_layers} layers)"
+            )
         return [int(cap)]
     if args.capacity is None:
         raise ValueError("replay: give --capacity, --budget or --sweep")
     try:
         caps = [int(x) for x in str(args.capacity).split(",")]
     except ValueError:
-        raise ValueError(f"--capacity: expected integers separated by commas, got {args.capacity!r}") from None
+        raise ValueError(
+            f"--capacity: expected integers separated by commas, got {args.capacity!r}"
+        ) from None
     return check_capacities(caps, trace.num_experts)
 
 
@@ -68,23 +75,44 @@ def _cmd_replay(args) -> int:
         if p not in POLICIES:
             raise ValueError(f"--policy: unknown {p!r}; choose from {sorted(POLICIES)} or all")
     stats = use_counts(load_trace(args.stats, "--stats")) if args.stats else None
-    results = sweep(trace, policies, _capacities(args, trace), prefetch=args.prefetch, stats=stats,
-                    prefetch_gate=None if args.no_prefetch_gate else 0.0, prefetch_waste=args.prefetch_waste)
+    results = sweep(
+        trace,
+        policies,
+        _capacities(args, trace),
+        prefetch=args.prefetch,
+        stats=stats,
+        prefetch_gate=None if args.no_prefetch_gate else 0.0,
+        prefetch_waste=args.prefetch_waste,
+    )
     if args.json:
-        keys = ("policy", "capacity", "hit_rate", "min_hit_rate", "bytes_moved", "per_layer",
-                "prefetch_issued", "prefetch_useful")
+        keys = (
+            "policy",
+            "capacity",
+            "hit_rate",
+            "min_hit_rate",
+            "bytes_moved",
+            "per_layer",
+            "prefetch_issued",
+            "prefetch_useful",
+        )
         print(json.dumps([{k: getattr(r, k) for k in keys} for r in results], indent=1))
     else:
         print(f"{'policy':<12}{'slots':>6}{'hit':>8}{'MIN':>8}{'of MIN':>8}{'moved':>12}")
         for r in results:
-            print(f"{r.policy:<12}{r.capacity:>6}{r.hit_rate:>8.3f}{r.min_hit_rate:>8.3f}"
-                  f"{r.hit_rate / max(r.min_hit_rate, 1e-12):>8.3f}{format_bytes(r.bytes_moved):>12}")
+            print(
+                f"{r.policy:<12}{r.capacity:>6}{r.hit_rate:>8.3f}{r.min_hit_rate:>8.3f}"
+                f"{r.hit_rate / max(r.min_hit_rate, 1e-12):>8.3f}{format_bytes(r.bytes_moved):>12}"
+            )
     if args.png:
         from .stats import plot_sweep
 
-        plot_sweep(results, args.png, title=f"{Path(args.trace).name}: model {trace.model or '?'}, top-{trace.top_k} "
-                                             f"of {trace.num_experts} experts, {trace.num_layers} MoE layers"
-                                             + (", prefetch" if args.prefetch else ""))
+        plot_sweep(
+            results,
+            args.png,
+            title=f"{Path(args.trace).name}: model {trace.model or '?'}, top-{trace.top_k} "
+            f"of {trace.num_experts} experts, {trace.num_layers} MoE layers"
+            + (", prefetch" if args.prefetch else ""),
+        )
         print(f"wrote the hit-rate plot to {args.png}", file=sys.stderr)
     return 0
 
@@ -100,8 +128,12 @@ def _cmd_stats(args) -> int:
         for k, v in s.items():
             print(f"{k}: {v}")
     if args.png:
-        plot_heatmap(trace, args.png, title=f"{Path(args.trace).name}: expert use, model {trace.model or '?'}, "
-                                            f"top-{trace.top_k}, {len(trace)} tokens")
+        plot_heatmap(
+            trace,
+            args.png,
+            title=f"{Path(args.trace).name}: expert use, model {trace.model or '?'}, "
+            f"top-{trace.top_k}, {len(trace)} tokens",
+        )
         print(f"wrote the heatmap to {args.png}", file=sys.stderr)
     return 0
 
@@ -110,17 +142,31 @@ def _cmd_synth(args) -> int:
     from .synthetic import synth_trace
 
     zipf = [float(z) for z in args.zipf.split(",")]
-    t = synth_trace(layers=args.layers, experts=args.experts, top_k=args.top_k, tokens=args.tokens,
-                    seqs=args.seqs, zipf=zipf if len(zipf) > 1 else zipf[0], reuse=args.reuse,
-                    shift_every=args.shift_every, seed=args.seed, expert_bytes=parse_bytes(args.expert_bytes))
+    t = synth_trace(
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        tokens=args.tokens,
+        seqs=args.seqs,
+        zipf=zipf if len(zipf) > 1 else zipf[0],
+        reuse=args.reuse,
+        shift_every=args.shift_every,
+        seed=args.seed,
+        expert_bytes=parse_bytes(args.expert_bytes),
+    )
     t.save(args.out)
     print(f"wrote {args.out}: {len(t)} rows x {t.num_layers} layers x top-{t.top_k}")
     return 0
 
 
 def _cmd_import(args) -> int:
-    t = RoutingTrace.from_jsonl(args.jsonl, num_experts=args.num_experts, model=args.model,
-                                expert_bytes=parse_bytes(args.expert_bytes), num_layers=args.layers)
+    t = RoutingTrace.from_jsonl(
+        args.jsonl,
+        num_experts=args.num_experts,
+        model=args.model,
+        expert_bytes=parse_bytes(args.expert_bytes),
+        num_layers=args.layers,
+    )
     t.save(args.out)
     print(f"wrote {args.out}: {len(t)} rows x {t.num_layers} layers")
     return 0
@@ -165,16 +211,35 @@ def _print_schedule(args, trace, shape, prof) -> int:
     from .simulate import simulate_schedule
 
     if args.from_disk:
-        raise ValueError("simulate --schedule: the schedule model keeps every expert in host RAM; drop --from-disk")
+        raise ValueError(
+            "simulate --schedule: the schedule model keeps every expert in host RAM; drop --from-disk"
+        )
     if not args.model_config:
-        raise ValueError("simulate --schedule: pass --model-config (the schedule model needs the hidden size)")
+        raise ValueError(
+            "simulate --schedule: pass --model-config (the schedule model needs the hidden size)"
+        )
     hidden = json.loads(Path(args.model_config).read_text()).get("hidden_size")
     if not isinstance(hidden, int):
         raise ValueError(f"simulate --schedule: {args.model_config} has no integer hidden_size")
-    pred = simulate_schedule(trace, shape, prof, args.policy, args.capacity, hidden,
-                             cpu_compute=not args.no_cpu_compute, prefetch=args.prefetch)
-    out = {"profile": prof.name, "tok_s": pred.tok_s, "decode_s": pred.decode_s, "decode_rows": pred.decode_rows,
-           "misses_on_cpu": pred.misses_on_cpu, "misses_admitted": pred.misses_admitted, "critical": pred.critical}
+    pred = simulate_schedule(
+        trace,
+        shape,
+        prof,
+        args.policy,
+        args.capacity,
+        hidden,
+        cpu_compute=not args.no_cpu_compute,
+        prefetch=args.prefetch,
+    )
+    out = {
+        "profile": prof.name,
+        "tok_s": pred.tok_s,
+        "decode_s": pred.decode_s,
+        "decode_rows": pred.decode_rows,
+        "misses_on_cpu": pred.misses_on_cpu,
+        "misses_admitted": pred.misses_admitted,
+        "critical": pred.critical,
+    }
     if args.json:
         print(json.dumps(out))
     else:
@@ -208,8 +273,12 @@ def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--sweep", action="store_true", help="capacities 1..num_experts")
     p.add_argument("--policy", default="lru", help=f"one of {sorted(POLICIES)}, comma list, or all")
     p.add_argument("--prefetch", action="store_true", help="insert lookahead experts before each layer")
-    p.add_argument("--prefetch-waste", type=float, default=1.0,
-                   help="the prefetch gate's price of an unused read: 1.0 as the engine on CPU, 0.25 as with CUDA")
+    p.add_argument(
+        "--prefetch-waste",
+        type=float,
+        default=1.0,
+        help="the prefetch gate's price of an unused read: 1.0 as the engine on CPU, 0.25 as with CUDA",
+    )
     p.add_argument("--no-prefetch-gate", action="store_true", help="prefetch on every step (no gate)")
     p.add_argument("--stats", help="trace whose use counts feed the static policy")
     p.add_argument("--json", action="store_true")
@@ -259,9 +328,12 @@ def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefetch", action="store_true")
     p.add_argument("--no-cpu-compute", action="store_true")
     p.add_argument("--from-disk", action="store_true", help="experts not held in host RAM")
-    p.add_argument("--schedule", action="store_true",
-                   help="the schedule model (copies, device MoE, the CPU job, prefetch overlapping as the CUDA "
-                        "executor runs them; needs a GPU profile and --model-config)")
+    p.add_argument(
+        "--schedule",
+        action="store_true",
+        help="the schedule model (copies, device MoE, the CPU job, prefetch overlapping as the CUDA "
+        "executor runs them; needs a GPU profile and --model-config)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_wrap(_cmd_simulate))
     return tp

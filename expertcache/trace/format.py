@@ -107,8 +107,10 @@ class RoutingTrace:
         if len(self.layer_ids) != nl:
             raise ValueError(f"layer_ids: {len(self.layer_ids)} ids for {nl} layers")
         if n and (self.experts.min() < 0 or self.experts.max() >= self.num_experts):
-            raise ValueError(f"experts: ids must lie in [0, {self.num_experts}), "
-                             f"got range [{self.experts.min()}, {self.experts.max()}]")
+            raise ValueError(
+                f"experts: ids must lie in [0, {self.num_experts}), "
+                f"got range [{self.experts.min()}, {self.experts.max()}]"
+            )
         for name in ("seq", "token", "phase", "step"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"{name}: expected shape ({n},), got {getattr(self, name).shape}")
@@ -127,14 +129,22 @@ class RoutingTrace:
 
     # ---- npz -----------------------------------------------------------------
     def meta(self) -> dict:
-        return {"format": "expertcache-trace", "version": 1, "model": self.model,
-                "num_experts": int(self.num_experts), "top_k": int(self.top_k),
-                "layer_ids": self.layer_ids, "expert_bytes": int(self.expert_bytes)}
+        return {
+            "format": "expertcache-trace",
+            "version": 1,
+            "model": self.model,
+            "num_experts": int(self.num_experts),
+            "top_k": int(self.top_k),
+            "layer_ids": self.layer_ids,
+            "expert_bytes": int(self.expert_bytes),
+        }
 
     def save(self, path: str | Path) -> None:
-        arrays = {k: getattr(self, k) for k in ("experts", "seq", "token", "phase", "step",
-                                                 "weights", "lookahead")
-                  if getattr(self, k) is not None}
+        arrays = {
+            k: getattr(self, k)
+            for k in ("experts", "seq", "token", "phase", "step", "weights", "lookahead")
+            if getattr(self, k) is not None
+        }
         with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz"
             np.savez_compressed(f, meta=np.array(json.dumps(self.meta())), **arrays)
 
@@ -151,9 +161,14 @@ class RoutingTrace:
                 raise ValueError(f"{path}: meta field {key!r} missing")
         if experts.ndim == 3 and experts.shape[2] != meta["top_k"]:
             raise ValueError(f"top_k: meta says {meta['top_k']}, experts has {experts.shape[2]}")
-        return cls(experts=experts, num_experts=int(meta["num_experts"]), model=meta.get("model", ""),
-                   layer_ids=meta.get("layer_ids") or [], expert_bytes=int(meta.get("expert_bytes", 0)),
-                   **arrs)
+        return cls(
+            experts=experts,
+            num_experts=int(meta["num_experts"]),
+            model=meta.get("model", ""),
+            layer_ids=meta.get("layer_ids") or [],
+            expert_bytes=int(meta.get("expert_bytes", 0)),
+            **arrs,
+        )
 
     # ---- JSONL ---------------------------------------------------------------
     def to_jsonl(self, path: str | Path) -> None:
@@ -161,8 +176,12 @@ class RoutingTrace:
         with open(path, "w") as f:
             for i in range(len(self)):
                 for li, lid in enumerate(self.layer_ids):
-                    obj = {"seq": int(self.seq[i]), "layer": lid, "token": int(self.token[i]),
-                           "experts": self.experts[i, li].tolist()}
+                    obj = {
+                        "seq": int(self.seq[i]),
+                        "layer": lid,
+                        "token": int(self.token[i]),
+                        "experts": self.experts[i, li].tolist(),
+                    }
                     if self.weights is not None:
                         obj["weights"] = [round(float(w), 7) for w in self.weights[i, li]]
                     obj["phase"] = inv_phase[int(self.phase[i])]
@@ -170,8 +189,14 @@ class RoutingTrace:
                     f.write(json.dumps(obj) + "\n")
 
     @classmethod
-    def from_jsonl(cls, path: str | Path, num_experts: int, model: str = "", expert_bytes: int = 0,
-                   num_layers: int | None = None) -> "RoutingTrace":
+    def from_jsonl(
+        cls,
+        path: str | Path,
+        num_experts: int,
+        model: str = "",
+        expert_bytes: int = 0,
+        num_layers: int | None = None,
+    ) -> "RoutingTrace":
         """Parse JSONL (see module doc). Errors name the line and field."""
         rows: dict[tuple[int, int], dict] = {}  # (seq, token) -> {layer: (experts, weights)}
         meta_row: dict[tuple[int, int], tuple[int, int | None]] = {}
@@ -203,7 +228,9 @@ class RoutingTrace:
                     raise ValueError(f"line {ln}: field 'experts' has {len(ex)} ids, earlier lines {top_k}")
                 bad = [e for e in ex if not 0 <= e < num_experts]
                 if bad:
-                    raise ValueError(f"line {ln}: field 'experts' id {bad[0]} out of range [0, {num_experts})")
+                    raise ValueError(
+                        f"line {ln}: field 'experts' id {bad[0]} out of range [0, {num_experts})"
+                    )
                 w = obj.get("weights")
                 if has_w is None:
                     has_w = w is not None
@@ -220,7 +247,9 @@ class RoutingTrace:
                 key = (obj["seq"], obj["token"])
                 group = rows.setdefault(key, {})
                 if obj["layer"] in group:
-                    raise ValueError(f"line {ln}: duplicate layer {obj['layer']} for seq {key[0]} token {key[1]}")
+                    raise ValueError(
+                        f"line {ln}: duplicate layer {obj['layer']} for seq {key[0]} token {key[1]}"
+                    )
                 group[obj["layer"]] = (ex, w, ln)
                 meta_row.setdefault(key, (PHASES[ph], step))
                 layers.add(obj["layer"])
@@ -254,18 +283,32 @@ class RoutingTrace:
             seq[r], token[r] = key
             phase[r] = meta_row[key][0]
             step[r] = steps_given[i] if steps_given[i] is not None else r
-        return cls(experts=experts, num_experts=num_experts, seq=seq, token=token, phase=phase, step=step,
-                   weights=weights, model=model, layer_ids=layer_ids, expert_bytes=expert_bytes)
+        return cls(
+            experts=experts,
+            num_experts=num_experts,
+            seq=seq,
+            token=token,
+            phase=phase,
+            step=step,
+            weights=weights,
+            model=model,
+            layer_ids=layer_ids,
+            expert_bytes=expert_bytes,
+        )
 
 
 def load_trace(path: str | Path, flag: str):
     """RoutingTrace.load with the flag (or argument) that named the file in every error."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"{flag} {path}: {'is a directory' if p.is_dir() else 'no such file'} "
-                          f"(expected a routing trace .npz from --record-routing or `expertcache trace synth`)")
+        raise ConfigError(
+            f"{flag} {path}: {'is a directory' if p.is_dir() else 'no such file'} "
+            f"(expected a routing trace .npz from --record-routing or `expertcache trace synth`)"
+        )
     if not zipfile.is_zipfile(p):
-        raise ConfigError(f"{flag} {path}: not a routing trace (.npz files are zip archives; this one is not)")
+        raise ConfigError(
+            f"{flag} {path}: not a routing trace (.npz files are zip archives; this one is not)"
+        )
     try:
         return RoutingTrace.load(p)
     except (zipfile.BadZipFile, OSError, EOFError) as e:

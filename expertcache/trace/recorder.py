@@ -21,7 +21,9 @@ class RoutingRecorder:
         self.num_experts = llm.cfg.num_experts
         self.expert_bytes = llm.source.expert_nbytes
         self.model = str(llm.model_dir)
-        self.rows: dict[str, list] = {k: [] for k in ("experts", "weights", "lookahead", "seq", "token", "phase", "step")}
+        self.rows: dict[str, list] = {
+            k: [] for k in ("experts", "weights", "lookahead", "seq", "token", "phase", "step")
+        }
 
     def record(self, step: int, work, routing: dict) -> None:
         seq, token, phase = [], [], []
@@ -38,16 +40,28 @@ class RoutingRecorder:
             ahead = routing[layer][2]
             if ahead is not None:
                 la[:, li + 1] = ahead.cpu().numpy()
-        for k, v in (("experts", ex), ("weights", wt), ("lookahead", la), ("seq", seq), ("token", token),
-                     ("phase", phase), ("step", [step] * T)):
+        for k, v in (
+            ("experts", ex),
+            ("weights", wt),
+            ("lookahead", la),
+            ("seq", seq),
+            ("token", token),
+            ("phase", phase),
+            ("step", [step] * T),
+        ):
             self.rows[k].append(np.asarray(v))
 
     def trace(self) -> RoutingTrace:
         if not self.rows["experts"]:
             raise ValueError("no routing was recorded (nothing was generated)")
         cat = {k: np.concatenate(v) for k, v in self.rows.items()}
-        return RoutingTrace(num_experts=self.num_experts, model=self.model, layer_ids=list(self.layers),
-                            expert_bytes=self.expert_bytes, **cat)
+        return RoutingTrace(
+            num_experts=self.num_experts,
+            model=self.model,
+            layer_ids=list(self.layers),
+            expert_bytes=self.expert_bytes,
+            **cat,
+        )
 
     def save(self, path: str | Path) -> None:
         self.trace().save(path)

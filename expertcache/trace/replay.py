@@ -93,14 +93,24 @@ class ReplayResult:
         return asdict(self)
 
 
-def replay_config(trace: RoutingTrace, cfg: PlannerConfig, stats=None, cpu_faster: Callable[[int], bool] | None = None,
-                  sched: Schedule | None = None, policy_params: dict | None = None) -> ReplayResult:
+def replay_config(
+    trace: RoutingTrace,
+    cfg: PlannerConfig,
+    stats=None,
+    cpu_faster: Callable[[int], bool] | None = None,
+    sched: Schedule | None = None,
+    policy_params: dict | None = None,
+) -> ReplayResult:
     """Replay `trace` through a StepPlanner built from `cfg` (the engine's own, or replay()'s)."""
     sched = sched if sched is not None else schedule(trace)
-    oracles = ([NextUse(cfg.num_experts, ((st.t, st.experts) for st in ls)) for ls in sched]
-               if cfg.policy == "min" else None)
-    planner = StepPlanner(cfg, trace.num_layers, stats, cpu_faster=cpu_faster, oracles=oracles,
-                          **(policy_params or {}))
+    oracles = (
+        [NextUse(cfg.num_experts, ((st.t, st.experts) for st in ls)) for ls in sched]
+        if cfg.policy == "min"
+        else None
+    )
+    planner = StepPlanner(
+        cfg, trace.num_layers, stats, cpu_faster=cpu_faster, oracles=oracles, **(policy_params or {})
+    )
     for i, ls in enumerate(sched):
         for st in ls:
             planner.plan_prefetch(i, st.lookahead, st.rows, st.t)
@@ -111,20 +121,44 @@ def replay_config(trace: RoutingTrace, cfg: PlannerConfig, stats=None, cpu_faste
         per_layer.append({"layer": layer, "hit_rate": c["hits"] / max(c["hits"] + c["misses"], 1), **c})
         for k, v in c.items():
             setattr(tot, k, getattr(tot, k) + v)
-    return ReplayResult(policy=cfg.policy, capacity=cfg.device_slots, prefetch=cfg.prefetch != "off",
-                        hits=tot.hits, misses=tot.misses, hit_rate=tot.hits / max(tot.hits + tot.misses, 1),
-                        bytes_moved=tot.bytes_moved + tot.disk_bytes, expert_bytes=trace.expert_bytes,
-                        steps=len(sched[0]) if sched else 0, rows=len(trace), pairs=int(trace.experts.size),
-                        prefetch_issued=tot.prefetch_issued + tot.host_prefetch_issued,
-                        prefetch_useful=tot.prefetch_useful + tot.host_prefetch_useful,
-                        per_layer=per_layer, totals=asdict(tot))
+    return ReplayResult(
+        policy=cfg.policy,
+        capacity=cfg.device_slots,
+        prefetch=cfg.prefetch != "off",
+        hits=tot.hits,
+        misses=tot.misses,
+        hit_rate=tot.hits / max(tot.hits + tot.misses, 1),
+        bytes_moved=tot.bytes_moved + tot.disk_bytes,
+        expert_bytes=trace.expert_bytes,
+        steps=len(sched[0]) if sched else 0,
+        rows=len(trace),
+        pairs=int(trace.experts.size),
+        prefetch_issued=tot.prefetch_issued + tot.host_prefetch_issued,
+        prefetch_useful=tot.prefetch_useful + tot.host_prefetch_useful,
+        per_layer=per_layer,
+        totals=asdict(tot),
+    )
 
 
-def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool | str = False, stats=None,
-           with_min: bool = True, sched: Schedule | None = None, prefetch_gate: float | None = 0.0,
-           prefetch_waste: float = 1.0, host_slots: int | None = None, cpu_compute: str = "never",
-           cpu_faster: Callable[[int], bool] | None = None, prefill_admit_tokens: int = 64, exclusive: bool = False,
-           direct: bool = False, staged_waves: bool = True, policy_params: dict | None = None) -> ReplayResult:
+def replay(
+    trace: RoutingTrace,
+    policy: str,
+    capacity: int,
+    prefetch: bool | str = False,
+    stats=None,
+    with_min: bool = True,
+    sched: Schedule | None = None,
+    prefetch_gate: float | None = 0.0,
+    prefetch_waste: float = 1.0,
+    host_slots: int | None = None,
+    cpu_compute: str = "never",
+    cpu_faster: Callable[[int], bool] | None = None,
+    prefill_admit_tokens: int = 64,
+    exclusive: bool = False,
+    direct: bool = False,
+    staged_waves: bool = True,
+    policy_params: dict | None = None,
+) -> ReplayResult:
     """Replay `trace` with `policy` and `capacity` device slots per layer (see module doc)."""
     if capacity < 1:
         raise ValueError(f"capacity: must be >= 1, got {capacity}")
@@ -136,29 +170,51 @@ def replay(trace: RoutingTrace, policy: str, capacity: int, prefetch: bool | str
     if mode == "host" and not host_slots:
         raise ValueError("prefetch='host': needs a partial host tier (host_slots > 0)")
     sched = sched if sched is not None else schedule(trace)
-    cfg = PlannerConfig(num_experts=trace.num_experts, device_slots=capacity, host_slots=host_slots,
-                        expert_bytes=trace.expert_bytes, policy=policy, cpu_compute=cpu_compute, prefetch=mode,
-                        prefill_admit_tokens=prefill_admit_tokens, exclusive=exclusive, direct=direct,
-                        staged_waves=staged_waves, gate_threshold=prefetch_gate, gate_waste=prefetch_waste)
+    cfg = PlannerConfig(
+        num_experts=trace.num_experts,
+        device_slots=capacity,
+        host_slots=host_slots,
+        expert_bytes=trace.expert_bytes,
+        policy=policy,
+        cpu_compute=cpu_compute,
+        prefetch=mode,
+        prefill_admit_tokens=prefill_admit_tokens,
+        exclusive=exclusive,
+        direct=direct,
+        staged_waves=staged_waves,
+        gate_threshold=prefetch_gate,
+        gate_waste=prefetch_waste,
+    )
     res = replay_config(trace, cfg, stats, cpu_faster, sched, policy_params)
     if with_min:
         if policy == "min" and mode == "off":
             res.min_hit_rate = res.hit_rate
         else:
-            res.min_hit_rate = replay_config(trace, replace(cfg, policy="min", prefetch="off"), None, cpu_faster,
-                                             sched).hit_rate
+            res.min_hit_rate = replay_config(
+                trace, replace(cfg, policy="min", prefetch="off"), None, cpu_faster, sched
+            ).hit_rate
     return res
 
 
-def sweep(trace: RoutingTrace, policies, capacities, prefetch: bool | str = False, stats=None,
-          **options) -> list[ReplayResult]:
+def sweep(
+    trace: RoutingTrace, policies, capacities, prefetch: bool | str = False, stats=None, **options
+) -> list[ReplayResult]:
     """replay() for every (policy, capacity); MIN is computed once per capacity."""
     sched = schedule(trace)
     out = []
     for cap in capacities:
-        mn = replay(trace, "min", cap, with_min=False, sched=sched,
-                    **{k: v for k, v in options.items() if k not in ("prefetch_gate", "prefetch_waste",
-                                                                     "policy_params")}).hit_rate
+        mn = replay(
+            trace,
+            "min",
+            cap,
+            with_min=False,
+            sched=sched,
+            **{
+                k: v
+                for k, v in options.items()
+                if k not in ("prefetch_gate", "prefetch_waste", "policy_params")
+            },
+        ).hit_rate
         for p in policies:
             r = replay(trace, p, cap, prefetch=prefetch, stats=stats, with_min=False, sched=sched, **options)
             r.min_hit_rate = mn

@@ -93,9 +93,16 @@ class Prediction:
         return asdict(self)
 
 
-def simulate(result: ReplayResult | object, shape: ModelShape, profile: Profile, cpu_compute: bool = True,
-             from_disk: bool = False, policy: str | None = None, capacity: int | None = None,
-             prefetch: bool = False) -> Prediction:
+def simulate(
+    result: ReplayResult | object,
+    shape: ModelShape,
+    profile: Profile,
+    cpu_compute: bool = True,
+    from_disk: bool = False,
+    policy: str | None = None,
+    capacity: int | None = None,
+    prefetch: bool = False,
+) -> Prediction:
     """`result` is a ReplayResult, or a RoutingTrace replayed here with policy/capacity."""
     if not isinstance(result, ReplayResult):
         if policy is None or capacity is None:
@@ -114,14 +121,17 @@ def simulate(result: ReplayResult | object, shape: ModelShape, profile: Profile,
     disk = cost.disk() if from_disk else 0.0
     cpu_exp = cost.cpu_use(u)
     if not profile.has_gpu:
-        dense = result.steps * max(bd / (profile.cpu_mem_gbs * gb),
-                                   2 * shape.dense_params * u_step / (profile.cpu_gflops * 1e9))
+        dense = result.steps * max(
+            bd / (profile.cpu_mem_gbs * gb), 2 * shape.dense_params * u_step / (profile.cpu_gflops * 1e9)
+        )
         exp = uses * cpu_exp
         total = dense + exp + result.misses * disk + over
-        return Prediction(result.rows / total, total, dense, 0.0, result.misses * disk, exp, 0.0, result.misses, 0,
-                          over)
-    dense = result.steps * max(bd / (profile.gpu_mem_gbs * gb),
-                               2 * shape.dense_params * u_step / (profile.gpu_tflops * tf))
+        return Prediction(
+            result.rows / total, total, dense, 0.0, result.misses * disk, exp, 0.0, result.misses, 0, over
+        )
+    dense = result.steps * max(
+        bd / (profile.gpu_mem_gbs * gb), 2 * shape.dense_params * u_step / (profile.gpu_tflops * tf)
+    )
     gpu_exp = cost.gpu_use(u)
     xfer = cost.transfer(from_disk)
     on_cpu = cpu_compute and cost.cpu_faster(u, from_disk)
@@ -150,8 +160,17 @@ class ScheduledPrediction:
     critical: dict[str, int]
 
 
-def simulate_schedule(trace, shape: ModelShape, profile: Profile, policy: str, capacity: int, hidden: int,
-                      cpu_compute: bool = True, prefetch: bool = False, io_lanes: int = 4) -> ScheduledPrediction:
+def simulate_schedule(
+    trace,
+    shape: ModelShape,
+    profile: Profile,
+    policy: str,
+    capacity: int,
+    hidden: int,
+    cpu_compute: bool = True,
+    prefetch: bool = False,
+    io_lanes: int = 4,
+) -> ScheduledPrediction:
     """Decode tok/s of `trace` on `profile` with the overlap the executor gives: copies, device
     MoE, the CPU job and the next layer's prefetch on their own queues, each layer's dense part
     (attention, router: `dense` per step / layers) on the device queue before it. Every expert is
@@ -168,10 +187,21 @@ def simulate_schedule(trace, shape: ModelShape, profile: Profile, policy: str, c
     steps = schedule(trace)
     L = trace.num_layers
     mode = "device" if prefetch else "off"
-    p = StepPlanner(PlannerConfig(num_experts=trace.num_experts, device_slots=min(capacity, trace.num_experts),
-                                  host_slots=None, expert_bytes=shape.expert_bytes, policy=policy,
-                                  cpu_compute="cost" if cpu_compute else "never", prefetch=mode, staged_waves=True,
-                                  gate_waste=0.25), L, cpu_faster=cost.cpu_faster)
+    p = StepPlanner(
+        PlannerConfig(
+            num_experts=trace.num_experts,
+            device_slots=min(capacity, trace.num_experts),
+            host_slots=None,
+            expert_bytes=shape.expert_bytes,
+            policy=policy,
+            cpu_compute="cost" if cpu_compute else "never",
+            prefetch=mode,
+            staged_waves=True,
+            gate_waste=0.25,
+        ),
+        L,
+        cpu_faster=cost.cpu_faster,
+    )
     b = ScheduleBuilder()
     bd = shape.dense_params * shape.bytes_per_param
     phase = trace.phase
@@ -179,7 +209,9 @@ def simulate_schedule(trace, shape: ModelShape, profile: Profile, policy: str, c
     first_row = 0
     for k in range(len(steps[0]) if L else 0):
         n_rows = steps[0][k].rows
-        dense_s = max(bd / (profile.gpu_mem_gbs * 1e9), 2 * shape.dense_params * n_rows / (profile.gpu_tflops * 1e12))
+        dense_s = max(
+            bd / (profile.gpu_mem_gbs * 1e9), 2 * shape.dense_params * n_rows / (profile.gpu_tflops * 1e12)
+        )
         sec_dense = dense_s / L + profile.layer_overhead_ms / 1e3
         for i in range(L):
             st = steps[i][k]
@@ -192,7 +224,7 @@ def simulate_schedule(trace, shape: ModelShape, profile: Profile, policy: str, c
             dense_sec[s.ops[0].id] = sec_dense
             scheds.append(s)
             p.end_step(i, plan)
-        prefill = phase is not None and bool((phase[first_row:first_row + n_rows] == 0).any())
+        prefill = phase is not None and bool((phase[first_row : first_row + n_rows] == 0).any())
         first_row += n_rows
         if prefill:
             cut, rows = len(scheds), 0
@@ -216,4 +248,3 @@ def simulate_schedule(trace, shape: ModelShape, profile: Profile, policy: str, c
     cpu = sum(len(o.experts) for o in decode if o.kind == "cpu")
     admitted = sum(1 for o in decode if o.kind == "h2d" and o.tag == "admit")
     return ScheduledPrediction(rows / (tl.makespan - warm), tl.makespan - warm, rows, cpu, admitted, crit)
-

@@ -67,11 +67,16 @@ def reuse_distance_hist(trace: RoutingTrace) -> dict:
 
 
 def summary(trace: RoutingTrace) -> dict:
-    return {"rows": len(trace), "layers": trace.num_layers, "experts": trace.num_experts,
-            "top_k": trace.top_k, "reuse_fraction": reuse_fraction(trace),
-            "chance_reuse": trace.top_k / trace.num_experts,
-            "top25_share": top_share(trace).round(4).tolist(),
-            "reuse_distance": reuse_distance_hist(trace)}
+    return {
+        "rows": len(trace),
+        "layers": trace.num_layers,
+        "experts": trace.num_experts,
+        "top_k": trace.top_k,
+        "reuse_fraction": reuse_fraction(trace),
+        "chance_reuse": trace.top_k / trace.num_experts,
+        "top25_share": top_share(trace).round(4).tolist(),
+        "reuse_distance": reuse_distance_hist(trace),
+    }
 
 
 def plot_heatmap(trace: RoutingTrace, path: str, title: str | None = None) -> None:
@@ -114,20 +119,42 @@ def plot_sweep(results, path: str, title: str | None = None) -> None:
             mins[r.capacity] = r.min_hit_rate
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     if mins:
-        ax.plot(*zip(*sorted(mins.items())), color="black", linewidth=3, alpha=0.35, label="MIN (reference)",
-                zorder=1)
+        ax.plot(
+            *zip(*sorted(mins.items())),
+            color="black",
+            linewidth=3,
+            alpha=0.35,
+            label="MIN (reference)",
+            zorder=1,
+        )
     above = []
     for k, (p, pts) in enumerate(by.items()):
         pts.sort()
         ls, mk = _STYLES[k % len(_STYLES)]
-        ax.plot(*zip(*pts), linestyle=ls, marker=mk, markersize=5, markerfacecolor="none", linewidth=1.4,
-                label=p, zorder=2 + k)
+        ax.plot(
+            *zip(*pts),
+            linestyle=ls,
+            marker=mk,
+            markersize=5,
+            markerfacecolor="none",
+            linewidth=1.4,
+            label=p,
+            zorder=2 + k,
+        )
         if any(h > mins.get(c, 1.0) + 1e-9 for c, h in pts):
             above.append(p)
     if above:
-        ax.text(0.02, 0.02, f"{', '.join(above)} above MIN: MIN is the optimum of demand caching (every miss "
-                f"loaded into a slot,\nno prefetch); admission (refused experts used once from the slower tier) "
-                f"or prefetch can beat it", transform=ax.transAxes, fontsize=7, va="bottom", color="dimgray")
+        ax.text(
+            0.02,
+            0.02,
+            f"{', '.join(above)} above MIN: MIN is the optimum of demand caching (every miss "
+            f"loaded into a slot,\nno prefetch); admission (refused experts used once from the slower tier) "
+            f"or prefetch can beat it",
+            transform=ax.transAxes,
+            fontsize=7,
+            va="bottom",
+            color="dimgray",
+        )
     ax.set_xlabel("slots per layer")
     ax.set_ylabel("hit rate (uses found in the fastest tier)")
     ax.set_ylim(0, 1.02)

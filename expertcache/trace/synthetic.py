@@ -36,9 +36,19 @@ def _draw(rng, p: np.ndarray, k: int, keep: list[int]) -> list[int]:
     return keep + rng.choice(len(p), size=need, replace=False, p=q).tolist()
 
 
-def synth_trace(layers: int = 4, experts: int = 16, top_k: int = 2, tokens: int = 256, seqs: int = 1,
-                zipf: float | list[float] = 1.0, reuse: float = 0.0, shift_every: int = 0, seed: int = 0,
-                expert_bytes: int = 1 << 20, lookahead_recall: float | None = None) -> RoutingTrace:
+def synth_trace(
+    layers: int = 4,
+    experts: int = 16,
+    top_k: int = 2,
+    tokens: int = 256,
+    seqs: int = 1,
+    zipf: float | list[float] = 1.0,
+    reuse: float = 0.0,
+    shift_every: int = 0,
+    seed: int = 0,
+    expert_bytes: int = 1 << 20,
+    lookahead_recall: float | None = None,
+) -> RoutingTrace:
     """Build a trace of `seqs` sequences x `tokens` tokens (see module doc)."""
     if not 0 < top_k <= experts:
         raise ValueError(f"top_k: must lie in [1, experts={experts}], got {top_k}")
@@ -84,7 +94,15 @@ def synth_trace(layers: int = 4, experts: int = 16, top_k: int = 2, tokens: int 
                     others = rng_la.choice(experts, size=top_k - len(kept), replace=False, p=q / q.sum())
                     la[row, li] = kept + others.tolist()
             row += 1
-    return RoutingTrace(experts=ex, num_experts=experts, weights=w,
-                        seq=np.repeat(np.arange(seqs), tokens), token=np.tile(np.arange(tokens), seqs),
-                        phase=np.ones(n, np.int8), step=np.arange(n), model="synthetic",
-                        expert_bytes=expert_bytes, lookahead=la)
+    return RoutingTrace(
+        experts=ex,
+        num_experts=experts,
+        weights=w,
+        seq=np.repeat(np.arange(seqs), tokens),
+        token=np.tile(np.arange(tokens), seqs),
+        phase=np.ones(n, np.int8),
+        step=np.arange(n),
+        model="synthetic",
+        expert_bytes=expert_bytes,
+        lookahead=la,
+    )

@@ -25,7 +25,11 @@ class ToolCall:
     arguments: str  # a JSON object, as text
 
     def openai(self, call_id: str) -> dict:
-        return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
@@ -63,9 +67,17 @@ class ToolFormat:
 
 def call_schema(tools: list[dict]) -> dict:
     """JSON schema of {"name": ..., "arguments": {...}} for any of `tools`."""
-    return {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                                         "arguments": arguments_schema(t)},
-                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["name"]}, "arguments": arguments_schema(t)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+    }
 
 
 def arguments_schema(tool: dict) -> dict:
@@ -101,7 +113,7 @@ def blocks(text: str, open_marker: str, close_marker: str, start: int = 0):
         if c < 0:
             return
         start = c + len(close_marker)
-        yield o, start, text[o + len(open_marker):c]
+        yield o, start, text[o + len(open_marker) : c]
 
 
 def json_args(value) -> str:
@@ -122,15 +134,15 @@ class StreamDiff:
         self.done = Parsed()  # what text[:base] parsed to
 
     def step(self, text: str, final: bool) -> list[dict]:
-        p = self.fmt.parse(text[self.base:], final, strip=False)
+        p = self.fmt.parse(text[self.base :], final, strip=False)
         d = self.done
         content, reasoning, calls = d.content + p.content, d.reasoning + p.reasoning, d.calls + p.calls
         out = []
         if reasoning.startswith(self.reasoning) and len(reasoning) > len(self.reasoning):
-            out.append({"reasoning_content": reasoning[len(self.reasoning):]})
+            out.append({"reasoning_content": reasoning[len(self.reasoning) :]})
             self.reasoning = reasoning
         if content.startswith(self.content) and len(content) > len(self.content):
-            out.append({"content": content[len(self.content):]})
+            out.append({"content": content[len(self.content) :]})
             self.content = content
         for i in range(self.calls, len(calls)):
             self.ids.append(new_call_id())
@@ -138,9 +150,9 @@ class StreamDiff:
             out.append({"tool_calls": [{"index": i, **call}]})
         self.calls = len(calls)
         if p.settled:
-            d.content += p.content[:p.settled_content]
-            d.reasoning += p.reasoning[:p.settled_reasoning]
-            d.calls += p.calls[:p.settled_calls]
+            d.content += p.content[: p.settled_content]
+            d.reasoning += p.reasoning[: p.settled_reasoning]
+            d.calls += p.calls[: p.settled_calls]
             self.base += p.settled
         return out
 

@@ -39,11 +39,13 @@ class DeepSeekFormat(ToolFormat):
         return out
 
     def grammar(self, tools: list[dict], parallel: bool, marker) -> str:
-        alts = [f'{marker(CALL_BEGIN)} "function" {marker(SEP)} "{t["name"]}\\n```json\\n" '
-                f'{lark_json(arguments_schema(t))} "\\n```" {marker(CALL_END)}' for t in tools]
+        alts = [
+            f'{marker(CALL_BEGIN)} "function" {marker(SEP)} "{t["name"]}\\n```json\\n" '
+            f'{lark_json(arguments_schema(t))} "\\n```" {marker(CALL_END)}'
+            for t in tools
+        ]
         calls = "call+" if parallel else "call"
-        return (f"start: {marker(CALLS_BEGIN)} {calls} {marker(CALLS_END)}\n"
-                f"call: " + " | ".join(alts))
+        return f"start: {marker(CALLS_BEGIN)} {calls} {marker(CALLS_END)}\ncall: " + " | ".join(alts)
 
 
 def _call(kind: str, rest: str) -> ToolCall | None:

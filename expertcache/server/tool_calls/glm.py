@@ -51,10 +51,12 @@ class GlmFormat(ToolFormat):
         for i, t in enumerate(tools):
             props = arguments_schema(t).get("properties", {})
             pairs = " ".join(
-                f'"\\n<arg_key>{k}</arg_key>\\n<arg_value>" v{i}_{j} "</arg_value>"' for j, k in enumerate(props))
+                f'"\\n<arg_key>{k}</arg_key>\\n<arg_value>" v{i}_{j} "</arg_value>"'
+                for j, k in enumerate(props)
+            )
             for j, (k, sch) in enumerate(props.items()):
                 if sch.get("type") == "string":
-                    rules.append(f'v{i}_{j}: /[^<]*/')
+                    rules.append(f"v{i}_{j}: /[^<]*/")
                 else:
                     rules.append(f"v{i}_{j}: %json {json.dumps(sch)}")
             alts.append(f'{marker(OPEN)} "{t["name"]}" {pairs} "\\n" {marker(CLOSE)}')

@@ -34,7 +34,7 @@ class HarmonyFormat(ToolFormat):
             header = text[pos:head_end]
             m = END.search(text, head_end)
             closed = m is not None
-            body = text[head_end + len(MESSAGE): m.start() if closed else len(text)]
+            body = text[head_end + len(MESSAGE) : m.start() if closed else len(text)]
             pos = m.end() if closed else len(text)
             if not closed and not final:  # a marker may be arriving
                 body = body[: len(body) - held_back(body, ENDS + ("<|start|>", CHANNEL))]
@@ -48,7 +48,7 @@ class HarmonyFormat(ToolFormat):
                         args = json.dumps(json.loads(body), ensure_ascii=False)
                     except json.JSONDecodeError:
                         args = body
-                    out.calls.append(ToolCall(recipient[len("functions."):], args))
+                    out.calls.append(ToolCall(recipient[len("functions.") :], args))
             elif channel == "analysis":
                 out.reasoning += body
             elif recipient is None:
@@ -58,7 +58,11 @@ class HarmonyFormat(ToolFormat):
         return out
 
     def grammar(self, tools: list[dict], parallel: bool, marker) -> str:
-        alts = [f'"functions.{t["name"]} " {marker(CONSTRAIN)} "json" {marker(MESSAGE)} '
-                f'{lark_json(arguments_schema(t))}' for t in tools]
-        return (f'start: {marker(CHANNEL)} "commentary to=" call {marker("<|call|>")}\n'
-                "call: " + " | ".join(alts))
+        alts = [
+            f'"functions.{t["name"]} " {marker(CONSTRAIN)} "json" {marker(MESSAGE)} '
+            f"{lark_json(arguments_schema(t))}"
+            for t in tools
+        ]
+        return f'start: {marker(CHANNEL)} "commentary to=" call {marker("<|call|>")}\ncall: ' + " | ".join(
+            alts
+        )
