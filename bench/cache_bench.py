@@ -12,7 +12,8 @@ Configurations (one line each, per model and routing source):
   default+prefetch   the same with next-layer prefetch into the fastest tier forced on
   inclusive  default with inclusive tiers (no demotion of device evictions into host RAM; ablation)
 The fastest tier holds `--device-share` of the experts (default 30%). On a CPU-only
-machine it holds the stored bytes where the C++ kernels read them (else fp32 compute copies), the host tier bf16 bytes, the rest streams from
+machine it holds the stored bytes where the C++ kernels read them (else fp32 compute copies), the host tier
+bf16 bytes, the rest streams from
 disk with O_DIRECT (no page cache). Routing comes from the model's routers ("router") or
 from a synthetic trace with realistic skew and locality ("synthetic"; its next-layer
 predictions keep each true expert with probability 0.83, the recall measured for the trained

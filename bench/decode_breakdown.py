@@ -1,7 +1,8 @@
 """Where a decode token's time goes: the engine's pieces timed in one process (each wrapped with a
 wall-clock timer; CPU ops are synchronous, so the sums are exact), batch 1, every weight resident.
 
-    python bench/decode_breakdown.py [MODEL_DIR] [--lm-head int8] [--dense int8] [--cpu-math fast] [--threads 2] [--tokens 64] [--prompt 9] [--rounds 3] [--fused-blocks]
+    python bench/decode_breakdown.py [MODEL_DIR] [--lm-head int8] [--dense int8] [--cpu-math fast] [--threads 2]
+                                     [--tokens 64] [--prompt 9] [--rounds 3] [--fused-blocks]
     python bench/decode_breakdown.py MODEL_DIR --moe-gap [--cpu-math fast] [--threads 2] [--tokens 16] [--rounds 5]
 
 MODEL_DIR defaults to the peer benchmark's yardstick (~/.cache/expertcache-peers/yardstick, built by
@@ -12,7 +13,8 @@ step, us per call; nested pieces overlap (experts.forward is inside moe_total, t
 through the same call in a loop, every weight resident, configurations alternating round by round in
 one process. The MoE job's time comes from the kernels' thread pool (EXPERTCACHE_POOL_STATS=1,
 csrc/thread_pool.h): the same clock in the model (whichever path calls the kernel: the one-call layer
-stack of csrc/decode_block.cpp or the Python path) and in the loops, with the job's split into the caller's own units, its wait for the helper's last units and
+stack of csrc/decode_block.cpp or the Python path) and in the loops, with the job's split into the caller's
+own units, its wait for the helper's last units and
 the delay until the helper took its first unit. Configurations: `model` (greedy decode of --tokens
 tokens), `loop` (every layer's MoE call with random distinct experts, --tokens times, nothing between),
 `loop-attn` (the same with the layer's attention projections and, per token, lm_head between:
@@ -20,7 +22,8 @@ their bytes stream through the caches as in the model), `loop-6` (layers 0-5 onl
 layers, as a 6-layer checkpoint holds them), `loop-spin` (`loop` with the attention projections' time
 slept instead, the helper idle as long as between two MoE calls in the model), `loop-model-inputs`
 (the model's own MoE inputs and routing of its warm-up decode, replayed back to back). Lines: `gap:` per
-configuration (median of rounds; `model`: its decode steps only, a prompt-only run's MoE jobs taken off): wall-clock us per MoE job and its GB/s of expert bytes, and the same
+configuration (median of rounds; `model`: its decode steps only, a prompt-only run's MoE jobs taken off):
+wall-clock us per MoE job and its GB/s of expert bytes, and the same
 in CPU time (`cpu_us`: the threads' CPU time in the job's units; `expert_GBps_cpu`: the bytes over that
 time divided by the threads, the rate with no thread descheduled: on a shared machine the figure to
 compare); `pages:` the process's memory on 2 MiB pages.
@@ -147,7 +150,10 @@ def pool_stats(lib, reset: bool = True) -> dict[int, tuple]:
 
 def huge_pages_line() -> str:
     rows = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
-    kb = lambda k: int(rows.get(k, "0 kB").split()[0])
+
+    def kb(k):
+        return int(rows.get(k, "0 kB").split()[0])
+
     return (
         f"pages: anon_GB={kb('Anonymous') / 1e6:.2f} anon_huge_GB={kb('AnonHugePages') / 1e6:.2f} "
         f"rss_GB={kb('Rss') / 1e6:.2f}"

@@ -3,7 +3,8 @@
     python bench/demo_routing.py [--tokens 512] [--new 64] [--model DIR]
 
 Both models read the same held-out text (the trained model's heldout.txt, never trained on) one
-token per engine step (teacher-forced decode) and then generate greedily; their routing is recorded (--record-routing) and replayed through the
+token per engine step (teacher-forced decode) and then generate greedily; their routing is recorded
+(--record-routing) and replayed through the
 engine's own cache policies. One line per model: token-to-token expert reuse (chance = top_k/E), then
 one line per (model, slots per layer): LRU and MIN (offline optimum) hit rates. Fixed seed.
 """

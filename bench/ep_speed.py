@@ -11,7 +11,8 @@ ranks, expert bytes read from disk, peer hits and bytes; the link the group meas
 
 A generated Qwen3-MoE checkpoint (8 layers, 32 experts top-4, hidden 512, moe intermediate 512)
 is built once under /tmp. One process holds one expert-parallel group at a time, so each round
-loads, runs and closes every configuration in turn (alternating rounds); medians per configuration. On a 2-core machine N ranks share the same 2 cores, so these
+loads, runs and closes every configuration in turn (alternating rounds); medians per configuration. On a
+2-core machine N ranks share the same 2 cores, so these
 figures measure the overhead of the collectives, not a speed-up: EP pays off when each rank has
 its own device (or machine) and the experts do not fit in one.
 """

@@ -260,7 +260,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['fmt']} | {r['bytes_per_expert']:,} | {r['bytes_per_expert'] / base[r['model']]:.3f} "
-            f"| {r['fit']}/{r['experts']} | {r['dev_bytes']:,} | {r['slots']}/{r['experts']} | {r['hit_rate']:.3f} | {r['decode_tok_s']:.1f} "
+            f"| {r['fit']}/{r['experts']} | {r['dev_bytes']:,} | {r['slots']}/{r['experts']} | {r['hit_rate']:.3f} "
+            f"| {r['decode_tok_s']:.1f} "
             f"| {r['top1']:.4f} | {r['ppl']:.3f} | {r['dppl']:+.2f}% |"
         )
     return "\n".join(lines)

@@ -25,7 +25,8 @@ resident: everything in RAM (llama.cpp: mmap, warm page cache; expertcache: one 
 --cpu-math, prefix caching off). Where the checkpoint and the GGUF together do not fit in RAM (MemTotal
 less --ram-reserve; the full gpt-oss-20b on a 24 GiB machine), the engines take turns: each round starts
 every expertcache process (loaded and warmed up, not timed) and closes it before llama-bench, whose file
-then fills the page cache again in its own warm-up run (`--fresh-workers` forces this). Per round: llama-bench `-p 128,512 -n GEN -r 1` then each
+then fills the page cache again in its own warm-up run (`--fresh-workers` forces this). Per round: llama-bench
+`-p 128,512 -n GEN -r 1` then each
 expertcache process: a 128-token prompt and GEN tokens (decode after that prompt), then the 512-token
 prompt alone. cgroup: each engine in its own memory cgroup (v1) of --cgroup-share x its model file's
 size, page cache dropped before each llama-bench run; llama.cpp mmap, expertcache --low-memory (expert

@@ -159,7 +159,8 @@ def main():
             continue
         r = json.loads(line[7:])
         print(
-            f"model=yardstick config={config} mem_limit_MiB={args.cgroup_mib or 'none'} decode_tok_s={r['decode_tok_s']:.2f} prefill_tok_s={r['prefill_tok_s']:.1f} "
+            f"model=yardstick config={config} mem_limit_MiB={args.cgroup_mib or 'none'} "
+            f"decode_tok_s={r['decode_tok_s']:.2f} prefill_tok_s={r['prefill_tok_s']:.1f} "
             f"peak_rss_GB={r['peak_rss_GB']:.2f} disk_read_GB={r['disk_GB']:.2f}"
             + (f" device_hit={r['device_hit']:.3f}" if "device_hit" in r else ""),
             flush=True,

@@ -10,7 +10,8 @@ CHECK = Path(__file__).resolve().parents[1] / ".ci" / "check_skips.py"
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.test_a" name="test_ok" time="0.1"/>
-<testcase classname="tests.test_gpu" name="test_x" time="0"><skipped type="pytest.skip" message="needs a CUDA device">conftest.py:34: needs a CUDA device</skipped></testcase>
+<testcase classname="tests.test_gpu" name="test_x" time="0"><skipped type="pytest.skip"
+ message="needs a CUDA device">conftest.py:34: needs a CUDA device</skipped></testcase>
 {extra}
 </testsuite></testsuites>"""
 

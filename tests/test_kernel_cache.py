@@ -107,7 +107,7 @@ def test_waiting_builder_loads_the_build_another_process_finished(tmp_path, monk
     """The build lock is taken, then the directory looked at again: a build finished meanwhile loads."""
     monkeypatch.setenv("EXPERTCACHE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("EXPERTCACHE_KERNELS", raising=False)
-    out = paths.private_dir(build.cache_dir(), below=tmp_path / "cache")
+    paths.private_dir(build.cache_dir(), below=tmp_path / "cache")
     calls = []
     finished = types.SimpleNamespace(cpu_supported=lambda: True)
 

@@ -176,7 +176,7 @@ def test_cuda_plan_needs_no_gpu(ckpt, capsys):
     b, p, d = r["bytes"], r["plan"], r["device_plan"]
     assert b["expert_fast"] == b["expert_stored"]  # bf16 checkpoint, bf16 compute
     assert p["staging"] == b["expert_fast"] == d["terms"]["staging"]
-    L, E = r["model"]["moe_layers"], r["model"]["num_experts"]
+    L = r["model"]["moe_layers"]
     assert p["device_slots"] == (b["experts_stored"] // 4 - p["staging"]) // (b["expert_fast"] * L)
     assert d["terms"]["expert_slots"] == p["device_slots"] * L * b["expert_fast"]
     assert (

@@ -89,7 +89,7 @@ def test_the_enumeration_follows_the_code_tables():
     registry.read_config  # noqa: B018  (the families register on first use)
     from expertcache.models import (
         qwen2_moe,  # noqa: F401
-        )
+    )
 
     assert set(triton_aot.FMT_OF) == set(QUANT_FORMATS)
     assert set(triton_moe.CONFIGS) == {"decode", "prefill"}

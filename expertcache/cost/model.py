@@ -13,7 +13,8 @@
 A miss read from disk pays the disk on both sides, so the per-miss choice does not depend on it.
 The engine asks `cpu_faster(tokens, first=...)` for each missing expert (cpu_compute="auto" on CUDA):
 `first` when no expert of the layer's step goes to the CPU yet, so the first one pays the CPU job's
-fixed cost and the others only their own use; it is this step's latency only; the step planner still admits an expert computed on the CPU into a device
+fixed cost and the others only their own use; it is this step's latency only; the step planner still admits an
+expert computed on the CPU into a device
 slot where the layer's policy predicts reuse (the copy runs beside the CPU job);
 an expert-parallel group asks `peer_faster()` once, for its measured or profiled link;
 trace.simulate prices a replay with the same terms; plan.speed calls simulate.

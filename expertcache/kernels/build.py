@@ -61,7 +61,7 @@ def _compile():
     if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
         return None, "no C++ compiler found (install g++ and run `make setup`)"
     try:
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # noqa: F401 - only whether it imports
     except ImportError as e:  # pragma: no cover - torch always ships it
         return None, f"torch.utils.cpp_extension unavailable ({e})"
     try:  # the `ninja` package's binary (a dependency), found even when the venv is not activated

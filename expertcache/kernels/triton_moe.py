@@ -13,7 +13,8 @@ Shape legend:
 
 Each projection is read through a `Proj` (triton_pool.py): codes [S, out, in] (or packed bytes), addressed
 by strides, so views select gate and up rows (halves or interleaved) and transposed weights without a
-copy. The kernels (triton_moe_jit.py) dequantise a weight tile in registers to float32 (fp8 bytes and e2m1 nibbles through a table built once per
+copy. The kernels (triton_moe_jit.py) dequantise a weight tile in registers to float32 (fp8 bytes and e2m1
+nibbles through a table built once per
 device, int8 / int4 codes with zero points, times a scale indexed by (row // S_BN, col // S_BK): per
 tensor, per channel, per fp8 block, per group, or e8m0 per 32), cast to the dot dtype (bf16/fp16 as x,
 else float32 at IEEE precision) and multiplied with tl.dot into a float32 accumulator. Slot bases are

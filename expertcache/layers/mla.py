@@ -89,7 +89,7 @@ class MLAttention:
         return "absorbed" if absorbed < naive else "naive"
 
     def __call__(self, x: torch.Tensor, batch: AttnBatch, cache: torch.Tensor) -> torch.Tensor:
-        cfg, w, T = self.cfg, self.w, x.shape[0]
+        w, T = self.w, x.shape[0]
         h, N, P, V, R = self.h, self.N, self.P, self.V, self.R
         if "q_proj.weight" in w:
             q = linear(x, w["q_proj.weight"])

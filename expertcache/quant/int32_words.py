@@ -27,7 +27,7 @@ def unpack_int32(
     `order`, position i of a word holding element order[i] of its group)."""
     if words.dtype != torch.int32:
         raise ValueError(f"expected int32 words, got {words.dtype}")
-    per = codes_per_word(bits)
+    codes_per_word(bits)  # refuses a width that does not divide 32
     w = words.movedim(dim, -1)
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=w.device)
     codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., m, per]; the mask drops sign bits
