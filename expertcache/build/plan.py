@@ -13,8 +13,7 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
     activations      T x (6 H + widest) x 4 + 2 B x M x kv_token x s, where widest = the widest projection
                      a token makes (q|k|v, the dense or shared MLP's gate|up, top_k x the experts' gate|up)
                      and kv_token = the KV elements of one token in one layer (the torch attention gathers
-                     each running sequence's padded context); on CUDA + one layer's SDPA temporaries
-                     (layers/attention.py workspace_bytes) and one fused-MoE call's (triton_moe.py)
+                     each running sequence's padded context)
     logits           R x V x (s + 4)  (a step's logits in the compute dtype, then in float32),
                      R = min(T, B + F), F = logits_block_rows: the rows of prompt tokens that need
                      logits (prompt logprobs, LLM.logits) are capped at F per step
@@ -264,15 +263,7 @@ def workspace_bytes(
     kv_token = sum(math.prod(s) for s in cfg.kv_token_shapes)
     gather = 2 * max_num_seqs * max_model_len * kv_token * dtype.itemsize if cfg.attention_layer_ids else 0
     rows = min(T, max_num_seqs + logits_block_rows(cfg.vocab_size, dtype, device, T))
-    act = T * (6 * H + widest) * 4 + gather
-    if device.type == "cuda":  # a step's SDPA and fused-MoE temporaries (one layer at a time)
-        from ..kernels import triton_moe
-        from ..layers import attention
-
-        attn = attention.workspace_bytes(cfg, T, max_model_len, dtype) if cfg.attention_layer_ids else 0
-        moe = triton_moe.workspace_bytes(T * cfg.top_k, H, cfg.moe_intermediate_size, dtype, cfg.num_experts)
-        act += attn + moe
-    return act, rows * cfg.vocab_size * (dtype.itemsize + 4)
+    return T * (6 * H + widest) * 4 + gather, rows * cfg.vocab_size * (dtype.itemsize + 4)
 
 
 # -- the expert tiers ---------------------------------------------------------------------------
