@@ -1,4 +1,4 @@
-"""SlotPool: one tier's slot bytes, and the InFlight handle of every slot whose bytes are being written.
+"""SlotPool: one tier's slot bytes (which op writes or reads a slot when: experts/schedule.py).
 
 Shape legend: L = MoE layers, S = slots per layer, part = one stored tensor of an expert (e.g. gate_up
 [2I, H]); `buf[part]` is [L, S, *part.shape], `views(i, s)[part]` is [*part.shape] (layer i, slot s),
@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from concurrent.futures import Future
 
 import torch
 
@@ -38,30 +37,6 @@ from ..units import fmt_bytes
 
 PAGE = 4096  # each part of a host region starts on a page boundary
 PIN_CHUNK = 1 << 30  # about this many bytes registered with the CUDA runtime per call (whole slots)
-
-
-class InFlight:
-    """Bytes being written into one slot: a future that completes when they are in (its result: the
-    CUDA event of a host -> device copy, or None)."""
-
-    __slots__ = ("future",)
-
-    def __init__(self, future: Future):
-        self.future = future
-
-    def landed(self) -> None:
-        """Block until the bytes are written (host side)."""
-        self.future.result()
-
-    def wait(self, device: torch.device, host_write: bool = False) -> None:
-        """Before using the slot: the compute stream waits for the copy; `host_write`: before
-        overwriting a host slot, the device copy reading it must be finished too."""
-        ev = self.future.result()
-        if ev is not None:
-            if host_write:
-                ev.synchronize()
-            else:
-                torch.cuda.current_stream(device).wait_event(ev)
 
 
 def cuda_host_register(ptr: int, nbytes: int) -> bool:
@@ -111,8 +86,8 @@ def _release(ptrs: list[int], keep: torch.Tensor) -> None:
 
 
 class SlotPool:
-    """One tier's bytes: per part a [layers, slots, ...] buffer (`buf`), and the InFlight handle of
-    every slot whose bytes are still being written. See the module docstring for memory."""
+    """One tier's bytes: per part a [layers, slots, ...] buffer (`buf`). See the module docstring for
+    memory."""
 
     def __init__(self, parts, layers: int, slots: int, device: torch.device, pin: bool = False):
         self.device = device
@@ -134,7 +109,6 @@ class SlotPool:
                 p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device) for p in parts
             }
             self.reserved_bytes = self.nbytes
-        self.inflight: dict[tuple[int, int], InFlight] = {}
         self._layers_of: dict | None = None  # the `buf` dict the per-layer views were made from
         self._layers: list[dict[str, torch.Tensor]] = []
 
@@ -184,19 +158,3 @@ class SlotPool:
             ]
             self._layers_of = self.buf
         return self._layers[i]
-
-    def take(self, i: int, s: int) -> InFlight | None:
-        return self.inflight.pop((i, s), None)
-
-    def settle(self, i: int, s: int, compute_device: torch.device, host_write: bool = False) -> None:
-        h = self.inflight.pop((i, s), None)
-        if h is not None:
-            h.wait(compute_device, host_write)
-
-    def mark(self, i: int, s: int, h: InFlight | None) -> None:
-        if h is not None:  # None: the bytes are in already (a synchronous read)
-            self.inflight[i, s] = h
-
-    def drain(self) -> None:
-        for h in list(self.inflight.values()):
-            h.landed()
