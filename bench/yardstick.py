@@ -1,4 +1,4 @@
-"""The brief's yardstick model, measured here: a random-weight Qwen3-MoE with 16 layers, 64 experts
+"""The yardstick model (README, Results), measured here: a random-weight Qwen3-MoE with 16 layers, 64 experts
 top-8, hidden 1024, moe intermediate 512, 16/4 heads, head_dim 64, vocab 151936, untied (3.9 GB bf16,
 experts 3.0 GiB). Each configuration runs in its own process so its peak RSS is its own.
 
@@ -10,7 +10,7 @@ lowmem-13     --low-memory: bf16 dense weights and expert slots (13%, converted 
               a step's misses read from disk straight into slots in parallel while its hits compute,
               the next layer's predicted experts read ahead (the defaults). With --cgroup-mib 1536
               each configuration runs in a memory cgroup of that size, page cache dropped first
-              (as the brief's figures)
+              (as the README's cgroup figures)
 lowmem-13-sync  the same with one synchronous read per miss and no prefetch (the ablation)
 transformers  transformers fp32 on the same checkpoint (the reference engine)
 One line per configuration: decode/prefill tok/s, peak RSS, GB read from disk.
