@@ -284,6 +284,12 @@ CASES = {
         {"num_experts": 16, "num_experts_per_tok": 2},
         {"expert_parallel": ParallelConfig(2, peer_tier="off")},
     ),
+    # rank 0 of 2 with its own tiers and the peer tier forced on: its receive buffers are a term
+    "expert-parallel-peer": (
+        "qwen3_moe",
+        {"num_experts": 16, "num_experts_per_tok": 2},
+        {"expert_parallel": ParallelConfig(2, peer_tier="on"), "device_memory": "50%", "host_memory": "50%"},
+    ),
 }
 
 
@@ -334,6 +340,14 @@ def test_allocated_equals_plan(case, checkpoint, request):
                 )
                 == ledger.terms["expert_slots"]
             )
+        # the peer tier's receive buffers: top_k experts in the stored format, planned and counted only
+        # where the peer tier runs
+        peer = getattr(llm.experts, "peer", None)
+        assert (peer is not None) == (case == "expert-parallel-peer")
+        if peer is not None:
+            made = sum(t.numel() * t.element_size() for b in peer.buffers for t in b.values())
+            assert made == ledger.terms["peer_buffers"] == 2 * llm.source.expert_nbytes
+        assert plan.allocated["peer_buffers"] == (0 if peer is None else made)
     finally:
         llm.close()
 

@@ -19,6 +19,8 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
                      logits (prompt logprobs, LLM.logits) are capped at F per step
     expert_slots     the fastest tier: slots per layer x MoE layers x one expert in its format
     staging          one expert in the fastest tier's format (CUDA: waves stream through it)
+    peer_buffers     expert parallelism with the peer tier on a tiered cache: top_k experts in the stored
+                     format, the experts received from other ranks for one layer (parallel/peer.py)
     cuda_context     what the CUDA context takes (measured on the device, or the card profile's figure)
     allocator_slack  SLACK x (dense + kv_cache + linear_state + activations + logits) + SLACK_FLOOR: the
                      caching allocator's rounding and fragmentation, its small-block segments and
@@ -67,10 +69,11 @@ TERMS = (
     "logits",
     "expert_slots",
     "staging",
+    "peer_buffers",
     "cuda_context",
     "allocator_slack",
 )
-ALLOCATED = ("dense", "kv_cache", "linear_state", "expert_slots", "staging")
+ALLOCATED = ("dense", "kv_cache", "linear_state", "expert_slots", "staging", "peer_buffers")
 NAMES = {
     "dense": "dense weights",
     "kv_cache": "KV cache",
@@ -79,6 +82,7 @@ NAMES = {
     "logits": "logits",
     "expert_slots": "expert slots",
     "staging": "staging",
+    "peer_buffers": "peer receive buffers",
     "cuda_context": "CUDA context",
     "allocator_slack": "allocator slack",
 }
@@ -501,11 +505,14 @@ def plan_device(
     gpu: GpuSpec | None = None,
     cap: int | None = None,
     owned: int | None = None,
+    peer_slots: int = 0,
 ) -> DevicePlan:
     """Every byte the engine takes on its device, by term, and the expert tiers: the one answer to
     "how many bytes may X take on device D". `config`: an EngineConfig (config.py); `gpu`: the CUDA
     device or a card (None on the CPU); `cap`: a CPU stand-in's limit (build/ledger.py simulate);
-    `owned`: an expert-parallel rank's experts (all layers) when it holds them all resident.
+    `owned`: an expert-parallel rank's experts (all layers) when it holds them all resident;
+    `peer_slots`: the peer tier's receive buffers (experts, stored format) when it is on (parallel/peer.py
+    decide_for), counted when the experts are tiered (an all-resident cache receives nothing).
     Raises BudgetError in one line naming every term and the smallest budget that fits."""
     cfg, index, sched, cache = source.cfg, source.index, config.scheduler, config.cache
     device, dtype, low_memory = config.load.torch_device, config.load.torch_dtype, cache.low_memory
@@ -524,6 +531,7 @@ def plan_device(
     }
     cuda = device.type == "cuda"
     slack = int(SLACK * sum(fixed.values())) + SLACK_FLOOR if cuda else 0
+    fixed["peer_buffers"] = peer_slots * sum(p.nbytes for p in source.parts) if cache.tiered else 0
     context = gpu.context if cuda and gpu is not None else 0
     outside = sum(fixed.values()) + context + slack  # every term but the experts'
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
@@ -560,6 +568,8 @@ def plan_device(
                 raise
             raise refusal from None
         lines = experts.lines[:1] + lines + experts.lines[1:]
+        if experts.resident:  # no tiers: no peer tier, its buffers not made
+            fixed["peer_buffers"] = 0
         slots, staging, host = experts.device.slots * L * per_expert, experts.staging, experts.host_used
     else:
         slots, staging, host = (L * E if owned is None else owned) * per_expert, 0, 0
@@ -570,6 +580,7 @@ def plan_device(
         "cuda_context": context,
         "allocator_slack": slack,
     }
+    terms = {k: terms[k] for k in TERMS}
     plan = DevicePlan(device, budget, terms, experts, kv, host, gpu, lines)
     if cuda:
         where = f"{gpu.name}, {fmt_bytes(gpu.total)}" if gpu is not None else "no card given"
