@@ -402,7 +402,17 @@ class _Reads:
 
 
 @pytest.mark.parametrize(
-    "case", ["resident", "tiered", "low-memory", "hybrid", "mla", "int8-dense", "expert-parallel"]
+    "case",
+    [
+        "resident",
+        "tiered",
+        "low-memory",
+        "hybrid",
+        "mla",
+        "int8-dense",
+        "expert-parallel",
+        "expert-parallel-peer",
+    ],
 )
 def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
     family, overrides, opts = CASES[case]
@@ -429,6 +439,8 @@ def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
     assert "\n" not in msg and msg.startswith(f"the device cap {fmt_bytes(need - 1)} does not fit")
     for term in ("dense weights", "KV cache", "activations", "logits"):
         assert term in msg, term
+    if case == "expert-parallel-peer":
+        assert "peer receive buffers" in msg
     assert reads.calls == []  # refused before a weight byte (dense or expert) was read
     llm = _build(path, opts, need)  # the plan's own total is enough
     llm.close()
