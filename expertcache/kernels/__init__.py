@@ -34,21 +34,11 @@ from .build import extension, why
 from .formats import GGUF_SMALL_T, GGUF_UNIT_ROWS, Unsupported, plain_spec, quant_spec
 
 # Tokens of one weight above which the tiled path (convert a tile once, reuse it for every token)
-# replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code.
-# Measured (bench/kernel_bench.py): the GEMV path wins at every T for the cheap conversions
-# (bf16/fp16/int8/int4); the tiled path wins from ~32 tokens for mxfp4 and ~256 for fp8. (AVX2
-# kernels only: where the AVX-512 4-bit kernels read mxfp4 / int4, they do at every T; at T=64 on a
-# 256 x 2880 weight they took 1.3 ms (mxfp4) / 1.7 ms (int4) against the tiled path's 2.3 ms.)
+# replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code; rows of a
+# weight per unit of work handed to a thread (ROWS_PER_UNIT for bf16; UNIT_ROWS: about the same bytes
+# in another format, by format code). How they were measured: docs/results.md, "Where the code's
+# tuning constants come from".
 SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6: 24}
-# Rows of a weight per unit of work handed to a thread. Longer units are longer sequential streams
-# (fewer restarts of the hardware prefetcher). `python bench/stream_bench.py --rows 32 64 128 256 512`
-# (decode shapes of the yardstick, bf16, 2 threads, quiet machine, read bandwidth 29.5 GB/s; GB/s of
-# MoE layers / attention projections / lm_head): 32 rows 21.7 / 21.4 / 25.7, 64 24.4 / 22.4 / 28.8,
-# 128 25.3-26.1 / 25.1-25.2 / 29.4-30.4, 256 27.2 / 24.9 / 31.0, 512 27.3 / 22.6 / 30.9.
-# That is for 2-byte weights; a unit of another format has the rows of about the same bytes
-# (UNIT_ROWS: relative to bf16, by format code). int8, fast math, the same benchmark with
-# `--format int8 --cpu-math fast --rows 256 512 1024` (quiet, read bandwidth 31.7 GB/s; MoE / lm_head
-# GB/s): 256 rows 25.2 / 28.7, 512 27.2 / 34.2, 1024 25.7 / 32.9.
 ROWS_PER_UNIT = 256
 UNIT_ROWS = {0: 0.5, 1: 1, 2: 1, 3: 2, 4: 2, 5: 4, 6: 4}
 SMALL_T.update(GGUF_SMALL_T)  # the GGUF block formats (codes 7-15, csrc/ggml_kernels.cpp)
