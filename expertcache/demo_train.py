@@ -351,6 +351,35 @@ def write_manifest(out: pathlib.Path, p: dict[str, Any], info: dict[str, Any]) -
         f.chmod(0o644)
 
 
+def _optimizer(model, lr: float, router_lr_mult: float) -> torch.optim.AdamW:
+    """AdamW over three groups: matrices (decayed), the routers (decayed, their own lr multiple), vectors
+    (not decayed); each group's `lr_mult` scales the schedule's lr."""
+    routers = {id(m.router) for m in model.layers}
+    groups = [
+        ([q for q in model.parameters() if q.dim() >= 2 and id(q) not in routers], 0.1, 1.0),
+        ([m.router for m in model.layers], 0.1, router_lr_mult),
+        ([q for q in model.parameters() if q.dim() < 2], 0.0, 1.0),
+    ]
+    return torch.optim.AdamW(
+        [{"params": g, "weight_decay": wd, "lr_mult": mult} for g, wd, mult in groups],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def _update(model, opt, data, starts: list[int], seq: int, aux_coef: float, z_coef: float):
+    """One optimizer step on the windows at `starts` -> (loss, aux, z)."""
+    x = torch.stack([data[s : s + seq] for s in starts])
+    y = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
+    logits, aux, z = model(x)  # fp32 (on CPUs without bf16 matmul units it is the faster one)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    (loss + aux_coef * aux + z_coef * z).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss, aux, z
+
+
 def train(
     root: pathlib.Path,
     out: pathlib.Path,
@@ -387,17 +416,7 @@ def train(
     held_text = "\n".join(held_docs)[:held_chars]
     held = encode(tok, [held_text])
     model = TinyMoE(p, vocab_size, seed)
-    routers = {id(m.router) for m in model.layers}
-    groups = [
-        ([q for q in model.parameters() if q.dim() >= 2 and id(q) not in routers], 0.1, 1.0),
-        ([m.router for m in model.layers], 0.1, router_lr_mult),
-        ([q for q in model.parameters() if q.dim() < 2], 0.0, 1.0),
-    ]
-    opt = torch.optim.AdamW(
-        [{"params": g, "weight_decay": wd, "lr_mult": mult} for g, wd, mult in groups],
-        lr=lr,
-        betas=(0.9, 0.95),
-    )
+    opt = _optimizer(model, lr, router_lr_mult)
     log(
         f"corpus: {info['files']} files, {len(data)} training tokens, {len(held)} held-out tokens; "
         f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f} M parameters; threads {torch.get_num_threads()}"
@@ -415,14 +434,7 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr * scale * g["lr_mult"]
         starts = [rng.randrange(len(data) - seq - 1) for _ in range(batch)]
-        x = torch.stack([data[s : s + seq] for s in starts])
-        y = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
-        logits, aux, z = model(x)  # fp32 (on CPUs without bf16 matmul units it is the faster one)
-        loss = F.cross_entropy(logits.reshape(-1, vocab_size), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        (loss + aux_coef * aux + z_coef * z).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss, aux, z = _update(model, opt, data, starts, seq, aux_coef, z_coef)
         if step % 10 == 0:
             log(f"step {step} t={elapsed:.0f}s loss={loss.item():.3f} aux={aux.item():.3f} z={z.item():.2f}")
         if probe_every and step % probe_every == 0:
@@ -439,12 +451,9 @@ def train(
             "parameters_m": round(sum(q.numel() for q in model.parameters()) / 1e6, 1),
             "steps": step,
             "tokens_seen": step * batch * seq,
-            "batch": batch,
-            "seq": seq,
-            "lr": lr,
-            "aux_coef": aux_coef,
-            "z_coef": z_coef,
-            "router_lr_mult": router_lr_mult,
+            **dict(
+                batch=batch, seq=seq, lr=lr, aux_coef=aux_coef, z_coef=z_coef, router_lr_mult=router_lr_mult
+            ),
             "threads": torch.get_num_threads(),
             "minutes": round((time.perf_counter() - t0) / 60, 1),
             "held_out_loss": round(hl, 3),
@@ -461,7 +470,7 @@ def train(
     return info
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m expertcache.demo_train", description=__doc__.split("\n\n")[0]
     )
@@ -492,6 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--probe-every", type=int, default=50, help="log held-out loss and routing every N steps (0: never)"
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.minutes is None and args.steps is None:
         args.steps = DEFAULT_STEPS
