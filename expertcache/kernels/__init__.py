@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import prefill_gemm
-from .build import extension, why
+from .build import extension, on_load, why
 from .formats import GGUF_SMALL_T, GGUF_UNIT_ROWS, Unsupported, plain_spec, quant_spec
 
 # Tokens of one weight above which the tiled path (convert a tile once, reuse it for every token)
@@ -70,8 +70,9 @@ ISA_NAMES = ("avx2", "avx512")  # EXPERTCACHE_CPU_ISA: the best the CPU has when
 
 @dataclass(frozen=True)
 class IsaDefaults:
-    """The ISA switches a process starts with, from EXPERTCACHE_CPU_ISA (the C++ kernels read the same
-    variable when they load): avx2 forbids the AVX-512 4-bit kernels, avx512 keeps those off AMX."""
+    """The ISA switches a process starts with, from EXPERTCACHE_CPU_ISA (read here only: the C++ kernels
+    are handed them when they load, `CpuIsa.apply`): avx2 forbids the AVX-512 4-bit kernels, avx512
+    keeps those off AMX."""
 
     avx512: bool = True
     amx: bool = True
@@ -79,7 +80,7 @@ class IsaDefaults:
 
     @classmethod
     def from_env(cls, value: str | None = None) -> IsaDefaults:
-        """Another value than ISA_NAMES is as unset (as the C++ kernels read it)."""
+        """Another value than ISA_NAMES is as unset."""
         isa = os.environ.get("EXPERTCACHE_CPU_ISA", "") if value is None else value
         return cls(avx512=isa != "avx2", amx=isa not in ISA_NAMES)
 
@@ -99,6 +100,13 @@ class CpuIsa:
 
     def __init__(self, defaults: IsaDefaults | None = None):
         self.defaults = defaults or IsaDefaults.from_env()
+
+    def apply(self, ext) -> None:
+        """The defaults into a just-loaded extension (build.on_load): it starts with every switch allowed
+        and reads no environment itself."""
+        ext.set_avx512(self.defaults.avx512)
+        ext.set_amx(self.defaults.amx)
+        ext.set_strip_tokens(self.defaults.strip_tokens)
 
     @property
     def avx512(self) -> bool:
@@ -144,6 +152,7 @@ class CpuIsa:
 
 
 isa = CpuIsa()
+on_load(isa.apply)
 
 
 def kernel_name(spec: tuple, math: str = "exact") -> str:
