@@ -90,9 +90,8 @@ CHAT_TEMPLATE = (
 _INIT_STD = 0.02  # q/k/v, expert gate/up, lm_head
 _OUT_STD = 0.01  # o_proj and expert down_proj: smaller, so layers nudge the residual stream
 _EMB_STD = 0.07  # embeddings: large enough that the current token still steers deep routers
-# Routing shape, measured with transformers on ~500 tokens of CORPUS: per layer the 4 busiest
-# experts take 30-60% of picks (12.5% if uniform), a token reuses 20-45% of the previous
-# token's experts (12.5% if uniform), and all but 0-3 of the 32 experts get used.
+# The routing shape these give the random-weight model (measured): docs/demo.md, "The random-weight
+# model".
 _EMB_COMMON = 0.3  # weight of the direction shared by all embeddings, relative to _EMB_STD
 _ROUTER_POP = 0.05  # spread of per-expert popularity along that direction
 _ROUTER_NOISE = 0.3  # full-rank part of the router, relative to the low-rank part

@@ -169,9 +169,8 @@ def backend() -> str:
 def cpu_threads(device: torch.device | str):
     """Around a forward pass on the CPU with the C++ kernels: the kernels compute on torch's thread
     count (torch.set_num_threads / --threads) and torch's own ops (attention, norms, routing: small
-    next to the kernels' work) run on one thread, restored afterwards. Measured on the busy 2-core
-    machine (yardstick bf16 decode): 2 torch threads 1.7-2.8 tok/s (OpenMP's barriers wait for
-    descheduled threads), torch 1 thread + kernels 2 threads 9.8-12.0, everything on 1 thread 12.6-13.5."""
+    next to the kernels' work) run on one thread, restored afterwards. Why (decode on a busy machine,
+    measured): docs/results.md, "On a busy machine"."""
     n = torch.get_num_threads()
     if n <= 1 or torch.device(device).type != "cpu" or backend() != "cpp":
         yield
