@@ -13,7 +13,6 @@ No GPU here, so two things stand in for a capture:
 
 from __future__ import annotations
 
-import checkpoints as C
 import gpt_oss_checkpoints as G
 import pytest
 import torch
@@ -26,7 +25,12 @@ from expertcache.errors import ConfigError
 from expertcache.kernels import build as kernel_build
 
 aten = torch.ops.aten
-BOOL_INDEX = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
+BOOL_INDEX = (
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+)
 FROM_HOST = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
 
 
@@ -71,7 +75,12 @@ def test_capture_rules_refuse_what_a_capture_cannot_hold():
         with pytest.raises(AssertionError), CaptureRules():
             bad()
     with CaptureRules() as rules:  # what the segments do is allowed
-        x.index_select(0, ids), x[ids], x.masked_fill(x > 0, 0.0), x.view(-1).index_copy_(0, ids, x[0, :2].clone())
+        (
+            x.index_select(0, ids),
+            x[ids],
+            x.masked_fill(x > 0, 0.0),
+            x.view(-1).index_copy_(0, ids, x[0, :2].clone()),
+        )
     assert len(rules.ops) >= 4
 
 
@@ -140,7 +149,9 @@ def _compare(llm, capture_rules: bool) -> list[float]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_segments_run_as_captured(family, tmp_path_factory, checkpoint, torch_path):
-    llm = LLM(str(_model_dir(family, tmp_path_factory, checkpoint)), device="cpu", block_size=4, max_num_seqs=4)
+    llm = LLM(
+        str(_model_dir(family, tmp_path_factory, checkpoint)), device="cpu", block_size=4, max_num_seqs=4
+    )
     try:
         _compare(llm, capture_rules=True)
     finally:
@@ -149,7 +160,9 @@ def test_segments_run_as_captured(family, tmp_path_factory, checkpoint, torch_pa
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen2_moe"])
 def test_static_buffer_replay_equals_the_eager_step(family, tmp_path_factory, checkpoint, torch_path):
-    llm = LLM(str(_model_dir(family, tmp_path_factory, checkpoint)), device="cpu", block_size=4, max_num_seqs=4)
+    llm = LLM(
+        str(_model_dir(family, tmp_path_factory, checkpoint)), device="cpu", block_size=4, max_num_seqs=4
+    )
     try:
         for _, diff, scale in _compare(llm, capture_rules=False):
             assert diff <= 1e-4 * max(1.0, scale), (family, diff, scale)
