@@ -333,7 +333,9 @@ def test_family_runs_on_fake_cuda(family, tiered, cuda_guard, tmp_path_factory, 
         assert model.dtype == torch.bfloat16
         assert isinstance(model.experts, manager.TieredExperts) == tiered
         warm = [e for e in rec.events if e[1] == "warm_up"]
-        assert warm and all(e[2] == ("cuda:0",) and e[3] == torch.bfloat16 for e in warm), warm
+        # one call for every layer's pool (one format), both launch configurations, at construction
+        assert [e[2:] for e in warm] == [(("cuda:0",), torch.bfloat16, ("decode", "prefill"))], warm
+        assert llm.engine.runner.warm_calls == 2
         assert all(
             k.is_cuda and k.dtype == torch.bfloat16 for pair in llm.engine.runner.kv.tensors for k in pair
         )
@@ -358,3 +360,72 @@ def test_family_runs_on_fake_cuda(family, tiered, cuda_guard, tmp_path_factory, 
         else:
             assert len(launches) == 3 * moe_layers, launches  # gate_up, down, the sum over top-k
             assert main["d2h copy"] == 0 and main["event.synchronize"] == 0, main
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "gpt_oss"])
+def test_decode_graphs_capture_and_replay_on_fake_cuda(
+    family, cuda_guard, tmp_path_factory, checkpoint, monkeypatch
+):
+    """--cuda-graphs on the fake device: the prefill runs eagerly, the first decode step runs the segments
+    and then captures each (under CaptureRules: no host read, no copy between devices), the second replays
+    them, the MoE ops eager between them every step (three launches a layer)."""
+    from test_cuda_graphs import CaptureRules
+
+    path = _model_dir(family, tmp_path_factory, checkpoint)
+    rec, mode = Record(), FakeCuda()
+    _cuda_stand_ins(rec, monkeypatch)
+
+    class CUDAGraph:
+        def replay(self):
+            rec.add("graph.replay")
+
+        def pool(self):
+            return "the graphs' pool"
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, **kw):
+        rec.add("graph.capture", pool)
+        with CaptureRules():
+            yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    with mode:
+        llm = LLM(
+            str(path), device="cuda", check_finite=False, max_num_seqs=4, block_size=4, cuda_graphs=True
+        )
+    try:
+        moe_layers = len(llm.engine.runner.model.cfg.moe_layer_ids)
+        steps = _run(llm, rec, mode)
+        graphs = llm.engine.runner.graphs
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+    assert [s[2][0] for s in steps] == [2, 2, 2] and all(s[0] == torch.device("cuda", 0) for s in steps)
+    counts = [Counter(e[1] for e in s[3] if e[0]) for s in steps]
+    assert [c["graph.capture"] for c in counts] == [0, moe_layers + 1, 0]
+    assert [c["graph.replay"] for c in counts] == [0, 0, moe_layers + 1]
+    assert all(c["launch"] == 3 * moe_layers and c["d2h copy"] == 0 for c in counts), counts
+    assert list(graphs.buckets) == [(2, 2)] and (graphs.steps, graphs.replays) == (2, 1)
+
+
+def test_no_warm_up_where_triton_does_not_compute(cuda_guard, checkpoint, monkeypatch):
+    """--moe-kernel torch on CUDA: nothing to compile, so construction makes no warm-up call; on the CPU
+    neither."""
+    rec, mode = Record(), FakeCuda()
+    _cuda_stand_ins(rec, monkeypatch)
+    path = checkpoint("qwen3_moe", dtype=torch.bfloat16)
+    with mode:
+        llm = LLM(str(path), device="cuda", check_finite=False, moe_kernel="torch")
+    try:
+        assert llm.engine.runner.warm_calls == 0 and rec.count("warm_up", main_only=False) == 0
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+    cpu = LLM(str(path), device="cpu")
+    try:
+        assert cpu.engine.runner.warm_calls == 0 and rec.count("warm_up", main_only=False) == 0
+    finally:
+        cpu.close()

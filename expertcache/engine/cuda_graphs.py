@@ -177,8 +177,8 @@ class DecodeGraphs:
             rows.append([seq.tokens[p], p, slot, b, *blocks, *[0] * (width - 4 - len(blocks))])
         pad = [0, 0, rows[0][2], 0, *[0] * (width - 4)]
         rows += [pad] * (B - len(rows))
-        host = torch.tensor(rows, dtype=torch.int64, pin_memory=st["ints"].is_cuda)
-        st["ints"].copy_(host, non_blocking=True)
+        host = torch.tensor(rows, dtype=torch.int64)
+        st["ints"].copy_(host.pin_memory() if st["ints"].is_cuda else host, non_blocking=True)
 
     def run(self, work) -> torch.Tensor:
         """The step's logits [n, V] (float32), one row per sequence."""
