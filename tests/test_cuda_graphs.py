@@ -93,6 +93,14 @@ def test_cuda_graphs_refused_on_the_cpu():
         EngineConfig.from_kwargs(device="cuda", cuda_graphs="yes")
 
 
+def test_the_flag_on_the_cpu_is_one_line_exit_2(capsys, qwen3_checkpoint):
+    from expertcache.cli import main
+
+    rc = main(["generate", str(qwen3_checkpoint), "--cuda-graphs", "--prompt", "x", "--max-tokens", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "cuda_graphs" in err and "--cuda-graphs" in err
+
+
 def test_buckets():
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
 
