@@ -21,11 +21,12 @@ What a CPU-only torch lacks, and the stand-ins:
 - the routing read (host_routing.to_host, the MoE layer's one device -> host read) returns a fixed
   routing of real host ids: a fake tensor has no values for the cache to plan from.
 
-Asserted per family: the engine builds on cuda:0 and compiles its Triton kernels at construction
-(warm_up once per pool format); every step's logits are float32 [sequences, vocab] on cuda:0; the KV cache
-and every dense weight is on cuda:0 in the compute dtype; per MoE layer and step, three Triton launches on
-cuda:0 tensors (resident) and the launching thread's host reads: none with every expert resident, exactly
-one routing read with one event wait (tiered).
+Asserted per family, resident and tiered (misses copied, or computed by the CPU worker): the engine builds
+on cuda:0 and compiles its Triton kernels at construction (warm_up once per pool format); every step's
+logits are float32 [sequences, vocab] on cuda:0; the KV cache and lm_head are bf16 on cuda:0; per MoE
+layer and step, three Triton launches on cuda:0 tensors (resident) and the launching thread's host reads:
+none with every expert resident, exactly one routing read with one event wait and no blocking copy to the
+host (tiered; the CPU job's rows go by asynchronous copies into pinned memory, at most two a layer).
 """
 
 from __future__ import annotations
@@ -100,10 +101,10 @@ class FakeCuda(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        device = kwargs.get("device")
-        if not any(isinstance(t, FakeTensor) for t in leaves) and (
-            device is None or torch.device(device).type == "cpu"
-        ):
+        devices = [torch.device(d) for d in leaves if isinstance(d, torch.device)]
+        if kwargs.get("device") is not None:
+            devices.append(torch.device(kwargs["device"]))
+        if not any(isinstance(t, FakeTensor) for t in leaves) and all(d.type == "cpu" for d in devices):
             if kwargs.get("pin_memory"):  # pinned host memory: a recorded stand-in (plain host memory)
                 kwargs = {**kwargs, "pin_memory": False}
             return func(*args, **kwargs)  # host work: real
@@ -157,7 +158,8 @@ class DeviceToHost(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.copy_.default and args[0].device.type == "cpu" and args[1].is_cuda:
-            self.rec.add("d2h copy")
+            nb = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            self.rec.add("d2h copy (async)" if nb else "d2h copy")  # async: into pinned memory, no wait
         elif func is torch.ops.aten._to_copy.default and args[0].is_cuda:
             if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
                 self.rec.add("d2h copy")
@@ -312,17 +314,21 @@ def _run(llm, rec: Record, mode: FakeCuda) -> list[tuple]:
     return steps
 
 
-@pytest.mark.parametrize("tiered", [False, True], ids=["resident", "tiered"])
+TIERED = dict(device_memory="50%", host_memory="100%", cache_policy="lru")
+CACHES = {
+    "resident": {},
+    "tiered": dict(TIERED, cpu_compute="never"),  # misses copied to device slots
+    "tiered-cpu": dict(TIERED, cpu_compute="always"),  # misses computed by the CPU worker, rows copied
+}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_runs_on_fake_cuda(family, tiered, cuda_guard, tmp_path_factory, checkpoint, monkeypatch):
+def test_family_runs_on_fake_cuda(family, cache, cuda_guard, tmp_path_factory, checkpoint, monkeypatch):
     path = _model_dir(family, tmp_path_factory, checkpoint)
     rec, mode = Record(), FakeCuda()
     _cuda_stand_ins(rec, monkeypatch)
-    kw = (
-        dict(device_memory="50%", host_memory="100%", cache_policy="lru", cpu_compute="never")
-        if tiered
-        else {}
-    )
+    kw, tiered, cpu = CACHES[cache], cache != "resident", cache == "tiered-cpu"
     with mode:
         llm = LLM(str(path), device="cuda", check_finite=False, max_num_seqs=4, block_size=4, **kw)
     try:
@@ -357,6 +363,8 @@ def test_family_runs_on_fake_cuda(family, tiered, cuda_guard, tmp_path_factory, 
             assert main["routing read"] == moe_layers, main
             assert main["event.synchronize"] == moe_layers, main
             assert main["d2h copy"] == 0, main
+            # the CPU job's rows: x and the weights, one async copy each per layer with CPU-computed experts
+            assert main["d2h copy (async)"] <= 2 * moe_layers and (main["d2h copy (async)"] > 0) == cpu, main
         else:
             assert len(launches) == 3 * moe_layers, launches  # gate_up, down, the sum over top-k
             assert main["d2h copy"] == 0 and main["event.synchronize"] == 0, main
