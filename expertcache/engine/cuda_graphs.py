@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..errors import ConfigError
 from ..layers.attention import Attention
 from ..layers.basic import add_rms_norm, linear, rms_norm, swiglu
@@ -180,8 +181,14 @@ class DecodeGraphs:
         host = torch.tensor(rows, dtype=torch.int64)
         st["ints"].copy_(host.pin_memory() if st["ints"].is_cuda else host, non_blocking=True)
 
+    @torch.inference_mode()
     def run(self, work) -> torch.Tensor:
-        """The step's logits [n, V] (float32), one row per sequence."""
+        """The step's logits [n, V] (float32), one row per sequence (under the eager forward's modes: the
+        MoE ops' CPU jobs compute in the model's CPU math)."""
+        with kernels.cpu_threads(self.model.device), kernels.cpu_math(self.model.cpu_math):
+            return self._run(work)
+
+    def _run(self, work) -> torch.Tensor:
         m, n = self.model, len(work)
         entry = self._bucket(bucket(n), bucket(max(len(s.block_ids) for s, _ in work)))
         st = entry["st"]
