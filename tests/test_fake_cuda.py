@@ -56,22 +56,40 @@ static PyModuleDef mod = {PyModuleDef_HEAD_INIT, "fake_cuda_guard", nullptr, -1,
 PyMODINIT_FUNC PyInit_fake_cuda_guard(void) { return PyModule_Create(&mod); }
 """
 
-pytestmark = [
-    pytest.mark.skipif(
-        torch.backends.cuda.is_built(), reason="a CUDA build of torch has its own device guard (run on a GPU)"
-    ),
-    # the ledger keys storages by data pointer, which a fake tensor does not have (all read as 0 here)
-    pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor"),
-]
+# the ledger keys storages by data pointer, which a fake tensor does not have (all read as 0 here)
+pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 
 
 @pytest.fixture(scope="session")
 def cuda_guard(tmp_path_factory):
+    """The device guard a CPU-only torch lacks (a CUDA build has its own: nothing to load)."""
     from torch.utils.cpp_extension import load
 
+    if torch.backends.cuda.is_built():
+        return None
     d = tmp_path_factory.mktemp("fake-cuda-guard")
     (d / "fake_cuda_guard.cpp").write_text(GUARD)
     return load("fake_cuda_guard", [str(d / "fake_cuda_guard.cpp")], build_directory=str(d))
+
+
+REPRO = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+with FakeTensorMode():
+    x = torch.empty(10, 8, device="cuda")
+    assert x.index_select(0, torch.zeros(2, dtype=torch.long, device="cuda")).shape == (2, 8)  # aten: fine
+    x[2:5]
+"""
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="a CUDA build of torch has the device guard")
+def test_without_the_guard_indexing_fails():
+    """The minimal reproduction, in a fresh process (no guard loaded): the day it passes, the guard can go."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", REPRO], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "PyTorch is not linked with support for cuda devices" in r.stderr, r.stderr
 
 
 def test_indexing_a_fake_cuda_tensor_needs_the_guard(cuda_guard):
