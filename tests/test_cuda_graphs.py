@@ -22,6 +22,7 @@ from expertcache import LLM, SamplingParams
 from expertcache.config import EngineConfig
 from expertcache.engine.cuda_graphs import DecodeGraphs, bucket, why_not
 from expertcache.errors import ConfigError
+from expertcache.experts.manager import TieredExperts
 from expertcache.kernels import build as kernel_build
 
 aten = torch.ops.aten
@@ -166,12 +167,17 @@ def test_segments_run_as_captured(family, tmp_path_factory, checkpoint, torch_pa
         llm.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen2_moe"])
-def test_static_buffer_replay_equals_the_eager_step(family, tmp_path_factory, checkpoint, torch_path):
-    llm = LLM(
-        str(_model_dir(family, tmp_path_factory, checkpoint)), device="cpu", block_size=4, max_num_seqs=4
-    )
+@pytest.mark.parametrize(
+    "family, cache",
+    [("qwen3_moe", {}), ("gpt_oss", {}), ("qwen2_moe", {}), ("qwen3_moe", {"device_memory": "50%"})],
+    ids=["qwen3_moe", "gpt_oss", "qwen2_moe", "qwen3_moe-tiered"],
+)
+def test_static_buffer_replay_equals_the_eager_step(family, cache, tmp_path_factory, checkpoint, torch_path):
+    """(tiered: the cache's step, planner and all, runs between the segments as the eager MoE op)"""
+    path = _model_dir(family, tmp_path_factory, checkpoint)
+    llm = LLM(str(path), device="cpu", block_size=4, max_num_seqs=4, **cache)
     try:
+        assert isinstance(llm.engine.runner.model.experts, TieredExperts) == bool(cache)
         for _, diff, scale in _compare(llm, capture_rules=False):
             assert diff <= 1e-4 * max(1.0, scale), (family, diff, scale)
     finally:
