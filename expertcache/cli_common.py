@@ -94,6 +94,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "where the CPU has it, else exact (held-out perplexity +0.05-0.07%%: docs/numerics.md)",
     )
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="CUDA: capture decode's dense segments between MoE layers (attention, norms, router) as CUDA "
+        "graphs per batch-size bucket and replay them around the eager MoE op; refused on the CPU. Off by "
+        "default: not yet run on a GPU (docs/gpu.md)",
+    )
+    p.add_argument(
         "--no-check-finite",
         dest="check_finite",
         action="store_false",

@@ -7,7 +7,7 @@ Groups (each a frozen dataclass whose fields are the keywords `LLM(**kwargs)` ta
     load       which checkpoint and where it runs: model, revision, device, dtype, check_finite
     scheduler  the batch and its KV cache: max_model_len, max_num_seqs, max_num_batched_tokens,
                kv_cache_memory, block_size, prefix_caching
-    kernels    how the dense math runs: lm_head, dense (load-time formats), cpu_math
+    kernels    how the dense math runs: lm_head, dense (load-time formats), cpu_math, cuda_graphs
     cache      the expert cache (experts/config.py CacheConfig: device_memory, host_memory, cache_policy,
                low_memory, moe_kernel, ... and the CacheAblation switches)
     parallel   expert parallelism (parallel/config.py ParallelConfig; keyword `expert_parallel`) or None
@@ -118,6 +118,8 @@ class KernelConfig:
     cpu_math: str = (
         "auto"  # kernels.CPU_MATHS; auto: fast where this CPU has it, else exact (docs/numerics.md)
     )
+    # decode's dense segments as CUDA graphs (engine/cuda_graphs.py); off until a GPU run has passed
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         from . import kernels
@@ -141,6 +143,7 @@ class KernelConfig:
             raise ConfigError(str(e)) from None
         if unavailable:
             raise ConfigError(f"cpu_math={self.cpu_math!r}: {unavailable}; use cpu_math='exact'")
+        _bool(self.cuda_graphs, "cuda_graphs")
 
 
 GROUPS = {"load": LoadConfig, "scheduler": SchedulerConfig, "kernels": KernelConfig}
@@ -170,6 +173,13 @@ class EngineConfig:
             raise ConfigError(f"record_routing: a file name, got {self.record_routing!r}")
         if self.parallel is not None and not isinstance(self.parallel, ParallelConfig):
             object.__setattr__(self, "parallel", ParallelConfig.of(self.parallel))
+        if self.kernels.cuda_graphs and self.load.torch_device.type != "cuda":
+            raise ConfigError(
+                f"cuda_graphs: CUDA graphs capture a GPU's decode step; device={self.load.device!r} has none "
+                "(drop --cuda-graphs)"
+            )
+        if self.kernels.cuda_graphs and self.parallel is not None:
+            raise ConfigError("cuda_graphs: not with expert_parallel (its ranks mirror each eager forward)")
 
     @staticmethod
     def keywords() -> list[str]:

@@ -86,7 +86,7 @@ def build_engine(config, group=None, serve=None) -> Made:
 
         runner = ParallelRunner(model, kv, group, experts)
     else:
-        runner = ModelRunner(model, kv, states)
+        runner = ModelRunner(model, kv, states, config.kernels.cuda_graphs, sched.max_num_seqs)
     rows = logits_block_rows(ck.cfg.vocab_size, dtype, device, sched.max_num_batched_tokens)
     engine = LLMEngine(
         runner,

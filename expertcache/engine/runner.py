@@ -6,9 +6,11 @@ import torch
 
 from ..layers.attention import AttnBatch
 from ..models.transformer import MoETransformer
+from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache
 from .sequence import Sequence
 from .state_cache import StateBatch, StateCache
+from .warm_up import warm_up_moe
 
 
 def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch.device):
@@ -40,8 +42,19 @@ def build_batch(work: list[tuple[Sequence, int]], block_size: int, device: torch
 
 
 class ModelRunner:
-    def __init__(self, model: MoETransformer, kv: KVCache, states: StateCache | None = None):
+    def __init__(
+        self,
+        model: MoETransformer,
+        kv: KVCache,
+        states: StateCache | None = None,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 16,
+    ):
+        """cuda_graphs: decode steps through DecodeGraphs (engine/cuda_graphs.py: a CUDA device only, where
+        config.py refuses it on the CPU). On CUDA the Triton MoE kernels are compiled here (warm_up.py)."""
         self.model, self.kv, self.states = model, kv, states
+        self.graphs = DecodeGraphs(model, kv, max_num_seqs) if cuda_graphs else None
+        self.warm_calls = warm_up_moe(model)  # 0 on the CPU
 
     def forward(
         self, ids: torch.Tensor, batch: AttnBatch, rows: torch.Tensor | None, states: StateBatch | None = None
@@ -67,6 +80,8 @@ class ModelRunner:
         """Like run, with every new token's logits for the sequences b where full[b] (prompt logprobs)
         and only the last one for the others; -> logits [R, V] and each sequence's rows (its last row
         is the next-token distribution)."""
+        if self.graphs is not None and not any(full) and self.graphs.takes(work):
+            return self.graphs.run(work), [range(b, b + 1) for b in range(len(work))]
         ids, batch, last = build_batch(work, self.kv.block_size, self.model.device)
         states = self._states(work)
         if not any(full):

@@ -86,4 +86,5 @@ class StateCache:
             torch.tensor(slots, dtype=torch.int64, device=device),
             torch.tensor(lengths, dtype=torch.int64, device=device),
             self.layers,
+            tuple(lengths),
         )

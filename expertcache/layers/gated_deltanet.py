@@ -35,6 +35,8 @@ class StateBatch(NamedTuple):
     slots: torch.Tensor  # [B] int64, each sequence's state slot
     lengths: torch.Tensor  # [B] int64, new tokens of each sequence
     layers: dict  # layer -> (conv state [slots, K-1, C], recurrent state [slots, Hv, Dk, Dv])
+    # the same lengths on the host (None: read from `lengths` once per layer, a device -> host read on a GPU)
+    host_lengths: tuple[int, ...] | None = None
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -157,26 +159,20 @@ class GatedDeltaNet:
         g = self.neg_A * F.softplus(a.float() + w["dt_bias"])
 
         o = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)
-        single = states.lengths == 1
-        if bool(single.any()):  # decodes: one recurrent step each
-            tok = single[seq_of_token].nonzero()[:, 0]
-            s = slots[seq_of_token[tok]]
-            o[tok], rec_pool[s] = recurrent_step(q[tok], k[tok], v[tok], g[tok], beta[tok], rec_pool[s])
-        if not bool(single.all()):  # prefill chunks: padded to [B', Q] and chunked
-            multi = (~single).nonzero()[:, 0]
-            pos = torch.full_like(single, -1, dtype=torch.int64)
-            pos[multi] = torch.arange(len(multi), device=x.device)
-            tok = (pos[seq_of_token] >= 0).nonzero()[:, 0]
-            b, j = pos[seq_of_token[tok]], row_of_token[tok]
+        single, multi, tok1, tokn, bi, ji = _split(states, x.device)
+        if single is not None:  # decodes: one recurrent step each
+            s = slots[single]
+            o[tok1], rec_pool[s] = recurrent_step(q[tok1], k[tok1], v[tok1], g[tok1], beta[tok1], rec_pool[s])
+        if multi is not None:  # prefill chunks: padded to [B', Q] and chunked
 
             def pad(t):  # [tok, Hv, ...] -> [B', Hv, Q, ...]
                 out = t.new_zeros(len(multi), max_q, *t.shape[1:])
-                out[b, j] = t[tok]
+                out[bi, ji] = t[tokn]
                 return out.transpose(1, 2)
 
             s = slots[multi]
             out, rec_pool[s] = chunked_delta_rule(pad(q), pad(k), pad(v), pad(g), pad(beta), rec_pool[s])
-            o[tok] = out.transpose(1, 2)[b, j]
+            o[tokn] = out.transpose(1, 2)[bi, ji]
 
         # gated RMSNorm per value head, then the output projection
         o = o.to(x.dtype)
@@ -200,3 +196,29 @@ class GatedDeltaNet:
         for j in range(1, K):
             out += buf[:, j : j + max_q] * self.conv_w[j]
         return F.silu(out[seq_of_token, row_of_token]).to(qkv.dtype)
+
+
+def _split(states: StateBatch, device: torch.device) -> tuple:
+    """The batch's decodes and prefill chunks from the host lengths (tokens flattened sequence after
+    sequence), as index tensors made in one host -> device copy: (single [B1] sequences of one new token,
+    multi [B'] the others, tok1 [B1] their tokens, tokn their tokens, b and j: each of those tokens'
+    index in multi and row in its sequence); a part that is empty is None."""
+    lengths = states.host_lengths
+    if lengths is None:
+        lengths = tuple(states.lengths.tolist())
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += n
+    single = [i for i, n in enumerate(lengths) if n == 1]
+    multi = [i for i, n in enumerate(lengths) if n != 1]  # (a sequence of 0 new tokens pads as before)
+    tokn = [starts[i] + r for i in multi for r in range(lengths[i])]
+    b = [m for m, i in enumerate(multi) for _ in range(lengths[i])]
+    j = [r for i in multi for r in range(lengths[i])]
+    parts = [single, multi, [starts[i] for i in single], tokn, b, j]
+    flat = torch.tensor([v for p in parts for v in p], dtype=torch.int64).to(device, non_blocking=True)
+    out, at = [], 0
+    for p, of in zip(parts, (single, multi, single, multi, multi, multi)):
+        out.append(flat[at : at + len(p)] if of else None)
+        at += len(p)
+    return tuple(out)
