@@ -31,7 +31,7 @@ import torch
 
 from . import prefill_gemm
 from .build import extension, why
-from .formats import GGUF_SMALL_T, GGUF_UNIT_ROWS, Unsupported, plain_spec, quant_spec
+from .formats import GGUF_SMALL_T, GGUF_UNIT_ROWS, Unsupported, of_parts, plain_spec, quant_spec
 
 # Tokens of one weight above which the tiled path (convert a tile once, reuse it for every token)
 # replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code.
@@ -418,6 +418,10 @@ def quant_linear(x: torch.Tensor, spec: tuple | None) -> torch.Tensor | None:
     return None if spec is None or not _usable(x) else _linear(x, spec)
 
 
+def _primary(pool: dict[str, torch.Tensor], method, proj: str) -> torch.Tensor:
+    return pool[f"{proj}.{of_parts(method, pool, proj).primary}"]
+
+
 def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple:
     """(gate, up, down) specs of a pool for hidden size H and the experts' layout `ffn`
     (experts.compute.ExpertFFN; None = gate rows first, [out, in]); raises Unsupported."""
@@ -429,13 +433,13 @@ def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple
         gu = (
             plain_spec(pool["gate_up"])
             if method is None
-            else quant_spec(method, pool, "gate_up", pool[f"gate_up.{method.primary}"].shape[1], H)
+            else quant_spec(method, pool, "gate_up", _primary(pool, method, "gate_up").shape[1], H)
         )
         I = gu[4] // 2
         gate, up = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, I), slice(I, 2 * I))
         gate, up = _rows(gu, gate), _rows(gu, up)
     else:
-        I = pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
+        I = _primary(pool, method, "gate").shape[1]  # every format's primary tensor is [S, rows, ...]
         gate, up = quant_spec(method, pool, "gate", I, H), quant_spec(method, pool, "up", I, H)
     down = plain_spec(pool["down"]) if method is None else quant_spec(method, pool, "down", H, I)
     return gate, up, down

@@ -15,6 +15,12 @@ in % QK == 0):
     gguf-q6_k    256  210
     gguf-iq4_xs  256  136
 
+Routed experts whose types differ between layers (llama-quantize's Q4_K_M: ffn_down_exps Q6_K in some
+layers, Q4_K in others; UD files) are method "gguf-layers" (`GGMLLayers`): a part is keyed by its type,
+    P.<type>   uint8  [out, (in // QK) * BB]   e.g. "down.q6_k": the same bytes, the key naming the format
+so a layer's pool says how to read it and one method computes every layer (`block_method`);
+`GGMLLayers.for_layer(types)` is the method whose `layout` gives one layer's parts.
+
 A GGUF tensor [in, out] (ggml dims) is already this layout, and each expert of a stacked
 `blk.N.ffn_*_exps` [in, out, E] is one contiguous [out, row bytes] range of it, so every tier holds an
 expert in exactly its file bytes. `dequantize` decodes in vectorised torch (float32, the reference's
@@ -29,7 +35,7 @@ from typing import ClassVar
 import torch
 
 from .ggml_blocks import BY_NAME, DECODERS, METHODS, method_name
-from .method import QUANT_METHODS, QuantMethod, Shape, TensorSpec, register
+from .method import QUANT_METHODS, QuantMethod, Shape, TensorSpec, proj_name, register
 
 
 class GGMLBlocks(QuantMethod):
@@ -164,3 +170,67 @@ def mixed_method(types: dict[str, str]) -> str:
             subs["gate_up"] = subs["gate"]
         register(name)(type("GGUF_mixed", (GGMLMixed,), {"projections": subs}))
     return name
+
+
+def _keyed(type_name: str) -> GGMLBlocks:
+    """The method of `type_name` with its stored tensor keyed "P.<type lower>" (GGMLLayers' parts)."""
+    base, key = GGUF_METHODS[type_name], type_name.lower()
+    cls = type(
+        f"GGUF_{type_name}_keyed",
+        (base,),
+        {
+            "primary": key,
+            "aliases": {key: "weight"},  # the index serves the tensor as P.weight
+            "_layout": lambda self, shape: {key: base._layout(self, shape)["weight"]},
+            "_dequant": lambda self, parts, out: base._dequant(self, {"weight": parts[key]}, out),
+        },
+    )
+    return cls()
+
+
+KEYED: dict[str, GGMLBlocks] = {t.lower(): _keyed(t) for t in METHODS}
+
+
+@register("gguf-layers")
+class GGMLLayers(QuantMethod):
+    """Routed experts whose ggml types differ between layers: each projection P of a layer is stored as
+    "P.<type>" (KEYED[type]'s layout, the file's bytes), so the parts name their format and
+    `block_method` reads it from them. Layouts are per layer (`for_layer`), so `layout` / `nbytes`
+    without a layer are refused."""
+
+    def block_method(self, stored, name: str) -> GGMLBlocks:
+        """The block method of projection `name` in `stored` (its one "P.<type>" key)."""
+        p = proj_name(name)
+        for k in stored:
+            head, _, suffix = k.partition(".")
+            if head == p and suffix in KEYED:
+                return KEYED[suffix]
+        raise ValueError(
+            f"{self.name}: no stored tensor {p}.<type> (have {sorted(stored)}); types: {sorted(KEYED)}"
+        )
+
+    @staticmethod
+    def for_layer(types: dict[str, str]) -> GGMLMixed:
+        """The method whose layout gives one layer's parts, for its types {gate|up|down|gate_up: type}."""
+        subs = {p: KEYED[t.lower()] for p, t in types.items()}
+        if "gate_up" not in subs and types.get("gate") == types.get("up"):
+            subs["gate_up"] = subs["gate"]
+        aliases = {k: "weight" for k in KEYED}
+        cls = type("GGUF_layer", (GGMLMixed,), {"projections": subs, "aliases": aliases})
+        cls.name = "gguf-layer:" + ",".join(f"{p}={t.lower()}" for p, t in sorted(types.items()))
+        return cls()
+
+    def layout(self, name: str, shape: Shape) -> dict[str, TensorSpec]:
+        raise ValueError(f"{self.name}: the layout depends on the layer's types; use for_layer(types)")
+
+    def nbytes(self, shape: Shape) -> int:
+        raise ValueError(f"{self.name}: bytes depend on the layer's types; use for_layer(types)")
+
+    def pack(self, weights):
+        raise ValueError(f"{self.name}: no quantiser here (weights in this format are read from GGUF files)")
+
+    def dequantize(self, stored, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.block_method(stored, name).dequantize(stored, name, out)
+
+    def linear(self, x, stored, name: str, buf: torch.Tensor | None = None) -> torch.Tensor:
+        return self.block_method(stored, name).linear(x, stored, name, buf)

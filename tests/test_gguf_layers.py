@@ -1,0 +1,170 @@
+"""GGUF files whose routed-expert types differ between layers, as llama-quantize writes Q4_K_M (the down
+experts Q6_K in the layers `use_more_bits` picks, Q4_K in the others) and as UD files mix gate, up and
+down per layer. Such a file loads as method gguf-layers: each layer's parts keyed by their type, the
+slot pools grouped by layout. Logits in exact math equal transformers' on the weights the `gguf` package
+dequantizes from the file; tiered equals resident; every slot holds exactly its expert's file bytes."""
+
+import json
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+import checkpoints as C
+from gguf_files import (
+    dequantized_tensors,
+    gguf_names,
+    qwen3moe_metadata,
+    random_blocks,
+    reference_with,
+    tokenizer_metadata,
+    write_gguf,
+)
+
+from expertcache import LLM
+from expertcache.experts.layout import LayerParts
+from expertcache.units import fmt_bytes
+
+PROMPT = [1, 5, 9, 33, 100, 7, 250, 3]
+LAYERS, E, H, I = 4, 8, 256, 256  # K-quant rows need 256-element multiples
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama-quantize's rule for which layers' ffn_down get Q6_K under Q4_K_M (llama-quant.cpp)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+Q4_K_M = {
+    layer: {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K" if use_more_bits(layer, LAYERS) else "Q4_K"}
+    for layer in range(LAYERS)
+}
+UD = {  # gate and up differing too, and a layer in Q8_0 / IQ4_XS / Q5_K
+    0: {"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"},
+    1: {"gate": "IQ4_XS", "up": "IQ4_XS", "down": "Q8_0"},
+    2: {"gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"},
+    3: {"gate": "Q8_0", "up": "Q6_K", "down": "Q5_K"},
+}
+GATE_UP = {  # blk.N.ffn_gate_up_exps (gate and up in one stack), its type differing between layers
+    layer: {"gate_up": ("Q4_K", "Q6_K")[layer % 2], "down": ("Q6_K", "Q4_K")[layer % 2]}
+    for layer in range(LAYERS)
+}
+MIXES = {"q4_k_m": Q4_K_M, "ud": UD, "gate_up": GATE_UP}
+
+
+@pytest.fixture(scope="module")
+def k_checkpoint(checkpoint):
+    return checkpoint("qwen3_moe", hidden_size=H, moe_intermediate_size=I, num_hidden_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(k_checkpoint, tmp_path_factory):
+    """mix name -> a .gguf of the checkpoint's dense weights (F32) with random valid expert blocks in the
+    mix's types per layer and projection."""
+    root = tmp_path_factory.mktemp("gguf-layers")
+    cfg = json.loads((k_checkpoint / "config.json").read_text())
+    meta = qwen3moe_metadata(cfg) + tokenizer_metadata(
+        k_checkpoint / "tokenizer.json", "qwen2", cfg["vocab_size"], eos="<|im_end|>"
+    )
+    arrays = {k: v for k, v in gguf_names(C.read_tensors(k_checkpoint)).items() if "_exps" not in k}
+    files = {}
+
+    def get(mix: str):
+        if mix not in files:
+            raw = {}
+            for layer, types in MIXES[mix].items():
+                for n, (proj, t) in enumerate(types.items()):
+                    rows, cols = {"down": (H, I), "gate_up": (2 * I, H)}.get(proj, (I, H))
+                    blocks = random_blocks(t, E * rows, cols, seed=10 * layer + n)
+                    raw[f"blk.{layer}.ffn_{proj}_exps.weight"] = (t, blocks.reshape(E, rows, -1))
+            files[mix] = write_gguf(root / f"{mix}.gguf", "qwen3moe", arrays, meta, raw=raw)
+        return files[mix]
+
+    return get
+
+
+def _rel(got, expected) -> float:
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_logits_equal_transformers_on_the_dequantized_weights(k_checkpoint, mixed_gguf, mix):
+    path = mixed_gguf(mix)
+    expected = C.reference_logits(
+        reference_with(C.load_reference(k_checkpoint), dequantized_tensors(path)), PROMPT
+    )
+    llm = LLM(str(path))
+    try:
+        src = llm.source
+        assert src.method.name == "gguf-layers" and isinstance(src.parts, LayerParts)
+        for layer, types in MIXES[mix].items():
+            assert [p.name for p in src.layer_parts(layer)] == [f"{q}.{t.lower()}" for q, t in types.items()]
+        got = llm.logits(PROMPT)
+    finally:
+        llm.close()
+    assert torch.isfinite(expected).all()
+    assert _rel(got, expected) < 1e-3
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_tiered_equals_resident_and_each_slot_holds_its_file_bytes(mixed_gguf, mix):
+    path = mixed_gguf(mix)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    resident = LLM(str(path))
+    tiered = LLM(str(path), device_memory="25%", prefetch=False)  # 2 of 8 slots per layer: disk reads
+    # disk -> 4 host slots -> 2 device slots per layer, each tier grouped by layout
+    three = LLM(str(path), device_memory="25%", host_memory="50%", prefetch=False)
+    try:
+        expected = resident.logits(PROMPT)
+        assert _rel(tiered.logits(PROMPT), expected) < 1e-5  # the same kernels; pairs summed in another order
+        assert _rel(three.logits(PROMPT), expected) < 1e-5
+        assert three.experts.host_slots == 4 and three.experts.host.where is not None
+        three.experts.check(contents=True)  # host and device slots equal the checkpoint's bytes
+        cache = tiered.experts
+        cache.check(contents=True)  # every filled slot equals the checkpoint's bytes
+        seen = set()
+        for i, layer in enumerate(cache.layers):
+            table = cache.dev_tables[i]
+            assert table.resident(), f"layer {layer}: no expert in a device slot after a step"
+            e = table.resident()[0]
+            views = cache.dev.views(i, table.slot_of[e])
+            for proj, t in MIXES[mix][layer].items():
+                stack = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
+                per = stack.n_bytes // E
+                ((_f, off, n),) = tiered.source.ranges(layer, e)[f"{proj}.{t.lower()}"]
+                assert (off, n) == (stack.data_offset + e * per, per)
+                slot = views[f"{proj}.{t.lower()}"]
+                assert slot.numel() == per  # exactly its bytes: no padding to another layer's type
+                assert bytes(slot.contiguous().numpy()) == stack.data[e].tobytes()
+                seen.add(t)
+        assert seen == {t for types in MIXES[mix].values() for t in types.values()}
+        # every tier sized from (type, dims) per layer: the slots' bytes are the sum of each layer's
+        per_layer = [
+            sum(tensors[f"blk.{la}.ffn_{p}_exps.weight"].n_bytes // E for p in MIXES[mix][la])
+            for la in range(LAYERS)
+        ]
+        assert cache.dev.nbytes == cache.device_slots * sum(per_layer)
+        assert tiered.source.total_nbytes == E * sum(per_layer)
+        assert tiered.source.expert_nbytes == -(-sum(per_layer) // LAYERS)
+    finally:
+        resident.close()
+        tiered.close()
+        three.close()
+
+
+def test_plan_sizes_the_layers_from_their_types(mixed_gguf, capsys):
+    from expertcache.cli import main
+
+    path = mixed_gguf("q4_k_m")
+    main(["plan", str(path)])
+    out = capsys.readouterr().out
+    # gate/up Q4_K [256, 256] = 256 rows x 144 B; down Q4_K 256 x 144 or Q6_K 256 x 210
+    q4, q6 = 3 * 256 * 144, 2 * 256 * 144 + 256 * 210
+    n6 = sum(use_more_bits(i, LAYERS) for i in range(LAYERS))
+    assert n6 == 2
+    mean = -(-(n6 * q6 + (LAYERS - n6) * q4) // LAYERS)
+    assert mean == 119040  # the mean over the layers: layers x slots x it = the slots' bytes exactly here
+    assert f"one expert: {fmt_bytes(mean)} stored (gguf-layers)" in out
+    assert (
+        f"{LAYERS} layers x {E} experts x {fmt_bytes(mean)} = {fmt_bytes(E * LAYERS * mean)} on disk" in out
+    )
