@@ -24,6 +24,8 @@ from gguf_files import (
 
 from expertcache import LLM
 from expertcache.experts.layout import LayerParts
+from expertcache.quant.ggml import tier_type
+from expertcache.quant.ggml_blocks import q3_k_as_q6_k
 from expertcache.units import fmt_bytes
 
 PROMPT = [1, 5, 9, 33, 100, 7, 250, 3]
@@ -50,6 +52,13 @@ GATE_UP = {  # blk.N.ffn_gate_up_exps (gate and up in one stack), its type diffe
     for layer in range(LAYERS)
 }
 MIXES = {"q4_k_m": Q4_K_M, "ud": UD, "gate_up": GATE_UP}
+CONVERTED = {  # types no kernel reads (converted at load: Q3_K -> Q6_K exactly, the rest -> f32)
+    0: {"gate": "Q2_K", "up": "Q3_K", "down": "IQ2_XXS"},
+    1: {"gate": "Q4_1", "up": "Q5_1", "down": "IQ3_S"},
+    2: {"gate": "Q4_K", "up": "Q4_K", "down": "Q3_K"},
+    3: {"gate": "IQ2_XS", "up": "IQ3_XXS", "down": "Q6_K"},
+}
+ALL = {**MIXES, "converted": CONVERTED}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +81,7 @@ def mixed_gguf(k_checkpoint, tmp_path_factory):
     def get(mix: str):
         if mix not in files:
             raw = {}
-            for layer, types in MIXES[mix].items():
+            for layer, types in ALL[mix].items():
                 for n, (proj, t) in enumerate(types.items()):
                     rows, cols = {"down": (H, I), "gate_up": (2 * I, H)}.get(proj, (I, H))
                     blocks = random_blocks(t, E * rows, cols, seed=10 * layer + n)
@@ -87,7 +96,7 @@ def _rel(got, expected) -> float:
     return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("mix", sorted(ALL))
 def test_logits_equal_transformers_on_the_dequantized_weights(k_checkpoint, mixed_gguf, mix):
     path = mixed_gguf(mix)
     expected = C.reference_logits(
@@ -97,8 +106,13 @@ def test_logits_equal_transformers_on_the_dequantized_weights(k_checkpoint, mixe
     try:
         src = llm.source
         assert src.method.name == "gguf-layers" and isinstance(src.parts, LayerParts)
-        for layer, types in MIXES[mix].items():
-            assert [p.name for p in src.layer_parts(layer)] == [f"{q}.{t.lower()}" for q, t in types.items()]
+        for layer, types in ALL[mix].items():
+            assert [p.name for p in src.layer_parts(layer, stored=True)] == [
+                f"{q}.{t.lower()}" for q, t in types.items()
+            ]
+            assert [p.name for p in src.layer_parts(layer)] == [
+                f"{q}.{tier_type(t).lower()}" for q, t in types.items()
+            ]
         got = llm.logits(PROMPT)
     finally:
         llm.close()
@@ -168,3 +182,49 @@ def test_plan_sizes_the_layers_from_their_types(mixed_gguf, capsys):
     assert (
         f"{LAYERS} layers x {E} experts x {fmt_bytes(mean)} = {fmt_bytes(E * LAYERS * mean)} on disk" in out
     )
+
+
+def test_types_without_a_kernel_are_converted_at_load_exactly(mixed_gguf, capfd):
+    """Q3_K slots hold Q6_K blocks of the same values, the other types float32 of their values (the gguf
+    package's dequantiser the oracle); one line per type says which format; tiered equals resident."""
+    path = mixed_gguf("converted")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    capfd.readouterr()
+    resident = LLM(str(path))
+    err = capfd.readouterr().err
+    tiered = LLM(str(path), device_memory="25%", host_memory="50%", prefetch=False)
+    try:
+        for t, how in (
+            ("Q2_K", "dequantized to F32 (exact)"),
+            ("Q3_K", "repacked to Q6_K (the same values)"),
+            ("IQ2_XXS", "dequantized to F32"),
+            ("Q4_1", "dequantized to F32"),
+            ("IQ3_S", "dequantized to F32"),
+        ):
+            lines = [ln for ln in err.splitlines() if f"routed experts in {t} " in ln]
+            assert len(lines) == 1 and how in lines[0], err
+        assert "in Q4_K " not in err and "in Q6_K " not in err  # read as stored: no line
+        assert _rel(tiered.logits(PROMPT), resident.logits(PROMPT)) < 1e-5
+        tiered.experts.check(contents=True)  # every filled slot equals the converted checkpoint bytes
+        pools = resident.experts.pools
+        for layer, types in CONVERTED.items():
+            for proj, t in types.items():
+                stack = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
+                want = torch.from_numpy(
+                    gguf.quants.dequantize(stack.data[3], stack.tensor_type).astype("float32")
+                )
+                target = tier_type(t).lower()
+                slot = pools[layer][f"{proj}.{target}"][3]
+                if target == "f32":
+                    assert torch.equal(slot, want)
+                else:
+                    raw = torch.from_numpy(stack.data[3].copy()).reshape(-1, stack.data.shape[-1])
+                    blocks = raw.reshape(-1, gguf.GGML_QUANT_SIZES[stack.tensor_type][1])
+                    if target != t.lower():  # Q3_K: Q6_K blocks of the same values
+                        blocks = q3_k_as_q6_k(blocks)
+                    assert torch.equal(slot.reshape(blocks.shape), blocks)
+                    q6 = gguf.quants.dequantize(slot.numpy(), gguf.GGMLQuantizationType[target.upper()])
+                    assert torch.equal(torch.from_numpy(q6.astype("float32")), want)
+    finally:
+        resident.close()
+        tiered.close()

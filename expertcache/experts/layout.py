@@ -325,10 +325,31 @@ class ExpertSource:
         self.stored_nbytes = parts_nbytes(self.parts)
         if isinstance(m, ShippedInt):
             self._shipped(names, m, shapes)
+        if hasattr(m, "tier_layout"):
+            self._tier_types(per_layer, shapes)
         index_quantized_dense(self.index, m, used)
         self.dtype = parts_at(self.parts, 0)[0].dtype
         self.expert_nbytes = parts_nbytes(self.parts)
         self.ffn = self._ffn(names, transposed=False, fused_quant=fused_any)
+
+    def _tier_types(self, per_layer: list[tuple[Part, ...]], shapes: dict) -> None:
+        """Experts of a type no kernel reads (GGUF's Q2_K, Q3_K, IQ2/IQ3, Q4_1 ...): the tiers hold the
+        format `method.tier_layout` names (converted per read, `convert`); the disk keeps the file's bytes."""
+        m, tiers = self.method, []
+        for ps in per_layer:
+            tier = []
+            for p in ps:
+                canon = p.name.split(".", 1)[0]
+                specs = m.tier_layout(p.name, shapes[canon]) if "." in p.name else {p.name: p}
+                tier += [Part(k, tuple(v.shape), v.dtype) for k, v in specs.items()]
+            tiers.append(tuple(tier))
+        if tiers == per_layer:
+            return
+        self.parts = tiers[0] if all(t == tiers[0] for t in tiers) else LayerParts(tiers)
+        self._shapes = shapes
+        for key, ranges in self._ranges.items():
+            if tiers[self._li[key[0]]] != per_layer[self._li[key[0]]]:
+                self._ranges[key] = StoredRanges(ranges, self, key)
 
     def _layer_method(self, layer: int):
         """The method whose layout gives `layer`'s parts: the source's, or for experts whose types differ
@@ -392,6 +413,12 @@ class ExpertSource:
         self, layer: int, expert: int, raw: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]
     ) -> None:
         """Expert (layer, expert)'s shipped tensors `raw` -> its tier parts, written into `dst` (exact)."""
+        if hasattr(self.method, "to_tier"):  # GGUF experts of a type no kernel reads (_tier_types)
+            for key, t in raw.items():
+                shape = self._shapes.get(key.split(".", 1)[0]) if "." in key else None
+                for k, v in (self.method.to_tier(key, t, shape) if shape else {key: t}).items():
+                    dst[k].copy_(v)
+            return
         for canon, proj in self._projs.items():
             try:
                 parts = self.stored_method.repack(raw, canon, self.method)

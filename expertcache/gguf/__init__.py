@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..quant.ggml import mixed_method
+from ..quant.ggml_blocks import METHODS
 from .families import ARCHES, Arch, hf_config
 from .index import GGUFIndex
 from .reader import GGUFFile, is_gguf, read_gguf
@@ -53,7 +54,8 @@ def _quantization(path: Path, gf: GGUFFile) -> dict | None:
     """The experts' QuantMethod as a quantization_config (None: float experts, or none): one block type
     per projection in every layer -> that type's method (or gguf-mixed per projection); types that
     differ between layers (llama-quantize's Q4_K_M: ffn_down_exps Q6_K in some layers, Q4_K in others)
-    -> gguf-layers, each layer's parts keyed by their type (quant/ggml.py)."""
+    or a type no kernel reads (converted at load: quant/ggml.py tier_type) -> gguf-layers, each layer's
+    parts keyed by their type (quant/ggml.py)."""
     types = expert_types(gf)
     if not types:
         return None
@@ -78,7 +80,7 @@ def _quantization(path: Path, gf: GGUFFile) -> dict | None:
             f"{path}: routed experts mix float and block types ({', '.join(sorted(every))}); "
             "expected one float type or block types only"
         )
-    if any(len(ts) > 1 for ts in per_proj.values()):
+    if any(len(ts) > 1 for ts in per_proj.values()) or not every <= set(METHODS):  # per layer, or converted
         return {"quant_method": "expertcache", "experts": "gguf-layers"}
     one = {p: next(iter(ts)) for p, ts in per_proj.items()}
     if "gate_up" in one:  # blk.N.ffn_gate_up_exps in every layer

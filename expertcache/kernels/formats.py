@@ -98,7 +98,7 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 
 @register("bf16", "fp16", "fp32")
 def _plain(method, parts, proj, N, K):
-    return plain_spec(parts[f"{proj}.weight"])
+    return plain_spec(parts[f"{proj}.{method.primary}"])  # "P.weight", or "P.f32" (GGUF types per layer)
 
 
 @register("fp8")

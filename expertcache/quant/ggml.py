@@ -34,8 +34,9 @@ from typing import ClassVar
 
 import torch
 
-from .ggml_blocks import BY_NAME, DECODERS, METHODS, method_name
+from .ggml_blocks import BY_NAME, DECODERS, METHODS, method_name, q3_k_as_q6_k
 from .method import QUANT_METHODS, QuantMethod, Shape, TensorSpec, proj_name, register
+from .methods import FP32
 
 
 class GGMLBlocks(QuantMethod):
@@ -172,9 +173,26 @@ def mixed_method(types: dict[str, str]) -> str:
     return name
 
 
-def _keyed(type_name: str) -> GGMLBlocks:
-    """The method of `type_name` with its stored tensor keyed "P.<type lower>" (GGMLLayers' parts)."""
-    base, key = GGUF_METHODS[type_name], type_name.lower()
+def _keyed(type_name: str) -> QuantMethod:
+    """The method of `type_name` with its stored tensor keyed "P.<type lower>" (GGMLLayers' parts): a
+    block type's (one without a QuantMethod: its layout and decoder only), or F32's (a dequantized
+    expert: plain float32 [out, in])."""
+    if type_name == "F32":
+        base = FP32
+    else:
+        base = GGUF_METHODS.get(type_name) or type(
+            f"GGUF_{type_name}",
+            (GGMLBlocks,),
+            {
+                "type_name": type_name,
+                "_dequant": lambda self, parts, out: out.copy_(
+                    decode(self.type_name, parts["weight"].contiguous().view(-1, self.block_bytes)).view(
+                        out.shape
+                    )
+                ),
+            },
+        )
+    key = type_name.lower()
     cls = type(
         f"GGUF_{type_name}_keyed",
         (base,),
@@ -188,7 +206,38 @@ def _keyed(type_name: str) -> GGMLBlocks:
     return cls()
 
 
-KEYED: dict[str, GGMLBlocks] = {t.lower(): _keyed(t) for t in METHODS}
+def _block_types() -> list[str]:
+    return [t.name for t in BY_NAME.values() if t.block > 1]
+
+
+KEYED: dict[str, QuantMethod] = {t.lower(): _keyed(t) for t in [*_block_types(), "F32"]}
+# routed experts of a type no kernel reads: the format their tiers hold instead, converted at load
+# exactly (a Q3_K block is a Q6_K block of the same values); any other such type is dequantized to F32
+TIER_TYPES = {"Q3_K": "Q6_K"}
+# the block types without a decoder here that the `gguf` package decodes (`decode` goes through it)
+GGUF_DECODED = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "NVFP4")
+
+
+def tier_type(type_name: str) -> str:
+    """The ggml type (or F32) the tiers hold routed experts stored in `type_name` in."""
+    return type_name if type_name in METHODS else TIER_TYPES.get(type_name, "F32")
+
+
+def decode(type_name: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks uint8 [N, block bytes] of any block type -> float32 [N, block]: the project's decoder, else
+    the `gguf` package's (IQ2/IQ3/IQ1/TQ types)."""
+    if type_name in DECODERS:
+        return DECODERS[type_name](blocks)
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError(
+            f"{type_name} blocks are decoded through the gguf package (pip install gguf)"
+        ) from None
+    t = gguf.GGMLQuantizationType[type_name]
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), t).astype("float32", copy=False)).reshape(
+        blocks.shape[0], -1
+    )
 
 
 @register("gguf-layers")
@@ -219,6 +268,25 @@ class GGMLLayers(QuantMethod):
         cls = type("GGUF_layer", (GGMLMixed,), {"projections": subs, "aliases": aliases})
         cls.name = "gguf-layer:" + ",".join(f"{p}={t.lower()}" for p, t in sorted(types.items()))
         return cls()
+
+    @staticmethod
+    def tier_layout(key: str, shape: Shape) -> dict[str, TensorSpec]:
+        """The tiers' part for stored part `key` ("P.<type>") of a weight of `shape` [out, in]: itself where
+        a kernel reads the type, else the one it is converted to at load (`tier_type`)."""
+        p, t = key.split(".", 1)
+        return KEYED[tier_type(t.upper()).lower()].layout(p, shape)
+
+    @staticmethod
+    def to_tier(key: str, raw: torch.Tensor, shape: Shape) -> dict[str, torch.Tensor]:
+        """Stored part `key` (uint8 [out, row bytes], the file's blocks) -> the tiers' part(s) (`tier_layout`)."""
+        p, t = key.split(".", 1)
+        name, target = t.upper(), tier_type(t.upper())
+        if target == name:
+            return {key: raw}
+        blocks = raw.reshape(-1, BY_NAME[name].block_bytes)
+        if target == "Q6_K":  # Q3_K, exactly
+            return {f"{p}.q6_k": q3_k_as_q6_k(blocks).reshape(shape[0], -1)}
+        return {f"{p}.f32": decode(name, blocks).reshape(shape)}
 
     def layout(self, name: str, shape: Shape) -> dict[str, TensorSpec]:
         raise ValueError(f"{self.name}: the layout depends on the layer's types; use for_layer(types)")
