@@ -25,7 +25,7 @@ from gguf_files import (
 from expertcache import LLM
 from expertcache.experts.layout import LayerParts
 from expertcache.quant.ggml import tier_type
-from expertcache.quant.ggml_blocks import q3_k_as_q6_k
+from expertcache.quant.ggml_blocks import BY_NAME, q3_k_as_q6_k
 from expertcache.units import fmt_bytes
 
 PROMPT = [1, 5, 9, 33, 100, 7, 250, 3]
@@ -206,6 +206,18 @@ def test_types_without_a_kernel_are_converted_at_load_exactly(mixed_gguf, capfd)
         assert "in Q4_K " not in err and "in Q6_K " not in err  # read as stored: no line
         assert _rel(tiered.logits(PROMPT), resident.logits(PROMPT)) < 1e-5
         tiered.experts.check(contents=True)  # every filled slot equals the converted checkpoint bytes
+
+        # the tiers sized from each layer's (type, dims): float32 4 B a weight, Q6_K 210 B a 256 block
+        def tier_bytes(t: str, n: int = H * I) -> int:  # a weight's bytes in its tier type
+            target = tier_type(t)
+            return 4 * n if target == "F32" else n // BY_NAME[target].block * BY_NAME[target].block_bytes
+
+        assert tier_bytes("Q3_K") == 256 * 210 and tier_bytes("IQ2_XXS") == 4 * H * I
+        per_layer = [sum(tier_bytes(t) for t in types.values()) for types in CONVERTED.values()]
+        assert tiered.experts.dev.nbytes == tiered.experts.device_slots * sum(per_layer)
+        assert tiered.experts.host.nbytes == tiered.experts.host_slots * sum(per_layer)
+        assert tiered.source.expert_nbytes == -(-sum(per_layer) // LAYERS)
+        assert tiered.source.total_nbytes == sum(t.n_bytes for n, t in tensors.items() if "_exps" in n)
         pools = resident.experts.pools
         for layer, types in CONVERTED.items():
             for proj, t in types.items():

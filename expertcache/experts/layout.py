@@ -325,10 +325,10 @@ class ExpertSource:
         self.stored_nbytes = parts_nbytes(self.parts)
         if isinstance(m, ShippedInt):
             self._shipped(names, m, shapes)
+        self.dtype = parts_at(self.parts, 0)[0].dtype
         if hasattr(m, "tier_layout"):
             self._tier_types(per_layer, shapes)
         index_quantized_dense(self.index, m, used)
-        self.dtype = parts_at(self.parts, 0)[0].dtype
         self.expert_nbytes = parts_nbytes(self.parts)
         self.ffn = self._ffn(names, transposed=False, fused_quant=fused_any)
 

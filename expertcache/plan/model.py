@@ -93,7 +93,11 @@ def model_sizes(info: ModelInfo, config: EngineConfig) -> Sizes:
         expert_fast=fast,
         expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
         stored_dtype=stored or str(src.dtype).removeprefix("torch."),
-        fast_format=(f"{method}, as stored" if method == stored else f"{method}, repacked from {stored}")
+        fast_format=(
+            (f"{method}, as stored" if fast == src.stored_nbytes else f"{method}, converted at load per type")
+            if method == stored
+            else f"{method}, repacked from {stored}"
+        )
         if method
         else str(first[0].dtype).removeprefix("torch.") + (", as stored" if first[0].dtype != dtype else ""),
         quantized=method,
