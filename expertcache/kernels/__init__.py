@@ -418,7 +418,9 @@ def quant_linear(x: torch.Tensor, spec: tuple | None) -> torch.Tensor | None:
     return None if spec is None or not _usable(x) else _linear(x, spec)
 
 
-def _primary(pool: dict[str, torch.Tensor], method, proj: str) -> torch.Tensor:
+def pool_primary(pool: dict[str, torch.Tensor], method, proj: str) -> torch.Tensor:
+    """Projection `proj`'s primary tensor [S, rows, ...] of a quantized pool (its key may name its type:
+    GGUF types per layer, "gate.q4_k")."""
     return pool[f"{proj}.{of_parts(method, pool, proj).primary}"]
 
 
@@ -433,13 +435,13 @@ def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple
         gu = (
             plain_spec(pool["gate_up"])
             if method is None
-            else quant_spec(method, pool, "gate_up", _primary(pool, method, "gate_up").shape[1], H)
+            else quant_spec(method, pool, "gate_up", pool_primary(pool, method, "gate_up").shape[1], H)
         )
         I = gu[4] // 2
         gate, up = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, I), slice(I, 2 * I))
         gate, up = _rows(gu, gate), _rows(gu, up)
     else:
-        I = _primary(pool, method, "gate").shape[1]  # every format's primary tensor is [S, rows, ...]
+        I = pool_primary(pool, method, "gate").shape[1]  # every format's primary tensor is [S, rows, ...]
         gate, up = quant_spec(method, pool, "gate", I, H), quant_spec(method, pool, "up", I, H)
     down = plain_spec(pool["down"]) if method is None else quant_spec(method, pool, "down", H, I)
     return gate, up, down
@@ -537,6 +539,7 @@ __all__ = [
     "moe",
     "moe_args",
     "moe_out",
+    "pool_primary",
     "pool_specs",
     "reads_stored",
     "dense_dtype",
