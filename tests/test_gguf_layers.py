@@ -22,7 +22,7 @@ from gguf_files import (
     write_gguf,
 )
 
-from expertcache import LLM
+from expertcache import LLM, kernels
 from expertcache.experts.layout import LayerParts
 from expertcache.quant.ggml import tier_type
 from expertcache.quant.ggml_blocks import BY_NAME, q3_k_as_q6_k
@@ -240,3 +240,40 @@ def test_types_without_a_kernel_are_converted_at_load_exactly(mixed_gguf, capfd)
     finally:
         resident.close()
         tiered.close()
+
+
+@pytest.mark.skipif(
+    not (kernels.backend() == "cpp" and kernels.extension().fast_supported()),
+    reason="the fast CPU math needs the C++ kernels and AVX-512 BF16/VNNI",
+)
+def test_fast_math_reads_a_layers_keyed_parts_as_the_per_projection_method_does():
+    """The same bytes keyed by type (gguf-layers) and as gguf-mixed's P.weight: under fast math the MoE
+    kernel and the prefill path (weights to the bf16 matmul) give bit-identical outputs."""
+    from expertcache.experts.ffn import SWIGLU
+    from expertcache.experts.prefill import prefill_moe
+    from expertcache.kernels import prefill_gemm
+    from expertcache.quant.ggml import mixed_method
+    from expertcache.quant.method import make_quant_method
+
+    S, T = 4, 64
+    g, u = (torch.from_numpy(random_blocks("Q4_K", S * I, H, seed=s)).view(S, I, -1) for s in (1, 2))
+    d = torch.from_numpy(random_blocks("Q6_K", S * H, I, seed=3)).view(S, H, -1)
+    keyed = ({"gate.q4_k": g, "up.q4_k": u, "down.q6_k": d}, make_quant_method("gguf-layers"))
+    plain = (
+        {"gate.weight": g, "up.weight": u, "down.weight": d},
+        make_quant_method(mixed_method({"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"})),
+    )
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen)
+    slots, w = torch.randint(0, S, (T, 2), generator=gen), torch.rand(T, 2, generator=gen)
+    with kernels.cpu_math("fast"):
+        outs = []
+        for pool, method in (keyed, plain):
+            out = torch.zeros(T, H)
+            assert kernels.moe(x, slots, w, pool, method, out, SWIGLU)
+            with prefill_gemm.fixed_crossover(prefill_gemm.MIN_T):
+                done = prefill_moe(x, slots, w, pool, method, SWIGLU, None)
+            assert done is not None  # every expert has >= MIN_T tokens here: the bf16 matmul took them
+            outs.append((out, done[0]))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
