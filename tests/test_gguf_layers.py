@@ -277,3 +277,25 @@ def test_fast_math_reads_a_layers_keyed_parts_as_the_per_projection_method_does(
             outs.append((out, done[0]))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_decoding_through_three_tiers_equals_resident(mixed_gguf):
+    """Steps of decode with prefetch and the exclusive RAM tiers' demotions: each miss read, demoted and
+    promoted in its own layer's layout; greedy tokens and every slot's bytes as resident's."""
+    from expertcache import SamplingParams
+
+    path = mixed_gguf("ud")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = []
+    for kwargs in ({}, dict(device_memory="25%", host_memory="38%")):
+        llm = LLM(str(path), **kwargs)
+        try:
+            outs.append(llm.generate([PROMPT], params)[0].token_ids)
+            if kwargs:
+                cache = llm.experts
+                assert cache.exclusive and cache.host.where is not None
+                assert cache.counters[0].misses > 0  # experts moved
+                cache.check(contents=True)
+        finally:
+            llm.close()
+    assert outs[0] == outs[1]
