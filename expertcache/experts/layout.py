@@ -338,9 +338,12 @@ class ExpertSource:
         m, tiers = self.method, []
         for ps in per_layer:
             tier = []
-            for p in ps:
-                canon = p.name.split(".", 1)[0]
-                specs = m.tier_layout(p.name, shapes[canon]) if "." in p.name else {p.name: p}
+            for p in ps:  # a weight "P.<type>" in its tier type; a bias part as it is
+                specs = (
+                    {p.name: p}
+                    if p in self.bias_parts
+                    else m.tier_layout(p.name, shapes[p.name.split(".")[0]])
+                )
                 tier += [Part(k, tuple(v.shape), v.dtype) for k, v in specs.items()]
             tiers.append(tuple(tier))
         if tiers == per_layer:
@@ -415,7 +418,7 @@ class ExpertSource:
         """Expert (layer, expert)'s shipped tensors `raw` -> its tier parts, written into `dst` (exact)."""
         if hasattr(self.method, "to_tier"):  # GGUF experts of a type no kernel reads (_tier_types)
             for key, t in raw.items():
-                shape = self._shapes.get(key.split(".", 1)[0]) if "." in key else None
+                shape = self._shapes.get(key.split(".", 1)[0])  # None: a bias part, copied as it is
                 for k, v in (self.method.to_tier(key, t, shape) if shape else {key: t}).items():
                     dst[k].copy_(v)
             return

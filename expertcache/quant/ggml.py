@@ -19,7 +19,10 @@ Routed experts whose types differ between layers (llama-quantize's Q4_K_M: ffn_d
 layers, Q4_K in others; UD files) are method "gguf-layers" (`GGMLLayers`): a part is keyed by its type,
     P.<type>   uint8  [out, (in // QK) * BB]   e.g. "down.q6_k": the same bytes, the key naming the format
 so a layer's pool says how to read it and one method computes every layer (`block_method`);
-`GGMLLayers.for_layer(types)` is the method whose `layout` gives one layer's parts.
+`GGMLLayers.for_layer(types)` is the method whose `layout` gives one layer's parts. Experts of a type no
+kernel reads (Q2_K, Q3_K, Q4_1, Q5_1, IQ2/IQ3/IQ1, TQ) are gguf-layers too; their tiers hold another
+format (`tier_type`, `to_tier`): Q3_K repacked to Q6_K blocks of the same values, the others
+dequantized to F32 ("P.f32" float32 [out, in], exact).
 
 A GGUF tensor [in, out] (ggml dims) is already this layout, and each expert of a stacked
 `blk.N.ffn_*_exps` [in, out, E] is one contiguous [out, row bytes] range of it, so every tier holds an
@@ -211,16 +214,16 @@ def _block_types() -> list[str]:
 
 
 KEYED: dict[str, QuantMethod] = {t.lower(): _keyed(t) for t in [*_block_types(), "F32"]}
-# routed experts of a type no kernel reads: the format their tiers hold instead, converted at load
-# exactly (a Q3_K block is a Q6_K block of the same values); any other such type is dequantized to F32
-TIER_TYPES = {"Q3_K": "Q6_K"}
+# routed experts of a type no kernel reads: a kernel type whose blocks hold the same values, and the
+# repack into it (exact); any other such type is dequantized to F32
+REPACKS = {"Q3_K": ("Q6_K", q3_k_as_q6_k)}
 # the block types without a decoder here that the `gguf` package decodes (`decode` goes through it)
 GGUF_DECODED = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "NVFP4")
 
 
 def tier_type(type_name: str) -> str:
     """The ggml type (or F32) the tiers hold routed experts stored in `type_name` in."""
-    return type_name if type_name in METHODS else TIER_TYPES.get(type_name, "F32")
+    return type_name if type_name in METHODS else REPACKS.get(type_name, ("F32",))[0]
 
 
 def decode(type_name: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -284,8 +287,8 @@ class GGMLLayers(QuantMethod):
         if target == name:
             return {key: raw}
         blocks = raw.reshape(-1, BY_NAME[name].block_bytes)
-        if target == "Q6_K":  # Q3_K, exactly
-            return {f"{p}.q6_k": q3_k_as_q6_k(blocks).reshape(shape[0], -1)}
+        if name in REPACKS:
+            return {f"{p}.{target.lower()}": REPACKS[name][1](blocks).reshape(shape[0], -1)}
         return {f"{p}.f32": decode(name, blocks).reshape(shape)}
 
     def layout(self, name: str, shape: Shape) -> dict[str, TensorSpec]:
