@@ -299,3 +299,26 @@ def test_decoding_through_three_tiers_equals_resident(mixed_gguf):
         finally:
             llm.close()
     assert outs[0] == outs[1]
+
+
+def test_experts_in_a_type_no_decoder_reads_are_refused_naming_the_tensor(k_checkpoint, tmp_path):
+    from expertcache.errors import CheckpointError
+
+    cfg = json.loads((k_checkpoint / "config.json").read_text())
+    meta = qwen3moe_metadata(cfg) + tokenizer_metadata(
+        k_checkpoint / "tokenizer.json", "qwen2", cfg["vocab_size"]
+    )
+    arrays = {k: v for k, v in gguf_names(C.read_tensors(k_checkpoint)).items() if "_exps" not in k}
+    raw = {}
+    for layer in range(LAYERS):
+        for proj in ("gate", "up", "down"):
+            t = "Q8_K" if (layer, proj) == (2, "down") else "Q4_K"
+            raw[f"blk.{layer}.ffn_{proj}_exps.weight"] = (
+                t,
+                random_blocks(t, E * 256, 256).reshape(E, 256, -1),
+            )
+    path = write_gguf(tmp_path / "q8k.gguf", "qwen3moe", arrays, meta, raw=raw)
+    with pytest.raises(
+        CheckpointError, match=r"tensor blk\.2\.ffn_down_exps\.weight \(routed experts\) is Q8_K"
+    ):
+        LLM(str(path))
