@@ -58,13 +58,16 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # of the torch path. fast: as llama.cpp computes, bf16 weights against activations rounded to bf16
 # (vdpbf16ps) and int8 weights against activations quantized to int8 per block of 64 (vpdpbusd);
 # mxfp4 and int4 (groups a multiple of 32) against activations quantized to int8 per block of 32, as
-# llama.cpp pairs its 4-bit formats with q8 (csrc/nibble_kernels.h); the other formats stay exact.
+# llama.cpp pairs its 4-bit formats with q8 (csrc/nibble_kernels.h); GGUF blocks against activations
+# quantized as llama.cpp pairs each type (Q8_0 / Q8_K-style, csrc/ggml_kernels.cpp); the other formats
+# stay exact.
 # It needs AVX-512 F/BW/VL/BF16/VNNI (csrc/fast_kernels.h).
 CPU_MATHS = {"exact": 0, "fast": 1}
 CPU_MATH_NOTES = {
     "exact": "float32 activations",
     "fast": "bf16 and int8 weights against activations rounded to bf16 / int8 blocks of 64, "
-    "mxfp4 and int4 against int8 blocks of 32, AVX-512 BF16/VNNI; other formats exact",
+    "mxfp4 and int4 against int8 blocks of 32, GGUF blocks against int8 blocks of 32 (Q8_0) or 256 "
+    "(Q8_K), AVX-512 BF16/VNNI; other formats exact",
 }
 _math = [0]  # the code in effect: set by cpu_math() around a forward
 _FAST = CPU_MATHS["fast"]
