@@ -32,31 +32,48 @@ def _fit(tok, messages: list[dict], budget: int) -> tuple[list[int], int]:
 
 
 def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
-    from .cli_checks import check_prompt_fits
-    from .cli_common import engine_kwargs, stream_request
+    """A prompt piped on stdin: one answer; on a terminal: a conversation until /exit or EOF."""
+    from .cli_common import engine_kwargs
     from .llm import LLM
 
-    piped = not sys.stdin.isatty()
-    if piped:
+    text = None
+    if not sys.stdin.isatty():
         text = sys.stdin.read()
         if not text.strip():
             raise ValueError("stdin: no prompt (pipe a prompt in, or run on a terminal for a chat)")
     llm = LLM(**engine_kwargs(args))
-    print("\n".join(llm.loaded_lines), file=sys.stderr)
-    tok = llm.require_tokenizer()
-    budget = llm.max_model_len - sp.max_tokens
-    if piped:
-        msgs = ([{"role": "system", "content": args.system}] if getattr(args, "system", None) else []) + [
-            {"role": "user", "content": text.rstrip("\n")}
-        ]
-        ids = tok.encode_chat(msgs) if template else tok.encode(text)
-        check_prompt_fits(args, llm.model_dir, ids)
-        print(stream_request(llm, ids, sp), file=sys.stderr)
+    try:
+        print("\n".join(llm.loaded_lines), file=sys.stderr)
+        tok = llm.require_tokenizer()
+        if text is not None:
+            _answer_once(args, llm, tok, text, sp, template)
+        else:
+            _converse(args, llm, tok, sp)
+    finally:
         llm.close()
-        return 0
-    messages: list[dict] = (
-        [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
-    )
+    return 0
+
+
+def _system(args) -> list[dict]:
+    return [{"role": "system", "content": args.system}] if getattr(args, "system", None) else []
+
+
+def _answer_once(args, llm, tok, text: str, sp, template: bool) -> None:
+    """The piped prompt (as a user message under the chat template, or as plain text) answered once."""
+    from .cli_checks import check_prompt_fits
+    from .cli_common import stream_request
+
+    msgs = _system(args) + [{"role": "user", "content": text.rstrip("\n")}]
+    ids = tok.encode_chat(msgs) if template else tok.encode(text)
+    check_prompt_fits(args, llm.model_dir, ids)
+    print(stream_request(llm, ids, sp), file=sys.stderr)
+
+
+def _converse(args, llm, tok, sp) -> None:
+    """Read a line, answer it with the conversation so far (the oldest messages dropped to fit), repeat;
+    /reset, /exit, /quit; Ctrl-C ends it."""
+    messages = _system(args)
+    budget = llm.max_model_len - sp.max_tokens
     print(
         f"chat with {getattr(args, 'model_spec', None) or args.model or 'the demo model'}; {HELP}",
         file=sys.stderr,
@@ -70,52 +87,52 @@ def run_chat(args: argparse.Namespace, sp, template: bool = True) -> int:
                 print(file=sys.stderr)
                 break
             cmd = line.strip()
-            if not cmd:
-                continue
             if cmd in ("/exit", "/quit"):
                 break
             if cmd == "/reset":
                 messages = messages[:1] if messages and messages[0]["role"] == "system" else []
                 print("(conversation cleared)", file=sys.stderr, flush=True)
-                continue
-            if cmd.startswith("/"):
+            elif cmd.startswith("/"):
                 print(f"unknown command {cmd}; {HELP}", file=sys.stderr, flush=True)
-                continue
-            messages.append({"role": "user", "content": line})
-            ids, dropped = _fit(tok, messages, budget)
-            if len(ids) > budget:
-                print(
-                    f"(this message is {len(ids)} tokens; with --max-tokens {sp.max_tokens} it exceeds the "
-                    f"context of {llm.max_model_len}; not sent)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                messages.pop()
-                continue
-            if dropped:
-                n_sys = 1 if messages[0]["role"] == "system" else 0
-                messages = messages[:n_sys] + messages[n_sys + dropped :]
-                print(
-                    f"(dropped the oldest {dropped} messages to fit the context)", file=sys.stderr, flush=True
-                )
-            reply: list[str] = []
-
-            class _Tee:
-                def write(self, s: str) -> None:
-                    reply.append(s)
-                    sys.stdout.write(s)
-
-                def flush(self) -> None:
-                    sys.stdout.flush()
-
-            stats = stream_request(llm, ids, sp, out=_Tee())
-            messages.append({"role": "assistant", "content": "".join(reply).rstrip("\n")})
-            print(stats, file=sys.stderr, flush=True)
+            elif cmd:
+                messages = _turn(llm, tok, messages, line, sp, budget)
     except KeyboardInterrupt:
         print(file=sys.stderr)
-    finally:
-        llm.close()
-    return 0
+
+
+def _turn(llm, tok, messages: list[dict], line: str, sp, budget: int) -> list[dict]:
+    """One user message answered (streamed to stdout) -> the conversation with both, or unchanged when
+    the message alone does not fit the context."""
+    from .cli_common import stream_request
+
+    messages = messages + [{"role": "user", "content": line}]
+    ids, dropped = _fit(tok, messages, budget)
+    if len(ids) > budget:
+        print(
+            f"(this message is {len(ids)} tokens; with --max-tokens {sp.max_tokens} it exceeds the "
+            f"context of {llm.max_model_len}; not sent)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return messages[:-1]
+    if dropped:
+        n_sys = 1 if messages[0]["role"] == "system" else 0
+        messages = messages[:n_sys] + messages[n_sys + dropped :]
+        print(f"(dropped the oldest {dropped} messages to fit the context)", file=sys.stderr, flush=True)
+    reply: list[str] = []
+
+    class _Tee:
+        def write(self, s: str) -> None:
+            reply.append(s)
+            sys.stdout.write(s)
+
+        def flush(self) -> None:
+            sys.stdout.flush()
+
+    stats = stream_request(llm, ids, sp, out=_Tee())
+    messages.append({"role": "assistant", "content": "".join(reply).rstrip("\n")})
+    print(stats, file=sys.stderr, flush=True)
+    return messages
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

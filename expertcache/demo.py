@@ -90,9 +90,8 @@ CHAT_TEMPLATE = (
 _INIT_STD = 0.02  # q/k/v, expert gate/up, lm_head
 _OUT_STD = 0.01  # o_proj and expert down_proj: smaller, so layers nudge the residual stream
 _EMB_STD = 0.07  # embeddings: large enough that the current token still steers deep routers
-# Routing shape, measured with transformers on ~500 tokens of CORPUS: per layer the 4 busiest
-# experts take 30-60% of picks (12.5% if uniform), a token reuses 20-45% of the previous
-# token's experts (12.5% if uniform), and all but 0-3 of the 32 experts get used.
+# The routing shape these give the random-weight model (measured): docs/demo.md, "The random-weight
+# model".
 _EMB_COMMON = 0.3  # weight of the direction shared by all embeddings, relative to _EMB_STD
 _ROUTER_POP = 0.05  # spread of per-expert popularity along that direction
 _ROUTER_NOISE = 0.3  # full-rank part of the router, relative to the low-rank part
@@ -445,6 +444,18 @@ def build_demo_model(
             print(f"expertcache: {msg}", file=sys.stderr, flush=True)
 
     say(f"building a demo checkpoint ({p['num_layers']} layers x {p['num_experts']} experts) ...")
+    vocab_size = _write_tokenizer_and_configs(out, p)
+    _write_weights(out, p, seed, vocab_size, say)
+    files = {f.name: file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != MANIFEST}
+    write_json(
+        out / MANIFEST, {"format": "expertcache-demo", "version": FORMAT_VERSION, "params": p, "files": files}
+    )
+    say(f"demo model ready in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _write_tokenizer_and_configs(out: pathlib.Path, p: dict[str, Any]) -> int:
+    """tokenizer.json, tokenizer_config.json, config.json and generation_config.json -> the vocab size."""
     tok = train_tokenizer(int(p["vocab"]))
     vocab_size = max(tok.get_vocab_size(), int(p["vocab"]))
     eos_ids = [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")]
@@ -463,7 +474,12 @@ def build_demo_model(
             "top_k": 20,
         },
     )
+    return vocab_size
 
+
+def _write_weights(out: pathlib.Path, p: dict[str, Any], seed: int, vocab_size: int, say) -> None:
+    """The weights in num_shards safetensors files (layers split evenly; the embedding in the first, the
+    final norm and lm_head in the last) and, when there are several, their index."""
     H, L, n = p["hidden"], p["num_layers"], p["num_shards"]
     n = min(n, L)
     common = torch.randn(H, generator=_generator(seed, "common-direction"))  # unit RMS
@@ -496,13 +512,6 @@ def build_demo_model(
             out / "model.safetensors.index.json",
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
         )
-
-    files = {f.name: file_entry(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != MANIFEST}
-    write_json(
-        out / MANIFEST, {"format": "expertcache-demo", "version": FORMAT_VERSION, "params": p, "files": files}
-    )
-    say(f"demo model ready in {time.perf_counter() - t0:.1f} s")
-    return out
 
 
 def tokenizer_config(tok, p: dict[str, Any]) -> dict[str, Any]:

@@ -351,6 +351,59 @@ def write_manifest(out: pathlib.Path, p: dict[str, Any], info: dict[str, Any]) -
         f.chmod(0o644)
 
 
+def _corpus(root: pathlib.Path, p: dict, held_chars: int):
+    """The corpus of `root` and a tokenizer trained on it -> (tokenizer, vocab size, training ids, held-out
+    text, its ids, the corpus's info)."""
+    train_docs, held_docs, info = build_corpus(root)
+    tok = demo.train_tokenizer(int(p["vocab"]), train_docs)
+    vocab_size = max(tok.get_vocab_size(), int(p["vocab"]))
+    held_text = "\n".join(held_docs)[:held_chars]
+    return tok, vocab_size, encode(tok, train_docs), held_text, encode(tok, [held_text]), info
+
+
+def _corpus_line(info: dict, data, held, model) -> str:
+    return (
+        f"corpus: {info['files']} files, {len(data)} training tokens, {len(held)} held-out tokens; "
+        f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f} M parameters; threads {torch.get_num_threads()}"
+    )
+
+
+def _set_lr(opt, lr: float, step: int, warmup: int, frac: float) -> None:
+    """Linear warm-up, then a cosine from lr down to 0.1 lr over the run (`frac` of it done)."""
+    scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    for g in opt.param_groups:
+        g["lr"] = lr * scale * g["lr_mult"]
+
+
+def _optimizer(model, lr: float, router_lr_mult: float) -> torch.optim.AdamW:
+    """AdamW over three groups: matrices (decayed), the routers (decayed, their own lr multiple), vectors
+    (not decayed); each group's `lr_mult` scales the schedule's lr."""
+    routers = {id(m.router) for m in model.layers}
+    groups = [
+        ([q for q in model.parameters() if q.dim() >= 2 and id(q) not in routers], 0.1, 1.0),
+        ([m.router for m in model.layers], 0.1, router_lr_mult),
+        ([q for q in model.parameters() if q.dim() < 2], 0.0, 1.0),
+    ]
+    return torch.optim.AdamW(
+        [{"params": g, "weight_decay": wd, "lr_mult": mult} for g, wd, mult in groups],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def _update(model, opt, data, starts: list[int], seq: int, aux_coef: float, z_coef: float):
+    """One optimizer step on the windows at `starts` -> (loss, aux, z)."""
+    x = torch.stack([data[s : s + seq] for s in starts])
+    y = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
+    logits, aux, z = model(x)  # fp32 (on CPUs without bf16 matmul units it is the faster one)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    (loss + aux_coef * aux + z_coef * z).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss, aux, z
+
+
 def train(
     root: pathlib.Path,
     out: pathlib.Path,
@@ -380,28 +433,10 @@ def train(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     p = {**SIZES, **(sizes or {}), "seed": seed}
-    train_docs, held_docs, info = build_corpus(root)
-    tok = demo.train_tokenizer(int(p["vocab"]), train_docs)
-    vocab_size = max(tok.get_vocab_size(), int(p["vocab"]))
-    data = encode(tok, train_docs)
-    held_text = "\n".join(held_docs)[:held_chars]
-    held = encode(tok, [held_text])
+    tok, vocab_size, data, held_text, held, info = _corpus(root, p, held_chars)
     model = TinyMoE(p, vocab_size, seed)
-    routers = {id(m.router) for m in model.layers}
-    groups = [
-        ([q for q in model.parameters() if q.dim() >= 2 and id(q) not in routers], 0.1, 1.0),
-        ([m.router for m in model.layers], 0.1, router_lr_mult),
-        ([q for q in model.parameters() if q.dim() < 2], 0.0, 1.0),
-    ]
-    opt = torch.optim.AdamW(
-        [{"params": g, "weight_decay": wd, "lr_mult": mult} for g, wd, mult in groups],
-        lr=lr,
-        betas=(0.9, 0.95),
-    )
-    log(
-        f"corpus: {info['files']} files, {len(data)} training tokens, {len(held)} held-out tokens; "
-        f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f} M parameters; threads {torch.get_num_threads()}"
-    )
+    opt = _optimizer(model, lr, router_lr_mult)
+    log(_corpus_line(info, data, held, model))
     t0 = time.perf_counter()
     budget = None if minutes is None else minutes * 60
     warmup = 50 if steps is None else max(1, steps // 10)
@@ -411,57 +446,51 @@ def train(
         frac = step / steps if steps is not None else elapsed / budget
         if frac >= 1:
             break
-        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = lr * scale * g["lr_mult"]
+        _set_lr(opt, lr, step, warmup, frac)
         starts = [rng.randrange(len(data) - seq - 1) for _ in range(batch)]
-        x = torch.stack([data[s : s + seq] for s in starts])
-        y = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
-        logits, aux, z = model(x)  # fp32 (on CPUs without bf16 matmul units it is the faster one)
-        loss = F.cross_entropy(logits.reshape(-1, vocab_size), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        (loss + aux_coef * aux + z_coef * z).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss, aux, z = _update(model, opt, data, starts, seq, aux_coef, z_coef)
         if step % 10 == 0:
             log(f"step {step} t={elapsed:.0f}s loss={loss.item():.3f} aux={aux.item():.3f} z={z.item():.2f}")
         if probe_every and step % probe_every == 0:
-            ev = held_out_eval(model, held, seq, max_windows=8)
-            log(
-                f"probe step {step} held_loss={ev['loss']:.3f} reuse={ev['reuse']:.3f} "
-                f"chance={p['top_k'] / p['num_experts']:.3f} load_entropy={ev['entropy']:.3f}"
-            )
+            _probe(model, held, seq, step, p, log)
         step += 1
-    ev = held_out_eval(model, held, seq)
-    hl = ev["loss"]
-    info.update(
-        {
-            "parameters_m": round(sum(q.numel() for q in model.parameters()) / 1e6, 1),
-            "steps": step,
-            "tokens_seen": step * batch * seq,
-            "batch": batch,
-            "seq": seq,
-            "lr": lr,
-            "aux_coef": aux_coef,
-            "z_coef": z_coef,
-            "router_lr_mult": router_lr_mult,
-            "threads": torch.get_num_threads(),
-            "minutes": round((time.perf_counter() - t0) / 60, 1),
-            "held_out_loss": round(hl, 3),
-            "held_out_ppl": round(math.exp(hl), 2),
-            "held_out_reuse": round(ev["reuse"], 3),
-            "held_out_load_entropy": round(ev["entropy"], 3),
-        }
-    )
+    hyper = dict(batch=batch, seq=seq, lr=lr, aux_coef=aux_coef, z_coef=z_coef, router_lr_mult=router_lr_mult)
+    info.update(_summary(model, held_out_eval(model, held, seq), step, t0, hyper))
     log(
-        f"held-out loss {hl:.3f} ppl {math.exp(hl):.2f} reuse {ev['reuse']:.3f} load entropy {ev['entropy']:.3f} "
+        f"held-out loss {info['held_out_loss']:.3f} ppl {info['held_out_ppl']:.2f} reuse "
+        f"{info['held_out_reuse']:.3f} load entropy {info['held_out_load_entropy']:.3f} "
         f"after {step} steps ({info['tokens_seen']} tokens, {info['minutes']} min)"
     )
     write_checkpoint(out, model, tok, p, vocab_size, held_text, info)
     return info
 
 
-def main(argv: list[str] | None = None) -> int:
+def _probe(model, held, seq: int, step: int, p: dict, log) -> None:
+    ev = held_out_eval(model, held, seq, max_windows=8)
+    log(
+        f"probe step {step} held_loss={ev['loss']:.3f} reuse={ev['reuse']:.3f} "
+        f"chance={p['top_k'] / p['num_experts']:.3f} load_entropy={ev['entropy']:.3f}"
+    )
+
+
+def _summary(model, ev: dict, step: int, t0: float, hyper: dict) -> dict:
+    """The run's figures for the manifest: size, steps, tokens, the hyperparameters, held-out results."""
+    hl = ev["loss"]
+    return {
+        "parameters_m": round(sum(q.numel() for q in model.parameters()) / 1e6, 1),
+        "steps": step,
+        "tokens_seen": step * hyper["batch"] * hyper["seq"],
+        **hyper,
+        "threads": torch.get_num_threads(),
+        "minutes": round((time.perf_counter() - t0) / 60, 1),
+        "held_out_loss": round(hl, 3),
+        "held_out_ppl": round(math.exp(hl), 2),
+        "held_out_reuse": round(ev["reuse"], 3),
+        "held_out_load_entropy": round(ev["entropy"], 3),
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m expertcache.demo_train", description=__doc__.split("\n\n")[0]
     )
@@ -492,6 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--probe-every", type=int, default=50, help="log held-out loss and routing every N steps (0: never)"
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.minutes is None and args.steps is None:
         args.steps = DEFAULT_STEPS

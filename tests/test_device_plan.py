@@ -284,6 +284,12 @@ CASES = {
         {"num_experts": 16, "num_experts_per_tok": 2},
         {"expert_parallel": ParallelConfig(2, peer_tier="off")},
     ),
+    # rank 0 of 2 with its own tiers and the peer tier forced on: its receive buffers are a term
+    "expert-parallel-peer": (
+        "qwen3_moe",
+        {"num_experts": 16, "num_experts_per_tok": 2},
+        {"expert_parallel": ParallelConfig(2, peer_tier="on"), "device_memory": "50%", "host_memory": "50%"},
+    ),
 }
 
 
@@ -334,6 +340,14 @@ def test_allocated_equals_plan(case, checkpoint, request):
                 )
                 == ledger.terms["expert_slots"]
             )
+        # the peer tier's receive buffers: top_k experts in the stored format, planned and counted only
+        # where the peer tier runs
+        peer = getattr(llm.experts, "peer", None)
+        assert (peer is not None) == (case == "expert-parallel-peer")
+        if peer is not None:
+            made = sum(t.numel() * t.element_size() for b in peer.buffers for t in b.values())
+            assert made == ledger.terms["peer_buffers"] == 2 * llm.source.expert_nbytes
+        assert plan.allocated["peer_buffers"] == (0 if peer is None else made)
     finally:
         llm.close()
 
@@ -388,7 +402,17 @@ class _Reads:
 
 
 @pytest.mark.parametrize(
-    "case", ["resident", "tiered", "low-memory", "hybrid", "mla", "int8-dense", "expert-parallel"]
+    "case",
+    [
+        "resident",
+        "tiered",
+        "low-memory",
+        "hybrid",
+        "mla",
+        "int8-dense",
+        "expert-parallel",
+        "expert-parallel-peer",
+    ],
 )
 def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
     family, overrides, opts = CASES[case]
@@ -415,6 +439,8 @@ def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
     assert "\n" not in msg and msg.startswith(f"the device cap {fmt_bytes(need - 1)} does not fit")
     for term in ("dense weights", "KV cache", "activations", "logits"):
         assert term in msg, term
+    if case == "expert-parallel-peer":
+        assert "peer receive buffers" in msg
     assert reads.calls == []  # refused before a weight byte (dense or expert) was read
     llm = _build(path, opts, need)  # the plan's own total is enough
     llm.close()

@@ -122,3 +122,31 @@ def test_the_checks_catch_what_they_claim(tmp_path):
     assert cmds and "--no-such-flag" in cmds[0]
     assert "the-gpu-path" in heading_anchors("# The GPU path\n")
     assert "not-here" not in heading_anchors("# The GPU path\n```\n# not here\n```\n")
+
+
+_POINTER = re.compile(r'(docs/[\w-]+\.md), "([^"]+)"')
+
+
+def code_pointers(root: Path) -> list[tuple[str, str, str]]:
+    """(file, doc, heading) for every `docs/NAME.md, "Heading"` in root's Python source, comments joined
+    across lines (a figure moved out of a comment leaves such a pointer behind)."""
+    found = []
+    for f in sorted((root / "expertcache").rglob("*.py")):
+        text = re.sub(r"\n[ \t]*#[ \t]*", " ", f.read_text())
+        found += [(str(f.relative_to(root)), d, h) for d, h in _POINTER.findall(text)]
+    return found
+
+
+def headings(doc: Path) -> set[str]:
+    return {line.lstrip("#").strip() for line in doc.read_text().splitlines() if line.startswith("#")}
+
+
+def test_code_points_to_doc_sections_that_exist(tmp_path):
+    pointers = code_pointers(ROOT)
+    assert any(f == "expertcache/kernels/__init__.py" for f, _, _ in pointers)  # the scan sees them
+    missing = [f"{f}: {d}, {h!r}" for f, d, h in pointers if h not in headings(ROOT / d)]
+    assert not missing, "code points to doc sections that do not exist:\n" + "\n".join(missing)
+    # the scanner on a made-up file: a pointer split over two comment lines is found
+    (tmp_path / "expertcache").mkdir()
+    (tmp_path / "expertcache" / "m.py").write_text('# see docs/x.md, "A long\n    # heading"\nX = 1\n')
+    assert code_pointers(tmp_path) == [("expertcache/m.py", "docs/x.md", "A long heading")]

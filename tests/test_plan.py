@@ -223,6 +223,7 @@ def test_json_keys_are_stable(ckpt, capsys):
         "logits",
         "expert_slots",
         "staging",
+        "peer_buffers",
         "cuda_context",
         "allocator_slack",
     ]

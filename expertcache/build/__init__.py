@@ -28,7 +28,7 @@ from ..models import embedding
 from ..models.transformer import MoETransformer
 from ..units import fmt_bytes
 from . import ledger as ledger_module
-from .allocate import Memory, expert_provider, kv_and_state, parallel_provider, placement_of
+from .allocate import Memory, expert_provider, kv_and_state, parallel_provider, peer_decision, placement_of
 from .checkpoint import Checkpoint, read_checkpoint
 from .fill import fill_experts, read_dense
 from .plan import GpuSpec, logits_block_rows, plan_device
@@ -70,8 +70,7 @@ def build_engine(config, group=None, serve=None) -> Made:
         finally:
             bar.close()  # before an error is printed: no half progress bar on its line
         if placement is not None:
-            experts, line = parallel_provider(ck, config, group, placement, experts)
-            memory.lines += [line] if line else []
+            experts = parallel_provider(ck, config, group, placement, experts, memory)
         model = MoETransformer(ck.cfg, dense, experts, device, dtype, config.kernels.cpu_math)
     except BaseException:
         if experts is not None:
@@ -104,15 +103,24 @@ def build_engine(config, group=None, serve=None) -> Made:
 
 def _plan(ck, config, group, placement) -> Memory:
     """The device plan (against the device's memory, a card's, or a simulated cap) and its ledger, whose
-    cap is the plan's budget less the transient terms."""
+    cap is the plan's budget less the transient terms. Expert parallelism: the peer tier is decided
+    first (its receive buffers are a term)."""
+    from ..parallel.peer import receive_buffers
+
     device = config.load.torch_device
     cap = ledger_module.simulated_cap() if device.type == "cpu" else None
     gpu = GpuSpec.from_device(device) if device.type == "cuda" else None
-    owned = None if placement is None else sum(len(v) for v in placement.owned(group.rank).values())
-    plan = plan_device(ck.source, ck.family.names, config, ck.max_model_len, gpu, cap, owned)
+    owned = peer = None
+    if placement is not None:
+        owned = sum(len(v) for v in placement.owned(group.rank).values())
+        peer = peer_decision(ck, config, group)
+    peer_slots = receive_buffers(ck.cfg.top_k) if peer is not None and peer[0] else 0
+    plan = plan_device(ck.source, ck.family.names, config, ck.max_model_len, gpu, cap, owned, peer_slots)
     transient = sum(plan.terms[k] for k in plan.terms if k not in plan.allocated)
     memory = Memory(
-        plan, ledger_module.Ledger(device, None if plan.budget is None else plan.budget - transient)
+        plan,
+        ledger_module.Ledger(device, None if plan.budget is None else plan.budget - transient),
+        peer=peer,
     )
     if placement is not None:
         memory.lines.append(_placement_line(config, group, placement, ck))

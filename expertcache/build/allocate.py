@@ -6,7 +6,7 @@ Expert providers by kind (`expert_provider`):
 - resident: every expert in stacked pools [E, ...] per layer (ResidentExperts, allocated empty);
 - tiered (a budget, or low memory): TieredExperts with the plan's slots (experts/build.py);
 - expert parallel: this rank's share of the experts (LocalExperts, allocated empty), or its own tiers,
-  behind ExpertParallelExperts.
+  behind ExpertParallelExperts; the peer tier's receive buffers (a tiered cache) allocated last.
 fill.fill_experts reads the experts into what was allocated here.
 """
 
@@ -32,6 +32,8 @@ class Memory:
     ledger: Ledger
     lines: list[str] = field(default_factory=list)  # everything (printed with verbose)
     loaded_lines: list[str] = field(default_factory=list)  # the lines known only after the load
+    # expert parallelism: (on, line) of parallel/peer.py decide_for, made before the plan (None without)
+    peer: tuple[bool, str | None] | None = None
 
 
 def kv_and_state(ck, config, plan: DevicePlan, ledger: Ledger) -> tuple[KVCache, StateCache | None]:
@@ -112,18 +114,27 @@ def with_device(plan: DevicePlan, lines: list[str]) -> list[str]:
     return plan.lines + lines[len(plan.experts.lines) :]
 
 
-def parallel_provider(
-    ck, config, group, placement, local: ExpertProvider
-) -> tuple[ExpertProvider, str | None]:
-    """`local` behind the expert-parallel provider, with the peer tier where it pays."""
+def peer_decision(ck, config, group) -> tuple[bool, str | None]:
+    """Whether the group moves experts between ranks (parallel/peer.py decide_for): made before the
+    plan, which counts the peer tier's receive buffers (`peer_slots`)."""
+    from ..parallel.peer import decide_for
+
+    return decide_for(group, config.parallel.peer_tier, ck.source, config.cache.cost_profile)
+
+
+def parallel_provider(ck, config, group, placement, local: ExpertProvider, memory: Memory) -> ExpertProvider:
+    """`local` behind the expert-parallel provider, with the peer tier where it pays (its receive buffers
+    through the Ledger, the plan's `peer_buffers`); its line added to memory.lines."""
     from ..parallel.experts import ExpertParallelExperts
     from ..parallel.peer import build as build_peer
 
+    def alloc(shape, dt):
+        return memory.ledger.alloc(shape, dt, "peer_buffers")
+
     source, ep = ck.source, config.parallel
-    peer, moves, line = build_peer(group, ep.peer_tier, local, source, config.cache.cost_profile)
-    return ExpertParallelExperts(
-        group, local, placement, ep, source.layers, ck.cfg.num_experts, peer, moves
-    ), line
+    peer, moves, line = build_peer(group, memory.peer, local, source, alloc)
+    memory.lines += [line] if line else []
+    return ExpertParallelExperts(group, local, placement, ep, source.layers, ck.cfg.num_experts, peer, moves)
 
 
 def placement_of(ck, config, group):

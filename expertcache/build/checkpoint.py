@@ -35,6 +35,17 @@ class Checkpoint:
     prefix_caching: bool
 
 
+def _tokenizer(model_dir, tokenizer_dir) -> Tokenizer | None:
+    """The model's tokenizer (or --tokenizer's); None when the model has none and none was given (token-id
+    prompts still work; text raises)."""
+    try:
+        return load_tokenizer(model_dir, tokenizer_dir)
+    except CheckpointError as e:
+        if tokenizer_dir is not None or "missing tokenizer.json" not in str(e):
+            raise
+        return None
+
+
 def read_checkpoint(config) -> Checkpoint:
     """Headers only; an option the model cannot honour is refused here (ConfigError naming it)."""
     load, sched = config.load, config.scheduler
@@ -68,12 +79,7 @@ def read_checkpoint(config) -> Checkpoint:
     source = ExpertSource(index, cfg, family.names, quant)
     source.check_finite = load.check_finite  # experts: at their first read into any tier
     source.ffn = with_moe_kernel(source.ffn, config.cache.moe_kernel, device, quant)
-    try:
-        tokenizer: Tokenizer | None = load_tokenizer(model_dir, load.tokenizer)
-    except CheckpointError as e:
-        if load.tokenizer is not None or "missing tokenizer.json" not in str(e):
-            raise
-        tokenizer = None  # token-id prompts still work; text raises
+    tokenizer = _tokenizer(model_dir, load.tokenizer)
     prefix_caching = sched.prefix_caching
     if cfg.linear_attn is not None and prefix_caching:
         print(

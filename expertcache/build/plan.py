@@ -19,6 +19,8 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
                      logits (prompt logprobs, LLM.logits) are capped at F per step
     expert_slots     the fastest tier: slots per layer x MoE layers x one expert in its format
     staging          one expert in the fastest tier's format (CUDA: waves stream through it)
+    peer_buffers     expert parallelism with the peer tier on a tiered cache: top_k experts in the stored
+                     format, the experts received from other ranks for one layer (parallel/peer.py)
     cuda_context     what the CUDA context takes (measured on the device, or the card profile's figure)
     allocator_slack  SLACK x (dense + kv_cache + linear_state + activations + logits) + SLACK_FLOOR: the
                      caching allocator's rounding and fragmentation, its small-block segments and
@@ -68,10 +70,11 @@ TERMS = (
     "logits",
     "expert_slots",
     "staging",
+    "peer_buffers",
     "cuda_context",
     "allocator_slack",
 )
-ALLOCATED = ("dense", "kv_cache", "linear_state", "expert_slots", "staging")
+ALLOCATED = ("dense", "kv_cache", "linear_state", "expert_slots", "staging", "peer_buffers")
 NAMES = {
     "dense": "dense weights",
     "kv_cache": "KV cache",
@@ -80,6 +83,7 @@ NAMES = {
     "logits": "logits",
     "expert_slots": "expert slots",
     "staging": "staging",
+    "peer_buffers": "peer receive buffers",
     "cuda_context": "CUDA context",
     "allocator_slack": "allocator slack",
 }
@@ -405,6 +409,16 @@ def plan_tiers(
         lines.append(dplan.describe("device", L, E) + ": every expert resident, loaded once")
         return MemoryPlan(dplan, None, 0, L, dev_parts, lines)
     lines.append(dplan.describe("device", L, E) + (f" + staging {fmt_bytes(staging)}" if staging else ""))
+    hplan = _host_tier(source, host_memory, low_cpu, ram, ram_text, lines)
+    lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
+    return MemoryPlan(dplan, hplan, staging, L, dev_parts, lines)
+
+
+def _host_tier(source, host_memory, low_cpu: bool, ram: int, ram_text: str, lines: list[str]) -> TierPlan:
+    """The host tier (stored format) from host_memory (`auto`: half of available RAM); 0 only under low
+    memory on the CPU (misses read from disk into device slots). Its lines appended to `lines`."""
+    cfg = source.cfg
+    L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
     host_auto = ram // 2
     if (
         low_cpu
@@ -433,8 +447,7 @@ def plan_tiers(
         hplan.describe("host", L, E)
         + (": every expert in RAM" if hplan.slots >= E else "; the rest streamed from disk")
     )
-    lines.append(f"disk: {fmt_bytes(source.total_nbytes)} in {source.index.model_dir}")
-    return MemoryPlan(dplan, hplan, staging, L, dev_parts, lines)
+    return hplan
 
 
 def _auto_cpu_device(
@@ -502,29 +515,21 @@ def plan_device(
     gpu: GpuSpec | None = None,
     cap: int | None = None,
     owned: int | None = None,
+    peer_slots: int = 0,
 ) -> DevicePlan:
     """Every byte the engine takes on its device, by term, and the expert tiers: the one answer to
     "how many bytes may X take on device D". `config`: an EngineConfig (config.py); `gpu`: the CUDA
     device or a card (None on the CPU); `cap`: a CPU stand-in's limit (build/ledger.py simulate);
-    `owned`: an expert-parallel rank's experts (all layers) when it holds them all resident.
+    `owned`: an expert-parallel rank's experts (all layers) when it holds them all resident;
+    `peer_slots`: the peer tier's receive buffers (experts, stored format) when it is on (parallel/peer.py
+    decide_for), counted when the experts are tiered (an all-resident cache receives nothing).
     Raises BudgetError in one line naming every term and the smallest budget that fits."""
-    cfg, index, sched, cache = source.cfg, source.index, config.scheduler, config.cache
+    cfg, cache = source.cfg, config.cache
     device, dtype, low_memory = config.load.torch_device, config.load.torch_dtype, cache.low_memory
-    kv = plan_kv(cfg, dtype, max_model_len, sched.max_num_seqs, sched.block_size, sched.kv_cache_memory)
-    act, logits = workspace_bytes(
-        cfg, dtype, sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len, device
-    )
-    fixed = {
-        "dense": dense_bytes(
-            index, cfg, names, dtype, device, low_memory, config.kernels.dense, config.kernels.lm_head
-        ),
-        "kv_cache": kv.kv_bytes,
-        "linear_state": kv.state_bytes,
-        "activations": act,
-        "logits": logits,
-    }
+    kv, fixed = _fixed_terms(source, names, config, max_model_len)
     cuda = device.type == "cuda"
     slack = int(SLACK * sum(fixed.values())) + SLACK_FLOOR if cuda else 0
+    fixed["peer_buffers"] = peer_slots * sum(p.nbytes for p in source.parts) if cache.tiered else 0
     context = gpu.context if cuda and gpu is not None else 0
     outside = sum(fixed.values()) + context + slack  # every term but the experts'
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
@@ -532,13 +537,7 @@ def plan_device(
     staging = per_expert if cuda else 0
     value, lines = cache.device_memory, []
     budget = cap if not cuda else _cuda_budget(value, cache.tiered, gpu, lines)
-    label = (
-        f"the device cap {fmt_bytes(cap)}"
-        if cap is not None
-        else f"device_memory=auto ({fmt_bytes(budget)})"
-        if budget is not None and _is_auto(value)
-        else f"device_memory={fmt_bytes(budget or 0)}"
-    )
+    label = _label(cap, budget, value)
     need = outside + staging + K * L * per_expert  # the smallest plan: top_k slots per layer
     refusal = BudgetError(_refusal(label, fixed, context, slack, staging, K, L, per_expert, need, cuda))
     if budget is not None and budget < need:
@@ -546,21 +545,10 @@ def plan_device(
     experts = None
     if cache.tiered:
         tier_budget = value if (not cuda or _share(value)) else max(0, budget - outside)
-        try:
-            experts = plan_tiers(
-                source,
-                device,
-                dtype,
-                tier_budget,
-                cache.host_memory,
-                low_memory,
-                other_ram=0 if cuda else outside,
-            )
-        except BudgetError:
-            if not cuda:
-                raise
-            raise refusal from None
+        experts = _tiers(source, config, tier_budget, 0 if cuda else outside, refusal)
         lines = experts.lines[:1] + lines + experts.lines[1:]
+        if experts.resident:  # no tiers: no peer tier, its buffers not made
+            fixed["peer_buffers"] = 0
         slots, staging, host = experts.device.slots * L * per_expert, experts.staging, experts.host_used
     else:
         slots, staging, host = (L * E if owned is None else owned) * per_expert, 0, 0
@@ -571,7 +559,66 @@ def plan_device(
         "cuda_context": context,
         "allocator_slack": slack,
     }
+    terms = {k: terms[k] for k in TERMS}
     plan = DevicePlan(device, budget, terms, experts, kv, host, gpu, lines)
+    _check_total(plan, label)
+    return plan
+
+
+def _label(cap: int | None, budget: int | None, value) -> str:
+    """How a refusal names the budget it was held to."""
+    if cap is not None:
+        return f"the device cap {fmt_bytes(cap)}"
+    if budget is not None and _is_auto(value):
+        return f"device_memory=auto ({fmt_bytes(budget)})"
+    return f"device_memory={fmt_bytes(budget or 0)}"
+
+
+def _tiers(source, config, tier_budget, other_ram: int, refusal: BudgetError) -> MemoryPlan:
+    """plan_tiers for the engine's options; on CUDA a tier that does not fit raises the device plan's
+    own refusal (naming every term) instead."""
+    cache, device = config.cache, config.load.torch_device
+    try:
+        return plan_tiers(
+            source,
+            device,
+            config.load.torch_dtype,
+            tier_budget,
+            cache.host_memory,
+            cache.low_memory,
+            other_ram=other_ram,
+        )
+    except BudgetError:
+        if device.type != "cuda":
+            raise
+        raise refusal from None
+
+
+def _fixed_terms(source, names, config, max_model_len: int) -> tuple[KVPlan, dict[str, int]]:
+    """The KV plan and the terms that do not depend on the expert tiers: dense, KV cache, linear state,
+    activations, logits."""
+    cfg, sched = source.cfg, config.scheduler
+    device, dtype = config.load.torch_device, config.load.torch_dtype
+    kv = plan_kv(cfg, dtype, max_model_len, sched.max_num_seqs, sched.block_size, sched.kv_cache_memory)
+    act, logits = workspace_bytes(
+        cfg, dtype, sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len, device
+    )
+    k = config.kernels
+    dense = dense_bytes(source.index, cfg, names, dtype, device, config.cache.low_memory, k.dense, k.lm_head)
+    return kv, {
+        "dense": dense,
+        "kv_cache": kv.kv_bytes,
+        "linear_state": kv.state_bytes,
+        "activations": act,
+        "logits": logits,
+    }
+
+
+def _check_total(plan: DevicePlan, label: str) -> None:
+    """On CUDA the plan's sum appended to its lines; the total against the budget and, on a visible GPU,
+    against its free memory (BudgetError)."""
+    budget, gpu = plan.budget, plan.gpu
+    cuda = plan.device.type == "cuda"
     if cuda:
         where = f"{gpu.name}, {fmt_bytes(gpu.total)}" if gpu is not None else "no card given"
         plan.lines.append(
@@ -589,7 +636,6 @@ def plan_device(
             f"context but {gpu.name} has {fmt_bytes(gpu.free)} free ({plan.arithmetic()}); "
             "give a smaller --device-memory"
         )
-    return plan
 
 
 def fastest_parts(source, device: torch.device, dtype: torch.dtype, low_memory: bool) -> tuple:

@@ -52,25 +52,19 @@ class Profile:
 # its cost of one small aten op (cost.measure.host_op_us, thread CPU time) against which `this-cpu` and
 # `this-machine` scale the layer overhead of their base profile (cost.measure.host_layer_ms).
 HOST_REF = {"op_us": 2.5}
-# A GPU host's time per MoE layer per decode step on the scheduled path, from the CPU's measurements:
-# the scheduled step's schedule, bindings and dispatch ~0.65 ms besides its planner (docs/cache.md,
-# "Host cost": 0.98-1.13 ms per layer at E=64 on the threads backend, of which plan_step 0.18-0.34),
-# the default policy's planner ~0.1 ms (bench/host_cost.py, Qwen3-30B-A3B shape) and ~110 aten
-# launches at ~2.5 us of host each: about 1.0 ms (the review's 1-2.5 ms, against the 0.1 ms assumed
-# before). The device check (bench/simulate_validate.py) replaces it with a measured figure.
+# A GPU host's time per MoE layer per decode step on the scheduled path (an estimate from the CPU's
+# measurements; the device check bench/simulate_validate.py replaces it), and the CPU path's fixed cost
+# per layer on a GPU host (an estimate; `this-machine` measures it). Where the figures come from:
+# docs/results.md, "Where the code's tuning constants come from".
 GPU_LAYER_MS = 1.0
-# The CPU path's fixed cost per layer on a GPU host: rows copy to pinned memory and its sync, a worker
-# woken and joined, the result copied back and added; 0.1 ms (an estimate: 50-150 us; the CPU-only part,
-# cost.measure.cpu_job_ms on this machine's CPU, is 0.015 ms); `this-machine` measures it.
 GPU_CPU_JOB_MS = 0.1
 
 BUILTIN: dict[str, Profile] = {
     p.name: p
     for p in (
-        # layer_overhead_ms: CPU 1.2 = measured on this project's 2-core machine (resident demo model decodes
-        # 13.2 ms/step, of which the byte/FLOP terms explain ~3 ms over 8 layers). GPU = GPU_LAYER_MS (below),
-        # the host's time per MoE layer on the scheduled path as the CPU measures it (not yet on a GPU).
-        # cpu_job_ms: GPU_CPU_JOB_MS (below); 0 without a GPU (everything is the CPU path).
+        # layer_overhead_ms: CPU 1.2, measured (docs/results.md, "Where the code's tuning constants come
+        # from"); GPU = GPU_LAYER_MS (above). cpu_job_ms: GPU_CPU_JOB_MS (above); 0 without a GPU
+        # (everything is the CPU path).
         Profile("cpu-only", link_gbs=0, disk_gbs=3, cpu_mem_gbs=50, cpu_gflops=800, layer_overhead_ms=1.2),
         Profile(
             "laptop-pcie3",

@@ -122,10 +122,11 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[StepOutput]:
+        """One scheduled step: the model on every scheduled sequence's rows, then each sequence that has
+        its next-token logits samples (forks first) and takes its token. A failure is its sequence's
+        only (the step is rerun one by one when the model fails)."""
         work = self.scheduler.schedule()
-        outs = []
-        for seq, n in [w for w in work if w[1] == 0]:  # rejected at admission
-            outs.append(self._finish(seq, seq.finish_reason))
+        outs = [self._finish(seq, seq.finish_reason) for seq, n in work if n == 0]  # rejected at admission
         work = [w for w in work if w[1] > 0]
         if not work:
             return outs
@@ -141,18 +142,27 @@ class LLMEngine:
             log.exception("a step of %d sequences failed; running them one by one", len(work))
             return outs + self._isolate_step_failure(work, e)
         logits = logits.cpu()  # sampling (and per-request CPU generators) on the host
-        dt = time.perf_counter() - t0
+        self._count_step(work, time.perf_counter() - t0, recording)
+        stats = row_stats(logits)  # (finite, logsumexp, argmax, max) [R]: one pass over the final logits
+        ready = self._advance(work, full, logits, spans, stats[0].tolist(), outs)
+        if ready:
+            outs += self._sample_and_accept(ready, logits, stats)
+        return outs
+
+    def _count_step(self, work, seconds: float, recording: bool) -> None:
         if recording:
             self.recorder.record(self.counters.steps, work, self.runner.model.routing)
         self.counters.steps += 1
-        decode = all(seq.phase == "decode" for seq, _ in work)
-        if decode:
-            self.counters.decode_seconds += dt
+        if all(seq.phase == "decode" for seq, _ in work):
+            self.counters.decode_seconds += seconds
         else:
-            self.counters.prefill_seconds += dt
-        stats = row_stats(logits)  # (finite, logsumexp, argmax, max) [R]: one pass over the final logits
-        finite = stats[0].tolist()
-        ready: list[tuple[Sequence, int]] = []  # (sequence, row of its next-token logits)
+            self.counters.prefill_seconds += seconds
+
+    def _advance(self, work, full, logits, spans, finite, outs) -> list[tuple[Sequence, int]]:
+        """Each sequence past the rows it computed (prompt logprobs kept, full KV blocks sealed) ->
+        (sequence, row of its next-token logits) for those with a token to sample, forks included; one
+        whose logits are not finite fails (into `outs`)."""
+        ready: list[tuple[Sequence, int]] = []
         for b, (seq, n) in enumerate(work):
             if full[b]:
                 self._record_prompt_logprobs(seq, n, logits[spans[b].start : spans[b].stop])
@@ -168,8 +178,12 @@ class LLMEngine:
                 outs.append(self._fail(seq, self._nonfinite_message(row)))
                 continue
             ready += [(s, row) for s in [seq] + self._fork(seq)]
-        if not ready:
-            return outs
+        return ready
+
+    def _sample_and_accept(self, ready, logits, stats) -> list[StepOutput]:
+        """Sample every ready sequence's token in one batch (one by one when the batch fails, so that a
+        failure is its sequence's only) and take it."""
+        outs = []
         seqs = [s for s, _ in ready]
         picked = [r for _, r in ready]
         if picked == list(range(logits.shape[0])):  # every row once, in order (decode): no copy

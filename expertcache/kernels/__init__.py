@@ -30,25 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from . import prefill_gemm
-from .build import extension, why
+from .build import extension, on_load, why
 from .formats import GGUF_SMALL_T, GGUF_UNIT_ROWS, Unsupported, of_parts, plain_spec, quant_spec
 
 # Tokens of one weight above which the tiled path (convert a tile once, reuse it for every token)
-# replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code.
-# Measured (bench/kernel_bench.py): the GEMV path wins at every T for the cheap conversions
-# (bf16/fp16/int8/int4); the tiled path wins from ~32 tokens for mxfp4 and ~256 for fp8. (AVX2
-# kernels only: where the AVX-512 4-bit kernels read mxfp4 / int4, they do at every T; at T=64 on a
-# 256 x 2880 weight they took 1.3 ms (mxfp4) / 1.7 ms (int4) against the tiled path's 2.3 ms.)
+# replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code; rows of a
+# weight per unit of work handed to a thread (ROWS_PER_UNIT for bf16; UNIT_ROWS: about the same bytes
+# in another format, by format code). How they were measured: docs/results.md, "Where the code's
+# tuning constants come from".
 SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6: 24}
-# Rows of a weight per unit of work handed to a thread. Longer units are longer sequential streams
-# (fewer restarts of the hardware prefetcher). `python bench/stream_bench.py --rows 32 64 128 256 512`
-# (decode shapes of the yardstick, bf16, 2 threads, quiet machine, read bandwidth 29.5 GB/s; GB/s of
-# MoE layers / attention projections / lm_head): 32 rows 21.7 / 21.4 / 25.7, 64 24.4 / 22.4 / 28.8,
-# 128 25.3-26.1 / 25.1-25.2 / 29.4-30.4, 256 27.2 / 24.9 / 31.0, 512 27.3 / 22.6 / 30.9.
-# That is for 2-byte weights; a unit of another format has the rows of about the same bytes
-# (UNIT_ROWS: relative to bf16, by format code). int8, fast math, the same benchmark with
-# `--format int8 --cpu-math fast --rows 256 512 1024` (quiet, read bandwidth 31.7 GB/s; MoE / lm_head
-# GB/s): 256 rows 25.2 / 28.7, 512 27.2 / 34.2, 1024 25.7 / 32.9.
 ROWS_PER_UNIT = 256
 UNIT_ROWS = {0: 0.5, 1: 1, 2: 1, 3: 2, 4: 2, 5: 4, 6: 4}
 SMALL_T.update(GGUF_SMALL_T)  # the GGUF block formats (codes 7-15, csrc/ggml_kernels.cpp)
@@ -83,8 +73,9 @@ ISA_NAMES = ("avx2", "avx512")  # EXPERTCACHE_CPU_ISA: the best the CPU has when
 
 @dataclass(frozen=True)
 class IsaDefaults:
-    """The ISA switches a process starts with, from EXPERTCACHE_CPU_ISA (the C++ kernels read the same
-    variable when they load): avx2 forbids the AVX-512 4-bit kernels, avx512 keeps those off AMX."""
+    """The ISA switches a process starts with, from EXPERTCACHE_CPU_ISA (read here only: the C++ kernels
+    are handed them when they load, `CpuIsa.apply`): avx2 forbids the AVX-512 4-bit kernels, avx512
+    keeps those off AMX."""
 
     avx512: bool = True
     amx: bool = True
@@ -92,7 +83,7 @@ class IsaDefaults:
 
     @classmethod
     def from_env(cls, value: str | None = None) -> IsaDefaults:
-        """Another value than ISA_NAMES is as unset (as the C++ kernels read it)."""
+        """Another value than ISA_NAMES is as unset."""
         isa = os.environ.get("EXPERTCACHE_CPU_ISA", "") if value is None else value
         return cls(avx512=isa != "avx2", amx=isa not in ISA_NAMES)
 
@@ -112,6 +103,13 @@ class CpuIsa:
 
     def __init__(self, defaults: IsaDefaults | None = None):
         self.defaults = defaults or IsaDefaults.from_env()
+
+    def apply(self, ext) -> None:
+        """The defaults into a just-loaded extension (build.on_load): it starts with every switch allowed
+        and reads no environment itself."""
+        ext.set_avx512(self.defaults.avx512)
+        ext.set_amx(self.defaults.amx)
+        ext.set_strip_tokens(self.defaults.strip_tokens)
 
     @property
     def avx512(self) -> bool:
@@ -157,6 +155,7 @@ class CpuIsa:
 
 
 isa = CpuIsa()
+on_load(isa.apply)
 
 
 def kernel_name(spec: tuple, math: str = "exact") -> str:
@@ -173,9 +172,8 @@ def backend() -> str:
 def cpu_threads(device: torch.device | str):
     """Around a forward pass on the CPU with the C++ kernels: the kernels compute on torch's thread
     count (torch.set_num_threads / --threads) and torch's own ops (attention, norms, routing: small
-    next to the kernels' work) run on one thread, restored afterwards. Measured on the busy 2-core
-    machine (yardstick bf16 decode): 2 torch threads 1.7-2.8 tok/s (OpenMP's barriers wait for
-    descheduled threads), torch 1 thread + kernels 2 threads 9.8-12.0, everything on 1 thread 12.6-13.5."""
+    next to the kernels' work) run on one thread, restored afterwards. Why (decode on a busy machine,
+    measured): docs/results.md, "On a busy machine"."""
     n = torch.get_num_threads()
     if n <= 1 or torch.device(device).type != "cpu" or backend() != "cpp":
         yield

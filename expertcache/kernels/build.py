@@ -32,6 +32,14 @@ HEADERS = sorted(CSRC.glob("*.h"))  # thread_pool.h: the kernels' own threads (n
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-pthread"]
 
 _state: dict = {}
+_on_load: list = []  # called with the module once it loads (kernels/__init__.py: kernels.isa's switches)
+
+
+def on_load(fn) -> None:
+    """Call fn(module) when the extension loads (at once when it already has)."""
+    _on_load.append(fn)
+    if _state.get("mod") is not None:
+        fn(_state["mod"])
 
 
 def cache_dir() -> Path:
@@ -159,6 +167,8 @@ def extension():
     if "mod" not in _state:
         mod, why = _compile()
         _state["mod"], _state["why"] = mod, why
+        for fn in _on_load if mod is not None else ():
+            fn(mod)
         if mod is None and why != "EXPERTCACHE_KERNELS=torch":
             print(f"expertcache: using the pure-torch expert kernels: {why}", file=sys.stderr)
     return _state["mod"]

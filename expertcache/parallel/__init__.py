@@ -21,7 +21,7 @@ def start(expert_parallel, device, worker_kwargs: dict, serve):
     (config, joined group). Under torchrun the group comes from its environment; otherwise rank 0
     spawns ranks 1..N-1 on this machine, each calling serve(worker_kwargs, its joined group)
     (`serve`: a picklable module-level function, as multiprocessing spawn needs)."""
-    from .worker import torchrun_rank
+    from .worker import launch, torchrun_rank
 
     if isinstance(expert_parallel, tuple):
         return expert_parallel
@@ -34,7 +34,7 @@ def start(expert_parallel, device, worker_kwargs: dict, serve):
                 f"--expert-parallel {cfg.world_size} but torchrun started {group.world_size} ranks"
             )
         return cfg, group
-    return cfg, EPGroup.launch(
+    return cfg, launch(
         cfg.world_size,
         device,
         serve,

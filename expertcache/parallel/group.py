@@ -2,10 +2,11 @@
 
 Rank 0 runs the scheduler (and the HTTP server); ranks 1..N-1 are workers that mirror every
 model forward. Two ways in:
-- `launch(world_size, device, serve, worker_kwargs)` on one machine: the ranks rendezvous through a
-  file store in a private directory (mode 0700, removed at close: no TCP store listening anywhere)
-  and their gloo/NCCL sockets are bound to the loopback interface; spawns the workers (fresh
-  interpreters, `multiprocessing` spawn; each calls `serve(worker_kwargs, group)`) and joins as rank 0;
+- `worker.launch(world_size, device, serve, worker_kwargs)` on one machine: the ranks rendezvous
+  through a file store in a private directory (mode 0700, removed at close: no TCP store listening
+  anywhere) and their gloo/NCCL sockets are bound to the loopback interface; it spawns the workers
+  (fresh interpreters, `multiprocessing` spawn; each calls `serve(worker_kwargs, group)`) and joins
+  as rank 0;
 - `from_env()` under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by it), any number
   of machines: torchrun's TCP store and the ranks' links trust the network (docs/parallel.md).
 Every message between ranks is plain data and tensors (parallel/wire.py), never a pickle.
@@ -19,7 +20,6 @@ watches the processes it spawned) or the timeout.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import os
 import shutil
 import socket
@@ -48,7 +48,7 @@ class ExpertParallelError(ExpertCacheError, RuntimeError):
     """A rank died, hung past the timeout, or disagrees with rank 0 about the checkpoint."""
 
 
-def _loopback_interface() -> str:
+def loopback_interface() -> str:
     """The loopback interface's name (lo on Linux, lo0 on macOS)."""
     names = [name for _, name in socket.if_nameindex()]
     return next(
@@ -102,7 +102,9 @@ class EPGroup:
 
     # -- start / join ---------------------------------------------------------------------------
     @staticmethod
-    def _init(rank: int, world_size: int, device: torch.device, init_method: str, timeout_s: float) -> None:
+    def init_process(
+        rank: int, world_size: int, device: torch.device, init_method: str, timeout_s: float
+    ) -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -123,7 +125,7 @@ class EPGroup:
         init_method: str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> "EPGroup":
-        cls._init(rank, world_size, device, init_method, timeout_s)
+        cls.init_process(rank, world_size, device, init_method, timeout_s)
         return cls(rank, world_size, device, timeout_s)
 
     @classmethod
@@ -132,73 +134,6 @@ class EPGroup:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         return cls.join(rank, world, device, "env://", timeout_s)
-
-    @classmethod
-    def launch(
-        cls,
-        world_size: int,
-        device: torch.device,
-        serve,
-        worker_kwargs: dict,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        exit_on_failure: bool = False,
-    ) -> "EPGroup":
-        """Spawn ranks 1..N-1 on this machine (each joins, then calls serve(worker_kwargs, group)) and
-        join as rank 0."""
-        from .worker import worker_main
-
-        if dist.is_initialized():
-            raise ExpertParallelError(
-                "this process already belongs to a torch.distributed group (one "
-                "expert-parallel LLM per process: close() the other one first)"
-            )
-        init, store_dir = private_rendezvous()
-        # the ranks' data links on loopback only (read when each process creates its gloo/NCCL
-        # sockets; the spawned workers inherit it)
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = _loopback_interface()
-        ctx = multiprocessing.get_context("spawn")
-        procs = []
-        for r in range(1, world_size):
-            dev = torch.device("cuda", r % torch.cuda.device_count()) if device.type == "cuda" else device
-            p = ctx.Process(
-                target=worker_main,
-                args=(r, world_size, str(dev), init, timeout_s, serve, worker_kwargs),
-                name=f"expertcache-ep-rank{r}",
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
-        # join on a helper thread while watching the workers: one that dies before it joins (an import
-        # error, killed) is named at once instead of after the start's timeout
-        failed: list = []
-
-        def join():
-            try:
-                cls._init(0, world_size, device, init, timeout_s)
-            except Exception as e:  # noqa: BLE001 - reported below
-                failed.append(e)
-
-        joiner = threading.Thread(target=join, daemon=True, name="ep-join")
-        joiner.start()
-        why = None
-        while joiner.is_alive() and why is None:
-            joiner.join(0.2)
-            why = next(
-                (
-                    f"rank {r} exited with code {p.exitcode}"
-                    for r, p in enumerate(procs, start=1)
-                    if p.exitcode is not None
-                ),
-                None,
-            )
-        if why is not None or failed:
-            for p in procs:
-                p.kill()
-            shutil.rmtree(store_dir, ignore_errors=True)
-            raise ExpertParallelError(
-                f"expert-parallel group of {world_size} did not form: {why or failed[0]}"
-            ) from None
-        return cls(0, world_size, device, timeout_s, procs, exit_on_failure, store_dir)
 
     # -- failures --------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -70,20 +70,31 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def receive_buffers(top_k: int) -> int:
+    """How many experts a rank's receive buffers hold (the most it takes from peers per layer)."""
+    return max(1, top_k)
+
+
 class PeerTier:
     def __init__(
-        self, group: EPGroup, cache: TieredExperts, source: ExpertSource, layers: list[int], slots: int
+        self,
+        group: EPGroup,
+        cache: TieredExperts,
+        source: ExpertSource,
+        layers: list[int],
+        slots: int,
+        alloc=None,
     ):
+        """`alloc(shape, dtype)`: how the receive buffers are allocated (build/allocate.py: through the
+        Ledger, as the plan's `peer_buffers` term); default torch.empty on the backend's device."""
         self.group, self.cache, self.source, self.layers = group, cache, source, layers
         self.rank, self.N, self.E = group.rank, group.world_size, source.cfg.num_experts
         self.slots = slots
         self.next_of = {layer: layers[(i + 1) % len(layers)] for i, layer in enumerate(layers)}
         # receive buffers: `slots` experts in the stored format, on the backend's device
         dev = group.device if group.device.type == "cuda" else torch.device("cpu")
-        self.buffers = [
-            {p.name: torch.empty(p.shape, dtype=p.dtype, device=dev) for p in source.parts}
-            for _ in range(slots)
-        ]
+        alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev))
+        self.buffers = [{p.name: alloc(p.shape, p.dtype) for p in source.parts} for _ in range(slots)]
         self.dev = dev
         self.known: dict[int, torch.Tensor] = {}  # layer -> codes [N, E] carried by the previous all-reduce
         self.offer: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -230,27 +241,39 @@ def decide(group: EPGroup, mode: str, cost: ExpertCost) -> tuple[bool, str]:
     return on, line
 
 
-def build(group: EPGroup, mode: str, local, source: ExpertSource, cost_profile: str | None):
-    """-> (PeerTier or None, rearrangement moves from peers: bool, plan line or None) for this rank's
-    provider `local`: the tiered cache gets the peer tier, the all-resident own experts (LocalExperts)
-    take a rearrangement's bytes from their old ranks. Every rank calls it at the same point."""
+def decide_for(group: EPGroup, mode: str, source: ExpertSource, cost_profile: str | None):
+    """-> (on, line or None): whether this group moves experts between ranks (the peer tier of a tiered
+    cache, a rearrangement's bytes from the old ranks). Decided before the device plan (the receive
+    buffers are one of its terms); every rank calls it at the same point."""
     from ..cost.measure import resolve_profile
-    from .local import LocalExperts
 
-    tiered, resident_own = isinstance(local, TieredExperts), isinstance(local, LocalExperts)
-    if mode == "off" or group.world_size < 2 or not (tiered or resident_own):
-        return None, False, None
+    if mode == "off" or group.world_size < 2:
+        return False, None
     prof, _ = resolve_profile(cost_profile, group.device.type, source.index.model_dir)
     cfg = source.cfg
-    on, line = decide(
+    return decide(
         group, mode, ExpertCost(prof, source.expert_nbytes, 3 * cfg.hidden_size * cfg.moe_intermediate_size)
     )
+
+
+def build(group: EPGroup, decision: tuple[bool, str | None], local, source: ExpertSource, alloc=None):
+    """-> (PeerTier or None, rearrangement moves from peers: bool, plan line or None) for this rank's
+    provider `local` and the group's `decide_for` answer: the tiered cache gets the peer tier (its
+    receive buffers from `alloc(shape, dtype)`), the all-resident own experts (LocalExperts) take a
+    rearrangement's bytes from their old ranks."""
+    from .local import LocalExperts
+
+    on, line = decision
+    tiered, resident_own = isinstance(local, TieredExperts), isinstance(local, LocalExperts)
+    if not (tiered or resident_own):  # every expert of a tiered cache resident: nothing to move
+        return None, False, None
     if not on:
         return None, False, line
     if tiered:
+        n = receive_buffers(source.cfg.top_k)
         return (
-            PeerTier(group, local, source, source.layers, max(1, cfg.top_k)),
+            PeerTier(group, local, source, source.layers, n, alloc),
             False,
-            line + f"; receive buffers {max(1, cfg.top_k)} x {source.expert_nbytes / 2**20:.2f} MiB",
+            line + f"; receive buffers {n} x {source.expert_nbytes / 2**20:.2f} MiB",
         )
     return None, True, line + " (rearrangement moves)"

@@ -33,6 +33,13 @@ DEFAULT_CARD = "rtx4090-24gb"  # a cuda plan with neither --gpu nor a visible GP
 
 def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="memory plan and predicted decode speed, from headers only")
+    for add in (_add_model_and_budgets, _add_engine_shape, _add_speed_and_output):  # in --help's order
+        add(p)
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def _add_model_and_budgets(p) -> None:
     p.add_argument(
         "model",
         nargs="?",
@@ -58,6 +65,9 @@ def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
         f"a100-80gb, h200-141gb; default: the visible GPU, else {DEFAULT_CARD}); also the speed "
         "band's profile unless --profile is given",
     )
+
+
+def _add_engine_shape(p) -> None:
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -77,6 +87,9 @@ def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
         help="as for generate/serve (cpu): the checkpoint's format in RAM, no embedding table, "
         "--host-memory 0 allowed",
     )
+
+
+def _add_speed_and_output(p) -> None:
     p.add_argument(
         "--profile",
         default=None,
@@ -94,8 +107,6 @@ def add_plan_subcommand(subparsers) -> argparse.ArgumentParser:
         metavar="FILE",
         help="also draw the plan: tiers as stacked bars against their budgets (needs matplotlib)",
     )
-    p.set_defaults(func=cmd_plan)
-    return p
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -130,63 +141,12 @@ def build_report(args: argparse.Namespace) -> dict:
     from ..engine.kv_cache import default_max_model_len
     from .model import device_plan, model_sizes, read_model
 
-    model_dir = args.model
-    if model_dir is None:
-        from ..demo import demo_model_dir
-
-        model_dir = demo_model_dir(progress=False)
-    else:
-        from ..hub import resolve_model
-
-        model_dir = resolve_model(model_dir, args.revision, download=False)
+    model_dir = _model_dir(args)
     config = engine_config(args)
-    dev, dtype = config.load.torch_device, config.load.torch_dtype
+    dev = config.load.torch_device
     info = read_model(model_dir)
     cfg, sizes = info.cfg, model_sizes(info, config)
-    report = {
-        "model": {
-            "dir": str(info.model_dir),
-            "dir_bytes": info.dir_bytes,
-            "architecture": (info.hf.get("architectures") or ["?"])[0],
-            "layers": cfg.num_layers,
-            "moe_layers": len(info.source.layers),
-            "num_experts": cfg.num_experts,
-            "top_k": cfg.top_k,
-        },
-        "device": dev.type,
-        "dtype": str(dtype).removeprefix("torch."),
-        "bytes": {
-            "dense_stored": sizes.dense_stored,
-            "dense_compute": sizes.dense_compute,
-            "experts_stored": sizes.experts_stored,
-            "expert_stored": sizes.expert_stored,
-            "expert_fast": sizes.expert_fast,
-            "stored_format": sizes.stored_dtype,
-            "fast_format": sizes.fast_format,
-        },
-        "plan": {
-            "fits": False,
-            "error": None,
-            "resident": None,
-            "device_slots": None,
-            "host_slots": None,
-            "device_budget": None,
-            "host_budget": None,
-            "device_used": None,
-            "host_used": None,
-            "staging": None,
-            "lines": [],
-        },
-        "device_plan": None,
-        "kv": {
-            "bytes_per_token": sizes.kv_per_token,
-            "device_free": None,
-            "tokens_in_device_free": None,
-            "state_bytes_per_sequence": sizes.state_per_sequence,
-            **_auto_kv(cfg, sizes.kv_per_token),
-        },
-        "speed": None,
-    }
+    report = _sizes_report(info, config, sizes)
     mml = args.max_model_len or default_max_model_len(cfg.max_position_embeddings)
     gpu = _card(args.gpu, dev) if dev.type == "cuda" else None
     try:
@@ -219,6 +179,60 @@ def build_report(args: argparse.Namespace) -> dict:
     report["kv"].update(device_free=free, tokens_in_device_free=free // sizes.kv_per_token)
     report["speed"] = _speed(args, info, sizes, mp, dev.type, model_dir)
     return report
+
+
+def _model_dir(args: argparse.Namespace):
+    """The model argument resolved without downloading (the demo model when none is given)."""
+    if args.model is None:
+        from ..demo import demo_model_dir
+
+        return demo_model_dir(progress=False)
+    from ..hub import resolve_model
+
+    return resolve_model(args.model, args.revision, download=False)
+
+
+def _sizes_report(info, config, sizes) -> dict:
+    """The report's keys, with what the checkpoint's headers alone give filled in (the plan's not yet)."""
+    cfg = info.cfg
+    return {
+        "model": {
+            "dir": str(info.model_dir),
+            "dir_bytes": info.dir_bytes,
+            "architecture": (info.hf.get("architectures") or ["?"])[0],
+            "layers": cfg.num_layers,
+            "moe_layers": len(info.source.layers),
+            "num_experts": cfg.num_experts,
+            "top_k": cfg.top_k,
+        },
+        "device": config.load.torch_device.type,
+        "dtype": str(config.load.torch_dtype).removeprefix("torch."),
+        "bytes": {
+            "dense_stored": sizes.dense_stored,
+            "dense_compute": sizes.dense_compute,
+            "experts_stored": sizes.experts_stored,
+            "expert_stored": sizes.expert_stored,
+            "expert_fast": sizes.expert_fast,
+            "stored_format": sizes.stored_dtype,
+            "fast_format": sizes.fast_format,
+        },
+        "plan": {
+            "fits": False,
+            "error": None,
+            **dict.fromkeys(("resident", "device_slots", "host_slots", "device_budget", "host_budget")),
+            **dict.fromkeys(("device_used", "host_used", "staging")),
+            "lines": [],
+        },
+        "device_plan": None,
+        "kv": {
+            "bytes_per_token": sizes.kv_per_token,
+            "device_free": None,
+            "tokens_in_device_free": None,
+            "state_bytes_per_sequence": sizes.state_per_sequence,
+            **_auto_kv(cfg, sizes.kv_per_token),
+        },
+        "speed": None,
+    }
 
 
 PLAN_FLAGS = (
@@ -299,32 +313,9 @@ def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
         args.trace or "",
     )
 
-    def est(e):
-        return {
-            "policy": e.policy,
-            "prefetch": e.prefetch,
-            "hit_rate": round(e.hit_rate, 4),
-            "tok_s": round(e.tok_s, 2),
-        }
-
     schedule = None
     if device == "cuda" and not mp.resident:  # the executor's overlap of copies, device MoE and the CPU job
-        from .speed import schedule_estimates
-
-        got = schedule_estimates(
-            shape,
-            prof,
-            mp.device.slots,
-            list(info.source.layers),
-            cfg.num_experts,
-            cfg.top_k,
-            cfg.hidden_size,
-            args.policy,
-            trace,
-        )
-        schedule = [
-            {"cpu_compute": cpu, "prefetch": pf, "tok_s": round(v, 2)} for (cpu, pf), v in got.items()
-        ]
+        schedule = _schedule_speeds(shape, prof, mp, info, args.policy, trace)
     return {
         "profile": prof.name,
         "profile_source": how,
@@ -333,11 +324,39 @@ def _speed(args, info, sizes, mp, device: str, model_dir) -> dict:
         "source": sb.source,
         "synthetic": None if trace is not None else {"low": SYNTH_LOW, "high": SYNTH_HIGH},
         "from_disk": from_disk,
-        "low": est(sb.low),
-        "high": est(sb.high),
+        "low": _estimate(sb.low),
+        "high": _estimate(sb.high),
         "band_tok_s": [round(x, 2) for x in sb.band],
         "schedule": schedule,
     }
+
+
+def _estimate(e) -> dict:
+    return {
+        "policy": e.policy,
+        "prefetch": e.prefetch,
+        "hit_rate": round(e.hit_rate, 4),
+        "tok_s": round(e.tok_s, 2),
+    }
+
+
+def _schedule_speeds(shape, prof, mp, info, policy: str, trace) -> list[dict]:
+    """The schedule model's decode tok/s with and without CPU compute and prefetch (a CUDA plan)."""
+    from .speed import schedule_estimates
+
+    cfg = info.cfg
+    got = schedule_estimates(
+        shape,
+        prof,
+        mp.device.slots,
+        list(info.source.layers),
+        cfg.num_experts,
+        cfg.top_k,
+        cfg.hidden_size,
+        policy,
+        trace,
+    )
+    return [{"cpu_compute": cpu, "prefetch": pf, "tok_s": round(v, 2)} for (cpu, pf), v in got.items()]
 
 
 def text_lines(r: dict) -> list[str]:

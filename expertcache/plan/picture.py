@@ -5,15 +5,9 @@ from __future__ import annotations
 from ..units import fmt_bytes
 
 
-def plot_plan(r: dict, path: str) -> None:
-    """r: the report of plan/cli.build_report (a plan that fits)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _rows(r: dict, fast: str) -> list:
+    """The bars, fastest tier first: (name, [(label, bytes, colour), ...], budget or None)."""
     m, b, p, kv = r["model"], r["bytes"], r["plan"], r["kv"]
-    fast = "GPU" if r["device"] == "cuda" else "RAM (fastest tier)"
     expert_slots = p["device_used"] - (p["staging"] or 0)
     rows = [
         (
@@ -42,6 +36,19 @@ def plot_plan(r: dict, path: str) -> None:
             None,
         )
     )
+    return rows
+
+
+def plot_plan(r: dict, path: str) -> None:
+    """r: the report of plan/cli.build_report (a plan that fits)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m, b = r["model"], r["bytes"]
+    fast = "GPU" if r["device"] == "cuda" else "RAM (fastest tier)"
+    rows = _rows(r, fast)
     fig, ax = plt.subplots(figsize=(8.5, 1.6 + 0.8 * len(rows)))
     widest = max(sum(n for _, n, _ in parts) for _, parts, _ in rows) or 1
     for y, (name, parts, budget) in enumerate(reversed(rows)):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
@@ -240,6 +240,8 @@ async def _limited(state: ServerState, request: Request, run):
 
 
 def create_app(cfg: ServerConfig) -> FastAPI:
+    """The app: the routes of `router` over one ServerState (app.state.server), the gate and the body
+    limit in front, every error as an OpenAI error object."""
     state = ServerState(cfg)
 
     @asynccontextmanager
@@ -259,147 +261,188 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     app.state.server = state
     app.add_middleware(BodyLimit, limit=state.body_limit)
     app.add_middleware(Gate, access=cfg.access)  # added last: runs first, before any body byte is read
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method
-        codes = {404: "not_found", 405: "method_not_allowed"}
-        err = ApiError(
-            f"{request.method} {request.url.path}: {e.detail}",
-            status=e.status_code,
-            code=codes.get(e.status_code),
-        )
-        response = err.response()
-        response.headers.update(e.headers or {})  # 405's Allow
-        return response
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError):  # a route's declared parameters
-        return from_validation_error(e).response()
-
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(request: Request, e: ClientDisconnect):  # the client left while sending its body
-        log.info(
-            "%s %s: the client disconnected before its body was complete", request.method, request.url.path
-        )
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return ApiError(f"internal error: {type(e).__name__}", status=500, type="server_error").response()
-
+    for kind, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(kind, handler)
     # the browser UI: static files of this package, talking to the endpoints below
     app.mount("/ui", StaticFiles(directory=STATIC_DIR), name="ui")
-
-    @app.get("/", include_in_schema=False)
-    async def ui():
-        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
-
-    @app.get("/health")
-    async def health():
-        """Public: the status (ok, loading with its progress, error) and nothing else (the load error's
-        text, which names files, goes to the server's log)."""
-        if state.engine is not None:
-            return {"status": "ok"}
-        if state.loader.state == "error":
-            return JSONResponse({"status": "error"}, status_code=503)
-        return JSONResponse(
-            {"status": "loading", "progress": round(state.loader.progress, 4)}, status_code=503
-        )
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        card = {"id": cfg.model_name, "object": "model", "created": state.started, "owned_by": "expertcache"}
-        if state.engine is not None:
-            card["max_model_len"] = state.engine.llm.max_model_len
-        return {"object": "list", "data": [card]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model_card(model_id: str, request: Request):
-        if model_id != cfg.model_name and model_id not in cfg.aliases:
-            raise ApiError(
-                f"model {model_id!r} does not exist; this server serves {cfg.model_name!r}",
-                "model",
-                status=404,
-                code="model_not_found",
-            )
-        return (await models(request))["data"][0]
-
-    async def generate(request: Request, chat: bool):
-        async def run(lease: Lease):
-            req = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
-            state.check_model(req.model)
-            llm = state.ready().llm
-            count, param = check_fields(req, cfg.limits, llm.engine.scheduler.max_num_seqs)
-            lease.grow(count, param)  # prompts x samples against --max-concurrent-per-key
-            shape = Shape(
-                f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                cfg.model_name,
-                chat=chat,
-                include_usage=req.include_usage,
-            )
-            # tokenizing (GIL released) and grammar compiling on a worker thread: the loop stays free
-            job = await run_in_threadpool(_chat_job if chat else _completion_job, llm, req, shape)
-            return await _respond(state, request, job)
-
-        return await _limited(state, request, run)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate(request, chat=True)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        req = await _parse(request, TokenizeRequest)
-        state.check_model(req.model)
-        llm = state.ready().llm
-        if req.prompt is not None:
-            if llm.tokenizer is None:
-                raise ApiError("this model has no tokenizer.json", "prompt")
-            ids = await run_in_threadpool(
-                llm.tokenizer.encode, req.prompt, req.add_special_tokens is not False
-            )
-        else:
-            ids = await run_in_threadpool(chat_ids, llm, req.messages, req.add_generation_prompt)
-        strs = None
-        if req.return_token_strs:
-            strs = await run_in_threadpool(lambda: [llm.tokenizer.tok.id_to_token(i) for i in ids])
-        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids, "token_strs": strs}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req = await _parse(request, DetokenizeRequest)
-        state.check_model(req.model)
-        llm = state.ready().llm
-        if llm.tokenizer is None:
-            raise ApiError("this model has no tokenizer.json", "tokens")
-        vocab = llm.cfg.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": await run_in_threadpool(llm.tokenizer.decode, req.tokens)}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/stats")
-    async def stats():
-        snap = dict(state.engine.snapshot()) if state.engine else {}
-        experts = snap.pop("expert_stats", {})
-        return {
-            "model": cfg.model_name,
-            "status": "ok" if state.engine else state.loader.state,
-            "engine": snap,
-            "expert_stats": experts,
-        }
-
+    app.include_router(router)
     return app
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# -- errors: every one an OpenAI error object ---------------------------------------------------------
+
+
+async def _api_error(request: Request, e: ApiError):
+    return e.response()
+
+
+async def _http_error(request: Request, e: StarletteHTTPException):  # unknown route, wrong method
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    err = ApiError(
+        f"{request.method} {request.url.path}: {e.detail}",
+        status=e.status_code,
+        code=codes.get(e.status_code),
+    )
+    response = err.response()
+    response.headers.update(e.headers or {})  # 405's Allow
+    return response
+
+
+async def _invalid(request: Request, e: RequestValidationError):  # a route's declared parameters
+    return from_validation_error(e).response()
+
+
+async def _gone(request: Request, e: ClientDisconnect):  # the client left while sending its body
+    log.info("%s %s: the client disconnected before its body was complete", request.method, request.url.path)
+    return Response(status_code=499)
+
+
+async def _unexpected(request: Request, e: Exception):
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return ApiError(f"internal error: {type(e).__name__}", status=500, type="server_error").response()
+
+
+ERROR_HANDLERS = {
+    ApiError: _api_error,
+    StarletteHTTPException: _http_error,
+    RequestValidationError: _invalid,
+    ClientDisconnect: _gone,
+    Exception: _unexpected,
+}
+
+# -- routes ---------------------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+@router.get("/", include_in_schema=False)
+async def ui():
+    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/health")
+async def health(request: Request):
+    """Public: the status (ok, loading with its progress, error) and nothing else (the load error's
+    text, which names files, goes to the server's log)."""
+    state = _server(request)
+    if state.engine is not None:
+        return {"status": "ok"}
+    if state.loader.state == "error":
+        return JSONResponse({"status": "error"}, status_code=503)
+    return JSONResponse({"status": "loading", "progress": round(state.loader.progress, 4)}, status_code=503)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = _server(request)
+    card = {
+        "id": state.cfg.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "expertcache",
+    }
+    if state.engine is not None:
+        card["max_model_len"] = state.engine.llm.max_model_len
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model_card(model_id: str, request: Request):
+    cfg = _server(request).cfg
+    if model_id != cfg.model_name and model_id not in cfg.aliases:
+        raise ApiError(
+            f"model {model_id!r} does not exist; this server serves {cfg.model_name!r}",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+    return (await models(request))["data"][0]
+
+
+async def _generate(request: Request, chat: bool):
+    state = _server(request)
+    cfg = state.cfg
+
+    async def run(lease: Lease):
+        req = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
+        state.check_model(req.model)
+        llm = state.ready().llm
+        count, param = check_fields(req, cfg.limits, llm.engine.scheduler.max_num_seqs)
+        lease.grow(count, param)  # prompts x samples against --max-concurrent-per-key
+        shape = Shape(
+            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            cfg.model_name,
+            chat=chat,
+            include_usage=req.include_usage,
+        )
+        # tokenizing (GIL released) and grammar compiling on a worker thread: the loop stays free
+        job = await run_in_threadpool(_chat_job if chat else _completion_job, llm, req, shape)
+        return await _respond(state, request, job)
+
+    return await _limited(state, request, run)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    return await _generate(request, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await _generate(request, chat=True)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    state = _server(request)
+    req = await _parse(request, TokenizeRequest)
+    state.check_model(req.model)
+    llm = state.ready().llm
+    if req.prompt is not None:
+        if llm.tokenizer is None:
+            raise ApiError("this model has no tokenizer.json", "prompt")
+        ids = await run_in_threadpool(llm.tokenizer.encode, req.prompt, req.add_special_tokens is not False)
+    else:
+        ids = await run_in_threadpool(chat_ids, llm, req.messages, req.add_generation_prompt)
+    strs = None
+    if req.return_token_strs:
+        strs = await run_in_threadpool(lambda: [llm.tokenizer.tok.id_to_token(i) for i in ids])
+    return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    state = _server(request)
+    req = await _parse(request, DetokenizeRequest)
+    state.check_model(req.model)
+    llm = state.ready().llm
+    if llm.tokenizer is None:
+        raise ApiError("this model has no tokenizer.json", "tokens")
+    vocab = llm.cfg.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": await run_in_threadpool(llm.tokenizer.decode, req.tokens)}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    body = _server(request).metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/stats")
+async def stats(request: Request):
+    state = _server(request)
+    snap = dict(state.engine.snapshot()) if state.engine else {}
+    experts = snap.pop("expert_stats", {})
+    return {
+        "model": state.cfg.model_name,
+        "status": "ok" if state.engine else state.loader.state,
+        "engine": snap,
+        "expert_stats": experts,
+    }

@@ -220,15 +220,7 @@ class AsyncEngine:
         try:
             outs = self.llm.engine.step()
         except Exception as e:  # an engine bug must not take the server down: fail what is in flight
-            log.exception("engine step failed; failing %d requests", len(self._tracks))
-            for rid, tr in list(self._tracks.items()):
-                self.llm.engine.abort(rid)
-                self._push(
-                    tr.handle, Delta("", [], error=f"engine error: {type(e).__name__}: {e}", request_id=rid)
-                )
-                self.metrics.on_finish("error", None)
-            self._tracks.clear()
-            self._publish()
+            self._fail_all(e)
             return
         now = time.perf_counter()
         self._step_totals = None
@@ -238,61 +230,10 @@ class AsyncEngine:
             tr = self._tracks.get(out.request_id)
             if tr is None:
                 continue
-            if out.new_token_ids:
-                n = len(out.new_token_ids)
-                self.metrics.on_tokens(
-                    n,
-                    ttft=now - tr.arrival if tr.first is None else None,
-                    itl=None if tr.first is None else now - tr.last,
-                )
-                tr.first = tr.first if tr.first is not None else now
-                tr.last = now
-                tr.n_tokens += n
-            reason = out.finish_reason
-            rid = out.request_id
-            if reason is None:
-                if out.text_delta or out.new_token_ids:
-                    first = len(out.seq.generated) == 1
-                    deliveries.append(
-                        (
-                            tr.handle,
-                            Delta(
-                                out.text_delta,
-                                list(out.new_token_ids),
-                                index=out.index,
-                                logprobs=out.logprobs,
-                                request_id=rid,
-                                prompt_logprobs=out.seq.prompt_logprobs if first else None,
-                            ),
-                        )
-                    )
-                continue
-            if reason.startswith("error"):  # one failed sample fails the request
-                del self._tracks[rid]
-                ended.discard(rid)
-                self.llm.engine.abort(rid)
-                deliveries.append(
-                    (tr.handle, Delta("", [], error=reason.removeprefix("error: "), request_id=rid))
-                )
-                self.metrics.on_finish("error", None)
-                continue
-            ended.add(rid)
-            self.metrics.on_finish(reason, now - tr.arrival)
-            deliveries.append(
-                (
-                    tr.handle,
-                    Delta(
-                        out.text_delta,
-                        list(out.new_token_ids),
-                        reason,
-                        self._final(tr, out.seq),
-                        index=out.index,
-                        logprobs=out.logprobs,
-                        request_id=rid,
-                        prompt_logprobs=out.seq.prompt_logprobs if len(out.seq.generated) <= 1 else None,
-                    ),
-                )
-            )
+            self._count_tokens(tr, out, now)
+            delta = self._delta(tr, out, now, ended)
+            if delta is not None:
+                deliveries.append((tr.handle, delta))
         for rid in ended:  # requests whose last sample finished (all are out of the engine by now)
             if rid in self._tracks and not self.llm.engine.samples(rid):
                 del self._tracks[rid]
@@ -301,6 +242,64 @@ class AsyncEngine:
         self._publish()
         for handle, delta in deliveries:
             self._push(handle, delta)
+
+    def _fail_all(self, e: Exception) -> None:
+        log.exception("engine step failed; failing %d requests", len(self._tracks))
+        for rid, tr in list(self._tracks.items()):
+            self.llm.engine.abort(rid)
+            self._push(
+                tr.handle, Delta("", [], error=f"engine error: {type(e).__name__}: {e}", request_id=rid)
+            )
+            self.metrics.on_finish("error", None)
+        self._tracks.clear()
+        self._publish()
+
+    def _count_tokens(self, tr: _Track, out, now: float) -> None:
+        if out.new_token_ids:
+            n = len(out.new_token_ids)
+            self.metrics.on_tokens(
+                n,
+                ttft=now - tr.arrival if tr.first is None else None,
+                itl=None if tr.first is None else now - tr.last,
+            )
+            tr.first = tr.first if tr.first is not None else now
+            tr.last = now
+            tr.n_tokens += n
+
+    def _delta(self, tr: _Track, out, now: float, ended: set[str]) -> Delta | None:
+        """What one step output sends its client (None: nothing); a finished sample's request id goes
+        into `ended`, a failed one ends its request at once."""
+        reason, rid = out.finish_reason, out.request_id
+        if reason is None:
+            if not (out.text_delta or out.new_token_ids):
+                return None
+            first = len(out.seq.generated) == 1
+            return Delta(
+                out.text_delta,
+                list(out.new_token_ids),
+                index=out.index,
+                logprobs=out.logprobs,
+                request_id=rid,
+                prompt_logprobs=out.seq.prompt_logprobs if first else None,
+            )
+        if reason.startswith("error"):  # one failed sample fails the request
+            del self._tracks[rid]
+            ended.discard(rid)
+            self.llm.engine.abort(rid)
+            self.metrics.on_finish("error", None)
+            return Delta("", [], error=reason.removeprefix("error: "), request_id=rid)
+        ended.add(rid)
+        self.metrics.on_finish(reason, now - tr.arrival)
+        return Delta(
+            out.text_delta,
+            list(out.new_token_ids),
+            reason,
+            self._final(tr, out.seq),
+            index=out.index,
+            logprobs=out.logprobs,
+            request_id=rid,
+            prompt_logprobs=out.seq.prompt_logprobs if len(out.seq.generated) <= 1 else None,
+        )
 
     def _final(self, tr: _Track, seq) -> Final:
         completion = len(seq.generated)

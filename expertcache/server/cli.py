@@ -30,6 +30,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_args(p)
     s = p.add_argument_group("server")
+    for add in (_add_binding, _add_request_limits, _add_access_and_serving):  # in --help's order
+        add(s)
+
+
+def _add_binding(s) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     s.add_argument(
@@ -45,6 +50,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="read the API key from FILE, so it does not show in the process list; several lines "
         "= several accepted keys (each with its own --max-concurrent-per-key)",
     )
+
+
+def _add_request_limits(s) -> None:
     s.add_argument(
         "--max-request-bytes",
         type=int,
@@ -86,6 +94,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="with --record-routing: engine steps the trace keeps; recording then stops with a "
         f"warning (default: {RECORD_ROUTING_MAX_STEPS})",
     )
+
+
+def _add_access_and_serving(s) -> None:
     s.add_argument(
         "--allowed-hosts",
         default=None,

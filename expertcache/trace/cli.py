@@ -264,7 +264,12 @@ def _wrap(fn):
 def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     tp = subparsers.add_parser("trace", help="record, inspect, replay and simulate routing traces")
     sub = tp.add_subparsers(dest="trace_cmd", required=True)
+    for add in (_add_replay, _add_stats, _add_synth, _add_import, _add_export, _add_simulate):
+        add(sub)
+    return tp
 
+
+def _add_replay(sub) -> None:
     p = sub.add_parser("replay", help="hit rates of cache policies on a trace (vs. MIN)")
     p.add_argument("trace")
     g = p.add_mutually_exclusive_group()
@@ -285,12 +290,16 @@ def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", help="plot hit rate vs capacity")
     p.set_defaults(func=_wrap(_cmd_replay))
 
+
+def _add_stats(sub) -> None:
     p = sub.add_parser("stats", help="use heatmap, reuse distance, token-to-token reuse")
     p.add_argument("trace")
     p.add_argument("--png", help="write the layer x expert heatmap")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_wrap(_cmd_stats))
 
+
+def _add_synth(sub) -> None:
     p = sub.add_parser("synth", help="write a synthetic trace")
     p.add_argument("out")
     p.add_argument("--layers", type=int, default=4)
@@ -305,6 +314,8 @@ def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--expert-bytes", default="1MiB")
     p.set_defaults(func=_wrap(_cmd_synth))
 
+
+def _add_import(sub) -> None:
     p = sub.add_parser("import", help="JSONL -> .npz")
     p.add_argument("jsonl")
     p.add_argument("out")
@@ -314,11 +325,15 @@ def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--expert-bytes", default="0")
     p.set_defaults(func=_wrap(_cmd_import))
 
+
+def _add_export(sub) -> None:
     p = sub.add_parser("export", help=".npz -> JSONL")
     p.add_argument("trace")
     p.add_argument("out")
     p.set_defaults(func=_wrap(_cmd_export))
 
+
+def _add_simulate(sub) -> None:
     p = sub.add_parser("simulate", help="predicted decode tok/s on a hardware profile")
     p.add_argument("trace")
     p.add_argument("--capacity", type=int, required=True)
@@ -336,7 +351,6 @@ def add_trace_subcommands(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_wrap(_cmd_simulate))
-    return tp
 
 
 def main(argv=None) -> int:

@@ -198,52 +198,15 @@ class RoutingTrace:
         num_layers: int | None = None,
     ) -> "RoutingTrace":
         """Parse JSONL (see module doc). Errors name the line and field."""
-        rows: dict[tuple[int, int], dict] = {}  # (seq, token) -> {layer: (experts, weights)}
-        meta_row: dict[tuple[int, int], tuple[int, int | None]] = {}
+        rows: dict[tuple[int, int], dict] = {}  # (seq, token) -> {layer: (experts, weights, line)}
+        meta_row: dict[tuple[int, int], tuple[int, int | None]] = {}  # (seq, token) -> (phase, step)
         layers: set[int] = set()
-        top_k = None
-        has_w = None
+        shape: dict = {"top_k": None, "has_w": None}  # fixed by the first record
         with open(path) as f:
             for ln, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"line {ln}: invalid JSON ({err.msg})") from None
-                if not isinstance(obj, dict):
-                    raise ValueError(f"line {ln}: expected a JSON object")
-                for key in ("seq", "layer", "token", "experts"):
-                    if key not in obj:
-                        raise ValueError(f"line {ln}: missing field {key!r}")
-                for key in ("seq", "layer", "token"):
-                    if not isinstance(obj[key], int):
-                        raise ValueError(f"line {ln}: field {key!r} must be an integer")
-                ex = obj["experts"]
-                if not isinstance(ex, list) or not all(isinstance(e, int) for e in ex) or not ex:
-                    raise ValueError(f"line {ln}: field 'experts' must be a non-empty list of integers")
-                if top_k is None:
-                    top_k = len(ex)
-                elif len(ex) != top_k:
-                    raise ValueError(f"line {ln}: field 'experts' has {len(ex)} ids, earlier lines {top_k}")
-                bad = [e for e in ex if not 0 <= e < num_experts]
-                if bad:
-                    raise ValueError(
-                        f"line {ln}: field 'experts' id {bad[0]} out of range [0, {num_experts})"
-                    )
-                w = obj.get("weights")
-                if has_w is None:
-                    has_w = w is not None
-                elif has_w != (w is not None):
-                    raise ValueError(f"line {ln}: field 'weights' present on some lines only")
-                if w is not None and (not isinstance(w, list) or len(w) != top_k):
-                    raise ValueError(f"line {ln}: field 'weights' must be a list of {top_k} numbers")
-                ph = obj.get("phase", "decode")
-                if ph not in PHASES:
-                    raise ValueError(f"line {ln}: field 'phase' must be 'prefill' or 'decode', got {ph!r}")
-                step = obj.get("step")
-                if step is not None and not isinstance(step, int):
-                    raise ValueError(f"line {ln}: field 'step' must be an integer")
+                obj, ex, w, ph, step = _record(line, ln, num_experts, shape)
                 key = (obj["seq"], obj["token"])
                 group = rows.setdefault(key, {})
                 if obj["layer"] in group:
@@ -258,31 +221,9 @@ class RoutingTrace:
         layer_ids = sorted(layers)
         if num_layers is not None and len(layer_ids) != num_layers:
             raise ValueError(f"layer: trace has {len(layer_ids)} layers, model has {num_layers}")
-        n, nl = len(rows), len(layer_ids)
-        experts = np.empty((n, nl, top_k), np.int32)
-        weights = np.empty((n, nl, top_k), np.float32) if has_w else None
-        seq, token, phase, step = (np.empty(n, np.int64) for _ in range(4))
-        keys = list(rows)
-        steps_given = [meta_row[k][1] for k in keys]
-        if all(s is not None for s in steps_given):
-            order = sorted(range(n), key=lambda i: (steps_given[i], i))
-        else:
-            order = range(n)
-        for r, i in enumerate(order):
-            key = keys[i]
-            group = rows[key]
-            missing = [lid for lid in layer_ids if lid not in group]
-            if missing:
-                ln = next(iter(group.values()))[2]
-                raise ValueError(f"layer: seq {key[0]} token {key[1]} (line {ln}) lacks layer {missing[0]}")
-            for li, lid in enumerate(layer_ids):
-                ex, w, _ = group[lid]
-                experts[r, li] = ex
-                if weights is not None:
-                    weights[r, li] = w
-            seq[r], token[r] = key
-            phase[r] = meta_row[key][0]
-            step[r] = steps_given[i] if steps_given[i] is not None else r
+        experts, weights, seq, token, phase, step = _arrays(
+            rows, meta_row, layer_ids, shape["top_k"], shape["has_w"]
+        )
         return cls(
             experts=experts,
             num_experts=num_experts,
@@ -295,6 +236,78 @@ class RoutingTrace:
             layer_ids=layer_ids,
             expert_bytes=expert_bytes,
         )
+
+
+def _record(line: str, ln: int, num_experts: int, shape: dict):
+    """One JSONL line checked -> (object, experts, weights or None, phase, step or None); `shape`'s
+    top_k and has_w (whether lines carry weights) are set by the first record and held to after."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"line {ln}: invalid JSON ({err.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"line {ln}: expected a JSON object")
+    for key in ("seq", "layer", "token", "experts"):
+        if key not in obj:
+            raise ValueError(f"line {ln}: missing field {key!r}")
+    for key in ("seq", "layer", "token"):
+        if not isinstance(obj[key], int):
+            raise ValueError(f"line {ln}: field {key!r} must be an integer")
+    ex = obj["experts"]
+    if not isinstance(ex, list) or not all(isinstance(e, int) for e in ex) or not ex:
+        raise ValueError(f"line {ln}: field 'experts' must be a non-empty list of integers")
+    top_k = shape["top_k"] = shape["top_k"] or len(ex)
+    if len(ex) != top_k:
+        raise ValueError(f"line {ln}: field 'experts' has {len(ex)} ids, earlier lines {top_k}")
+    bad = [e for e in ex if not 0 <= e < num_experts]
+    if bad:
+        raise ValueError(f"line {ln}: field 'experts' id {bad[0]} out of range [0, {num_experts})")
+    w = obj.get("weights")
+    if shape["has_w"] is None:
+        shape["has_w"] = w is not None
+    elif shape["has_w"] != (w is not None):
+        raise ValueError(f"line {ln}: field 'weights' present on some lines only")
+    if w is not None and (not isinstance(w, list) or len(w) != top_k):
+        raise ValueError(f"line {ln}: field 'weights' must be a list of {top_k} numbers")
+    ph = obj.get("phase", "decode")
+    if ph not in PHASES:
+        raise ValueError(f"line {ln}: field 'phase' must be 'prefill' or 'decode', got {ph!r}")
+    step = obj.get("step")
+    if step is not None and not isinstance(step, int):
+        raise ValueError(f"line {ln}: field 'step' must be an integer")
+    return obj, ex, w, ph, step
+
+
+def _arrays(rows: dict, meta_row: dict, layer_ids: list[int], top_k: int, has_w: bool):
+    """The parsed records as arrays, in step order when every record gives its step, else in file order:
+    experts / weights [n, layers, top_k], seq / token / phase / step [n]. Every record must have every
+    layer."""
+    n, nl = len(rows), len(layer_ids)
+    experts = np.empty((n, nl, top_k), np.int32)
+    weights = np.empty((n, nl, top_k), np.float32) if has_w else None
+    seq, token, phase, step = (np.empty(n, np.int64) for _ in range(4))
+    keys = list(rows)
+    steps_given = [meta_row[k][1] for k in keys]
+    if all(s is not None for s in steps_given):
+        order = sorted(range(n), key=lambda i: (steps_given[i], i))
+    else:
+        order = range(n)
+    for r, i in enumerate(order):
+        key = keys[i]
+        group = rows[key]
+        missing = [lid for lid in layer_ids if lid not in group]
+        if missing:
+            ln = next(iter(group.values()))[2]
+            raise ValueError(f"layer: seq {key[0]} token {key[1]} (line {ln}) lacks layer {missing[0]}")
+        for li, lid in enumerate(layer_ids):
+            ex, w, _ = group[lid]
+            experts[r, li] = ex
+            if weights is not None:
+                weights[r, li] = w
+        seq[r], token[r] = key
+        phase[r] = meta_row[key][0]
+        step[r] = steps_given[i] if steps_given[i] is not None else r
+    return experts, weights, seq, token, phase, step
 
 
 def load_trace(path: str | Path, flag: str):

@@ -176,33 +176,43 @@ def simulate_schedule(
     (attention, router: `dense` per step / layers) on the device queue before it. Every expert is
     in host RAM (no disk reads). Rows of the trace's prefill phase warm the cache and are not
     counted. Needs a GPU profile."""
-    from ..experts.planner import PlannerConfig, StepPlanner
-    from ..experts.schedule import ScheduleBuilder
-    from ..experts.schedule_time import evaluate, op_seconds
     from .replay import schedule
 
     if not profile.has_gpu:
         raise ValueError(f"simulate_schedule: profile {profile.name!r} has no GPU figures")
     cost = ExpertCost(profile, shape.expert_bytes, shape.expert_params)
-    steps = schedule(trace)
-    L = trace.num_layers
-    mode = "device" if prefetch else "off"
-    p = StepPlanner(
-        PlannerConfig(
-            num_experts=trace.num_experts,
-            device_slots=min(capacity, trace.num_experts),
-            host_slots=None,
-            expert_bytes=shape.expert_bytes,
-            policy=policy,
-            cpu_compute="cost" if cpu_compute else "never",
-            prefetch=mode,
-            staged_waves=True,
-            gate_waste=0.25,
-        ),
-        L,
-        cpu_faster=cost.cpu_faster,
+    planner = _step_planner(trace, shape, cost, policy, capacity, cpu_compute, prefetch)
+    scheds, cut, rows, dense_sec = _schedules(trace, schedule(trace), planner, shape, profile, prefetch)
+    if rows == 0:
+        raise ValueError("simulate_schedule: the trace has no decode rows after its last prefill row")
+    return _timed(scheds, cut, rows, dense_sec, cost, hidden, io_lanes)
+
+
+def _step_planner(trace, shape: ModelShape, cost: ExpertCost, policy, capacity, cpu_compute, prefetch):
+    """The engine's step planner as the CUDA path configures it (staged waves, the CUDA prefetch gate)."""
+    from ..experts.planner import PlannerConfig, StepPlanner
+
+    config = PlannerConfig(
+        num_experts=trace.num_experts,
+        device_slots=min(capacity, trace.num_experts),
+        host_slots=None,
+        expert_bytes=shape.expert_bytes,
+        policy=policy,
+        cpu_compute="cost" if cpu_compute else "never",
+        prefetch="device" if prefetch else "off",
+        staged_waves=True,
+        gate_waste=0.25,
     )
-    b = ScheduleBuilder()
+    return StepPlanner(config, trace.num_layers, cpu_faster=cost.cpu_faster)
+
+
+def _schedules(trace, steps, p, shape: ModelShape, profile: Profile, prefetch: bool):
+    """Every step's layers planned and built as schedules, each with its dense op's seconds ->
+    (schedules, index of the first after the last prefill step, decode rows after it, dense seconds by
+    op id)."""
+    from ..experts.schedule import ScheduleBuilder
+
+    L, b = trace.num_layers, ScheduleBuilder()
     bd = shape.dense_params * shape.bytes_per_param
     phase = trace.phase
     scheds, cut, rows, dense_sec = [], 0, 0, {}
@@ -230,8 +240,13 @@ def simulate_schedule(
             cut, rows = len(scheds), 0
         else:
             rows += n_rows
-    if rows == 0:
-        raise ValueError("simulate_schedule: the trace has no decode rows after its last prefill row")
+    return scheds, cut, rows, dense_sec
+
+
+def _timed(scheds, cut: int, rows: int, dense_sec: dict, cost: ExpertCost, hidden: int, io_lanes: int):
+    """The schedules timed on the executor's queues; decode counted from schedule `cut` on."""
+    from ..experts.schedule_time import evaluate, op_seconds
+
     base = op_seconds(cost, hidden)
 
     def sec(o):

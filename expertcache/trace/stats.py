@@ -104,6 +104,14 @@ def plot_heatmap(trace: RoutingTrace, path: str, title: str | None = None) -> No
 _STYLES = [("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"), ("-", "v"), ("--", "P"), ("-.", "X"), (":", "*")]
 
 
+def _above_min_note(above: list[str]) -> str:
+    return (
+        f"{', '.join(above)} above MIN: MIN is the optimum of demand caching (every miss "
+        f"loaded into a slot,\nno prefetch); admission (refused experts used once from the slower tier) "
+        f"or prefetch can beat it"
+    )
+
+
 def plot_sweep(results, path: str, title: str | None = None) -> None:
     """Hit rate vs capacity per policy, with MIN (from each result's min_hit_rate) as the reference."""
     import matplotlib
@@ -147,9 +155,7 @@ def plot_sweep(results, path: str, title: str | None = None) -> None:
         ax.text(
             0.02,
             0.02,
-            f"{', '.join(above)} above MIN: MIN is the optimum of demand caching (every miss "
-            f"loaded into a slot,\nno prefetch); admission (refused experts used once from the slower tier) "
-            f"or prefetch can beat it",
+            _above_min_note(above),
             transform=ax.transAxes,
             fontsize=7,
             va="bottom",

@@ -36,6 +36,29 @@ def _draw(rng, p: np.ndarray, k: int, keep: list[int]) -> list[int]:
     return keep + rng.choice(len(p), size=need, replace=False, p=q).tolist()
 
 
+def _checked(layers, experts, top_k, zipf, reuse, lookahead_recall) -> np.ndarray:
+    """The arguments checked (errors name them) -> the zipf skew of each layer."""
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k: must lie in [1, experts={experts}], got {top_k}")
+    if not 0.0 <= reuse <= 1.0:
+        raise ValueError(f"reuse: must lie in [0, 1], got {reuse}")
+    if lookahead_recall is not None and not 0.0 <= lookahead_recall <= 1.0:
+        raise ValueError(f"lookahead_recall: must lie in [0, 1], got {lookahead_recall}")
+    if len(np.atleast_1d(zipf)) not in (1, layers):
+        raise ValueError(f"zipf: one value or one per layer ({layers}), got {len(np.atleast_1d(zipf))}")
+    return np.broadcast_to(np.asarray(zipf, dtype=float), (layers,))
+
+
+def _lookahead(rng, true: list[int], pop: np.ndarray, recall: float) -> list[int]:
+    """A lookahead guess of a layer's experts: each true one kept with probability `recall`, the rest
+    drawn by popularity from the others."""
+    kept = [e for e in true if rng.random() < recall]
+    q = pop.copy()
+    q[true] = 0.0
+    others = rng.choice(len(pop), size=len(true) - len(kept), replace=False, p=q / q.sum())
+    return kept + others.tolist()
+
+
 def synth_trace(
     layers: int = 4,
     experts: int = 16,
@@ -50,15 +73,7 @@ def synth_trace(
     lookahead_recall: float | None = None,
 ) -> RoutingTrace:
     """Build a trace of `seqs` sequences x `tokens` tokens (see module doc)."""
-    if not 0 < top_k <= experts:
-        raise ValueError(f"top_k: must lie in [1, experts={experts}], got {top_k}")
-    if not 0.0 <= reuse <= 1.0:
-        raise ValueError(f"reuse: must lie in [0, 1], got {reuse}")
-    if lookahead_recall is not None and not 0.0 <= lookahead_recall <= 1.0:
-        raise ValueError(f"lookahead_recall: must lie in [0, 1], got {lookahead_recall}")
-    zipfs = np.broadcast_to(np.asarray(zipf, dtype=float), (layers,))
-    if len(np.atleast_1d(zipf)) not in (1, layers):
-        raise ValueError(f"zipf: one value or one per layer ({layers}), got {len(np.atleast_1d(zipf))}")
+    zipfs = _checked(layers, experts, top_k, zipf, reuse, lookahead_recall)
     rng = np.random.default_rng(seed)
     base = [np.arange(1, experts + 1, dtype=float) ** (-z) for z in zipfs]
 
@@ -87,12 +102,7 @@ def synth_trace(
                 g = np.sort(rng.gamma(1.0, size=top_k))[::-1]
                 w[row, li] = g / g.sum()
                 if la is not None and li:
-                    true = ex[row, li].tolist()
-                    kept = [e for e in true if rng_la.random() < lookahead_recall]
-                    q = pop[li].copy()
-                    q[true] = 0.0
-                    others = rng_la.choice(experts, size=top_k - len(kept), replace=False, p=q / q.sum())
-                    la[row, li] = kept + others.tolist()
+                    la[row, li] = _lookahead(rng_la, ex[row, li].tolist(), pop[li], lookahead_recall)
             row += 1
     return RoutingTrace(
         experts=ex,

@@ -436,7 +436,7 @@ using pool::run_units;  // units handed out dynamically, so uneven units balance
 // rounded / quantized activations. MXFP4 and int4 (groups a multiple of 32) weights go through nib
 // (nibble_kernels.h, AVX-512) in both maths, float32 activations reordered for exact, int8 per block
 // of 32 for fast, where the CPU has AVX-512 and the AVX2 kernels are not forced
-// (EXPERTCACHE_CPU_ISA=avx2 or set_avx512(false)); every other weight is computed from float32
+// (set_avx512(false): kernels.isa.avx512, EXPERTCACHE_CPU_ISA=avx2); every other weight is computed from float32
 // activations by the AVX2 kernels above.
 enum Math { EXACT = 0, FAST = 1 };
 // GGUF blocks (ggml_kernels.h) go through ggml's AVX-512 kernels (or AVX2 where those are not allowed) in
@@ -451,16 +451,9 @@ bool fast_reads(const WView& W) {
   return W.fmt == BF16 || (W.fmt == INT8 && W.Bo == 1 && (W.G >= W.K || W.G % fastk::BLOCK == 0));
 }
 
-// EXPERTCACHE_CPU_ISA: avx2 (no AVX-512 4-bit kernels), avx512 (those, without AMX); unset: the best the CPU has
-bool isa_is(const char* name) {
-  const char* e = std::getenv("EXPERTCACHE_CPU_ISA");
-  return e && std::strcmp(e, name) == 0;
-}
-std::atomic<bool> avx512_allowed{!isa_is("avx2")};
-const bool amx_from_env = [] {
-  nib::set_amx(!isa_is("avx2") && !isa_is("avx512"));
-  return true;
-}();
+// Allowed until the caller says otherwise: the Python side hands in its ISA choice when the module loads
+// (kernels.isa, from EXPERTCACHE_CPU_ISA there); nothing here reads the environment.
+std::atomic<bool> avx512_allowed{true};
 
 bool nibble_avx512() {
   static const bool cpu = nib::supported();
@@ -994,7 +987,7 @@ void register_expert_kernels(py::module_& m) {
   m.def("avx512_supported", &nib::supported, "the CPU has what the AVX-512 4-bit kernels need (F/BW/VL/VNNI)");
   m.def("set_avx512", [](bool on) { avx512_allowed.store(on); },
         "allow the AVX-512 4-bit (MXFP4, int4) kernels where the CPU has them (false: the AVX2 kernels; "
-        "initially false when EXPERTCACHE_CPU_ISA=avx2)");
+        "set at load from kernels.isa: false when EXPERTCACHE_CPU_ISA=avx2)");
   m.def("get_avx512", [] { return avx512_allowed.load(); }, "whether the AVX-512 4-bit kernels are allowed");
   m.def("set_prefetch_rows", [](int64_t n) {
           TORCH_CHECK(n >= 0, "set_prefetch_rows: rows ahead must be >= 0, got ", n);
@@ -1009,7 +1002,7 @@ void register_expert_kernels(py::module_& m) {
   m.def("get_strip_tokens", [] { return nib::strip_tokens(); }, "tokens from which the 4-bit strips run (0: never)");
   m.def("amx_supported", &nib::amx_supported, "the CPU has AMX-TILE/INT8 and Linux grants this process the tile state");
   m.def("set_amx", &nib::set_amx, "allow the 4-bit strips' products on AMX where supported (false: AVX-512 VNNI; "
-        "initially false when EXPERTCACHE_CPU_ISA is avx2 or avx512)");
+        "set at load from kernels.isa: false when EXPERTCACHE_CPU_ISA is avx2 or avx512)");
   m.def("get_amx", &nib::amx, "whether the 4-bit strips run on AMX (allowed and supported)");
   m.def("kernel_of", [](const py::tuple& spec, int64_t math) { return kernel_of(view_of(spec, "kernel_of"), math); },
         "the kernel that computes a weight of this spec in CPU math `math`");
