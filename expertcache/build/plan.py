@@ -529,7 +529,7 @@ def plan_device(
     kv, fixed = _fixed_terms(source, names, config, max_model_len)
     cuda = device.type == "cuda"
     slack = int(SLACK * sum(fixed.values())) + SLACK_FLOOR if cuda else 0
-    fixed["peer_buffers"] = peer_slots * sum(p.nbytes for p in source.parts) if cache.tiered else 0
+    fixed["peer_buffers"] = peer_slots * parts_nbytes(source.parts) if cache.tiered else 0
     context = gpu.context if cuda and gpu is not None else 0
     outside = sum(fixed.values()) + context + slack  # every term but the experts'
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
