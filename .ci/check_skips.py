@@ -19,6 +19,7 @@ ALLOWED = (
     "no transparent huge pages on this machine",  # test_hostmem: kernel without THP
     "needs a CPU with AMX-TILE/INT8 whose OS grants the tile state",  # test_kernels_nibble_strips: CPU without AMX
     "llama.cpp's converter absent (bench/peers: EXPERTCACHE_LLAMA_CPP)",  # test_gguf_converter: an optional peer
+    "llama.cpp's llama-quantize absent (bench/peers: EXPERTCACHE_LLAMA_QUANTIZE)",  # test_gguf_converter: likewise
 )
 
 

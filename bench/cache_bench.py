@@ -93,7 +93,7 @@ def configs(share: float, host: str | None):
 
 def make_llm(model_dir, kw, stats_path, device="cpu"):
     from expertcache import LLM
-    from expertcache.experts.layout import ExpertSource
+    from expertcache.experts.layout import ExpertSource, parts_nbytes
     from expertcache.loader.safetensors_index import TensorIndex
     from expertcache.models.registry import read_config
 
@@ -104,7 +104,7 @@ def make_llm(model_dir, kw, stats_path, device="cpu"):
         per_slot = cfg.top_k * len(source.layers)
         fast = torch.float32 if device == "cpu" else torch.bfloat16
         staging = 1 if device != "cpu" else 0  # CUDA reserves one staging slot for waves
-        kw["device_memory"] = (per_slot + staging) * sum(p.nbytes for p in source.compute_parts(fast, device))
+        kw["device_memory"] = (per_slot + staging) * parts_nbytes(source.compute_parts(fast, device))
         kw["host_memory"] = per_slot * source.expert_nbytes
     if kw.pop("load_stats", False):
         kw["load_stats"] = stats_path

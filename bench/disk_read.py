@@ -25,7 +25,10 @@ def read_experts(source, chosen, threads: int) -> tuple[float, bool]:
     from expertcache.loader.disk import DiskReader
 
     reader = DiskReader(threads=threads)
-    bufs = [{p.name: torch.empty(p.shape, dtype=p.dtype) for p in source.parts} for _ in chosen]
+    bufs = [
+        {p.name: torch.empty(p.shape, dtype=p.dtype) for p in source.layer_parts(layer, stored=True)}
+        for layer, _ in chosen
+    ]
     t0 = time.perf_counter()
     futs = [
         reader.submit(source.ranges(layer, e)[n], t)

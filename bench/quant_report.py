@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from expertcache import LLM, SamplingParams  # noqa: E402
+from expertcache.experts.layout import parts_nbytes  # noqa: E402
 from expertcache.quantize.rewrite import quantize_checkpoint  # noqa: E402
 
 TINYMOE = Path(__file__).resolve().parents[2] / "shared" / "models" / "tinymoe-py16"
@@ -196,7 +197,7 @@ def run_model(name: str, args, work: Path) -> list[dict]:
             llm.close()
             del llm
         llm = load(path, device_memory=str(budget), host_memory="100%", cache_policy="lru")
-        dev_bytes = sum(p.nbytes for p in llm.source.compute_parts(llm.dtype))
+        dev_bytes = parts_nbytes(llm.source.compute_parts(llm.dtype))
         slots = getattr(llm.experts, "device_slots", E)
         tok_s, hit = decode_speed(llm, prompt, args.decode_tokens, args.repeats)
         fit = min(E, budget // (L * llm.source.expert_nbytes))  # slots/layer the budget holds at stored bytes

@@ -30,6 +30,7 @@ from dataclasses import replace
 import torch
 from common import hardware_line, timed_generate
 
+from expertcache.experts.layout import parts_nbytes
 from expertcache.plan.speed import estimate
 
 CONFIGS = {  # name -> LLM cache options
@@ -61,7 +62,7 @@ def run_config(model_dir: str, name: str, options: dict, prompt: list[int], gen:
         tiered = hasattr(llm.experts, "device_slots")
         slots = llm.experts.device_slots if tiered else E
         host = llm.experts.host_slots if tiered else E
-        fast = sum(p.nbytes for p in llm.source.compute_parts(llm.dtype))
+        fast = parts_nbytes(llm.source.compute_parts(llm.dtype))
         shape = ModelShape.from_config(
             llm.hf_config, bytes_per_param=fast / (3 * llm.cfg.hidden_size * llm.cfg.moe_intermediate_size)
         )

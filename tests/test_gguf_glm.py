@@ -63,3 +63,33 @@ def test_logits_equal_transformers_on_the_dequantized_weights(checkpoint, tmp_pa
             assert twin.generate([PROMPT], params)[0].token_ids == greedy
         finally:
             twin.close()
+
+
+def test_down_experts_in_a_different_type_per_layer(checkpoint, tmp_path):
+    """GLM-4.5-Air's Q4_K_M shape: expert rows that are not whole 256-blocks fall back to 32-blocks, the
+    down experts Q8_0 in one MoE layer and Q5_0 in the other (gguf-layers); the dense first layer has none."""
+    ckpt = checkpoint("glm4_moe", num_hidden_layers=3)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    meta = glm4moe_metadata(cfg, nextn=1) + tokenizer_metadata(
+        ckpt / "tokenizer.json", "glm4", cfg["vocab_size"], eos="<|im_end|>"
+    )
+
+    def types(name, arr):
+        if "ffn_down_exps" in name:
+            return "Q8_0" if name.startswith("blk.1.") else "Q5_0"
+        return default_types("Q5_0", "Q8_0")(name, arr)
+
+    path = write_gguf(
+        tmp_path / "g.gguf", "glm4moe", glm4moe_names(C.read_tensors(ckpt), mtp_layer=3), meta, types
+    )
+    expected = C.reference_logits(reference_with(C.load_reference(ckpt), glm4moe_state(path, 3)), PROMPT)
+    llm = LLM(str(path))
+    try:
+        assert llm.cfg.moe_layers == (False, True, True)
+        assert llm.source.method.name == "gguf-layers"
+        assert [p.name for p in llm.source.layer_parts(1)] == ["gate.q5_0", "up.q5_0", "down.q8_0"]
+        assert [p.name for p in llm.source.layer_parts(2)] == ["gate.q5_0", "up.q5_0", "down.q5_0"]
+        got = llm.logits(PROMPT)
+    finally:
+        llm.close()
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-3

@@ -4,6 +4,7 @@ transformers' on the weights the `gguf` package dequantizes; Q8_0 decodes the sa
 greedy tokens."""
 
 import json
+import re
 
 import pytest
 
@@ -73,3 +74,31 @@ def test_a_dense_llama_is_refused(mixtral, tmp_path):
     path = write_gguf(tmp_path / "d.gguf", "llama", mixtral_names(C.read_tensors(ckpt), cfg), dense)
     with pytest.raises(CheckpointError, match="a dense llama model"):
         LLM(str(path))
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_down_experts_in_a_different_type_per_layer(mixtral, tmp_path, stacked):
+    """Down experts Q4_0 in layer 1, Q8_0 in layer 0 (gguf-layers), stacked or one tensor per expert."""
+    ckpt, cfg, meta = mixtral
+
+    def types(name, arr):
+        if not re.match(r"^blk\.\d+\.ffn_(gate|up|down)(_exps|\.\d+)\.weight$", name):
+            return "F32"  # dense, norms, router
+        return "Q4_0" if name.startswith("blk.1.ffn_down") else "Q8_0"
+
+    path = write_gguf(
+        tmp_path / "m.gguf", "llama", mixtral_names(C.read_tensors(ckpt), cfg, stacked), meta, types
+    )
+    expected = C.reference_logits(reference_with(C.load_reference(ckpt), mixtral_state(path, cfg)), PROMPT)
+    llm = LLM(str(path))
+    tiered = LLM(str(path), device_memory="25%", prefetch=False)
+    try:
+        assert llm.source.method.name == "gguf-layers"
+        assert [p.name for p in llm.source.layer_parts(1)] == ["gate.q8_0", "up.q8_0", "down.q4_0"]
+        got = llm.logits(PROMPT)
+        assert ((tiered.logits(PROMPT) - got).abs().max() / got.abs().max()).item() < 1e-5
+        tiered.experts.check(contents=True)
+    finally:
+        llm.close()
+        tiered.close()
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-3

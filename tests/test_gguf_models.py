@@ -145,7 +145,9 @@ def test_missing_tensor_and_wrong_shape_are_refused_naming_them(qwen3_checkpoint
         LLM(str(write_gguf(tmp_path / "nokey.gguf", "qwen3moe", arrays, no_key)))
 
 
-def test_experts_of_a_type_without_a_format_and_mixed_layers_are_refused(qwen3_checkpoint, tmp_path):
+def test_experts_whose_types_differ_by_layer_or_projection_load(qwen3_checkpoint, tmp_path):
+    """Down experts Q8_0 in layer 0, Q4_0 in layer 1: gguf-layers (K-quant mixes: test_gguf_layers.py);
+    down Q4_0 under Q8_0 gate/up in every layer: the per-projection method."""
     arrays = gguf_names(C.read_tensors(qwen3_checkpoint))
     _, meta = _meta(qwen3_checkpoint)
 
@@ -154,26 +156,23 @@ def test_experts_of_a_type_without_a_format_and_mixed_layers_are_refused(qwen3_c
             return "Q8_0" if name.startswith("blk.0.") else "Q4_0"
         return default_types("Q8_0", "F32")(name, arr)
 
-    with pytest.raises(
-        CheckpointError,
-        match=r"blk\.N\.ffn_down_exps differ in type across layers \(Q4_0 in "
-        r"layers \[1\]; Q8_0 in layers \[0\]\)",
-    ):
-        LLM(str(write_gguf(tmp_path / "mixed.gguf", "qwen3moe", arrays, meta, layer_mixed)))
-
     def proj_mixed(name, arr):
         return "Q4_0" if "ffn_down_exps" in name else default_types("Q8_0", "F32")(name, arr)
 
-    path = write_gguf(tmp_path / "proj.gguf", "qwen3moe", arrays, meta, proj_mixed)
-    ref_model = reference_with(C.load_reference(qwen3_checkpoint), dequantized_tensors(path))
-    llm = LLM(str(path))
-    try:
-        assert llm.source.method.name == "gguf-mixed:q8_0,q8_0,q4_0"
-        expected = C.reference_logits(ref_model, PROMPT)
-        got = llm.logits(PROMPT)
-    finally:
-        llm.close()
-    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-3
+    for name, types, method in (
+        ("layers", layer_mixed, "gguf-layers"),
+        ("proj", proj_mixed, "gguf-mixed:q8_0,q8_0,q4_0"),
+    ):
+        path = write_gguf(tmp_path / f"{name}.gguf", "qwen3moe", arrays, meta, types)
+        ref_model = reference_with(C.load_reference(qwen3_checkpoint), dequantized_tensors(path))
+        llm = LLM(str(path))
+        try:
+            assert llm.source.method.name == method
+            expected = C.reference_logits(ref_model, PROMPT)
+            got = llm.logits(PROMPT)
+        finally:
+            llm.close()
+        assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-3
 
 
 def test_plan_sizes_a_gguf_file_from_its_header(qwen3_gguf, capsys):

@@ -85,3 +85,44 @@ def test_dense_only_decoders_equal_the_gguf_package(type_name):
     got = DECODERS[type_name](torch.from_numpy(raw).view(-1, BY_NAME[type_name].block_bytes)).reshape(-1)
     assert np.isfinite(ref).all()
     np.testing.assert_array_equal(got.numpy(), ref)
+
+
+def test_q3_k_repacks_into_q6_k_blocks_of_the_same_values():
+    from expertcache.quant.ggml_blocks import q3_k_as_q6_k
+
+    raw = random_blocks("Q3_K", 16, 512, seed=5)
+    q6 = q3_k_as_q6_k(torch.from_numpy(raw).view(-1, 110)).reshape(16, -1).numpy()
+    assert q6.shape == (16, 2 * 210)
+    ref = gguf.quants.dequantize(raw, Q.Q3_K)
+    np.testing.assert_array_equal(gguf.quants.dequantize(q6, Q.Q6_K), ref)
+
+
+def test_layers_method_reads_each_projections_type_from_its_key():
+    from expertcache.quant.ggml import GGMLLayers, tier_type
+
+    m = make_quant_method("gguf-layers")
+    layer = GGMLLayers.for_layer({"gate": "Q4_K", "up": "IQ4_XS", "down": "Q6_K"})
+    assert layer.layout("up", (4, 256)) == {"up.iq4_xs": ((4, 136), torch.uint8)}
+    raw = {
+        p: random_blocks(t, 4, 256, seed=n) for n, (p, t) in enumerate((("gate", "Q4_K"), ("down", "Q6_K")))
+    }
+    stored = {"gate.q4_k": torch.from_numpy(raw["gate"]), "down.q6_k": torch.from_numpy(raw["down"])}
+    for p, t in (("gate", Q.Q4_K), ("down", Q.Q6_K)):
+        ref = gguf.quants.dequantize(raw[p], t).reshape(4, 256)
+        np.testing.assert_array_equal(m.dequantize(stored, p).numpy(), ref)
+    with pytest.raises(ValueError, match=r"no stored tensor up\.<type>"):
+        m.dequantize(stored, "up")
+    with pytest.raises(ValueError, match="depends on the layer's types"):
+        m.layout("gate", (4, 256))
+    # what the tiers hold: kernel types as stored, Q3_K as Q6_K, other types dequantized to float32
+    assert [tier_type(t) for t in ("Q4_K", "Q8_0", "Q3_K", "Q2_K", "IQ2_XXS")] == [
+        "Q4_K",
+        "Q8_0",
+        "Q6_K",
+        "F32",
+        "F32",
+    ]
+    assert GGMLLayers.tier_layout("down.q2_k", (4, 256)) == {"down.f32": ((4, 256), torch.float32)}
+    q2 = random_blocks("Q2_K", 4, 256, seed=9)
+    got = GGMLLayers.to_tier("down.q2_k", torch.from_numpy(q2), (4, 256))["down.f32"]
+    np.testing.assert_array_equal(got.numpy(), gguf.quants.dequantize(q2, Q.Q2_K).reshape(4, 256))

@@ -222,3 +222,35 @@ def test_the_memory_plan_is_what_the_tiers_allocate(cache_checkpoint):
             )
     finally:
         llm.close()
+
+
+def test_layers_of_different_layouts_are_grouped_each_slot_its_layers_bytes(runtime):
+    """A LayerParts pool (GGUF types per layer): layers 0 and 2 in one layout, layer 1 in another; each
+    group its own buffers in the one region, exact bytes, slots addressed per layer, pinned in whole slots."""
+    from expertcache.experts.layout import LayerParts
+
+    a = (Part("gate.q4_k", (4, 144), torch.uint8), Part("down.q6_k", (4, 210), torch.uint8))
+    b = (Part("gate.q4_k", (4, 144), torch.uint8), Part("down.q4_k", (4, 144), torch.uint8))
+    parts, slots = LayerParts([a, b, a]), 5
+    rt = runtime(chunk=8192)
+    pool = SlotPool(parts, 3, slots, torch.device("cpu"), pin=True)
+    assert pool.nbytes == slots * (2 * sum(p.nbytes for p in a) + sum(p.nbytes for p in b))
+    assert pool.reserved_bytes - pool.nbytes < PAGE * 4  # four parts, each on a page boundary
+    assert pool.where == {0: (0, 0), 2: (0, 1), 1: (1, 0)}
+    assert_registrations_tile(rt.registered, pool.region.data_ptr(), pool.reserved_bytes)
+    gen = torch.Generator().manual_seed(1)
+    written = {}
+    for i, layout in enumerate(parts):
+        for s in range(slots):
+            v = pool.views(i, s)
+            assert sorted(v) == sorted(p.name for p in layout)
+            for p in layout:
+                written[i, s, p.name] = torch.randint(0, 256, p.shape, dtype=torch.uint8, generator=gen)
+                v[p.name].copy_(written[i, s, p.name])
+    for (i, s, name), t in written.items():  # no slot overlaps another layer's or layout's
+        assert torch.equal(pool.views(i, s)[name], t) and torch.equal(pool.layer(i)[name][s], t)
+        lo = pool.views(i, s)[name].data_ptr()
+        assert len(containing(rt.registered, lo, lo + t.numel())) == 1
+    assert pool.layer(1) is pool.layer(1) and set(pool.layer(1)) == {"gate.q4_k", "down.q4_k"}
+    with pytest.raises(ValueError, match="parts of 3 layers for 2 layers"):
+        SlotPool(parts, 2, slots, torch.device("cpu"))

@@ -56,6 +56,7 @@ from ..engine.kv_cache import KVCache, auto_kv_blocks
 from ..engine.state_cache import StateCache
 from ..errors import BudgetError, ConfigError
 from ..experts.config import parse_budget
+from ..experts.layout import parts_at, parts_nbytes
 from ..layers.basic import load_quant_method
 from ..models import embedding
 from ..spec.model_config import ModelConfig, rope_inv_freq
@@ -375,12 +376,12 @@ def plan_tiers(
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
     low_cpu = low_memory and device.type == "cpu"
     dev_parts = fastest_parts(source, device, dtype, low_memory)
-    dev_bytes = sum(p.nbytes for p in dev_parts)
+    dev_bytes = parts_nbytes(dev_parts)  # per-layer layouts: the mean over the layers, rounded up
     lines = [
         (
             f"experts: {L} layers x {E} experts x {fmt_bytes(source.stored_nbytes)} = "
             f"{fmt_bytes(source.total_nbytes)} on disk ({source.dtype}); fastest tier "
-            f"{fmt_bytes(dev_bytes)}/expert ({dev_parts[0].dtype})"
+            f"{fmt_bytes(dev_bytes)}/expert ({parts_at(dev_parts, 0)[0].dtype})"
         )
     ]
     ram, why = ramlimit.available()  # read once per plan: every `auto` budget below takes it
@@ -528,11 +529,11 @@ def plan_device(
     kv, fixed = _fixed_terms(source, names, config, max_model_len)
     cuda = device.type == "cuda"
     slack = int(SLACK * sum(fixed.values())) + SLACK_FLOOR if cuda else 0
-    fixed["peer_buffers"] = peer_slots * sum(p.nbytes for p in source.parts) if cache.tiered else 0
+    fixed["peer_buffers"] = peer_slots * parts_nbytes(source.parts) if cache.tiered else 0
     context = gpu.context if cuda and gpu is not None else 0
     outside = sum(fixed.values()) + context + slack  # every term but the experts'
     L, E, K = len(source.layers), cfg.num_experts, cfg.top_k
-    per_expert = sum(p.nbytes for p in fastest_parts(source, device, dtype, low_memory))
+    per_expert = parts_nbytes(fastest_parts(source, device, dtype, low_memory))
     staging = per_expert if cuda else 0
     value, lines = cache.device_memory, []
     budget = cap if not cuda else _cuda_budget(value, cache.tiered, gpu, lines)

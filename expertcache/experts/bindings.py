@@ -19,6 +19,7 @@ import torch
 
 from .compute import expert_ffn, moe_ffn
 from .host_routing import to_device
+from .layout import parts_at
 from .schedule import STAGE, LayerSchedule
 
 SMALL = 64  # up to this many pairs a slot table is built in Python (a few µs), above it by indexing
@@ -51,7 +52,7 @@ class Bindings:
         buf = self.bufs.get((i, e))
         if buf is None:
             buf = self.bufs[(i, e)] = {
-                p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.c.source.parts
+                p.name: torch.empty(p.shape, dtype=p.dtype) for p in parts_at(self.c.source.parts, i)
             }
         return buf
 

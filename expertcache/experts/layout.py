@@ -52,6 +52,34 @@ class Part:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+class LayerParts(tuple):
+    """The parts of each MoE layer's experts, [i] = the i-th MoE layer's tuple of Part, where layers
+    differ in layout (a GGUF file whose expert types differ between layers: quant/ggml.py GGMLLayers).
+    Where every layer shares one layout an ExpertSource's `parts` is that plain tuple of Part instead.
+    The one place that decides it is ExpertSource._quantized; the tiers follow the parts (pool.SlotPool
+    groups the layers of one layout)."""
+
+
+def parts_at(parts, i: int) -> tuple:
+    """The parts of MoE layer index i: `parts[i]` of a LayerParts, else `parts` (one layout)."""
+    return parts[i] if isinstance(parts, LayerParts) else parts
+
+
+def parts_nbytes(parts) -> int:
+    """Bytes of one expert: its parts' bytes; over a LayerParts the mean over the layers rounded up (so
+    layers x slots x this >= the slots' bytes, by less than one byte per layer and slot)."""
+    if isinstance(parts, LayerParts):
+        return -(-sum(sum(p.nbytes for p in ps) for ps in parts) // len(parts))
+    return sum(p.nbytes for p in parts)
+
+
+def parts_key(parts) -> tuple:
+    """What identifies a layout (names, dtypes, shapes), per layer for a LayerParts."""
+    if isinstance(parts, LayerParts):
+        return tuple(parts_key(ps) for ps in parts)
+    return tuple((p.name, p.dtype, tuple(p.shape)) for p in parts)
+
+
 Range = tuple[Path, int, int]  # file, absolute offset, nbytes
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -93,7 +121,8 @@ class StoredRanges(dict):
         self.source, self.key = source, key
 
     def scratch(self) -> dict[str, torch.Tensor]:
-        return {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.source.stored_parts}
+        parts = self.source.layer_parts(self.key[0], stored=True)
+        return {p.name: torch.empty(p.shape, dtype=p.dtype) for p in parts}
 
     def convert(self, raw: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> None:
         self.source.convert(*self.key, raw, dst)
@@ -106,6 +135,7 @@ class ExpertSource:
         self.index, self.cfg, self.method = index, cfg, method
         H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.layers = cfg.moe_layer_ids
+        self._li = {layer: i for i, layer in enumerate(self.layers)}
         self._ranges: dict[tuple[int, int], dict[str, list[Range]]] = {}
         self._names: dict[tuple[int, int], str] = {}  # the checkpoint's name of each expert (errors)
         # the per-expert finite check at an expert's first read into any tier (see check_read)
@@ -220,14 +250,16 @@ class ExpertSource:
                     f"config.json: quantization_config leaves routed expert module {module} "
                     "unquantized; unquantized experts in a quantized checkpoint are not supported"
                 )
-        parts: dict[str, Part] = {}
         used: set[str] = set()  # the experts' tensors (the rest of a shipped layout is dense)
         fused_any = False
+        per_layer: list[tuple[Part, ...]] = []
         for layer in self.layers:
+            parts: dict[str, Part] = {}
             prefix = self.moe_prefix(layer, names)
             primary = m.primary.removeprefix("weight")
             fused = names.gate_up_interleaved or f"{prefix}.experts.gate_up_proj{primary}" in self.index
             fused_any |= fused
+            lm = self._layer_method(layer)
             for j in range(E):
                 ranges = {}
                 projs = (
@@ -236,10 +268,12 @@ class ExpertSource:
                     else zip(("gate", "up", "down"), names.expert_projs)
                 )
                 for canon, proj in projs:
-                    for key, spec in m.layout(canon, shapes[canon]).items():
+                    for key, spec in lm.layout(canon, shapes[canon]).items():
                         suffix = key.split(".", 1)[1]
                         if fused:  # experts.{proj}{suffix without "weight"} [E, ...], slice j
                             name = f"{prefix}.experts.{proj}{suffix.removeprefix('weight')}"
+                            if name not in self.index and suffix in lm.aliases:
+                                name = f"{prefix}.experts.{proj}{lm.aliases[suffix].removeprefix('weight')}"
                             t = self.index.info(name)
                             shape, rng = t.shape[1:], _entry(t, j, E)
                             if t.shape[0] != E:
@@ -249,8 +283,8 @@ class ExpertSource:
                                 )
                         else:
                             name = f"{prefix}.experts.{j}.{proj}.{suffix}"
-                            if name not in self.index and suffix in m.aliases:
-                                name = f"{prefix}.experts.{j}.{proj}.{m.aliases[suffix]}"
+                            if name not in self.index and suffix in lm.aliases:
+                                name = f"{prefix}.experts.{j}.{proj}.{lm.aliases[suffix]}"
                             t = self.index.info(name)
                             shape, rng = t.shape, [(t.file, t.offset, t.nbytes)]
                         if not _fits(shape, t.dtype, spec):
@@ -279,19 +313,62 @@ class ExpertSource:
                     f"{self.index.model_dir}: missing tensor {prefix}.experts.gate_up_proj{primary} "
                     "(experts with biases are read from the fused layout only)"
                 )
-        if fused_any and any(k.split(".")[0] in ("gate", "up") for k in parts):
+            per_layer.append(tuple(parts.values()))
+        if fused_any and any(p.name.split(".")[0] in ("gate", "up") for ps in per_layer for p in ps):
             raise CheckpointError(
                 f"{self.index.model_dir}: layers mix the fused and per-expert quantized layouts"
             )
-        self.parts = tuple(parts.values()) + self.bias_parts
+        per_layer = [ps + self.bias_parts for ps in per_layer]
+        one = all(ps == per_layer[0] for ps in per_layer)
+        self.parts = per_layer[0] if one else LayerParts(per_layer)
         self.stored_parts = self.parts
-        self.stored_nbytes = sum(p.nbytes for p in self.parts)
+        self.stored_nbytes = parts_nbytes(self.parts)
         if isinstance(m, ShippedInt):
             self._shipped(names, m, shapes)
+        self.dtype = parts_at(self.parts, 0)[0].dtype
+        if hasattr(m, "tier_layout"):
+            self._tier_types(per_layer, shapes)
         index_quantized_dense(self.index, m, used)
-        self.dtype = self.parts[0].dtype
-        self.expert_nbytes = sum(p.nbytes for p in self.parts)
+        self.expert_nbytes = parts_nbytes(self.parts)
         self.ffn = self._ffn(names, transposed=False, fused_quant=fused_any)
+
+    def _tier_types(self, per_layer: list[tuple[Part, ...]], shapes: dict) -> None:
+        """Experts of a type no kernel reads (GGUF's Q2_K, Q3_K, IQ2/IQ3, Q4_1 ...): the tiers hold the
+        format `method.tier_layout` names (converted per read, `convert`); the disk keeps the file's bytes."""
+        m, tiers = self.method, []
+        for ps in per_layer:
+            tier = []
+            for p in ps:  # a weight "P.<type>" in its tier type; a bias part as it is
+                specs = (
+                    {p.name: p}
+                    if p in self.bias_parts
+                    else m.tier_layout(p.name, shapes[p.name.split(".")[0]])
+                )
+                tier += [Part(k, tuple(v.shape), v.dtype) for k, v in specs.items()]
+            tiers.append(tuple(tier))
+        if tiers == per_layer:
+            return
+        self.parts = tiers[0] if all(t == tiers[0] for t in tiers) else LayerParts(tiers)
+        self._shapes = shapes
+        for key, ranges in self._ranges.items():
+            if tiers[self._li[key[0]]] != per_layer[self._li[key[0]]]:
+                self._ranges[key] = StoredRanges(ranges, self, key)
+
+    def _layer_method(self, layer: int):
+        """The method whose layout gives `layer`'s parts: the source's, or for experts whose types differ
+        between layers (`for_layer`: GGUF's GGMLLayers) the one of this layer's types (the index's
+        `expert_types`)."""
+        m = self.method
+        if not hasattr(m, "for_layer"):
+            return m
+        types = {c: t for (la, c), t in getattr(self.index, "expert_types", {}).items() if la == layer}
+        if not types:
+            raise CheckpointError(f"{self.index.model_dir}: no routed-expert types for layer {layer}")
+        return m.for_layer(types)
+
+    def layer_parts(self, layer: int, stored: bool = False) -> tuple[Part, ...]:
+        """The parts of `layer`'s experts as the tiers hold them (`stored`: as the checkpoint has them)."""
+        return parts_at(self.stored_parts if stored else self.parts, self._li[layer])
 
     def _shipped(self, names: WeightNames, m: ShippedInt, shapes: dict) -> None:
         """A shipped integer layout: every routed expert module under the default parameters (the config's
@@ -339,6 +416,12 @@ class ExpertSource:
         self, layer: int, expert: int, raw: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]
     ) -> None:
         """Expert (layer, expert)'s shipped tensors `raw` -> its tier parts, written into `dst` (exact)."""
+        if hasattr(self.method, "to_tier"):  # GGUF experts of a type no kernel reads (_tier_types)
+            for key, t in raw.items():
+                shape = self._shapes.get(key.split(".", 1)[0])  # None: a bias part, copied as it is
+                for k, v in (self.method.to_tier(key, t, shape) if shape else {key: t}).items():
+                    dst[k].copy_(v)
+            return
         for canon, proj in self._projs.items():
             try:
                 parts = self.stored_method.repack(raw, canon, self.method)
@@ -395,7 +478,7 @@ class ExpertSource:
     def read(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """Read one expert with buffered preads (the tiers' parts, CPU). The disk tier has the fast path."""
         out = {}
-        for part in self.stored_parts:
+        for part in self.layer_parts(layer, stored=True):
             buf = bytearray(part.nbytes)
             pos = 0
             for path, off, n in self.ranges(layer, expert)[part.name]:
@@ -406,11 +489,13 @@ class ExpertSource:
             out[part.name] = torch.frombuffer(buf, dtype=torch.uint8).view(part.dtype).view(part.shape)
         if self.stored_parts is self.parts:
             return out
-        dst = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.parts}
+        dst = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.layer_parts(layer)}
         self.convert(layer, expert, out, dst)
         return dst
 
     @property
     def total_nbytes(self) -> int:
         """Every routed expert's bytes on disk (the shipped tensors)."""
+        if isinstance(self.stored_parts, LayerParts):
+            return sum(parts_nbytes(ps) for ps in self.stored_parts) * self.cfg.num_experts
         return self.stored_nbytes * len(self.layers) * self.cfg.num_experts

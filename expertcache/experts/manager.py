@@ -35,12 +35,13 @@ import numpy as np
 import torch
 
 from ..cost.model import ExpertCost, default_profile
+from ..errors import ConfigError
 from ..loader.disk import DiskReader
 from .bindings import SMALL, Bindings
 from .config import CacheConfig
 from .executor import make_executor
 from .host_routing import to_host
-from .layout import ExpertSource
+from .layout import ExpertSource, LayerParts, parts_at, parts_key
 from .planner import Demotion, PlannerConfig, StepPlanner
 from .pool import SlotPool
 from .prefetch import resolve_prefetch
@@ -56,14 +57,15 @@ def is_direct(device: torch.device, dev_parts, source_parts) -> bool:
     """The device slots are host RAM in the stored format (CPU: the kernels read it, or low memory):
     a miss with no host slot can be read from disk straight into its device slot, with no conversion
     or copy."""
-    key = [(p.name, p.dtype, tuple(p.shape)) for p in dev_parts]
-    return device.type == "cpu" and key == [(p.name, p.dtype, tuple(p.shape)) for p in source_parts]
+    return device.type == "cpu" and parts_key(dev_parts) == parts_key(source_parts)
 
 
 def demotable(cuda: bool, dev_parts, source_parts) -> bool:
     """Device slot bytes can go back to the stored format exactly: the same dtype, or bf16/fp16
     widened to fp32. CPU only for now (a CUDA demotion would be a d2h op on its side stream into a
     pinned host slot; its binding is not built)."""
+    if isinstance(dev_parts, LayerParts) or isinstance(source_parts, LayerParts):  # per-layer layouts
+        return not cuda and parts_key(dev_parts) == parts_key(source_parts)
     src = {p.name: p for p in source_parts}
     exact = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
     return not cuda and all(
@@ -108,9 +110,7 @@ class TieredExperts(ExpertProvider):
         dev_parts = dev_parts or source.compute_parts(dtype, device)
         self.direct = is_direct(device, dev_parts, source.parts)
         # device slots hold the stored format (a peer rank can be sent their bytes as they are)
-        self.dev_stored = [(p.name, p.dtype, tuple(p.shape)) for p in dev_parts] == [
-            (p.name, p.dtype, tuple(p.shape)) for p in source.parts
-        ]
+        self.dev_stored = parts_key(dev_parts) == parts_key(source.parts)
         self.peer = (
             None  # expert parallelism: offers this layer's missing experts from other ranks (parallel.peer)
         )
@@ -172,6 +172,11 @@ class TieredExperts(ExpertProvider):
         # read by the step through the torch tensor sharing its memory (one index_select)
         self.lut = np.full((L, self.E), -1, dtype=np.int64)
         self._lut_t = torch.from_numpy(self.lut)
+        if self.cuda and isinstance(dev_parts, LayerParts):
+            raise ConfigError(
+                f"{source.index.model_dir}: routed experts whose layout differs between layers (GGUF "
+                "types per layer) are tiered on a CPU device only (the CUDA staging slot holds one layout)"
+            )
         self.stage = (
             {p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
             if self.cuda
@@ -343,7 +348,9 @@ class TieredExperts(ExpertProvider):
                 if self.host_all:
                     src = self.host.views(i, e)
                 else:
-                    src = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in self.source.parts}
+                    src = {
+                        p.name: torch.empty(p.shape, dtype=p.dtype) for p in parts_at(self.source.parts, i)
+                    }
                     self._read(layer, e, src)
                 for n in dst:
                     dst[n].copy_(src[n])

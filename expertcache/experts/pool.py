@@ -4,6 +4,11 @@ Shape legend: L = MoE layers, S = slots per layer, part = one stored tensor of a
 [2I, H]); `buf[part]` is [L, S, *part.shape], `views(i, s)[part]` is [*part.shape] (layer i, slot s),
 `layer(i)[part]` is [S, *part.shape].
 
+Layers of different layouts (`parts` a layout.LayerParts: a GGUF file whose expert types differ between
+layers): the layers of each distinct layout are one group with its own [Lg, S, *part.shape] buffers
+(`groups`), so every slot holds exactly its layer's expert bytes; `views` / `layer` index the layer's
+group, and `buf` is {(group, part): buffer}.
+
 Memory:
 - a device tier on a GPU: one torch.empty per part on that device;
 - a tier in host RAM (the CPU device tier, and every host tier): ONE region for all its parts
@@ -34,6 +39,7 @@ import torch
 
 from .. import hostmem
 from ..units import fmt_bytes
+from .layout import LayerParts, parts_at, parts_nbytes
 
 PAGE = 4096  # each part of a host region starts on a page boundary
 PIN_CHUNK = 1 << 30  # about this many bytes registered with the CUDA runtime per call (whole slots)
@@ -94,38 +100,60 @@ class SlotPool:
         self.pinned = False
         self.pinned_bytes = 0
         self.region: torch.Tensor | None = None  # host tiers: the uint8 bytes every part lives in
-        self.offsets: dict[str, int] = {}  # host tiers: part -> its byte offset in the region
+        self.offsets: dict = {}  # host tiers: part (or (group, part)) -> its byte offset in the region
         self.layout: list[tuple[int, int, int]] = []  # host tiers: (offset, slot bytes, slots) per part
-        self.nbytes = layers * slots * sum(p.nbytes for p in parts)
+        if isinstance(parts, LayerParts) and len(parts) != layers:
+            raise ValueError(f"SlotPool: parts of {len(parts)} layers for {layers} layers")
+        by_layout: dict[tuple, list[int]] = {}
+        for i in range(layers):
+            by_layout.setdefault(tuple(parts_at(parts, i)), []).append(i)
+        # (layer indices, parts) per group; `where[i]` = (group, index in it); None: one group
+        self.group_parts = [(ls, ps) for ps, ls in by_layout.items()] or [([], tuple(parts_at(parts, 0)))]
+        self.where = (
+            None
+            if len(self.group_parts) == 1
+            else {i: (g, j) for g, (ls, _) in enumerate(self.group_parts) for j, i in enumerate(ls)}
+        )
+        self.nbytes = slots * sum(len(ls) * parts_nbytes(ps) for ls, ps in self.group_parts)
         if device.type == "cpu":
-            self.buf = self._host_region(parts, layers, slots)
+            groups = self._host_region(slots)
             self.reserved_bytes = self.region.numel()
-            if pin:
-                self._pin()
         else:
             if pin:
                 raise ValueError("SlotPool: pin=True is for a tier in host RAM, not on device " + str(device))
-            self.buf = {
-                p.name: torch.empty((layers, slots, *p.shape), dtype=p.dtype, device=device) for p in parts
-            }
+            groups = [
+                {p.name: torch.empty((len(ls), slots, *p.shape), dtype=p.dtype, device=device) for p in ps}
+                for ls, ps in self.group_parts
+            ]
             self.reserved_bytes = self.nbytes
+        self.groups = groups
+        self.buf = (
+            groups[0]
+            if self.where is None
+            else {(g, n): t for g, b in enumerate(groups) for n, t in b.items()}
+        )
+        if pin:
+            self._pin()
         self._layers_of: dict | None = None  # the `buf` dict the per-layer views were made from
         self._layers: list[dict[str, torch.Tensor]] = []
 
-    def _host_region(self, parts, layers: int, slots: int) -> dict[str, torch.Tensor]:
-        sizes = [layers * slots * p.nbytes for p in parts]
-        total = 0
-        for p, n in zip(parts, sizes):
-            self.offsets[p.name] = total
-            self.layout.append((total, p.nbytes, layers * slots))
-            total += -(-n // PAGE) * PAGE
+    def _host_region(self, slots: int) -> list[dict[str, torch.Tensor]]:
+        total, spans = 0, []
+        one = self.where is None
+        for g, (ls, parts) in enumerate(self.group_parts):
+            for p in parts:
+                n = len(ls) * slots * p.nbytes
+                self.offsets[p.name if one else (g, p.name)] = total
+                self.layout.append((total, p.nbytes, len(ls) * slots))
+                spans.append((g, p, total, n))
+                total += -(-n // PAGE) * PAGE
         self.region = hostmem.empty((total,), torch.uint8)
-        return {
-            p.name: self.region[self.offsets[p.name] : self.offsets[p.name] + n]
-            .view(p.dtype)
-            .view(layers, slots, *p.shape)
-            for p, n in zip(parts, sizes)
-        }
+        groups: list[dict[str, torch.Tensor]] = [{} for _ in self.group_parts]
+        for g, p, off, n in spans:
+            groups[g][p.name] = (
+                self.region[off : off + n].view(p.dtype).view(len(self.group_parts[g][0]), slots, *p.shape)
+            )
+        return groups
 
     def _pin(self) -> None:
         base, done = self.region.data_ptr(), []
@@ -144,17 +172,27 @@ class SlotPool:
         self.pinned, self.pinned_bytes = True, self.region.numel()
         weakref.finalize(self, _release, done, self.region)
 
+    def _at(self, i: int) -> tuple[dict[str, torch.Tensor], int]:
+        """Layer i's group buffers and its index in them."""
+        if self.where is None:
+            return self.buf, i
+        g, j = self.where[i]
+        return self.groups[g], j
+
     def views(self, i: int, s: int) -> dict[str, torch.Tensor]:
-        return {n: t[i, s] for n, t in self.buf.items()}
+        b, j = self._at(i)
+        return {n: t[j, s] for n, t in b.items()}
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """Layer i's slots {part: [slots, ...]} (the same dict every call: do not modify it).
         The views are made once per `buf` (the same tensor objects every step, so the kernels build
         their weight specs once per layer: kernels.moe caches them by these objects); assigning a new
-        `buf` dict makes new ones."""
+        `buf` dict makes new ones (one layout)."""
         if self._layers_of is not self.buf:
-            self._layers = [
-                {n: t[j] for n, t in self.buf.items()} for j in range(len(next(iter(self.buf.values()))))
-            ]
+            n = len(self.where) if self.where is not None else len(next(iter(self.buf.values())))
+            self._layers = []
+            for k in range(n):
+                b, j = self._at(k)
+                self._layers.append({name: t[j] for name, t in b.items()})
             self._layers_of = self.buf
         return self._layers[i]

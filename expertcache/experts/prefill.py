@@ -23,8 +23,10 @@ from .ffn import expert_ffn
 def _format(pool: dict[str, torch.Tensor], method) -> str | None:
     """The shape class's format of a pool: its QuantMethod's name, "bf16" for plain bf16 parts, else None
     (plain fp16 / fp32 pools stay on the kernels)."""
-    if method is not None:
-        return method.name
+    if method is not None:  # types per layer (GGUF gguf-layers): the layer's parts name them
+        return (
+            method.name if not hasattr(method, "block_method") else f"{method.name}:{','.join(sorted(pool))}"
+        )
     return "bf16" if pool["gate_up"].dtype == torch.bfloat16 else None
 
 
@@ -105,8 +107,8 @@ def _intermediate(pool: dict[str, torch.Tensor], method, ffn) -> int:
         gu = pool["gate_up"]
         return gu.shape[2 if ffn.transposed else 1] // 2
     if ffn.fused_quant:
-        return pool[f"gate_up.{method.primary}"].shape[1] // 2
-    return pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
+        return kernels.pool_primary(pool, method, "gate_up").shape[1] // 2
+    return kernels.pool_primary(pool, method, "gate").shape[1]  # every format's primary is [S, rows, ...]
 
 
 def prefill_moe(

@@ -23,7 +23,7 @@ import torch
 
 from .. import hostmem, kernels
 from .compute import moe_ffn
-from .layout import ExpertSource
+from .layout import ExpertSource, parts_at
 
 
 class ExpertProvider:
@@ -71,7 +71,8 @@ class ResidentExperts(ExpertProvider):
         parts = parts or source.compute_parts(dtype, device)
         alloc = alloc or (lambda shape, dt: hostmem.empty(shape, dt, device))
         self.pools: dict[int, dict[str, torch.Tensor]] = {
-            layer: {p.name: alloc((E, *p.shape), p.dtype) for p in parts} for layer in source.layers
+            layer: {p.name: alloc((E, *p.shape), p.dtype) for p in parts_at(parts, i)}
+            for i, layer in enumerate(source.layers)
         }
         if load:
             self.load(progress)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..quant.ggml import mixed_method
+from ..quant.ggml_blocks import METHODS
 from .families import ARCHES, Arch, hf_config
 from .index import GGUFIndex
 from .reader import GGUFFile, is_gguf, read_gguf
@@ -50,36 +51,40 @@ def expert_types(gf: GGUFFile) -> dict[tuple[int, str], str]:
 
 
 def _quantization(path: Path, gf: GGUFFile) -> dict | None:
-    """The experts' QuantMethod as a quantization_config (None: float experts, or none)."""
+    """The experts' QuantMethod as a quantization_config (None: float experts, or none): one block type
+    per projection in every layer -> that type's method (or gguf-mixed per projection); types that
+    differ between layers (llama-quantize's Q4_K_M: ffn_down_exps Q6_K in some layers, Q4_K in others)
+    or a type no kernel reads (converted at load: quant/ggml.py tier_type) -> gguf-layers, each layer's
+    parts keyed by their type (quant/ggml.py)."""
     types = expert_types(gf)
     if not types:
         return None
     per_proj: dict[str, set[str]] = {}
     for (_, proj), t in types.items():
         per_proj.setdefault(proj, set()).add(t)
-    mixed = {p: sorted(ts) for p, ts in per_proj.items() if len(ts) > 1}
-    if mixed:
-        p, ts = next(iter(mixed.items()))
-        layers = {t: sorted(la for (la, q), tt in types.items() if q == p and tt == t) for t in ts}
+    stacks = set(per_proj)
+    if "gate_up" in stacks:
+        stacks |= {"gate", "up"}
+        stacks.discard("gate_up")
+    if stacks != {"gate", "up", "down"}:
         raise CheckpointError(
-            f"{path}: routed experts blk.N.ffn_{p}_exps differ in type across layers "
-            f"({'; '.join(f'{t} in layers {ls[:6]}' + ('...' if len(ls) > 6 else '') for t, ls in layers.items())}); "
-            "every layer's experts of one projection must share one type (the expert slots "
-            "hold one layout per projection)"
-        )
-    one = {p: next(iter(ts)) for p, ts in per_proj.items()}
-    if "gate_up" in one and not ({"gate", "up"} & set(one)):  # blk.N.ffn_gate_up_exps
-        one.update(gate=one["gate_up"], up=one.pop("gate_up"))
-    if set(one) != {"gate", "up", "down"}:
-        raise CheckpointError(
-            f"{path}: routed experts have stacks {sorted(one)}; expected blk.N.ffn_gate_exps, "
+            f"{path}: routed experts have stacks {sorted(per_proj)}; expected blk.N.ffn_gate_exps, "
             "ffn_up_exps and ffn_down_exps"
         )
     floats = {"F32", "F16", "BF16"}
-    if set(one.values()) <= floats:
+    every = set().union(*per_proj.values())
+    if every <= floats:  # plain experts (ExpertSource refuses layers of different float dtypes)
         return None
-    if set(one.values()) & floats:
-        raise CheckpointError(f"{path}: routed experts mix float and block types {one}")
+    if every & floats:
+        raise CheckpointError(
+            f"{path}: routed experts mix float and block types ({', '.join(sorted(every))}); "
+            "expected one float type or block types only"
+        )
+    if any(len(ts) > 1 for ts in per_proj.values()) or not every <= set(METHODS):  # per layer, or converted
+        return {"quant_method": "expertcache", "experts": "gguf-layers"}
+    one = {p: next(iter(ts)) for p, ts in per_proj.items()}
+    if "gate_up" in one:  # blk.N.ffn_gate_up_exps in every layer
+        one.update(gate=one["gate_up"], up=one.pop("gate_up"))
     return {"quant_method": "expertcache", "experts": mixed_method(one)}
 
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
 from ..loader.safetensors_index import TensorIndex, TensorInfo
-from ..quant.ggml_blocks import DECODERS, FLOATS, GGMLType, method_name
+from ..quant.ggml import GGUF_DECODED, tier_type
+from ..quant.ggml_blocks import BY_NAME, DECODERS, FLOATS, GGMLType, method_name
 from .families import Arch
 from .names import BLOCK, KV_B_SPLIT, expert_piece, expert_stack, gguf_name, hf_name
 from .reader import GGUFFile, GGUFTensor
@@ -88,6 +90,8 @@ class GGUFIndex(TensorIndex):
                 f"note: {gf.path.name}: {len(self.left_out)} tensor(s) not read by the {arch.arch} model: {shown}",
                 file=sys.stderr,
             )
+        for line in expert_conversions(gf.path, self.expert_types):
+            print(line, file=sys.stderr)
         for type_name, names in self._dequantized.items():
             print(
                 f"note: {gf.path.name}: {len(names)} dense tensor(s) of type {type_name} ({names[0]}"
@@ -120,13 +124,8 @@ class GGUFIndex(TensorIndex):
                 raise CheckpointError(
                     f"{t.file}: tensor {t.name} is {t.type.name}; expert biases must be F32/F16/BF16"
                 )
-            if kind == "weight" and t.type.name not in FLOATS and method_name(t.type.name) is None:
-                raise CheckpointError(
-                    f"{t.file}: tensor {t.name} (routed experts) is {t.type.name}, which has no "
-                    "expert format here (supported: F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, "
-                    "Q6_K, IQ4_NL, IQ4_XS, MXFP4); requantize the experts with llama-quantize"
-                )
             if kind == "weight":
+                _expert_type(t)
                 self.expert_types[layer, canon] = t.type.name
         fused_layers = {layer for (layer, canon, _) in stacks if canon == "gate_up"}
         for (layer, canon, kind), t in stacks.items():
@@ -168,11 +167,7 @@ class GGUFIndex(TensorIndex):
             raise CheckpointError(
                 f"{t.file}: tensor {t.name} has ggml dims {list(t.dims)}; expected [in, out]"
             )
-        if t.type.name not in FLOATS and method_name(t.type.name) is None:
-            raise CheckpointError(
-                f"{t.file}: tensor {t.name} (a routed expert) is {t.type.name}, which has no expert "
-                "format here; requantize the experts with llama-quantize"
-            )
+        _expert_type(t)
         self.expert_types[layer, canon] = t.type.name
         name = f"model.layers.{layer}.{arch.moe_prefix}.experts.{j}.{projs[canon]}.weight"
         shape = (t.dims[1], t.dims[0]) if t.type.name in FLOATS else (t.dims[1], t.type.row_bytes(t.dims[0]))
@@ -220,6 +215,41 @@ class GGUFStack(GGUFInfo):
         return [
             (p.file, p.offset + j * (p.nbytes // p.dims[-1]), p.nbytes // p.dims[-1]) for p in self.pieces
         ]
+
+
+def _expert_type(t: GGUFTensor) -> None:
+    """Routed experts in a float type, a block type a kernel reads, or one converted at load
+    (quant/ggml.py tier_type: decoded here, or by the gguf package); else refused naming the tensor."""
+    name = t.type.name
+    if name in FLOATS or method_name(name) is not None or name in DECODERS:
+        return
+    if t.type.block == 1 or name not in GGUF_DECODED:
+        raise CheckpointError(
+            f"{t.file}: tensor {t.name} (routed experts) is {name}, which has no expert format here "
+            "(block types are read as stored or converted at load); requantize the experts with llama-quantize"
+        )
+    _gguf_package(t)  # IQ2/IQ3/IQ1/TQ blocks are decoded by the gguf package
+
+
+def expert_conversions(path, types: dict[tuple[int, str], str]) -> list[str]:
+    """One line per expert type the tiers hold in another format (which type -> which format)."""
+    by_type: dict[str, list] = {}
+    for (layer, proj), name in sorted(types.items()):
+        if name not in FLOATS and tier_type(name) != name:
+            by_type.setdefault(name, []).append((layer, proj))
+    lines = []
+    for name, where in by_type.items():
+        target, src = tier_type(name), BY_NAME[name]
+        bits = 8 * src.block_bytes / src.block
+        tbits = 32 if target == "F32" else 8 * BY_NAME[target].block_bytes / BY_NAME[target].block
+        how = f"repacked to {target} (the same values)" if target != "F32" else "dequantized to F32 (exact)"
+        layers = sorted({la for la, _ in where})
+        lines.append(
+            f"note: {Path(path).name}: routed experts in {name} ({len(where)} stack(s), layers "
+            f"{layers[:6]}{'...' if len(layers) > 6 else ''}) are {how} at load, as no kernel reads "
+            f"{name}: {tbits:.2f} bits a weight in memory against {bits:.2f} on disk"
+        )
+    return lines
 
 
 def _expert_dtype(t: GGUFTensor) -> torch.dtype:

@@ -31,7 +31,7 @@ import torch
 
 from . import prefill_gemm
 from .build import extension, on_load, why
-from .formats import GGUF_SMALL_T, GGUF_UNIT_ROWS, Unsupported, plain_spec, quant_spec
+from .formats import GGUF_SMALL_T, GGUF_UNIT_ROWS, Unsupported, of_parts, plain_spec, quant_spec
 
 # Tokens of one weight above which the tiled path (convert a tile once, reuse it for every token)
 # replaces the GEMV path (convert in registers per group of 4 tokens), by weight format code; rows of a
@@ -48,13 +48,16 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 # of the torch path. fast: as llama.cpp computes, bf16 weights against activations rounded to bf16
 # (vdpbf16ps) and int8 weights against activations quantized to int8 per block of 64 (vpdpbusd);
 # mxfp4 and int4 (groups a multiple of 32) against activations quantized to int8 per block of 32, as
-# llama.cpp pairs its 4-bit formats with q8 (csrc/nibble_kernels.h); the other formats stay exact.
+# llama.cpp pairs its 4-bit formats with q8 (csrc/nibble_kernels.h); GGUF blocks against activations
+# quantized as llama.cpp pairs each type (Q8_0 / Q8_K-style, csrc/ggml_kernels.cpp); the other formats
+# stay exact.
 # It needs AVX-512 F/BW/VL/BF16/VNNI (csrc/fast_kernels.h).
 CPU_MATHS = {"exact": 0, "fast": 1}
 CPU_MATH_NOTES = {
     "exact": "float32 activations",
     "fast": "bf16 and int8 weights against activations rounded to bf16 / int8 blocks of 64, "
-    "mxfp4 and int4 against int8 blocks of 32, AVX-512 BF16/VNNI; other formats exact",
+    "mxfp4 and int4 against int8 blocks of 32, GGUF blocks against int8 blocks of 32 (Q8_0) or 256 "
+    "(Q8_K), AVX-512 BF16/VNNI; other formats exact",
 }
 _math = [0]  # the code in effect: set by cpu_math() around a forward
 _FAST = CPU_MATHS["fast"]
@@ -416,6 +419,12 @@ def quant_linear(x: torch.Tensor, spec: tuple | None) -> torch.Tensor | None:
     return None if spec is None or not _usable(x) else _linear(x, spec)
 
 
+def pool_primary(pool: dict[str, torch.Tensor], method, proj: str) -> torch.Tensor:
+    """Projection `proj`'s primary tensor [S, rows, ...] of a quantized pool (its key may name its type:
+    GGUF types per layer, "gate.q4_k")."""
+    return pool[f"{proj}.{of_parts(method, pool, proj).primary}"]
+
+
 def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple:
     """(gate, up, down) specs of a pool for hidden size H and the experts' layout `ffn`
     (experts.compute.ExpertFFN; None = gate rows first, [out, in]); raises Unsupported."""
@@ -427,13 +436,13 @@ def pool_specs(pool: dict[str, torch.Tensor], method, H: int, ffn=None) -> tuple
         gu = (
             plain_spec(pool["gate_up"])
             if method is None
-            else quant_spec(method, pool, "gate_up", pool[f"gate_up.{method.primary}"].shape[1], H)
+            else quant_spec(method, pool, "gate_up", pool_primary(pool, method, "gate_up").shape[1], H)
         )
         I = gu[4] // 2
         gate, up = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, I), slice(I, 2 * I))
         gate, up = _rows(gu, gate), _rows(gu, up)
     else:
-        I = pool[f"gate.{method.primary}"].shape[1]  # every format's primary tensor is [S, rows, ...]
+        I = pool_primary(pool, method, "gate").shape[1]  # every format's primary tensor is [S, rows, ...]
         gate, up = quant_spec(method, pool, "gate", I, H), quant_spec(method, pool, "up", I, H)
     down = plain_spec(pool["down"]) if method is None else quant_spec(method, pool, "down", H, I)
     return gate, up, down
@@ -531,6 +540,7 @@ __all__ = [
     "moe",
     "moe_args",
     "moe_out",
+    "pool_primary",
     "pool_specs",
     "reads_stored",
     "dense_dtype",

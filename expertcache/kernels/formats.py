@@ -69,13 +69,22 @@ def plain_spec(w: torch.Tensor) -> Spec:
 
 def quant_spec(method, parts: dict[str, torch.Tensor], proj: str, N: int, K: int) -> Spec:
     """Pool parts {"<proj>.<suffix>": [S, ...]} of QuantMethod `method` -> spec of projection `proj`."""
-    subs = getattr(method, "projections", None)  # per-projection formats (GGUF gate/up Q4_K, down Q6_K)
-    if subs is not None and proj in subs:
-        method = subs[proj]
+    method = of_parts(method, parts, proj)
     fn = SPECS.get(method.name)
     if fn is None:
         raise Unsupported(f"no kernel for quant format {method.name!r}")
     return fn(method, parts, proj, N, K)
+
+
+def of_parts(method, parts: dict[str, torch.Tensor], proj: str):
+    """The method that stores projection `proj` of `parts`: per-projection formats (GGUF gate/up Q4_K,
+    down Q6_K: `projections`), per-layer ones (GGUF types differing between layers: the parts' keys
+    name the type, `block_method`), else `method`."""
+    pick = getattr(method, "block_method", None)
+    if pick is not None:
+        return pick(parts, proj)
+    subs = getattr(method, "projections", None)
+    return subs[proj] if subs is not None and proj in subs else method
 
 
 def _scale(t: torch.Tensor, S: int) -> torch.Tensor:
@@ -89,7 +98,7 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 
 @register("bf16", "fp16", "fp32")
 def _plain(method, parts, proj, N, K):
-    return plain_spec(parts[f"{proj}.weight"])
+    return plain_spec(parts[f"{proj}.{method.primary}"])  # "P.weight", or "P.f32" (GGUF types per layer)
 
 
 @register("fp8")
@@ -131,7 +140,7 @@ def _gguf(type_name: str):
     code, qk, nbytes = GGUF_TYPES[type_name]
 
     def spec(method, parts, proj, N, K):
-        key = f"{proj}.weight"
+        key = f"{proj}.{method.primary}"  # "P.weight", or "P.<type>" (GGUF types per layer)
         w = parts[key]
         if K % qk:
             raise Unsupported(

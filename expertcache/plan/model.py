@@ -18,7 +18,7 @@ from ..build.plan import DevicePlan, GpuSpec, MemoryPlan, dense_bytes, plan_devi
 from ..config import EngineConfig
 from ..engine.kv_cache import KVCache, default_max_model_len
 from ..engine.state_cache import StateCache
-from ..experts.layout import ExpertSource
+from ..experts.layout import ExpertSource, parts_at, parts_nbytes
 from ..loader.safetensors_index import TensorIndex
 from ..models.mtp import drop_mtp_layers
 from ..models.registry import open_index, read_config
@@ -81,7 +81,8 @@ def model_sizes(info: ModelInfo, config: EngineConfig) -> Sizes:
         info.index, cfg, info.names, dtype, device, config.cache.low_memory, k.dense, k.lm_head
     )
     fast_parts = src.compute_parts(dtype, device)
-    fast = sum(p.nbytes for p in fast_parts)
+    fast = parts_nbytes(fast_parts)  # per-layer layouts (GGUF types per layer): the mean, rounded up
+    first = parts_at(fast_parts, 0)
     method = src.method.name if src.method is not None else None
     stored = src.stored_method.name if src.stored_method is not None else None  # a shipped layout's own name
     return Sizes(
@@ -92,10 +93,13 @@ def model_sizes(info: ModelInfo, config: EngineConfig) -> Sizes:
         expert_fast=fast,
         expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
         stored_dtype=stored or str(src.dtype).removeprefix("torch."),
-        fast_format=(f"{method}, as stored" if method == stored else f"{method}, repacked from {stored}")
+        fast_format=(
+            (f"{method}, as stored" if fast == src.stored_nbytes else f"{method}, converted at load per type")
+            if method == stored
+            else f"{method}, repacked from {stored}"
+        )
         if method
-        else str(fast_parts[0].dtype).removeprefix("torch.")
-        + (", as stored" if fast_parts[0].dtype != dtype else ""),
+        else str(first[0].dtype).removeprefix("torch.") + (", as stored" if first[0].dtype != dtype else ""),
         quantized=method,
         kv_per_token=KVCache.bytes_per_block(len(cfg.attention_layer_ids), 1, cfg.kv_token_shapes, dtype),
         state_per_sequence=StateCache.bytes_per_sequence(cfg, dtype),

@@ -15,6 +15,15 @@ in % QK == 0):
     gguf-q6_k    256  210
     gguf-iq4_xs  256  136
 
+Routed experts whose types differ between layers (llama-quantize's Q4_K_M: ffn_down_exps Q6_K in some
+layers, Q4_K in others; UD files) are method "gguf-layers" (`GGMLLayers`): a part is keyed by its type,
+    P.<type>   uint8  [out, (in // QK) * BB]   e.g. "down.q6_k": the same bytes, the key naming the format
+so a layer's pool says how to read it and one method computes every layer (`block_method`);
+`GGMLLayers.for_layer(types)` is the method whose `layout` gives one layer's parts. Experts of a type no
+kernel reads (Q2_K, Q3_K, Q4_1, Q5_1, IQ2/IQ3/IQ1, TQ) are gguf-layers too; their tiers hold another
+format (`tier_type`, `to_tier`): Q3_K repacked to Q6_K blocks of the same values, the others
+dequantized to F32 ("P.f32" float32 [out, in], exact).
+
 A GGUF tensor [in, out] (ggml dims) is already this layout, and each expert of a stacked
 `blk.N.ffn_*_exps` [in, out, E] is one contiguous [out, row bytes] range of it, so every tier holds an
 expert in exactly its file bytes. `dequantize` decodes in vectorised torch (float32, the reference's
@@ -28,8 +37,9 @@ from typing import ClassVar
 
 import torch
 
-from .ggml_blocks import BY_NAME, DECODERS, METHODS, method_name
-from .method import QUANT_METHODS, QuantMethod, Shape, TensorSpec, register
+from .ggml_blocks import BY_NAME, DECODERS, METHODS, method_name, q3_k_as_q6_k
+from .method import QUANT_METHODS, QuantMethod, Shape, TensorSpec, proj_name, register
+from .methods import FP32
 
 
 class GGMLBlocks(QuantMethod):
@@ -164,3 +174,134 @@ def mixed_method(types: dict[str, str]) -> str:
             subs["gate_up"] = subs["gate"]
         register(name)(type("GGUF_mixed", (GGMLMixed,), {"projections": subs}))
     return name
+
+
+def _keyed(type_name: str) -> QuantMethod:
+    """The method of `type_name` with its stored tensor keyed "P.<type lower>" (GGMLLayers' parts): a
+    block type's (one without a QuantMethod: its layout and decoder only), or F32's (a dequantized
+    expert: plain float32 [out, in])."""
+    if type_name == "F32":
+        base = FP32
+    else:
+        base = GGUF_METHODS.get(type_name) or type(
+            f"GGUF_{type_name}",
+            (GGMLBlocks,),
+            {
+                "type_name": type_name,
+                "_dequant": lambda self, parts, out: out.copy_(
+                    decode(self.type_name, parts["weight"].contiguous().view(-1, self.block_bytes)).view(
+                        out.shape
+                    )
+                ),
+            },
+        )
+    key = type_name.lower()
+    cls = type(
+        f"GGUF_{type_name}_keyed",
+        (base,),
+        {
+            "primary": key,
+            "aliases": {key: "weight"},  # the index serves the tensor as P.weight
+            "_layout": lambda self, shape: {key: base._layout(self, shape)["weight"]},
+            "_dequant": lambda self, parts, out: base._dequant(self, {"weight": parts[key]}, out),
+        },
+    )
+    return cls()
+
+
+def _block_types() -> list[str]:
+    return [t.name for t in BY_NAME.values() if t.block > 1]
+
+
+KEYED: dict[str, QuantMethod] = {t.lower(): _keyed(t) for t in [*_block_types(), "F32"]}
+# routed experts of a type no kernel reads: a kernel type whose blocks hold the same values, and the
+# repack into it (exact); any other such type is dequantized to F32
+REPACKS = {"Q3_K": ("Q6_K", q3_k_as_q6_k)}
+# the block types without a decoder here that the `gguf` package decodes (`decode` goes through it)
+GGUF_DECODED = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "NVFP4")
+
+
+def tier_type(type_name: str) -> str:
+    """The ggml type (or F32) the tiers hold routed experts stored in `type_name` in."""
+    return type_name if type_name in METHODS else REPACKS.get(type_name, ("F32",))[0]
+
+
+def decode(type_name: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks uint8 [N, block bytes] of any block type -> float32 [N, block]: the project's decoder, else
+    the `gguf` package's (IQ2/IQ3/IQ1/TQ types)."""
+    if type_name in DECODERS:
+        return DECODERS[type_name](blocks)
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError(
+            f"{type_name} blocks are decoded through the gguf package (pip install gguf)"
+        ) from None
+    t = gguf.GGMLQuantizationType[type_name]
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), t).astype("float32", copy=False)).reshape(
+        blocks.shape[0], -1
+    )
+
+
+@register("gguf-layers")
+class GGMLLayers(QuantMethod):
+    """Routed experts whose ggml types differ between layers: each projection P of a layer is stored as
+    "P.<type>" (KEYED[type]'s layout, the file's bytes), so the parts name their format and
+    `block_method` reads it from them. Layouts are per layer (`for_layer`), so `layout` / `nbytes`
+    without a layer are refused."""
+
+    def block_method(self, stored, name: str) -> GGMLBlocks:
+        """The block method of projection `name` in `stored` (its one "P.<type>" key)."""
+        p = proj_name(name)
+        for k in stored:
+            head, _, suffix = k.partition(".")
+            if head == p and suffix in KEYED:
+                return KEYED[suffix]
+        raise ValueError(
+            f"{self.name}: no stored tensor {p}.<type> (have {sorted(stored)}); types: {sorted(KEYED)}"
+        )
+
+    @staticmethod
+    def for_layer(types: dict[str, str]) -> GGMLMixed:
+        """The method whose layout gives one layer's parts, for its types {gate|up|down|gate_up: type}."""
+        subs = {p: KEYED[t.lower()] for p, t in types.items()}
+        if "gate_up" not in subs and types.get("gate") == types.get("up"):
+            subs["gate_up"] = subs["gate"]
+        aliases = {k: "weight" for k in KEYED}
+        cls = type("GGUF_layer", (GGMLMixed,), {"projections": subs, "aliases": aliases})
+        cls.name = "gguf-layer:" + ",".join(f"{p}={t.lower()}" for p, t in sorted(types.items()))
+        return cls()
+
+    @staticmethod
+    def tier_layout(key: str, shape: Shape) -> dict[str, TensorSpec]:
+        """The tiers' part for stored part `key` ("P.<type>") of a weight of `shape` [out, in]: itself where
+        a kernel reads the type, else the one it is converted to at load (`tier_type`)."""
+        p, t = key.split(".", 1)
+        return KEYED[tier_type(t.upper()).lower()].layout(p, shape)
+
+    @staticmethod
+    def to_tier(key: str, raw: torch.Tensor, shape: Shape) -> dict[str, torch.Tensor]:
+        """Stored part `key` (uint8 [out, row bytes], the file's blocks) -> the tiers' part(s) (`tier_layout`)."""
+        p, t = key.split(".", 1)
+        name, target = t.upper(), tier_type(t.upper())
+        if target == name:
+            return {key: raw}
+        blocks = raw.reshape(-1, BY_NAME[name].block_bytes)
+        if name in REPACKS:
+            return {f"{p}.{target.lower()}": REPACKS[name][1](blocks).reshape(shape[0], -1)}
+        return {f"{p}.f32": decode(name, blocks).reshape(shape)}
+
+    def layout(self, name: str, shape: Shape) -> dict[str, TensorSpec]:
+        raise ValueError(f"{self.name}: the layout depends on the layer's types; use for_layer(types)")
+
+    def nbytes(self, shape: Shape) -> int:
+        raise ValueError(f"{self.name}: bytes depend on the layer's types; use for_layer(types)")
+
+    def pack(self, weights):
+        raise ValueError(f"{self.name}: no quantiser here (weights in this format are read from GGUF files)")
+
+    def dequantize(self, stored, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.block_method(stored, name).dequantize(stored, name, out)
+
+    def linear(self, x, stored, name: str, buf: torch.Tensor | None = None) -> torch.Tensor:
+        return self.block_method(stored, name).linear(x, stored, name, buf)

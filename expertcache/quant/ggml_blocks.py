@@ -164,6 +164,31 @@ def q3_k(b: torch.Tensor) -> torch.Tensor:
     return (dl[:, :, None] * (ql - (qh << 2)).float()).reshape(n, 256)
 
 
+def q3_k_as_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks [N, 110] -> Q6_K blocks [N, 210] of the same values, exactly: both are 16 groups of 16
+    consecutive elements, x = (d * sc) * q; Q3_K's 6-bit sc - 32 is Q6_K's int8 sc, its q in -4..3 is
+    Q6_K's 6-bit code - 32, d the same f16 (so ggml's products, and their float32 roundings, are equal)."""
+    n = b.shape[0]
+    s = b[:, 96:108].int()
+    low = (s[:, None, 0:8] >> (4 * torch.arange(2, device=b.device))[None, :, None]).reshape(n, 16) & 0xF
+    high = (s[:, None, 8:12] >> (2 * torch.arange(4, device=b.device))[None, :, None]).reshape(n, 16) & 3
+    sc = (low | (high << 4)) - 32  # [N, 16]
+    qs = b[:, 32:96].reshape(n, 2, 1, 32).int()
+    ql = ((qs >> (2 * torch.arange(4, device=b.device))[None, None, :, None]) & 3).reshape(n, 16, 16)
+    hm = b[:, 0:32].reshape(n, 1, 1, 32).int()
+    qh = (((hm >> torch.arange(8, device=b.device)[None, None, :, None]) & 1) ^ 1).reshape(n, 16, 16)
+    q = (ql - (qh << 2) + 32).reshape(n, 2, 4, 32)  # Q6_K codes [N, half, k, l]: element 128 half + 32 k + l
+    nib, hi = q & 0xF, q >> 4
+    out = torch.empty((n, 210), dtype=torch.uint8, device=b.device)
+    out[:, 0:128] = (nib[:, :, 0:2] | (nib[:, :, 2:4] << 4)).reshape(n, 128).to(torch.uint8)
+    out[:, 128:192] = (
+        (hi[:, :, 0] | hi[:, :, 1] << 2 | hi[:, :, 2] << 4 | hi[:, :, 3] << 6).reshape(n, 64).to(torch.uint8)
+    )
+    out[:, 192:208] = sc.to(torch.int8).view(torch.uint8)
+    out[:, 208:210] = b[:, 108:110]
+    return out
+
+
 DECODERS = {
     "Q4_1": q4_1,
     "Q5_1": q5_1,
