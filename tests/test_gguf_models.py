@@ -220,3 +220,11 @@ def test_low_memory_reads_embedding_rows_from_the_file(qwen3_gguf):
         finally:
             full.close()
             low.close()
+
+
+def test_expert_parallel_with_a_gguf_file_is_refused_by_name_before_any_rank_starts(qwen3_gguf):
+    from expertcache.errors import ConfigError
+
+    path = qwen3_gguf("Q8_0")
+    with pytest.raises(ConfigError, match=r"expert_parallel: .*\.gguf is a GGUF file"):
+        LLM(str(path), expert_parallel=2)

@@ -72,6 +72,11 @@ def read_checkpoint(config) -> Checkpoint:
             f"expert_parallel: {family.name} is a hybrid linear-attention model; "
             "expert parallelism supports softmax-attention models only"
         )
+    if config.parallel is not None and Path(model_dir).suffix == ".gguf":
+        raise ConfigError(
+            f"expert_parallel: {model_dir} is a GGUF file; expert parallelism reads safetensors "
+            "checkpoints only (run the GGUF on one process, or the model's safetensors with expert_parallel)"
+        )
     index = open_index(model_dir, family)
     mtp_layers = drop_mtp_layers(index, cfg, hf_config)
     check_layer_count(index, cfg.num_layers)
