@@ -37,12 +37,13 @@ if triton is not None:
     def _tile_offsets(offs_n, offs_k, sbase, w_n, w_k, s_n, s_k, S_BN, S_BK, FMT: tl.constexpr):
         """Where a weight tile [BK, BN] lies in its slot: element offsets by output n and by input k
         (int4/mxfp4: of the byte holding code k, two to a byte), and each weight's scale index."""
+        sidx = sbase + (offs_n[None, :] // S_BN) * s_n + (offs_k[:, None] // S_BK) * s_k
+        wn = offs_n[None, :] * w_n
         if FMT >= 3:
             wk = (offs_k[:, None] // 2) * w_k
         else:
             wk = offs_k[:, None] * w_k
-        sidx = sbase + (offs_n[None, :] // S_BN) * s_n + (offs_k[:, None] // S_BK) * s_k
-        return offs_n[None, :] * w_n, wk, sidx
+        return wn, wk, sidx
 
     @triton.jit
     def _tile(w_ptr, s_ptr, z_ptr, lut_ptr, wbase, wn, wk, sidx, offs_k, m, FMT: tl.constexpr):
@@ -131,8 +132,8 @@ if triton is not None:
                     other=0.0,
                 )
                 a = _to_dot(a, DOT)
-                wn, wk, sidx = _tile_offsets(offs_n, offs_k, sbase, w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
                 m = kmask[:, None] & nmask[None, :]
+                wn, wk, sidx = _tile_offsets(offs_n, offs_k, sbase, w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
                 wg = _tile(gw_ptr, gs_ptr, gz_ptr, lut_ptr, wbase, wn, wk, sidx, offs_k, m, FMT)
                 wu = _tile(uw_ptr, us_ptr, uz_ptr, lut_ptr, wbase, wn, wk, sidx, offs_k, m, FMT)
                 acc_g = _dot(a, _to_dot(wg, DOT), acc_g, DOT)
@@ -175,8 +176,8 @@ if triton is not None:
                     mask=valid[:, None] & kmask[None, :],
                     other=0.0,
                 )
-                wn, wk, sidx = _tile_offsets(offs_n, offs_k, sbase, w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
                 m = kmask[:, None] & nmask[None, :]
+                wn, wk, sidx = _tile_offsets(offs_n, offs_k, sbase, w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
                 wd = _tile(dw_ptr, ds_ptr, dz_ptr, lut_ptr, wbase, wn, wk, sidx, offs_k, m, FMT)
                 acc = _dot(a, _to_dot(wd, DOT), acc, DOT)
             if HAS_BIAS:
