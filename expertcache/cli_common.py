@@ -79,7 +79,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_weight_args(p: argparse.ArgumentParser) -> None:
-    """How dense weights are held and checked, the CPU kernels' math, and the routing record."""
+    """How the dense part is held and run (low memory, load-time quantization, the CPU kernels' math),
+    the finite checks, the routing record."""
     p.add_argument(
         "--low-memory",
         action="store_true",
