@@ -28,7 +28,16 @@ def positive_int(text: str) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads a model."""
+    """Flags shared by every command that loads a model, in --help's order."""
+    add_model_args(p)
+    add_runtime_args(p)
+    add_weight_args(p)
+    add_cache_args(p)
+    add_parallel_args(p)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Which model: the checkpoint (or hub id) and its tokenizer."""
     p.add_argument(
         "model",
         nargs="?",
@@ -44,6 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="a directory with tokenizer.json (+ tokenizer_config.json) to use instead of the model's "
         "own (default: the checkpoint's, or a GGUF file's metadata)",
     )
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """Where and how wide the engine runs: device, dtype, context, batch, KV budget, threads."""
     p.add_argument("--device", default="cpu", help="compute device: cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument(
@@ -63,6 +76,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU threads for torch and the CPU kernels (default: torch's choice, one per core; on a "
         "busy shared machine 1 avoids OpenMP contention)",
     )
+
+
+def add_weight_args(p: argparse.ArgumentParser) -> None:
+    """How the dense part is held and run (low memory, load-time quantization, the CPU kernels' math),
+    the finite checks, the routing record."""
     p.add_argument(
         "--low-memory",
         action="store_true",
@@ -112,6 +130,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="write the routing trace (.npz, see `expertcache trace`) when the command ends",
     )
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """The expert cache's budgets, policy, prefetch and compute paths."""
     g = p.add_argument_group("expert cache")
     g.add_argument(
         "--device-memory",
@@ -166,7 +188,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--save-expert-stats", default=None, metavar="FILE", help="save expert use statistics at exit"
     )
-    add_parallel_args(p)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

@@ -115,27 +115,8 @@ def resolve_model(
     """A checkpoint directory (or GGUF file) for `spec` (see the module docstring for the order)."""
     path = Path(spec).expanduser()
     text = str(spec)
-    if path.is_dir():
-        if _is_cache_repo(path) and not (path / "config.json").is_file():
-            snap = _snapshot(path, revision, text)
-            if snap is None:
-                raise CheckpointError(
-                    f"model {text}: revision {revision or 'main'} is not in this hub-cache "
-                    f"folder (refs: {sorted(p.name for p in (path / 'refs').glob('*'))})"
-                )
-            return _checked(snap, text, " (an interrupted download?)")
-        if revision:
-            raise CheckpointError(
-                f"--revision {revision}: {text} is a plain directory, not a hub id or "
-                f"hub-cache folder, so it has no revisions"
-            )
-        return _checked(path, text)
-    if path.is_file() and path.suffix == ".gguf":  # a GGUF file (the first of a split set): gguf/reader.py
-        if revision:
-            raise CheckpointError(f"--revision {revision}: {text} is a GGUF file, so it has no revisions")
-        return path
     if path.exists():
-        raise CheckpointError(f"model directory {text} is not a directory (nor a .gguf file)")
+        return _local_model(path, text, revision)
     if not HUB_ID.match(text):
         raise CheckpointError(f"model directory {text} does not exist")
     cache = hub_cache_dir()
@@ -155,6 +136,35 @@ def resolve_model(
         raise CheckpointError(
             f"model {where}{why}; fetch it with: {fetch_command(text, revision, installed)}"
         )
+    return _download(text, revision, cache, where, progress)
+
+
+def _local_model(path: Path, text: str, revision: str | None) -> Path:
+    """An existing path: a checkpoint directory, a hub-cache repo folder or a GGUF file."""
+    if path.is_dir():
+        if _is_cache_repo(path) and not (path / "config.json").is_file():
+            snap = _snapshot(path, revision, text)
+            if snap is None:
+                raise CheckpointError(
+                    f"model {text}: revision {revision or 'main'} is not in this hub-cache "
+                    f"folder (refs: {sorted(p.name for p in (path / 'refs').glob('*'))})"
+                )
+            return _checked(snap, text, " (an interrupted download?)")
+        if revision:
+            raise CheckpointError(
+                f"--revision {revision}: {text} is a plain directory, not a hub id or "
+                f"hub-cache folder, so it has no revisions"
+            )
+        return _checked(path, text)
+    if path.is_file() and path.suffix == ".gguf":  # a GGUF file (the first of a split set): gguf/reader.py
+        if revision:
+            raise CheckpointError(f"--revision {revision}: {text} is a GGUF file, so it has no revisions")
+        return path
+    raise CheckpointError(f"model directory {text} is not a directory (nor a .gguf file)")
+
+
+def _download(text: str, revision: str | None, cache: Path, where: str, progress: bool) -> Path:
+    """Fetch hub id `text` into the hub cache with huggingface_hub (installed, not offline)."""
     from huggingface_hub import snapshot_download
 
     if progress:
@@ -171,6 +181,6 @@ def resolve_model(
         raise CheckpointError(
             f"model {where}, and downloading it failed ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); fetch it with: "
-            f"{fetch_command(text, revision, installed)}"
+            f"{fetch_command(text, revision, True)}"
         ) from e
     return _checked(Path(local), text)

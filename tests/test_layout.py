@@ -177,17 +177,7 @@ def test_no_import_cycles():
 
 # Cycles between modules of one package that are known and allowed, each with why. Adding one here is a
 # decision to write down in docs/structure.md's Layering section.
-ALLOWED_MODULE_CYCLES = {
-    # models/registry.py:read_config imports every family module so that each registers itself (the
-    # plugin load mini-sglang's and vLLM's model registries do by name); each family imports `Family`
-    # and `register` from the registry. models/ is not this file's to change: the cure is a
-    # models/families.py that imports the families, which read_config imports instead.
-    frozenset(
-        "expertcache.models." + m
-        for m in ("registry", "deepseek", "glm4_moe", "gpt_oss", "mixtral", "olmoe", "qwen2_moe")
-        + ("qwen3_moe", "qwen3_next")
-    ),
-}
+ALLOWED_MODULE_CYCLES: set[frozenset[str]] = set()  # none today (the family modules import models/family.py)
 
 
 def test_no_import_cycles_between_modules_of_a_package():
@@ -303,14 +293,12 @@ def test_the_checks_see_what_they_look_for(tmp_path, monkeypatch):
 LONG_FUNCTION = 60  # physical lines, decorators and docstring included (as formatted by ruff format)
 LONG_FUNCTIONS_GOAL = 6  # issue #38's goal for the whole package
 # A ratchet: today's count, lowered as long functions are split; a change that adds one fails here.
-# The ones left (all outside construction, the server, trace/, plan/, demo*, chat_cli, parallel/):
-# cli_common.add_engine_args, kernels/triton_moe_jit.py's two kernels, kernels/triton_moe.launches,
+# The ones left (all in experts/, gguf/ and layers/):
 # experts/manager.TieredExperts.__init__, experts/layout.ExpertSource (__init__, _quantized),
 # experts/schedule.ScheduleBuilder.layer, experts/planner.StepPlanner (plan_step, plan_prefetch),
-# experts/build.build_expert_cache, experts/prefill.prefill_moe, quantize/rewrite.quantize_checkpoint,
-# hub.resolve_model, gguf/tokenizer.build_tokenizer, layers/attention.Attention._sequence,
-# engine/scheduler.Scheduler.schedule.
-LONG_FUNCTIONS_NOW = 17
+# experts/build.build_expert_cache, experts/prefill.prefill_moe, gguf/tokenizer.build_tokenizer,
+# layers/attention.Attention._sequence.
+LONG_FUNCTIONS_NOW = 10
 
 
 def long_functions(root: Path, least: int = LONG_FUNCTION) -> list[tuple[int, str]]:

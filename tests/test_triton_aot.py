@@ -84,12 +84,7 @@ def test_the_enumeration_follows_the_code_tables():
     family's expert layout is one of the variants (interleaved/transposed gate_up as GPT-OSS's)."""
     from expertcache.kernels import triton_moe
     from expertcache.kernels.triton_pool import QUANT_FORMATS
-    from expertcache.models import registry
-
-    registry.read_config  # noqa: B018  (the families register on first use)
-    from expertcache.models import (
-        qwen2_moe,  # noqa: F401
-    )
+    from expertcache.models import registry  # registers every family (models/families.py)
 
     assert set(triton_aot.FMT_OF) == set(QUANT_FORMATS)
     assert set(triton_moe.CONFIGS) == {"decode", "prefill"}

@@ -111,20 +111,7 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             if not seq.block_ids:
-                cached = (
-                    []
-                    if seq.params.prompt_logprobs is not None
-                    else self.kv.match_prefix(seq.tokens[: len(seq.tokens) - 1])
-                )
-                self.kv.acquire(cached)
-                seq.block_ids = cached
-                seq.num_computed = len(cached) * self.kv.block_size
-                if not seq.admitted:  # a preempted sequence coming back is not a new query
-                    seq.admitted = True
-                    self.kv.prefix_queries += len(seq.tokens)
-                    self.kv.prefix_hits += seq.num_computed
-                    seq.num_cached = seq.num_computed
-                    seq.high_water = min(seq.num_computed, seq.prompt_len)
+                self.attach_cached_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if self.needs_logits(seq):
                 if logits_rows == 0:
@@ -144,6 +131,24 @@ class Scheduler:
             budget -= n
             logits_rows -= n if self.needs_logits(seq) else 0
         return batch
+
+    def attach_cached_prefix(self, seq: Sequence) -> None:
+        """A waiting sequence without blocks takes the prefix-cache blocks that match its prompt (none when
+        it asks for prompt logprobs, which need every prompt position computed)."""
+        cached = (
+            []
+            if seq.params.prompt_logprobs is not None
+            else self.kv.match_prefix(seq.tokens[: len(seq.tokens) - 1])
+        )
+        self.kv.acquire(cached)
+        seq.block_ids = cached
+        seq.num_computed = len(cached) * self.kv.block_size
+        if not seq.admitted:  # a preempted sequence coming back is not a new query
+            seq.admitted = True
+            self.kv.prefix_queries += len(seq.tokens)
+            self.kv.prefix_hits += seq.num_computed
+            seq.num_cached = seq.num_computed
+            seq.high_water = min(seq.num_computed, seq.prompt_len)
 
     @staticmethod
     def needs_logits(seq: Sequence) -> bool:

@@ -380,81 +380,25 @@ def launches(x, pool, method, ffn, weights, al: Alignment, out, cfg, proj) -> li
     lut = _table(fmt, dev)
     dot = _dot_kind(x.dtype)
     xc = x.contiguous()
-    act = CLAMPED_SWIGLU if ffn is not None and ffn.act == "clamped_swiglu" else SILU
-    alpha = float(ffn.alpha) if ffn is not None else 1.0
-    limit = float(ffn.limit) if ffn is not None else float("inf")
-    dummy = lut  # stands for the pointers a constexpr branch never reads
-    bias = biases(pool, ffn)
-    has_bias = bias is not None
-    if has_bias:
-        gbias, ubias, db = bias
-        gb_s, db_s = (gbias.stride(0), gbias.stride(1)), (db.stride(0), db.stride(1))
-    else:
-        gbias = ubias = db = dummy
-        gb_s = db_s = (0, 0)
-
-    def parts(p: Proj):
-        return p.w, p.scale if p.scale is not None else dummy, p.zero if p.zero is not None else dummy
-
+    bias = _Bias(biases(pool, ffn), dummy=lut)
     inter = torch.empty((NR, I), dtype=x.dtype if dot != DOT_FP32 else torch.float32, device=dev)
     out_rows = torch.empty((NR, H), dtype=torch.float32, device=dev)  # every row read is written first
     rw = weights.reshape(-1).to(torch.float32).contiguous()
+    rows = (al.sorted_rows, al.block_slot, al.pair_of_row)
     nb = al.block_slot.numel()
-    shared = dict(FMT=fmt, HAS_BIAS=has_bias, DOT=dot, BM=BM, BN=BN, BK=BK)
+    shared = dict(FMT=fmt, HAS_BIAS=bias.has, DOT=dot, BM=BM, BN=BN, BK=BK)
+    act = CLAMPED_SWIGLU if ffn is not None and ffn.act == "clamped_swiglu" else SILU
+    alpha = float(ffn.alpha) if ffn is not None else 1.0
+    limit = float(ffn.limit) if ffn is not None else float("inf")
+    # positional arguments in the kernels' signature order (triton_moe_jit.py)
+    gu_weights = (*_parts(g, lut), *_parts(u, lut), bias.gate, bias.up, lut)
+    gu_layout = _layout(g, bias.gate_strides)
+    gate_up = (xc, *gu_weights, inter, *rows, H, I, K, NR, xc.stride(0), *gu_layout, alpha, limit)
+    down_weights = (*_parts(d, lut), bias.down, lut, rw)
+    down = (inter, *down_weights, out_rows, *rows, H, I, NR, *_layout(d, bias.down_strides))
     return [
-        (
-            gate_up_kernel,
-            (nb, triton.cdiv(I, BN)),
-            (
-                xc,
-                *parts(g),
-                *parts(u),
-                gbias,
-                ubias,
-                lut,
-                inter,
-                al.sorted_rows,
-                al.block_slot,
-                al.pair_of_row,
-                H,
-                I,
-                K,
-                NR,
-                xc.stride(0),
-                *g.w_strides,
-                *g.s_strides,
-                *g.s_block,
-                *gb_s,
-                alpha,
-                limit,
-            ),
-            dict(shared, ACT=act),
-            opts,
-        ),
-        (
-            down_kernel,
-            (nb, triton.cdiv(H, BN)),
-            (
-                inter,
-                *parts(d),
-                db,
-                lut,
-                rw,
-                out_rows,
-                al.sorted_rows,
-                al.block_slot,
-                al.pair_of_row,
-                H,
-                I,
-                NR,
-                *d.w_strides,
-                *d.s_strides,
-                *d.s_block,
-                *db_s,
-            ),
-            shared,
-            opts,
-        ),
+        (gate_up_kernel, (nb, triton.cdiv(I, BN)), gate_up, dict(shared, ACT=act), opts),
+        (down_kernel, (nb, triton.cdiv(H, BN)), down, shared, opts),
         (
             reduce_kernel,
             (triton.cdiv(T, REDUCE_BLOCK_T), triton.cdiv(H, REDUCE_BLOCK_H)),
@@ -463,6 +407,27 @@ def launches(x, pool, method, ffn, weights, al: Alignment, out, cfg, proj) -> li
             {} if interpreted() else dict(num_warps=4),
         ),
     ]
+
+
+class _Bias:
+    """The pool's gate/up/down biases as the kernels take them: `dummy` (a pointer the HAS_BIAS=False
+    branch never reads) and strides (0, 0) when the experts have none."""
+
+    def __init__(self, bias: tuple | None, dummy: torch.Tensor):
+        self.has = bias is not None
+        self.gate, self.up, self.down = bias if self.has else (dummy, dummy, dummy)
+        self.gate_strides = (self.gate.stride(0), self.gate.stride(1)) if self.has else (0, 0)
+        self.down_strides = (self.down.stride(0), self.down.stride(1)) if self.has else (0, 0)
+
+
+def _parts(p: Proj, dummy: torch.Tensor) -> tuple:
+    """A projection's codes, scales and zero points; `dummy` for the parts its format has not."""
+    return p.w, p.scale if p.scale is not None else dummy, p.zero if p.zero is not None else dummy
+
+
+def _layout(p: Proj, bias_strides: tuple) -> tuple:
+    """The kernels' layout arguments, in their order: w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n."""
+    return (*p.w_strides, *p.s_strides, *p.s_block, *bias_strides)
 
 
 def warm_up(

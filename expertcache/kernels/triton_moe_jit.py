@@ -34,41 +34,34 @@ if triton is not None:
         return slot.to(tl.int64) * stride
 
     @triton.jit
-    def _tile(
-        w_ptr,
-        s_ptr,
-        z_ptr,
-        lut_ptr,
-        wbase,
-        sbase,
-        offs_n,
-        offs_k,
-        nmask,
-        kmask,
-        w_n,
-        w_k,
-        s_n,
-        s_k,
-        S_BN,
-        S_BK,
-        FMT: tl.constexpr,
-    ):
-        """Dequantised weight tile W[n, k] as float32 [BK, BN] (transposed for the dot)."""
-        m = kmask[:, None] & nmask[None, :]
-        if FMT == 0:
-            w = tl.load(w_ptr + wbase + offs_n[None, :] * w_n + offs_k[:, None] * w_k, mask=m, other=0.0)
-            return w.to(tl.float32)
+    def _tile_offsets(offs_n, offs_k, sbase, w_n, w_k, s_n, s_k, S_BN, S_BK, FMT: tl.constexpr):
+        """Where a weight tile [BK, BN] lies in its slot: element offsets by output n and by input k
+        (int4/mxfp4: of the byte holding code k, two to a byte), and each weight's scale index."""
         sidx = sbase + (offs_n[None, :] // S_BN) * s_n + (offs_k[:, None] // S_BK) * s_k
+        wn = offs_n[None, :] * w_n
+        if FMT >= 3:
+            wk = (offs_k[:, None] // 2) * w_k
+        else:
+            wk = offs_k[:, None] * w_k
+        return wn, wk, sidx
+
+    @triton.jit
+    def _tile(w_ptr, s_ptr, z_ptr, lut_ptr, wbase, wn, wk, sidx, offs_k, m, FMT: tl.constexpr):
+        """Dequantised weight tile W[n, k] as float32 [BK, BN] (transposed for the dot): codes at
+        wbase + wn + wk (`_tile_offsets`), scales (int4: and zero points) at sidx; m masks the tile."""
+        if FMT == 0:
+            w = tl.load(w_ptr + wbase + wn + wk, mask=m, other=0.0)
+            return w.to(tl.float32)
         if FMT == 1:  # fp8 e4m3fn bytes through the 256-entry table
-            byte = tl.load(w_ptr + wbase + offs_n[None, :] * w_n + offs_k[:, None] * w_k, mask=m, other=0)
+            byte = tl.load(w_ptr + wbase + wn + wk, mask=m, other=0)
             scale = tl.load(s_ptr + sidx, mask=m, other=0.0).to(tl.float32)
             return tl.load(lut_ptr + byte.to(tl.int32), mask=m, other=0.0) * scale
         if FMT == 2:  # int8 codes
-            code = tl.load(w_ptr + wbase + offs_n[None, :] * w_n + offs_k[:, None] * w_k, mask=m, other=0)
+            code = tl.load(w_ptr + wbase + wn + wk, mask=m, other=0)
             scale = tl.load(s_ptr + sidx, mask=m, other=0.0).to(tl.float32)
             return code.to(tl.float32) * scale
         # int4 / mxfp4: byte k // 2 of row n, low nibble first
-        byte = tl.load(w_ptr + wbase + offs_n[None, :] * w_n + (offs_k[:, None] // 2) * w_k, mask=m, other=0)
+        byte = tl.load(w_ptr + wbase + wn + wk, mask=m, other=0)
         code = (byte.to(tl.int32) >> ((offs_k[:, None] % 2) * 4)) & 0xF
         if FMT == 3:  # asymmetric int4: (code - zero) * scale
             scale = tl.load(s_ptr + sidx, mask=m, other=0.0).to(tl.float32)
@@ -94,47 +87,31 @@ if triton is not None:
             return acc + tl.dot(a, b, input_precision="ieee")
         return acc + tl.dot(a, b)
 
+    @triton.jit
+    def _activation(g, u, alpha, limit, ACT: tl.constexpr):
+        """SiLU(g) * u; ACT 1 (GPT-OSS's clamped SwiGLU): (up + 1) * g * sigmoid(alpha * g), g <= limit,
+        up in [-limit, limit]."""
+        if ACT == 1:
+            gc = tl.minimum(g, limit)
+            uc = tl.maximum(tl.minimum(u, limit), -limit)
+            h = (uc + 1.0) * (gc * tl.sigmoid(gc * alpha))
+        else:
+            h = g * tl.sigmoid(g) * u
+        return h
+
+    # The kernels' parameters in groups, one line each (triton_moe.launches passes them in this order):
+    # tensors; the call's rows by slot (triton_moe.Alignment); sizes; the pool's layout (triton_moe._layout:
+    # slot/row/column strides of codes, then of scales, the scale block, the bias strides); constexprs.
     @triton.jit(do_not_specialize=["NR"])
     def gate_up_kernel(
-        x_ptr,
-        gw_ptr,
-        gs_ptr,
-        gz_ptr,
-        uw_ptr,
-        us_ptr,
-        uz_ptr,
-        gb_ptr,
-        ub_ptr,
-        lut_ptr,
-        inter_ptr,
-        sorted_ptr,
-        bslot_ptr,
-        pair_ptr,
-        H,
-        I,
-        TOPK,
-        NR,
-        sx_t,
-        w_s,
-        w_n,
-        w_k,
-        s_s,
-        s_n,
-        s_k,
-        S_BN,
-        S_BK,
-        b_s,
-        b_n,
-        alpha,
-        limit,
-        FMT: tl.constexpr,
-        ACT: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        DOT: tl.constexpr,
-        BM: tl.constexpr,
-        BN: tl.constexpr,
-        BK: tl.constexpr,
-    ):
+        x_ptr, gw_ptr, gs_ptr, gz_ptr, uw_ptr, us_ptr, uz_ptr, gb_ptr, ub_ptr, lut_ptr, inter_ptr,
+        sorted_ptr, bslot_ptr, pair_ptr,
+        H, I, TOPK, NR, sx_t,
+        w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n,
+        alpha, limit,  # clamped SwiGLU (ACT 1)
+        FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
         b, nb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(bslot_ptr + b)
         if slot >= 0:
@@ -155,56 +132,17 @@ if triton is not None:
                     other=0.0,
                 )
                 a = _to_dot(a, DOT)
-                wg = _tile(
-                    gw_ptr,
-                    gs_ptr,
-                    gz_ptr,
-                    lut_ptr,
-                    wbase,
-                    sbase,
-                    offs_n,
-                    offs_k,
-                    nmask,
-                    kmask,
-                    w_n,
-                    w_k,
-                    s_n,
-                    s_k,
-                    S_BN,
-                    S_BK,
-                    FMT,
-                )
-                wu = _tile(
-                    uw_ptr,
-                    us_ptr,
-                    uz_ptr,
-                    lut_ptr,
-                    wbase,
-                    sbase,
-                    offs_n,
-                    offs_k,
-                    nmask,
-                    kmask,
-                    w_n,
-                    w_k,
-                    s_n,
-                    s_k,
-                    S_BN,
-                    S_BK,
-                    FMT,
-                )
+                m = kmask[:, None] & nmask[None, :]
+                wn, wk, sidx = _tile_offsets(offs_n, offs_k, sbase, w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
+                wg = _tile(gw_ptr, gs_ptr, gz_ptr, lut_ptr, wbase, wn, wk, sidx, offs_k, m, FMT)
+                wu = _tile(uw_ptr, us_ptr, uz_ptr, lut_ptr, wbase, wn, wk, sidx, offs_k, m, FMT)
                 acc_g = _dot(a, _to_dot(wg, DOT), acc_g, DOT)
                 acc_u = _dot(a, _to_dot(wu, DOT), acc_u, DOT)
             if HAS_BIAS:
                 bbase = slot_base(slot, b_s)
                 acc_g += tl.load(gb_ptr + bbase + offs_n * b_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
                 acc_u += tl.load(ub_ptr + bbase + offs_n * b_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            if ACT == 1:  # GPT-OSS: (up + 1) * g * sigmoid(alpha * g), g <= limit, up in [-limit, limit]
-                g = tl.minimum(acc_g, limit)
-                u = tl.maximum(tl.minimum(acc_u, limit), -limit)
-                h = (u + 1.0) * (g * tl.sigmoid(g * alpha))
-            else:
-                h = acc_g * tl.sigmoid(acc_g) * acc_u
+            h = _activation(acc_g, acc_u, alpha, limit, ACT)
             tl.store(
                 inter_ptr + rows[:, None] * I + offs_n[None, :],
                 _to_dot(h, DOT),
@@ -213,37 +151,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["NR"])
     def down_kernel(
-        inter_ptr,
-        dw_ptr,
-        ds_ptr,
-        dz_ptr,
-        db_ptr,
-        lut_ptr,
-        rw_ptr,
-        out_ptr,
-        sorted_ptr,
-        bslot_ptr,
-        pair_ptr,
-        H,
-        I,
-        NR,
-        w_s,
-        w_n,
-        w_k,
-        s_s,
-        s_n,
-        s_k,
-        S_BN,
-        S_BK,
-        b_s,
-        b_n,
-        FMT: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        DOT: tl.constexpr,
-        BM: tl.constexpr,
-        BN: tl.constexpr,
-        BK: tl.constexpr,
-    ):
+        inter_ptr, dw_ptr, ds_ptr, dz_ptr, db_ptr, lut_ptr, rw_ptr, out_ptr,
+        sorted_ptr, bslot_ptr, pair_ptr,
+        H, I, NR,
+        w_s, w_n, w_k, s_s, s_n, s_k, S_BN, S_BK, b_s, b_n,
+        FMT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
         b, nb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(bslot_ptr + b)
         if slot >= 0:
@@ -262,25 +176,9 @@ if triton is not None:
                     mask=valid[:, None] & kmask[None, :],
                     other=0.0,
                 )
-                wd = _tile(
-                    dw_ptr,
-                    ds_ptr,
-                    dz_ptr,
-                    lut_ptr,
-                    wbase,
-                    sbase,
-                    offs_n,
-                    offs_k,
-                    nmask,
-                    kmask,
-                    w_n,
-                    w_k,
-                    s_n,
-                    s_k,
-                    S_BN,
-                    S_BK,
-                    FMT,
-                )
+                m = kmask[:, None] & nmask[None, :]
+                wn, wk, sidx = _tile_offsets(offs_n, offs_k, sbase, w_n, w_k, s_n, s_k, S_BN, S_BK, FMT)
+                wd = _tile(dw_ptr, ds_ptr, dz_ptr, lut_ptr, wbase, wn, wk, sidx, offs_k, m, FMT)
                 acc = _dot(a, _to_dot(wd, DOT), acc, DOT)
             if HAS_BIAS:
                 acc += tl.load(db_ptr + slot_base(slot, b_s) + offs_n * b_n, mask=nmask, other=0.0).to(

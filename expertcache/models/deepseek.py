@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..spec.model_config import MLA, ModelConfig, RouterSpec, check_value, require, yarn_mscale
 from .common import base_fields, finish, get_float
-from .registry import Family, WeightNames, register
+from .family import Family, WeightNames, register
 
 NAMES = WeightNames(("mlp",), "gate", ("gate_proj", "up_proj", "down_proj"), shared_expert="shared_experts")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .common import base_fields, finish, get_float
 from .deepseek import NAMES, mla_fields, moe_fields, router_fields
-from .registry import Family, register
+from .family import Family, register
 
 ROUTING = {"noaux_tc": "noaux_tc"}
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..spec.model_config import RouterSpec, require
 from .common import base_fields, finish, raise_cfg
-from .registry import Family, WeightNames, register
+from .family import Family, WeightNames, register
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULTS = dict(

@@ -2,7 +2,7 @@
 
 from ..spec.model_config import require_int
 from .common import base_fields, finish
-from .registry import Family, WeightNames, register
+from .family import Family, WeightNames, register
 
 
 def parse(hf: dict):

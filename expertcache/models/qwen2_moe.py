@@ -2,7 +2,7 @@
 
 from ..spec.model_config import get_int, require_int
 from .common import base_fields, finish, sparse_layers
-from .registry import Family, WeightNames, register
+from .family import Family, WeightNames, register
 
 
 def parse(hf: dict):

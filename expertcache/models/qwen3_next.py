@@ -16,7 +16,7 @@ tower (`model.visual.*`) is not (prompts are text only).
 
 from ..spec.model_config import LinearAttnConfig, require
 from .common import base_fields, finish, get_float, raise_cfg, sparse_layers
-from .registry import Family, WeightNames, register
+from .family import Family, WeightNames, register
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 

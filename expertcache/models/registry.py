@@ -1,39 +1,20 @@
-"""Maps config.json "architectures" to a model family.
+"""Maps config.json "architectures" to a model family: `read_config`, `open_index`.
 
-A family knows two things: how to read its config.json into a ModelConfig and
-how its tensors are named. The forward pass (models/transformer.py) is shared.
+A family (models/family.py) knows two things: how to read its config.json into a ModelConfig and
+how its tensors are named; models/families.py loads them all. The forward pass
+(models/transformer.py) is shared.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from ..errors import ConfigError
 from ..spec.model_config import ModelConfig
-from ..spec.weights import WeightNames  # noqa: F401  (families import it from here)
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    architectures: tuple[str, ...]
-    parse: Callable[[dict], ModelConfig]
-    names: WeightNames
-    # checkpoint tensor name -> the name the decoder reads (None: not used, e.g. a vision tower);
-    # None = names as stored
-    tensor_names: Callable[[str], str | None] | None = None
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def register(family: Family) -> Family:
-    for arch in family.architectures:
-        FAMILIES[arch] = family
-    return family
+from . import families  # noqa: F401  (registers every family)
+from .family import FAMILIES, Family
 
 
 def open_index(model_dir: str | Path, family: Family):
@@ -54,8 +35,6 @@ def open_index(model_dir: str | Path, family: Family):
 
 def read_config(model_dir: str | Path) -> tuple[Family, ModelConfig, dict]:
     """Parse model_dir/config.json (+ generation_config.json) into (family, ModelConfig, raw dict)."""
-    from . import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next  # noqa: F401  (register the families)
-
     if Path(model_dir).suffix == ".gguf":  # the config rebuilt from the file's metadata
         from .. import gguf
 

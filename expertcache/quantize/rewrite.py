@@ -55,24 +55,24 @@ def quantize_checkpoint(
     expert_tensors = {
         n for layer in source.layers for n in _expert_names(index, layer, family.names, cfg.num_experts)
     }
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-
-    def put(name: str, t: torch.Tensor):
-        nonlocal size
-        if size + t.nbytes > SHARD_BYTES and shards[-1]:
-            _flush(shards, dst)
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += t.nbytes
-
+    shards = _Shards(dst)
     for name in sorted(set(index.tensors) - expert_tensors):
-        put(name, index.load(name))
-    g, u, d = family.names.expert_projs
+        shards.put(name, index.load(name))
+    _quantize_experts(source, family.names, cfg, method, shards, progress)
+    shards.close()
+    hf = dict(hf)
+    hf["quantization_config"] = {"quant_method": "expertcache", "experts": fmt, **params}
+    (dst / "config.json").write_text(json.dumps(hf, indent=2))
+    _copy_other_files(src, dst)
+    return dst
+
+
+def _quantize_experts(source: ExpertSource, names, cfg, method, shards: "_Shards", progress: bool) -> None:
+    """Every routed expert, one at a time, packed by `method` under its per-expert hub names."""
+    g, u, d = names.expert_projs
     I = cfg.moe_intermediate_size
     for layer in source.layers:
-        prefix = source.moe_prefix(layer, family.names)
+        prefix = source.moe_prefix(layer, names)
         for j in range(cfg.num_experts):
             w = source.read(layer, j)
             weights = {
@@ -81,23 +81,43 @@ def quantize_checkpoint(
                 f"{d}.weight": w["down"].float(),
             }
             for key, t in method.pack(weights).items():
-                put(f"{prefix}.experts.{j}.{key}", t)
+                shards.put(f"{prefix}.experts.{j}.{key}", t)
         if progress:
             print(f"quantized layer {layer}", flush=True)
-    _flush(shards, dst)
-    _write_index(dst, len(shards))
-    hf = dict(hf)
-    hf["quantization_config"] = {"quant_method": "expertcache", "experts": fmt, **params}
-    (dst / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+class _Shards:
+    """Tensors written in order into shards of at most SHARD_BYTES (a larger tensor alone in one):
+    model-0000i.partial.safetensors while writing, renamed and indexed by close()."""
+
+    def __init__(self, dst: Path):
+        self.dst = dst
+        self.shards: list[dict[str, torch.Tensor]] = [{}]
+        self.size = 0
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        if self.size + t.nbytes > SHARD_BYTES and self.shards[-1]:
+            _flush(self.shards, self.dst)
+            self.shards.append({})
+            self.size = 0
+        self.shards[-1][name] = t.contiguous()
+        self.size += t.nbytes
+
+    def close(self) -> None:
+        _flush(self.shards, self.dst)
+        _write_index(self.dst, len(self.shards))
+
+
+def _copy_other_files(src: Path, dst: Path) -> None:
+    """The model directory's other files (tokenizer, generation config), but not the demo's manifest,
+    which lists the source files' hashes: it would be wrong for the quantized copy."""
     for f in src.iterdir():
         if (
             f.is_file()
             and f.suffix != ".safetensors"
             and f.name not in ("config.json", "model.safetensors.index.json", "expertcache_demo.json")
-        ):  # the demo's manifest
-            # lists the source files' hashes: it would be wrong for the quantized copy
+        ):
             shutil.copy2(f, dst / f.name)
-    return dst
 
 
 def _expert_names(index: TensorIndex, layer: int, names, num_experts: int) -> list[str]:
