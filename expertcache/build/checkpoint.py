@@ -46,22 +46,9 @@ def _tokenizer(model_dir, tokenizer_dir) -> Tokenizer | None:
         return None
 
 
-def read_checkpoint(config) -> Checkpoint:
-    """Headers only; an option the model cannot honour is refused here (ConfigError naming it)."""
-    load, sched = config.load, config.scheduler
-    model = load.model
-    if model is None:
-        from ..demo import demo_model_dir
-
-        model = demo_model_dir(progress=config.progress)
-    from ..hub import resolve_model
-
-    model_dir = resolve_model(model, load.revision, download=True, progress=bool(config.progress))
-    device = load.torch_device
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
-    family, cfg, hf_config = read_config(model_dir)
-    mml = sched.max_model_len
+def _check_options(config, family, cfg, model_dir) -> None:
+    """Options this model cannot honour, refused by name before anything is read."""
+    mml = config.scheduler.max_model_len
     if mml is not None and mml > cfg.max_position_embeddings:
         raise ConfigError(
             f"max_model_len={mml} exceeds the model's max_position_embeddings="
@@ -77,6 +64,24 @@ def read_checkpoint(config) -> Checkpoint:
             f"expert_parallel: {model_dir} is a GGUF file; expert parallelism reads safetensors "
             "checkpoints only (run the GGUF on one process, or the model's safetensors with expert_parallel)"
         )
+
+
+def read_checkpoint(config) -> Checkpoint:
+    """Headers only; an option the model cannot honour is refused here (ConfigError naming it)."""
+    load, sched = config.load, config.scheduler
+    model = load.model
+    if model is None:
+        from ..demo import demo_model_dir
+
+        model = demo_model_dir(progress=config.progress)
+    from ..hub import resolve_model
+
+    model_dir = resolve_model(model, load.revision, download=True, progress=bool(config.progress))
+    device = load.torch_device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but torch.cuda.is_available() is False")
+    family, cfg, hf_config = read_config(model_dir)
+    _check_options(config, family, cfg, model_dir)
     index = open_index(model_dir, family)
     mtp_layers = drop_mtp_layers(index, cfg, hf_config)
     check_layer_count(index, cfg.num_layers)
@@ -103,6 +108,6 @@ def read_checkpoint(config) -> Checkpoint:
         quant,
         source,
         tokenizer,
-        mml or default_max_model_len(cfg.max_position_embeddings),
+        sched.max_model_len or default_max_model_len(cfg.max_position_embeddings),
         prefix_caching,
     )
