@@ -20,9 +20,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # this checkout's expertcache, not an installed one
 from common import hardware_line, timed_generate
 
 
@@ -59,7 +65,8 @@ def main():
             host_memory=args.host_memory,
             **kw,
         )
-    moe_layers = len(llms["tiered-" + args.policies[0]].experts.layers)
+    cache = llms["tiered-" + args.policies[0]].experts
+    moe_layers = len(cache.layers)
     gen = torch.Generator().manual_seed(0)
     vocab = llms["resident"].cfg.vocab_size
     decode_prompt = torch.randint(3, vocab, (8,), generator=gen).tolist()
@@ -82,7 +89,8 @@ def main():
     base, base_cpu = statistics.median(dec["resident"]), statistics.median(cpu["resident"])
     print(
         f"model={model_dir} moe_layers={moe_layers} threads={args.threads} device_memory={args.device_memory} "
-        f"host_memory={args.host_memory} prefetch={args.prefetch or 'default'} rounds={args.rounds} gen={args.gen}"
+        f"host_memory={args.host_memory} prefetch={args.prefetch or 'default'} ({cache.prefetch_mode}) "
+        f"planner={cache.planner.implementation} rounds={args.rounds} gen={args.gen}"
     )
     for k in llms:
         d, p = statistics.median(dec[k]), statistics.median(pre[k])

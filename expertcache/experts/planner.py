@@ -217,6 +217,8 @@ class StepPlanner:
             for i in range(num_layers)
         ]
         self.native = any(st.core is not None for st in self.layers)
+        # which code decides (benchmarks print it): "native" (the C++ core) or "python"
+        self.implementation = "native" if self.native else "python"
         self.gate = PrefetchGate(num_layers, cfg.gate_threshold, waste=cfg.gate_waste)
 
     @property
