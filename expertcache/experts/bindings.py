@@ -1,7 +1,8 @@
 """What each op of one layer's schedule does on the cache's buffers (experts/schedule.py legend).
 
 Shape legend: T tokens, K top_k, H hidden, E experts, R rows routed to a CPU-computed expert.
-    x [T, H], weights [T, K], step [T*K] host ids (pair = t * K + k), hit_slots [T, K] host (hits, -1 else)
+    x [T, H], weights [T, K], ids [T, K] host ids, flat: the same as a list [T*K] (pair = t * K + k),
+    step: ids flat [T*K], hit_slots [T, K] host (hits, -1 else)
 
 `Bindings(cache, ...).fns(sched)` -> one callable per op (None for the ids and dense ops: the host
 reads the ids itself, the model runs the dense part), aligned with `sched.ops`. Nothing an op makes
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .compute import expert_ffn, moe_ffn
@@ -27,14 +29,22 @@ SMALL = 64  # up to this many pairs a slot table is built in Python (a few µs),
 class Bindings:
     """The ops of one layer's step on `cache` (a TieredExperts): see the module doc."""
 
-    def __init__(self, cache, i: int, x, step, weights, hit_slots, plan, lazy_out: bool):
-        self.c, self.i, self.x, self.step, self.w = cache, i, x, step, weights
+    def __init__(self, cache, i: int, x, ids, flat: list[int], weights, hit_slots, plan, lazy_out: bool):
+        self.c, self.i, self.x, self.ids, self.flat, self.w = cache, i, x, ids, flat, weights
         self.hit_slots, self.plan = hit_slots, plan
         self.T, self.K = hit_slots.shape
+        self._step = None
         self.out = None if lazy_out else torch.zeros_like(x)
         self.bufs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # transient reads
         self.res: dict[str, object] = {}
         self.compute = torch.cuda.current_stream(x.device) if cache.cuda else None
+
+    @property
+    def step(self) -> torch.Tensor:
+        """The host ids flat [T*K] (made at first use: an all-hits step needs none)."""
+        if self._step is None:
+            self._step = self.ids.reshape(-1)
+        return self._step
 
     def fns(self, sched: LayerSchedule) -> list:
         return [None if o.kind in ("ids", "dense") else getattr(self, o.kind)(o) for o in sched.ops]
@@ -60,15 +70,13 @@ class Bindings:
 
     def _slots(self, pairs) -> torch.Tensor:
         """Host [T, K]: the slot of each pair whose expert is in `pairs` (expert, slot), -1 else."""
-        step = self.step
-        if step.shape[0] <= SMALL:
+        if len(self.flat) <= SMALL:
             of = dict(pairs)
-            return torch.tensor([of.get(e, -1) for e in step.tolist()], dtype=torch.int64).view(
-                self.T, self.K
-            )
-        table = torch.full((self.c.E,), -1, dtype=torch.int64)
-        table[[e for e, _ in pairs]] = torch.tensor([s for _, s in pairs], dtype=torch.int64)
-        return table[step].view(self.T, self.K)
+            table = np.array([of.get(e, -1) for e in self.flat], dtype=np.int64)
+            return torch.from_numpy(table.reshape(self.T, self.K))
+        table = np.full(self.c.E, -1, dtype=np.int64)
+        table[[e for e, _ in pairs]] = [s for _, s in pairs]
+        return torch.take(torch.from_numpy(table), self.ids)
 
     def _pairs_of(self, e: int):
         """(token, k) of every pair routed to expert e, on the compute device."""

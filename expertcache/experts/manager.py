@@ -172,6 +172,7 @@ class TieredExperts(ExpertProvider):
         # read by the step through the torch tensor sharing its memory (one index_select)
         self.lut = np.full((L, self.E), -1, dtype=np.int64)
         self._lut_t = torch.from_numpy(self.lut)
+        self._lut_rows = list(self._lut_t)  # each layer's row, made once (a view per step is a dispatch)
         self.stage = (
             {p.name: torch.empty(p.shape, dtype=p.dtype, device=device) for p in dev_parts}
             if self.cuda
@@ -244,48 +245,54 @@ class TieredExperts(ExpertProvider):
         self.t += 1
 
     def _step_ids(self, ids: torch.Tensor):
-        """The step's ids [T*K] and the held prediction's on the host, in one copy (the layer's one
-        device read) -> (step ids, (prediction's layer, its ids, its rows) or None)."""
-        flat = ids.reshape(-1)
+        """The step's ids and the held prediction's on the host -> (ids [T, K] on the host, the same flat
+        [T*K] as a list, (prediction's layer, its flat ids as a list, its rows) or None). CUDA: in one
+        copy (the layer's one device read); a CPU device: the ids are host memory already and are read
+        in place (no op of the step writes them)."""
         ahead, self.ahead = self.ahead, None
+        if not ids.is_cuda and type(ids) is torch.Tensor:
+            pred = None if ahead is None else (ahead[0], ahead[1].reshape(-1).tolist(), ahead[1].shape[0])
+            return ids, ids.reshape(-1).tolist(), pred
+        flat = ids.reshape(-1)
         if ahead is None:
-            return to_host(flat), None
+            host = to_host(flat)
+            return host.view(ids.shape), host.tolist(), None
         layer, pred = ahead
         both = to_host(torch.cat([flat, pred.reshape(-1)]))
         n = flat.shape[0]
-        return both[:n], (layer, both[n:], pred.shape[0])
+        return both[:n].view(ids.shape), both[:n].tolist(), (layer, both[n:].tolist(), pred.shape[0])
 
-    def _distinct(self, i: int, step: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Host ids -> (distinct experts in order of first appearance, their token counts); the use
-        counts are added on the way."""
-        if step.shape[0] <= SMALL:
+    def _distinct(self, i: int, step: list[int], host_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The step's ids (flat list, and [T, K] on the host) -> (distinct experts in order of first
+        appearance, their token counts); the use counts are added on the way."""
+        if len(step) <= SMALL:
             n: dict[int, int] = {}
-            for e in step.tolist():
+            for e in step:
                 n[e] = n.get(e, 0) + 1
             uses = self._small_uses[i]
             for e, c in n.items():
                 uses[e] += c
             return list(n), list(n.values())
-        counts = torch.bincount(step, minlength=self.E)
+        counts = torch.bincount(host_ids.reshape(-1), minlength=self.E)
         self._uses[i] += counts
         n = counts.tolist()
-        experts = list(dict.fromkeys(step.tolist()))
+        experts = list(dict.fromkeys(step))
         return experts, [n[e] for e in experts]
 
     def forward(self, layer, x, ids, weights):
         """The layer's step as a schedule run by the executor: the ids read is the one host wait;
         copies wait on per-slot events; the CPU experts run in one call on the CPU queue beside the hits."""
         i = self.li[layer]
-        T, K = ids.shape
-        step, ahead = self._step_ids(ids)
-        experts, tokens = self._distinct(i, step)
+        T = ids.shape[0]
+        host_ids, step, ahead = self._step_ids(ids)
+        experts, tokens = self._distinct(i, step, host_ids)
         plan = self.planner.plan_step(i, experts, tokens, T, self.t)
         lut = self.lut[i]
-        hit_slots = self._lut_t[i].index_select(0, step).view(T, K)  # only the hits are in the lookup now
+        hit_slots = torch.take(self._lut_rows[i], host_ids)  # [T, K]: only the hits are in the lookup now
         pf = None
         if ahead is not None:
             j = self.li[ahead[0]]
-            pf = (j, self.planner.plan_prefetch(j, ahead[1].tolist(), ahead[2], self.t))
+            pf = (j, self.planner.plan_prefetch(j, ahead[1], ahead[2], self.t))
         ex = self.executor
         # in issue order nothing is gained by computing the hits before fills whose bytes are in memory
         merge = (
@@ -294,7 +301,7 @@ class TieredExperts(ExpertProvider):
             and not any(f.src is None or f.src.read or f.src.transient for f in plan.fills)
         )
         sched = self.builder.layer(i, plan, experts, tokens, pf, merge=bool(merge))
-        b = Bindings(self, i, x, step, weights, hit_slots, plan, lazy_out=ex.inline)
+        b = Bindings(self, i, x, host_ids, step, weights, hit_slots, plan, lazy_out=ex.inline)
         fns = b.fns(sched)
         for f in plan.fills:
             if f.evicted >= 0:
