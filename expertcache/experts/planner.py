@@ -40,6 +40,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..cost.model import ExpertCost
 from .policy import NativePolicy, NextUse, make_policy, native_core
@@ -74,8 +75,7 @@ class PlannerConfig:
     gate_waste: float = 1.0
 
 
-@dataclass(frozen=True)
-class HostSource:
+class HostSource(NamedTuple):
     """Where a miss's bytes come from: host slot `slot` (after a disk read into it when `read`);
     slot -1: no host slot could be had, read from disk into a transient buffer at use."""
 
@@ -87,8 +87,10 @@ class HostSource:
         return self.slot < 0
 
 
-@dataclass(frozen=True)
-class Fill:
+NO_HOST = HostSource(-1, False)  # no host tier: a transient read at use
+
+
+class Fill(NamedTuple):
     """Miss placed in device slot `slot` (evicting `evicted`, -1 none); src None: disk -> slot directly.
     on_cpu: admitted but computed on the CPU this step from its host copy (the copy into the slot
     is off the step's critical path; the next use is a hit)."""
@@ -100,8 +102,7 @@ class Fill:
     on_cpu: bool = False
 
 
-@dataclass(frozen=True)
-class OffSlot:
+class OffSlot(NamedTuple):
     """Miss computed without a device slot: on the CPU from its host copy, or as a wave."""
 
     expert: int
@@ -109,8 +110,7 @@ class OffSlot:
     src: HostSource
 
 
-@dataclass(frozen=True)
-class Demotion:
+class Demotion(NamedTuple):
     """Exclusive tiers: copy device slot `dev_slot` (expert `expert`) back into host slot `host_slot`."""
 
     expert: int
@@ -118,8 +118,7 @@ class Demotion:
     host_slot: int
 
 
-@dataclass(frozen=True)
-class Prefetch:
+class Prefetch(NamedTuple):
     """A predicted expert placed ahead: device slot `slot` (-1 for a host-only read-ahead) and its
     host source (None: disk straight into the device slot)."""
 
@@ -220,6 +219,10 @@ class StepPlanner:
         # which code decides (benchmarks print it): "native" (the C++ core) or "python"
         self.implementation = "native" if self.native else "python"
         self.gate = PrefetchGate(num_layers, cfg.gate_threshold, waste=cfg.gate_waste)
+        # every expert in host RAM (host_slots None): expert e's source is host slot e, made once
+        self.in_ram = (
+            [HostSource(e, False) for e in range(cfg.num_experts)] if cfg.host_slots is None else None
+        )
 
     @property
     def cpu_faster(self) -> Callable[..., bool] | None:
@@ -279,22 +282,26 @@ class StepPlanner:
             cpus.append(cpu)
             modes.append(0 if cpu and always else 1 if admit else 2)
         placed = self._accesses(st, hit_list, misses, modes, t)
+        if not misses:
+            return plan
         fills: list[tuple[int, int, int, bool]] = []
         offs: list[tuple[int, bool]] = []
+        pf_evicted = st.pf_evicted if cfg.prefetch == "device" else ()
+        on_cpu_n = admitted = 0
         for (e, _), cpu, (slot, evicted) in zip(misses, cpus, placed):
-            c.misses += 1
-            if cfg.prefetch == "device" and e in st.pf_evicted:
+            if e in pf_evicted:
                 st.harm += 1
+            on_cpu_n += cpu
             if slot < 0:  # bypassed (-2: CPU always, or no free slot at prefill) or not placed (-1)
-                c.cpu_computed += cpu
                 offs.append((e, cpu))
                 continue
             if evicted >= 0:
                 st.prefetched.discard(evicted)
-            # cost: admitted where the policy predicts reuse, even if computed on the CPU
-            c.cpu_computed += cpu
-            c.cpu_admitted += cpu
+            admitted += cpu  # cost: admitted where the policy predicts reuse, even if computed on the CPU
             fills.append((e, slot, evicted, cpu))
+        c.misses += len(misses)
+        c.cpu_computed += on_cpu_n
+        c.cpu_admitted += admitted
         src = self._host_sources(st, [f[0] for f in fills] + [e for e, _ in offs], t)
         if cfg.exclusive:  # after the misses pinned their host slots
             for _, s, ev, _ in fills:
@@ -302,20 +309,24 @@ class StepPlanner:
                     d = self._demote(st, ev, s, t)
                     if d is not None:
                         plan.demotions.append(d)
+        nb, direct, disk = cfg.expert_bytes, cfg.direct, 0
+        out = plan.fills
         for e, s, ev, on_cpu in fills:
             h = src[e]
-            if h.transient and cfg.direct and not on_cpu:  # no host slot: disk straight into the device slot
+            if h.slot < 0 and direct and not on_cpu:  # no host slot: disk straight into the device slot
                 h = None
-            c.bytes_moved += cfg.expert_bytes
-            c.disk_bytes += cfg.expert_bytes * (h is None or h.read or h.transient)
-            plan.fills.append(Fill(e, s, ev, h, on_cpu))
+            disk += h is None or h.read or h.slot < 0
+            out.append(Fill(e, s, ev, h, on_cpu))
+        c.bytes_moved += nb * len(fills)
+        out = plan.off_slot
         for e, on_cpu in offs:
             h = src[e]
-            c.disk_bytes += cfg.expert_bytes * (h.read or h.transient)
+            disk += h.read or h.slot < 0
             if not on_cpu:
                 c.waves += 1
-                c.bytes_moved += cfg.expert_bytes * cfg.staged_waves
-            plan.off_slot.append(OffSlot(e, on_cpu, h))
+                c.bytes_moved += nb * cfg.staged_waves
+            out.append(OffSlot(e, on_cpu, h))
+        c.disk_bytes += nb * disk
         return plan
 
     @staticmethod
@@ -375,9 +386,10 @@ class StepPlanner:
         """Host slots of a step's misses, pinned: the host-resident ones first (so no miss evicts a
         host copy this step needs), then the rest."""
         if self.cfg.host_slots is None:
-            return {e: HostSource(e, False) for e in experts}
+            every = self.in_ram
+            return {e: every[e] for e in experts}
         if st.host is None:
-            return {e: HostSource(-1, False) for e in experts}
+            return dict.fromkeys(experts, NO_HOST)
         c, host, out = st.counters, st.host, {}
         for e in sorted(experts, key=lambda e: e not in host):  # stable: hits first, in order
             if e in st.pf_evicted and self.cfg.prefetch == "host":
@@ -449,9 +461,9 @@ class StepPlanner:
                     if d is not None:
                         out.append(d)
                 if cfg.host_slots is None:
-                    h = HostSource(e, False)
+                    h = self.in_ram[e]
                 elif host is None:
-                    h = HostSource(-1, False)
+                    h = NO_HOST
                 else:
                     ha = host.insert(e, t)
                     if ha.slot >= 0:
