@@ -129,9 +129,10 @@ class Bindings:
                 self.plan.hits + [(f.expert, f.slot) for f in self.plan.fills if not f.on_cpu]
             )
         pool, method, ffn = c.dev.layer(self.i), c.method, c.ffn
+        backend = c.backend(self.i, x, pool)
 
         def run():
-            self.out = moe_ffn(x, slots, w, pool, method, out=self.out, ffn=ffn, host=True)
+            self.out = moe_ffn(x, slots, w, pool, method, out=self.out, ffn=ffn, host=True, backend=backend)
 
         return run
 

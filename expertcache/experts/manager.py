@@ -36,6 +36,7 @@ import torch
 
 from ..cost.model import ExpertCost, default_profile
 from ..loader.disk import DiskReader
+from .backends import backend_for
 from .bindings import SMALL, Bindings
 from .config import CacheConfig
 from .executor import make_executor
@@ -166,6 +167,7 @@ class TieredExperts(ExpertProvider):
         self._uses = torch.zeros(L, self.E, dtype=torch.int64)  # use counts of big steps (bincount)
         self._small_uses = [[0] * self.E for _ in range(L)]  # and of small ones, counted in Python
         self.method, self.ffn = source.method, source.ffn
+        self._backends: dict[tuple, tuple] = {}  # (layer index, x's dtype, device) -> (method, ffn, backend)
         # device tier: compute dtype; lookup expert -> slot (host only: pairs' slots are looked up on the host)
         self.dev = SlotPool(dev_parts, L, device_slots, device)
         # per layer, expert -> device slot (-1 none), on the host: written through numpy (a few hundred ns),
@@ -239,6 +241,16 @@ class TieredExperts(ExpertProvider):
                 raise AssertionError(
                     f"slot bytes of layer {layer} expert {e} part {n} differ from the checkpoint"
                 )
+
+    def backend(self, i: int, x: torch.Tensor, pool: dict[str, torch.Tensor]):
+        """The MoE backend computing device pool `pool` of layer index i for activations like x
+        (experts.backends.backend_for, asked once per layer, dtype and device: the pool, method and
+        layout of a layer never change)."""
+        key = (i, x.dtype, x.get_device())
+        got = self._backends.get(key)
+        if got is None or got[0] is not self.method or got[1] is not self.ffn:
+            got = self._backends[key] = (self.method, self.ffn, backend_for(pool, x, self.method, self.ffn))
+        return got[2]
 
     # -- provider interface --------------------------------------------------------------------------
     def begin_step(self) -> None:
