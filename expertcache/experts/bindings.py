@@ -14,8 +14,6 @@ executor runs ops in issue order (inline), else up front.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -57,7 +55,7 @@ class Bindings:
     # -- buffers ------------------------------------------------------------------------------------
     def _host_views(self, i: int, e: int, hs: int):
         if hs >= 0:
-            return self.c.host.views(i, hs)
+            return self.c.slot_views(self.c.host, i, hs)
         buf = self.bufs.get((i, e))
         if buf is None:
             buf = self.bufs[(i, e)] = {
@@ -66,7 +64,7 @@ class Bindings:
         return buf
 
     def _dev_views(self, i: int, s: int):
-        return self.c.stage if s == STAGE else self.c.dev.views(i, s)
+        return self.c.stage if s == STAGE else self.c.slot_views(self.c.dev, i, s)
 
     def _slots(self, pairs) -> torch.Tensor:
         """Host [T, K]: the slot of each pair whose expert is in `pairs` (expert, slot), -1 else."""
@@ -108,7 +106,8 @@ class Bindings:
     def demote(self, o):
         """Exclusive tiers: device slot bytes back into a host slot: a plain copy where both hold the
         stored format (CPU kernels), else fp32 narrowed back to the stored bf16/fp16 exactly."""
-        src, dst = self.c.dev.views(o.layer, o.reads[0]), self.c.host.views(o.layer, o.host_slot)
+        c = self.c
+        src, dst = c.slot_views(c.dev, o.layer, o.reads[0]), c.slot_views(c.host, o.layer, o.host_slot)
 
         def run():
             for n, t in dst.items():
@@ -139,6 +138,15 @@ class Bindings:
     def _wave(self, o):
         """An off-slot expert: from the staging slot (CUDA), or from its host bytes (a CPU device)."""
         c, x, w, e = self.c, self.x, self.w, o.experts[0]
+        hs = o.host_reads[0] if o.host_reads else -1
+        if not o.reads and hs >= 0 and x.is_cpu and x.dtype == torch.float32:
+            # a CPU device: the MoE kernel over the host slot (as the CPU job computes), no per-pair indexing
+            slots, pool, ffn = self._slots([(e, hs)]), c.host.layer(o.layer), c.host_ffn
+
+            def from_host():
+                self.out = moe_ffn(x, slots, w, pool, c.method, out=self.out, ffn=ffn, host=True)
+
+            return from_host
         tok, k = self._pairs_of(e)
         if o.reads:  # staged
 
@@ -147,7 +155,7 @@ class Bindings:
                 self.output().index_put_((tok,), y * w[tok, k, None], accumulate=True)
 
             return run
-        src = self._host_views(o.layer, e, o.host_reads[0] if o.host_reads else -1)
+        src = self._host_views(o.layer, e, hs)
 
         def unstaged():
             y = expert_ffn(x[tok].to("cpu", torch.float32), src, c.method, c.ffn).to(x.device, x.dtype)
@@ -191,10 +199,7 @@ class Bindings:
         c, res = self.c, self.res
         rows, slots, _ = res.setdefault("pairs", self._cpu_pairs(o))
         transient = [e for e, hs in self._on_cpu() if hs < 0]
-        pool = c.host.layer(o.layer)
-        ffn = c.ffn  # the host pool is computed on the CPU whatever kernel computes the device's
-        if getattr(ffn, "kernel", "torch") != "torch":
-            ffn = dataclasses.replace(ffn, kernel="torch")
+        pool, ffn = c.host.layer(o.layer), c.host_ffn
         step, T, K, bufs = self.step, self.T, self.K, self.bufs
 
         def run():

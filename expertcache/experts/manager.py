@@ -29,6 +29,7 @@ slot fill is compared with the checkpoint's bytes (tests).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -167,6 +168,8 @@ class TieredExperts(ExpertProvider):
         self._uses = torch.zeros(L, self.E, dtype=torch.int64)  # use counts of big steps (bincount)
         self._small_uses = [[0] * self.E for _ in range(L)]  # and of small ones, counted in Python
         self.method, self.ffn = source.method, source.ffn
+        self._host_ffn: tuple = (None, None)  # (self.ffn, its host twin): host_ffn
+        self._views: dict[int, tuple] = {}  # id(a SlotPool) -> (its buf, {(layer index, slot): views})
         self._backends: dict[tuple, tuple] = {}  # (layer index, x's dtype, device) -> (method, ffn, backend)
         # device tier: compute dtype; lookup expert -> slot (host only: pairs' slots are looked up on the host)
         self.dev = SlotPool(dev_parts, L, device_slots, device)
@@ -241,6 +244,27 @@ class TieredExperts(ExpertProvider):
                 raise AssertionError(
                     f"slot bytes of layer {layer} expert {e} part {n} differ from the checkpoint"
                 )
+
+    @property
+    def host_ffn(self):
+        """self.ffn for the host pool, computed on the CPU whatever kernel computes the device's (the CPU
+        job, a CPU device's waves): made once per ffn object."""
+        ffn = self.ffn
+        if self._host_ffn[0] is not ffn:
+            kernel = getattr(ffn, "kernel", "torch") != "torch"
+            self._host_ffn = (ffn, dataclasses.replace(ffn, kernel="torch") if kernel else ffn)
+        return self._host_ffn[1]
+
+    def slot_views(self, pool: SlotPool, i: int, s: int) -> dict[str, torch.Tensor]:
+        """pool.views(i, s), made once per slot (a view is a dispatch per part; the schedule's copies
+        ask for the same slots step after step). The same dict every call: read it, do not modify it."""
+        got = self._views.get(id(pool))
+        if got is None or got[0] is not pool.buf:  # a new `buf` dict: new views
+            got = self._views[id(pool)] = (pool.buf, {})
+        v = got[1].get((i, s))
+        if v is None:
+            v = got[1][(i, s)] = pool.views(i, s)
+        return v
 
     def backend(self, i: int, x: torch.Tensor, pool: dict[str, torch.Tensor]):
         """The MoE backend computing device pool `pool` of layer index i for activations like x
