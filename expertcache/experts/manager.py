@@ -96,86 +96,104 @@ class TieredExperts(ExpertProvider):
     ):
         """`executor`: what runs a step's schedule: None = "cuda" on a CUDA device (streams, events and
         worker threads), else "inline" (the calling thread); "threads" = the CPU backend of the CUDA
-        path (tests of its ordering on a CPU)."""
+        path (tests of its ordering on a CPU). Steps: the tiers' kinds, the planner, the buffers, the
+        host tier's load, the warm start."""
         options = options or CacheConfig(device_memory="auto")
-        abl = options.ablation
-        policy, prefetch, cpu_compute = options.policy_name, options.prefetch, options.cpu_compute
-        prefill_admit_tokens, exclusive, verify = options.prefill_admit_tokens, abl.exclusive, abl.verify
         cfg = source.cfg
         self.source, self.device, self.dtype = source, device, dtype
         self.serving = False  # set once the startup load is done
         self.E, self.K = cfg.num_experts, cfg.top_k
         self.layers = source.layers
         self.li = {layer: i for i, layer in enumerate(self.layers)}
-        dev_parts = dev_parts or source.compute_parts(dtype, device)
-        self.direct = is_direct(device, dev_parts, source.parts)
-        # device slots hold the stored format (a peer rank can be sent their bytes as they are)
-        self.dev_stored = [(p.name, p.dtype, tuple(p.shape)) for p in dev_parts] == [
-            (p.name, p.dtype, tuple(p.shape)) for p in source.parts
-        ]
-        self.peer = (
-            None  # expert parallelism: offers this layer's missing experts from other ranks (parallel.peer)
-        )
-        partial = host_slots is not None and host_slots > 0
-        self.prefetch_mode = resolve_prefetch(prefetch, device, self.direct, partial)
-        self.wants_prefetch = self.prefetch_mode != "off"
-        self.overlap_io, self.verify = abl.overlap_io, verify
-        self.ahead: tuple[int, torch.Tensor] | None = None  # prefetch waiting for the demand reads
         self.cuda = device.type == "cuda"
-        executor = executor or ("cuda" if self.cuda else "inline")
+        self.peer = (
+            None  # expert parallelism: offers a layer's missing experts from other ranks (parallel.peer)
+        )
+        self.ahead: tuple[int, torch.Tensor] | None = None  # prefetch waiting for the demand reads
+        self.executor = None
+        self.t = 0
+        dev_parts = dev_parts or source.compute_parts(dtype, device)
+        self._tiers(options, dev_parts, device_slots, host_slots)
         # per missing expert on CUDA (cpu_compute auto): computed on the CPU when that beats moving it
         self.cost = cost or ExpertCost(
             default_profile(device.type),
             source.expert_nbytes,
             3 * cfg.hidden_size * cfg.moe_intermediate_size,
         )
-        nbytes = source.expert_nbytes
+        self.planner = self._planner(options, host_slots, stats)
+        self.reader = DiskReader(o_direct=options.ablation.o_direct)
+        self._buffers(dev_parts)
+        if self.host_all:
+            self._load_host(progress)
+        if stats is not None:
+            self._warm(stats)
+        self.use_executor(executor or ("cuda" if self.cuda else "inline"))
+        self.serving = True
+
+    def _tiers(self, options: CacheConfig, dev_parts, device_slots: int, host_slots: int | None) -> None:
+        """What the tiers are: slot counts, direct reads, the prefetch mode, exclusive tiers."""
+        source, abl = self.source, options.ablation
+        self.direct = is_direct(self.device, dev_parts, source.parts)
+        # device slots hold the stored format (a peer rank can be sent their bytes as they are)
+        self.dev_stored = [(p.name, p.dtype, tuple(p.shape)) for p in dev_parts] == [
+            (p.name, p.dtype, tuple(p.shape)) for p in source.parts
+        ]
+        partial = host_slots is not None and host_slots > 0
+        self.prefetch_mode = resolve_prefetch(options.prefetch, self.device, self.direct, partial)
+        self.wants_prefetch = self.prefetch_mode != "off"
+        self.overlap_io, self.verify = abl.overlap_io, abl.verify
         # exclusive tiers: an expert leaving the device tier keeps its bytes in a host slot (demotion)
         # and one promoted from a host slot frees it, so RAM + device hold disjoint experts
         can = demotable(self.cuda, dev_parts, source.parts) and partial
-        if exclusive and not can:
+        if abl.exclusive and not can:
             raise ValueError(
                 "exclusive=True needs a CPU device, a partial host tier and device slots that "
                 "widen the stored format exactly (bf16/fp16 -> fp32, or the same dtype)"
             )
-        self.exclusive = can if exclusive is None else exclusive
+        self.exclusive = can if abl.exclusive is None else abl.exclusive
         self.device_slots = device_slots
         self.host_all = host_slots is None
         self.host_slots = self.E if self.host_all else host_slots
-        L = len(self.layers)
-        self.planner = StepPlanner(
+
+    def _planner(self, options: CacheConfig, host_slots: int | None, stats) -> StepPlanner:
+        """The step planner of every cache decision, for these tiers and the options."""
+        abl, cpu_compute = options.ablation, options.cpu_compute
+        return StepPlanner(
             PlannerConfig(
                 num_experts=self.E,
-                device_slots=device_slots,
+                device_slots=self.device_slots,
                 host_slots=host_slots,
-                expert_bytes=nbytes,
-                policy=policy,
+                expert_bytes=self.source.expert_nbytes,
+                policy=options.policy_name,
                 cpu_compute={"auto": "cost" if self.cuda else "never"}.get(cpu_compute, cpu_compute),
                 prefetch=self.prefetch_mode,
-                prefill_admit_tokens=prefill_admit_tokens,
+                prefill_admit_tokens=options.prefill_admit_tokens,
                 exclusive=self.exclusive,
                 direct=self.direct,
                 staged_waves=self.cuda,
                 gate_threshold=abl.prefetch_gate,
                 gate_waste=0.25 if self.cuda else 1.0,
             ),
-            L,
+            len(self.layers),
             stats,
             cpu_faster=self.cost.cpu_faster,
         )
-        self.reader = DiskReader(o_direct=abl.o_direct)
-        self.t = 0
-        self._uses = torch.zeros(L, self.E, dtype=torch.int64)  # use counts of big steps (bincount)
-        self._small_uses = [[0] * self.E for _ in range(L)]  # and of small ones, counted in Python
+
+    def _buffers(self, dev_parts) -> None:
+        """The tiers' slot pools, the expert -> device slot lookup, the staging slot, the schedule's
+        builder, use counts, and what a step looks up once and keeps (views, backends)."""
+        L, E, source, device = len(self.layers), self.E, self.source, self.device
+        self._uses = torch.zeros(L, E, dtype=torch.int64)  # use counts of big steps (bincount)
+        self._small_uses = [[0] * E for _ in range(L)]  # and of small ones, counted in Python
         self.method, self.ffn = source.method, source.ffn
         self._host_ffn: tuple = (None, None)  # (self.ffn, its host twin): host_ffn
         self._views: dict[int, tuple] = {}  # id(a SlotPool) -> (its buf, {(layer index, slot): views})
         self._backends: dict[tuple, tuple] = {}  # (layer index, x's dtype, device) -> (method, ffn, backend)
         # device tier: compute dtype; lookup expert -> slot (host only: pairs' slots are looked up on the host)
-        self.dev = SlotPool(dev_parts, L, device_slots, device)
+        self.dev = SlotPool(dev_parts, L, self.device_slots, device)
         # per layer, expert -> device slot (-1 none), on the host: written through numpy (a few hundred ns),
-        # read by the step through the torch tensor sharing its memory (one index_select)
-        self.lut = np.full((L, self.E), -1, dtype=np.int64)
+        # read by the step through the torch tensors sharing its memory (one take per step)
+        self.lut = np.full((L, E), -1, dtype=np.int64)
         self._lut_t = torch.from_numpy(self.lut)
         self._lut_rows = list(self._lut_t)  # each layer's row, made once (a view per step is a dispatch)
         self.stage = (
@@ -183,21 +201,20 @@ class TieredExperts(ExpertProvider):
             if self.cuda
             else None
         )  # the waves' staging slot (a CPU device computes from the host)
-        self.executor, self.builder = None, ScheduleBuilder(staged_waves=self.cuda)
+        self.builder = ScheduleBuilder(staged_waves=self.cuda)
         # host tier: stored dtype; all experts (slot = expert id) when host_slots is None
         self.host = SlotPool(source.parts, L, self.host_slots, torch.device("cpu"), pin=self.cuda)
-        if self.host_all:
-            for i, layer in enumerate(self.layers):
-                for e in range(self.E):
-                    self._read(layer, e, self.host.views(i, e))
-                    if (layer, e) in source.nonfinite:  # read at load: an error, like a dense weight
-                        raise source.nonfinite_error(layer, e)
-                    if progress:
-                        progress(source.expert_nbytes)
-        if stats is not None:
-            self._warm(stats)
-        self.use_executor(executor)
-        self.serving = True
+
+    def _load_host(self, progress) -> None:
+        """Every expert read from disk into its host slot (slot = expert id); a non-finite one is an error."""
+        source = self.source
+        for i, layer in enumerate(self.layers):
+            for e in range(self.E):
+                self._read(layer, e, self.host.views(i, e))
+                if (layer, e) in source.nonfinite:  # read at load: an error, like a dense weight
+                    raise source.nonfinite_error(layer, e)
+                if progress:
+                    progress(source.expert_nbytes)
 
     def use_executor(self, kind: str) -> None:
         """Run steps through an executor of the schedule ("inline", "threads"; "cuda" on a CUDA
