@@ -324,3 +324,15 @@ def test_the_cpp_core_decides_as_the_python_policies(seed):
             assert got[0] == got[1], (policy, t)
         for st in planners[0].layers:
             st.device.check()
+
+
+def test_native_is_honoured_or_refused():
+    """native=True where the C++ core has no policy (static) is refused; None falls back to Python there."""
+    _native_or_skip()
+    cfg = PlannerConfig(num_experts=8, device_slots=2, host_slots=None, expert_bytes=1, policy="static")
+    with pytest.raises(ValueError, match="static"):
+        StepPlanner(cfg, 1, native=True)
+    assert StepPlanner(cfg, 1).implementation == "python"
+    lru = dataclasses.replace(cfg, policy="lru")
+    assert StepPlanner(lru, 1).implementation == "native"
+    assert StepPlanner(lru, 1, native=False).implementation == "python"
