@@ -156,10 +156,11 @@ class InlineExecutor(Executor):
         if fn is None:
             return
         if self.io is not None:
-            if op.queue == "io" and not getattr(fn, "on_caller", False):
+            q = op.queue
+            if q == "io" and not getattr(fn, "on_caller", False):
                 self.pending[op.id] = self.io.submit(_in_mode(fn))
                 return
-            if op.queue == "h2d" and (
+            if q == "h2d" and (
                 op.tag == "prefetch" or (self.copy_tail is not None and not self.copy_tail.done())
             ):
                 self.pending[op.id] = self.copy_tail = self.copy.submit(_in_mode(fn))

@@ -76,6 +76,12 @@ def demotable(cuda: bool, dev_parts, source_parts) -> bool:
     )
 
 
+def _flat_list(t: torch.Tensor) -> list[int]:
+    """A host [T, K] tensor's values, flat, as a list (one row: no reshape)."""
+    rows = t.tolist()
+    return rows[0] if len(rows) == 1 else [e for r in rows for e in r]
+
+
 class TieredExperts(ExpertProvider):
     """The tiered cache for the slot counts of a memory plan and a validated CacheConfig
     (policy, prefetch mode, cpu_compute, prefill admission; ablation switches in cfg.ablation)."""
@@ -304,8 +310,8 @@ class TieredExperts(ExpertProvider):
         in place (no op of the step writes them)."""
         ahead, self.ahead = self.ahead, None
         if not ids.is_cuda and type(ids) is torch.Tensor:
-            pred = None if ahead is None else (ahead[0], ahead[1].reshape(-1).tolist(), ahead[1].shape[0])
-            return ids, ids.reshape(-1).tolist(), pred
+            pred = None if ahead is None else (ahead[0], _flat_list(ahead[1]), ahead[1].shape[0])
+            return ids, _flat_list(ids), pred
         flat = ids.reshape(-1)
         if ahead is None:
             host = to_host(flat)

@@ -240,14 +240,14 @@ class ScheduleBuilder:
         the layer's own copies; `dense`: lead with the layer's dense op (pricing; the engine runs it
         as ordinary code); `merge`: hits and fills in one moe op after the fills' bytes (an executor
         that runs ops in issue order gains nothing from computing the hits first)."""
-        n = dict(zip(experts, tokens))
         sched = LayerSchedule(i)
         d = self._op(sched, "dense", tokens=(max(tokens, default=0),)) if dense else None
         sched.ids = self._op(sched, "ids", (d.id,) if d else ()).id
         if not (plan.fills or plan.off_slot or plan.demotions or (prefetch and prefetch[1])):  # all hits
-            if plan.hits:
-                self._moe(sched, i, plan.hits, n, "hits")
+            if plan.hits:  # every expert of the step, in its order
+                self._moe(sched, i, plan.hits, dict(zip(experts, tokens)), "hits")
             return sched
+        n = dict(zip(experts, tokens))
         cpu = [o for o in plan.off_slot + plan.fills if o.on_cpu]  # off-slot, or admitted beside the CPU job
         waves = [o for o in plan.off_slot if not o.on_cpu]
         fills = [f for f in plan.fills if not f.on_cpu]
