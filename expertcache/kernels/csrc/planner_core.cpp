@@ -149,13 +149,17 @@ struct Ranker {
     note(e, t);
     if (ranking && sh->resident[e]) push(e);
   }
-  void insert(int e, int64_t t) {
+  void insert(int e, int64_t t) {  // as _Scored.insert: a set add and a dict store (both idempotent)
     clock(t);
-    sh->resident[e] = 1;
-    sh->n_resident += 1;
+    if (!sh->resident[e]) {
+      sh->resident[e] = 1;
+      sh->n_resident += 1;
+    }
     if (t == now) {
-      sh->is_fresh[e] = 1;
-      sh->fresh.push_back(e);
+      if (!sh->is_fresh[e]) {
+        sh->is_fresh[e] = 1;
+        sh->fresh.push_back(e);
+      }
       if (ranking) sh->fresh_entry[e] = make_entry(e);
     } else if (ranking) {
       push(e);
