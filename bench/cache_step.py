@@ -8,7 +8,9 @@ where wall time does not). Defaults: the shipped demo model (6 MoE layers, 32 ex
 one thread, the tiered cache at device_memory=75% with every expert in host RAM, the default
 policy and lru. Prefill tok/s of each configuration is printed too (a 128-token prompt).
 
-One line per configuration:
+A line names the model, the prefetch mode in effect and which planner decided (`planner=native`: the
+C++ core, experts/policy.py `native_core`; `python`: EXPERTCACHE_PLANNER=python or no C++ kernels);
+then one line per configuration:
 
     config=tiered-lru decode_tok_s=... prefill_tok_s=... step_us_per_layer=... step_cpu_us_per_layer=...
 
