@@ -95,8 +95,18 @@ class Executor:
         pass
 
     def drain(self) -> None:
+        """Every issued op has ended; then the first error among them is raised (after a failure the
+        others still end first, so nothing is in flight when a caller closes)."""
+        first = None
         for i in list(self.done):
-            self.join(i)
+            d = self.done.get(i)
+            if d is None:
+                continue
+            d.event.wait()
+            if first is None and d.error is not None:
+                first = d.error
+        if first is not None:
+            raise first
         self.prune()
 
     def prune(self) -> None:
@@ -337,10 +347,15 @@ class ThreadExecutor(Executor):
             op = fn = d = deps = None
 
     def close(self) -> None:
-        for q, qu in self.queues.items():
-            for t in self.threads:
-                if t.name.startswith(f"sched-{q}-"):
-                    qu.put(None)
+        # the enqueuer first: an op it still holds reaches its queue before that queue's worker stops
+        order = sorted(self.queues, key=lambda q: q != "enqueue")
+        for q in order:
+            mine = [t for t in self.threads if t.name.startswith(f"sched-{q}-")]
+            for _ in mine:
+                self.queues[q].put(None)
+            if q == "enqueue":
+                for t in mine:
+                    t.join()
         for t in self.threads:
             t.join()
 
