@@ -33,6 +33,11 @@ one would be loaded again in the same step); these pins end with plan_prefetch.
 
 Counters (experts.stats.LayerCounters) are counted here, bytes included, so the engine's and
 replay's agree by construction; the engine adds nothing to them.
+
+The device tier's policy decides in C++ where it can (experts/policy.py `native_core`: lru, lfru, lfu,
+lfru-admit, adaptive; `native` of StepPlanner): a step's table accesses are one call (`_accesses`), and
+the SlotTable is updated from the answer; the Python policies make the same decisions (the reference,
+and the code for static, min, `native=False` or a build without the C++ kernels).
 """
 
 from __future__ import annotations
