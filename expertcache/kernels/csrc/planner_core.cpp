@@ -11,6 +11,9 @@
 // that changes only on a use, so a min-heap with lazy deletion holds the order. The arithmetic is
 // Python's (libm pow / log, no fused multiply-add), so equal inputs give equal keys.
 #pragma GCC optimize("fp-contract=off")
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
 
 #include <algorithm>
 #include <cmath>
