@@ -742,8 +742,13 @@ def native_core(policy: Policy):
         return core.lru(E)
     if type(policy) in (LFRU, LFU, LFRUAdmit):
         return core.scored(E, cap, policy.decay, policy.lam, isinstance(policy, LFRUAdmit))
-    if type(policy) is Adaptive and policy.shared and all(type(g) is _GhostLFRU for g in policy.ghosts):
-        r = policy.rankers
+    r = getattr(policy, "rankers", ())
+    if (
+        type(policy) is Adaptive
+        and policy.shared
+        and all(type(x) in (LFRU, LFU, LFRUAdmit) for x in r)
+        and all(type(g) is _GhostLFRU for g in policy.ghosts)
+    ):
         return core.adaptive(
             E,
             cap,
