@@ -8,7 +8,9 @@ where wall time does not). Defaults: the shipped demo model (6 MoE layers, 32 ex
 one thread, the tiered cache at device_memory=75% with every expert in host RAM, the default
 policy and lru. Prefill tok/s of each configuration is printed too (a 128-token prompt).
 
-One line per configuration:
+A line names the model, the prefetch mode in effect and which planner decided (`planner=native`: the
+C++ core, experts/policy.py `native_core`; `python`: EXPERTCACHE_PLANNER=python or no C++ kernels);
+then one line per configuration:
 
     config=tiered-lru decode_tok_s=... prefill_tok_s=... step_us_per_layer=... step_cpu_us_per_layer=...
 
@@ -20,9 +22,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # this checkout's expertcache, not an installed one
 from common import hardware_line, timed_generate
 
 
@@ -59,7 +67,8 @@ def main():
             host_memory=args.host_memory,
             **kw,
         )
-    moe_layers = len(llms["tiered-" + args.policies[0]].experts.layers)
+    cache = llms["tiered-" + args.policies[0]].experts
+    moe_layers = len(cache.layers)
     gen = torch.Generator().manual_seed(0)
     vocab = llms["resident"].cfg.vocab_size
     decode_prompt = torch.randint(3, vocab, (8,), generator=gen).tolist()
@@ -82,7 +91,8 @@ def main():
     base, base_cpu = statistics.median(dec["resident"]), statistics.median(cpu["resident"])
     print(
         f"model={model_dir} moe_layers={moe_layers} threads={args.threads} device_memory={args.device_memory} "
-        f"host_memory={args.host_memory} prefetch={args.prefetch or 'default'} rounds={args.rounds} gen={args.gen}"
+        f"host_memory={args.host_memory} prefetch={args.prefetch or 'default'} ({cache.prefetch_mode}) "
+        f"planner={cache.planner.implementation} rounds={args.rounds} gen={args.gen}"
     )
     for k in llms:
         d, p = statistics.median(dec[k]), statistics.median(pre[k])

@@ -21,8 +21,13 @@ H=2880), the default policy and each online one:
 Times are thread CPU time (time.thread_time: what the host spends, not how long a busy machine
 keeps it waiting), the median of --reps alternating rounds. One line per configuration:
 
-    host_cost part=planner shape=qwen3-30b-a3b policy=adaptive plan_step_us=... plan_prefetch_us=... end_step_us=... planner_us=...
-    host_cost part=engine shape=qwen3-30b-a3b policy=adaptive layer_us=... planner_us=... schedule_us=... rest_us=... aten_ops=...
+    host_cost part=planner shape=qwen3-30b-a3b policy=adaptive planner=native plan_step_us=... plan_prefetch_us=...
+              end_step_us=... planner_us=...
+    host_cost part=engine shape=qwen3-30b-a3b policy=adaptive planner=native layer_us=... planner_us=... schedule_us=...
+              rest_us=... aten_ops=...
+
+`planner=`: which code made the decisions: native (the C++ core, experts/policy.py `native_core`) or
+python (EXPERTCACHE_PLANNER=python, or a policy the core does not run, e.g. static).
 """
 
 from __future__ import annotations
@@ -107,7 +112,8 @@ def planner_rounds(shape: str, policies: list[str], steps: int, reps: int, seed:
     for _ in range(reps):
         for p in policies:
             run(p, steps, True)
-    return {p: {k: statistics.median(v) for k, v in d.items()} for p, d in out.items()}
+    impl = {p: pl.implementation for p, pl in planners.items()}
+    return {p: {**{k: statistics.median(v) for k, v in d.items()}, "impl": impl[p]} for p, d in out.items()}
 
 
 class _Counter(torch.utils._python_dispatch.TorchDispatchMode):
@@ -212,6 +218,7 @@ def engine_policy(path: Path, p: str, tokens: int, reps: int) -> dict:
         "schedule_us": sched,
         "aten_ops": acc["ops"] / max(acc["counted"], 1),
         "calls": acc["calls"],
+        "impl": cache.planner.implementation,
     }
     r["rest_us"] = r["layer_us"] - r["planner_us"] - (sched if acc["schedule_calls"] else 0.0)
     llm.close()
@@ -244,9 +251,10 @@ def main(argv=None) -> None:
         if shape not in SHAPES:
             raise SystemExit(f"--shapes: unknown {shape!r}; known: {', '.join(SHAPES)}")
         for p, r in planner_rounds(shape, names, a.steps, a.reps).items():
+            impl = r.pop("impl")
             tot = sum(r.values())
             print(
-                f"host_cost part=planner shape={shape} policy={p} default={int(p == DEFAULT_POLICY)} "
+                f"host_cost part=planner shape={shape} policy={p} default={int(p == DEFAULT_POLICY)} planner={impl} "
                 f"plan_step_us={r['plan_step']:.1f} plan_prefetch_us={r['plan_prefetch']:.1f} "
                 f"end_step_us={r['end_step']:.1f} planner_us={tot:.1f}",
                 flush=True,
@@ -259,6 +267,7 @@ def main(argv=None) -> None:
             for p, r in engine_rounds(shape, names, a.tokens, a.reps, root).items():
                 print(
                     f"host_cost part=engine shape={shape} policy={p} default={int(p == DEFAULT_POLICY)} "
+                    f"planner={r['impl']} "
                     f"layer_us={r['layer_us']:.1f} planner_us={r['planner_us']:.1f} "
                     f"schedule_us={r['schedule_us']:.1f} rest_us={r['rest_us']:.1f} "
                     f"aten_ops={r['aten_ops']:.1f} calls={r['calls']}",

@@ -18,7 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from expertcache import LLM, SamplingParams
 from expertcache.demo import demo_model_dir
 
-BUDGET = 25  # aten dispatches per MoE layer per decode step beyond attention (issue #35's goal)
+# aten dispatches per MoE layer per decode step beyond attention: issue #35's goal was 25; the step
+# measured 19.2 (its own forward 13.3) before the ids were read in place, 10.7 (7.5) after
+BUDGET = 14
+OWN_BUDGET = 9  # inside the cache's forward
 PROMPT = [5, 6, 7, 8, 9, 10]
 STEPS = 8
 
@@ -85,5 +88,5 @@ def test_the_cache_step_adds_at_most_its_budget_of_dispatches_at_decode(demo):
         f"resident {base:.1f}, tiered {total:.1f} dispatches per MoE layer per decode step; "
         f"the cache step's own {own:.1f}"
     )
-    assert own <= BUDGET
+    assert own <= OWN_BUDGET
     assert total - base <= BUDGET

@@ -6,6 +6,8 @@ twice, table contents = the previous contents with exactly the planned evictions
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 
 import pytest
@@ -242,3 +244,95 @@ def test_perfect_prefetch_loads_no_expert_twice_and_reaches_the_optimum(policy, 
         hits += len(plan.hits)
         p.layers[0].device.check()
     assert hits == _optimum_hits(steps, cap)
+
+
+def _native_or_skip():
+    from expertcache.experts.policy import NATIVE_ENV
+    from expertcache.kernels.build import extension, why
+
+    if os.environ.get(NATIVE_ENV, "").lower() == "python":
+        pytest.skip(f"{NATIVE_ENV}=python")
+    if getattr(extension(), "PlannerCore", None) is None:
+        pytest.skip(f"no C++ planner core: {why() or 'an older build'}")
+
+
+def _plan_key(plan):
+    return (plan.hits, plan.fills, plan.off_slot, plan.demotions)
+
+
+def _state(p):
+    out = []
+    for st in p.layers:
+        tables = [st.device] + ([st.host] if st.host is not None else [])
+        out.append(
+            (
+                [(t.slot_of, t.owner, t.free, sorted(t.pinned), t.hits, t.misses) for t in tables],
+                dataclasses.asdict(st.counters),
+                sorted(st.prefetched),
+                sorted(st.pf_evicted),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_cpp_core_decides_as_the_python_policies(seed):
+    """Every plan (hits, fills and their victims, off-slot experts, demotions), every prefetch placement
+    and the tables and counters after each step equal the Python policies', for each policy the C++
+    core runs, on random Zipf traces with prefill steps, CPU-computed misses, prefetch, a partial
+    host tier and exclusive tiers."""
+    _native_or_skip()
+    import numpy as np
+
+    rng = random.Random(seed)
+    E = rng.choice([8, 16, 32, 64, 128])
+    cap = rng.randint(2, max(2, E // 3))
+    k = rng.randint(1, min(8, cap))
+    host = rng.choice([None, None, cap + rng.randint(1, max(1, E // 2)), 0])
+    gen = np.random.default_rng(seed)
+    w = 1 / np.arange(1, E + 1) ** rng.choice([0.0, 0.8, 1.2])
+    w /= w.sum()
+    for policy in ("lru", "lfru", "lfu", "lfru-admit", "adaptive"):
+        cfg = PlannerConfig(
+            num_experts=E,
+            device_slots=cap,
+            host_slots=host,
+            expert_bytes=1,
+            policy=policy,
+            prefill_admit_tokens=4,
+            cpu_compute=rng.choice(["never", "cost", "always"]),
+            prefetch=rng.choice(["off", "device", "host"]) if host else rng.choice(["off", "device"]),
+            exclusive=bool(host) and seed % 2 == 1,
+            gate_threshold=None,
+        )
+        planners = [StepPlanner(cfg, 2, cpu_faster=lambda n: n % 3 == 0, native=nat) for nat in (True, False)]
+        assert planners[0].native and not planners[1].native
+        for t in range(1, 160):
+            i = t % 2
+            rows = rng.choice([1, 1, 1, 2, 6])
+            ids = gen.choice(E, (rows, k), p=w).tolist()
+            flat = [e for r in ids for e in r]
+            experts = list(dict.fromkeys(flat))
+            tokens = [flat.count(e) for e in experts]
+            pred = gen.choice(E, (rows, k), p=w).reshape(-1).tolist()
+            got = []
+            for p in planners:
+                pf = p.plan_prefetch(i, pred, rows, t)
+                plan = p.plan_step(i, experts, tokens, rows, t)
+                p.end_step(i, plan)
+                got.append((pf, _plan_key(plan), _state(p)))
+            assert got[0] == got[1], (policy, t)
+        for st in planners[0].layers:
+            st.device.check()
+
+
+def test_native_is_honoured_or_refused():
+    """native=True where the C++ core has no policy (static) is refused; None falls back to Python there."""
+    _native_or_skip()
+    cfg = PlannerConfig(num_experts=8, device_slots=2, host_slots=None, expert_bytes=1, policy="static")
+    with pytest.raises(ValueError, match="static"):
+        StepPlanner(cfg, 1, native=True)
+    assert StepPlanner(cfg, 1).implementation == "python"
+    lru = dataclasses.replace(cfg, policy="lru")
+    assert StepPlanner(lru, 1).implementation == "native"
+    assert StepPlanner(lru, 1, native=False).implementation == "python"

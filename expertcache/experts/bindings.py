@@ -1,7 +1,8 @@
 """What each op of one layer's schedule does on the cache's buffers (experts/schedule.py legend).
 
 Shape legend: T tokens, K top_k, H hidden, E experts, R rows routed to a CPU-computed expert.
-    x [T, H], weights [T, K], step [T*K] host ids (pair = t * K + k), hit_slots [T, K] host (hits, -1 else)
+    x [T, H], weights [T, K], ids [T, K] host ids, flat: the same as a list [T*K] (pair = t * K + k),
+    step: ids flat [T*K], hit_slots [T, K] host (hits, -1 else)
 
 `Bindings(cache, ...).fns(sched)` -> one callable per op (None for the ids and dense ops: the host
 reads the ids itself, the model runs the dense part), aligned with `sched.ops`. Nothing an op makes
@@ -13,8 +14,7 @@ executor runs ops in issue order (inline), else up front.
 
 from __future__ import annotations
 
-import dataclasses
-
+import numpy as np
 import torch
 
 from .compute import expert_ffn, moe_ffn
@@ -28,14 +28,22 @@ SMALL = 64  # up to this many pairs a slot table is built in Python (a few µs),
 class Bindings:
     """The ops of one layer's step on `cache` (a TieredExperts): see the module doc."""
 
-    def __init__(self, cache, i: int, x, step, weights, hit_slots, plan, lazy_out: bool):
-        self.c, self.i, self.x, self.step, self.w = cache, i, x, step, weights
+    def __init__(self, cache, i: int, x, ids, flat: list[int], weights, hit_slots, plan, lazy_out: bool):
+        self.c, self.i, self.x, self.ids, self.flat, self.w = cache, i, x, ids, flat, weights
         self.hit_slots, self.plan = hit_slots, plan
         self.T, self.K = hit_slots.shape
+        self._step = None
         self.out = None if lazy_out else torch.zeros_like(x)
         self.bufs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # transient reads
         self.res: dict[str, object] = {}
         self.compute = torch.cuda.current_stream(x.device) if cache.cuda else None
+
+    @property
+    def step(self) -> torch.Tensor:
+        """The host ids flat [T*K] (made at first use: an all-hits step needs none)."""
+        if self._step is None:
+            self._step = self.ids.reshape(-1)
+        return self._step
 
     def fns(self, sched: LayerSchedule) -> list:
         return [None if o.kind in ("ids", "dense") else getattr(self, o.kind)(o) for o in sched.ops]
@@ -48,7 +56,7 @@ class Bindings:
     # -- buffers ------------------------------------------------------------------------------------
     def _host_views(self, i: int, e: int, hs: int):
         if hs >= 0:
-            return self.c.host.views(i, hs)
+            return self.c.slot_views(self.c.host, i, hs)
         buf = self.bufs.get((i, e))
         if buf is None:
             buf = self.bufs[(i, e)] = {
@@ -57,19 +65,17 @@ class Bindings:
         return buf
 
     def _dev_views(self, i: int, s: int):
-        return self.c.stage if s == STAGE else self.c.dev.views(i, s)
+        return self.c.stage if s == STAGE else self.c.slot_views(self.c.dev, i, s)
 
     def _slots(self, pairs) -> torch.Tensor:
         """Host [T, K]: the slot of each pair whose expert is in `pairs` (expert, slot), -1 else."""
-        step = self.step
-        if step.shape[0] <= SMALL:
+        if len(self.flat) <= SMALL:
             of = dict(pairs)
-            return torch.tensor([of.get(e, -1) for e in step.tolist()], dtype=torch.int64).view(
-                self.T, self.K
-            )
-        table = torch.full((self.c.E,), -1, dtype=torch.int64)
-        table[[e for e, _ in pairs]] = torch.tensor([s for _, s in pairs], dtype=torch.int64)
-        return table[step].view(self.T, self.K)
+            table = np.array([of.get(e, -1) for e in self.flat], dtype=np.int64)
+            return torch.from_numpy(table.reshape(self.T, self.K))
+        table = np.full(self.c.E, -1, dtype=np.int64)
+        table[[e for e, _ in pairs]] = [s for _, s in pairs]
+        return torch.take(torch.from_numpy(table), self.ids)
 
     def _pairs_of(self, e: int):
         """(token, k) of every pair routed to expert e, on the compute device."""
@@ -101,7 +107,8 @@ class Bindings:
     def demote(self, o):
         """Exclusive tiers: device slot bytes back into a host slot: a plain copy where both hold the
         stored format (CPU kernels), else fp32 narrowed back to the stored bf16/fp16 exactly."""
-        src, dst = self.c.dev.views(o.layer, o.reads[0]), self.c.host.views(o.layer, o.host_slot)
+        c = self.c
+        src, dst = c.slot_views(c.dev, o.layer, o.reads[0]), c.slot_views(c.host, o.layer, o.host_slot)
 
         def run():
             for n, t in dst.items():
@@ -122,15 +129,25 @@ class Bindings:
                 self.plan.hits + [(f.expert, f.slot) for f in self.plan.fills if not f.on_cpu]
             )
         pool, method, ffn = c.dev.layer(self.i), c.method, c.ffn
+        backend = c.backend(self.i, x, pool)
 
         def run():
-            self.out = moe_ffn(x, slots, w, pool, method, out=self.out, ffn=ffn, host=True)
+            self.out = moe_ffn(x, slots, w, pool, method, out=self.out, ffn=ffn, host=True, backend=backend)
 
         return run
 
     def _wave(self, o):
         """An off-slot expert: from the staging slot (CUDA), or from its host bytes (a CPU device)."""
         c, x, w, e = self.c, self.x, self.w, o.experts[0]
+        hs = o.host_reads[0] if o.host_reads else -1
+        if not o.reads and hs >= 0 and x.is_cpu and x.dtype == torch.float32:
+            # a CPU device: the MoE kernel over the host slot (as the CPU job computes), no per-pair indexing
+            slots, pool, ffn = self._slots([(e, hs)]), c.host.layer(o.layer), c.host_ffn
+
+            def from_host():
+                self.out = moe_ffn(x, slots, w, pool, c.method, out=self.out, ffn=ffn, host=True)
+
+            return from_host
         tok, k = self._pairs_of(e)
         if o.reads:  # staged
 
@@ -139,7 +156,7 @@ class Bindings:
                 self.output().index_put_((tok,), y * w[tok, k, None], accumulate=True)
 
             return run
-        src = self._host_views(o.layer, e, o.host_reads[0] if o.host_reads else -1)
+        src = self._host_views(o.layer, e, hs)
 
         def unstaged():
             y = expert_ffn(x[tok].to("cpu", torch.float32), src, c.method, c.ffn).to(x.device, x.dtype)
@@ -183,10 +200,7 @@ class Bindings:
         c, res = self.c, self.res
         rows, slots, _ = res.setdefault("pairs", self._cpu_pairs(o))
         transient = [e for e, hs in self._on_cpu() if hs < 0]
-        pool = c.host.layer(o.layer)
-        ffn = c.ffn  # the host pool is computed on the CPU whatever kernel computes the device's
-        if getattr(ffn, "kernel", "torch") != "torch":
-            ffn = dataclasses.replace(ffn, kernel="torch")
+        pool, ffn = c.host.layer(o.layer), c.host_ffn
         step, T, K, bufs = self.step, self.T, self.K, self.bufs
 
         def run():

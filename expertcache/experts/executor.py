@@ -95,8 +95,18 @@ class Executor:
         pass
 
     def drain(self) -> None:
+        """Every issued op has ended; then the first error among them is raised (after a failure the
+        others still end first, so nothing is in flight when a caller closes)."""
+        first = None
         for i in list(self.done):
-            self.join(i)
+            d = self.done.get(i)
+            if d is None:
+                continue
+            d.event.wait()
+            if first is None and d.error is not None:
+                first = d.error
+        if first is not None:
+            raise first
         self.prune()
 
     def prune(self) -> None:
@@ -156,10 +166,11 @@ class InlineExecutor(Executor):
         if fn is None:
             return
         if self.io is not None:
-            if op.queue == "io" and not getattr(fn, "on_caller", False):
+            q = op.queue
+            if q == "io" and not getattr(fn, "on_caller", False):
                 self.pending[op.id] = self.io.submit(_in_mode(fn))
                 return
-            if op.queue == "h2d" and (
+            if q == "h2d" and (
                 op.tag == "prefetch" or (self.copy_tail is not None and not self.copy_tail.done())
             ):
                 self.pending[op.id] = self.copy_tail = self.copy.submit(_in_mode(fn))
@@ -336,10 +347,15 @@ class ThreadExecutor(Executor):
             op = fn = d = deps = None
 
     def close(self) -> None:
-        for q, qu in self.queues.items():
-            for t in self.threads:
-                if t.name.startswith(f"sched-{q}-"):
-                    qu.put(None)
+        # the enqueuer first: an op it still holds reaches its queue before that queue's worker stops
+        order = sorted(self.queues, key=lambda q: q != "enqueue")
+        for q in order:
+            mine = [t for t in self.threads if t.name.startswith(f"sched-{q}-")]
+            for _ in mine:
+                self.queues[q].put(None)
+            if q == "enqueue":
+                for t in mine:
+                    t.join()
         for t in self.threads:
             t.join()
 

@@ -29,6 +29,7 @@ slot fill is compared with the checkpoint's bytes (tests).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -37,6 +38,7 @@ import torch
 from ..cost.model import ExpertCost, default_profile
 from ..errors import ConfigError
 from ..loader.disk import DiskReader
+from .backends import backend_for
 from .bindings import SMALL, Bindings
 from .config import CacheConfig
 from .executor import make_executor
@@ -76,6 +78,12 @@ def demotable(cuda: bool, dev_parts, source_parts) -> bool:
     )
 
 
+def _flat_list(t: torch.Tensor) -> list[int]:
+    """A host [T, K] tensor's values, flat, as a list (one row: no reshape)."""
+    rows = t.tolist()
+    return rows[0] if len(rows) == 1 else [e for r in rows for e in r]
+
+
 class TieredExperts(ExpertProvider):
     """The tiered cache for the slot counts of a memory plan and a validated CacheConfig
     (policy, prefetch mode, cpu_compute, prefill admission; ablation switches in cfg.ablation)."""
@@ -96,82 +104,104 @@ class TieredExperts(ExpertProvider):
     ):
         """`executor`: what runs a step's schedule: None = "cuda" on a CUDA device (streams, events and
         worker threads), else "inline" (the calling thread); "threads" = the CPU backend of the CUDA
-        path (tests of its ordering on a CPU)."""
+        path (tests of its ordering on a CPU). Steps: the tiers' kinds, the planner, the buffers, the
+        host tier's load, the warm start."""
         options = options or CacheConfig(device_memory="auto")
-        abl = options.ablation
-        policy, prefetch, cpu_compute = options.policy_name, options.prefetch, options.cpu_compute
-        prefill_admit_tokens, exclusive, verify = options.prefill_admit_tokens, abl.exclusive, abl.verify
         cfg = source.cfg
         self.source, self.device, self.dtype = source, device, dtype
         self.serving = False  # set once the startup load is done
         self.E, self.K = cfg.num_experts, cfg.top_k
         self.layers = source.layers
         self.li = {layer: i for i, layer in enumerate(self.layers)}
-        dev_parts = dev_parts or source.compute_parts(dtype, device)
-        self.direct = is_direct(device, dev_parts, source.parts)
-        # device slots hold the stored format (a peer rank can be sent their bytes as they are)
-        self.dev_stored = parts_key(dev_parts) == parts_key(source.parts)
-        self.peer = (
-            None  # expert parallelism: offers this layer's missing experts from other ranks (parallel.peer)
-        )
-        partial = host_slots is not None and host_slots > 0
-        self.prefetch_mode = resolve_prefetch(prefetch, device, self.direct, partial)
-        self.wants_prefetch = self.prefetch_mode != "off"
-        self.overlap_io, self.verify = abl.overlap_io, verify
-        self.ahead: tuple[int, torch.Tensor] | None = None  # prefetch waiting for the demand reads
         self.cuda = device.type == "cuda"
-        executor = executor or ("cuda" if self.cuda else "inline")
+        self.peer = (
+            None  # expert parallelism: offers a layer's missing experts from other ranks (parallel.peer)
+        )
+        self.ahead: tuple[int, torch.Tensor] | None = None  # prefetch waiting for the demand reads
+        self.executor = None
+        self.t = 0
+        dev_parts = dev_parts or source.compute_parts(dtype, device)
+        self._tiers(options, dev_parts, device_slots, host_slots)
         # per missing expert on CUDA (cpu_compute auto): computed on the CPU when that beats moving it
         self.cost = cost or ExpertCost(
             default_profile(device.type),
             source.expert_nbytes,
             3 * cfg.hidden_size * cfg.moe_intermediate_size,
         )
-        nbytes = source.expert_nbytes
+        self.planner = self._planner(options, host_slots, stats)
+        self.reader = DiskReader(o_direct=options.ablation.o_direct)
+        self._buffers(dev_parts)
+        if self.host_all:
+            self._load_host(progress)
+        if stats is not None:
+            self._warm(stats)
+        self.use_executor(executor or ("cuda" if self.cuda else "inline"))
+        self.serving = True
+
+    def _tiers(self, options: CacheConfig, dev_parts, device_slots: int, host_slots: int | None) -> None:
+        """What the tiers are: slot counts, direct reads, the prefetch mode, exclusive tiers."""
+        source, abl = self.source, options.ablation
+        self.direct = is_direct(self.device, dev_parts, source.parts)
+        # device slots hold the stored format (a peer rank can be sent their bytes as they are)
+        self.dev_stored = parts_key(dev_parts) == parts_key(source.parts)
+        partial = host_slots is not None and host_slots > 0
+        self.prefetch_mode = resolve_prefetch(options.prefetch, self.device, self.direct, partial)
+        self.wants_prefetch = self.prefetch_mode != "off"
+        self.overlap_io, self.verify = abl.overlap_io, abl.verify
         # exclusive tiers: an expert leaving the device tier keeps its bytes in a host slot (demotion)
         # and one promoted from a host slot frees it, so RAM + device hold disjoint experts
         can = demotable(self.cuda, dev_parts, source.parts) and partial
-        if exclusive and not can:
+        if abl.exclusive and not can:
             raise ValueError(
                 "exclusive=True needs a CPU device, a partial host tier and device slots that "
                 "widen the stored format exactly (bf16/fp16 -> fp32, or the same dtype)"
             )
-        self.exclusive = can if exclusive is None else exclusive
+        self.exclusive = can if abl.exclusive is None else abl.exclusive
         self.device_slots = device_slots
         self.host_all = host_slots is None
         self.host_slots = self.E if self.host_all else host_slots
-        L = len(self.layers)
-        self.planner = StepPlanner(
+
+    def _planner(self, options: CacheConfig, host_slots: int | None, stats) -> StepPlanner:
+        """The step planner of every cache decision, for these tiers and the options."""
+        abl, cpu_compute = options.ablation, options.cpu_compute
+        return StepPlanner(
             PlannerConfig(
                 num_experts=self.E,
-                device_slots=device_slots,
+                device_slots=self.device_slots,
                 host_slots=host_slots,
-                expert_bytes=nbytes,
-                policy=policy,
+                expert_bytes=self.source.expert_nbytes,
+                policy=options.policy_name,
                 cpu_compute={"auto": "cost" if self.cuda else "never"}.get(cpu_compute, cpu_compute),
                 prefetch=self.prefetch_mode,
-                prefill_admit_tokens=prefill_admit_tokens,
+                prefill_admit_tokens=options.prefill_admit_tokens,
                 exclusive=self.exclusive,
                 direct=self.direct,
                 staged_waves=self.cuda,
                 gate_threshold=abl.prefetch_gate,
                 gate_waste=0.25 if self.cuda else 1.0,
             ),
-            L,
+            len(self.layers),
             stats,
             cpu_faster=self.cost.cpu_faster,
         )
-        self.reader = DiskReader(o_direct=abl.o_direct)
-        self.t = 0
-        self._uses = torch.zeros(L, self.E, dtype=torch.int64)  # use counts of big steps (bincount)
-        self._small_uses = [[0] * self.E for _ in range(L)]  # and of small ones, counted in Python
+
+    def _buffers(self, dev_parts) -> None:
+        """The tiers' slot pools, the expert -> device slot lookup, the staging slot, the schedule's
+        builder, use counts, and what a step looks up once and keeps (views, backends)."""
+        L, E, source, device = len(self.layers), self.E, self.source, self.device
+        self._uses = torch.zeros(L, E, dtype=torch.int64)  # use counts of big steps (bincount)
+        self._small_uses = [[0] * E for _ in range(L)]  # and of small ones, counted in Python
         self.method, self.ffn = source.method, source.ffn
+        self._host_ffn: tuple = (None, None)  # (self.ffn, its host twin): host_ffn
+        self._views: dict[int, tuple] = {}  # id(a SlotPool) -> (its buf, {(layer index, slot): views})
+        self._backends: dict[tuple, tuple] = {}  # (layer index, x's dtype, device) -> (method, ffn, backend)
         # device tier: compute dtype; lookup expert -> slot (host only: pairs' slots are looked up on the host)
-        self.dev = SlotPool(dev_parts, L, device_slots, device)
+        self.dev = SlotPool(dev_parts, L, self.device_slots, device)
         # per layer, expert -> device slot (-1 none), on the host: written through numpy (a few hundred ns),
-        # read by the step through the torch tensor sharing its memory (one index_select)
-        self.lut = np.full((L, self.E), -1, dtype=np.int64)
+        # read by the step through the torch tensors sharing its memory (one take per step)
+        self.lut = np.full((L, E), -1, dtype=np.int64)
         self._lut_t = torch.from_numpy(self.lut)
+        self._lut_rows = list(self._lut_t)  # each layer's row, made once (a view per step is a dispatch)
         if self.cuda and isinstance(dev_parts, LayerParts):
             raise ConfigError(
                 f"{source.index.model_dir}: routed experts whose layout differs between layers (GGUF "
@@ -182,21 +212,20 @@ class TieredExperts(ExpertProvider):
             if self.cuda
             else None
         )  # the waves' staging slot (a CPU device computes from the host)
-        self.executor, self.builder = None, ScheduleBuilder(staged_waves=self.cuda)
+        self.builder = ScheduleBuilder(staged_waves=self.cuda)
         # host tier: stored dtype; all experts (slot = expert id) when host_slots is None
         self.host = SlotPool(source.parts, L, self.host_slots, torch.device("cpu"), pin=self.cuda)
-        if self.host_all:
-            for i, layer in enumerate(self.layers):
-                for e in range(self.E):
-                    self._read(layer, e, self.host.views(i, e))
-                    if (layer, e) in source.nonfinite:  # read at load: an error, like a dense weight
-                        raise source.nonfinite_error(layer, e)
-                    if progress:
-                        progress(source.expert_nbytes)
-        if stats is not None:
-            self._warm(stats)
-        self.use_executor(executor)
-        self.serving = True
+
+    def _load_host(self, progress) -> None:
+        """Every expert read from disk into its host slot (slot = expert id); a non-finite one is an error."""
+        source = self.source
+        for i, layer in enumerate(self.layers):
+            for e in range(self.E):
+                self._read(layer, e, self.host.views(i, e))
+                if (layer, e) in source.nonfinite:  # read at load: an error, like a dense weight
+                    raise source.nonfinite_error(layer, e)
+                if progress:
+                    progress(source.expert_nbytes)
 
     def use_executor(self, kind: str) -> None:
         """Run steps through an executor of the schedule ("inline", "threads"; "cuda" on a CUDA
@@ -244,53 +273,90 @@ class TieredExperts(ExpertProvider):
                     f"slot bytes of layer {layer} expert {e} part {n} differ from the checkpoint"
                 )
 
+    @property
+    def host_ffn(self):
+        """self.ffn for the host pool, computed on the CPU whatever kernel computes the device's (the CPU
+        job, a CPU device's waves): made once per ffn object."""
+        ffn = self.ffn
+        if self._host_ffn[0] is not ffn:
+            kernel = getattr(ffn, "kernel", "torch") != "torch"
+            self._host_ffn = (ffn, dataclasses.replace(ffn, kernel="torch") if kernel else ffn)
+        return self._host_ffn[1]
+
+    def slot_views(self, pool: SlotPool, i: int, s: int) -> dict[str, torch.Tensor]:
+        """pool.views(i, s), made once per slot (a view is a dispatch per part; the schedule's copies
+        ask for the same slots step after step). The same dict every call: read it, do not modify it."""
+        got = self._views.get(id(pool))
+        if got is None or got[0] is not pool.buf:  # a new `buf` dict: new views
+            got = self._views[id(pool)] = (pool.buf, {})
+        v = got[1].get((i, s))
+        if v is None:
+            v = got[1][(i, s)] = pool.views(i, s)
+        return v
+
+    def backend(self, i: int, x: torch.Tensor, pool: dict[str, torch.Tensor]):
+        """The MoE backend computing device pool `pool` of layer index i for activations like x
+        (experts.backends.backend_for, asked once per layer, dtype and device: the pool, method and
+        layout of a layer never change)."""
+        key = (i, x.dtype, x.get_device())
+        got = self._backends.get(key)
+        if got is None or got[0] is not self.method or got[1] is not self.ffn:
+            got = self._backends[key] = (self.method, self.ffn, backend_for(pool, x, self.method, self.ffn))
+        return got[2]
+
     # -- provider interface --------------------------------------------------------------------------
     def begin_step(self) -> None:
         self.t += 1
 
     def _step_ids(self, ids: torch.Tensor):
-        """The step's ids [T*K] and the held prediction's on the host, in one copy (the layer's one
-        device read) -> (step ids, (prediction's layer, its ids, its rows) or None)."""
-        flat = ids.reshape(-1)
+        """The step's ids and the held prediction's on the host -> (ids [T, K] on the host, the same flat
+        [T*K] as a list, (prediction's layer, its flat ids as a list, its rows) or None). CUDA: in one
+        copy (the layer's one device read); a CPU device: the ids are host memory already and are read
+        in place (no op of the step writes them)."""
         ahead, self.ahead = self.ahead, None
+        if not ids.is_cuda and type(ids) is torch.Tensor:
+            pred = None if ahead is None else (ahead[0], _flat_list(ahead[1]), ahead[1].shape[0])
+            return ids, _flat_list(ids), pred
+        flat = ids.reshape(-1)
         if ahead is None:
-            return to_host(flat), None
+            host = to_host(flat)
+            return host.view(ids.shape), host.tolist(), None
         layer, pred = ahead
         both = to_host(torch.cat([flat, pred.reshape(-1)]))
         n = flat.shape[0]
-        return both[:n], (layer, both[n:], pred.shape[0])
+        return both[:n].view(ids.shape), both[:n].tolist(), (layer, both[n:].tolist(), pred.shape[0])
 
-    def _distinct(self, i: int, step: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Host ids -> (distinct experts in order of first appearance, their token counts); the use
-        counts are added on the way."""
-        if step.shape[0] <= SMALL:
+    def _distinct(self, i: int, step: list[int], host_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The step's ids (flat list, and [T, K] on the host) -> (distinct experts in order of first
+        appearance, their token counts); the use counts are added on the way."""
+        if len(step) <= SMALL:
             n: dict[int, int] = {}
-            for e in step.tolist():
+            for e in step:
                 n[e] = n.get(e, 0) + 1
             uses = self._small_uses[i]
             for e, c in n.items():
                 uses[e] += c
             return list(n), list(n.values())
-        counts = torch.bincount(step, minlength=self.E)
+        counts = torch.bincount(host_ids.reshape(-1), minlength=self.E)
         self._uses[i] += counts
         n = counts.tolist()
-        experts = list(dict.fromkeys(step.tolist()))
+        experts = list(dict.fromkeys(step))
         return experts, [n[e] for e in experts]
 
     def forward(self, layer, x, ids, weights):
         """The layer's step as a schedule run by the executor: the ids read is the one host wait;
         copies wait on per-slot events; the CPU experts run in one call on the CPU queue beside the hits."""
         i = self.li[layer]
-        T, K = ids.shape
-        step, ahead = self._step_ids(ids)
-        experts, tokens = self._distinct(i, step)
+        T = ids.shape[0]
+        host_ids, step, ahead = self._step_ids(ids)
+        experts, tokens = self._distinct(i, step, host_ids)
         plan = self.planner.plan_step(i, experts, tokens, T, self.t)
         lut = self.lut[i]
-        hit_slots = self._lut_t[i].index_select(0, step).view(T, K)  # only the hits are in the lookup now
+        hit_slots = torch.take(self._lut_rows[i], host_ids)  # [T, K]: only the hits are in the lookup now
         pf = None
         if ahead is not None:
             j = self.li[ahead[0]]
-            pf = (j, self.planner.plan_prefetch(j, ahead[1].tolist(), ahead[2], self.t))
+            pf = (j, self.planner.plan_prefetch(j, ahead[1], ahead[2], self.t))
         ex = self.executor
         # in issue order nothing is gained by computing the hits before fills whose bytes are in memory
         merge = (
@@ -299,7 +365,7 @@ class TieredExperts(ExpertProvider):
             and not any(f.src is None or f.src.read or f.src.transient for f in plan.fills)
         )
         sched = self.builder.layer(i, plan, experts, tokens, pf, merge=bool(merge))
-        b = Bindings(self, i, x, step, weights, hit_slots, plan, lazy_out=ex.inline)
+        b = Bindings(self, i, x, host_ids, step, weights, hit_slots, plan, lazy_out=ex.inline)
         fns = b.fns(sched)
         for f in plan.fills:
             if f.evicted >= 0:

@@ -33,6 +33,11 @@ one would be loaded again in the same step); these pins end with plan_prefetch.
 
 Counters (experts.stats.LayerCounters) are counted here, bytes included, so the engine's and
 replay's agree by construction; the engine adds nothing to them.
+
+The device tier's policy decides in C++ where it can (experts/policy.py `native_core`: lru, lfru, lfu,
+lfru-admit, adaptive; `native` of StepPlanner): a step's table accesses are one call (`_accesses`), and
+the SlotTable is updated from the answer; the Python policies make the same decisions (the reference,
+and the code for static, min, `native=False` or a build without the C++ kernels).
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..cost.model import ExpertCost
-from .policy import NextUse, make_policy
+from .policy import NativePolicy, NextUse, make_policy, native_core
 from .prefetch import PrefetchGate, most_predicted
 from .slots import SlotTable
 from .stats import LayerCounters
@@ -74,8 +80,7 @@ class PlannerConfig:
     gate_waste: float = 1.0
 
 
-@dataclass(frozen=True)
-class HostSource:
+class HostSource(NamedTuple):
     """Where a miss's bytes come from: host slot `slot` (after a disk read into it when `read`);
     slot -1: no host slot could be had, read from disk into a transient buffer at use."""
 
@@ -87,8 +92,10 @@ class HostSource:
         return self.slot < 0
 
 
-@dataclass(frozen=True)
-class Fill:
+NO_HOST = HostSource(-1, False)  # no host tier: a transient read at use
+
+
+class Fill(NamedTuple):
     """Miss placed in device slot `slot` (evicting `evicted`, -1 none); src None: disk -> slot directly.
     on_cpu: admitted but computed on the CPU this step from its host copy (the copy into the slot
     is off the step's critical path; the next use is a hit)."""
@@ -100,8 +107,7 @@ class Fill:
     on_cpu: bool = False
 
 
-@dataclass(frozen=True)
-class OffSlot:
+class OffSlot(NamedTuple):
     """Miss computed without a device slot: on the CPU from its host copy, or as a wave."""
 
     expert: int
@@ -109,8 +115,7 @@ class OffSlot:
     src: HostSource
 
 
-@dataclass(frozen=True)
-class Demotion:
+class Demotion(NamedTuple):
     """Exclusive tiers: copy device slot `dev_slot` (expert `expert`) back into host slot `host_slot`."""
 
     expert: int
@@ -118,8 +123,7 @@ class Demotion:
     host_slot: int
 
 
-@dataclass(frozen=True)
-class Prefetch:
+class Prefetch(NamedTuple):
     """A predicted expert placed ahead: device slot `slot` (-1 for a host-only read-ahead) and its
     host source (None: disk straight into the device slot)."""
 
@@ -161,13 +165,26 @@ class LayerState:
     """One MoE layer's cache state in every tier: device and host tables, what prefetch put where,
     and the prefetch gate's accounting for the layer's next step."""
 
-    def __init__(self, cfg: PlannerConfig, layer: int, stats=None, oracle: NextUse | None = None, **params):
+    def __init__(
+        self,
+        cfg: PlannerConfig,
+        layer: int,
+        stats=None,
+        oracle: NextUse | None = None,
+        native: bool | None = None,
+        **params,
+    ):
         E = cfg.num_experts
-        self.device = SlotTable(
-            E,
-            cfg.device_slots,
-            make_policy(cfg.policy, E, cfg.device_slots, layer, stats, oracle=oracle, **params),
-        )
+        policy = make_policy(cfg.policy, E, cfg.device_slots, layer, stats, oracle=oracle, **params)
+        core = native_core(policy) if native is not False and cfg.device_slots > 0 else None
+        if native and core is None:
+            raise ValueError(
+                f"native=True: no C++ planner core for policy {cfg.policy!r} here (lru, lfru, lfu, lfru-admit "
+                "and adaptive have one, with the C++ kernels loaded and EXPERTCACHE_PLANNER unset)"
+            )
+        # the device table's policy; `core` (or None): its C++ core, handed a whole step in plan_step
+        self.core = core
+        self.device = SlotTable(E, cfg.device_slots, policy if core is None else NativePolicy(policy, core))
         partial = cfg.host_slots is not None and cfg.host_slots > 0
         self.host = (
             SlotTable(E, cfg.host_slots, make_policy("lru", E, cfg.host_slots, layer)) if partial else None
@@ -189,18 +206,28 @@ class StepPlanner:
         stats=None,
         cpu_faster: Callable[[int], bool] | None = None,
         oracles: list[NextUse] | None = None,
+        native: bool | None = None,
         **policy_params,
     ):
+        """`native`: the device tables' decisions by the C++ core (policy.native_core): None where one
+        applies, True required (ValueError where none does), False never (the Python policies)."""
         if cfg.cpu_compute not in ("always", "never", "cost"):
             raise ValueError(f"cpu_compute must be always, never or cost, got {cfg.cpu_compute!r}")
         if cfg.cpu_compute == "cost" and cpu_faster is None:
             raise ValueError("cpu_compute='cost' needs the cost model's cpu_faster(tokens)")
         self.cfg, self.cpu_faster = cfg, cpu_faster
         self.layers = [
-            LayerState(cfg, i, stats, oracle=oracles[i] if oracles else None, **policy_params)
+            LayerState(cfg, i, stats, oracle=oracles[i] if oracles else None, native=native, **policy_params)
             for i in range(num_layers)
         ]
+        self.native = any(st.core is not None for st in self.layers)
+        # which code decides (benchmarks print it): "native" (the C++ core) or "python"
+        self.implementation = "native" if self.native else "python"
         self.gate = PrefetchGate(num_layers, cfg.gate_threshold, waste=cfg.gate_waste)
+        # every expert in host RAM (host_slots None): expert e's source is host slot e, made once
+        self.in_ram = (
+            [HostSource(e, False) for e in range(cfg.num_experts)] if cfg.host_slots is None else None
+        )
 
     @property
     def cpu_faster(self) -> Callable[..., bool] | None:
@@ -234,10 +261,11 @@ class StepPlanner:
         rows routed to experts[j], `rows` the step's token count."""
         cfg, st = self.cfg, self.layers[i]
         c, table, plan = st.counters, st.device, StepPlan()
-        misses = []
-        for e, n in zip(experts, tokens):  # pin every resident expert of the step first
-            if e in table:
-                plan.hits.append((e, table.access(e, t).slot))
+        slot_of, hit_list, misses = table.slot_of, plan.hits, []
+        for e, n in zip(experts, tokens):  # every resident expert of the step is pinned first
+            s = slot_of[e]
+            if s >= 0:
+                hit_list.append((e, s))
                 c.hits += 1
                 if e in st.prefetched:
                     c.prefetch_useful += 1
@@ -246,35 +274,39 @@ class StepPlanner:
             else:
                 misses.append((e, n))
         admit = rows <= cfg.prefill_admit_tokens
-        fills: list[tuple[int, int, int]] = []
-        offs: list[tuple[int, bool]] = []
+        # per miss: computed on the CPU?, and its table mode (0 bypassed, 1 accessed, 2 only into a free slot)
+        cpus, modes = [], []
         job = False  # an expert of this step already goes to the CPU (its job's fixed cost is paid)
+        always = cfg.cpu_compute == "always"
         for e, n in misses:
-            c.misses += 1
-            if cfg.prefetch == "device" and e in st.pf_evicted:
-                st.harm += 1
             if cfg.cpu_compute == "cost":
                 cpu = self._cpu(n, not job)
                 job = job or cpu
             else:
-                cpu = cfg.cpu_compute == "always"
-            if (cpu and cfg.cpu_compute == "always") or not (admit or table.free):
-                table.bypass(e, t)
-                c.cpu_computed += cpu
+                cpu = always
+            cpus.append(cpu)
+            modes.append(0 if cpu and always else 1 if admit else 2)
+        placed = self._accesses(st, hit_list, misses, modes, t)
+        if not misses:
+            return plan
+        fills: list[tuple[int, int, int, bool]] = []
+        offs: list[tuple[int, bool]] = []
+        pf_evicted = st.pf_evicted if cfg.prefetch == "device" else ()
+        on_cpu_n = admitted = 0
+        for (e, _), cpu, (slot, evicted) in zip(misses, cpus, placed):
+            if e in pf_evicted:
+                st.harm += 1
+            on_cpu_n += cpu
+            if slot < 0:  # bypassed (-2: CPU always, or no free slot at prefill) or not placed (-1)
                 offs.append((e, cpu))
                 continue
-            a = table.access(
-                e, t
-            )  # cost: admitted where the policy predicts reuse, even if computed on the CPU
-            if a.slot < 0:
-                c.cpu_computed += cpu
-                offs.append((e, cpu))
-                continue
-            if a.evicted >= 0:
-                st.prefetched.discard(a.evicted)
-            c.cpu_computed += cpu
-            c.cpu_admitted += cpu
-            fills.append((e, a.slot, a.evicted, cpu))
+            if evicted >= 0:
+                st.prefetched.discard(evicted)
+            admitted += cpu  # cost: admitted where the policy predicts reuse, even if computed on the CPU
+            fills.append((e, slot, evicted, cpu))
+        c.misses += len(misses)
+        c.cpu_computed += on_cpu_n
+        c.cpu_admitted += admitted
         src = self._host_sources(st, [f[0] for f in fills] + [e for e, _ in offs], t)
         if cfg.exclusive:  # after the misses pinned their host slots
             for _, s, ev, _ in fills:
@@ -282,21 +314,63 @@ class StepPlanner:
                     d = self._demote(st, ev, s, t)
                     if d is not None:
                         plan.demotions.append(d)
+        nb, direct, disk = cfg.expert_bytes, cfg.direct, 0
+        out = plan.fills
         for e, s, ev, on_cpu in fills:
             h = src[e]
-            if h.transient and cfg.direct and not on_cpu:  # no host slot: disk straight into the device slot
+            if h.slot < 0 and direct and not on_cpu:  # no host slot: disk straight into the device slot
                 h = None
-            c.bytes_moved += cfg.expert_bytes
-            c.disk_bytes += cfg.expert_bytes * (h is None or h.read or h.transient)
-            plan.fills.append(Fill(e, s, ev, h, on_cpu))
+            disk += h is None or h.read or h.slot < 0
+            out.append(Fill(e, s, ev, h, on_cpu))
+        c.bytes_moved += nb * len(fills)
+        out = plan.off_slot
         for e, on_cpu in offs:
             h = src[e]
-            c.disk_bytes += cfg.expert_bytes * (h.read or h.transient)
+            disk += h.read or h.slot < 0
             if not on_cpu:
                 c.waves += 1
-                c.bytes_moved += cfg.expert_bytes * cfg.staged_waves
-            plan.off_slot.append(OffSlot(e, on_cpu, h))
+                c.bytes_moved += nb * cfg.staged_waves
+            out.append(OffSlot(e, on_cpu, h))
+        c.disk_bytes += nb * disk
         return plan
+
+    @staticmethod
+    def _accesses(st: LayerState, hits, misses, modes, t: int) -> list[tuple[int, int]]:
+        """The device table's accesses of one step in order: every hit (touched, pinned), then each miss
+        by its mode (0 bypassed, 1 accessed, 2 accessed while a free slot is left, else bypassed) ->
+        per miss (slot, evicted): slot -2 bypassed, -1 not placed. One call into the C++ core where
+        the layer has one (the table then updated from its answer), else the SlotTable's calls."""
+        table, core = st.device, st.core
+        if core is None:
+            out = []
+            for e, _ in hits:
+                table.access(e, t)
+            for (e, _), mode in zip(misses, modes):
+                if mode == 0 or (mode == 2 and not table.free):
+                    table.bypass(e, t)
+                    out.append((-2, -1))
+                else:
+                    a = table.access(e, t)
+                    out.append((a.slot, a.evicted))
+            return out
+        hit_e = [e for e, _ in hits]
+        got = core.step(hit_e, [e for e, _ in misses], modes, table.free, list(table.pinned), t)
+        slot_of, owner, pinned = table.slot_of, table.owner, table.pinned
+        table.hits += len(hit_e)
+        table.misses += len(misses)
+        pinned.update(hit_e)
+        out = []
+        for j, (e, _) in enumerate(misses):
+            s, ev = got[2 * j], got[2 * j + 1]
+            out.append((s, ev))
+            if s >= 0:
+                if ev >= 0:
+                    slot_of[ev] = -1
+                slot_of[e], owner[s] = s, e
+                pinned.add(e)
+        if got[-1]:
+            del table.free[len(table.free) - got[-1] :]
+        return out
 
     def end_step(self, i: int, plan: StepPlan) -> None:
         """Layer i's step is computed: unpin, forget prefetch marks, promoted experts leave the host
@@ -317,9 +391,10 @@ class StepPlanner:
         """Host slots of a step's misses, pinned: the host-resident ones first (so no miss evicts a
         host copy this step needs), then the rest."""
         if self.cfg.host_slots is None:
-            return {e: HostSource(e, False) for e in experts}
+            every = self.in_ram
+            return {e: every[e] for e in experts}
         if st.host is None:
-            return {e: HostSource(-1, False) for e in experts}
+            return dict.fromkeys(experts, NO_HOST)
         c, host, out = st.counters, st.host, {}
         for e in sorted(experts, key=lambda e: e not in host):  # stable: hits first, in order
             if e in st.pf_evicted and self.cfg.prefetch == "host":
@@ -391,9 +466,9 @@ class StepPlanner:
                     if d is not None:
                         out.append(d)
                 if cfg.host_slots is None:
-                    h = HostSource(e, False)
+                    h = self.in_ram[e]
                 elif host is None:
-                    h = HostSource(-1, False)
+                    h = NO_HOST
                 else:
                     ha = host.insert(e, t)
                     if ha.slot >= 0:

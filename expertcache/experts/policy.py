@@ -718,6 +718,79 @@ class Adaptive(Policy):
         return self.rankers[self.leader].choose(owner, pinned)
 
 
+# "python": the Python policies everywhere; else the C++ core where it applies
+NATIVE_ENV = "EXPERTCACHE_PLANNER"
+
+
+def native_core(policy: Policy):
+    """The C++ core (kernels/csrc/planner_core.cpp `PlannerCore`) making `policy`'s decisions, or None
+    where it has none: lru, lfru, lfu, lfru-admit, and adaptive whose candidates are lfru-family
+    policies (static and min stay in Python), and only when the C++ kernels load and
+    EXPERTCACHE_PLANNER is not "python". The core starts empty (a policy nothing was shown yet)."""
+    import os
+
+    if os.environ.get(NATIVE_ENV, "").lower() == "python":
+        return None
+    from ..kernels.build import extension
+
+    ext = extension()
+    core = getattr(ext, "PlannerCore", None)
+    if core is None:
+        return None
+    E, cap = policy.num_experts, policy.capacity
+    if type(policy) is LRU:
+        return core.lru(E)
+    if type(policy) in (LFRU, LFU, LFRUAdmit):
+        return core.scored(E, cap, policy.decay, policy.lam, isinstance(policy, LFRUAdmit))
+    r = getattr(policy, "rankers", ())
+    if (
+        type(policy) is Adaptive
+        and policy.shared
+        and all(type(x) in (LFRU, LFU, LFRUAdmit) for x in r)
+        and all(type(g) is _GhostLFRU for g in policy.ghosts)
+    ):
+        return core.adaptive(
+            E,
+            cap,
+            [x.decay for x in r],
+            [x.lam for x in r],
+            [isinstance(x, LFRUAdmit) for x in r],
+            policy.decay,
+            policy.watched,
+            policy.ghosts[0].capacity,
+        )
+    return None
+
+
+class NativePolicy(Policy):
+    """A registry policy whose decisions the C++ core makes (`native_core`): the same placements,
+    victims and refusals as the Python policy (tests/test_planner.py), at a fraction of the
+    host time. The SlotTable calls reach the core one by one; StepPlanner.plan_step hands it a whole
+    layer step in one call (`core.step`). `name` is the Python policy's."""
+
+    def __init__(self, policy: Policy, core):
+        super().__init__(policy.num_experts, policy.capacity, policy.layer)
+        self.name, self.core = policy.name, core
+
+    def touch(self, e, t):
+        self.core.touch(e, t)
+
+    def insert(self, e, t):
+        self.core.insert(e, t, self.slot_of[e])  # the table wrote e's slot before calling insert
+
+    def remove(self, e):
+        self.core.remove(e)
+
+    def admit(self, e, t, prefetch: bool = False):
+        return self.core.admit(e, t, prefetch)
+
+    def choose(self, owner, pinned):
+        return self.core.choose(list(pinned))
+
+    def victim(self, candidates):
+        raise NotImplementedError("NativePolicy decides through choose (the SlotTable's call)")
+
+
 class NextUse:
     """Next-use oracle for MIN: `uses[e]` is the sorted list of times expert e is used.
 

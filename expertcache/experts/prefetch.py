@@ -4,8 +4,6 @@ per-layer gate that stops prefetching where it does more harm than good. Used by
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 
 
@@ -13,8 +11,13 @@ def most_predicted(ids: list[int]) -> list[int]:
     """Distinct predicted experts, most predicted first (ties: first appearance); -1 skipped.
     Prefetch takes at most a tier's capacity of them: a batch predicting more experts than the
     tier holds would otherwise read experts only to evict them in the same step."""
-    counts = Counter(e for e in ids if e >= 0)
-    return sorted(counts, key=lambda e: -counts[e])
+    counts: dict[int, int] = {}
+    for e in ids:
+        if e >= 0:
+            counts[e] = counts.get(e, 0) + 1
+    if len(counts) == len(ids):  # each predicted once (a decode row): first appearance order
+        return list(counts)
+    return sorted(counts, key=counts.__getitem__, reverse=True)  # stable: ties keep their order
 
 
 class PrefetchGate:

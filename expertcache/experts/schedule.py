@@ -125,9 +125,12 @@ class ScheduleBuilder:
     def _op(self, sched: LayerSchedule, kind: str, waits=(), layer: int | None = None, **kw) -> Op:
         """An op of `sched` (about MoE layer `layer`, default the schedule's: a prefetch's is the next)."""
         if waits:
-            ws = set(waits)
-            ws.discard(None)
-            waits = tuple(sorted(ws))
+            if len(waits) == 1:
+                waits = () if waits[0] is None else (waits[0],)
+            else:
+                ws = set(waits)
+                ws.discard(None)
+                waits = tuple(sorted(ws))
         op = Op(self.next_id, kind, sched.layer if layer is None else layer, waits, **kw)
         self.next_id += 1
         sched.ops.append(op)
@@ -170,16 +173,17 @@ class ScheduleBuilder:
     def _moe(
         self, sched, i: int, pairs: list[tuple[int, int]], tokens: dict[int, int], tag: str, waits=()
     ) -> Op:
-        experts, slots = tuple([e for e, _ in pairs]), tuple([s for _, s in pairs])
+        experts, slots = zip(*pairs)
         keys = [(i, s) for s in slots] if STAGE not in slots else [_key(i, s) for s in slots]
-        writer = self.dev_writer
-        w = [writer[k] for k in keys if k in writer]
+        w = [x for x in map(self.dev_writer.get, keys) if x is not None]
+        if waits:
+            w.extend(waits)
         op = self._op(
             sched,
             "moe",
-            w + list(waits) if waits else w,
+            w,
             experts=experts,
-            tokens=tuple([tokens[e] for e in experts]),
+            tokens=tuple(map(tokens.__getitem__, experts)),
             reads=slots,
             tag=tag,
         )
@@ -236,14 +240,14 @@ class ScheduleBuilder:
         the layer's own copies; `dense`: lead with the layer's dense op (pricing; the engine runs it
         as ordinary code); `merge`: hits and fills in one moe op after the fills' bytes (an executor
         that runs ops in issue order gains nothing from computing the hits first)."""
-        n = dict(zip(experts, tokens))
         sched = LayerSchedule(i)
         d = self._op(sched, "dense", tokens=(max(tokens, default=0),)) if dense else None
         sched.ids = self._op(sched, "ids", (d.id,) if d else ()).id
         if not (plan.fills or plan.off_slot or plan.demotions or (prefetch and prefetch[1])):  # all hits
-            if plan.hits:
-                self._moe(sched, i, plan.hits, n, "hits")
+            if plan.hits:  # every expert of the step, in its order
+                self._moe(sched, i, plan.hits, dict(zip(experts, tokens)), "hits")
             return sched
+        n = dict(zip(experts, tokens))
         cpu = [o for o in plan.off_slot + plan.fills if o.on_cpu]  # off-slot, or admitted beside the CPU job
         waves = [o for o in plan.off_slot if not o.on_cpu]
         fills = [f for f in plan.fills if not f.on_cpu]

@@ -8,4 +8,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_small_ops(m);
   register_decode_block(m);
   register_pool_gemm(m);
+  register_planner_core(m);
 }

@@ -10,3 +10,4 @@ void register_attention(py::module_& m);       // attention.cpp: attention over 
 void register_small_ops(py::module_& m);       // small_ops.cpp: fused norms and per-token helpers
 void register_decode_block(py::module_& m);    // decode_block.cpp: a MoE layer's attention half in one call
 void register_pool_gemm(py::module_& m);       // pool_gemm.cpp: prefill's bf16 matmul on the kernels' threads
+void register_planner_core(py::module_& m);    // planner_core.cpp: the step planner's policies (experts/policy.py)
