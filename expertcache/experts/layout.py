@@ -109,6 +109,26 @@ def _entry(t, j: int, n: int) -> list[Range]:
     return pieces(j) if pieces is not None else [_slice(t, j, n)]
 
 
+def _one_dtype(layer: int, dtypes: set, example: str, dtype: torch.dtype | None) -> torch.dtype:
+    """The one floating-point dtype of `layer`'s unquantized experts (`example`: a tensor for errors),
+    the same as the earlier layers' `dtype` where there is one."""
+    if not all(d.is_floating_point for d in dtypes):
+        raise CheckpointError(
+            f"{example} (and the other routed experts) stored as "
+            f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: expert "
+            "weights must be floating point unless config.json names a quantized layout"
+        )
+    if dtypes & set(FLOAT8):
+        raise ConfigError(
+            f"{example} (and the other routed experts) stored as "
+            f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))} but config.json "
+            "has no quantization_config saying how to scale them"
+        )
+    if len(dtypes) != 1 or (dtype is not None and dtypes != {dtype}):
+        raise CheckpointError(f"layer {layer}: routed experts mix dtypes {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
 class StoredRanges(dict):
     """One expert's byte ranges {stored part: [Range]} when the tiers hold another layout: the reader
     (loader.disk.DiskReader.read_parts) reads them into `scratch()`, then `convert(raw, dst)` writes
@@ -133,7 +153,6 @@ class ExpertSource:
 
     def __init__(self, index: TensorIndex, cfg: ModelConfig, names: WeightNames, method=None):
         self.index, self.cfg, self.method = index, cfg, method
-        H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.layers = cfg.moe_layer_ids
         self._li = {layer: i for i, layer in enumerate(self.layers)}
         self._ranges: dict[tuple[int, int], dict[str, list[Range]]] = {}
@@ -142,60 +161,26 @@ class ExpertSource:
         self.check_finite = True
         self.nonfinite: dict[tuple[int, int], list[str]] = {}  # (layer, expert) -> tensors with NaN/inf
         self._checked: set[tuple[int, int]] = set()
-        dtype = None
         self.bias_parts: tuple[Part, ...] = ()
         self.stored_method = method  # the checkpoint's layout (self.method: the tiers', after a repack)
         if method is not None:
             self._quantized(names)
-            return
+        else:
+            self._plain(names)
+
+    def _plain(self, names: WeightNames) -> None:
+        """Parts = gate_up and down (and the biases), in the one floating-point dtype of the checkpoint."""
+        H, I = self.cfg.hidden_size, self.cfg.moe_intermediate_size
         tr = names.fused_transposed  # such a family has only the fused layout
         gu_shape, dn_shape = ((H, 2 * I), (I, H)) if tr else ((2 * I, H), (H, I))
+        dtype = None
         for layer in self.layers:
             prefix = self.moe_prefix(layer, names)
-            fused = f"{prefix}.experts.gate_up_proj"
-            if fused in index or tr:
-                gu = index.info(fused, (E, *gu_shape))
-                dn = index.info(f"{prefix}.experts.down_proj", (E, *dn_shape))
-                for j in range(E):
-                    self._ranges[layer, j] = {"gate_up": _entry(gu, j, E), "down": _entry(dn, j, E)}
-                    self._names[layer, j] = f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]"
-                dtypes, example = {gu.dtype, dn.dtype}, gu.name
-                self._biases(layer, prefix)
+            if f"{prefix}.experts.gate_up_proj" in self.index or tr:
+                dtypes, example = self._fused_ranges(layer, prefix, gu_shape, dn_shape)
             else:
-                if cfg.expert_bias:
-                    raise CheckpointError(
-                        f"{index.model_dir}: missing tensor {fused} (experts with biases are "
-                        "read from the fused layout only)"
-                    )
-                g, u, d = names.expert_projs
-                dtypes = set()
-                for j in range(E):
-                    base = f"{prefix}.experts.{j}"
-                    gi = index.info(f"{base}.{g}.weight", (I, H))
-                    ui = index.info(f"{base}.{u}.weight", (I, H))
-                    di = index.info(f"{base}.{d}.weight", (H, I))
-                    self._ranges[layer, j] = {
-                        "gate_up": [(gi.file, gi.offset, gi.nbytes), (ui.file, ui.offset, ui.nbytes)],
-                        "down": [(di.file, di.offset, di.nbytes)],
-                    }
-                    dtypes |= {gi.dtype, ui.dtype, di.dtype}
-                    self._names[layer, j] = f"{base}.{{{g},{u},{d}}}.weight"
-                example = gi.name
-            if not all(d.is_floating_point for d in dtypes):
-                raise CheckpointError(
-                    f"{example} (and the other routed experts) stored as "
-                    f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}: expert "
-                    "weights must be floating point unless config.json names a quantized layout"
-                )
-            if dtypes & set(FLOAT8):
-                raise ConfigError(
-                    f"{example} (and the other routed experts) stored as "
-                    f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))} but config.json "
-                    "has no quantization_config saying how to scale them"
-                )
-            if len(dtypes) != 1 or (dtype is not None and dtypes != {dtype}):
-                raise CheckpointError(f"layer {layer}: routed experts mix dtypes {sorted(map(str, dtypes))}")
-            dtype = dtypes.pop()
+                dtypes, example = self._hub_ranges(layer, prefix, names)
+            dtype = _one_dtype(layer, dtypes, example, dtype)
         self.dtype = dtype or torch.float32
         self.parts = (
             Part("gate_up", gu_shape, self.dtype),
@@ -204,6 +189,43 @@ class ExpertSource:
         self.expert_nbytes = sum(p.nbytes for p in self.parts)
         self.stored_parts, self.stored_nbytes = self.parts, self.expert_nbytes
         self.ffn = self._ffn(names, transposed=tr, fused_quant=False)
+
+    def _fused_ranges(self, layer: int, prefix: str, gu_shape: tuple, dn_shape: tuple) -> tuple[set, str]:
+        """`layer`'s experts from experts.gate_up_proj [E, *gu_shape] and .down_proj [E, *dn_shape] (slice
+        j), with their biases -> (the dtypes stored, a tensor name for errors)."""
+        E = self.cfg.num_experts
+        gu = self.index.info(f"{prefix}.experts.gate_up_proj", (E, *gu_shape))
+        dn = self.index.info(f"{prefix}.experts.down_proj", (E, *dn_shape))
+        for j in range(E):
+            self._ranges[layer, j] = {"gate_up": _entry(gu, j, E), "down": _entry(dn, j, E)}
+            self._names[layer, j] = f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]"
+        self._biases(layer, prefix)
+        return {gu.dtype, dn.dtype}, gu.name
+
+    def _hub_ranges(self, layer: int, prefix: str, names: WeightNames) -> tuple[set, str]:
+        """`layer`'s experts from one tensor per expert and projection (experts.{j}.gate_proj.weight ...)
+        -> (the dtypes stored, a tensor name for errors)."""
+        cfg = self.cfg
+        H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        if cfg.expert_bias:
+            raise CheckpointError(
+                f"{self.index.model_dir}: missing tensor {prefix}.experts.gate_up_proj (experts with "
+                "biases are read from the fused layout only)"
+            )
+        g, u, d = names.expert_projs
+        dtypes = set()
+        for j in range(E):
+            base = f"{prefix}.experts.{j}"
+            gi = self.index.info(f"{base}.{g}.weight", (I, H))
+            ui = self.index.info(f"{base}.{u}.weight", (I, H))
+            di = self.index.info(f"{base}.{d}.weight", (H, I))
+            self._ranges[layer, j] = {
+                "gate_up": [(gi.file, gi.offset, gi.nbytes), (ui.file, ui.offset, ui.nbytes)],
+                "down": [(di.file, di.offset, di.nbytes)],
+            }
+            dtypes |= {gi.dtype, ui.dtype, di.dtype}
+            self._names[layer, j] = f"{base}.{{{g},{u},{d}}}.weight"
+        return dtypes, gi.name
 
     def _ffn(self, names: WeightNames, transposed: bool, fused_quant: bool) -> ExpertFFN:
         cfg = self.cfg
@@ -239,81 +261,17 @@ class ExpertSource:
 
     def _quantized(self, names: WeightNames) -> None:
         """Parts = the method's stored tensors for gate, up and down, read as the checkpoint has them."""
-        cfg, m = self.cfg, self.method
-        H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        cfg = self.cfg
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
         shapes = {"gate": (I, H), "up": (I, H), "down": (H, I), "gate_up": (2 * I, H)}
-        if isinstance(m, ShippedInt):  # the config's rules say which parameters the experts have
-            module = f"{self.moe_prefix(self.layers[0], names)}.experts.0.{names.expert_projs[0]}"
-            m = self.method = self.stored_method = m.method_for(module)
-            if m is None:
-                raise ConfigError(
-                    f"config.json: quantization_config leaves routed expert module {module} "
-                    "unquantized; unquantized experts in a quantized checkpoint are not supported"
-                )
+        m = self._expert_method(names)
         used: set[str] = set()  # the experts' tensors (the rest of a shipped layout is dense)
         fused_any = False
         per_layer: list[tuple[Part, ...]] = []
         for layer in self.layers:
-            parts: dict[str, Part] = {}
-            prefix = self.moe_prefix(layer, names)
-            primary = m.primary.removeprefix("weight")
-            fused = names.gate_up_interleaved or f"{prefix}.experts.gate_up_proj{primary}" in self.index
+            parts, fused = self._quantized_layer(layer, names, shapes, used)
             fused_any |= fused
-            lm = self._layer_method(layer)
-            for j in range(E):
-                ranges = {}
-                projs = (
-                    (("gate_up", "gate_up_proj"), ("down", "down_proj"))
-                    if fused
-                    else zip(("gate", "up", "down"), names.expert_projs)
-                )
-                for canon, proj in projs:
-                    for key, spec in lm.layout(canon, shapes[canon]).items():
-                        suffix = key.split(".", 1)[1]
-                        if fused:  # experts.{proj}{suffix without "weight"} [E, ...], slice j
-                            name = f"{prefix}.experts.{proj}{suffix.removeprefix('weight')}"
-                            if name not in self.index and suffix in lm.aliases:
-                                name = f"{prefix}.experts.{proj}{lm.aliases[suffix].removeprefix('weight')}"
-                            t = self.index.info(name)
-                            shape, rng = t.shape[1:], _entry(t, j, E)
-                            if t.shape[0] != E:
-                                raise CheckpointError(
-                                    f"{t.file.name}: tensor {name} has {t.shape[0]} experts, "
-                                    f"config.json says {E}"
-                                )
-                        else:
-                            name = f"{prefix}.experts.{j}.{proj}.{suffix}"
-                            if name not in self.index and suffix in lm.aliases:
-                                name = f"{prefix}.experts.{j}.{proj}.{lm.aliases[suffix]}"
-                            t = self.index.info(name)
-                            shape, rng = t.shape, [(t.file, t.offset, t.nbytes)]
-                        if not _fits(shape, t.dtype, spec):
-                            raise CheckpointError(
-                                f"{t.file.name}: tensor {name} is {t.dtype} {list(t.shape)}, but {m.name} experts "
-                                f"need {spec.dtype} {list(spec.shape)}{' per expert' if fused else ''}"
-                                f"{m.shape_hint(shapes[canon])}"
-                            )
-                        used.add(name)
-                        part = Part(key, spec.shape, t.dtype)
-                        if parts.setdefault(key, part) != part:
-                            raise CheckpointError(
-                                f"tensor {name}: {t.dtype} differs from other experts' {parts[key].dtype}"
-                            )
-                        ranges[key] = rng
-                self._ranges[layer, j] = ranges
-                self._names[layer, j] = (
-                    f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]"
-                    if fused
-                    else f"{prefix}.experts.{j}.{{{','.join(names.expert_projs)}}}"
-                )
-            if fused:
-                self._biases(layer, prefix)
-            elif cfg.expert_bias:
-                raise CheckpointError(
-                    f"{self.index.model_dir}: missing tensor {prefix}.experts.gate_up_proj{primary} "
-                    "(experts with biases are read from the fused layout only)"
-                )
-            per_layer.append(tuple(parts.values()))
+            per_layer.append(parts)
         if fused_any and any(p.name.split(".")[0] in ("gate", "up") for ps in per_layer for p in ps):
             raise CheckpointError(
                 f"{self.index.model_dir}: layers mix the fused and per-expert quantized layouts"
@@ -331,6 +289,92 @@ class ExpertSource:
         index_quantized_dense(self.index, m, used)
         self.expert_nbytes = parts_nbytes(self.parts)
         self.ffn = self._ffn(names, transposed=False, fused_quant=fused_any)
+
+    def _expert_method(self, names: WeightNames):
+        """The routed experts' method; for a shipped integer layout the one the config's rules give the
+        first expert's module (then also self.method and self.stored_method)."""
+        m = self.method
+        if isinstance(m, ShippedInt):  # the config's rules say which parameters the experts have
+            module = f"{self.moe_prefix(self.layers[0], names)}.experts.0.{names.expert_projs[0]}"
+            m = self.method = self.stored_method = m.method_for(module)
+            if m is None:
+                raise ConfigError(
+                    f"config.json: quantization_config leaves routed expert module {module} "
+                    "unquantized; unquantized experts in a quantized checkpoint are not supported"
+                )
+        return m
+
+    def _quantized_layer(
+        self, layer: int, names: WeightNames, shapes: dict, used: set[str]
+    ) -> tuple[tuple[Part, ...], bool]:
+        """`layer`'s experts' ranges and names recorded, the tensors read added to `used` -> (the layer's
+        parts, one dtype per part across its experts; whether it has the fused layout)."""
+        m, E = self.method, self.cfg.num_experts
+        parts: dict[str, Part] = {}
+        prefix = self.moe_prefix(layer, names)
+        primary = m.primary.removeprefix("weight")
+        fused = names.gate_up_interleaved or f"{prefix}.experts.gate_up_proj{primary}" in self.index
+        lm = self._layer_method(layer)
+        projs = (
+            (("gate_up", "gate_up_proj"), ("down", "down_proj"))
+            if fused
+            else tuple(zip(("gate", "up", "down"), names.expert_projs))
+        )
+        for j in range(E):
+            ranges = {}
+            for canon, proj in projs:
+                for key, spec in lm.layout(canon, shapes[canon]).items():
+                    name, t, shape, rng = self._quantized_tensor(lm, prefix, proj, key, j, fused)
+                    if not _fits(shape, t.dtype, spec):
+                        raise CheckpointError(
+                            f"{t.file.name}: tensor {name} is {t.dtype} {list(t.shape)}, but {m.name} experts "
+                            f"need {spec.dtype} {list(spec.shape)}{' per expert' if fused else ''}"
+                            f"{m.shape_hint(shapes[canon])}"
+                        )
+                    used.add(name)
+                    part = Part(key, spec.shape, t.dtype)
+                    if parts.setdefault(key, part) != part:
+                        raise CheckpointError(
+                            f"tensor {name}: {t.dtype} differs from other experts' {parts[key].dtype}"
+                        )
+                    ranges[key] = rng
+            self._ranges[layer, j] = ranges
+            self._names[layer, j] = (
+                f"{prefix}.experts.{{gate_up_proj,down_proj}}[{j}]"
+                if fused
+                else f"{prefix}.experts.{j}.{{{','.join(names.expert_projs)}}}"
+            )
+        if fused:
+            self._biases(layer, prefix)
+        elif self.cfg.expert_bias:
+            raise CheckpointError(
+                f"{self.index.model_dir}: missing tensor {prefix}.experts.gate_up_proj{primary} "
+                "(experts with biases are read from the fused layout only)"
+            )
+        return tuple(parts.values()), fused
+
+    def _quantized_tensor(self, lm, prefix: str, proj: str, key: str, j: int, fused: bool):
+        """Expert j's stored tensor of part `key` ("<canon>.<suffix>") of projection `proj`, under the
+        method's alias where the file uses it -> (name, info, expert j's shape, expert j's ranges)."""
+        suffix = key.split(".", 1)[1]
+        if not fused:
+            name = f"{prefix}.experts.{j}.{proj}.{suffix}"
+            if name not in self.index and suffix in lm.aliases:
+                name = f"{prefix}.experts.{j}.{proj}.{lm.aliases[suffix]}"
+            t = self.index.info(name)
+            return name, t, t.shape, [(t.file, t.offset, t.nbytes)]
+        # experts.{proj}{suffix without "weight"} [E, ...], slice j
+        E = self.cfg.num_experts
+        name = f"{prefix}.experts.{proj}{suffix.removeprefix('weight')}"
+        if name not in self.index and suffix in lm.aliases:
+            name = f"{prefix}.experts.{proj}{lm.aliases[suffix].removeprefix('weight')}"
+        t = self.index.info(name)
+        shape, rng = t.shape[1:], _entry(t, j, E)
+        if t.shape[0] != E:
+            raise CheckpointError(
+                f"{t.file.name}: tensor {name} has {t.shape[0]} experts, config.json says {E}"
+            )
+        return name, t, shape, rng
 
     def _tier_types(self, per_layer: list[tuple[Part, ...]], shapes: dict) -> None:
         """Experts of a type no kernel reads (GGUF's Q2_K, Q3_K, IQ2/IQ3, Q4_1 ...): the tiers hold the

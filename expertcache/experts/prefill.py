@@ -12,6 +12,8 @@ Shape legend:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -140,25 +142,47 @@ def prefill_moe(
         out is None or (out.dtype == torch.float32 and out.is_contiguous())
     )
 
-    def probe():
-        one = {n: t[:1] for n, t in pool.items()}  # slot 0, as a pool of one
-        w0 = {n: t[0] for n, t in pool.items()}
-        xs = {n: torch.randn(n, H) for n in prefill_gemm.PROBE_T}
-        route = {n: (torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)) for n in prefill_gemm.PROBE_T}
-        base = (
-            (lambda n: kernels.moe_out(xs[n], *route[n], one, method, ffn))
-            if on_kernel
-            else (lambda n: expert_ffn(xs[n], w0, method, ffn))
-        )
-        if threaded:
-            yes = torch.ones(1, dtype=torch.bool)
-            return base, (lambda n: pool_experts(xs[n], *route[n], one, yes, ffn, torch.zeros(n, H)))
-        return base, (lambda n: bf16_expert(xs[n], w0, method, ffn))
-
+    probe = partial(_probe, pool, method, ffn, H, on_kernel, threaded)
     cross = prefill_gemm.crossover("expert" if on_kernel else "expert-torch", fmt, I, H, probe)
     big = (counts >= max(cross, prefill_gemm.MIN_T)).nonzero().flatten()
     if big.numel() == 0:
         return None
+    out = _matmul_experts(x, slots, weights, pool, method, ffn, big, threaded, out)
+    prefill_gemm.CALLS["expert"] += big.numel()
+    return out, slots.masked_fill(torch.isin(slots, big), -1)
+
+
+def _probe(pool: dict[str, torch.Tensor], method, ffn, H: int, on_kernel: bool, threaded: bool) -> tuple:
+    """The crossover's probe for a pool: (the caller's path, the matmul path), each a function of n tokens
+    (prefill_gemm.PROBE_T) routed to slot 0 as a pool of one."""
+    one = {n: t[:1] for n, t in pool.items()}  # slot 0, as a pool of one
+    w0 = {n: t[0] for n, t in pool.items()}
+    xs = {n: torch.randn(n, H) for n in prefill_gemm.PROBE_T}
+    route = {n: (torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)) for n in prefill_gemm.PROBE_T}
+    base = (
+        (lambda n: kernels.moe_out(xs[n], *route[n], one, method, ffn))
+        if on_kernel
+        else (lambda n: expert_ffn(xs[n], w0, method, ffn))
+    )
+    if threaded:
+        yes = torch.ones(1, dtype=torch.bool)
+        return base, (lambda n: pool_experts(xs[n], *route[n], one, yes, ffn, torch.zeros(n, H)))
+    return base, (lambda n: bf16_expert(xs[n], w0, method, ffn))
+
+
+def _matmul_experts(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    method,
+    ffn,
+    big: torch.Tensor,
+    threaded: bool,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """out (a new zeroed one where None) += the experts of the slots `big` for their pairs on the bf16
+    matmul: on the kernels' threads where `threaded`, else one expert at a time here."""
     if out is None:
         out = torch.zeros_like(x)
     if threaded:
@@ -170,5 +194,4 @@ def prefill_moe(
             tok, k = (slots == s).nonzero(as_tuple=True)
             y = bf16_expert(x[tok], {n: t[s] for n, t in pool.items()}, method, ffn)
             out.index_put_((tok,), y * weights[tok, k, None].float(), accumulate=True)
-    prefill_gemm.CALLS["expert"] += big.numel()
-    return out, slots.masked_fill(torch.isin(slots, big), -1)
+    return out

@@ -91,6 +91,33 @@ class GGUFTokenizer(NamedTuple):
 
 
 def build_tokenizer(path: Path, meta: dict) -> GGUFTokenizer:
+    """The Tokenizer a GGUF file's metadata describes: checked, then its BPE model, its pre-tokenizer
+    and decoder, its added tokens, and its bos/eos template, in that order."""
+    pre = _pre(path, meta)
+    tokens, types = _tokens(path, meta)
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    merges = _merges(path, meta, vocab)
+    tok = HFTokenizer(
+        models.BPE(vocab, merges, ignore_merges=pre.ignore_merges, fuse_unk=False, byte_fallback=False)
+    )
+    if pre.nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in pre.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    _add_tokens(tok, tokens, types)
+    bos, eos = _piece(meta, tokens, "bos"), _piece(meta, tokens, "eos")
+    _add_template(tok, meta, vocab, bos, eos)
+    config = {"bos_token": bos, "eos_token": eos, "chat_template": meta.get("tokenizer.chat_template")}
+    return GGUFTokenizer(tok, config)
+
+
+def _pre(path: Path, meta: dict) -> Pre:
+    """The pre-tokenizer `tokenizer.ggml.pre` names; a tokenizer other than byte-level BPE refused."""
     model = meta.get("tokenizer.ggml.model")
     if model is None or "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model/tokens)")
@@ -105,32 +132,33 @@ def build_tokenizer(path: Path, meta: dict) -> GGUFTokenizer:
             f"{path}: tokenizer.ggml.pre {pre_name!r} is not supported (supported: "
             f"{', '.join(sorted(PRE))}); pass a tokenizer.json directory instead"
         )
-    pre = PRE[pre_name]
+    return PRE[pre_name]
+
+
+def _tokens(path: Path, meta: dict) -> tuple[list[str], list[int]]:
+    """Every id's piece and its token type (NORMAL where the file gives none), one each."""
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise CheckpointError(
             f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
         )
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
+    return tokens, types
+
+
+def _merges(path: Path, meta: dict, vocab: dict[str, int]) -> list[tuple[str, ...]]:
+    """The merges in rank order, each two pieces of the vocabulary."""
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     bad = next((m for m in merges if len(m) != 2 or m[0] not in vocab or m[1] not in vocab), None)
     if bad is not None:
         raise CheckpointError(
             f"{path}: tokenizer.ggml.merges holds {' '.join(bad)!r}, not two tokens of the vocabulary"
         )
-    tok = HFTokenizer(
-        models.BPE(vocab, merges, ignore_merges=pre.ignore_merges, fuse_unk=False, byte_fallback=False)
-    )
-    if pre.nfc:
-        tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in pre.regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)]
-    )
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    return merges
+
+
+def _add_tokens(tok: HFTokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens added as special tokens, user-defined ones as added tokens not special."""
     added = [
         AddedToken(t, special=ty == CONTROL, normalized=False)
         for t, ty in zip(tokens, types)
@@ -139,11 +167,17 @@ def build_tokenizer(path: Path, meta: dict) -> GGUFTokenizer:
     tok.add_special_tokens([a for a in added if a.special])
     tok.add_tokens([a for a in added if not a.special])
 
-    def piece(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
-    bos, eos = piece("bos"), piece("eos")
+def _piece(meta: dict, tokens: list[str], key: str) -> str | None:
+    """The piece of `tokenizer.ggml.<key>_token_id`, None where it is absent or out of range."""
+    i = meta.get(f"tokenizer.ggml.{key}_token_id")
+    return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+
+def _add_template(
+    tok: HFTokenizer, meta: dict, vocab: dict[str, int], bos: str | None, eos: str | None
+) -> None:
+    """The post-processor that adds bos/eos where `add_bos_token`/`add_eos_token` ask for them."""
     specials, single = [], "$A"
     if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
         specials.append((bos, vocab[bos]))
@@ -153,5 +187,3 @@ def build_tokenizer(path: Path, meta: dict) -> GGUFTokenizer:
         single = f"{single} {eos}"
     if specials:
         tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
-    config = {"bos_token": bos, "eos_token": eos, "chat_template": meta.get("tokenizer.chat_template")}
-    return GGUFTokenizer(tok, config)

@@ -160,58 +160,76 @@ class Attention:
 
     def _sequence(self, q, b: int, start: int, n: int, batch: AttnBatch, k_cache, v_cache) -> torch.Tensor:
         """One sequence's n new queries q [n, h, D] at positions start.. over its own keys, sliced to what
-        they can see (the window's start on; through the block table, no padded gather) -> [n, h, D].
-        Without a window band or sinks: no mask (one query), SDPA's causal flag (a prompt's first chunk)
-        or its lower-right CausalBias (a chunk after cached tokens), never a mask tensor, with the grouped
-        KV heads as stored (enable_gqa): flash attention takes it on a GPU. Else a boolean
-        (sinks: additive) mask in the compute dtype, K/V expanded per query head in that dtype (the
-        memory-efficient backend takes masks but not grouped heads), queries in chunks whose mask stays
-        within ATTN_MASK_BYTES: never the float32 math backend's [B, h, Q, L] scores."""
+        they can see (the window's start on; through the block table, no padded gather) -> [n, h, D]:
+        without a window band or sinks `_unmasked` (no mask tensor), else `_masked`."""
         L = start + n
         lo = max(0, start - self.window + 1) if self.window else 0  # the first key any query sees
+        keys, vals = self._context(b, lo, L, batch, k_cache, v_cache, q.dtype)
+        qs = q.transpose(0, 1).unsqueeze(0)  # [1, h, n, D]
+        if self.sinks is None and (not self.window or n == 1 or L <= self.window):  # no band to mask
+            return self._unmasked(qs, keys, vals)
+        return self._masked(qs, keys, vals, start, lo)
+
+    def _context(self, b: int, lo: int, L: int, batch: AttnBatch, k_cache, v_cache, dtype):
+        """Sequence b's keys and values at positions lo..L-1, read through its block table and cast to
+        dtype -> ([1, g, L - lo, D], [1, g, L - lo, D])."""
         bs = k_cache.shape[1]
         blocks = batch.block_tables[b, lo // bs : -(-L // bs)]
         cut = slice(lo - lo // bs * bs, L - lo // bs * bs)
 
         def ctx(cache):  # [1, g, Lk, D]
-            return cache[blocks].view(-1, self.g, self.d)[cut].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            return cache[blocks].view(-1, self.g, self.d)[cut].transpose(0, 1).unsqueeze(0).to(dtype)
 
-        keys, vals, qs = ctx(k_cache), ctx(v_cache), q.transpose(0, 1).unsqueeze(0)  # qs [1, h, n, D]
-        Lk = L - lo
-        if self.sinks is None and (not self.window or n == 1 or L <= self.window):  # no band to mask
-            # one query sees every key; n == Lk: SDPA's (top-left) causal flag is the lower-right one
-            mask = None
-            if n > 1 and n != Lk:  # imported here: the module pulls in torch._dynamo (and triton) at import
-                from torch.nn.attention.bias import causal_lower_right
+        return ctx(k_cache), ctx(v_cache)
 
-                mask = causal_lower_right(n, Lk)
-            o = F.scaled_dot_product_attention(
-                qs,
-                keys,
-                vals,
-                attn_mask=mask,
-                is_causal=n > 1 and n == Lk,
-                scale=self.scale,
-                enable_gqa=self.g != self.h,
-            )
-            return o[0].transpose(0, 1)
+    def _unmasked(self, qs, keys, vals) -> torch.Tensor:
+        """qs [1, h, n, D] over keys/vals [1, g, Lk, D] that every query may see up to its own position
+        -> [n, h, D]. No mask (one query), SDPA's causal flag (a prompt's first chunk) or its lower-right
+        CausalBias (a chunk after cached tokens), never a mask tensor, with the grouped KV heads as
+        stored (enable_gqa): flash attention takes it on a GPU."""
+        n, Lk = qs.shape[2], keys.shape[2]
+        # one query sees every key; n == Lk: SDPA's (top-left) causal flag is the lower-right one
+        mask = None
+        if n > 1 and n != Lk:  # imported here: the module pulls in torch._dynamo (and triton) at import
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(n, Lk)
+        o = F.scaled_dot_product_attention(
+            qs,
+            keys,
+            vals,
+            attn_mask=mask,
+            is_causal=n > 1 and n == Lk,
+            scale=self.scale,
+            enable_gqa=self.g != self.h,
+        )
+        return o[0].transpose(0, 1)
+
+    def _masked(self, qs, keys, vals, start: int, lo: int) -> torch.Tensor:
+        """qs [1, h, n, D] at positions start.. over keys/vals [1, g, Lk, D] at lo.. under a window band
+        or sinks -> [n, h, D]. A boolean (sinks: additive) mask in the compute dtype, K/V expanded per
+        query head in that dtype (the memory-efficient backend takes masks but not grouped heads),
+        queries in chunks whose mask stays within ATTN_MASK_BYTES: never the float32 math backend's
+        [B, h, Q, L] scores."""
+        n, Lk = qs.shape[2], keys.shape[2]
+        L = lo + Lk
         if self.g != self.h:
             keys, vals = (t.repeat_interleave(self.h // self.g, dim=1) for t in (keys, vals))
         if self.sinks is not None:
             keys, vals = F.pad(keys, (0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 1))
         heads = self.h if self.sinks is not None else 1
-        step = max(1, ATTN_MASK_BYTES // max(1, heads * (Lk + 1) * q.element_size()))
-        kpos = torch.arange(lo, L, device=q.device)
+        step = max(1, ATTN_MASK_BYTES // max(1, heads * (Lk + 1) * qs.element_size()))
+        kpos = torch.arange(lo, L, device=qs.device)
         out = []
         for a in range(0, n, step):
-            qpos = torch.arange(start + a, start + min(n, a + step), device=q.device)[:, None]
+            qpos = torch.arange(start + a, start + min(n, a + step), device=qs.device)[:, None]
             mask = kpos <= qpos
             if self.window:
                 mask &= kpos > qpos - self.window
             if self.sinks is not None:
-                bias = torch.zeros(1, self.h, qpos.shape[0], Lk + 1, dtype=q.dtype, device=q.device)
+                bias = torch.zeros(1, self.h, qpos.shape[0], Lk + 1, dtype=qs.dtype, device=qs.device)
                 bias[..., :Lk].masked_fill_(~mask, float("-inf"))
-                bias[..., Lk] = self.sinks.to(q.dtype)[None, :, None]
+                bias[..., Lk] = self.sinks.to(qs.dtype)[None, :, None]
                 mask = bias
             out.append(
                 F.scaled_dot_product_attention(
