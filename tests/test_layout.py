@@ -293,10 +293,9 @@ def test_the_checks_see_what_they_look_for(tmp_path, monkeypatch):
 LONG_FUNCTION = 60  # physical lines, decorators and docstring included (as formatted by ruff format)
 LONG_FUNCTIONS_GOAL = 6  # issue #38's goal for the whole package
 # A ratchet: today's count, lowered as long functions are split; a change that adds one fails here.
-# The ones left (all in experts/):
-# experts/manager.TieredExperts.__init__, experts/schedule.ScheduleBuilder.layer,
+# The ones left (all in experts/): experts/schedule.ScheduleBuilder.layer,
 # experts/planner.StepPlanner (plan_step, plan_prefetch), experts/build.build_expert_cache.
-LONG_FUNCTIONS_NOW = 5
+LONG_FUNCTIONS_NOW = 4
 
 
 def long_functions(root: Path, least: int = LONG_FUNCTION) -> list[tuple[int, str]]:
