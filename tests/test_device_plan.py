@@ -448,7 +448,9 @@ def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
 
 def test_ledger_cap_names_the_term():
     ledger = devmem.Ledger(torch.device("cpu"), cap=1000)
-    ledger.alloc((100,), torch.float32, "kv_cache")
+    kv = ledger.alloc(
+        (100,), torch.float32, "kv_cache"
+    )  # held: a freed block's address could be reused by `a`
     a = torch.zeros(100)
     assert ledger.charge("dense", [a, a[10:], {"x": a}]) == 400  # one storage, counted once
     with pytest.raises(
@@ -456,6 +458,7 @@ def test_ledger_cap_names_the_term():
     ):
         ledger.alloc((100,), torch.float32, "expert_slots")
     assert ledger.terms == {"kv_cache": 400, "dense": 400}
+    del kv
 
 
 @pytest.mark.gpu
