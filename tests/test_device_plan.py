@@ -448,9 +448,8 @@ def test_too_small_cap_reads_nothing(case, checkpoint, monkeypatch):
 
 def test_ledger_cap_names_the_term():
     ledger = devmem.Ledger(torch.device("cpu"), cap=1000)
-    kv = ledger.alloc(
-        (100,), torch.float32, "kv_cache"
-    )  # held: a freed block's address could be reused by `a`
+    # held: a freed block's address could be reused by `a` below
+    kv = ledger.alloc((100,), torch.float32, "kv_cache")
     a = torch.zeros(100)
     assert ledger.charge("dense", [a, a[10:], {"x": a}]) == 400  # one storage, counted once
     with pytest.raises(
