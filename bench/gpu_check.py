@@ -38,7 +38,7 @@ Lines: `gpu_check config=NAME routing=R key=value ...` (an `error="..."` line wh
 `skipped="deadline"` when `--deadline` seconds would be passed). `--results DIR`: only a summary goes
 there (summary.txt: every gpu_check line, appended to; child-logs.txt: the tail of each log in OUT/logs; the junit files).
 `--tests-only`: the pytest runs only.
-`--quick`: tests/test_gpu.py and the Triton tests only, 6 layers, 16 tokens, recorded routing only, no
+`--quick`: tests/engine/test_gpu.py and the Triton tests only, 6 layers, 16 tokens, recorded routing only, no
 cpu-compute-off or torch-moe.
 """
 
@@ -67,15 +67,15 @@ CONFIGS = ("resident", *CACHED)
 ROUTINGS = ("recorded", "random")
 LINE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 MARGIN = 256 << 20  # above the device plan less its CUDA context (which the allocator cap does not limit)
-TRITON_TEST_FILES = ("tests/test_triton_moe.py",)  # test_triton_models.py needs the interpreter
+TRITON_TEST_FILES = ("tests/kernels/test_triton_moe.py",)  # test_triton_models.py needs the interpreter
 LOG_TAIL = 4000  # characters of each log in the results folder's child-logs.txt
 
 
 def gpu_test_files(root: Path = ROOT) -> list[str]:
     """Every tests/ file with a `gpu`-marked test (`mark.gpu` in its text), sorted."""
     return sorted(
-        f"tests/{f.name}"
-        for f in (root / "tests").glob("test_*.py")
+        f.relative_to(root).as_posix()
+        for f in (root / "tests").rglob("test_*.py")
         if re.search(r"\bmark\.gpu\b", f.read_text(errors="replace"))
     )
 
@@ -361,7 +361,7 @@ def run_tests(args, report: Report) -> None:
         return
     env = dict(os.environ, TRITON_INTERPRET="0")  # compiled for the device; no test module turns it on here
     timeout = ["--timeout", str(args.test_timeout // 2)] if _has_pytest_timeout() else []
-    files = ["tests/test_gpu.py"] if args.quick else gpu_test_files()
+    files = ["tests/engine/test_gpu.py"] if args.quick else gpu_test_files()
     pytest_run(args, report, "gpu-marked", ["-m", "gpu", *timeout], files, env)
     pytest_run(args, report, "triton-compiled", timeout, list(TRITON_TEST_FILES), env)
 

@@ -294,7 +294,7 @@ FLAG_KEYWORDS = {
 
 def engine_flags() -> list[str]:
     """The dests of add_engine_args' flags that are engine options (config.EngineConfig keywords, after
-    FLAG_KEYWORDS): tests/test_cli_errors.py checks them against EngineConfig.keywords()."""
+    FLAG_KEYWORDS): tests/cli/test_cli_errors.py checks them against EngineConfig.keywords()."""
     p = argparse.ArgumentParser(add_help=False)
     add_engine_args(p)
     dests = dict.fromkeys(a.dest for a in p._actions)

@@ -24,9 +24,13 @@ if not torch.cuda.is_available():
 # math, so its default is exact (tests of the fast math and of the default itself say so explicitly).
 os.environ.setdefault("EXPERTCACHE_CPU_MATH", "exact")
 
+# Shared builders (checkpoints.py, gguf_files.py, ...) live in tests/, the tests in a folder per package;
+# a test module may also share helpers by module name with one in another folder (test_kernels' routing,
+# test_quant_checkpoints' writers), so every folder is importable (test file names are unique).
 TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
+for _d in [TESTS_DIR, *sorted(p for p in TESTS_DIR.iterdir() if p.is_dir() and any(p.glob("test_*.py")))]:
+    if str(_d) not in sys.path:
+        sys.path.insert(0, str(_d))
 
 import checkpoints  # noqa: E402
 from fixture_paths import QWEN3_TOKENIZER_DIR  # noqa: E402
@@ -128,7 +132,7 @@ def cache_checkpoint(checkpoint) -> Path:
 @pytest.fixture(autouse=True)
 def _kernels_path_at_prefill(request):
     """The fast math's prefill matmul path is taken above a crossover measured on the machine (timing):
-    outside tests/test_prefill_gemm.py, which sets its crossovers itself, every weight stays on the C++
+    outside tests/kernels/test_prefill_gemm.py, which sets its crossovers itself, every weight stays on the C++
     kernels so no test's path depends on the machine's speed."""
     if request.node.path.name == "test_prefill_gemm.py":
         yield

@@ -1,5 +1,5 @@
 """The cache policies as they were before their decisions moved to heaps of plain Python values (numpy
-scans of the slots per victim, ghost SlotTables for adaptive): the reference tests/test_policy.py
+scans of the slots per victim, ghost SlotTables for adaptive): the reference tests/experts/test_policy.py
 compares the registry's decisions with, one for one. Not imported by the package.
 
 Eviction policies for one layer's expert slots, chosen by name from a registry.

@@ -764,7 +764,7 @@ def native_core(policy: Policy):
 
 class NativePolicy(Policy):
     """A registry policy whose decisions the C++ core makes (`native_core`): the same placements,
-    victims and refusals as the Python policy (tests/test_planner.py), at a fraction of the
+    victims and refusals as the Python policy (tests/experts/test_planner.py), at a fraction of the
     host time. The SlotTable calls reach the core one by one; StepPlanner.plan_step hands it a whole
     layer step in one call (`core.step`). `name` is the Python policy's."""
 

@@ -32,7 +32,7 @@ moe op reading the host slot. Exclusive tiers: a demotion copies a device slot b
 slot before the fill that evicted it overwrites the device slot (the fill waits for it, as for any
 reader of its slot).
 
-Rules (tests/test_schedule.py asserts each, `check_rules` states them):
+Rules (tests/experts/test_schedule.py asserts each, `check_rules` states them):
 1. the CPU job never waits for the device's compute (only for its rows copy and its host bytes);
 2. a write into device slot s waits for the last reader of s (a per-slot event) and its last
    writer, never for a whole queue;

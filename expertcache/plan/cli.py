@@ -137,7 +137,7 @@ def _profile(spec: str | None, device: str, model_dir):
 
 
 def build_report(args: argparse.Namespace) -> dict:
-    """Everything `plan` prints, as a JSON-ready dict (keys documented by tests/test_plan.py)."""
+    """Everything `plan` prints, as a JSON-ready dict (keys documented by tests/build/test_plan.py)."""
     from ..engine.kv_cache import default_max_model_len
     from .model import device_plan, model_sizes, read_model
 

@@ -3,8 +3,8 @@
 Everything here comes from config.json and the safetensors headers (TensorIndex,
 ExpertSource): no weight byte is read. `device_plan` is the engine's own plan
 (build/plan.py plan_device, which build_engine calls), so the terms, slot counts and the dense
-figure are the ones the engine allocates; tests/test_plan.py checks the printed lines against a
-real LLM's and tests/test_device_plan.py the bytes against what the engine allocates.
+figure are the ones the engine allocates; tests/build/test_plan.py checks the printed lines against a
+real LLM's and tests/build/test_device_plan.py the bytes against what the engine allocates.
 """
 
 from __future__ import annotations

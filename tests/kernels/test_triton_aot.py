@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 from expertcache.kernels import triton_aot  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAS_PTXAS = (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 pytestmark = pytest.mark.skipif(not HAS_PTXAS, reason="the triton wheel ships no ptxas here")
 

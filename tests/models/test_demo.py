@@ -28,7 +28,7 @@ SMALL = dict(
     head_dim=32,
     num_shards=2,
 )
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERT_RE = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 
 

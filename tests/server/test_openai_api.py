@@ -520,7 +520,7 @@ def test_langchain_bind_tools_and_structured_output(url):
     assert isinstance(got, Verdict) and 0 <= got.score <= 9
 
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.mark.slow  # importing lm-eval (datasets, evaluate, ...) takes most of its time

@@ -16,7 +16,7 @@ import pytest
 
 from expertcache import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "dumb"}
 N = 6
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SOAK = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
+SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_check  # noqa: E402
@@ -303,11 +303,11 @@ def test_the_memory_cap_gets_a_device_index(monkeypatch):
 def test_every_gpu_marked_file_is_run():
     files = gpu_check.gpu_test_files()
     for f in (
-        "tests/test_gpu.py",
-        "tests/test_executor.py",
-        "tests/test_device_plan.py",
-        "tests/test_cost_model.py",
-        "tests/test_families.py",
+        "tests/engine/test_gpu.py",
+        "tests/experts/test_executor.py",
+        "tests/build/test_device_plan.py",
+        "tests/build/test_cost_model.py",
+        "tests/models/test_families.py",
     ):
         assert f in files
     assert all((ROOT / f).exists() for f in files)
@@ -319,7 +319,7 @@ def test_with_a_cuda_device_the_triton_tests_compile_rather_than_interpret(tmp_p
     env = device_like_env(tmp_path, "import torch\ntorch.cuda.is_available = lambda: True\n")
     env.pop("TRITON_INTERPRET", None)
     code = (
-        "import os, sys; sys.path.insert(0, 'tests'); import test_triton_moe as t; "
+        "import os, sys; sys.path.insert(0, 'tests/kernels'); import test_triton_moe as t; "
         "from expertcache.kernels import triton_moe; "
         "print(os.environ.get('TRITON_INTERPRET'), triton_moe.interpreted(), t.DEV)"
     )

@@ -4,7 +4,7 @@ to bf16, int8 weights against activations quantized to int8 per block of 64.
 References are float64 sums over activations rounded by torch (tests/kernel_refs.py: x.bfloat16(); per-64
 blocks with scale max|x| / 127 and round-half-even), so a kernel may differ from them only by float32
 summation.
-Every other format but mxfp4 (tests/test_kernels_mxfp4.py) must give the exact math's result bit for bit.
+Every other format but mxfp4 (tests/kernels/test_kernels_mxfp4.py) must give the exact math's result bit for bit.
 Skipped on a CPU without AVX-512 BF16/VNNI, where `cpu_math='fast'` is refused (tested with the support check forced off).
 """
 
@@ -68,7 +68,7 @@ def _without_fast_kernel(fmt: str, params: dict) -> bool:
 )
 def test_formats_without_a_fast_kernel_stay_exact(fmt, params):
     """fp16/fp32/fp8/int4, and int8 whose groups do not hold whole blocks of 64, compute exactly (bf16,
-    int8 by 64 and mxfp4 have fast kernels: the tests above and tests/test_kernels_mxfp4.py)."""
+    int8 by 64 and mxfp4 have fast kernels: the tests above and tests/kernels/test_kernels_mxfp4.py)."""
     n, k = (37, 352) if fmt == "mxfp4" else (37, 330)
     m, pool, _ = _packed(fmt, params, n, k)
     spec = quant_spec(m, pool, "p", n, k)

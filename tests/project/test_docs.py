@@ -11,7 +11,7 @@ import pytest
 
 from expertcache.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 

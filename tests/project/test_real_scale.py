@@ -14,7 +14,7 @@ import torch
 
 from expertcache import LLM, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import real_scale as R  # noqa: E402
 
 TOY = {

@@ -15,7 +15,7 @@ from gguf_files import tokenizer_metadata, write_gguf
 from expertcache.engine.tokenizer import Tokenizer, load_tokenizer
 from expertcache.errors import CheckpointError
 
-DEMO = Path(__file__).parent.parent / "expertcache" / "demo_model"
+DEMO = Path(__file__).resolve().parents[2] / "expertcache" / "demo_model"
 TEXT = (
     "Hello, world! It's 2026: café naïve résumé — 12345 + 678 = 13023.\n\n  Indented\tTab\r\n"
     "日本語のテキストと中文文本，한국어 텍스트. Привет, мир! مرحبا بالعالم. Γειά σου. 🙂👍🏽 "

@@ -1,5 +1,5 @@
 """int4 (zero points, groups a multiple of 32) on the AVX-512 4-bit kernels (csrc/nibble_kernels.cpp)
-and on the AVX2 fallback, against float64 references, as tests/test_kernels_mxfp4.py does for MXFP4:
+and on the AVX2 fallback, against float64 references, as tests/kernels/test_kernels_mxfp4.py does for MXFP4:
 
 - y = x W^T for groups of 32, 64, 96 (not a power of two), 128 and one group per row, N odd, K not a
   multiple of the group or of 128, T in {1, 2, 7, 16, 64, 300}, both CPU maths, dispatched and fallback;

@@ -33,7 +33,7 @@ def _slot_checks_read_safetensors(monkeypatch):
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEQ = [(i * 29 + 7) % 300 + 3 for i in range(40)]
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [100, 101, 102], [9] * 20]
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 # 16 experts (4 groups of 4 where the family groups), 3 layers with a dense first one, bf16 storage
 CACHE_CASES = {

@@ -8,7 +8,7 @@ and that logits and greedy tokens equal the fully resident model's. No `verify=T
 would serialise the streams whose concurrency these cases test); slot contents are checked against the
 checkpoint once at the end, after everything landed.
 
-Marked `gpu`: skipped without CUDA (conftest.py). `python -m pytest -q -m gpu tests/test_gpu.py`."""
+Marked `gpu`: skipped without CUDA (conftest.py). `python -m pytest -q -m gpu tests/engine/test_gpu.py`."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from collections import defaultdict
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "expertcache"
 STRUCTURE = ROOT / "docs" / "structure.md"
 

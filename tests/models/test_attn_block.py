@@ -32,7 +32,7 @@ from expertcache.layers import block as block_mod
 @pytest.fixture(autouse=True)
 def _no_prefill_gemm():
     """The block declines a fast-math prefill step the bf16 matmul may take (kernels.prefill_step); these
-    tests are about the block, so that path is off here (tests/test_prefill_gemm.py tests it)."""
+    tests are about the block, so that path is off here (tests/kernels/test_prefill_gemm.py tests it)."""
     saved = kernels.prefill_gemm.enabled()
     kernels.prefill_gemm.enable(False)
     yield

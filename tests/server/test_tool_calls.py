@@ -178,7 +178,7 @@ def test_forcing_grammar_accepts_the_canned_call(fmt, qwen3_llm):
 
 
 def test_real_templates_detect_their_format(qwen3_tokenizer_dir):
-    fixtures = Path(__file__).resolve().parent / "fixtures"
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
     assert isinstance(format_for((fixtures / "gpt_oss_chat_template.jinja").read_text()), HarmonyFormat)
     assert isinstance(format_for((fixtures / "deepseek_v3_chat_template.jinja").read_text()), DeepSeekFormat)
     qwen3 = json.loads((qwen3_tokenizer_dir / "tokenizer_config.json").read_text())["chat_template"]

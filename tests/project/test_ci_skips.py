@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CHECK = Path(__file__).resolve().parents[1] / ".ci" / "check_skips.py"
+CHECK = Path(__file__).resolve().parents[2] / ".ci" / "check_skips.py"
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.test_a" name="test_ok" time="0.1"/>
