@@ -710,7 +710,7 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
             f"{tag} part=resident cpu_math={math[engine]}",
             {"llama.cpp": res["llama.cpp"], engine: res[engine]},
             limits,
-            f" share_of_round_limit_median={statistics.median(shares):.0%} "
+            f" {tg}_share_of_round_limit_median={statistics.median(shares):.0%} "
             f"({shares[0]:.0%}-{shares[-1]:.0%})",
         )
 
