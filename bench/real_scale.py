@@ -661,6 +661,7 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
     bws = []
     bpt: dict[str, float] = {}  # engine -> GB read per decode token
     math: dict[str, str] = {}  # engine -> the CPU math it ran (auto resolved)
+    held: dict[str, str] = {}  # engine -> resident (every expert in RAM) or CACHED (the budget held fewer)
     try:
         for r in range(args.rounds):
             bws.append(read_bandwidth())
@@ -674,6 +675,7 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
                     w = workers[engine] if not fresh else start(*names[engine])
                     bpt[engine] = w.info["bytes_per_token"] / 1e9
                     math[engine] = w.info.get("cpu_math", names[engine][0])
+                    held[engine] = "resident" if w.info.get("experts_resident", True) else "CACHED"
                     t2 = time.perf_counter()
                     got = {}
                     for i, n in enumerate(args.prompts):  # decode after the first prompt
@@ -689,7 +691,7 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
                 if engine != "llama.cpp":
                     lim = bws[-1] / bpt[engine]
                     share = (
-                        f" cpu_math={math[engine]} round_limit_tok_s={lim:.2f} ({bpt[engine]:.3f} GB/token x "
+                        f" cpu_math={math[engine]} experts={held[engine]} round_limit_tok_s={lim:.2f} ({bpt[engine]:.3f} GB/token x "
                         f"{bws[-1]:.1f} GB/s) share_of_round_limit={got[f'tg{args.gen}'] / lim:.0%}"
                     )
                 print(
@@ -703,6 +705,12 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
             w.close()
     tg = f"tg{args.gen}"
     bw = statistics.median(bws)
+    for engine in (e for e, h in held.items() if h != "resident"):
+        print(
+            f"note: engine={engine} held fewer than every expert in RAM (the auto budget is half of "
+            "MemAvailable at its start): its figures are not resident ones",
+            flush=True,
+        )
     for engine in names:
         shares = sorted(e[tg] * bpt[engine] / b for e, b in zip(res[engine], bws))
         limits = {tg: (bw / bpt[engine], f"{bpt[engine]:.3f} GB per token x read {bw:.1f} GB/s")}

@@ -179,7 +179,8 @@ def test_resident_part_gives_each_source_its_own_engine_and_limit(tmp_path, monk
         def __init__(self, model, prompt, gen, threads, options, warm=()):
             started.append((Path(model), options["cpu_math"]))
             gb = 2.0 if Path(model).suffix == ".gguf" else 4.0
-            self.info = {"bytes_per_token": gb * 1e9, "cpu_math": "fast"}
+            resident = Path(model).suffix != ".gguf"  # as if the budget held fewer of the GGUF's experts
+            self.info = {"bytes_per_token": gb * 1e9, "cpu_math": "fast", "experts_resident": resident}
             self.tg = 1.0 if Path(model).suffix == ".gguf" else 2.0
 
         def measure(self, prompt, gen):
@@ -214,3 +215,10 @@ def test_resident_part_gives_each_source_its_own_engine_and_limit(tmp_path, monk
     )
     assert summary["auto:gguf"]["cpu_math"] == "fast"  # the math the engine resolved auto to
     assert "weights_GB=0.00" in out[0] and "safetensors, gguf" in out[0]
+    held = {
+        f["engine"]: f["experts"] for f, x in zip(fields, out) if x.startswith("round:") and "experts" in f
+    }
+    assert held == {"auto:safetensors": "resident", "auto:gguf": "CACHED"}
+    assert [x for x in out if x.startswith("note:")] == [
+        next(x for x in out if x.startswith("note: engine=auto:gguf held fewer"))
+    ]
