@@ -812,9 +812,11 @@ def cgroup_part(args, tag: str, sources: dict[str, Path], bindir: Path) -> None:
                 )
         for n in names:
             d, dpt = statistics.median(disks[n]), statistics.median(disk_per_token[n]) / 1e9
-            limits = {
-                test: (d / 1e3 / dpt, f"{dpt:.3f} GB read from disk per token x disk {d:.0f} MB/s O_DIRECT")
-            }
+            limits = (
+                {test: (d / 1e3 / dpt, f"{dpt:.3f} GB read from disk per token x disk {d:.0f} MB/s O_DIRECT")}
+                if dpt > 0
+                else {}  # nothing read from disk: the limit held every expert, no disk limit to name
+            )
             summarize(tag, {"llama.cpp": res["llama.cpp"], n: res[n]}, limits)
     except RuntimeError as e:  # a worker died (the memory limit)
         print(f"cgroup: expertcache failed: {e} (-9: killed by the memory limit)", flush=True)
