@@ -4,6 +4,7 @@ line against hand-computed figures. No llama.cpp here: the benchmark itself is n
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -222,3 +223,37 @@ def test_resident_part_gives_each_source_its_own_engine_and_limit(tmp_path, monk
     assert [x for x in out if x.startswith("note:")] == [
         next(x for x in out if x.startswith("note: engine=auto:gguf held fewer"))
     ]
+
+
+def test_worker_on_a_gguf_file_counts_the_files_bytes_per_token(tmp_path):
+    """The limit beside an `auto:gguf` figure is the worker's bytes per token: for a GGUF source they must
+    be the file's own (top_k of E experts per layer, the attention, the router, the output matrix), counted
+    here independently by the `gguf` package's reader."""
+    gguf = pytest.importorskip("gguf")
+    from gguf_files import default_types, gguf_names, qwen3moe_metadata, tokenizer_metadata, write_gguf
+    from llama_cpp_bench import Worker
+
+    # the worker's prompts are token ids up to 2000 and its context at least 512
+    ckpt = C.make_checkpoint(tmp_path, "qwen3_moe", name="q", max_position_embeddings=1024, vocab_size=2048)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    meta = qwen3moe_metadata(cfg) + tokenizer_metadata(
+        ckpt / "tokenizer.json", "qwen2", cfg["vocab_size"], eos="<|im_end|>"
+    )
+    path = write_gguf(
+        tmp_path / "m.gguf", "qwen3moe", gguf_names(C.read_tensors(ckpt)), meta, default_types("Q8_0", "F32")
+    )
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    read = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_gate_inp")
+    expected = (
+        sum(n for name, n in tensors.items() if "_exps." in name) * k // E
+        + sum(n for name, n in tensors.items() if name.startswith("blk.") and name.split(".")[2] in read)
+        + tensors["output.weight"]
+    )
+    w = Worker(path, 8, 2, 1, {"cpu_math": "exact"})
+    try:
+        assert w.info["bytes_per_token"] == expected
+        assert w.info["experts_resident"] and w.info["cpu_math"] == "exact"
+        assert w.measure(8, 2)["tg"] > 0
+    finally:
+        w.close()
