@@ -587,7 +587,8 @@ def main() -> None:
         [str(bindir / "llama-bench"), "--version"], check=False, capture_output=True, text=True
     )
     print(
-        f"llama.cpp: {(ver.stdout + ver.stderr).strip().splitlines()[-1]} extra_flags={args.llama_extra or 'none'}",
+        f"llama.cpp: {'; '.join((ver.stdout + ver.stderr).strip().splitlines())} "
+        f"extra_flags={args.llama_extra or 'none'}",
         flush=True,
     )
     t0 = time.perf_counter()
