@@ -1,7 +1,7 @@
 """Where a decode token's time goes: the engine's pieces timed in one process (each wrapped with a
 wall-clock timer; CPU ops are synchronous, so the sums are exact), batch 1, every weight resident.
 
-    python bench/decode_breakdown.py [MODEL_DIR] [--lm-head int8] [--dense int8] [--cpu-math fast] [--threads 2]
+    python bench/decode_breakdown.py [MODEL_DIR] [--lm-head int8] [--dense int8] [--cpu-math auto|exact|fast] [--threads 2]
                                      [--tokens 64] [--prompt 9] [--rounds 3] [--fused-blocks]
     python bench/decode_breakdown.py MODEL_DIR --moe-gap [--cpu-math fast] [--threads 2] [--tokens 16] [--rounds 5]
 
@@ -52,7 +52,12 @@ def main() -> None:
         "model", nargs="?", default=str(Path.home() / ".cache" / "expertcache-peers" / "yardstick")
     )
     ap.add_argument("--lm-head", default=None)
-    ap.add_argument("--cpu-math", default="exact", choices=["exact", "fast"])
+    ap.add_argument(
+        "--cpu-math",
+        default="auto",
+        choices=["auto", "exact", "fast"],
+        help="auto: LLM's default on this CPU (the lines name the math it resolved to)",
+    )
     ap.add_argument("--dense", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
@@ -87,6 +92,7 @@ def main() -> None:
         cpu_math=a.cpu_math,
         dense=a.dense,
     )
+    a.cpu_math = llm.config.kernels.cpu_math  # auto resolved
     prompt = [3 + i % 2000 for i in range(a.prompt)]
     llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     spent, calls = collections.Counter(), collections.Counter()
@@ -173,6 +179,7 @@ def moe_gap(a) -> None:
         cpu_math=a.cpu_math,
         dense=a.dense,
     )
+    a.cpu_math = llm.config.kernels.cpu_math  # auto resolved
     m, src = llm.model, llm.source
     prompt = [3 + i % 2000 for i in range(a.prompt)]
     params = SamplingParams(max_tokens=a.tokens + 1, temperature=0.0, ignore_eos=True)

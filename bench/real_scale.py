@@ -4,12 +4,15 @@ Qwen3-30B-A3B (bf16; int4), at the model's full depth (fewer layers with --layer
 converted with llama.cpp's own converter, llama-bench and expertcache run alternately in one run, 2 threads.
 
     python bench/real_scale.py --model gpt-oss-20b [--layers 24] [--rounds 3] [--threads 2]
-        [--prompts 128 512] [--gen 32] [--cpu-math exact fast] [--parts resident cgroup]
-        [--cgroup-share 0.45] [--dir ~/.cache/expertcache-realscale] [--keep]
+        [--prompts 128 512] [--gen 32] [--cpu-math auto exact fast] [--parts resident cgroup]
+        [--ours-from safetensors gguf] [--cgroup-share 0.45] [--dir ~/.cache/expertcache-realscale] [--keep]
     python bench/real_scale.py --model qwen3-30b-a3b --format bf16|int4 --layers 4 ...
     python bench/real_scale.py --model qwen3-30b-a3b --format int4 --dense int4 --lm-head int8 --llama-output q8_0 ...
         (the output matrix in the same bytes on both sides)
-    python bench/real_scale.py --model gpt-oss-20b --layers 1 --write-only --dir D   (the checkpoint alone)
+    python bench/real_scale.py --model qwen3-30b-a3b --format q4_k_m --ours-from gguf --layers 4 ...
+        (llama-quantize's Q4_K_M file, read by both engines)
+    python bench/real_scale.py --model gpt-oss-20b --layers 1 --write-only [--gguf] --dir D
+        (the checkpoint alone; with --gguf its GGUF too)
 
 Checkpoints (under --dir, reused while their manifest matches): config.json with the real model's
 fields (num_hidden_layers set to --layers), one safetensors shard per layer plus one for the
@@ -20,6 +23,13 @@ Qwen3-30B-A3B: every tensor bf16, per-expert `mlp.experts.E.{gate,up,down}_proj.
 through `expertcache quantize --experts int4` (ours) and llama-quantize Q4_0 (llama.cpp's).
 Both carry the Qwen3 tokenizer (--tokenizer): the converter identifies a tokenizer by its
 pre-tokenizer, the prompts are token ids, and the tokenizer changes no timing.
+
+What expertcache reads (--ours-from, one or both, each its own engine in every round): `safetensors`
+(the default) the checkpoint above (int4: `expertcache quantize`'s rewrite of it); `gguf` the very GGUF
+file llama-bench reads (`LLM("x.gguf")`, expertcache/gguf/): the same bytes on both sides. Format
+q4_k_m (Qwen3-30B-A3B) exists only as llama-quantize's Q4_K_M file, so it runs with `--ours-from gguf`.
+--cpu-math auto is what `LLM(...)` does without the keyword (fast where the CPU has AVX-512 BF16/VNNI,
+else exact; $EXPERTCACHE_CPU_MATH overrides); the lines name the math it resolved to.
 
 resident: everything in RAM (llama.cpp: mmap, warm page cache; expertcache: one long-lived process per
 --cpu-math, prefix caching off). Where the checkpoint and the GGUF together do not fit in RAM (MemTotal
@@ -36,10 +46,13 @@ the disk's O_DIRECT read speed (the engine's DiskReader, 16 threads, 48 whole ex
 checkpoint, once per round).
 
 Lines (after the hardware line): `layout:` (bytes per layer and outside the layers), `round:` per
-engine and round (with that round's read probe and, for expertcache's decode, its bytes per token x
-the probe as the round's limit and the share of it reached), `summary:` per test and cpu-math (medians of the rounds, ratio of the medians,
-median and range of the per-round ratios, the physical limit beside each figure).
-Not part of CI: it needs the llama.cpp build of bench/peers/llama_cpp_bench.py and ~5-13 GB of disk.
+engine (`engine=llama.cpp`, or `engine=MATH:SOURCE`, e.g. `auto:gguf`) and round (with that round's
+read probe and, for expertcache's decode, its bytes per token x the probe as the round's limit, the
+share of it reached and the CPU math it ran), `summary:` per test and expertcache engine (medians of
+the rounds, ratio of the medians, median and range of the per-round ratios, the physical limit beside
+each figure).
+Not part of CI: it needs the llama.cpp build of bench/peers/llama_cpp_bench.py and ~5-28 GB of disk
+(the full gpt-oss-20b: 13.8 GB checkpoint + 13.8 GB GGUF).
 """
 
 from __future__ import annotations
@@ -149,8 +162,11 @@ QWEN3_30B_A3B = {
 MODELS = {"gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 FORMATS = {
     "gpt-oss-20b": {"mxfp4": "MXFP4"},
-    "qwen3-30b-a3b": {"bf16": "bf16", "int4": "Q4_0"},
+    "qwen3-30b-a3b": {"bf16": "bf16", "int4": "Q4_0", "q4_k_m": "Q4_K_M"},
 }  # ours -> llama.cpp's
+QUANTIZED = ("Q4_0", "Q4_K_M")  # llama.cpp's formats made by llama-quantize from the converter's bf16 file
+GGUF_ONLY = ("q4_k_m",)  # formats only a GGUF holds: expertcache reads them with --ours-from gguf
+SOURCES = ("safetensors", "gguf")  # what expertcache reads (--ours-from)
 MXFP4_SCALE = 120  # e8m0 exponent of the random blocks: 2^-7 x e2m1 (|w| <= 6/128, rms ~0.023)
 
 
@@ -287,14 +303,14 @@ def converter(cache: Path) -> Path:
 def gguf_for(
     ckpt: Path, out: Path, cache: Path, bindir: Path, peer: str, output_type: str | None = None
 ) -> Path:
-    """llama.cpp's GGUF of `ckpt` (its own converter; Q4_0 through its llama-quantize, its output matrix in
-    `output_type` when given, else llama-quantize's choice), made once."""
+    """llama.cpp's GGUF of `ckpt` (its own converter; Q4_0 and Q4_K_M through its llama-quantize, the
+    output matrix in `output_type` when given, else llama-quantize's choice), made once."""
     from llama_cpp_bench import sh
 
     if out.exists():
         return out
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    src = out.with_suffix(".src.gguf") if peer == "Q4_0" else out
+    src = out.with_suffix(".src.gguf") if peer in QUANTIZED else out
     if not src.exists():
         outtype = [] if peer == "MXFP4" else ["--outtype", "bf16"]
         sh(
@@ -302,25 +318,25 @@ def gguf_for(
             env=env,
         )
         os.replace(str(src) + ".tmp", src)
-    if peer == "Q4_0":
+    if peer in QUANTIZED:
         out_type = ["--output-tensor-type", output_type] if output_type else []
-        sh([str(bindir / "llama-quantize"), *out_type, str(src), str(out) + ".tmp", "Q4_0", "2"])
+        sh([str(bindir / "llama-quantize"), *out_type, str(src), str(out) + ".tmp", peer, "2"])
         os.replace(str(out) + ".tmp", out)
         src.unlink()
     return out
 
 
 def disk_speed(ckpt: Path, threads: int = 16, experts: int = 48) -> tuple[float, bool]:
-    """MB/s of whole experts read from `ckpt` with the engine's DiskReader (O_DIRECT when available)."""
+    """MB/s of whole experts read from `ckpt` (a checkpoint directory or a .gguf file) with the engine's
+    DiskReader (O_DIRECT when available)."""
     from disk_read import read_experts
 
     from expertcache.experts.layout import ExpertSource
-    from expertcache.loader.safetensors_index import TensorIndex
-    from expertcache.models.registry import read_config
+    from expertcache.models.registry import open_index, read_config
     from expertcache.quant.checkpoint import method_from_config
 
     family, cfg, hf = read_config(ckpt)
-    source = ExpertSource(TensorIndex(ckpt), cfg, family.names, method_from_config(hf))
+    source = ExpertSource(open_index(ckpt, family), cfg, family.names, method_from_config(hf))
     pairs = [(layer, e) for layer in source.layers for e in range(cfg.num_experts)]
     chosen = random.Random(time.time_ns()).sample(pairs, min(experts, len(pairs)))
     return read_experts(source, chosen, threads)
@@ -408,11 +424,13 @@ def summarize(tag: str, res: dict, limits: dict, extra: str = "") -> None:
             )
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt-oss-20b")
     ap.add_argument(
-        "--format", default=None, help="gpt-oss-20b: mxfp4; qwen3-30b-a3b: bf16 or int4 (default: the first)"
+        "--format",
+        default=None,
+        help="gpt-oss-20b: mxfp4; qwen3-30b-a3b: bf16, int4 or q4_k_m (GGUF only) (default: the first)",
     )
     ap.add_argument(
         "--layers", type=int, default=None, help="layers written (default: the model's full depth)"
@@ -435,7 +453,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--cpu-math", nargs="+", default=["exact", "fast"], choices=["exact", "fast"])
+    ap.add_argument(
+        "--cpu-math",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "exact", "fast"],
+        help="expertcache's CPU maths, one process each (auto: LLM's default, resolved on this CPU)",
+    )
+    ap.add_argument(
+        "--ours-from",
+        nargs="+",
+        default=["safetensors"],
+        choices=SOURCES,
+        help="what expertcache reads: the safetensors checkpoint, and/or the very GGUF file llama.cpp "
+        "reads (each its own engine in every round)",
+    )
     ap.add_argument("--parts", nargs="+", default=["resident", "cgroup"], choices=["resident", "cgroup"])
     ap.add_argument(
         "--cgroup-share",
@@ -483,16 +515,38 @@ def main() -> None:
     ap.add_argument(
         "--write-only", action="store_true", help="write the checkpoint and print its layout line"
     )
+    ap.add_argument("--gguf", action="store_true", help="with --write-only: make llama.cpp's GGUF of it too")
     ap.add_argument(
         "--keep", action="store_true", help="keep the checkpoints and GGUFs (default: delete at the end)"
     )
-    args = ap.parse_args()
-    fmt = args.format or next(iter(FORMATS[args.model]))
-    if fmt not in FORMATS[args.model]:
-        raise SystemExit(f"--format {fmt}: {args.model} comes as {', '.join(FORMATS[args.model])}")
-    peer = FORMATS[args.model][fmt]
+    args = ap.parse_args(argv)
+    args.format = args.format or next(iter(FORMATS[args.model]))
+    if args.format not in FORMATS[args.model]:
+        raise SystemExit(f"--format {args.format}: {args.model} comes as {', '.join(FORMATS[args.model])}")
+    args.peer = FORMATS[args.model][args.format]
+    if args.format in GGUF_ONLY and args.ours_from != ["gguf"]:
+        raise SystemExit(
+            f"--format {args.format}: only a GGUF holds it; expertcache reads it with --ours-from gguf"
+        )
+    if args.llama_output and args.peer not in QUANTIZED:
+        raise SystemExit(f"--llama-output: only for a llama-quantize GGUF (this run's is {args.peer})")
+    if args.gguf and not args.write_only:
+        raise SystemExit("--gguf: only with --write-only (a run makes its GGUF anyway)")
+    args.cpu_math = list(dict.fromkeys(args.cpu_math))
+    args.ours_from = list(dict.fromkeys(args.ours_from))
     if args.layers is None:
         args.layers = MODELS[args.model]["num_hidden_layers"]
+    return args
+
+
+def engines(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """expertcache's engines of the run: (cpu math, source), each named `MATH:SOURCE` in the lines."""
+    return [(m, src) for src in args.ours_from for m in args.cpu_math]
+
+
+def main() -> None:
+    args = parse_args()
+    fmt, peer = args.format, args.peer
     torch.set_num_threads(args.threads)
     from common import hardware_line
 
@@ -502,7 +556,7 @@ def main() -> None:
         args.model, args.dir / f"{args.model}-{args.layers}L", args.layers, args.tokenizer
     )
     ckpt = base
-    if fmt == "int4":
+    if fmt == "int4" and "safetensors" in args.ours_from:
         from expertcache.quantize.rewrite import quantize_checkpoint
 
         ckpt = args.dir / f"{args.model}-{args.layers}L-int4"
@@ -517,14 +571,14 @@ def main() -> None:
     k = cfg["num_experts_per_tok"]
     print(
         f"layout: model={args.model} format={fmt} layers={args.layers}/{cfg['num_hidden_layers']} "
-        f"checkpoint_GB={dir_bytes(ckpt) / 1e9:.2f} per_layer_experts_GB={one['experts'] / 1e9:.3f} "
+        f"checkpoint={ckpt.name} checkpoint_GB={dir_bytes(ckpt) / 1e9:.2f} per_layer_experts_GB={one['experts'] / 1e9:.3f} "
         f"per_layer_dense_GB={one['dense'] / 1e9:.4f} "
         f"per_layer_read_per_token_GB={(one['experts'] * k / E + one['dense']) / 1e9:.4f} "
         f"outside_layers_GB={lay['outside'] / 1e9:.3f} (embeddings + lm_head + norm) "
         f"written_in_s={time.perf_counter() - t0:.0f}",
         flush=True,
     )
-    if args.write_only:
+    if args.write_only and not args.gguf:
         return
     from llama_cpp_bench import build_llama_cpp
 
@@ -533,18 +587,20 @@ def main() -> None:
         [str(bindir / "llama-bench"), "--version"], check=False, capture_output=True, text=True
     )
     print(
-        f"llama.cpp: {(ver.stdout + ver.stderr).strip().splitlines()[-1]} extra_flags={args.llama_extra or 'none'}",
+        f"llama.cpp: {'; '.join((ver.stdout + ver.stderr).strip().splitlines())} "
+        f"extra_flags={args.llama_extra or 'none'}",
         flush=True,
     )
     t0 = time.perf_counter()
-    if args.llama_output and peer != "Q4_0":
-        raise SystemExit(f"--llama-output: only for the Q4_0 GGUF (this run's is {peer})")
     name = f"{args.model}-{args.layers}L-{peer}" + (f"-out-{args.llama_output}" if args.llama_output else "")
     gguf = gguf_for(base, args.dir / f"{name}.gguf", args.cache, bindir, peer, args.llama_output)
     print(
         f"gguf: {gguf.name} GB={gguf.stat().st_size / 1e9:.2f} made_in_s={time.perf_counter() - t0:.0f}",
         flush=True,
     )
+    if args.write_only:
+        return
+    sources = {"safetensors": ckpt, "gguf": gguf}
     tag = (
         f"model={args.model} layers={args.layers} format={fmt} llama_format={peer} threads={args.threads} "
         f"lm_head={args.lm_head or 'stored'} dense={args.dense or 'stored'}"
@@ -553,9 +609,9 @@ def main() -> None:
     pp = ",".join(map(str, args.prompts))
     try:
         if "resident" in args.parts:
-            resident_part(args, tag, ckpt, gguf, bindir, pp)
+            resident_part(args, tag, sources, bindir, pp)
         if "cgroup" in args.parts:
-            cgroup_part(args, tag, ckpt, gguf, bindir)
+            cgroup_part(args, tag, sources, bindir)
     finally:
         if not args.keep:
             for p in (base, ckpt):
@@ -568,22 +624,31 @@ def mem_total() -> int:
     return int(line.split()[1]) << 10
 
 
-def resident_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path, pp: str) -> None:
+def source_bytes(path: Path) -> int:
+    return path.stat().st_size if path.suffix == ".gguf" else dir_bytes(path)
+
+
+def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: str) -> None:
+    """sources: what expertcache may read (safetensors: the checkpoint directory, gguf: llama.cpp's file)."""
     from kernel_bench import read_bandwidth
     from llama_cpp_bench import Worker, llama_bench_rows
 
     extra = {k: v for k, v in (("lm_head", args.lm_head), ("dense", args.dense)) if v}
-    need, have = dir_bytes(ckpt) + gguf.stat().st_size, mem_total() - int(args.ram_reserve * 2**30)
+    gguf = sources["gguf"]
+    # llama.cpp's file in the page cache, and each source expertcache reads copied into its own memory
+    need = gguf.stat().st_size + sum(source_bytes(sources[s]) for s in args.ours_from)
+    have = mem_total() - int(args.ram_reserve * 2**30)
     fresh = args.fresh_workers or need > have
     print(
-        f"resident: weights_GB={need / 1e9:.2f} (checkpoint + GGUF) ram_GB={have / 1e9:.2f} (MemTotal less "
-        f"--ram-reserve) workers={'started every round' if fresh else 'long-lived'}",
+        f"resident: weights_GB={need / 1e9:.2f} (the GGUF + what expertcache reads: "
+        f"{', '.join(args.ours_from)}) ram_GB={have / 1e9:.2f} (MemTotal less --ram-reserve) "
+        f"workers={'started every round' if fresh else 'long-lived'}",
         flush=True,
     )
 
-    def start(m: str) -> Worker:
+    def start(m: str, src: str) -> Worker:
         return Worker(
-            ckpt,
+            sources[src],
             max(args.prompts),
             args.gen,
             args.threads,
@@ -591,9 +656,13 @@ def resident_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path, pp: str)
             warm=tuple(args.prompts),
         )
 
-    workers = {} if fresh else {m: start(m) for m in args.cpu_math}
-    res = {"llama.cpp": [], **{m: [] for m in args.cpu_math}}
-    bws, bpt = [], None
+    names = {f"{m}:{src}": (m, src) for m, src in engines(args)}
+    workers = {} if fresh else {n: start(*e) for n, e in names.items()}
+    res = {"llama.cpp": [], **{n: [] for n in names}}
+    bws = []
+    bpt: dict[str, float] = {}  # engine -> GB read per decode token
+    math: dict[str, str] = {}  # engine -> the CPU math it ran (auto resolved)
+    held: dict[str, str] = {}  # engine -> resident (every expert in RAM) or CACHED (the budget held fewer)
     try:
         for r in range(args.rounds):
             bws.append(read_bandwidth())
@@ -604,8 +673,10 @@ def resident_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path, pp: str)
                         llama_bench_rows(bindir, gguf, pp, args.gen, args.threads, tuple(args.llama_extra))
                     )
                 else:
-                    w = workers[engine] if not fresh else start(engine)
-                    bpt = w.info["bytes_per_token"] / 1e9
+                    w = workers[engine] if not fresh else start(*names[engine])
+                    bpt[engine] = w.info["bytes_per_token"] / 1e9
+                    math[engine] = w.info.get("cpu_math", names[engine][0])
+                    held[engine] = "resident" if w.info.get("experts_resident", True) else "CACHED"
                     t2 = time.perf_counter()
                     got = {}
                     for i, n in enumerate(args.prompts):  # decode after the first prompt
@@ -619,10 +690,10 @@ def resident_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path, pp: str)
                 runs.append(got)
                 share = ""
                 if engine != "llama.cpp":
-                    lim = bws[-1] / bpt
+                    lim = bws[-1] / bpt[engine]
                     share = (
-                        f" round_limit_tok_s={lim:.2f} ({bpt:.3f} GB/token x {bws[-1]:.1f} GB/s) "
-                        f"share_of_round_limit={got[f'tg{args.gen}'] / lim:.0%}"
+                        f" cpu_math={math[engine]} experts={held[engine]} round_limit_tok_s={lim:.2f} ({bpt[engine]:.3f} GB/token x "
+                        f"{bws[-1]:.1f} GB/s) share_of_round_limit={got[f'tg{args.gen}'] / lim:.0%}"
                     )
                 print(
                     f"round: {tag} part=resident round={r} engine={engine} "
@@ -634,48 +705,68 @@ def resident_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path, pp: str)
         for w in workers.values():
             w.close()
     tg = f"tg{args.gen}"
-    shares = sorted(e[tg] * bpt / b for e, b in zip(res[args.cpu_math[0]], bws))
     bw = statistics.median(bws)
-    limits = {tg: (bw / bpt, f"{bpt:.3f} GB per token x read {bw:.1f} GB/s")}
-    summarize(
-        tag + " part=resident",
-        res,
-        limits,
-        f" {args.cpu_math[0]}_share_of_round_limit_median={statistics.median(shares):.0%} "
-        f"({shares[0]:.0%}-{shares[-1]:.0%})",
-    )
+    for engine in (e for e, h in held.items() if h != "resident"):
+        print(
+            f"note: engine={engine} held fewer than every expert in RAM (the auto budget is half of "
+            "MemAvailable at its start): its figures are not resident ones",
+            flush=True,
+        )
+    for engine in names:
+        shares = sorted(e[tg] * bpt[engine] / b for e, b in zip(res[engine], bws))
+        limits = {tg: (bw / bpt[engine], f"{bpt[engine]:.3f} GB per token x read {bw:.1f} GB/s")}
+        summarize(
+            f"{tag} part=resident cpu_math={math[engine]}",
+            {"llama.cpp": res["llama.cpp"], engine: res[engine]},
+            limits,
+            f" {tg}_share_of_round_limit_median={statistics.median(shares):.0%} "
+            f"({shares[0]:.0%}-{shares[-1]:.0%})",
+        )
 
 
-def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
+def cgroup_part(args, tag: str, sources: dict[str, Path], bindir: Path) -> None:
+    """Each engine in its own memory cgroup: expertcache (first --cpu-math, each --ours-from) --low-memory,
+    llama.cpp mmap; the limit --cgroup-share of the model's size, scaled to the layers written."""
     from llama_cpp_bench import Worker, llama_bench_rows
 
+    ckpt, gguf = sources["safetensors"], sources["gguf"]
     limit = cgroup_bytes(layout(ckpt), args.cgroup_share, MODELS[args.model]["num_hidden_layers"])
-    mib_ec = limit >> 20
-    mib_ll = int(limit * gguf.stat().st_size / dir_bytes(ckpt)) >> 20  # the same share of llama.cpp's file
+    mib = {
+        "safetensors": limit >> 20,
+        "gguf": int(limit * gguf.stat().st_size / dir_bytes(ckpt)) >> 20,  # the same share of the file
+    }
+    groups: dict[str, MemoryCgroup] = {}
     try:
-        cg_ec = MemoryCgroup(f"realscale-ec-{os.getpid()}", mib_ec)
-        try:
-            cg_ll = MemoryCgroup(f"realscale-ll-{os.getpid()}", mib_ll)
-        except OSError:
-            cg_ec.close()
-            raise
+        for src in ("gguf", *args.ours_from):  # llama.cpp's, then expertcache's
+            key = "llama.cpp" if src == "gguf" and "llama.cpp" not in groups else src
+            groups[key] = MemoryCgroup(f"realscale-{key.replace('.', '')}-{os.getpid()}", mib[src])
     except OSError as e:
+        for g in groups.values():
+            g.close()
         print(f"cgroup: skipped, a memory cgroup cannot be created here ({e})", flush=True)
         return
-    tag += f" part=cgroup share={args.cgroup_share} expertcache_limit_MiB={mib_ec} llama_limit_MiB={mib_ll}"
+    tag += f" part=cgroup share={args.cgroup_share} " + " ".join(
+        f"{k}_limit_MiB={g.mib}" for k, g in groups.items()
+    )
     test = f"tg{args.cgroup_gen}"
-    res = {"llama.cpp": [], "fast": []}
-    disks = []
-    worker = None
+    m = args.cpu_math[0]
+    names = [f"{m}:{src}" for src in args.ours_from]
+    res = {"llama.cpp": [], **{n: [] for n in names}}
+    disks: dict[str, list[float]] = {n: [] for n in names}
+    workers: dict[str, Worker] = {}
     try:
         drop_page_cache()
         # auto budgets: the expert slots take the RAM the cgroup leaves after the engine's other terms
-        opts = {"cpu_math": "fast", "low_memory": True, "max_num_batched_tokens": 512}
-        worker = Worker(ckpt, 16, args.cgroup_gen, args.threads, opts, prefix=cg_ec.prefix)
-        before = worker.measure()["disk_bytes"]
-        disk_per_token = []
+        opts = {"cpu_math": m, "low_memory": True, "max_num_batched_tokens": 512}
+        for n, src in zip(names, args.ours_from):
+            workers[n] = Worker(
+                sources[src], 16, args.cgroup_gen, args.threads, opts, prefix=groups[src].prefix
+            )
+        before = {n: w.measure()["disk_bytes"] for n, w in workers.items()}
+        disk_per_token: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
-            disks.append(disk_speed(ckpt)[0])
+            for n, src in zip(names, args.ours_from):
+                disks[n].append(disk_speed(sources[src])[0])
             for engine, runs in res.items():
                 t1 = time.perf_counter()
                 if engine == "llama.cpp":
@@ -690,7 +781,7 @@ def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
                                     args.cgroup_gen,
                                     args.threads,
                                     tuple(args.llama_extra),
-                                    cg_ll.prefix,
+                                    groups["llama.cpp"].prefix,
                                 )
                             )[test]
                         }
@@ -702,32 +793,42 @@ def cgroup_part(args, tag: str, ckpt: Path, gguf: Path, bindir: Path) -> None:
                         )
                         return
                 else:
-                    m = worker.measure()
-                    got = {test: m["tg"]}
-                    disk_per_token.append((m["disk_bytes"] - before) / (args.cgroup_gen + 1))
-                    before = m["disk_bytes"]
+                    got_m = workers[engine].measure()
+                    got = {test: got_m["tg"]}
+                    disk_per_token[engine].append(
+                        (got_m["disk_bytes"] - before[engine]) / (args.cgroup_gen + 1)
+                    )
+                    before[engine] = got_m["disk_bytes"]
                 runs.append(got)
+                disk = disks[engine][-1] if engine != "llama.cpp" else disks[names[0]][-1]
                 print(
-                    f"round: {tag} round={r} engine={engine} {test}_tok_s={got[test]:.3f} disk_MBps={disks[-1]:.0f} "
-                    + (f"disk_GB_per_token={disk_per_token[-1] / 1e9:.3f} " if engine != "llama.cpp" else "")
+                    f"round: {tag} round={r} engine={engine} {test}_tok_s={got[test]:.3f} disk_MBps={disk:.0f} "
+                    + (
+                        f"disk_GB_per_token={disk_per_token[engine][-1] / 1e9:.3f} "
+                        if engine != "llama.cpp"
+                        else ""
+                    )
                     + f"wall_s={time.perf_counter() - t1:.0f}",
                     flush=True,
                 )
-        d, dpt = statistics.median(disks), statistics.median(disk_per_token) / 1e9
-        limits = {
-            test: (d / 1e3 / dpt, f"{dpt:.3f} GB read from disk per token x disk {d:.0f} MB/s O_DIRECT")
-        }
-        summarize(tag, res, limits)
-    except RuntimeError as e:  # the worker died (the memory limit)
+        for n in names:
+            d, dpt = statistics.median(disks[n]), statistics.median(disk_per_token[n]) / 1e9
+            limits = (
+                {test: (d / 1e3 / dpt, f"{dpt:.3f} GB read from disk per token x disk {d:.0f} MB/s O_DIRECT")}
+                if dpt > 0
+                else {}  # nothing read from disk: the limit held every expert, no disk limit to name
+            )
+            summarize(tag, {"llama.cpp": res["llama.cpp"], n: res[n]}, limits)
+    except RuntimeError as e:  # a worker died (the memory limit)
         print(f"cgroup: expertcache failed: {e} (-9: killed by the memory limit)", flush=True)
     finally:
-        if worker is not None:
+        for w in workers.values():
             try:
-                worker.close()
+                w.close()
             except (OSError, ValueError):
                 pass
-        cg_ec.close()
-        cg_ll.close()
+        for g in groups.values():
+            g.close()
 
 
 if __name__ == "__main__":

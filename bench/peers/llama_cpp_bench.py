@@ -197,7 +197,9 @@ dense = sum(size(t) for layer in m.layers for t in layer["attn"].w.values())
 dense += sum(layer["router"].numel() * layer["router"].element_size() for layer in m.layers if "router" in layer)
 head = size(m.lm_head)
 per_token = src.expert_nbytes * src.cfg.top_k * len(src.layers) + dense + head
-print("READY " + json.dumps({{"bytes_per_token": per_token}}), flush=True)
+resident = type(llm.experts).__name__ == "ResidentExperts"  # every expert held in RAM, none cached
+print("READY " + json.dumps({{"bytes_per_token": per_token, "cpu_math": llm.config.kernels.cpu_math,
+                             "experts_resident": resident}}), flush=True)
 for line in sys.stdin:  # "go [PROMPT GEN]": a shorter prompt / fewer tokens than the worker was made for
     words = line.split()
     n, gen = (int(words[1]), int(words[2])) if len(words) == 3 else ({prompt}, {gen})

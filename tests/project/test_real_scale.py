@@ -4,6 +4,7 @@ line against hand-computed figures. No llama.cpp here: the benchmark itself is n
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -130,3 +131,129 @@ def test_cgroup_limit_keeps_the_full_models_memory_per_layer():
     assert R.cgroup_bytes(lay, 0.45, 4) == 1175
     with pytest.raises(SystemExit, match="outside the layers"):
         R.cgroup_bytes(lay, 0.3, 4)
+
+
+def test_ours_from_and_cpu_math_parse_and_refuse():
+    a = R.parse_args([])
+    assert (a.ours_from, a.cpu_math, a.layers, a.format, a.peer) == (
+        ["safetensors"],
+        ["auto"],
+        24,
+        "mxfp4",
+        "MXFP4",
+    )
+    a = R.parse_args(["--ours-from", "safetensors", "gguf", "gguf", "--cpu-math", "auto", "fast"])
+    assert R.engines(a) == [
+        ("auto", "safetensors"),
+        ("fast", "safetensors"),
+        ("auto", "gguf"),
+        ("fast", "gguf"),
+    ]
+    a = R.parse_args(
+        ["--model", "qwen3-30b-a3b", "--format", "q4_k_m", "--ours-from", "gguf", "--layers", "4"]
+    )
+    assert (a.peer, a.layers) == ("Q4_K_M", 4)
+    with pytest.raises(SystemExit, match="--ours-from gguf"):
+        R.parse_args(["--model", "qwen3-30b-a3b", "--format", "q4_k_m"])
+    with pytest.raises(SystemExit, match="only with --write-only"):
+        R.parse_args(["--gguf"])
+    with pytest.raises(SystemExit, match="--llama-output"):
+        R.parse_args(["--llama-output", "q8_0"])
+    with pytest.raises(SystemExit):  # argparse: not a source
+        R.parse_args(["--ours-from", "bin"])
+
+
+def test_resident_part_gives_each_source_its_own_engine_and_limit(tmp_path, monkeypatch, capsys):
+    """--ours-from safetensors gguf: one engine per source, each started on its own path, each figure
+    beside its own bytes per token x the round's read probe (fakes for llama-bench, the probe and the
+    expertcache process: plumbing only)."""
+    import kernel_bench
+    import llama_cpp_bench
+
+    ckpt, gguf = tmp_path / "ckpt", tmp_path / "m.gguf"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"\0" * 1000)
+    gguf.write_bytes(b"\0" * 600)
+    started = []
+
+    class FakeWorker:
+        def __init__(self, model, prompt, gen, threads, options, warm=()):
+            started.append((Path(model), options["cpu_math"]))
+            gb = 2.0 if Path(model).suffix == ".gguf" else 4.0
+            resident = Path(model).suffix != ".gguf"  # as if the budget held fewer of the GGUF's experts
+            self.info = {"bytes_per_token": gb * 1e9, "cpu_math": "fast", "experts_resident": resident}
+            self.tg = 1.0 if Path(model).suffix == ".gguf" else 2.0
+
+        def measure(self, prompt, gen):
+            return {"pp": 10.0, "tg": self.tg}
+
+        def close(self):
+            pass
+
+    rows = [{"n_prompt": 8, "n_gen": 0, "avg_ts": 5.0}, {"n_prompt": 0, "n_gen": 2, "avg_ts": 0.5}]
+    monkeypatch.setattr(llama_cpp_bench, "Worker", FakeWorker)
+    monkeypatch.setattr(llama_cpp_bench, "llama_bench_rows", lambda *a, **k: rows)
+    monkeypatch.setattr(kernel_bench, "read_bandwidth", lambda: 20.0)
+    args = R.parse_args(
+        ["--ours-from", "safetensors", "gguf", "--rounds", "2", "--prompts", "8", "--gen", "2"]
+        + ["--fresh-workers"]
+    )
+    R.resident_part(args, "model=toy", {"safetensors": ckpt, "gguf": gguf}, tmp_path, "8")
+    # fresh workers: every engine started in every round, on its own source
+    assert started == [(ckpt, "auto"), (gguf, "auto")] * 2
+    out = capsys.readouterr().out.splitlines()
+    fields = [dict(re.findall(r"(\w+)=([^\s]+)", x)) for x in out]
+    summary = {f["engine"]: f for f, x in zip(fields, out) if x.startswith("summary:") and f["test"] == "tg2"}
+    assert sorted(summary) == ["auto:gguf", "auto:safetensors"]
+    # gguf: 2 GB/token x 20 GB/s = 10 tok/s, reached 1.0 (10%); safetensors: 4 GB x 20 -> 5 tok/s, 2.0 (40%)
+    assert (summary["auto:gguf"]["limit_tok_s"], summary["auto:gguf"]["expertcache_share_of_limit"]) == (
+        "10.00",
+        "10%",
+    )
+    assert (summary["auto:safetensors"]["limit_tok_s"], summary["auto:safetensors"]["ratio"]) == (
+        "5.00",
+        "4.00",
+    )
+    assert summary["auto:gguf"]["cpu_math"] == "fast"  # the math the engine resolved auto to
+    assert "weights_GB=0.00" in out[0] and "safetensors, gguf" in out[0]
+    held = {
+        f["engine"]: f["experts"] for f, x in zip(fields, out) if x.startswith("round:") and "experts" in f
+    }
+    assert held == {"auto:safetensors": "resident", "auto:gguf": "CACHED"}
+    assert [x for x in out if x.startswith("note:")] == [
+        next(x for x in out if x.startswith("note: engine=auto:gguf held fewer"))
+    ]
+
+
+def test_worker_on_a_gguf_file_counts_the_files_bytes_per_token(tmp_path):
+    """The limit beside an `auto:gguf` figure is the worker's bytes per token: for a GGUF source they must
+    be the file's own (top_k of E experts per layer, the attention, the router, the output matrix), counted
+    here independently by the `gguf` package's reader."""
+    gguf = pytest.importorskip("gguf")
+    from gguf_files import default_types, gguf_names, qwen3moe_metadata, tokenizer_metadata, write_gguf
+    from llama_cpp_bench import Worker
+
+    # the worker's prompts are token ids up to 2000 and its context at least 512
+    ckpt = C.make_checkpoint(tmp_path, "qwen3_moe", name="q", max_position_embeddings=1024, vocab_size=2048)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    meta = qwen3moe_metadata(cfg) + tokenizer_metadata(
+        ckpt / "tokenizer.json", "qwen2", cfg["vocab_size"], eos="<|im_end|>"
+    )
+    path = write_gguf(
+        tmp_path / "m.gguf", "qwen3moe", gguf_names(C.read_tensors(ckpt)), meta, default_types("Q8_0", "F32")
+    )
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    read = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_gate_inp")
+    expected = (
+        sum(n for name, n in tensors.items() if "_exps." in name) * k // E
+        + sum(n for name, n in tensors.items() if name.startswith("blk.") and name.split(".")[2] in read)
+        + tensors["output.weight"]
+    )
+    w = Worker(path, 8, 2, 1, {"cpu_math": "exact"})
+    try:
+        assert w.info["bytes_per_token"] == expected
+        assert w.info["experts_resident"] and w.info["cpu_math"] == "exact"
+        assert w.measure(8, 2)["tg"] > 0
+    finally:
+        w.close()
