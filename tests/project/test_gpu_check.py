@@ -319,7 +319,7 @@ def test_with_a_cuda_device_the_triton_tests_compile_rather_than_interpret(tmp_p
     env = device_like_env(tmp_path, "import torch\ntorch.cuda.is_available = lambda: True\n")
     env.pop("TRITON_INTERPRET", None)
     code = (
-        "import os, sys; sys.path.insert(0, 'tests/kernels'); import test_triton_moe as t; "
+        "import os, sys; sys.path[:0] = ['tests', 'tests/kernels']; import test_triton_moe as t; "
         "from expertcache.kernels import triton_moe; "
         "print(os.environ.get('TRITON_INTERPRET'), triton_moe.interpreted(), t.DEV)"
     )
