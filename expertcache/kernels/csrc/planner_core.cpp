@@ -49,6 +49,29 @@ struct Greater {  // std heaps are max-heaps: this comparator makes a min-heap
 };
 
 // What adaptive's candidates share (kept by the leader): last use, residents, fresh inserts.
+// The least live entry of a lazy-deletion min-heap whose expert is not pinned (-1: none): stale entries
+// (their expert's live id moved on) are dropped, pinned ones set aside and pushed back.
+inline int least_unpinned(std::vector<Entry>& heap, const std::vector<uint64_t>& live,
+                          const std::vector<char>& pinned) {
+  std::vector<Entry> aside;
+  int victim = -1;
+  while (!heap.empty()) {
+    const Entry& x = heap.front();
+    if (!pinned[x.e] && live[x.e] == x.id) {
+      victim = x.e;  // its entry stays on top: the caller retires it through `live`
+      break;
+    }
+    if (pinned[x.e] && live[x.e] == x.id) aside.push_back(x);
+    std::pop_heap(heap.begin(), heap.end(), Greater());
+    heap.pop_back();
+  }
+  for (const Entry& x : aside) {
+    heap.push_back(x);
+    std::push_heap(heap.begin(), heap.end(), Greater());
+  }
+  return victim;
+}
+
 struct Shared {
   std::vector<double> last_use;
   std::vector<char> resident, is_fresh;
@@ -192,24 +215,7 @@ struct Ranker {
   }
   int choose(const std::vector<char>& pinned) {
     if (!ranking) set_ranking(true);
-    std::vector<Entry> aside;
-    int victim = -1;
-    while (!heap.empty()) {
-      const Entry& x = heap.front();
-      if (live[x.e] != x.id) {
-        pop();
-      } else if (pinned[x.e]) {
-        aside.push_back(x);
-        pop();
-      } else {
-        victim = x.e;
-        break;
-      }
-    }
-    for (const Entry& x : aside) {
-      heap.push_back(x);
-      std::push_heap(heap.begin(), heap.end(), Greater());
-    }
+    int victim = least_unpinned(heap, live, pinned);
     if (victim < 0) {  // every older candidate pinned: the least of this step's inserts
       const Entry* best = nullptr;
       for (int f : sh->fresh)
@@ -263,24 +269,7 @@ struct Ghost {
           s = free_slots.back();
           free_slots.pop_back();
         } else {
-          std::vector<Entry> aside;
-          int v = -1;
-          while (!heap.empty()) {
-            const Entry& x = heap.front();
-            if (live[x.e] != x.id) {
-              pop();
-            } else if (pinned[x.e]) {
-              aside.push_back(x);
-              pop();
-            } else {
-              v = x.e;
-              break;
-            }
-          }
-          for (const Entry& x : aside) {
-            heap.push_back(x);
-            std::push_heap(heap.begin(), heap.end(), Greater());
-          }
+          int v = least_unpinned(heap, live, pinned);
           if (v < 0) continue;  // every slot pinned
           s = slot_of[v];
           slot_of[v] = -1;
