@@ -5,13 +5,18 @@ experts into what allocate.py made.
 each weight is read on the host, checked for NaN/inf, converted to the dtype it is held in
 (kernels.dense_dtype), and derived as the model keeps it (q/k/v fused, `--dense` / `--lm-head` quantized, zero-centred norms
 offset, a linear-attention layer's derived tensors); the tensor the model keeps is then allocated
-through the ledger under "dense" and the read copied into it. What a layer object derives from its
+through the ledger under "dense" and the read copied into it. On the CPU a GGUF file's lm_head and
+standard attention / dense MLP matrices in a type the kernels read (build/plan.py `file_blocks`) are
+read as the file's blocks and held as they are (`QuantizedWeight.stored`; q/k/v fused by row when
+they share a type), said in one line at load. What a layer object derives from its
 weights (Rotary's frequencies, GatedDeltaNet's -exp(A_log) and transposed conv) and a quantized
 weight's packed parts are counted as they are made.
 """
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +29,10 @@ from ..layers.mla import load_mla
 from ..loader.checks import check_dense
 from ..loader.rows import RowReader
 from ..models.embedding import EMBED, Table, on_disk, tied
+from ..quant import make_quant_method
 from ..quant.checkpoint import load_dense
+from ..units import fmt_bytes
+from .plan import file_blocks
 
 
 @dataclass
@@ -39,6 +47,11 @@ class DenseWeights:
     norm: torch.Tensor
     lm_head: object  # [V, H] tensor or QuantizedWeight
     dense_quantized: list[QuantizedWeight] = field(default_factory=list)  # what --dense quantized at load
+    file_blocks: list[QuantizedWeight] = field(default_factory=list)  # held as the GGUF file's blocks
+
+
+class FileBlocks(QuantizedWeight):
+    """A matrix read as its GGUF file's blocks, a host temporary: DenseReader.keep holds its parts."""
 
 
 class DenseReader:
@@ -52,6 +65,8 @@ class DenseReader:
         self.dense_method = None if k.dense is None else load_quant_method(k.dense, "dense")
         self.head_method = None if k.lm_head is None else load_quant_method(k.lm_head)
         self.packed: list[QuantizedWeight] = []
+        self.held_blocks: list[QuantizedWeight] = []
+        self.dense_fmt, self.head_fmt = k.dense, k.lm_head
 
     # -- one tensor ---------------------------------------------------------------------------------
     def read(self, name: str, shape, as_dtype=None) -> torch.Tensor:
@@ -65,6 +80,29 @@ class DenseReader:
             self.progress(t.numel() * index.info(name).dtype.itemsize)
         return t.to(dtype=held)
 
+    def blocks(self, name: str, shape) -> FileBlocks | None:
+        """Matrix `name` [out, in] as its file's blocks where it is held so (plan.py `file_blocks`),
+        checked (its values finite, decoded a block of rows at a time), a temporary; else None."""
+        ck = self.ck
+        method = file_blocks(
+            ck.index, name, ck.cfg, ck.family.names, self.device, self.dense_fmt, self.head_fmt
+        )
+        if method is None:
+            return None
+        raw = ck.index.blocks(name, tuple(shape))
+        q = FileBlocks.stored(make_quant_method(method), {"w.weight": raw}, tuple(shape))
+        if self.check_finite:
+            rows = max(1, (1 << 22) // shape[1])
+            for i in range(0, shape[0], rows):
+                check_dense(ck.index, name, q.method.dequantize({"w.weight": raw[i : i + rows]}, "w"))
+        if self.progress:
+            self.progress(raw.numel())
+        return q
+
+    def matrix(self, name: str, shape):
+        """A 2-D weight: as its file's blocks (`blocks`), else read as float (`read`)."""
+        return self.blocks(name, shape) or self.read(name, shape)
+
     def keep(self, tree):
         """Every tensor of `tree` (a tensor, tuple or dict of them) copied into one allocated through the
         ledger: what the model holds."""
@@ -75,6 +113,10 @@ class DenseReader:
             return tuple(self.keep(t) for t in tree)
         if isinstance(tree, dict):
             return {k: self.keep(v) for k, v in tree.items()}
+        if isinstance(tree, FileBlocks):  # the file's blocks: held as they are
+            q = QuantizedWeight.stored(tree.method, self.keep(tree.parts), tree.shape)
+            self.held_blocks.append(q)
+            return q
         return tree  # a QuantizedWeight: counted when it was made
 
     def load(self, name: str, shape, as_dtype=None) -> torch.Tensor:
@@ -149,9 +191,9 @@ class DenseReader:
             inter = cfg.intermediate_size
             layer["mlp"] = self.quantized(
                 (
-                    self.read(f"{p}.mlp.gate_proj.weight", (inter, H)),
-                    self.read(f"{p}.mlp.up_proj.weight", (inter, H)),
-                    self.read(f"{p}.mlp.down_proj.weight", (H, inter)),
+                    self.matrix(f"{p}.mlp.gate_proj.weight", (inter, H)),
+                    self.matrix(f"{p}.mlp.up_proj.weight", (inter, H)),
+                    self.matrix(f"{p}.mlp.down_proj.weight", (H, inter)),
                 )
             )
             return layer
@@ -172,9 +214,9 @@ class DenseReader:
             S, se = cfg.shared_expert_intermediate_size, f"{prefix}.{names.shared_expert}"
             layer["shared"] = self.quantized(
                 (
-                    self.read(f"{se}.gate_proj.weight", (S, H)),
-                    self.read(f"{se}.up_proj.weight", (S, H)),
-                    self.read(f"{se}.down_proj.weight", (H, S)),
+                    self.matrix(f"{se}.gate_proj.weight", (S, H)),
+                    self.matrix(f"{se}.up_proj.weight", (S, H)),
+                    self.matrix(f"{se}.down_proj.weight", (H, S)),
                 )
             )
             if cfg.shared_expert_gate:
@@ -183,14 +225,14 @@ class DenseReader:
 
     def mha(self, p: str) -> dict[str, torch.Tensor]:
         """q/k/v/o projections (+ biases, q/k norms) of layer prefix p, temporaries; q/k/v fused (fuse_qkv)."""
-        cfg, H, read = self.ck.cfg, self.ck.cfg.hidden_size, self.read
+        cfg, H, read, matrix = self.ck.cfg, self.ck.cfg.hidden_size, self.read, self.matrix
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q_rows = 2 * q_dim if cfg.attn_output_gate else q_dim  # per head: [query, gate]
         a = {
-            "q_proj.weight": read(f"{p}.self_attn.q_proj.weight", (q_rows, H)),
-            "k_proj.weight": read(f"{p}.self_attn.k_proj.weight", (kv_dim, H)),
-            "v_proj.weight": read(f"{p}.self_attn.v_proj.weight", (kv_dim, H)),
-            "o_proj.weight": read(f"{p}.self_attn.o_proj.weight", (H, q_dim)),
+            "q_proj.weight": matrix(f"{p}.self_attn.q_proj.weight", (q_rows, H)),
+            "k_proj.weight": matrix(f"{p}.self_attn.k_proj.weight", (kv_dim, H)),
+            "v_proj.weight": matrix(f"{p}.self_attn.v_proj.weight", (kv_dim, H)),
+            "o_proj.weight": matrix(f"{p}.self_attn.o_proj.weight", (H, q_dim)),
         }
         if cfg.qkv_bias:
             for n, d in (("q", q_rows), ("k", kv_dim), ("v", kv_dim)):
@@ -210,6 +252,8 @@ class DenseReader:
         ck, cfg = self.ck, self.ck.cfg
         if tied(cfg, ck.index):
             w = embed.table
+        elif (blocks := self.blocks("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))) is not None:
+            return self.keep(blocks)
         else:
             w = (self.read if self.head_method is not None else self.load)(
                 "lm_head.weight", (cfg.vocab_size, cfg.hidden_size)
@@ -225,23 +269,48 @@ def read_dense(ck, config, ledger, progress=None) -> DenseWeights:
     ledger.charge("dense", rotary.inv_freq)
     layers = [r.layer(i) for i in range(ck.cfg.num_layers)]
     norm = r.norm("model.norm.weight", (ck.cfg.hidden_size,))
-    return DenseWeights(embed, rotary, layers, norm, r.head(embed), r.packed)
+    head = r.head(embed)
+    if r.held_blocks:
+        print(file_blocks_note(ck.index.model_dir, r.held_blocks, head), file=sys.stderr)
+    return DenseWeights(embed, rotary, layers, norm, head, r.packed, r.held_blocks)
+
+
+def file_blocks_note(path, held: list[QuantizedWeight], head) -> str:
+    """The load's line naming the dense matrices held in their GGUF file's bytes."""
+    types = Counter(w.method.name.removeprefix("gguf-").upper() for w in held)
+    what = ", ".join(f"{n} {t}" for t, n in sorted(types.items()))
+    return (
+        f"note: {path.name}: {len(held)} dense matrices ({what}; "
+        f"{'the lm_head, ' if any(w is head for w in held) else ''}attention / dense MLP projections) "
+        f"stay in their file bytes, {fmt_bytes(sum(w.nbytes for w in held))}, computed by the block kernels"
+    )
 
 
 def fuse_qkv(a: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """q/k/v projection weights of one dtype -> one "qkv_proj.weight" [q_rows + 2 kv_dim, H] (and
-    "qkv_proj.bias" when all three have one): a decode step makes one projection call, not three.
-    Left apart when their dtypes differ (or only some have biases)."""
+    """q/k/v projection weights of one dtype (or a file's blocks of one type) -> one "qkv_proj.weight"
+    [q_rows + 2 kv_dim, H] (and "qkv_proj.bias" when all three have one): a decode step makes one
+    projection call, not three. Left apart when their dtypes or types differ (or only some have biases)."""
     names = ("q_proj", "k_proj", "v_proj")
     ws = [a[f"{n}.weight"] for n in names]
     bs = [a.get(f"{n}.bias") for n in names]
     has_bias = [b is not None for b in bs]
-    if len({w.dtype for w in ws}) != 1 or any(has_bias) != all(has_bias):
+    blocks = [isinstance(w, FileBlocks) for w in ws]
+    if len({w.dtype for w in ws}) != 1 or any(has_bias) != all(has_bias) or any(blocks) != all(blocks):
         return a
     if all(has_bias) and len({b.dtype for b in bs}) != 1:
         return a
+    if all(blocks) and len({w.method.name for w in ws}) != 1:
+        return a  # blocks of different types (Q4_K_M's Q6_K v in some layers): three calls
     out = {k: t for k, t in a.items() if not k.startswith(names)}
-    out["qkv_proj.weight"] = hostmem.cat(ws)
+    out["qkv_proj.weight"] = (
+        FileBlocks.stored(  # the blocks' rows, q's then k's then v's
+            ws[0].method,
+            {k: hostmem.cat([w.parts[k] for w in ws]) for k in ws[0].parts},
+            (sum(w.shape[0] for w in ws), ws[0].shape[1]),
+        )
+        if all(blocks)
+        else hostmem.cat(ws)
+    )
     if all(has_bias):
         out["qkv_proj.bias"] = torch.cat(bs)
     return out

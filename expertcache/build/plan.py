@@ -5,7 +5,9 @@ Terms (bytes; TERMS order), for T = max_num_batched_tokens, B = max_num_seqs, M 
 H = hidden size, V = vocab, s = the compute dtype's bytes:
     dense            the non-expert weights as they will be held there: compute dtype, bf16/fp16 kept as
                      stored where the CPU kernels read them (kernels.dense_dtype), fp32 routers where the
-                     family keeps them, --dense / --lm-head formats at their packed size, rotary frequencies, the
+                     family keeps them, --dense / --lm-head formats at their packed size, a GGUF file's
+                     lm_head / attention / dense MLP matrices in a type the CPU kernels read at their file
+                     bytes (on the CPU, without --lm-head / --dense: fill.py), rotary frequencies, the
                      linear-attention layers' tensors derived at load; not an untied embedding table under
                      --low-memory on the CPU (its rows are read per token: models/embedding.py)
     kv_cache         num_blocks x bytes_per_block (plan_kv: auto, or --kv-cache-memory)
@@ -202,6 +204,9 @@ def dense_bytes(
         if n == "lm_head.weight" and head_q is not None:
             total += head_q.nbytes(shape)
             continue
+        if file_blocks(index, n, cfg, names, device, dense, lm_head) is not None:
+            total += t.nbytes  # held as the file's blocks
+            continue
         if dense_q is not None and _quantized_by_dense(n, cfg, names):
             total += dense_q.nbytes(shape)
             continue
@@ -215,6 +220,22 @@ def dense_bytes(
         total += sum(la.layers) * (la.num_v_heads * 4 + la.conv_dim * la.conv_kernel * dtype.itemsize)
     inv, _ = rope_inv_freq(cfg)
     return total + inv.numel() * inv.element_size()
+
+
+def file_blocks(
+    index, name: str, cfg: ModelConfig, names, device, dense: str | None = None, lm_head: str | None = None
+) -> str | None:
+    """The QuantMethod dense matrix `name` is held in as its GGUF file's blocks, or None: on the CPU, in a
+    type the kernels read as stored (gguf/index.py `block_method`), the lm_head (unless `--lm-head`
+    requantizes it) and the matrices `--dense` would quantize (unless it is given)."""
+    block_method = getattr(index, "block_method", None)
+    if block_method is None or torch.device(device).type != "cpu":
+        return None
+    if name == "lm_head.weight":
+        take = lm_head is None
+    else:
+        take = dense is None and _quantized_by_dense(name, cfg, names)
+    return block_method(name) if take else None
 
 
 def _quantized_by_dense(name: str, cfg: ModelConfig, names) -> bool:
@@ -687,6 +708,7 @@ __all__ = [
     "TierPlan",
     "dense_bytes",
     "fastest_parts",
+    "file_blocks",
     "plan_device",
     "plan_kv",
     "plan_tiers",

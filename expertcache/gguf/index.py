@@ -9,7 +9,9 @@
     a hub checkpoint's per-expert tensors, so every tier holds an expert in exactly its file bytes;
   - a dense tensor in F32/F16/BF16 is read as stored; in a block type it is listed as float32 [out, in]
     (what `load` dequantizes it to; nbytes = its stored bytes), a type without a decoder here (Q2_K,
-    Q3_K, IQ2/IQ3, ...) through the `gguf` package where installed, said once per type.
+    Q3_K, IQ2/IQ3, ...) through the `gguf` package where installed, said once per type. A matrix in a
+    type the kernels read (`block_method`) is also served as its file bytes, `blocks` uint8 [out, row
+    bytes]: build/fill.py holds the lm_head and standard attention / dense MLP matrices so on the CPU.
 `expert_types`: per (layer, projection) the ggml type of the routed experts (the config's quant method).
 """
 
@@ -24,7 +26,7 @@ import torch
 from ..errors import CheckpointError
 from ..loader.safetensors_index import TensorIndex, TensorInfo
 from ..quant.ggml import GGUF_DECODED, tier_type
-from ..quant.ggml_blocks import BY_NAME, DECODERS, FLOATS, GGMLType, method_name
+from ..quant.ggml_blocks import BY_NAME, DECODERS, FLOATS, METHODS, GGMLType, method_name
 from .families import Arch
 from .names import BLOCK, KV_B_SPLIT, expert_piece, expert_stack, gguf_name, hf_name
 from .reader import GGUFFile, GGUFTensor
@@ -190,6 +192,21 @@ class GGUFIndex(TensorIndex):
             )
         return t
 
+    def block_method(self, name: str) -> str | None:
+        """The QuantMethod (quant/ggml.py `gguf-*`) of dense matrix `name` where its type is one the
+        kernels read as stored, else None (floats, types without a method, MLA's split kv_b)."""
+        t = self.tensors.get(name)
+        if type(t) is not GGUFInfo or t.type is None or len(t.shape) != 2:
+            return None
+        return method_name(t.type.name) if t.type.name in METHODS else None
+
+    def blocks(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Dense matrix `name` (a `block_method` type) as the file stores it: uint8 [out, row bytes], the
+        file's bytes (llama's q/k rows un-permuted: whole rows move, each row's bytes unchanged)."""
+        t = self.info(name, shape)
+        raw = _read(t).view(t.shape[0], -1)
+        return unpermute(raw, t.permute_heads) if t.permute_heads else raw
+
     def load(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """One tensor as float (stored float types as stored; block types dequantized to float32)."""
         t = self.info(name, shape)
@@ -338,13 +355,19 @@ def _as_float(t: GGUFTensor) -> torch.Tensor:
     return dequantize(info).reshape(-1)
 
 
-def dequantize(t: GGUFInfo) -> torch.Tensor:
-    """A block-type tensor's bytes -> float32 in its HF shape."""
+def _read(t: GGUFInfo) -> torch.Tensor:
+    """A tensor's bytes in the file, uint8 [nbytes]."""
     raw = torch.empty(t.nbytes, dtype=torch.uint8)
     with open(t.file, "rb", buffering=0) as f:
         f.seek(t.offset)
         if f.readinto(raw.numpy()) != t.nbytes:
             raise CheckpointError(f"{t.file}: short read of tensor {t.gguf_name}: file truncated?")
+    return raw
+
+
+def dequantize(t: GGUFInfo) -> torch.Tensor:
+    """A block-type tensor's bytes -> float32 in its HF shape."""
+    raw = _read(t)
     if t.type.name in DECODERS:
         return DECODERS[t.type.name](raw.view(-1, t.type.block_bytes)).reshape(t.shape)
     gguf = _gguf_package(t)

@@ -29,13 +29,25 @@ def load_quant_method(name: str, what: str = "lm_head"):
 
 
 class QuantizedWeight:
-    """A dense weight [out, in] quantized at load (e.g. `--lm-head int8`): the QuantMethod's stored
-    tensors, computed from by the CPU kernels (or dequantized per use on the torch path)."""
+    """A dense weight [out, in] quantized at load (e.g. `--lm-head int8`), or held in the blocks its GGUF
+    file stores (`stored`): the QuantMethod's stored tensors, computed from by the CPU kernels (or
+    dequantized per use on the torch path)."""
 
     def __init__(self, w: torch.Tensor, method, rows: int = 16384):
-        self.method, self.shape, self.dtype = method, tuple(w.shape), torch.int8
         chunks = [method.pack({"w.weight": w[i : i + rows].float()}) for i in range(0, w.shape[0], rows)]
-        self.parts = {k: hostmem.cat([c[k] for c in chunks]) for k in chunks[0]}  # row-wise formats: exact
+        # row-wise formats: exact
+        self._hold(method, {k: hostmem.cat([c[k] for c in chunks]) for k in chunks[0]}, tuple(w.shape))
+
+    @classmethod
+    def stored(cls, method, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> QuantizedWeight:
+        """A weight [out, in] already in `method`'s stored layout, `parts` {"w.<suffix>": tensor} (e.g. a
+        GGUF matrix's blocks as in the file, "w.weight" uint8 [out, row bytes]): held as given."""
+        q = cls.__new__(cls)
+        q._hold(method, parts, tuple(shape))
+        return q
+
+    def _hold(self, method, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        self.method, self.shape, self.dtype, self.parts = method, shape, torch.int8, parts
         self.nbytes = sum(t.numel() * t.element_size() for t in self.parts.values())
         assert all(t.shape[0] == self.shape[0] for t in self.parts.values()), "linear slices the parts by row"
         self.spec = kernels.quant_weight_spec(
