@@ -35,6 +35,7 @@ AVX512 = kernels.backend() == "cpp" and kernels.extension().avx512_supported()
 FAST = kernels.backend() == "cpp" and kernels.extension().fast_supported()
 TYPES = list(GGUF_TYPES)
 FAST_TYPES = TYPES
+STRIP_TYPES = ["q4_0", "iq4_nl", "mxfp4"]  # the fast kernels with strips for many tokens
 QUANTISED = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q5_0": "Q5_0", "mxfp4": "MXFP4"}  # types gguf can quantise
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 40]
 SMALL_T = 16  # the linear tests' row-pass limit: T = 40 takes the tiled path
@@ -237,6 +238,31 @@ def test_linear_fast_against_float64_of_quantised_activations(t):
 
 
 @needs_cpp
+@pytest.mark.parametrize("strip_from", [0, 1, 4])
+@pytest.mark.parametrize("t", STRIP_TYPES)
+def test_linear_fast_strips_against_float64_of_quantised_activations(t, strip_from):
+    """The 4-bit types' strips (32 rows decoded once, rows in the lanes) from strip_from tokens, and the row
+    kernels alone (0: never strips): rows not a multiple of 32, a row of 2880 (blocks not a multiple of 4),
+    token counts across the strips' register blocks, units of rows that end inside a strip."""
+    _skip_no_fast()
+    ext = kernels.extension()
+    saved = ext.get_strip_tokens()
+    ext.set_strip_tokens(strip_from)
+    try:
+        for n, k in [(33, 128), (70, 2880), (5, 352)]:
+            data, w = pool(t, n, k, 1, seed=n + k + 1)
+            spec = spec_of(t, data, k)
+            for T in (1, 4, 7, 12, 64):
+                x = _x(T, k, T + 3)
+                xr = Q8ACT32(x)
+                # units of 48 rows: a strip and 16 rows
+                y = ext.linear(x, spec, 0, SMALL_T, 48, kernels.CPU_MATHS["fast"])
+                _close(y, xr @ w[0].T, xr.abs() @ w[0].abs().T)
+    finally:
+        ext.set_strip_tokens(saved)
+
+
+@needs_cpp
 @pytest.mark.parametrize("act", ["silu", "clamped_swiglu"])
 @pytest.mark.parametrize(
     "gt,dt",
@@ -292,6 +318,7 @@ def test_kernel_of_names_each_kernel():
             assert ext.kernel_of(spec, 0) == (f"avx512-{t}-f32act" if AVX512 else f"avx2-{t}-f32act")
             if FAST:
                 act = ("q8_kact" if GGUF_TYPES[t][1] == 256 else "q8_0act") if t in FAST_TYPES else None
+                act += "+strips" if t in STRIP_TYPES and ext.get_strip_tokens() else ""
                 assert ext.kernel_of(spec, 1) == (f"avx512vnni-{t}-{act}" if act else f"avx512-{t}-f32act")
             ext.set_avx512(False)
             assert ext.kernel_of(spec, 0) == f"avx2-{t}-f32act"

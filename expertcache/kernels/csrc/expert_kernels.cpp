@@ -498,7 +498,9 @@ std::string kernel_of(const WView& W, int64_t math) {
   const int kind = prep_of(W, check_math(math));
   if (ggml::is_type(W.fmt)) {
     const std::string t = ggml::type_name(W.fmt);
-    if (ggml_prep(kind)) return "avx512vnni-" + t + (ggml_act(kind) == ggml::A256 ? "-q8_kact" : "-q8_0act");
+    if (ggml_prep(kind))
+      return "avx512vnni-" + t + (ggml_act(kind) == ggml::A256 ? "-q8_kact" : "-q8_0act") +
+             (ggml::has_strips(W.fmt) && nib::strip_tokens() != 0 ? "+strips" : "");
     return (ggml_avx512() ? "avx512-" : "avx2-") + t + "-f32act";
   }
   switch (kind) {
@@ -617,7 +619,7 @@ void fast_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const FastR
   const uint8_t* d = W.d + slot * W.d_slot + n0 * W.d_row;
   if (ggml_prep(fr.kind)) {
     ggml::rows_q8(W.fmt, d, W.d_row, n1 - n0, W.K, fr.q.data() + off, fr.s.data() + off, fr.gb.data() + off, T, y, ldy,
-                  T < 4 ? pf : 0);
+                  T < 4 ? pf : 0, nib::strip_tokens());
   } else if (fr.kind == P_BF16) {
     fastk::rows_bf16(d, W.d_row, n1 - n0, W.K, fr.bf.data() + off, T, y, ldy, 0);  // prefetch: slower (below)
   } else if (fr.kind == P_Q8) {

@@ -46,6 +46,8 @@ bool avx512_supported() {
 
 bool fast_supported() { return avx512_supported() && __builtin_cpu_supports("avx512vnni"); }
 
+bool has_strips(int type) { return type == MXFP4 || type == Q4_0 || type == IQ4_NL; }
+
 int act_of(int type) {
   return type == Q8_0 ? A32 : (type == Q4_0 || type == Q5_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS) ? A256 : -1;
 }
@@ -476,10 +478,174 @@ void xs_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float
   for (int t = 0; t < TT; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
 }
 
+// ---- fast math, many tokens: strips of rows decoded once, rows in the lanes --------------------------
+// q4_0 / iq4_nl / mxfp4 from `strips_from` tokens (nibble_kernels.h's strips, taught GGUF's blocks): SR = 32
+// rows x KC groups of 4 blocks decoded once into a Tile in L1, each block's 16 code bytes of 16 rows
+// transposed so that lane n holds row n's dword; the codes through the type's table (signed, as n32_row)
+// in the A32N order (low nibbles: the block's features 0..15, high: 16..31), so one vpdpbusd of 4 prepared
+// activation bytes broadcast (unsigned, code + 128) against a step makes 64 MACs of 16 rows; the +128 taken
+// off by -128 x the row's block weight sum (made at decode); the block's int32 sum times (weight scale x
+// activation scale) into float32 per row, the float work shared by 16 rows.
+constexpr int64_t SR = 32;  // rows per strip: 2 vectors of 16
+constexpr int64_t KC = 4;   // groups of 4 blocks per K chunk (the Tile: 16 KiB of codes, 4 KiB of sums and scales)
+
+struct Tile {
+  // [group][block][step k][row vector] lane n = row n's 4 weights at A32N positions 16 j + 4 k (k < 4),
+  // 64 + 16 j + 4 (k - 4) (k >= 4)
+  alignas(64) int8_t w[KC][4][8][2][64];
+  alignas(64) int32_t c[KC][4][2][16];  // -128 x the block's weight sum, per row
+  alignas(64) float ws[KC][4][2][16];   // the block's scale, per row (mxfp4: the half scale)
+};
+
+// groups g0 .. g0 + ng - 1 of rows a .. a + SR - 1 (rows past N: row N - 1's, never stored; blocks past nb:
+// zero weights and scale)
+template <int T>
+void strip_decode(const uint8_t* w, int64_t w_row, int64_t N, int64_t nb, int64_t a, int64_t g0, int64_t ng,
+                  Tile& tl) {
+  using B = Nibbles32<T>;
+  const int8_t* tv = T == MXFP4 ? KVALUES_MXFP4 : T == IQ4_NL ? KVALUES_IQ4NL : VALUES_Q4_0;
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tv)));
+  const __m512i nib = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+  const int64_t ng_all = (nb + 3) / 4;
+  for (int v = 0; v < 2; ++v) {
+    const uint8_t* rp[16];
+    for (int n = 0; n < 16; ++n) {
+      const int64_t r = a + 16 * v + n;
+      rp[n] = w + (r < N ? r : N - 1) * w_row;
+    }
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t gg = g0 + g;
+      if (gg + KC < ng_all)  // the group the next chunk reads
+        for (int n = 0; n < 16; ++n) {
+          const uint8_t* q = rp[n] + 4 * B::BYTES * (gg + KC);
+          _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(q + 4 * B::BYTES - 1), _MM_HINT_T0);
+        }
+      for (int j = 0; j < 4; ++j) {
+        const int64_t b = 4 * gg + j;
+        if (b >= nb) {
+          for (int k = 0; k < 8; ++k) _mm512_store_si512(tl.w[g][j][k][v], _mm512_setzero_si512());
+          _mm512_store_si512(tl.c[g][j][v], _mm512_setzero_si512());
+          _mm512_store_ps(tl.ws[g][j][v], _mm512_setzero_ps());
+          continue;
+        }
+        const int64_t o = b * B::BYTES;
+        alignas(64) float sc[16];
+        for (int n = 0; n < 16; ++n) sc[n] = B::scale(rp[n] + o);
+        _mm512_store_ps(tl.ws[g][j][v], _mm512_load_ps(sc));
+        // 128-bit lane q of y[i]: row 4q + i's 16 code bytes, then a 4 x 4 transpose of dwords in each lane:
+        // r[k] lane 4q + i = dword k of row 4q + i
+        __m512i y[4];
+        for (int i = 0; i < 4; ++i) {
+          y[i] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[i] + o + B::Q)));
+          y[i] = _mm512_mask_broadcast_i32x4(y[i], 0x00F0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[4 + i] + o + B::Q)));
+          y[i] = _mm512_mask_broadcast_i32x4(y[i], 0x0F00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[8 + i] + o + B::Q)));
+          y[i] = _mm512_mask_broadcast_i32x4(y[i], 0xF000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[12 + i] + o + B::Q)));
+        }
+        const __m512i t0 = _mm512_unpacklo_epi32(y[0], y[1]), t1 = _mm512_unpackhi_epi32(y[0], y[1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(y[2], y[3]), t3 = _mm512_unpackhi_epi32(y[2], y[3]);
+        const __m512i r[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                              _mm512_unpackhi_epi64(t1, t3)};
+        __m512i sum = _mm512_setzero_si512();
+        for (int k = 0; k < 4; ++k) {
+          const __m512i lo4 = _mm512_shuffle_epi8(tab, _mm512_and_si512(r[k], nib));
+          const __m512i hi4 = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(r[k], 4), nib));
+          _mm512_store_si512(tl.w[g][j][k][v], lo4);
+          _mm512_store_si512(tl.w[g][j][4 + k][v], hi4);
+          sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, lo4), ones, hi4);
+        }
+        _mm512_store_si512(tl.c[g][j][v], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+      }
+    }
+  }
+}
+
+// tokens t < TT over the tile's ng groups (group g0 + g of the prepared A32N rows), into y[t * ldy + n] for
+// the strip's rows n < rows (first: stored, else added)
+template <int TT>
+void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const uint8_t* const* xq, const float* const* xd, float* y,
+                  int64_t ldy, int64_t rows, bool first) {
+  const __mmask16 m0 = mask16(rows), m1 = mask16(rows - 16);
+  __m512 acc[2][TT];
+  for (int t = 0; t < TT; ++t) {
+    acc[0][t] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + t * ldy);
+    acc[1][t] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + t * ldy + 16);
+  }
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t gg = g0 + g;
+    for (int j = 0; j < 4; ++j) {
+      __m512i d[2][TT];
+      const __m512i c0 = _mm512_load_si512(tl.c[g][j][0]), c1 = _mm512_load_si512(tl.c[g][j][1]);
+      for (int t = 0; t < TT; ++t) {
+        d[0][t] = c0;
+        d[1][t] = c1;
+      }
+      for (int k = 0; k < 8; ++k) {
+        const __m512i w0 = _mm512_load_si512(tl.w[g][j][k][0]), w1 = _mm512_load_si512(tl.w[g][j][k][1]);
+        const int64_t pos = 128 * gg + (k < 4 ? 16 * j + 4 * k : 64 + 16 * j + 4 * (k - 4));
+        for (int t = 0; t < TT; ++t) {
+          const __m512i xb = _mm512_set1_epi32(int(u32(xq[t] + pos)));
+          d[0][t] = _mm512_dpbusd_epi32(d[0][t], xb, w0);
+          d[1][t] = _mm512_dpbusd_epi32(d[1][t], xb, w1);
+        }
+      }
+      const __m512 s0 = _mm512_load_ps(tl.ws[g][j][0]), s1 = _mm512_load_ps(tl.ws[g][j][1]);
+      for (int t = 0; t < TT; ++t) {
+        const __m512 sx = _mm512_set1_ps(xd[t][16 * gg + 4 * j]);
+        acc[0][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[0][t]), _mm512_mul_ps(s0, sx), acc[0][t]);
+        acc[1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[1][t]), _mm512_mul_ps(s1, sx), acc[1][t]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    _mm512_mask_storeu_ps(y + t * ldy, m0, acc[0][t]);
+    _mm512_mask_storeu_ps(y + t * ldy + 16, m1, acc[1][t]);
+  }
+}
+
+constexpr int TS = 6;  // tokens per register block of the strips (2 x 6 accumulators, 2 x 6 sums)
+
+template <int T>
+void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* xq, const float* const* xd,
+            int64_t TN, float* y, int64_t ldy) {
+  Tile tl;
+  const int64_t nb = K / 32, ng = (nb + 3) / 4;
+  for (int64_t a = 0; a < N; a += SR) {
+    const int64_t rows = N - a < SR ? N - a : SR;
+    for (int64_t g0 = 0; g0 < ng; g0 += KC) {
+      const int64_t n = ng - g0 < KC ? ng - g0 : KC;
+      strip_decode<T>(w, w_row, N, nb, a, g0, n, tl);
+      const int64_t chunks = (TN + TS - 1) / TS;  // as even as can be (T = 8: 4 + 4, not 6 + 2)
+      int64_t t0 = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t tt = (TN - t0) / (chunks - c) + ((TN - t0) % (chunks - c) != 0);
+        auto go = [&](auto tc) __attribute__((always_inline)) {
+          strip_tokens<decltype(tc)::value>(tl, g0, n, xq + t0, xd + t0, y + t0 * ldy + a, ldy, rows, g0 == 0);
+        };
+        switch (tt) {
+          case 1: go(Slot<1>{}); break;
+          case 2: go(Slot<2>{}); break;
+          case 3: go(Slot<3>{}); break;
+          case 4: go(Slot<4>{}); break;
+          case 5: go(Slot<5>{}); break;
+          default: go(Slot<TS>{}); break;
+        }
+        t0 += tt;
+      }
+    }
+  }
+}
 constexpr int TQ = 8;  // tokens per pass over a row in fast math
 
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
-             const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf) {
+             const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf,
+             int64_t strips_from) {
+  if (strips_from > 0 && T >= strips_from && has_strips(type)) {
+    if (type == MXFP4) strips<MXFP4>(w, w_row, N, K, q, d, T, y, ldy);
+    else if (type == Q4_0) strips<Q4_0>(w, w_row, N, K, q, d, T, y, ldy);
+    else strips<IQ4_NL>(w, w_row, N, K, q, d, T, y, ldy);
+    return;
+  }
   const int64_t nb = K / block_elems(type);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t ahead = pf && n + pf < N ? pf * w_row : 0;
@@ -538,8 +704,9 @@ void prep_q8(int act, const float* x, int64_t K, uint8_t* q, float* d, int16_t* 
 }
 
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
-             const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf) {
-  avx512::rows_q8(type, w, w_row, N, K, q, d, bs, T, y, ldy, pf);
+             const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf,
+             int64_t strips_from) {
+  avx512::rows_q8(type, w, w_row, N, K, q, d, bs, T, y, ldy, pf, strips_from);
 }
 
 }  // namespace ggml
