@@ -25,7 +25,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..loader.safetensors_index import TensorIndex, TensorInfo
-from ..quant.ggml import GGUF_DECODED, tier_type
+from ..quant.ggml import GGUF_DECODED, decode, tier_type
 from ..quant.ggml_blocks import BY_NAME, DECODERS, FLOATS, METHODS, GGMLType, method_name
 from .families import Arch
 from .names import BLOCK, KV_B_SPLIT, expert_piece, expert_stack, gguf_name, hf_name
@@ -368,14 +368,9 @@ def _read(t: GGUFInfo) -> torch.Tensor:
 def dequantize(t: GGUFInfo) -> torch.Tensor:
     """A block-type tensor's bytes -> float32 in its HF shape."""
     raw = _read(t)
-    if t.type.name in DECODERS:
-        return DECODERS[t.type.name](raw.view(-1, t.type.block_bytes)).reshape(t.shape)
-    gguf = _gguf_package(t)
-    return (
-        torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(t.type.id)).copy())
-        .float()
-        .reshape(t.shape)
-    )
+    if t.type.name not in DECODERS:
+        _gguf_package(t)  # the types only the gguf package decodes: refused by name without it
+    return decode(t.type.name, raw.view(-1, t.type.block_bytes)).reshape(t.shape)
 
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
