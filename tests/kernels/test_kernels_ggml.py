@@ -36,6 +36,7 @@ FAST = kernels.backend() == "cpp" and kernels.extension().fast_supported()
 TYPES = list(GGUF_TYPES)
 FAST_TYPES = TYPES
 STRIP_TYPES = ["q4_0", "iq4_nl", "mxfp4"]  # the fast kernels with strips for many tokens
+K_STRIP_TYPES = ["q4_k", "q5_k", "q6_k"]  # theirs in csrc/ggml_kstrips.cpp (test_kernels_kstrips.py)
 QUANTISED = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q5_0": "Q5_0", "mxfp4": "MXFP4"}  # types gguf can quantise
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 40]
 SMALL_T = 16  # the linear tests' row-pass limit: T = 40 takes the tiled path
@@ -318,7 +319,7 @@ def test_kernel_of_names_each_kernel():
             assert ext.kernel_of(spec, 0) == (f"avx512-{t}-f32act" if AVX512 else f"avx2-{t}-f32act")
             if FAST:
                 act = ("q8_kact" if GGUF_TYPES[t][1] == 256 else "q8_0act") if t in FAST_TYPES else None
-                act += "+strips" if t in STRIP_TYPES and ext.get_strip_tokens() else ""
+                act += "+strips" if t in STRIP_TYPES + K_STRIP_TYPES and ext.get_strip_tokens() else ""
                 assert ext.kernel_of(spec, 1) == (f"avx512vnni-{t}-{act}" if act else f"avx512-{t}-f32act")
             ext.set_avx512(False)
             assert ext.kernel_of(spec, 0) == f"avx2-{t}-f32act"

@@ -12,6 +12,7 @@
 // a pass.
 
 #include "ggml_kernels.h"
+#include "ggml_kstrips.h"
 
 #include <immintrin.h>
 
@@ -46,7 +47,7 @@ bool avx512_supported() {
 
 bool fast_supported() { return avx512_supported() && __builtin_cpu_supports("avx512vnni"); }
 
-bool has_strips(int type) { return type == MXFP4 || type == Q4_0 || type == IQ4_NL; }
+bool has_strips(int type) { return type == MXFP4 || type == Q4_0 || type == IQ4_NL || type == Q4_K || type == Q5_K || type == Q6_K; }
 
 int act_of(int type) {
   return type == Q8_0 ? A32 : (type == Q4_0 || type == Q5_0 || type == IQ4_NL || type == MXFP4) ? A32N : (type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS) ? A256 : -1;
@@ -641,7 +642,8 @@ void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, co
              const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf,
              int64_t strips_from) {
   if (strips_from > 0 && T >= strips_from && has_strips(type)) {
-    if (type == MXFP4) strips<MXFP4>(w, w_row, N, K, q, d, T, y, ldy);
+    if (block_elems(type) == 256) kstrips(type, w, w_row, N, K, reinterpret_cast<const int8_t* const*>(q), d, bs, T, y, ldy);  // ggml_kstrips.h
+    else if (type == MXFP4) strips<MXFP4>(w, w_row, N, K, q, d, T, y, ldy);
     else if (type == Q4_0) strips<Q4_0>(w, w_row, N, K, q, d, T, y, ldy);
     else strips<IQ4_NL>(w, w_row, N, K, q, d, T, y, ldy);
     return;

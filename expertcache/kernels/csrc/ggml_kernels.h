@@ -76,7 +76,7 @@ inline int64_t act_padded(int act, int64_t K) { return (K + act_unit(act) - 1) /
 void prep_q8(int act, const float* x, int64_t K, uint8_t* q, float* d, int16_t* bsum);
 // q[t], d[t], bs[t]: token t's prepared row (its start); from strips_from tokens (0: never) the types
 // with strips (has_strips) go by strips of 32 rows decoded once, rows in the lanes (nibble_kernels.h)
-bool has_strips(int type);  // q4_0, iq4_nl, mxfp4
+bool has_strips(int type);  // q4_0, iq4_nl, mxfp4; q4_k, q5_k, q6_k (ggml_kstrips.h)
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
              const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf,
              int64_t strips_from);
