@@ -16,11 +16,13 @@ beyond chance (8 of 128 experts drawn per call).
 One line per configuration: the kernel that ran (kernel_of of the gate projection), ms per layer, GB/s of
 the expert bytes read (median over rounds) and its share of the round's read probe (median, range).
 
-    python bench/ggml_kernel_bench.py --resident [--types ...] [--tokens 1]
+    python bench/ggml_kernel_bench.py --resident [--types ...] [--tokens 1 16 64 128]
 
 --resident: the kernels alone, one 768 x 2048 weight of each type resident in L2, one thread, GB/s of its
-bytes over the calling thread's CPU time (robust to a busy machine: what each kernel can compute, against
-which the streaming rates above are limited by memory).
+bytes and GOPS (2 x tokens x rows x cols) over the calling thread's CPU time (robust to a busy machine: what
+each kernel can compute, against which the streaming rates above are limited by memory); in fast math for
+the types with prefill strips (from get_strip_tokens() tokens) also the row kernels they replace (`rows_`,
+strips off), alternated round by round, and strips_over_rows (their time ratio).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -82,30 +85,57 @@ def _pool_specs(t: str, buf: torch.Tensor, E: int = L * S) -> tuple[tuple, int]:
     return tuple(specs), off // (E)
 
 
+def _cpu_time(fn, rounds: int) -> float:
+    """Median seconds of the calling thread's CPU time per call of fn (5 calls a round)."""
+    ts = []
+    for _ in range(rounds):
+        c = time.thread_time()
+        for _ in range(5):
+            fn()
+        ts.append((time.thread_time() - c) / 5)
+    return statistics.median(ts)
+
+
 def resident(a) -> None:
-    """Each type's kernel alone on one weight in L2 (gate's shape, 768 x 2048), one thread, CPU time."""
+    """Each type's kernel alone on one weight in L2 (gate's shape, 768 x 2048), one thread, CPU time; in fast
+    math where the type has prefill strips, the strips beside the row kernels they replace
+    (set_strip_tokens(0)), alternated round by round."""
     ext = kernels.extension()
     buf = torch.randint(0x20, 0x3C, (I * H * 4,), dtype=torch.uint8)  # 3 projections of up to 8.5 bits
     ext.set_threads(1)
-    x = torch.randn(a.tokens, H)
-    for t in a.types:
-        spec = _pool_specs(t, buf, E=1)[0][0]
-        nbytes = spec[1].nbytes
-        for m in a.cpu_math:
-            math = kernels.CPU_MATHS[m]
-            for _ in range(3):
-                ext.linear(x, spec, 0, 16, 1 << 20, math)
-            ts = []
-            for _ in range(a.rounds * 2):
-                c = time.thread_time()
-                for _ in range(5):
-                    ext.linear(x, spec, 0, 16, 1 << 20, math)
-                ts.append((time.thread_time() - c) / 5)
-            print(
-                f"resident: type={t} shape={I}x{H} cpu_math={m} threads=1 tokens={a.tokens} "
-                f"kernel={ext.kernel_of(spec, math)} weight_MB={nbytes / 1e6:.2f} "
-                f"cpu_GBps={nbytes / statistics.median(ts) / 1e9:.1f}"
-            )
+    strips_from = ext.get_strip_tokens()
+    for T in a.tokens:
+        x = torch.randn(T, H)
+        for t in a.types:
+            spec = _pool_specs(t, buf, E=1)[0][0]
+            nbytes = spec[1].nbytes
+            for m in a.cpu_math:
+                math = kernels.CPU_MATHS[m]
+                kernel = ext.kernel_of(spec, math)
+                ways = {"": strips_from}
+                if kernel.endswith("+strips") and strips_from:
+                    ways["rows_"] = 0  # the same call, strips off
+                res = {w: [] for w in ways}
+                for r in range(a.rounds * 2 + 1):
+                    for w, st in ways.items() if r % 2 else list(ways.items())[::-1]:
+                        ext.set_strip_tokens(st)
+                        call = partial(ext.linear, x, spec, 0, 16, 1 << 20, math)
+                        call()
+                        if r:
+                            res[w].append(_cpu_time(call, 1))
+                ext.set_strip_tokens(strips_from)
+                med = {w: statistics.median(v) for w, v in res.items()}
+                line = " ".join(
+                    f"{w}cpu_GBps={nbytes / s / 1e9:.1f} {w}GOPS={2 * T * I * H / s / 1e9:.0f}"
+                    for w, s in med.items()
+                )
+                if "rows_" in med:
+                    line += f" strips_over_rows={med['rows_'] / med['']:.2f}"
+                print(
+                    f"resident: type={t} shape={I}x{H} cpu_math={m} threads=1 tokens={T} kernel={kernel} "
+                    f"weight_MB={nbytes / 1e6:.2f} {line}",
+                    flush=True,
+                )
     ext.set_threads(0)
 
 
@@ -118,7 +148,7 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--cpu-math", nargs="+", default=["exact", "fast"], choices=list(kernels.CPU_MATHS))
-    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="several only with --resident")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--probe-mib", type=int, default=1024)
     ap.add_argument("--resident", action="store_true", help="the kernels alone on a weight in L2 (CPU time)")
@@ -139,6 +169,9 @@ def main() -> None:
     if a.resident:
         resident(a)
         return
+    if len(a.tokens) > 1:
+        sys.exit("--tokens: one count without --resident")
+    a.tokens = a.tokens[0]
     need = max(
         sum(L * S * _proj_bytes(pt, n, k) for pt, (n, k) in zip(_projections(t), ((I, H), (I, H), (H, I))))
         for t in a.types

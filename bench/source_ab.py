@@ -2,10 +2,11 @@
 prompt, every expert resident, fast math, 2 threads. Run it from two trees alternately to compare a change
 on the same file (the figures of docs/real-scale.md "GGUF's 4-bit types get the prefill strips").
 
-    python bench/source_ab.py TREE MODEL [ROUNDS]     # TREE: a checkout whose expertcache is timed
+    python bench/source_ab.py TREE MODEL [ROUNDS] [PROMPT]     # TREE: a checkout whose expertcache is timed
 
-One line: tree, model file, median prefill / decode tok/s of ROUNDS (default 3) after a warm-up of 8 and 128
-tokens, and how many prefill matmul calls each path made (kernels.prefill_gemm.CALLS).
+One line: tree, model file, prompt tokens, median prefill / decode tok/s of ROUNDS (default 3) of a
+PROMPT-token prompt (default 128) after a warm-up of 8 and PROMPT tokens, and how many prefill matmul calls
+each path made (kernels.prefill_gemm.CALLS).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 def main():
     tree, path = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    prompt_len = int(sys.argv[4]) if len(sys.argv) > 4 else 128
     sys.path[:0] = [tree, str(Path(tree) / "bench")]  # the tree's expertcache and its bench/common.py
     torch.set_num_threads(2)
     from common import hardware_line, timed_generate
@@ -28,9 +30,15 @@ def main():
     from expertcache.kernels import prefill_gemm
 
     print(hardware_line())
-    llm = LLM(path, max_model_len=256, kv_cache_memory="64MiB", prefix_caching=False, cpu_math="fast")
-    prompt = torch.randint(3, 2000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    for n in (8, 128):
+    llm = LLM(
+        path,
+        max_model_len=max(256, prompt_len + 32),
+        kv_cache_memory="64MiB",
+        prefix_caching=False,
+        cpu_math="fast",
+    )
+    prompt = torch.randint(3, 2000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    for n in (8, prompt_len):
         llm.generate([prompt[:n]], SamplingParams(max_tokens=2, temperature=0.0))
     pp, tg = [], []
     for _ in range(rounds):
@@ -42,6 +50,7 @@ def main():
     line = {
         "tree": Path(tree).name,
         "model": Path(path).name,
+        "prompt": prompt_len,
         "prefill_tok_s": round(pp[len(pp) // 2], 1),
         "decode_tok_s": round(tg[len(tg) // 2], 2),
         "prefill_calls": dict(prefill_gemm.CALLS),
