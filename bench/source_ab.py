@@ -6,13 +6,15 @@ on the same file (the figures of docs/real-scale.md "GGUF's 4-bit types get the 
 
 One line: tree, model file, prompt tokens, median prefill / decode tok/s of ROUNDS (default 3) of a
 PROMPT-token prompt (default 128) after a warm-up of 8 and PROMPT tokens, and how many prefill matmul calls
-each path made (kernels.prefill_gemm.CALLS).
+each path made (kernels.prefill_gemm.CALLS); prefill_tok_per_cpu_s: the prompt's tokens over the process's
+CPU seconds (all threads) of a generate of one token, median of ROUNDS (less sensitive to a busy machine).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,14 +47,21 @@ def main():
         r = timed_generate(llm, [prompt], SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))
         pp.append(r["prefill_tok_s"])
         tg.append(r["decode_tok_s"])
+    cpu = []  # the process's CPU seconds (every thread) of the prompt and one token: robust to a busy machine
+    for _ in range(rounds):
+        c0 = time.process_time()
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+        cpu.append(time.process_time() - c0)
     pp.sort()
     tg.sort()
+    cpu.sort()
     line = {
         "tree": Path(tree).name,
         "model": Path(path).name,
         "prompt": prompt_len,
         "prefill_tok_s": round(pp[len(pp) // 2], 1),
         "decode_tok_s": round(tg[len(tg) // 2], 2),
+        "prefill_tok_per_cpu_s": round(prompt_len / cpu[len(cpu) // 2], 1),
         "prefill_calls": dict(prefill_gemm.CALLS),
     }
     print(json.dumps(line))
