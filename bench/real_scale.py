@@ -517,6 +517,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--gguf", action="store_true", help="with --write-only: make llama.cpp's GGUF of it too")
     ap.add_argument(
+        "--direct",
+        action="store_true",
+        help="qwen3-30b-a3b int4: write the int4 checkpoint and the Q4_0 GGUF layer by layer, without the "
+        "bf16 checkpoint at full depth (~61 GB) (bench/depth_writer.py)",
+    )
+    ap.add_argument(
         "--keep", action="store_true", help="keep the checkpoints and GGUFs (default: delete at the end)"
     )
     args = ap.parse_args(argv)
@@ -532,6 +538,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--llama-output: only for a llama-quantize GGUF (this run's is {args.peer})")
     if args.gguf and not args.write_only:
         raise SystemExit("--gguf: only with --write-only (a run makes its GGUF anyway)")
+    if args.direct and (args.model, args.format) != ("qwen3-30b-a3b", "int4"):
+        raise SystemExit("--direct: only --model qwen3-30b-a3b --format int4")
     args.cpu_math = list(dict.fromkeys(args.cpu_math))
     args.ours_from = list(dict.fromkeys(args.ours_from))
     if args.layers is None:
@@ -552,11 +560,14 @@ def main() -> None:
 
     print(hardware_line(), flush=True)
     t0 = time.perf_counter()
-    base = write_checkpoint(
-        args.model, args.dir / f"{args.model}-{args.layers}L", args.layers, args.tokenizer
-    )
+    if args.direct:
+        base, direct_gguf, bindir = direct_files(args)
+    else:
+        base = write_checkpoint(
+            args.model, args.dir / f"{args.model}-{args.layers}L", args.layers, args.tokenizer
+        )
     ckpt = base
-    if fmt == "int4" and "safetensors" in args.ours_from:
+    if fmt == "int4" and "safetensors" in args.ours_from and not args.direct:
         from expertcache.quantize.rewrite import quantize_checkpoint
 
         ckpt = args.dir / f"{args.model}-{args.layers}L-int4"
@@ -582,7 +593,7 @@ def main() -> None:
         return
     from llama_cpp_bench import build_llama_cpp
 
-    bindir = build_llama_cpp(args.cache)
+    bindir = bindir if args.direct else build_llama_cpp(args.cache)
     ver = subprocess.run(
         [str(bindir / "llama-bench"), "--version"], check=False, capture_output=True, text=True
     )
@@ -593,7 +604,11 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     name = f"{args.model}-{args.layers}L-{peer}" + (f"-out-{args.llama_output}" if args.llama_output else "")
-    gguf = gguf_for(base, args.dir / f"{name}.gguf", args.cache, bindir, peer, args.llama_output)
+    gguf = (
+        direct_gguf
+        if args.direct
+        else gguf_for(base, args.dir / f"{name}.gguf", args.cache, bindir, peer, args.llama_output)
+    )
     print(
         f"gguf: {gguf.name} GB={gguf.stat().st_size / 1e9:.2f} made_in_s={time.perf_counter() - t0:.0f}",
         flush=True,
@@ -617,6 +632,33 @@ def main() -> None:
             for p in (base, ckpt):
                 shutil.rmtree(p, ignore_errors=True)
             gguf.unlink(missing_ok=True)
+
+
+def direct_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """--direct: the int4 checkpoint and llama.cpp's Q4_0 GGUF of the same weights, written layer by layer
+    (bench/depth_writer.py; the GGUF's types and metadata from llama-quantize's file of the 1-layer
+    checkpoint, checked byte for byte at 1 layer first)."""
+    import depth_writer as W
+    from llama_cpp_bench import build_llama_cpp
+
+    bindir = build_llama_cpp(args.cache)
+    gg = W.gguf_module(converter(args.cache).parent)
+    one = write_checkpoint(args.model, args.dir / f"{args.model}-1L", 1, args.tokenizer)
+    kind = args.peer + (f"-out-{args.llama_output}" if args.llama_output else "")
+    template = gguf_for(
+        one, args.dir / f"{args.model}-1L-{kind}.gguf", args.cache, bindir, args.peer, args.llama_output
+    )
+    W.check_against_template(gg, args.model, args.tokenizer, template, args.dir)
+    ckpt, gguf = W.write_both(
+        gg,
+        args.model,
+        args.layers,
+        args.tokenizer,
+        template,
+        args.dir / f"{args.model}-{args.layers}L-int4-direct",
+        args.dir / f"{args.model}-{args.layers}L-{kind}-direct.gguf",
+    )
+    return ckpt, gguf, bindir
 
 
 def mem_total() -> int:
