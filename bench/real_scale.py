@@ -183,8 +183,11 @@ def model_config(model: str, layers: int, **overrides) -> dict:
     return cfg
 
 
-def layer_tensors(model: str, cfg: dict, i: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """Layer i's tensors in the shipped layout (shape legend: H hidden, E experts, I expert intermediate)."""
+def layer_tensors(
+    model: str, cfg: dict, i: int, g: torch.Generator, experts: bool = True
+) -> dict[str, torch.Tensor]:
+    """Layer i's tensors in the shipped layout (shape legend: H hidden, E experts, I expert intermediate);
+    experts=False: Qwen3's without its routed experts (bench/depth_writer.py draws them as blocks)."""
     H, E = cfg["hidden_size"], cfg.get("num_local_experts", cfg.get("num_experts"))
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
 
@@ -222,7 +225,7 @@ def layer_tensors(model: str, cfg: dict, i: int, g: torch.Generator) -> dict[str
         t[f"{p}.self_attn.q_norm.weight"] = (1 + rnd(D, std=0.1).float()).bfloat16()
         t[f"{p}.self_attn.k_norm.weight"] = (1 + rnd(D, std=0.1).float()).bfloat16()
         t[f"{p}.mlp.gate.weight"] = rnd(E, H, std=2 * H**-0.5)
-        for e in range(E):
+        for e in range(E if experts else 0):
             t[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rnd(I, H, std=H**-0.5)
             t[f"{p}.mlp.experts.{e}.up_proj.weight"] = rnd(I, H, std=H**-0.5)
             t[f"{p}.mlp.experts.{e}.down_proj.weight"] = rnd(
@@ -489,6 +492,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "int4: a Q4_0 GGUF holds its attention in 4 bits); default: as stored",
     )
     ap.add_argument(
+        "--device-memory",
+        default=None,
+        help="expertcache's expert budget (LLM(device_memory=...), e.g. 100%%: every expert in RAM where the "
+        "auto budget, half of MemAvailable, holds fewer); default: auto",
+    )
+    ap.add_argument(
         "--llama-output",
         default=None,
         help="the Q4_0 GGUF's output matrix type (llama-quantize --output-tensor-type, e.g. q8_0: the "
@@ -675,7 +684,11 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
     from kernel_bench import read_bandwidth
     from llama_cpp_bench import Worker, llama_bench_rows
 
-    extra = {k: v for k, v in (("lm_head", args.lm_head), ("dense", args.dense)) if v}
+    extra = {
+        k: v
+        for k, v in (("lm_head", args.lm_head), ("dense", args.dense), ("device_memory", args.device_memory))
+        if v
+    }
     gguf = sources["gguf"]
     # llama.cpp's file in the page cache, and each source expertcache reads copied into its own memory
     need = gguf.stat().st_size + sum(source_bytes(sources[s]) for s in args.ours_from)
