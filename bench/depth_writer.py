@@ -219,6 +219,16 @@ class Int4Writer:
         return self.out
 
 
+def _manifest(model: str, layers: int, seed: int, overrides: dict) -> dict:
+    return {"model": model, "layers": layers, "seed": seed, "version": 2, "direct": "int4", **overrides}
+
+
+def written(ckpt: Path, layers: int, model: str = "qwen3-30b-a3b", seed: int = 0, **overrides) -> bool:
+    """The int4 checkpoint at `ckpt` is this writer's of these arguments (its GGUF is written first)."""
+    m = ckpt / "manifest.json"
+    return m.exists() and json.loads(m.read_text()) == _manifest(model, layers, seed, overrides)
+
+
 def write_both(
     gguf,
     model: str,
@@ -234,11 +244,8 @@ def write_both(
     one layer in memory at a time; reused while the checkpoint's manifest matches."""
     import real_scale as R
 
-    manifest = {"model": model, "layers": layers, "seed": seed, "version": 2, "direct": "int4", **overrides}
-    done = ckpt is None or (
-        (ckpt / "manifest.json").exists() and json.loads((ckpt / "manifest.json").read_text()) == manifest
-    )
-    if done and out.exists():
+    manifest = _manifest(model, layers, seed, overrides)
+    if (ckpt is None or written(ckpt, layers, model, seed, **overrides)) and out.exists():
         return ckpt, out
     cfg = R.model_config(model, layers, **overrides)
     g = torch.Generator().manual_seed(seed)

@@ -492,10 +492,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "int4: a Q4_0 GGUF holds its attention in 4 bits); default: as stored",
     )
     ap.add_argument(
-        "--device-memory",
-        default=None,
-        help="expertcache's expert budget (LLM(device_memory=...), e.g. 100%%: every expert in RAM where the "
-        "auto budget, half of MemAvailable, holds fewer); default: auto",
+        "--llm",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="further LLM(...) keywords for expertcache, e.g. device_memory=100%% kv_cache_memory=512MiB "
+        "(every expert in RAM where the auto budget, half of MemAvailable, holds fewer)",
     )
     ap.add_argument(
         "--llama-output",
@@ -549,6 +551,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--gguf: only with --write-only (a run makes its GGUF anyway)")
     if args.direct and (args.model, args.format) != ("qwen3-30b-a3b", "int4"):
         raise SystemExit("--direct: only --model qwen3-30b-a3b --format int4")
+    bad = [kv for kv in args.llm if "=" not in kv]
+    if bad:
+        raise SystemExit(f"--llm {bad[0]}: give KEY=VALUE")
+    args.llm = dict(kv.split("=", 1) for kv in args.llm)
     args.cpu_math = list(dict.fromkeys(args.cpu_math))
     args.ours_from = list(dict.fromkeys(args.ours_from))
     if args.layers is None:
@@ -657,7 +663,8 @@ def direct_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     template = gguf_for(
         one, args.dir / f"{args.model}-1L-{kind}.gguf", args.cache, bindir, args.peer, args.llama_output
     )
-    W.check_against_template(gg, args.model, args.tokenizer, template, args.dir)
+    if not W.written(args.dir / f"{args.model}-{args.layers}L-int4-direct", args.layers):
+        W.check_against_template(gg, args.model, args.tokenizer, template, args.dir)
     ckpt, gguf = W.write_both(
         gg,
         args.model,
@@ -684,11 +691,7 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
     from kernel_bench import read_bandwidth
     from llama_cpp_bench import Worker, llama_bench_rows
 
-    extra = {
-        k: v
-        for k, v in (("lm_head", args.lm_head), ("dense", args.dense), ("device_memory", args.device_memory))
-        if v
-    }
+    extra = {k: v for k, v in (("lm_head", args.lm_head), ("dense", args.dense)) if v} | args.llm
     gguf = sources["gguf"]
     # llama.cpp's file in the page cache, and each source expertcache reads copied into its own memory
     need = gguf.stat().st_size + sum(source_bytes(sources[s]) for s in args.ours_from)
