@@ -8,7 +8,9 @@ offset, a linear-attention layer's derived tensors); the tensor the model keeps 
 through the ledger under "dense" and the read copied into it. On the CPU a GGUF file's lm_head and
 standard attention / dense MLP matrices in a type the kernels read (build/plan.py `file_blocks`) are
 read as the file's blocks and held as they are (`QuantizedWeight.stored`; q/k/v fused by row when
-they share a type), said in one line at load. What a layer object derives from its
+they share a type), said in one line at load; so is a GGUF embedding table in a block type
+(models/embedding.py `held_blocks`: its rows decoded per lookup; tied, lm_head reads the same blocks where
+a kernel reads the type). What a layer object derives from its
 weights (Rotary's frequencies, GatedDeltaNet's -exp(A_log) and transposed conv) and a quantized
 weight's packed parts are counted as they are made.
 """
@@ -173,7 +175,7 @@ class DenseReader:
         )
         disk = on_disk(cfg, ck.index, self.device, self.low_memory)
         if disk:
-            table = RowReader(emb, self.check_finite)
+            table = RowReader(emb, self.check_finite, decode)
         elif keep:
             t = ck.index.load(emb.name, tuple(emb.shape))
             check_dense(ck.index, emb.name, t, self.check_finite)

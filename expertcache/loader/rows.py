@@ -15,8 +15,8 @@ the process holds for the table is nil. The descriptor is advised POSIX_FADV_RAN
 not pull the kernel's read-ahead window (up to 128 KiB) of rows nobody asked for into that cache.
 
 A GGUF table in a block type (Q4_0, Q4_K, Q6_K, ...) is read the same way: row r is its r-th row of
-blocks, a contiguous byte range (H / block elements x block bytes), decoded after the read
-(quant/ggml.py `decode`) into the float32 the index lists it as.
+blocks, a contiguous byte range (H / block elements x block bytes), decoded after the read (by the
+`decode` it is given: quant/ggml.py's) into the float32 the index lists it as.
 
 Invariants:
 - the tensor is stored row-major as its dtype (a plain safetensors tensor) or as rows of ggml blocks
@@ -38,7 +38,6 @@ import weakref
 import torch
 
 from ..errors import CheckpointError
-from ..quant.ggml import decode
 from .checks import SKIP_HINT
 from .safetensors_index import TensorInfo
 
@@ -67,7 +66,9 @@ def readable(info: TensorInfo) -> bool:
 class RowReader:
     """rows(ids [T]) -> [T, H] in the stored dtype (float32 for blocks), read from the checkpoint's file."""
 
-    def __init__(self, info: TensorInfo, check_finite: bool = True):
+    def __init__(self, info: TensorInfo, check_finite: bool = True, decode=None):
+        """`decode(type name, blocks uint8 [N, block bytes]) -> float32 [N, block]`: a table of blocks'
+        decoder (quant/ggml.py `decode`, passed in: the loader sits below quant)."""
         if not readable(info):
             raise ValueError(
                 f"{info.file.name}: tensor {info.name} ({info.dtype}, shape {list(info.shape)}) is not "
@@ -76,6 +77,11 @@ class RowReader:
         self.info, self.check_finite = info, check_finite
         self.num_rows, self.row_len = info.shape
         self.blocks = row_blocks(info)  # None: rows stored as info.dtype
+        if self.blocks is not None and decode is None:
+            raise ValueError(
+                f"{info.file.name}: tensor {info.name} is {self.blocks.name} blocks: RowReader needs their decoder"
+            )
+        self.decode = decode
         self.row_bytes = info.nbytes // self.num_rows
         self.fd = os.open(info.file, os.O_RDONLY)
         self._close = weakref.finalize(self, os.close, self.fd)
@@ -107,7 +113,9 @@ class RowReader:
         if self.blocks is None:
             out = raw.view(self.info.dtype)  # [U, H]
         else:
-            out = decode(self.blocks.name, raw.view(-1, self.blocks.block_bytes)).view(len(u), self.row_len)
+            out = self.decode(self.blocks.name, raw.view(-1, self.blocks.block_bytes)).view(
+                len(u), self.row_len
+            )
         if self.check_finite:
             self._check(u, out)
         return out.index_select(0, inverse).reshape(*ids.shape, self.row_len)

@@ -175,5 +175,7 @@ def test_low_memory_reads_the_rows_of_blocks_from_the_file(embd_gguf):
         ids = torch.tensor([7, 3, 3, 4])
         torch.testing.assert_close(embed.rows(ids), table[ids], rtol=0, atol=0)
         assert embed.bytes_read - before == 3 * (H // 256) * 144  # rows 3, 4, 7: each read once
+        with pytest.raises(ValueError, match=r"is Q4_K blocks: RowReader needs their decoder"):
+            RowReader(embed.info)
     finally:
         llm.close()
