@@ -192,13 +192,19 @@ class GGUFIndex(TensorIndex):
             )
         return t
 
+    def block_type(self, name: str) -> str | None:
+        """The ggml block type dense matrix `name` is stored in (served dequantized by `load`, as the
+        file's bytes by `blocks`), else None (floats, MLA's split kv_b, expert entries)."""
+        t = self.tensors.get(name)
+        if type(t) is not GGUFInfo or t.type is None or len(t.shape) != 2 or t.type.name in FLOATS:
+            return None
+        return t.type.name
+
     def block_method(self, name: str) -> str | None:
         """The QuantMethod (quant/ggml.py `gguf-*`) of dense matrix `name` where its type is one the
         kernels read as stored, else None (floats, types without a method, MLA's split kv_b)."""
-        t = self.tensors.get(name)
-        if type(t) is not GGUFInfo or t.type is None or len(t.shape) != 2:
-            return None
-        return method_name(t.type.name) if t.type.name in METHODS else None
+        t = self.block_type(name)
+        return method_name(t) if t in METHODS else None
 
     def blocks(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Dense matrix `name` (a `block_method` type) as the file stores it: uint8 [out, row bytes], the
