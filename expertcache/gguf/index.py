@@ -87,19 +87,24 @@ class GGUFIndex(TensorIndex):
                 )
             name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
             self.tensors[name] = _kv_b(name, kv["k"], kv["v"])
+        self._notes()
+
+    def _notes(self) -> None:
+        """What the load leaves out or converts, one line each."""
+        path = self.gguf.path
         if self.left_out:
             shown = ", ".join(self.left_out[:4]) + (
                 f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else ""
             )
             print(
-                f"note: {gf.path.name}: {len(self.left_out)} tensor(s) not read by the {arch.arch} model: {shown}",
+                f"note: {path.name}: {len(self.left_out)} tensor(s) not read by the {self.arch.arch} model: {shown}",
                 file=sys.stderr,
             )
-        for line in expert_conversions(gf.path, self.expert_types):
+        for line in expert_conversions(path, self.expert_types):
             print(line, file=sys.stderr)
         for type_name, names in self._dequantized.items():
             print(
-                f"note: {gf.path.name}: {len(names)} dense tensor(s) of type {type_name} ({names[0]}"
+                f"note: {path.name}: {len(names)} dense tensor(s) of type {type_name} ({names[0]}"
                 f"{', ...' if len(names) > 1 else ''}) are dequantized at load to float32 through the gguf "
                 "package (no decoder of that type here)",
                 file=sys.stderr,
