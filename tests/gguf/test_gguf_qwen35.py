@@ -27,13 +27,14 @@ from expertcache.errors import CheckpointError
 PROMPT = [1, 12, 50, 99, 150, 7, 33, 21, 40, 11]
 
 
-def _write(ckpt, path, types, meta_edit=None, drop=()):
+def _write(ckpt, path, types, meta_edit=None, drop=(), edit=None):
     cfg = json.loads((ckpt / "config.json").read_text())
     meta = qwen35_metadata(cfg, nextn=1) + tokenizer_metadata(
         ckpt / "tokenizer.json", "qwen35", cfg["vocab_size"], eos="<|im_end|>"
     )
     meta = [m for m in meta if m[0] not in (meta_edit or ())]
     arrays = qwen35_names(C.read_tensors(ckpt), cfg, mtp_layer=cfg["num_hidden_layers"])
+    arrays = {k: edit(k, v) for k, v in arrays.items()} if edit else arrays
     return write_gguf(path, "qwen35moe", {k: v for k, v in arrays.items() if k not in drop}, meta, types), cfg
 
 
@@ -108,6 +109,27 @@ def test_layer_types_from_the_interval_without_the_list(checkpoint, tmp_path):
         assert llm.cfg.linear_attn.layers == (True, True, True, False)
     finally:
         llm.close()
+
+
+def test_a_one_dimensional_shared_expert_gate(checkpoint, tmp_path):
+    """ffn_gate_inp_shexp as llama.cpp declares it ([H]) rather than as the converter writes it ([1, H])."""
+    ckpt = checkpoint("qwen3_5_moe")
+    logits = []
+    for flat in (False, True):
+        path, _ = _write(
+            ckpt,
+            tmp_path / f"q{flat}.gguf",
+            default_types(),
+            edit=lambda k, v, flat=flat: v.reshape(-1) if flat and "ffn_gate_inp_shexp" in k else v,
+        )
+        dims = {t.name: len(t.shape) for t in gguf.GGUFReader(str(path)).tensors}
+        assert dims["blk.0.ffn_gate_inp_shexp.weight"] == (1 if flat else 2)
+        llm = LLM(str(path))
+        try:
+            logits.append(llm.logits(PROMPT))
+        finally:
+            llm.close()
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.skipif(
