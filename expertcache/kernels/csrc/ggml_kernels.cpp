@@ -698,17 +698,25 @@ __attribute__((always_inline)) inline void token_chunks(int64_t TN, Fn fn) {
   }
 }
 
-constexpr int R1 = 1;  // rows a pass of n32_rows at one token
+// q4_0 / q5_0 / iq4_nl / mxfp4 rows [0, N) for TN tokens by n32_rows: fewer than 4 tokens R rows a pass
+// (R1 at one token, R23 at 2 or 3), so that one load of the activations serves R rows and R row streams are
+// in flight; the rest, and more tokens, a row at a time in chunks of up to TQ tokens
+constexpr int R1 = 4, R23 = 2;
 
-// q4_0 / q5_0 / iq4_nl / mxfp4 rows [0, N) for TN tokens by n32_rows: R1 rows a pass at one token, else 1
 template <int T>
 void n32(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
          const int32_t* const* xc, int64_t TN, float* y, int64_t ldy, int64_t pf) {
   const int64_t nb = K / 32;
   int64_t n = 0;
-  if (TN == 1)
-    for (; n + R1 <= N; n += R1)
-      n32_rows<T, R1, 1>(w + n * w_row, w_row, nb, xq, xd, xc, y + n, ldy, pf && n + R1 + pf <= N ? pf * w_row : 0);
+  auto pass = [&](auto rc, auto tc) __attribute__((always_inline)) {
+    constexpr int R = decltype(rc)::value;
+    for (; n + R <= N; n += R)
+      n32_rows<T, R, decltype(tc)::value>(w + n * w_row, w_row, nb, xq, xd, xc, y + n, ldy,
+                                          pf && n + R + pf <= N ? pf * w_row : 0);
+  };
+  if (TN == 1) pass(Slot<R1>{}, Slot<1>{});
+  else if (TN == 2) pass(Slot<R23>{}, Slot<2>{});
+  else if (TN == 3) pass(Slot<R23>{}, Slot<3>{});
   for (; n < N; ++n) {
     const int64_t ahead = pf && n + pf < N ? pf * w_row : 0;
     token_chunks(TN, [&](int64_t t0, auto tc) __attribute__((always_inline)) {
