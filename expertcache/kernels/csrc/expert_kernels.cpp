@@ -524,7 +524,7 @@ struct FastX {
   std::vector<float> f;      // P_MXF, P_I4F [T, Kp]
   std::vector<float> fs;     // P_I4F [T, Kp / 8]
   std::vector<int8_t> mq;    // P_MXQ, P_I4Q [T, Kp]
-  std::vector<int32_t> mc;   // P_MXQ, P_I4Q, P_GA32N [T, Kp / 8]
+  std::vector<int32_t> mc;   // P_MXQ, P_I4Q [T, Kp / 8]
   std::vector<int16_t> gb;   // P_GA256 [T, Kp / 16] (P_GA*: codes in q, scales in s, ggml_kernels.h)
 
   static int64_t padded(int kind, int64_t K) {
@@ -538,7 +538,6 @@ struct FastX {
       q.resize(T * Kp);
       s.resize(T * (Kp / ggml::act_scale_div(ggml_act(kind))));
       if (kind == P_GA256) gb.resize(T * (Kp / 16));
-      if (kind == P_GA32N) mc.resize(T * (Kp / ggml::act_corr_div(ggml::A32N)));
     } else if (kind == P_BF16) {
       bf.resize(T * Kp);
     } else if (kind == P_Q8) {
@@ -565,8 +564,7 @@ struct FastX {
     const int64_t o = t * Kp + k0;
     if (ggml_prep(kind))
       ggml::prep_q8(ggml_act(kind), x + k0, k1 - k0, q.data() + o, s.data() + o / ggml::act_scale_div(ggml_act(kind)),
-                    kind == P_GA256 ? gb.data() + o / 16 : nullptr,
-                    kind == P_GA32N ? mc.data() + o / ggml::act_corr_div(ggml::A32N) : nullptr);
+                    kind == P_GA256 ? gb.data() + o / 16 : nullptr);
     else if (kind == P_BF16) fastk::prep_bf16(x + k0, k1 - k0, bf.data() + o);
     else if (kind == P_Q8) fastk::prep_q8(x + k0, k1 - k0, q.data() + o, s.data() + o / fastk::BLOCK);
     else if (kind == P_MXF || kind == P_I4F)
@@ -592,7 +590,6 @@ struct FastRows {
         q.push_back(x.q.data() + o);
         s.push_back(x.s.data() + o / ggml::act_scale_div(ggml_act(kind)));
         gb.push_back(kind == P_GA256 ? x.gb.data() + o / 16 : nullptr);
-        mc.push_back(kind == P_GA32N ? x.mc.data() + o / ggml::act_corr_div(ggml::A32N) : nullptr);
       } else if (kind == P_BF16) {
         bf.push_back(x.bf.data() + o);
       } else if (kind == P_Q8) {
@@ -621,8 +618,8 @@ void fast_gemm(const WView& W, int64_t slot, int64_t n0, int64_t n1, const FastR
   const int64_t pf = prefetch_rows.load(std::memory_order_relaxed);
   const uint8_t* d = W.d + slot * W.d_slot + n0 * W.d_row;
   if (ggml_prep(fr.kind)) {
-    ggml::rows_q8(W.fmt, d, W.d_row, n1 - n0, W.K, fr.q.data() + off, fr.s.data() + off, fr.gb.data() + off,
-                  fr.mc.data() + off, T, y, ldy, T < 4 ? pf : 0, nib::strip_tokens());
+    ggml::rows_q8(W.fmt, d, W.d_row, n1 - n0, W.K, fr.q.data() + off, fr.s.data() + off, fr.gb.data() + off, T, y, ldy,
+                  T < 4 ? pf : 0, nib::strip_tokens());
   } else if (fr.kind == P_BF16) {
     fastk::rows_bf16(d, W.d_row, n1 - n0, W.K, fr.bf.data() + off, T, y, ldy, 0);  // prefetch: slower (below)
   } else if (fr.kind == P_Q8) {

@@ -40,10 +40,10 @@
 //                                  float [Kp / 4] per 64 features 16 lanes: block 2g's scale in lanes 0..7,
 //                                  2g + 1's in 8..15 (NaN when the block is not finite)
 //   prepared q8 (kind A32N, q4_0, q5_0, iq4_nl, mxfp4)  int8 [Kp] codes (signed), per 128 features (4 blocks):
-//                                  the blocks' first 16 codes at 16 j, their last 16 at 64 + 16 j; float
-//                                  [Kp / 8]: block j's scale in lanes 4j..4j+3 (Kp = K rounded up to 128);
-//                                  int32 [Kp / 8] corrections, 16 per 128 features: lane L -128 x the sum
-//                                  of codes 4L..4L+3 and 64 + 4L..64 + 4L+3 (block L / 4's)
+//                                  the blocks' first 16 codes at 16 j, their last 16 at 64 + 16 j (Kp = K
+//                                  rounded up to 128); float [Kp / 4], per 128 features 16 scales (block j's
+//                                  in lanes 4j..4j+3) then 16 int32 corrections (lane L: -128 x the sum of
+//                                  codes 4L..4L+3 and 64 + 4L..64 + 4L+3, block L / 4's): one pointer a token
 //   prepared q8 (kind A256, q4_k, q5_k, q6_k, iq4_xs)  int8 [K] codes, float [K / 256] scales, int16 [K / 16] code sums
 #pragma once
 
@@ -73,18 +73,16 @@ void dequant(int type, bool avx512, const uint8_t* w, int64_t w_row, int64_t N, 
 enum Act { A32 = 0, A256 = 1, A32N = 2 };
 int act_of(int type);  // the activations' kind a fast kernel of `type` reads; -1: no fast kernel
 inline int64_t act_unit(int act) { return act == A32 ? 64 : act == A32N ? 128 : 256; }  // features per piece of a prepared row
-inline int64_t act_scale_div(int act) { return act == A32 ? 4 : act == A32N ? 8 : 256; }  // features per scale float
+inline int64_t act_scale_div(int act) { return act == A256 ? 256 : 4; }  // features per float (A32N: scales and corrections)
 inline int64_t act_padded(int act, int64_t K) { return (K + act_unit(act) - 1) / act_unit(act) * act_unit(act); }
 
-inline int64_t act_corr_div(int act) { return act == A32N ? 8 : 0; }  // features per correction int32 (0: none)
-
-// features [0, K) of x (K a multiple of act_unit or the row's end) -> q [Kp], d, bsum (A256 only), corr (A32N only)
-void prep_q8(int act, const float* x, int64_t K, uint8_t* q, float* d, int16_t* bsum, int32_t* corr);
-// q[t], d[t], bs[t], xc[t]: token t's prepared row (its start); from strips_from tokens (0: never) the types
+// features [0, K) of x (K a multiple of act_unit or the row's end) -> q [Kp], d, bsum (A256 only)
+void prep_q8(int act, const float* x, int64_t K, uint8_t* q, float* d, int16_t* bsum);
+// q[t], d[t], bs[t]: token t's prepared row (its start); from strips_from tokens (0: never) the types
 // with strips (has_strips) go by strips of 32 rows decoded once, rows in the lanes (nibble_kernels.h)
 bool has_strips(int type);  // q4_0, iq4_nl, mxfp4
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
-             const float* const* d, const int16_t* const* bs, const int32_t* const* xc, int64_t T, float* y,
-             int64_t ldy, int64_t pf, int64_t strips_from);
+             const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf,
+             int64_t strips_from);
 
 }  // namespace ggml
