@@ -537,9 +537,9 @@ void xs_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float
 // transposed so that lane n holds row n's dword; the codes through the type's table
 // in the A32N order (low nibbles: the block's features 0..15, high: 16..31), so one vpdpbusd of a step
 // (unsigned, value + 128, as n32_rows) against 4 prepared activation bytes broadcast (signed) makes 64 MACs
-// of 16 rows; the +128 taken off by the token's -128 x the block's code sum (prep_a32n's 4 lanes summed per
-// chunk of tokens), the sums' first value; the block's int32 sum times (weight scale x activation scale) into float32 per row, the float
-// work shared by 16 rows.
+// of 16 rows; the +128 taken off by the token's -128 x the block's code sum (prep_a32n's 4 lanes, summed
+// per chunk of tokens), the sums' first value; the block's int32 sum times (weight scale x activation
+// scale) into float32 per row, the float work shared by 16 rows.
 constexpr int64_t SR = 32;  // rows per strip: 2 vectors of 16
 constexpr int64_t KC = 4;   // groups of 4 blocks per K chunk (the Tile: 16 KiB of codes, 2 KiB of scales)
 
