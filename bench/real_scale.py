@@ -183,8 +183,11 @@ def model_config(model: str, layers: int, **overrides) -> dict:
     return cfg
 
 
-def layer_tensors(model: str, cfg: dict, i: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """Layer i's tensors in the shipped layout (shape legend: H hidden, E experts, I expert intermediate)."""
+def layer_tensors(
+    model: str, cfg: dict, i: int, g: torch.Generator, experts: bool = True
+) -> dict[str, torch.Tensor]:
+    """Layer i's tensors in the shipped layout (shape legend: H hidden, E experts, I expert intermediate);
+    experts=False: Qwen3's without its routed experts (bench/depth_writer.py draws them as blocks)."""
     H, E = cfg["hidden_size"], cfg.get("num_local_experts", cfg.get("num_experts"))
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
 
@@ -222,7 +225,7 @@ def layer_tensors(model: str, cfg: dict, i: int, g: torch.Generator) -> dict[str
         t[f"{p}.self_attn.q_norm.weight"] = (1 + rnd(D, std=0.1).float()).bfloat16()
         t[f"{p}.self_attn.k_norm.weight"] = (1 + rnd(D, std=0.1).float()).bfloat16()
         t[f"{p}.mlp.gate.weight"] = rnd(E, H, std=2 * H**-0.5)
-        for e in range(E):
+        for e in range(E if experts else 0):
             t[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rnd(I, H, std=H**-0.5)
             t[f"{p}.mlp.experts.{e}.up_proj.weight"] = rnd(I, H, std=H**-0.5)
             t[f"{p}.mlp.experts.{e}.down_proj.weight"] = rnd(
@@ -489,6 +492,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "int4: a Q4_0 GGUF holds its attention in 4 bits); default: as stored",
     )
     ap.add_argument(
+        "--llm",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="further LLM(...) keywords for expertcache, e.g. device_memory=100%% kv_cache_memory=512MiB "
+        "(every expert in RAM where the auto budget, half of MemAvailable, holds fewer)",
+    )
+    ap.add_argument(
         "--llama-output",
         default=None,
         help="the Q4_0 GGUF's output matrix type (llama-quantize --output-tensor-type, e.g. q8_0: the "
@@ -517,6 +528,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--gguf", action="store_true", help="with --write-only: make llama.cpp's GGUF of it too")
     ap.add_argument(
+        "--direct",
+        action="store_true",
+        help="qwen3-30b-a3b int4: write the int4 checkpoint and the Q4_0 GGUF layer by layer, without the "
+        "bf16 checkpoint at full depth (~61 GB) (bench/depth_writer.py)",
+    )
+    ap.add_argument(
         "--keep", action="store_true", help="keep the checkpoints and GGUFs (default: delete at the end)"
     )
     args = ap.parse_args(argv)
@@ -532,6 +549,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--llama-output: only for a llama-quantize GGUF (this run's is {args.peer})")
     if args.gguf and not args.write_only:
         raise SystemExit("--gguf: only with --write-only (a run makes its GGUF anyway)")
+    if args.direct and (args.model, args.format) != ("qwen3-30b-a3b", "int4"):
+        raise SystemExit("--direct: only --model qwen3-30b-a3b --format int4")
+    bad = [kv for kv in args.llm if "=" not in kv]
+    if bad:
+        raise SystemExit(f"--llm {bad[0]}: give KEY=VALUE")
+    args.llm = dict(kv.split("=", 1) for kv in args.llm)
     args.cpu_math = list(dict.fromkeys(args.cpu_math))
     args.ours_from = list(dict.fromkeys(args.ours_from))
     if args.layers is None:
@@ -552,11 +575,14 @@ def main() -> None:
 
     print(hardware_line(), flush=True)
     t0 = time.perf_counter()
-    base = write_checkpoint(
-        args.model, args.dir / f"{args.model}-{args.layers}L", args.layers, args.tokenizer
-    )
+    if args.direct:
+        base, direct_gguf, bindir = direct_files(args)
+    else:
+        base = write_checkpoint(
+            args.model, args.dir / f"{args.model}-{args.layers}L", args.layers, args.tokenizer
+        )
     ckpt = base
-    if fmt == "int4" and "safetensors" in args.ours_from:
+    if fmt == "int4" and "safetensors" in args.ours_from and not args.direct:
         from expertcache.quantize.rewrite import quantize_checkpoint
 
         ckpt = args.dir / f"{args.model}-{args.layers}L-int4"
@@ -582,7 +608,7 @@ def main() -> None:
         return
     from llama_cpp_bench import build_llama_cpp
 
-    bindir = build_llama_cpp(args.cache)
+    bindir = bindir if args.direct else build_llama_cpp(args.cache)
     ver = subprocess.run(
         [str(bindir / "llama-bench"), "--version"], check=False, capture_output=True, text=True
     )
@@ -593,7 +619,11 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     name = f"{args.model}-{args.layers}L-{peer}" + (f"-out-{args.llama_output}" if args.llama_output else "")
-    gguf = gguf_for(base, args.dir / f"{name}.gguf", args.cache, bindir, peer, args.llama_output)
+    gguf = (
+        direct_gguf
+        if args.direct
+        else gguf_for(base, args.dir / f"{name}.gguf", args.cache, bindir, peer, args.llama_output)
+    )
     print(
         f"gguf: {gguf.name} GB={gguf.stat().st_size / 1e9:.2f} made_in_s={time.perf_counter() - t0:.0f}",
         flush=True,
@@ -619,6 +649,34 @@ def main() -> None:
             gguf.unlink(missing_ok=True)
 
 
+def direct_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """--direct: the int4 checkpoint and llama.cpp's Q4_0 GGUF of the same weights, written layer by layer
+    (bench/depth_writer.py; the GGUF's types and metadata from llama-quantize's file of the 1-layer
+    checkpoint, checked byte for byte at 1 layer first)."""
+    import depth_writer as W
+    from llama_cpp_bench import build_llama_cpp
+
+    bindir = build_llama_cpp(args.cache)
+    gg = W.gguf_module(converter(args.cache).parent)
+    one = write_checkpoint(args.model, args.dir / f"{args.model}-1L", 1, args.tokenizer)
+    kind = args.peer + (f"-out-{args.llama_output}" if args.llama_output else "")
+    template = gguf_for(
+        one, args.dir / f"{args.model}-1L-{kind}.gguf", args.cache, bindir, args.peer, args.llama_output
+    )
+    if not W.written(args.dir / f"{args.model}-{args.layers}L-int4-direct", args.layers):
+        W.check_against_template(gg, args.model, args.tokenizer, template, args.dir)
+    ckpt, gguf = W.write_both(
+        gg,
+        args.model,
+        args.layers,
+        args.tokenizer,
+        template,
+        args.dir / f"{args.model}-{args.layers}L-int4-direct",
+        args.dir / f"{args.model}-{args.layers}L-{kind}-direct.gguf",
+    )
+    return ckpt, gguf, bindir
+
+
 def mem_total() -> int:
     line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal:"))
     return int(line.split()[1]) << 10
@@ -633,7 +691,7 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
     from kernel_bench import read_bandwidth
     from llama_cpp_bench import Worker, llama_bench_rows
 
-    extra = {k: v for k, v in (("lm_head", args.lm_head), ("dense", args.dense)) if v}
+    extra = {k: v for k, v in (("lm_head", args.lm_head), ("dense", args.dense)) if v} | args.llm
     gguf = sources["gguf"]
     # llama.cpp's file in the page cache, and each source expertcache reads copied into its own memory
     need = gguf.stat().st_size + sum(source_bytes(sources[s]) for s in args.ours_from)

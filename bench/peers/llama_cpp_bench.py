@@ -186,8 +186,9 @@ from common import timed_generate
 from expertcache import LLM, SamplingParams
 torch.set_num_threads({threads})
 # every round prefills the whole prompt
-llm = LLM({model!r}, max_model_len=max(512, {prompt} + {gen} + 8), kv_cache_memory="64MiB", prefix_caching=False,
-          **{options!r})
+# (options override the defaults: a 48-layer model needs more than 64 MiB of KV cache for 512 tokens)
+llm = LLM({model!r}, **{{"max_model_len": max(512, {prompt} + {gen} + 8), "kv_cache_memory": "64MiB",
+          "prefix_caching": False, **{options!r}}})
 prompt = torch.randint(3, 2000, ({prompt},), generator=torch.Generator().manual_seed(0)).tolist()
 for n in {warm!r}:  # warm-up: every prompt length once (a prefill path measures its crossovers at first use)
     llm.generate([prompt[:n]], SamplingParams(max_tokens=2, temperature=0.0))

@@ -8,7 +8,9 @@ offset, a linear-attention layer's derived tensors); the tensor the model keeps 
 through the ledger under "dense" and the read copied into it. On the CPU a GGUF file's lm_head and
 standard attention / dense MLP matrices in a type the kernels read (build/plan.py `file_blocks`) are
 read as the file's blocks and held as they are (`QuantizedWeight.stored`; q/k/v fused by row when
-they share a type), said in one line at load. What a layer object derives from its
+they share a type), said in one line at load; so is a GGUF embedding table in a block type
+(models/embedding.py `held_blocks`: its rows decoded per lookup; tied, lm_head reads the same blocks where
+a kernel reads the type). What a layer object derives from its
 weights (Rotary's frequencies, GatedDeltaNet's -exp(A_log) and transposed conv) and a quantized
 weight's packed parts are counted as they are made.
 """
@@ -28,9 +30,11 @@ from ..layers.gated_deltanet import load_weights as load_linear_attn
 from ..layers.mla import load_mla
 from ..loader.checks import check_dense
 from ..loader.rows import RowReader
-from ..models.embedding import EMBED, Table, on_disk, tied
+from ..models.embedding import EMBED, BlockTable, Table, held_blocks, on_disk, tied
 from ..quant import make_quant_method
 from ..quant.checkpoint import load_dense
+from ..quant.ggml import decode
+from ..quant.ggml_blocks import BY_NAME
 from ..units import fmt_bytes
 from .plan import file_blocks
 
@@ -41,7 +45,7 @@ class DenseWeights:
     input_ln, post_ln, one of linear | mha | mla, router[, router_bias, correction, shared, shared_gate]
     or mlp)."""
 
-    embed: Table | RowReader  # rows(input_ids [T]) -> [T, H]
+    embed: Table | BlockTable | RowReader  # rows(input_ids [T]) -> [T, H]
     rotary: Rotary
     layers: list[dict]
     norm: torch.Tensor
@@ -89,15 +93,22 @@ class DenseReader:
         )
         if method is None:
             return None
-        raw = ck.index.blocks(name, tuple(shape))
-        q = FileBlocks.stored(make_quant_method(method), {"w.weight": raw}, tuple(shape))
+        raw = self.raw_blocks(name, shape)
+        return FileBlocks.stored(make_quant_method(method), {"w.weight": raw}, tuple(shape))
+
+    def raw_blocks(self, name: str, shape) -> torch.Tensor:
+        """GGUF matrix `name` [out, in] as its file's blocks, uint8 [out, row bytes], a temporary, checked
+        (its values finite, decoded a block of rows at a time)."""
+        index = self.ck.index
+        raw = index.blocks(name, tuple(shape))
         if self.check_finite:
-            rows = max(1, (1 << 22) // shape[1])
+            type_name, rows = index.block_type(name), max(1, (1 << 22) // shape[1])
+            block_bytes = BY_NAME[type_name].block_bytes
             for i in range(0, shape[0], rows):
-                check_dense(ck.index, name, q.method.dequantize({"w.weight": raw[i : i + rows]}, "w"))
+                check_dense(index, name, decode(type_name, raw[i : i + rows].reshape(-1, block_bytes)))
         if self.progress:
             self.progress(raw.numel())
-        return q
+        return raw
 
     def matrix(self, name: str, shape):
         """A 2-D weight: as its file's blocks (`blocks`), else read as float (`read`)."""
@@ -148,12 +159,15 @@ class DenseReader:
         return out
 
     # -- the model ----------------------------------------------------------------------------------
-    def embedding(self) -> Table | RowReader:
-        """Under low memory on the CPU (untied) the table's rows stay on disk, read per step
-        (models/embedding.py); else held in its stored float dtype (rows converted after the lookup)
-        unless lm_head shares it."""
+    def embedding(self) -> Table | BlockTable | RowReader:
+        """Under low memory on the CPU (untied) the table's rows stay on disk, read per step; else a GGUF
+        table in a block type on the CPU is held as the file's blocks (models/embedding.py); else held in
+        its stored float dtype (rows converted after the lookup) unless lm_head shares it."""
         ck, cfg = self.ck, self.ck.cfg
         emb = ck.index.info(EMBED, (cfg.vocab_size, cfg.hidden_size))
+        block_type = held_blocks(cfg, ck.index, self.device, self.low_memory, self.head_fmt)
+        if block_type is not None:
+            return BlockTable(self.keep(self.raw_blocks(EMBED, emb.shape)), block_type, cfg.hidden_size)
         keep = (
             not tied(cfg, ck.index)
             and emb.dtype in (torch.bfloat16, torch.float16)
@@ -161,7 +175,7 @@ class DenseReader:
         )
         disk = on_disk(cfg, ck.index, self.device, self.low_memory)
         if disk:
-            table = RowReader(emb, self.check_finite)
+            table = RowReader(emb, self.check_finite, decode)
         elif keep:
             t = ck.index.load(emb.name, tuple(emb.shape))
             check_dense(ck.index, emb.name, t, self.check_finite)
@@ -250,14 +264,16 @@ class DenseReader:
 
     def head(self, embed) -> object:
         ck, cfg = self.ck, self.ck.cfg
-        if tied(cfg, ck.index):
-            w = embed.table
-        elif (blocks := self.blocks("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))) is not None:
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        if tied(cfg, ck.index) and isinstance(embed, BlockTable) and self.head_method is None:
+            method = make_quant_method(ck.index.block_method(EMBED))  # a kernel type: held_blocks
+            return QuantizedWeight.stored(method, {"w.weight": embed.blocks}, shape)  # the same bytes
+        if tied(cfg, ck.index):  # the float table, or one dequantized for --lm-head to pack
+            w = ck.index.load(EMBED, shape) if isinstance(embed, BlockTable) else embed.table
+        elif (blocks := self.blocks("lm_head.weight", shape)) is not None:
             return self.keep(blocks)
         else:
-            w = (self.read if self.head_method is not None else self.load)(
-                "lm_head.weight", (cfg.vocab_size, cfg.hidden_size)
-            )
+            w = (self.read if self.head_method is not None else self.load)("lm_head.weight", shape)
         return w if self.head_method is None else self.quantize(w, self.head_method)
 
 
@@ -272,6 +288,8 @@ def read_dense(ck, config, ledger, progress=None) -> DenseWeights:
     head = r.head(embed)
     if r.held_blocks:
         print(file_blocks_note(ck.index.model_dir, r.held_blocks, head), file=sys.stderr)
+    if isinstance(embed, BlockTable):
+        print(embedding_note(ck.index.model_dir, embed, head), file=sys.stderr)
     return DenseWeights(embed, rotary, layers, norm, head, r.packed, r.held_blocks)
 
 
@@ -283,6 +301,16 @@ def file_blocks_note(path, held: list[QuantizedWeight], head) -> str:
         f"note: {path.name}: {len(held)} dense matrices ({what}; "
         f"{'the lm_head, ' if any(w is head for w in held) else ''}attention / dense MLP projections) "
         f"stay in their file bytes, {fmt_bytes(sum(w.nbytes for w in held))}, computed by the block kernels"
+    )
+
+
+def embedding_note(path, embed: BlockTable, head) -> str:
+    """The load's line saying the embedding stays in its GGUF file's blocks (and lm_head reads them)."""
+    shared = isinstance(head, QuantizedWeight) and head.parts["w.weight"] is embed.blocks
+    return (
+        f"note: {path.name}: the token embedding ({embed.type_name}, {fmt_bytes(embed.blocks.nbytes)}) "
+        "stays in its file bytes, the rows a step looks up decoded"
+        + ("; lm_head (tied) is computed from the same blocks by the block kernels" if shared else "")
     )
 
 

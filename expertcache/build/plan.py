@@ -7,9 +7,10 @@ H = hidden size, V = vocab, s = the compute dtype's bytes:
                      stored where the CPU kernels read them (kernels.dense_dtype), fp32 routers where the
                      family keeps them, --dense / --lm-head formats at their packed size, a GGUF file's
                      lm_head / attention / dense MLP matrices in a type the CPU kernels read at their file
-                     bytes (on the CPU, without --lm-head / --dense: fill.py), rotary frequencies, the
-                     linear-attention layers' tensors derived at load; not an untied embedding table under
-                     --low-memory on the CPU (its rows are read per token: models/embedding.py)
+                     bytes (on the CPU, without --lm-head / --dense: fill.py), a GGUF embedding table in a
+                     block type at its file bytes (on the CPU: models/embedding.py `held_blocks`), rotary
+                     frequencies, the linear-attention layers' tensors derived at load; not an untied
+                     embedding table under --low-memory on the CPU (its rows are read per token)
     kv_cache         num_blocks x bytes_per_block (plan_kv: auto, or --kv-cache-memory)
     linear_state     (B + 1) x the linear-attention state of one sequence (hybrid models)
     activations      T x (6 H + widest) x 4 + 2 B x M x kv_token x s, where widest = the widest projection
@@ -182,17 +183,22 @@ def dense_bytes(
 ) -> int:
     """The dense weights as models/transformer.py holds them, from the headers alone (`names`: the
     family's WeightNames). An embedding whose rows stay on disk (models/embedding.py `on_disk`: low
-    memory on the CPU, untied) is not held, so not counted."""
+    memory on the CPU, untied) is not held, so not counted; one held as its GGUF blocks (`held_blocks`)
+    is counted at its file bytes."""
     dense_q = None if dense is None else load_quant_method(dense, "dense")
     head_q = None if lm_head is None else load_quant_method(lm_head)
     tied = embedding.tied(cfg, index)
     embed_on_disk = embedding.on_disk(cfg, index, device, low_memory)
+    embed_blocks = embedding.held_blocks(cfg, index, device, low_memory, lm_head) is not None
     fp32_names = (f".{names.router}.weight", f".{names.router}.bias") if cfg.router.float32_logits else ()
     total = 0
     for n, t in index.tensors.items():
         if ".experts." in n or _SCALE.search(n) or not t.dtype.is_floating_point:
             continue
         if n == embedding.EMBED and embed_on_disk:
+            continue
+        if n == embedding.EMBED and embed_blocks:
+            total += t.nbytes  # held as the file's blocks (tied: lm_head reads them too)
             continue
         shape = tuple(t.shape)
         if n == embedding.EMBED and not tied and t.dtype.itemsize < dtype.itemsize:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
+from . import qwen35
 
 # Facts llama.cpp builds into its graph code instead of writing them to the file:
 NOT_IN_METADATA = {
@@ -33,6 +34,9 @@ NOT_IN_METADATA = {
     # deepseek2: the converter writes YaRN's mscale_all_dim (as rope.scaling.yarn_log_multiplier = 0.1 x it)
     # but not mscale; DeepSeek's published configs have mscale = mscale_all_dim
     "deepseek2": {"mscale_equals_mscale_all_dim": True},
+    # qwen35moe: llama.cpp renormalises the top-k softmax weights (norm_w = true in its graph), as
+    # Qwen3.5-MoE's model code always does (its config.json has no norm_topk_prob)
+    "qwen35moe": {"norm_topk_prob": True},
 }
 # (tied embeddings are not metadata either: a file without output.weight ties lm_head to the embedding)
 
@@ -67,6 +71,11 @@ class Arch:
     # (a family with expert biases reads only that layout); the family's WeightNames fields to override
     fused_experts: bool = False
     weight_names: tuple = ()
+    # the family's own layer tensors: (GGUF name after "blk.N.", HF name after "model.layers.N.") pairs
+    layer_names: tuple = ()
+    # the converter's value / shape changes undone at load: undo(path, metadata, arch) -> a callable
+    # (HF name, stored shape) -> (HF shape, fn(tensor) -> HF values, or None) (qwen35.py)
+    undo: Callable | None = None
 
 
 ARCHES: dict[str, Arch] = {}
@@ -269,6 +278,64 @@ def _deepseek2(m: Meta) -> dict:
 
 
 register(Arch("deepseek2", "DeepseekV2ForCausalLM", _deepseek2, shared_expert="shared_experts"))
+
+
+def _qwen35moe(m: Meta) -> dict:
+    """Qwen3.5/3.6-MoE: the Gated DeltaNet's sizes from ssm.* (group_count = key heads, time_step_rank =
+    value heads, state_size = key head dim, inner_size = value heads x value head dim, conv_kernel);
+    linear layers from attention.recurrent_layers, else every full_attention_interval-th layer is
+    softmax attention; rope.dimension_count = the rotary dims (partial rotary); block_count counts the
+    trailing MTP layer(s) (nextn_predict_layers), dropped as the safetensors path drops mtp.*.
+    rope.dimension_sections (interleaved MRoPE) is not read: text positions are the same in every
+    section, which is the plain rotary."""
+    hf = _base(m)
+    nextn = int(m.get("nextn_predict_layers", 0))
+    n = hf["num_hidden_layers"] - nextn
+    v_heads, inner = int(m.req("ssm.time_step_rank")), int(m.req("ssm.inner_size"))
+    if v_heads <= 0 or inner % v_heads:
+        raise CheckpointError(
+            f"{m.path}: {m.arch}.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {v_heads}"
+        )
+    recurrent = m.get("attention.recurrent_layers")
+    if recurrent is None:
+        every = int(m.req("full_attention_interval"))
+        recurrent = [(i + 1) % every != 0 for i in range(n)]
+    elif len(recurrent) < n:
+        raise CheckpointError(
+            f"{m.path}: {m.arch}.attention.recurrent_layers has {len(recurrent)} entries for {n} layers"
+        )
+    shared = "blk.0.ffn_up_shexp.weight" in m.tensors
+    hf.update(
+        {
+            "num_hidden_layers": n,
+            "num_nextn_predict_layers": nextn,
+            "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:n]],
+            "linear_num_key_heads": int(m.req("ssm.group_count")),
+            "linear_num_value_heads": v_heads,
+            "linear_key_head_dim": int(m.req("ssm.state_size")),
+            "linear_value_head_dim": inner // v_heads,
+            "linear_conv_kernel_dim": int(m.req("ssm.conv_kernel")),
+            **_experts(m),
+            "moe_intermediate_size": int(m.req("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(m.req("expert_shared_feed_forward_length"))
+            if shared
+            else 0,
+            "partial_rotary_factor": int(m.req("rope.dimension_count")) / hf["head_dim"],
+            "norm_topk_prob": NOT_IN_METADATA["qwen35moe"]["norm_topk_prob"],
+        }
+    )
+    return hf
+
+
+register(
+    Arch(
+        "qwen35moe",
+        "Qwen3_5MoeForCausalLM",
+        _qwen35moe,
+        layer_names=qwen35.LAYER_NAMES,
+        undo=qwen35.Undo,
+    )
+)
 
 
 def hf_config(path: Path, metadata: dict, tensor_names, vocab_size: int) -> tuple[Arch, dict]:

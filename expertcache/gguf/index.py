@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ class GGUFInfo(TensorInfo):
     type: GGMLType | None = None
     gguf_name: str = ""
     permute_heads: int = 0  # q/k rows to un-permute (llama's converter), 0: none
+    undo: Callable | None = None  # the converter's other change to undo on the loaded values (Arch.undo)
 
 
 class GGUFIndex(TensorIndex):
@@ -52,6 +54,7 @@ class GGUFIndex(TensorIndex):
         self.arch = arch
         self._dequantized: dict[str, list[str]] = {}
         projs = dict(zip(("gate", "up", "down"), expert_projs))
+        undo = arch.undo(gf.path, gf.metadata, arch.arch) if arch.undo else None
         stacks, kv_b = {}, {}
         for t in gf.tensors.values():
             m = BLOCK.match(t.name)
@@ -74,7 +77,7 @@ class GGUFIndex(TensorIndex):
             if arch.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 key = f"{arch.arch}.attention.head_count" + ("_kv" if ".k_proj." in name else "")
                 heads = int(gf.metadata.get(key, gf.metadata[f"{arch.arch}.attention.head_count"]))
-            self.tensors[name] = self._dense(t, name, heads)
+            self.tensors[name] = self._dense(t, name, heads, undo)
         self._experts(stacks, arch, projs)
         for layer, kv in kv_b.items():
             if set(kv) != {"k", "v"}:
@@ -84,25 +87,30 @@ class GGUFIndex(TensorIndex):
                 )
             name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
             self.tensors[name] = _kv_b(name, kv["k"], kv["v"])
+        self._notes()
+
+    def _notes(self) -> None:
+        """What the load leaves out or converts, one line each."""
+        path = self.gguf.path
         if self.left_out:
             shown = ", ".join(self.left_out[:4]) + (
                 f" and {len(self.left_out) - 4} more" if len(self.left_out) > 4 else ""
             )
             print(
-                f"note: {gf.path.name}: {len(self.left_out)} tensor(s) not read by the {arch.arch} model: {shown}",
+                f"note: {path.name}: {len(self.left_out)} tensor(s) not read by the {self.arch.arch} model: {shown}",
                 file=sys.stderr,
             )
-        for line in expert_conversions(gf.path, self.expert_types):
+        for line in expert_conversions(path, self.expert_types):
             print(line, file=sys.stderr)
         for type_name, names in self._dequantized.items():
             print(
-                f"note: {gf.path.name}: {len(names)} dense tensor(s) of type {type_name} ({names[0]}"
+                f"note: {path.name}: {len(names)} dense tensor(s) of type {type_name} ({names[0]}"
                 f"{', ...' if len(names) > 1 else ''}) are dequantized at load to float32 through the gguf "
                 "package (no decoder of that type here)",
                 file=sys.stderr,
             )
 
-    def _dense(self, t: GGUFTensor, name: str, heads: int) -> GGUFInfo:
+    def _dense(self, t: GGUFTensor, name: str, heads: int, undo=None) -> GGUFInfo:
         if t.type.name in FLOATS:
             dtype = FLOATS[t.type.name]
         elif t.type.name in DECODERS:
@@ -111,7 +119,8 @@ class GGUFIndex(TensorIndex):
             _gguf_package(t)
             self._dequantized.setdefault(t.type.name, []).append(t.name)
             dtype = torch.float32
-        return GGUFInfo(name, t.file, dtype, t.shape, t.offset, t.nbytes, t.type, t.name, heads)
+        shape, fn = undo(name, t.shape) if undo else (t.shape, None)
+        return GGUFInfo(name, t.file, dtype, shape, t.offset, t.nbytes, t.type, t.name, heads, fn)
 
     def _experts(self, stacks: dict, arch: Arch, projs: dict) -> None:
         """Routed-expert stacks {(layer, gate|up|down, weight|bias): GGUFTensor} -> index entries."""
@@ -192,13 +201,19 @@ class GGUFIndex(TensorIndex):
             )
         return t
 
+    def block_type(self, name: str) -> str | None:
+        """The ggml block type dense matrix `name` is stored in (served dequantized by `load`, as the
+        file's bytes by `blocks`), else None (floats, MLA's split kv_b, expert entries)."""
+        t = self.tensors.get(name)
+        if type(t) is not GGUFInfo or t.type is None or len(t.shape) != 2 or t.type.name in FLOATS:
+            return None
+        return None if t.undo is not None else t.type.name  # an undone tensor is served as its values
+
     def block_method(self, name: str) -> str | None:
         """The QuantMethod (quant/ggml.py `gguf-*`) of dense matrix `name` where its type is one the
         kernels read as stored, else None (floats, types without a method, MLA's split kv_b)."""
-        t = self.tensors.get(name)
-        if type(t) is not GGUFInfo or t.type is None or len(t.shape) != 2:
-            return None
-        return method_name(t.type.name) if t.type.name in METHODS else None
+        t = self.block_type(name)
+        return method_name(t) if t in METHODS else None
 
     def blocks(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Dense matrix `name` (a `block_method` type) as the file stores it: uint8 [out, row bytes], the
@@ -218,6 +233,8 @@ class GGUFIndex(TensorIndex):
             out = dequantize(t)
         if isinstance(t, GGUFInfo) and t.permute_heads:
             out = unpermute(out, t.permute_heads)
+        if isinstance(t, GGUFInfo) and t.undo is not None:
+            out = t.undo(out)
         return out
 
 
@@ -300,8 +317,7 @@ def _stack(name: str, pieces: tuple, kind: str) -> GGUFStack:
         sum(p.nbytes for p in pieces),
         first.type,
         "+".join(p.name for p in pieces),
-        0,
-        pieces,
+        pieces=pieces,
     )
 
 
@@ -335,9 +351,8 @@ def _kv_b(name: str, k_b: GGUFTensor, v_b: GGUFTensor) -> KVB:
         k_b.nbytes + v_b.nbytes,
         k_b.type,
         f"{k_b.name}+{v_b.name}",
-        0,
-        k_b,
-        v_b,
+        k_b=k_b,
+        v_b=v_b,
     )
 
 

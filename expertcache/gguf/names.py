@@ -10,6 +10,7 @@
     blk.N.ffn_gate_up_exps.weight                 gate and up in one stack [in, 2 x out, E] (gate rows first):
                                  served as experts.gate_up_proj [E, 2I, ...] with experts.down_proj
     blk.N.ffn_{gate,up,down}.J.weight             one expert each (older Mixtral files): the same names
+    blk.N.<key>                  model.layers.N.<Arch.layer_names[key]>  (a family's own, e.g. qwen35.py)
 `hf_name` returns None for a tensor no family reads here (the caller lists those it leaves out).
 """
 
@@ -57,6 +58,7 @@ EXPERTS = {
     "ffn_gate_up_exps": "gate_up",
 }  # gate_up: [in, 2 x out, E], gate rows first (llama-graph.cpp)
 BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+ANY_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 PER_EXPERT = re.compile(
     r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$"
 )  # older Mixtral files: one per expert
@@ -67,6 +69,10 @@ def hf_name(name: str, a: Arch) -> str | None:
     base, _, suffix = name.rpartition(".")
     if base in GLOBAL and suffix == "weight":
         return f"{GLOBAL[base]}.weight"
+    m = ANY_LAYER.match(name)
+    own = dict(a.layer_names)
+    if m and m[2] in own:
+        return f"model.layers.{m[1]}.{own[m[2]]}"
     m = BLOCK.match(name)
     if m is None:
         return None
@@ -102,6 +108,10 @@ def gguf_name(name: str, a: Arch) -> str | None:
     inverse_global = {f"{v}.weight": f"{k}.weight" for k, v in GLOBAL.items()}
     if name in inverse_global:
         return inverse_global[name]
+    own = {hf: g for g, hf in a.layer_names}
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+    if m and m[2] in own:
+        return f"blk.{m[1]}.{own[m[2]]}"
     m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
     if m is None:
         return None

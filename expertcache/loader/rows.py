@@ -14,10 +14,15 @@ cgroup charges but reclaims (clean pages, no writeback) before it kills anything
 the process holds for the table is nil. The descriptor is advised POSIX_FADV_RANDOM, so a row read does
 not pull the kernel's read-ahead window (up to 128 KiB) of rows nobody asked for into that cache.
 
+A GGUF table in a block type (Q4_0, Q4_K, Q6_K, ...) is read the same way: row r is its r-th row of
+blocks, a contiguous byte range (H / block elements x block bytes), decoded after the read (by the
+`decode` it is given: quant/ggml.py's) into the float32 the index lists it as.
+
 Invariants:
-- the tensor is stored row-major as its dtype (a plain safetensors tensor: `readable`), so row r is
-  bytes [offset + r x H x itemsize, + H x itemsize) of its file;
-- rows come back in the stored dtype (converting is the caller's, exactly as after a resident gather);
+- the tensor is stored row-major as its dtype (a plain safetensors tensor) or as rows of ggml blocks
+  (`readable`), so row r is bytes [offset + r x row bytes, + row bytes) of its file;
+- rows come back in the stored dtype, float32 for blocks (converting is the caller's, exactly as after
+  a resident gather);
 - an id outside [0, V) is refused naming the id before any read (it would read another tensor's bytes);
 - with check_finite, a row holding NaN/inf is refused naming the tensor, the row (token id) and the file.
 The file is opened once (a checkpoint replaced on disk after the load is not seen) and closed with the
@@ -39,28 +44,45 @@ from .safetensors_index import TensorInfo
 ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp8 would need its scale: not read by rows
 
 
+def row_blocks(info: TensorInfo):
+    """The ggml type (quant/ggml_blocks.py GGMLType) of a 2-D GGUF tensor stored as rows of blocks in
+    order (gguf/index.py GGUFInfo: its `type`, rows not permuted), else None."""
+    t = getattr(info, "type", None)
+    if t is None or t.block == 1 or len(info.shape) != 2 or getattr(info, "permute_heads", 0):
+        return None
+    return t if info.nbytes == info.shape[0] * t.row_bytes(info.shape[1]) else None
+
+
 def readable(info: TensorInfo) -> bool:
     """info is a plain 2-D float tensor whose bytes are its rows in order (not a view over other
-    stored tensors, e.g. a quantized module's PackedInfo, whose nbytes are its stored parts')."""
-    return (
-        len(info.shape) == 2
-        and info.dtype in ROW_DTYPES
-        and info.nbytes == math.prod(info.shape) * info.dtype.itemsize
+    stored tensors, e.g. a quantized module's PackedInfo, whose nbytes are its stored parts'), or a
+    GGUF table of blocks (`row_blocks`)."""
+    return len(info.shape) == 2 and (
+        (info.dtype in ROW_DTYPES and info.nbytes == math.prod(info.shape) * info.dtype.itemsize)
+        or row_blocks(info) is not None
     )
 
 
 class RowReader:
-    """rows(ids [T]) -> [T, H] in the stored dtype, read from the checkpoint's file."""
+    """rows(ids [T]) -> [T, H] in the stored dtype (float32 for blocks), read from the checkpoint's file."""
 
-    def __init__(self, info: TensorInfo, check_finite: bool = True):
+    def __init__(self, info: TensorInfo, check_finite: bool = True, decode=None):
+        """`decode(type name, blocks uint8 [N, block bytes]) -> float32 [N, block]`: a table of blocks'
+        decoder (quant/ggml.py `decode`, passed in: the loader sits below quant)."""
         if not readable(info):
             raise ValueError(
                 f"{info.file.name}: tensor {info.name} ({info.dtype}, shape {list(info.shape)}) is not "
-                "a plain 2-D float tensor; its rows cannot be read one by one"
+                "a plain 2-D float tensor or a GGUF table of blocks; its rows cannot be read one by one"
             )
         self.info, self.check_finite = info, check_finite
         self.num_rows, self.row_len = info.shape
-        self.row_bytes = self.row_len * info.dtype.itemsize
+        self.blocks = row_blocks(info)  # None: rows stored as info.dtype
+        if self.blocks is not None and decode is None:
+            raise ValueError(
+                f"{info.file.name}: tensor {info.name} is {self.blocks.name} blocks: RowReader needs their decoder"
+            )
+        self.decode = decode
+        self.row_bytes = info.nbytes // self.num_rows
         self.fd = os.open(info.file, os.O_RDONLY)
         self._close = weakref.finalize(self, os.close, self.fd)
         if hasattr(os, "posix_fadvise"):
@@ -82,12 +104,18 @@ class RowReader:
                 f"token id {bad} is outside the vocabulary [0, {self.num_rows}) of tensor "
                 f"{self.info.name} ({self.info.file.name})"
             )
-        out = torch.empty(len(u), self.row_len, dtype=self.info.dtype)  # [U, H]
-        dst = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+        raw = torch.empty(len(u), self.row_bytes, dtype=torch.uint8)  # [U, row bytes]
+        dst = memoryview(raw.reshape(-1).numpy())
         # runs of consecutive ids, one read each: run k is u[starts[k]:starts[k + 1]]
         starts = [0, *(i for i in range(1, len(u)) if u[i] != u[i - 1] + 1), len(u)]
         for a, b in zip(starts, starts[1:]):
             self._read(u[a], dst[a * self.row_bytes : b * self.row_bytes])
+        if self.blocks is None:
+            out = raw.view(self.info.dtype)  # [U, H]
+        else:
+            out = self.decode(self.blocks.name, raw.view(-1, self.blocks.block_bytes)).view(
+                len(u), self.row_len
+            )
         if self.check_finite:
             self._check(u, out)
         return out.index_select(0, inverse).reshape(*ids.shape, self.row_len)

@@ -2,7 +2,8 @@
 
 The model is assembled from dense weights already read onto the compute device (embeddings,
 attention, norms, routers, shared experts, dense MLPs, lm_head: build/fill.py DenseWeights; an
-untied embedding under low memory on the CPU has its rows read per step, models/embedding.py).
+untied embedding under low memory on the CPU has its rows read per step, a GGUF one in a block type is
+held as its file's blocks and its rows decoded per step, models/embedding.py).
 Routed experts are not held here: each MoE layer calls the ExpertProvider, which owns where they live.
 
 Before layer l's experts run, the router of the next MoE layer is applied to the
@@ -28,7 +29,7 @@ from ..layers.mla import MLAttention
 from ..layers.moe import route
 from ..loader.rows import RowReader
 from ..spec.model_config import ModelConfig
-from .embedding import Table
+from .embedding import BlockTable, Table
 
 # Bytes of per-layer outputs a forward keeps for `finite_after` (decode steps: T x H x 4 x L, e.g.
 # 8 x 4096 x 4 x 94 = 12 MiB); a bigger forward checks its logits rows after every layer instead.
@@ -60,7 +61,7 @@ class MoETransformer:
         # has .lookahead(layer, ids) -> ids, that replaces the next-layer prediction too.
         self.route_override = None
         self.routing: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
-        self.embed: Table | RowReader = weights.embed  # rows(input_ids [T]) -> [T, H]
+        self.embed: Table | BlockTable | RowReader = weights.embed  # rows(input_ids [T]) -> [T, H]
         self.rotary, self.norm, self.lm_head = weights.rotary, weights.norm, weights.lm_head
         self.dense_quantized: list[QuantizedWeight] = (
             weights.dense_quantized

@@ -209,13 +209,15 @@ def test_gate_up_in_one_stack(qwen3_checkpoint, tmp_path, type_name):
 
 
 def test_low_memory_reads_embedding_rows_from_the_file(qwen3_gguf):
-    """Under --low-memory on the CPU a plain float embedding stays in the GGUF file (its rows are read per
-    step); a block-type one is dequantized and held."""
-    for type_name, reader in (("F32", "RowReader"), ("Q8_0", "Table")):
+    """Under --low-memory on the CPU an untied embedding stays in the GGUF file, a float one or one in
+    blocks (its rows read per step, blocks decoded after the read); without it a block-type one is held
+    as its blocks."""
+    for type_name, held in (("F32", "Table"), ("Q8_0", "BlockTable")):
         path = qwen3_gguf(type_name)
         full, low = LLM(str(path)), LLM(str(path), low_memory=True)
         try:
-            assert type(low.model.embed).__name__ == reader
+            assert type(low.model.embed).__name__ == "RowReader"
+            assert type(full.model.embed).__name__ == held
             torch.testing.assert_close(low.logits(PROMPT), full.logits(PROMPT), rtol=0, atol=0)
         finally:
             full.close()

@@ -291,6 +291,50 @@ def test_fused_moe_fast_against_float64_of_quantised_activations(gt, dt, act):
         assert_moe_close(out, ref, slack, f"{gt}/{dt} fast {act} T={T}")
 
 
+def _offset_activations(T: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+    """Activations whose int8 codes have large code sums: a common offset of either sign, and blocks of 32
+    equal values (codes all +-127) of random sign and size, also at 1e30 (mxfp4's smallest scales)."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(T, k, generator=g) * 0.1
+    sign = torch.randint(0, 2, (T, k // 32, 1), generator=g) * 2 - 1
+    size = torch.rand(T, k // 32, 1, generator=g) * 4 + 0.1
+    flat = (sign * size).expand(T, k // 32, 32).reshape(T, k)
+    return {"plus": 3 + noise, "minus": -3 + noise, "flat": flat, "flat_1e30": flat * 1e30}
+
+
+@needs_cpp
+@pytest.mark.parametrize("t", ["q4_0", "q5_0", "iq4_nl", "mxfp4"])
+def test_fast_4bit_blocks_take_off_the_weights_offset_by_the_code_sums(t):
+    """The 32-weight 4-bit kernels read the weights as value + 128 and take the 128 off by the activations'
+    code sums: activations whose sums are large (an offset of either sign, blocks of equal codes), through
+    the row kernels (1, 2, 3 tokens: rows a pass; 5: a row at a time) and the strips (12), 37 rows (not a
+    multiple of 4) of 11 blocks (a last group of 3); mxfp4 also with e8m0 scales 0..3 (subnormal halves)."""
+    _skip_no_fast()
+    ext = kernels.extension()
+    n, k = 37, 352
+    data, w = pool(t, n, k, 1, seed=21)
+    if t == "mxfp4":  # rows 0..11: every block's scale 2^-128 .. 2^-125
+        blk = data.numpy().reshape(n, k // 32, 17)
+        blk[:12, :, 0] = np.random.default_rng(5).integers(0, 4, (12, k // 32))
+        w = torch.from_numpy(dequantize(blk.reshape(n, -1), qtype(t)).astype(np.float64))[None]
+    spec = spec_of(t, data, k)
+    saved = ext.get_strip_tokens()
+    ext.set_strip_tokens(8)
+    try:
+        for T in (1, 2, 3, 5, 12):
+            for name, x in _offset_activations(T, k, seed=T).items():
+                xr = Q8ACT32(x)
+                y = _linear(x, spec, "fast")
+                rows = slice(0, 12) if name == "flat_1e30" else slice(12, n)  # outputs of normal size
+                ref, bound = xr @ w[0].T, xr.abs() @ w[0].abs().T
+                try:
+                    _close(y[:, rows], ref[:, rows], bound[:, rows])
+                except AssertionError as e:
+                    raise AssertionError(f"{t} T={T} {name}: {e}") from None
+    finally:
+        ext.set_strip_tokens(saved)
+
+
 @needs_cpp
 def test_a_non_finite_activation_spoils_its_own_token_only():
     _skip_no_fast()

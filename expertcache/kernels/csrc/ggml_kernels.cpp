@@ -189,17 +189,27 @@ void prep_a32(const float* x, int64_t K, uint8_t* q, float* d) {
     }
 }
 
-void prep_a32n(const float* x, int64_t K, uint8_t* q, float* d) {
-  for (int64_t g = 0; g * 128 < K; ++g)
+// A32N: signed codes (the 4-bit weights are the unsigned side, value + 128); per group 16 scales, then per
+// int32 lane L -128 x the sum of the codes lane L of vpdpbusd reads (bytes 4L..4L+3 of both halves), the
+// kernels' first accumulator: each lane's sum then is that of the weights' values, as small as the signed
+// product's (one correction per block would make lanes 4j large, their float sum less exact)
+void prep_a32n(const float* x, int64_t K, int8_t* q, float* d) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t g = 0; g * 128 < K; ++g) {
+    __m512i h[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // the group's two halves, in registers
     for (int j = 0; j < 4; ++j) {
       const int64_t k = 128 * g + 32 * j;
       __m512i c[2];
       const float s = quantize<2>(x + k, K - k, c);
       for (int i = 0; i < 2; ++i)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 128 * g + 64 * i + 16 * j),
-                         _mm_xor_si128(_mm512_cvtsepi32_epi8(c[i]), _mm_set1_epi8(char(0x80))));
-      _mm_storeu_ps(d + 16 * g + 4 * j, _mm_set1_ps(s));
+        h[i] = _mm512_mask_broadcast_i32x4(h[i], __mmask16(0xF << (4 * j)), _mm512_cvtsepi32_epi8(c[i]));
+      _mm_storeu_ps(d + 32 * g + 4 * j, _mm_set1_ps(s));
     }
+    _mm512_storeu_si512(q + 128 * g, h[0]);
+    _mm512_storeu_si512(q + 128 * g + 64, h[1]);
+    const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, h[0]), ones, h[1]);
+    _mm512_storeu_si512(d + 32 * g + 16, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+  }
 }
 
 void prep_a256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
@@ -233,86 +243,129 @@ struct Nibbles32 {
   static constexpr int64_t BYTES = T == MXFP4 ? 17 : T == Q5_0 ? 22 : 18;
   static constexpr int64_t Q = T == MXFP4 ? 1 : T == Q5_0 ? 6 : 2;  // the codes' offset
   static float scale(const uint8_t* p) { return T == MXFP4 ? e8m0_half(p[0]) : h2f(p); }
-  // the scales of the 4 blocks from p, in registers (4 scalar stores read back as a vector would stall)
-  static __m128 scale4(const uint8_t* p) {
+  // the scales of the 4 blocks from p in lanes 4j..4j+3 (block j's), from one 64-byte load where they lie
+  // in it: mxfp4's e8m0 byte 17 j is byte j of 128-bit lane j (vpshufb), q4_0 / iq4_nl's fp16 at 18 j
+  // word 9 j (vpermw); q5_0's fourth lies past it (4 scalar loads, assembled in registers: 4 stores read
+  // back as a vector would stall)
+  static __m512 scale16(const uint8_t* p) {
     if constexpr (T == MXFP4) {
-      const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(uint32_t(p[0]) | uint32_t(p[BYTES]) << 8 |
-                                                                  uint32_t(p[2 * BYTES]) << 16 | uint32_t(p[3 * BYTES]) << 24)));
-      const __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);  // e >= 2: (e - 1) << 23
-      const __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);          // e < 2: 0x00200000 << e
-      return _mm_castsi128_ps(_mm_blendv_epi8(big, small, _mm_cmplt_epi32(e, _mm_set1_epi32(2))));
+      const __m512i idx = _mm512_setr_epi32(-0x7F7F8000, -0x7F7F8000, -0x7F7F8000, -0x7F7F8000, -0x7F7F7FFF,
+                                            -0x7F7F7FFF, -0x7F7F7FFF, -0x7F7F7FFF, -0x7F7F7FFE, -0x7F7F7FFE,
+                                            -0x7F7F7FFE, -0x7F7F7FFE, -0x7F7F7FFD, -0x7F7F7FFD, -0x7F7F7FFD,
+                                            -0x7F7F7FFD);  // 0x808080jj: byte j, zeros
+      const __m512i e = _mm512_shuffle_epi8(_mm512_loadu_si512(p), idx);
+      const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);  // e >= 2: (e - 1) << 23
+      // e < 2: 0x00200000 << e
+      return _mm512_castsi512_ps(
+          _mm512_mask_sllv_epi32(big, _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), _mm512_set1_epi32(0x00200000), e));
+    } else if constexpr (T != Q5_0) {
+      const __m512i idx = _mm512_setr_epi32(0, 0, 0x00090009, 0x00090009, 0x00120012, 0x00120012, 0x001B001B, 0x001B001B,
+                                            0, 0, 0, 0, 0, 0, 0, 0);
+      return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(p))));
     } else {
       uint16_t h[4];
       for (int j = 0; j < 4; ++j) __builtin_memcpy(&h[j], p + j * BYTES, 2);
       const uint64_t v = uint64_t(h[0]) | uint64_t(h[1]) << 16 | uint64_t(h[2]) << 32 | uint64_t(h[3]) << 48;
-      return _mm_cvtph_ps(_mm_cvtsi64_si128(int64_t(v)));
+      const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+      return _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(int64_t(v)))));
     }
   }
 };
 
-// q4_0 / q5_0 / iq4_nl / mxfp4 x A32N, tokens t < TT: 4 blocks a step, their codes one 64-byte vector
-// (128-bit lane j: block j's 16 bytes), the low nibbles against the prepared codes 0..63, the high against
-// 64..127 (q5_0: the fifth bits from qh as a byte mask, then - 16; the others through the table); int32
-// lanes 4j..4j+3 block j's, dpbusd(x + 128, w) - 128 sum(w), times the 4 scales
-template <int T, int TT>
-void n32_row(const uint8_t* row, int64_t nb, const uint8_t* const* xq, const float* const* xd, float* y, int64_t ldy,
-             int64_t ahead) {
-  using B = Nibbles32<T>;
+// the 4-bit types' 16-entry table as unsigned bytes, value + 128 (the weights' side of vpdpbusd), in each
+// 128-bit lane
+template <int T>
+inline __m512i table128() {
   const int8_t* tv = T == MXFP4 ? KVALUES_MXFP4 : T == IQ4_NL ? KVALUES_IQ4NL : VALUES_Q4_0;
-  const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tv)));
-  const __m512i ones = _mm512_set1_epi8(1), nib = _mm512_set1_epi8(0x0F);
-  const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 acc[TT];
-  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t g = 0; 4 * g < nb; ++g) {
-    const uint8_t* p = row + 4 * B::BYTES * g;
-    const int64_t n = nb - 4 * g < 4 ? nb - 4 * g : 4;
-    if (ahead) prefetch_block(p + ahead, n * B::BYTES);
-    __m512i v;
-    __m128 d4;
-    if (n == 4) {
-      v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + B::Q)));
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + B::BYTES + B::Q)), 1);
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * B::BYTES + B::Q)), 2);
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * B::BYTES + B::Q)), 3);
-      d4 = B::scale4(p);
-    } else {  // the row's last blocks: the missing ones zero
-      alignas(64) uint8_t codes[64] = {};
-      alignas(16) float ds[4];
-      for (int64_t j = 0; j < 4; ++j) {
-        ds[j] = j < n ? B::scale(p + j * B::BYTES) : 0.f;
-        for (int i = 0; j < n && i < 16; ++i) codes[16 * j + i] = p[j * B::BYTES + B::Q + i];
-      }
-      v = _mm512_load_si512(codes);
-      d4 = _mm_load_ps(ds);
+  return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tv))),
+                          _mm512_set1_epi8(char(0x80)));
+}
+
+// the n <= 4 blocks at p (a group; missing blocks zero) as A32N weights: wl / wh the low / high nibbles'
+// values + 128 (128-bit lane j: block j's 16 bytes; q5_0: the fifth bits from qh as a byte mask, code +
+// 112; the others through the table), dw block j's scale in lanes 4j..4j+3
+template <int T>
+__attribute__((always_inline)) inline void group4(const uint8_t* p, int64_t n, __m512i tab, __m512i& wl, __m512i& wh,
+                                                  __m512& dw) {
+  using B = Nibbles32<T>;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512i v;
+  if (n == 4) {  // block j's codes into 128-bit lane j (broadcasts under a mask: loads, no shuffle)
+    v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + B::Q)));
+    v = _mm512_mask_broadcast_i32x4(v, 0x00F0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + B::BYTES + B::Q)));
+    v = _mm512_mask_broadcast_i32x4(v, 0x0F00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * B::BYTES + B::Q)));
+    v = _mm512_mask_broadcast_i32x4(v, 0xF000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * B::BYTES + B::Q)));
+    dw = B::scale16(p);
+  } else {  // the row's last blocks: the missing ones zero (weight scale 0)
+    alignas(64) uint8_t codes[64] = {};
+    alignas(64) float ds[16];
+    for (int64_t j = 0; j < 4; ++j) {
+      for (int i = 0; i < 4; ++i) ds[4 * j + i] = j < n ? B::scale(p + j * B::BYTES) : 0.f;
+      for (int i = 0; j < n && i < 16; ++i) codes[16 * j + i] = p[j * B::BYTES + B::Q + i];
     }
-    __m512i wl = _mm512_and_si512(v, nib), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    if constexpr (T == Q5_0) {  // byte 16 j + i of the low / high codes: bit i / 16 + i of block j's qh
-      uint64_t ml = 0, mh = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        uint32_t qh;
-        __builtin_memcpy(&qh, p + j * B::BYTES + 2, 4);
-        ml |= uint64_t(qh & 0xFFFFu) << (16 * j);
-        mh |= uint64_t(qh >> 16) << (16 * j);
-      }
-      const __m512i sixteen = _mm512_set1_epi8(16);
-      wl = _mm512_sub_epi8(_mm512_or_si512(wl, _mm512_maskz_mov_epi8(ml, sixteen)), sixteen);
-      wh = _mm512_sub_epi8(_mm512_or_si512(wh, _mm512_maskz_mov_epi8(mh, sixteen)), sixteen);
-    } else {
-      wl = _mm512_shuffle_epi8(tab, wl);
-      wh = _mm512_shuffle_epi8(tab, wh);
-    }
-    const __m512i ws = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wl), ones, wh), 7);
-    const __m512 dw = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(d4));
-    for (int t = 0; t < TT; ++t) {
-      const uint8_t* x = xq[t] + 128 * g;
-      const __m512i s = _mm512_sub_epi32(
-          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(x), wl), _mm512_loadu_si512(x + 64), wh),
-          ws);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_loadu_ps(xd[t] + 16 * g)), acc[t]);
-    }
+    v = _mm512_load_si512(codes);
+    dw = _mm512_load_ps(ds);
   }
-  for (int t = 0; t < TT; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
+  wl = _mm512_and_si512(v, nib);
+  wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if constexpr (T == Q5_0) {  // byte 16 j + i of the low / high codes: bit i / 16 + i of block j's qh
+    uint64_t ml = 0, mh = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      uint32_t qh;
+      __builtin_memcpy(&qh, p + j * B::BYTES + 2, 4);
+      ml |= uint64_t(qh & 0xFFFFu) << (16 * j);
+      mh |= uint64_t(qh >> 16) << (16 * j);
+    }
+    const __m512i sixteen = _mm512_set1_epi8(16), off = _mm512_set1_epi8(112);  // (code - 16) + 128
+    wl = _mm512_add_epi8(wl, off);
+    wh = _mm512_add_epi8(wh, off);
+    wl = _mm512_mask_add_epi8(wl, ml, wl, sixteen);
+    wh = _mm512_mask_add_epi8(wh, mh, wh, sixteen);
+  } else {
+    wl = _mm512_shuffle_epi8(tab, wl);
+    wh = _mm512_shuffle_epi8(tab, wh);
+  }
+}
+
+// q4_0 / q5_0 / iq4_nl / mxfp4 x A32N, R rows (row r at row + r * w_row) and tokens t < TT: 4 blocks a step
+// (group4), the low nibbles against the prepared codes 0..63, the high against 64..127, from the
+// activations' -128 x code sums per lane (the weights' + 128 taken off); int32 lanes 4j..4j+3 block j's,
+// times the 4 scales. R rows share each load of the activations.
+template <int T, int R, int TT>
+void n32_rows(const uint8_t* row, int64_t w_row, int64_t nb, const int8_t* const* xq, const float* const* xd,
+              float* y, int64_t ldy, int64_t ahead) {
+  constexpr int64_t GB = 4 * Nibbles32<T>::BYTES;  // bytes of a group
+  const __m512i tab = table128<T>();
+  __m512 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  auto group = [&](int64_t g, int64_t n) __attribute__((always_inline)) {
+    __m512i wl[R], wh[R];
+    __m512 dw[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = row + r * w_row + GB * g;
+      if (ahead) {  // a group's first byte and its 65th: every line of the row, the groups being over 64 bytes
+        _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64), _MM_HINT_T0);
+      }
+      group4<T>(p, n, tab, wl[r], wh[r], dw[r]);
+    }
+    for (int t = 0; t < TT; ++t) {
+      const int8_t* x = xq[t] + 128 * g;
+      const __m512i xl = _mm512_loadu_si512(x), xh = _mm512_loadu_si512(x + 64);
+      const __m512 sx = _mm512_loadu_ps(xd[t] + 32 * g);
+      const __m512i c = _mm512_loadu_si512(xd[t] + 32 * g + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, wl[r], xl), wh[r], xh);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw[r], sx), acc[r][t]);
+      }
+    }
+  };
+  const int64_t full = nb / 4;
+  for (int64_t g = 0; g < full; ++g) group(g, 4);
+  if (nb % 4) group(full, nb % 4);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
 // q8_0 x A32, tokens t < TT: per pair of blocks (64 weights, lanes 0..7 the first block's,
@@ -482,19 +535,19 @@ void xs_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float
 // ---- fast math, many tokens: strips of rows decoded once, rows in the lanes --------------------------
 // q4_0 / iq4_nl / mxfp4 from `strips_from` tokens (nibble_kernels.h's strips, taught GGUF's blocks): SR = 32
 // rows x KC groups of 4 blocks decoded once into a Tile in L1, each block's 16 code bytes of 16 rows
-// transposed so that lane n holds row n's dword; the codes through the type's table (signed, as n32_row)
-// in the A32N order (low nibbles: the block's features 0..15, high: 16..31), so one vpdpbusd of 4 prepared
-// activation bytes broadcast (unsigned, code + 128) against a step makes 64 MACs of 16 rows; the +128 taken
-// off by -128 x the row's block weight sum (made at decode); the block's int32 sum times (weight scale x
-// activation scale) into float32 per row, the float work shared by 16 rows.
+// transposed so that lane n holds row n's dword; the codes through the type's table
+// in the A32N order (low nibbles: the block's features 0..15, high: 16..31), so one vpdpbusd of a step
+// (unsigned, value + 128, as n32_rows) against 4 prepared activation bytes broadcast (signed) makes 64 MACs
+// of 16 rows; the +128 taken off by the token's -128 x the block's code sum (prep_a32n's 4 lanes, summed
+// per chunk of tokens), the sums' first value; the block's int32 sum times (weight scale x activation
+// scale) into float32 per row, the float work shared by 16 rows.
 constexpr int64_t SR = 32;  // rows per strip: 2 vectors of 16
-constexpr int64_t KC = 4;   // groups of 4 blocks per K chunk (the Tile: 16 KiB of codes, 4 KiB of sums and scales)
+constexpr int64_t KC = 4;   // groups of 4 blocks per K chunk (the Tile: 16 KiB of codes, 2 KiB of scales)
 
 struct Tile {
   // [group][block][step k][row vector] lane n = row n's 4 weights at A32N positions 16 j + 4 k (k < 4),
   // 64 + 16 j + 4 (k - 4) (k >= 4)
-  alignas(64) int8_t w[KC][4][8][2][64];
-  alignas(64) int32_t c[KC][4][2][16];  // -128 x the block's weight sum, per row
+  alignas(64) uint8_t w[KC][4][8][2][64];
   alignas(64) float ws[KC][4][2][16];   // the block's scale, per row (mxfp4: the half scale)
 };
 
@@ -504,9 +557,8 @@ template <int T>
 void strip_decode(const uint8_t* w, int64_t w_row, int64_t N, int64_t nb, int64_t a, int64_t g0, int64_t ng,
                   Tile& tl) {
   using B = Nibbles32<T>;
-  const int8_t* tv = T == MXFP4 ? KVALUES_MXFP4 : T == IQ4_NL ? KVALUES_IQ4NL : VALUES_Q4_0;
-  const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tv)));
-  const __m512i nib = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+  const __m512i tab = table128<T>();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
   const int64_t ng_all = (nb + 3) / 4;
   for (int v = 0; v < 2; ++v) {
     const uint8_t* rp[16];
@@ -526,7 +578,6 @@ void strip_decode(const uint8_t* w, int64_t w_row, int64_t N, int64_t nb, int64_
         const int64_t b = 4 * gg + j;
         if (b >= nb) {
           for (int k = 0; k < 8; ++k) _mm512_store_si512(tl.w[g][j][k][v], _mm512_setzero_si512());
-          _mm512_store_si512(tl.c[g][j][v], _mm512_setzero_si512());
           _mm512_store_ps(tl.ws[g][j][v], _mm512_setzero_ps());
           continue;
         }
@@ -547,25 +598,22 @@ void strip_decode(const uint8_t* w, int64_t w_row, int64_t N, int64_t nb, int64_
         const __m512i t2 = _mm512_unpacklo_epi32(y[2], y[3]), t3 = _mm512_unpackhi_epi32(y[2], y[3]);
         const __m512i r[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
                               _mm512_unpackhi_epi64(t1, t3)};
-        __m512i sum = _mm512_setzero_si512();
         for (int k = 0; k < 4; ++k) {
           const __m512i lo4 = _mm512_shuffle_epi8(tab, _mm512_and_si512(r[k], nib));
           const __m512i hi4 = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(r[k], 4), nib));
           _mm512_store_si512(tl.w[g][j][k][v], lo4);
           _mm512_store_si512(tl.w[g][j][4 + k][v], hi4);
-          sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, lo4), ones, hi4);
         }
-        _mm512_store_si512(tl.c[g][j][v], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
       }
     }
   }
 }
 
-// tokens t < TT over the tile's ng groups (group g0 + g of the prepared A32N rows), into y[t * ldy + n] for
-// the strip's rows n < rows (first: stored, else added)
+// tokens t < TT over the tile's ng groups (group g0 + g of the prepared A32N rows; cb[t][4 g + j]: block j's
+// correction), into y[t * ldy + n] for the strip's rows n < rows (first: stored, else added)
 template <int TT>
-void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const uint8_t* const* xq, const float* const* xd, float* y,
-                  int64_t ldy, int64_t rows, bool first) {
+void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const int8_t* const* xq, const float* const* xd,
+                  const int32_t (*cb)[4 * KC], float* y, int64_t ldy, int64_t rows, bool first) {
   const __mmask16 m0 = mask16(rows), m1 = mask16(rows - 16);
   __m512 acc[2][TT];
   for (int t = 0; t < TT; ++t) {
@@ -576,23 +624,22 @@ void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const uint8_t* const* 
     const int64_t gg = g0 + g;
     for (int j = 0; j < 4; ++j) {
       __m512i d[2][TT];
-      const __m512i c0 = _mm512_load_si512(tl.c[g][j][0]), c1 = _mm512_load_si512(tl.c[g][j][1]);
       for (int t = 0; t < TT; ++t) {
-        d[0][t] = c0;
-        d[1][t] = c1;
+        d[0][t] = _mm512_set1_epi32(cb[t][4 * g + j]);
+        d[1][t] = d[0][t];
       }
       for (int k = 0; k < 8; ++k) {
         const __m512i w0 = _mm512_load_si512(tl.w[g][j][k][0]), w1 = _mm512_load_si512(tl.w[g][j][k][1]);
         const int64_t pos = 128 * gg + (k < 4 ? 16 * j + 4 * k : 64 + 16 * j + 4 * (k - 4));
         for (int t = 0; t < TT; ++t) {
-          const __m512i xb = _mm512_set1_epi32(int(u32(xq[t] + pos)));
-          d[0][t] = _mm512_dpbusd_epi32(d[0][t], xb, w0);
-          d[1][t] = _mm512_dpbusd_epi32(d[1][t], xb, w1);
+          const __m512i xb = _mm512_set1_epi32(int(u32(reinterpret_cast<const uint8_t*>(xq[t]) + pos)));
+          d[0][t] = _mm512_dpbusd_epi32(d[0][t], w0, xb);
+          d[1][t] = _mm512_dpbusd_epi32(d[1][t], w1, xb);
         }
       }
       const __m512 s0 = _mm512_load_ps(tl.ws[g][j][0]), s1 = _mm512_load_ps(tl.ws[g][j][1]);
       for (int t = 0; t < TT; ++t) {
-        const __m512 sx = _mm512_set1_ps(xd[t][16 * gg + 4 * j]);
+        const __m512 sx = _mm512_set1_ps(xd[t][32 * gg + 4 * j]);
         acc[0][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[0][t]), _mm512_mul_ps(s0, sx), acc[0][t]);
         acc[1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[1][t]), _mm512_mul_ps(s1, sx), acc[1][t]);
       }
@@ -606,10 +653,23 @@ void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const uint8_t* const* 
 
 constexpr int TS = 6;  // tokens per register block of the strips (2 x 6 accumulators, 2 x 6 sums)
 
+// cb[t][4 g + j] = block j of group g0 + g's correction for token t < tt (g < ng): its 4 lanes' sum
+inline void block_corrections(const float* const* xd, int64_t tt, int64_t g0, int64_t ng, int32_t (*cb)[4 * KC]) {
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t t = 0; t < tt; ++t)
+    for (int64_t g = 0; g < ng; ++g) {
+      __m512i v = _mm512_loadu_si512(xd[t] + 32 * (g0 + g) + 16);
+      v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
+      v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(cb[t] + 4 * g), _mm512_castsi512_si128(_mm512_permutexvar_epi32(first, v)));
+    }
+}
+
 template <int T>
-void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* xq, const float* const* xd,
+void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
             int64_t TN, float* y, int64_t ldy) {
   Tile tl;
+  alignas(64) int32_t cb[TS][4 * KC];
   const int64_t nb = K / 32, ng = (nb + 3) / 4;
   for (int64_t a = 0; a < N; a += SR) {
     const int64_t rows = N - a < SR ? N - a : SR;
@@ -620,8 +680,9 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t
       int64_t t0 = 0;
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t tt = (TN - t0) / (chunks - c) + ((TN - t0) % (chunks - c) != 0);
+        block_corrections(xd + t0, tt, g0, n, cb);
         auto go = [&](auto tc) __attribute__((always_inline)) {
-          strip_tokens<decltype(tc)::value>(tl, g0, n, xq + t0, xd + t0, y + t0 * ldy + a, ldy, rows, g0 == 0);
+          strip_tokens<decltype(tc)::value>(tl, g0, n, xq + t0, xd + t0, cb, y + t0 * ldy + a, ldy, rows, g0 == 0);
         };
         switch (tt) {
           case 1: go(Slot<1>{}); break;
@@ -638,14 +699,68 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t
 }
 constexpr int TQ = 8;  // tokens per pass over a row in fast math
 
+// chunks of up to TQ tokens (t0, Slot<tt>) for TN tokens
+template <class Fn>
+__attribute__((always_inline)) inline void token_chunks(int64_t TN, Fn fn) {
+  for (int64_t t0 = 0; t0 < TN; t0 += TQ) {
+    switch (TN - t0 < TQ ? TN - t0 : TQ) {
+      case 1: fn(t0, Slot<1>{}); break;
+      case 2: fn(t0, Slot<2>{}); break;
+      case 3: fn(t0, Slot<3>{}); break;
+      case 4: fn(t0, Slot<4>{}); break;
+      case 5: fn(t0, Slot<5>{}); break;
+      case 6: fn(t0, Slot<6>{}); break;
+      case 7: fn(t0, Slot<7>{}); break;
+      default: fn(t0, Slot<TQ>{}); break;
+    }
+  }
+}
+
+// q4_0 / q5_0 / iq4_nl / mxfp4 rows [0, N) for TN tokens by n32_rows: fewer than 4 tokens R rows a pass
+// (R1 at one token, R23 at 2 or 3), so that one load of the activations serves R rows and R row streams are
+// in flight; the rest, and more tokens, a row at a time in chunks of up to TQ tokens
+constexpr int R1 = 4, R23 = 2;
+
+template <int T>
+void n32(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
+         int64_t TN, float* y, int64_t ldy, int64_t pf) {
+  const int64_t nb = K / 32;
+  int64_t n = 0;
+  auto pass = [&](auto rc, auto tc) __attribute__((always_inline)) {
+    constexpr int R = decltype(rc)::value;
+    for (; n + R <= N; n += R)
+      n32_rows<T, R, decltype(tc)::value>(w + n * w_row, w_row, nb, xq, xd, y + n, ldy,
+                                          pf && n + R + pf <= N ? pf * w_row : 0);
+  };
+  if (TN == 1) pass(Slot<R1>{}, Slot<1>{});
+  else if (TN == 2) pass(Slot<R23>{}, Slot<2>{});
+  else if (TN == 3) pass(Slot<R23>{}, Slot<3>{});
+  for (; n < N; ++n) {
+    const int64_t ahead = pf && n + pf < N ? pf * w_row : 0;
+    token_chunks(TN, [&](int64_t t0, auto tc) __attribute__((always_inline)) {
+      n32_rows<T, 1, decltype(tc)::value>(w + n * w_row, w_row, nb, xq + t0, xd + t0, y + t0 * ldy + n, ldy,
+                                          t0 == 0 ? ahead : 0);
+    });
+  }
+}
+
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,
              const float* const* d, const int16_t* const* bs, int64_t T, float* y, int64_t ldy, int64_t pf,
              int64_t strips_from) {
-  if (strips_from > 0 && T >= strips_from && has_strips(type)) {
-    if (block_elems(type) == 256) kstrips(type, w, w_row, N, K, reinterpret_cast<const int8_t* const*>(q), d, bs, T, y, ldy);  // ggml_kstrips.h
-    else if (type == MXFP4) strips<MXFP4>(w, w_row, N, K, q, d, T, y, ldy);
-    else if (type == Q4_0) strips<Q4_0>(w, w_row, N, K, q, d, T, y, ldy);
-    else strips<IQ4_NL>(w, w_row, N, K, q, d, T, y, ldy);
+  if (act_of(type) == A32N) {
+    const int8_t* const* xq = reinterpret_cast<const int8_t* const*>(q);
+    if (strips_from > 0 && T >= strips_from && has_strips(type)) {
+      if (type == MXFP4) strips<MXFP4>(w, w_row, N, K, xq, d, T, y, ldy);
+      else if (type == Q4_0) strips<Q4_0>(w, w_row, N, K, xq, d, T, y, ldy);
+      else strips<IQ4_NL>(w, w_row, N, K, xq, d, T, y, ldy);
+    } else if (type == MXFP4) n32<MXFP4>(w, w_row, N, K, xq, d, T, y, ldy, pf);
+    else if (type == Q4_0) n32<Q4_0>(w, w_row, N, K, xq, d, T, y, ldy, pf);
+    else if (type == IQ4_NL) n32<IQ4_NL>(w, w_row, N, K, xq, d, T, y, ldy, pf);
+    else n32<Q5_0>(w, w_row, N, K, xq, d, T, y, ldy, pf);
+    return;
+  }
+  if (strips_from > 0 && T >= strips_from && has_strips(type)) {  // q4_k, q5_k, q6_k: ggml_kstrips.h
+    kstrips(type, w, w_row, N, K, reinterpret_cast<const int8_t* const*>(q), d, bs, T, y, ldy);
     return;
   }
   const int64_t nb = K / block_elems(type);
@@ -660,10 +775,6 @@ void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, co
         constexpr int TT = decltype(tc)::value;
         const int8_t* const* xq = reinterpret_cast<const int8_t* const*>(q + t0);
         if (type == Q8_0) b32_row<Q8_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
-        else if (type == Q4_0) n32_row<Q4_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
-        else if (type == Q5_0) n32_row<Q5_0, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
-        else if (type == IQ4_NL) n32_row<IQ4_NL, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
-        else if (type == MXFP4) n32_row<MXFP4, TT>(r, nb, q + t0, d + t0, yt, ldy, a);
         else if (type == Q4_K) k_row<Q4_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
         else if (type == Q5_K) k_row<Q5_K, TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
         else if (type == IQ4_XS) xs_row<TT>(r, nb, xq, d + t0, bs + t0, yt, ldy, a);
@@ -701,7 +812,7 @@ void dequant(int type, bool avx512, const uint8_t* w, int64_t w_row, int64_t N, 
 
 void prep_q8(int act, const float* x, int64_t K, uint8_t* q, float* d, int16_t* bsum) {
   if (act == A32) avx512::prep_a32(x, K, q, d);
-  else if (act == A32N) avx512::prep_a32n(x, K, q, d);
+  else if (act == A32N) avx512::prep_a32n(x, K, reinterpret_cast<int8_t*>(q), d);
   else avx512::prep_a256(x, K, reinterpret_cast<int8_t*>(q), d, bsum);
 }
 

@@ -20,11 +20,13 @@
 // package's dequantiser gives (the products d * sc * q are exact in float32; q4_k / q5_k's d sc q - dmin m
 // rounds once, as float32 numpy does), AVX-512 (F/BW/VL) or AVX2 + FMA + F16C. Fast math (AVX-512 VNNI):
 // activations quantised as llama.cpp pairs them, then integer dot products:
-//   q8_0, q4_0,    x per block of 32 to int8 (scale max|x| / 127, nearest even), stored + 128 (unsigned)
-//   iq4_nl, mxfp4  for vpdpbusd against the signed weights, 128 x the weights' sum taken off; the 4-bit
-//   (q5_0)         codes of 4 blocks a 64-byte vector, through a 16-entry int8 table by vpshufb (code - 8,
-//                  kvalues, 2 x e2m1; q5_0: its fifth bits by a byte mask, - 16), against activations in
-//                  that order (A32N)
+//   q8_0           x per block of 32 to int8 (scale max|x| / 127, nearest even), stored + 128 (unsigned)
+//                  for vpdpbusd against the signed weights, 128 x the weights' sum taken off
+//   q4_0, q5_0,    x per block of 32 to int8 as q8_0's, signed, with -128 x its code sums per 8; the
+//   iq4_nl, mxfp4  4-bit codes of 4 blocks a 64-byte vector through a 16-entry table by vpshufb to their
+//                  value + 128 (code - 8, kvalues, 2 x e2m1; q5_0: its fifth bits by a byte mask, code +
+//                  112), the unsigned side of vpdpbusd against activations in that order (A32N), the
+//                  +128 taken off by the code sums (the sums' first value: no work per row)
 //   q4_k, q5_k,    x per block of 256 (Q8_K: scale max|x| / 127, nearest even) with the code sums per 16;
 //   q6_k           vpmaddubsw (weights unsigned) then vpdpwssd by the sub-block scales, in int32 for a
 //                  block; q4_k / q5_k's mins and q6_k's -32 through the code sums
@@ -37,9 +39,11 @@
 //   prepared q8 (kind A32)         uint8 [Kp]  code + 128, Kp = K rounded up to 64 (128 past K)
 //                                  float [Kp / 4] per 64 features 16 lanes: block 2g's scale in lanes 0..7,
 //                                  2g + 1's in 8..15 (NaN when the block is not finite)
-//   prepared q8 (kind A32N, q4_0, q5_0, iq4_nl, mxfp4)  as A32, per 128 features (4 blocks): the blocks' first 16
-//                                  codes at 16 j, their last 16 at 64 + 16 j; float [Kp / 8]: block j's
-//                                  scale in lanes 4j..4j+3 (Kp = K rounded up to 128)
+//   prepared q8 (kind A32N, q4_0, q5_0, iq4_nl, mxfp4)  int8 [Kp] codes (signed), per 128 features (4 blocks):
+//                                  the blocks' first 16 codes at 16 j, their last 16 at 64 + 16 j (Kp = K
+//                                  rounded up to 128); float [Kp / 4], per 128 features 16 scales (block j's
+//                                  in lanes 4j..4j+3) then 16 int32 corrections (lane L: -128 x the sum of
+//                                  codes 4L..4L+3 and 64 + 4L..64 + 4L+3, block L / 4's): one pointer a token
 //   prepared q8 (kind A256, q4_k, q5_k, q6_k, iq4_xs)  int8 [K] codes, float [K / 256] scales, int16 [K / 16] code sums
 #pragma once
 
@@ -69,10 +73,10 @@ void dequant(int type, bool avx512, const uint8_t* w, int64_t w_row, int64_t N, 
 enum Act { A32 = 0, A256 = 1, A32N = 2 };
 int act_of(int type);  // the activations' kind a fast kernel of `type` reads; -1: no fast kernel
 inline int64_t act_unit(int act) { return act == A32 ? 64 : act == A32N ? 128 : 256; }  // features per piece of a prepared row
-inline int64_t act_scale_div(int act) { return act == A32 ? 4 : act == A32N ? 8 : 256; }  // features per scale float
+inline int64_t act_scale_div(int act) { return act == A256 ? 256 : 4; }  // features per float (A32N: scales and corrections)
 inline int64_t act_padded(int act, int64_t K) { return (K + act_unit(act) - 1) / act_unit(act) * act_unit(act); }
 
-// features [0, K) of x (K a multiple of act_unit or the row's end) -> q [Kp], d, bsum (A32: bsum unused)
+// features [0, K) of x (K a multiple of act_unit or the row's end) -> q [Kp], d, bsum (A256 only)
 void prep_q8(int act, const float* x, int64_t K, uint8_t* q, float* d, int16_t* bsum);
 // q[t], d[t], bs[t]: token t's prepared row (its start); from strips_from tokens (0: never) the types
 // with strips (has_strips) go by strips of 32 rows decoded once, rows in the lanes (nibble_kernels.h)
