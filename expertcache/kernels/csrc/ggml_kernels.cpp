@@ -189,26 +189,33 @@ void prep_a32(const float* x, int64_t K, uint8_t* q, float* d) {
     }
 }
 
-// A32N: signed codes (the 4-bit weights are the unsigned side, value + 128); per group 16 scales, then per
-// int32 lane L -128 x the sum of the codes lane L of vpdpbusd reads (bytes 4L..4L+3 of both halves), the
-// kernels' first accumulator: each lane's sum then is that of the weights' values, as small as the signed
-// product's (one correction per block would make lanes 4j large, their float sum less exact)
+// A32N: signed codes (the 4-bit weights are the unsigned side, value + 128); per group 16 words (64 bytes,
+// a line): 4 block scales, 16 int16 lane sums (lane L: minus the sum of the codes lane L of vpdpbusd reads,
+// bytes 4L..4L+3 of both halves: the row kernels' first accumulator, 128 x it, so that each lane's sum is
+// that of the weights' values, as small as the signed product's; one correction per block would make lanes
+// 4j large, their float sum less exact), then 4 int32 block corrections (-128 x block j's code sum: the
+// strips')
 void prep_a32n(const float* x, int64_t K, int8_t* q, float* d) {
   const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t g = 0; g * 128 < K; ++g) {
     __m512i h[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // the group's two halves, in registers
+    float* m = d + 16 * g;
     for (int j = 0; j < 4; ++j) {
       const int64_t k = 128 * g + 32 * j;
       __m512i c[2];
-      const float s = quantize<2>(x + k, K - k, c);
+      m[j] = quantize<2>(x + k, K - k, c);
       for (int i = 0; i < 2; ++i)
         h[i] = _mm512_mask_broadcast_i32x4(h[i], __mmask16(0xF << (4 * j)), _mm512_cvtsepi32_epi8(c[i]));
-      _mm_storeu_ps(d + 32 * g + 4 * j, _mm_set1_ps(s));
     }
     _mm512_storeu_si512(q + 128 * g, h[0]);
     _mm512_storeu_si512(q + 128 * g + 64, h[1]);
-    const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, h[0]), ones, h[1]);
-    _mm512_storeu_si512(d + 32 * g + 16, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+    const __m512i sum = _mm512_sub_epi32(
+        _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, h[0]), ones, h[1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(m + 4), _mm512_cvtepi32_epi16(sum));  // |sum| <= 8 x 128
+    __m512i v = _mm512_add_epi32(sum, _mm512_shuffle_epi32(sum, _MM_PERM_CDAB));
+    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m + 12), _mm512_castsi512_si128(_mm512_slli_epi32(_mm512_permutexvar_epi32(first, v), 7)));
   }
 }
 
@@ -336,6 +343,7 @@ void n32_rows(const uint8_t* row, int64_t w_row, int64_t nb, const int8_t* const
               float* y, int64_t ldy, int64_t ahead) {
   constexpr int64_t GB = 4 * Nibbles32<T>::BYTES;  // bytes of a group
   const __m512i tab = table128<T>();
+  const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   __m512 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -353,8 +361,9 @@ void n32_rows(const uint8_t* row, int64_t w_row, int64_t nb, const int8_t* const
     for (int t = 0; t < TT; ++t) {
       const int8_t* x = xq[t] + 128 * g;
       const __m512i xl = _mm512_loadu_si512(x), xh = _mm512_loadu_si512(x + 64);
-      const __m512 sx = _mm512_loadu_ps(xd[t] + 32 * g);
-      const __m512i c = _mm512_loadu_si512(xd[t] + 32 * g + 16);
+      const float* m = xd[t] + 16 * g;  // prep_a32n's 4 scales and 16 lane sums, to 16 lanes
+      const __m512 sx = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_loadu_ps(m)));
+      const __m512i c = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 4))), 7);
       for (int r = 0; r < R; ++r) {
         const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, wl[r], xl), wh[r], xh);
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw[r], sx), acc[r][t]);
@@ -538,8 +547,8 @@ void xs_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float
 // transposed so that lane n holds row n's dword; the codes through the type's table
 // in the A32N order (low nibbles: the block's features 0..15, high: 16..31), so one vpdpbusd of a step
 // (unsigned, value + 128, as n32_rows) against 4 prepared activation bytes broadcast (signed) makes 64 MACs
-// of 16 rows; the +128 taken off by the token's -128 x the block's code sum (prep_a32n's 4 lanes, summed
-// per chunk of tokens), the sums' first value; the block's int32 sum times (weight scale x activation
+// of 16 rows; the +128 taken off by the token's -128 x the block's code sum (prep_a32n's block
+// correction), the sums' first value; the block's int32 sum times (weight scale x activation
 // scale) into float32 per row, the float work shared by 16 rows.
 constexpr int64_t SR = 32;  // rows per strip: 2 vectors of 16
 constexpr int64_t KC = 4;   // groups of 4 blocks per K chunk (the Tile: 16 KiB of codes, 2 KiB of scales)
@@ -609,11 +618,11 @@ void strip_decode(const uint8_t* w, int64_t w_row, int64_t N, int64_t nb, int64_
   }
 }
 
-// tokens t < TT over the tile's ng groups (group g0 + g of the prepared A32N rows; cb[t][4 g + j]: block j's
-// correction), into y[t * ldy + n] for the strip's rows n < rows (first: stored, else added)
+// tokens t < TT over the tile's ng groups (group g0 + g of the prepared A32N rows, its block corrections
+// prep_a32n's), into y[t * ldy + n] for the strip's rows n < rows (first: stored, else added)
 template <int TT>
 void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const int8_t* const* xq, const float* const* xd,
-                  const int32_t (*cb)[4 * KC], float* y, int64_t ldy, int64_t rows, bool first) {
+                  float* y, int64_t ldy, int64_t rows, bool first) {
   const __mmask16 m0 = mask16(rows), m1 = mask16(rows - 16);
   __m512 acc[2][TT];
   for (int t = 0; t < TT; ++t) {
@@ -625,7 +634,7 @@ void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const int8_t* const* x
     for (int j = 0; j < 4; ++j) {
       __m512i d[2][TT];
       for (int t = 0; t < TT; ++t) {
-        d[0][t] = _mm512_set1_epi32(cb[t][4 * g + j]);
+        d[0][t] = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(xd[t])[16 * gg + 12 + j]);
         d[1][t] = d[0][t];
       }
       for (int k = 0; k < 8; ++k) {
@@ -639,7 +648,7 @@ void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const int8_t* const* x
       }
       const __m512 s0 = _mm512_load_ps(tl.ws[g][j][0]), s1 = _mm512_load_ps(tl.ws[g][j][1]);
       for (int t = 0; t < TT; ++t) {
-        const __m512 sx = _mm512_set1_ps(xd[t][32 * gg + 4 * j]);
+        const __m512 sx = _mm512_set1_ps(xd[t][16 * gg + j]);
         acc[0][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[0][t]), _mm512_mul_ps(s0, sx), acc[0][t]);
         acc[1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[1][t]), _mm512_mul_ps(s1, sx), acc[1][t]);
       }
@@ -653,23 +662,10 @@ void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const int8_t* const* x
 
 constexpr int TS = 6;  // tokens per register block of the strips (2 x 6 accumulators, 2 x 6 sums)
 
-// cb[t][4 g + j] = block j of group g0 + g's correction for token t < tt (g < ng): its 4 lanes' sum
-inline void block_corrections(const float* const* xd, int64_t tt, int64_t g0, int64_t ng, int32_t (*cb)[4 * KC]) {
-  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int64_t t = 0; t < tt; ++t)
-    for (int64_t g = 0; g < ng; ++g) {
-      __m512i v = _mm512_loadu_si512(xd[t] + 32 * (g0 + g) + 16);
-      v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
-      v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(cb[t] + 4 * g), _mm512_castsi512_si128(_mm512_permutexvar_epi32(first, v)));
-    }
-}
-
 template <int T>
 void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
             int64_t TN, float* y, int64_t ldy) {
   Tile tl;
-  alignas(64) int32_t cb[TS][4 * KC];
   const int64_t nb = K / 32, ng = (nb + 3) / 4;
   for (int64_t a = 0; a < N; a += SR) {
     const int64_t rows = N - a < SR ? N - a : SR;
@@ -680,9 +676,8 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t*
       int64_t t0 = 0;
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t tt = (TN - t0) / (chunks - c) + ((TN - t0) % (chunks - c) != 0);
-        block_corrections(xd + t0, tt, g0, n, cb);
         auto go = [&](auto tc) __attribute__((always_inline)) {
-          strip_tokens<decltype(tc)::value>(tl, g0, n, xq + t0, xd + t0, cb, y + t0 * ldy + a, ldy, rows, g0 == 0);
+          strip_tokens<decltype(tc)::value>(tl, g0, n, xq + t0, xd + t0, y + t0 * ldy + a, ldy, rows, g0 == 0);
         };
         switch (tt) {
           case 1: go(Slot<1>{}); break;
@@ -718,8 +713,8 @@ __attribute__((always_inline)) inline void token_chunks(int64_t TN, Fn fn) {
 
 // q4_0 / q5_0 / iq4_nl / mxfp4 rows [0, N) for TN tokens by n32_rows: fewer than 4 tokens R rows a pass
 // (R1 at one token, R23 at 2 or 3), so that one load of the activations serves R rows and R row streams are
-// in flight; the rest, and more tokens, a row at a time in chunks of up to TQ tokens
-constexpr int R1 = 4, R23 = 2;
+// in flight; more tokens RN rows a pass in chunks of up to TQ tokens; the rest a row at a time
+constexpr int R1 = 4, R23 = 2, RN = 2;
 
 template <int T>
 void n32(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
@@ -735,13 +730,18 @@ void n32(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* co
   if (TN == 1) pass(Slot<R1>{}, Slot<1>{});
   else if (TN == 2) pass(Slot<R23>{}, Slot<2>{});
   else if (TN == 3) pass(Slot<R23>{}, Slot<3>{});
-  for (; n < N; ++n) {
-    const int64_t ahead = pf && n + pf < N ? pf * w_row : 0;
-    token_chunks(TN, [&](int64_t t0, auto tc) __attribute__((always_inline)) {
-      n32_rows<T, 1, decltype(tc)::value>(w + n * w_row, w_row, nb, xq + t0, xd + t0, y + t0 * ldy + n, ldy,
-                                          t0 == 0 ? ahead : 0);
-    });
-  }
+  auto chunked = [&](auto rc) __attribute__((always_inline)) {
+    constexpr int R = decltype(rc)::value;
+    for (; n + R <= N; n += R) {
+      const int64_t ahead = pf && n + R + pf <= N ? pf * w_row : 0;
+      token_chunks(TN, [&](int64_t t0, auto tc) __attribute__((always_inline)) {
+        n32_rows<T, R, decltype(tc)::value>(w + n * w_row, w_row, nb, xq + t0, xd + t0, y + t0 * ldy + n, ldy,
+                                            t0 == 0 ? ahead : 0);
+      });
+    }
+  };
+  if (TN > 3) chunked(Slot<RN>{});
+  chunked(Slot<1>{});
 }
 
 void rows_q8(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const uint8_t* const* q,

@@ -41,9 +41,10 @@
 //                                  2g + 1's in 8..15 (NaN when the block is not finite)
 //   prepared q8 (kind A32N, q4_0, q5_0, iq4_nl, mxfp4)  int8 [Kp] codes (signed), per 128 features (4 blocks):
 //                                  the blocks' first 16 codes at 16 j, their last 16 at 64 + 16 j (Kp = K
-//                                  rounded up to 128); float [Kp / 4], per 128 features 16 scales (block j's
-//                                  in lanes 4j..4j+3) then 16 int32 corrections (lane L: -128 x the sum of
-//                                  codes 4L..4L+3 and 64 + 4L..64 + 4L+3, block L / 4's): one pointer a token
+//                                  rounded up to 128); float [Kp / 8], per 128 features 16 words (a line):
+//                                  4 block scales, 16 int16 lane sums (lane L: minus the sum of codes
+//                                  4L..4L+3 and 64 + 4L..64 + 4L+3, block L / 4's), 4 int32 block
+//                                  corrections (-128 x block j's code sum): one pointer a token
 //   prepared q8 (kind A256, q4_k, q5_k, q6_k, iq4_xs)  int8 [K] codes, float [K / 256] scales, int16 [K / 16] code sums
 #pragma once
 
@@ -73,7 +74,7 @@ void dequant(int type, bool avx512, const uint8_t* w, int64_t w_row, int64_t N, 
 enum Act { A32 = 0, A256 = 1, A32N = 2 };
 int act_of(int type);  // the activations' kind a fast kernel of `type` reads; -1: no fast kernel
 inline int64_t act_unit(int act) { return act == A32 ? 64 : act == A32N ? 128 : 256; }  // features per piece of a prepared row
-inline int64_t act_scale_div(int act) { return act == A256 ? 256 : 4; }  // features per float (A32N: scales and corrections)
+inline int64_t act_scale_div(int act) { return act == A256 ? 256 : act == A32N ? 8 : 4; }  // features per float (A32N: 16 words a group)
 inline int64_t act_padded(int act, int64_t K) { return (K + act_unit(act) - 1) / act_unit(act) * act_unit(act); }
 
 // features [0, K) of x (K a multiple of act_unit or the row's end) -> q [Kp], d, bsum (A256 only)
