@@ -815,7 +815,7 @@ def cgroup_part(args, tag: str, sources: dict[str, Path], bindir: Path) -> None:
     try:
         drop_page_cache()
         # auto budgets: the expert slots take the RAM the cgroup leaves after the engine's other terms
-        opts = {"cpu_math": m, "low_memory": True, "max_num_batched_tokens": 512}
+        opts = {"cpu_math": m, "low_memory": True, "max_num_batched_tokens": 512} | args.llm
         for n, src in zip(names, args.ours_from):
             workers[n] = Worker(
                 sources[src], 16, args.cgroup_gen, args.threads, opts, prefix=groups[src].prefix
