@@ -300,9 +300,10 @@ def workspace_bytes(
 
 # -- the expert tiers ---------------------------------------------------------------------------
 
-LOW_MEMORY_MARGIN = (
-    256 << 20
-)  # left free by a low-memory CPU plan's auto budget (at least; 5% of the room above it)
+# left free by a low-memory CPU plan's auto budget (at least; 5% of the room above it): what the process grows by
+# beside the planned terms (the kernels' and tokenizer's buffers, the allocator's free lists). 256 MiB was too
+# little: Qwen3-30B-A3B's 48 layers in a 7.9 GiB cgroup reached the limit (peak RSS 7.67 GiB) and were killed.
+LOW_MEMORY_MARGIN = 768 << 20
 
 
 def resolve(value, total: int, auto: int, name: str) -> int:
