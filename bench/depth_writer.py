@@ -61,16 +61,6 @@ def gguf_module(llama_cpp: Path):
     return gguf
 
 
-def _embeddings(cfg: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """real_scale.write_checkpoint's first shard, drawn in its order."""
-    H, V = cfg["hidden_size"], cfg["vocab_size"]
-    return {
-        "model.embed_tokens.weight": torch.randn(V, H, generator=g).bfloat16(),
-        "lm_head.weight": (torch.randn(V, H, generator=g) * H**-0.5).bfloat16(),
-        "model.norm.weight": (1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
-    }
-
-
 def expert_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
     """proj -> [E, out, in]."""
     E, H, I = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
@@ -132,6 +122,13 @@ def write_gguf(gguf, template: Path, out: Path, layers: int, each_layer) -> Path
     {proj: Q4_0 expert blocks}) in order."""
     reader = gguf.GGUFReader(str(template))
     types = {t.name: t for t in reader.tensors}
+    layer0 = [n[len("blk.0.") :] for n in types if n.startswith("blk.0.")]
+    missing = set(QWEN3_NAMES.values()) - set(layer0)
+    if missing:  # checked before anything is written
+        raise SystemExit(f"depth_writer: {template} has no tensors {sorted(missing)} in layer 0")
+    for key in EXPERT_PROJS.values():
+        if types[f"blk.0.{key}"].tensor_type != gguf.GGMLQuantizationType.Q4_0:
+            raise SystemExit(f"depth_writer: {template}: blk.0.{key} is not Q4_0")
     writer = gguf.GGUFWriter(
         str(out.with_suffix(".gguf.tmp")), reader.fields["general.architecture"].contents()
     )
@@ -139,13 +136,6 @@ def write_gguf(gguf, template: Path, out: Path, layers: int, each_layer) -> Path
     for name in OUTSIDE:
         t = types[name]
         writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    layer0 = [n[len("blk.0.") :] for n in types if n.startswith("blk.0.")]
-    for key in (
-        v for v in EXPERT_PROJS.values() if types[f"blk.0.{v}"].tensor_type != gguf.GGMLQuantizationType.Q4_0
-    ):
-        raise SystemExit(
-            f"depth_writer: {template}: blk.0.{key} is {types['blk.0.' + key].tensor_type.name}, not Q4_0"
-        )
     for i in range(layers):
         for key in layer0:
             t = types[f"blk.0.{key}"]
@@ -166,9 +156,6 @@ def write_gguf(gguf, template: Path, out: Path, layers: int, each_layer) -> Path
                 writer.write_tensor_data(encode(gguf, w, types[f"blk.0.{key}"].tensor_type))
             else:
                 raise SystemExit(f"depth_writer: {template}: no source for blk.0.{key}")
-        missing = set(QWEN3_NAMES.values()) - set(layer0)
-        if missing:
-            raise SystemExit(f"depth_writer: {template} has no tensors {sorted(missing)} in layer 0")
     writer.close()
     out.with_suffix(".gguf.tmp").rename(out)
     return out
@@ -249,7 +236,7 @@ def write_both(
         return ckpt, out
     cfg = R.model_config(model, layers, **overrides)
     g = torch.Generator().manual_seed(seed)
-    emb = _embeddings(cfg, g)
+    emb = R.outer_tensors(cfg, g)
     ints = Int4Writer(ckpt, cfg, tokenizer) if ckpt is not None else None
     if ints:
         ints.shard(0, emb)

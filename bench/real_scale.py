@@ -234,6 +234,16 @@ def layer_tensors(
     return t
 
 
+def outer_tensors(cfg: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """The tensors outside the layers, drawn first (so a checkpoint of any depth shares them)."""
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    return {
+        "model.embed_tokens.weight": (torch.randn(V, H, generator=g)).bfloat16(),
+        "lm_head.weight": (torch.randn(V, H, generator=g) * H**-0.5).bfloat16(),
+        "model.norm.weight": (1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
+    }
+
+
 def write_checkpoint(model: str, out: Path, layers: int, tokenizer: Path, seed: int = 0, **overrides) -> Path:
     """Write the random checkpoint unless `out` already holds it (same manifest); `overrides`:
     config fields replacing the real ones (toy sizes for tests)."""
@@ -247,15 +257,8 @@ def write_checkpoint(model: str, out: Path, layers: int, tokenizer: Path, seed: 
     out.mkdir(parents=True)
     cfg = model_config(model, layers, **overrides)
     g = torch.Generator().manual_seed(seed)
-    H, V = cfg["hidden_size"], cfg["vocab_size"]
     weight_map = {}
-    shards = [
-        {
-            "model.embed_tokens.weight": (torch.randn(V, H, generator=g)).bfloat16(),
-            "lm_head.weight": (torch.randn(V, H, generator=g) * H**-0.5).bfloat16(),
-            "model.norm.weight": (1 + 0.1 * torch.randn(H, generator=g)).bfloat16(),
-        }
-    ]
+    shards = [outer_tensors(cfg, g)]
     for i in range(-1, layers):
         tensors = shards.pop() if i < 0 else layer_tensors(model, cfg, i, g)
         name = f"model-{i + 2:05d}-of-{layers + 1:05d}.safetensors"
