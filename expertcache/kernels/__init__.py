@@ -265,12 +265,24 @@ def _cached_specs(tensors: list[torch.Tensor], key: tuple, build) -> tuple | Non
     except Unsupported:
         specs = None
     if specs is None or _views_only(specs, tensors):
+        specs = _unheld(specs, {id(t) for t in tensors})
         k = id(first)
         refs = [weakref.ref(first, lambda _, k=k, table=_SPECS: table.pop(k, None))] + [
             weakref.ref(t) for t in tensors[1:]
         ]
         _SPECS[k] = (refs, key, specs)
     return specs
+
+
+def _unheld(specs, ids: set[int]):
+    """specs with each of the weights' own tensor objects (ids) replaced by a new view of it: an entry
+    holding `first` itself would keep it alive, its weakref's callback would never drop the entry, and
+    every short-lived pool (a miss computed from a scratch read) would stay in memory for good."""
+    if isinstance(specs, tuple):
+        return tuple(_unheld(s, ids) for s in specs)
+    if isinstance(specs, list):
+        return [_unheld(s, ids) for s in specs]
+    return specs.detach() if isinstance(specs, torch.Tensor) and id(specs) in ids else specs
 
 
 _DENSE: dict[

@@ -230,3 +230,27 @@ def test_expert_parallel_with_a_gguf_file_is_refused_by_name_before_any_rank_sta
     path = qwen3_gguf("Q8_0")
     with pytest.raises(ConfigError, match=r"expert_parallel: .*\.gguf is a GGUF file"):
         LLM(str(path), expert_parallel=2)
+
+
+def test_streamed_experts_are_freed_after_their_miss_is_computed(qwen3_gguf):
+    """--low-memory with no host tier: a miss is read into a scratch pool and computed from it; the
+    kernels' spec cache must not keep that pool (each round leaked every miss's bytes: 2.5 MiB an expert
+    of Qwen3-30B-A3B's Q4_0, killed in a memory cgroup after a few requests)."""
+    import gc
+
+    from expertcache import kernels
+
+    if kernels.extension() is None:
+        pytest.skip("needs the C++ kernels")
+    llm = LLM(str(qwen3_gguf("Q4_0")), low_memory=True, device_memory="25%", host_memory="0")
+    try:
+        sizes = []
+        for _ in range(4):
+            llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            gc.collect()
+            sizes.append(len(kernels._SPECS))
+        disk = llm.expert_stats()["per_tier"]["disk"]["bytes_read"]
+    finally:
+        llm.close()
+    assert disk > 0  # misses were streamed from the file
+    assert sizes[-1] == sizes[1], sizes  # no entry per miss
