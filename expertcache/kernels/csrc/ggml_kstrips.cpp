@@ -12,6 +12,12 @@
 // against the activations' sums per 32 (vpdpwssd, 2 sub-blocks a step), q6_k's -32 by starting each 16's
 // sum at -32 x the activations' code sum; per superblock the float sum times the activations' scale.
 //
+// From AMX_TOKENS tokens, passes of 16 go to AMX where nib::amx() allows (amx_tokens; q4_k and q5_k, see run()
+// for q6_k): the Tile's codes are already TDPBSUD's unsigned operand (a sub-block's 8 steps x 64 bytes, lane
+// n = row n's 4 codes), the activations regrouped per sub-block as the signed one, and the
+// int32 sums of a product are the ones vpdpbusd makes; the float work after them is the VNNI path's in its
+// order, so both give the same outputs bit for bit.
+//
 // As ggml_kernels.cpp, the AVX-512 region uses no inline function of a standard header; the entry point at
 // the bottom (outside it) prepares the activations' sums per token and is called only where fast_supported().
 
@@ -20,14 +26,17 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "ggml_kernels.h"
+#include "nibble_kernels.h"
 
 namespace ggml {
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
 
 namespace kstrip {
 
@@ -238,9 +247,74 @@ void strip_tokens(const Tile& tl, int64_t b0, int64_t n, const int8_t* const* xq
   }
 }
 
+// ---- the products on AMX ---------------------------------------------------------------------------------
+// tokens from which a pass of 16 goes to AMX (as nibble_kernels.cpp's AMX_TOKENS: a pass of 12 to 16 tokens)
+constexpr int64_t AMX_TOKENS = 12;
+
+struct AmxA {  // T tokens' int8 codes regrouped per sub-block: [K / 32][Tp][32]; tokens past T zero
+  int8_t* a;
+  int64_t Tp;
+};
+
+// false when the buffer cannot be had (the caller then runs the VNNI path alone)
+inline bool amx_prep(int64_t K, const int8_t* const* xq, int64_t T, AmxA& A) {
+  constexpr int64_t G = 32;
+  const int64_t ng = K / G, Tp = (T + 15) / 16 * 16;
+  A = AmxA{static_cast<int8_t*>(std::aligned_alloc(64, ng * Tp * G)), Tp};
+  if (!A.a) return false;
+  for (int64_t g = 0; g < ng; ++g)
+    for (int64_t t = 0; t < Tp; ++t) {
+      int8_t* r = A.a + (g * Tp + t) * G;
+      for (int64_t c = 0; c < G; c += 16)
+        _mm_store_si128(reinterpret_cast<__m128i*>(r + c),
+                        t < T ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[t] + g * G + c)) : _mm_setzero_si128());
+    }
+  return true;
+}
+
+// tokens t0 .. t0 + tt - 1 (tt <= TT <= 16) over the tile's n superblocks, as strip_tokens computes them (q4_k, q5_k)
+template <int TT>
+void amx_tokens(const Tile& tl, int64_t b0, int64_t n, const AmxA& A, int64_t t0, int64_t tt, const float* const* xd,
+                const int32_t* const* aux, float* y, int64_t ldy, int64_t rows, bool first) {
+  constexpr int G = 32;  // features per product: a sub-block
+  alignas(64) int32_t cb[4][16][16];
+  const int64_t ja = A.Tp * G;  // from one product's activations to the next one's
+  for (int v = 0; v < 2 && 16 * v < rows; ++v) {
+    const __mmask16 m = mask16(rows - 16 * v);
+    float* yv = y + t0 * ldy + 16 * v;
+    __m512 acc[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = first || t >= tt ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, yv + t * ldy);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t b = b0 + i;
+      __m512 f[TT];
+      for (int q = 0; q < 8; q += 4) {  // sub-blocks q .. q + 3
+        const int8_t* a = A.a + ((8 * b + q) * A.Tp + t0) * G;
+        const uint8_t* const b4[4] = {tl.w[i][q][0][v], tl.w[i][q + 1][0][v], tl.w[i][q + 2][0][v], tl.w[i][q + 3][0][v]};
+        amx::products4(a, ja, b4, cb);
+        for (int p = 0; p < 4; ++p) {
+          const int g = q + p;
+          const __m512 d = _mm512_load_ps(tl.ds[i][g][v]);
+          for (int t = 0; t < TT; ++t) {
+            const __m512i s = _mm512_load_si512(cb[p][t]);
+            f[t] = g == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(s), d) : _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, f[t]);
+          }
+        }
+      }
+      const __m512 dm = _mm512_load_ps(tl.dmin[i][v]);  // - dmin sum_j m_j (code sum of sub-block j), as strip_tokens
+      for (int t = 0; t < TT && t < tt; ++t) {
+        __m512i s = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p) s = _mm512_dpwssd_epi32(s, _mm512_load_si512(tl.m[i][p][v]), _mm512_set1_epi32(aux[t][4 * b + p]));
+        f[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s), dm, f[t]);
+      }
+      for (int t = 0; t < TT && t < tt; ++t) acc[t] = _mm512_fmadd_ps(f[t], _mm512_set1_ps(xd[t][b]), acc[t]);
+    }
+    for (int t = 0; t < TT && t < tt; ++t) _mm512_mask_storeu_ps(yv + t * ldy, m, acc[t]);
+  }
+}
+
 template <int T>
 void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
-            const int32_t* const* aux, int64_t TN, float* y, int64_t ldy) {
+            const int32_t* const* aux, int64_t TN, float* y, int64_t ldy, const AmxA* A) {
   Tile tl;
   const int64_t nb = K / 256;
   for (int64_t a = 0; a < N; a += SR) {
@@ -248,8 +322,16 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t*
     for (int64_t b0 = 0; b0 < nb; b0 += KB) {
       const int64_t n = nb - b0 < KB ? nb - b0 : KB;
       strip_decode<T>(w, w_row, N, nb, a, b0, n, tl);
-      const int64_t chunks = (TN + TS - 1) / TS;  // as even as can be (T = 8: 4 + 4, not 6 + 2)
+      // passes of 16 tokens on AMX while at least AMX_TOKENS remain (a pass of 12 or fewer: 12 computed),
+      // then the rest in chunks of at most TS on VNNI, as even as can be (T = 8: 4 + 4, not 6 + 2)
       int64_t t0 = 0;
+      if constexpr (T != Q6_K)
+        for (; A && TN - t0 >= AMX_TOKENS; t0 += 16) {
+          const int64_t tt = TN - t0 < 16 ? TN - t0 : 16;
+          if (tt <= 12) amx_tokens<12>(tl, b0, n, *A, t0, tt, xd + t0, aux + t0, y + a, ldy, rows, b0 == 0);
+          else amx_tokens<16>(tl, b0, n, *A, t0, tt, xd + t0, aux + t0, y + a, ldy, rows, b0 == 0);
+        }
+      const int64_t chunks = (TN - t0 + TS - 1) / TS;
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t tt = (TN - t0) / (chunks - c) + ((TN - t0) % (chunks - c) != 0);
         auto go = [&](auto tc) __attribute__((always_inline)) {
@@ -271,9 +353,20 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t*
 
 void run(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
          const int32_t* const* aux, int64_t T, float* y, int64_t ldy) {
-  if (type == Q4_K) strips<Q4_K>(w, w_row, N, K, xq, xd, aux, T, y, ldy);
-  else if (type == Q5_K) strips<Q5_K>(w, w_row, N, K, xq, xd, aux, T, y, ldy);
-  else strips<Q6_K>(w, w_row, N, K, xq, xd, aux, T, y, ldy);
+  AmxA act{};
+  // q6_k stays on VNNI: its 16 products per superblock (a scale per 16 weights) double the float work after
+  // them, and on AMX it ran 0.82-0.88x the VNNI strips (one thread, 768 x 2048 and 2048 x 768, T = 16-128);
+  // q4_k / q5_k on AMX 1.10-1.21x from 32 tokens (0.98-1.21x at 16)
+  const bool on_amx = T >= AMX_TOKENS && type != Q6_K && nib::amx() && amx_prep(K, xq, T, act);
+  if (on_amx) amx::config(32);
+  const AmxA* A = on_amx ? &act : nullptr;
+  if (type == Q4_K) strips<Q4_K>(w, w_row, N, K, xq, xd, aux, T, y, ldy, A);
+  else if (type == Q5_K) strips<Q5_K>(w, w_row, N, K, xq, xd, aux, T, y, ldy, A);
+  else strips<Q6_K>(w, w_row, N, K, xq, xd, aux, T, y, ldy, A);
+  if (on_amx) {
+    amx::release();
+    std::free(act.a);
+  }
 }
 
 }  // namespace kstrip

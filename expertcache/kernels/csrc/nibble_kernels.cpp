@@ -13,6 +13,7 @@
 // has AMX and the tile state was granted). C: the format (Code), R rows, TT tokens.
 
 #include "nibble_kernels.h"
+#include "amx_tiles.h"
 
 #include <immintrin.h>
 
@@ -606,22 +607,6 @@ bool amx_prep(int code, int64_t K, const int8_t* const* xq, const float* const* 
   return true;
 }
 
-// tiles 0..3: C of a group's 4 blocks, 16 tokens x 16 rows int32; 4, 5: A, 16 tokens x 32 codes; 6, 7: B,
-// 8 steps x 64 bytes (two of each operand, alternating, so a block's loads need not wait for the previous
-// block's product)
-inline void amx_config() {
-  struct alignas(64) {
-    uint8_t palette, start, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } c{};
-  c.palette = 1;
-  for (int i = 0; i < 4; ++i) c.rows[i] = 16, c.colsb[i] = 64;
-  for (int i = 4; i < 6; ++i) c.rows[i] = 16, c.colsb[i] = 32;
-  for (int i = 6; i < 8; ++i) c.rows[i] = 8, c.colsb[i] = 64;
-  _tile_loadconfig(&c);
-}
-
 // tokens t0 .. t0 + tt - 1 (tt <= TT <= 16) over the tile's ng groups, as tile_tokens
 template <int TT>
 void amx_tokens(const Tile& tl, int64_t g0, int64_t ng, const AmxAct& A, int64_t t0, int64_t tt, float* y,
@@ -635,26 +620,8 @@ void amx_tokens(const Tile& tl, int64_t g0, int64_t ng, const AmxAct& A, int64_t
     for (int64_t g = 0; g < ng; ++g) {
       const int8_t* a = A.a + (4 * (g0 + g) * A.Tp + t0) * 32;  // block j's A: a + j * Tp * 32
       const int64_t ja = A.Tp * 32;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_loadd(4, a, 32);
-      _tile_loadd(6, tl.w[g][0][0][v], 2 * 64);
-      _tile_loadd(5, a + ja, 32);
-      _tile_loadd(7, tl.w[g][1][0][v], 2 * 64);
-      _tile_dpbsud(0, 4, 6);
-      _tile_dpbsud(1, 5, 7);
-      _tile_loadd(4, a + 2 * ja, 32);
-      _tile_loadd(6, tl.w[g][2][0][v], 2 * 64);
-      _tile_loadd(5, a + 3 * ja, 32);
-      _tile_loadd(7, tl.w[g][3][0][v], 2 * 64);
-      _tile_dpbsud(2, 4, 6);
-      _tile_dpbsud(3, 5, 7);
-      _tile_stored(0, cb[0], 64);
-      _tile_stored(1, cb[1], 64);
-      _tile_stored(2, cb[2], 64);
-      _tile_stored(3, cb[3], 64);
+      const uint8_t* const b4[4] = {tl.w[g][0][0][v], tl.w[g][1][0][v], tl.w[g][2][0][v], tl.w[g][3][0][v]};
+      amx::products4(a, ja, b4, cb);
       for (int j = 0; j < 4; ++j) {
         const int64_t b = 4 * (g0 + g) + j;
         const __m512 ws = _mm512_load_ps(tl.ws[g][j][v]);
@@ -806,7 +773,7 @@ void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const*
     Tile tl;
     AmxAct act{};
     const bool on_amx = T >= AMX_TOKENS && amx() && amx_prep(code, K, xq, xs, xc, T, act);
-    if (on_amx) amx_config();
+    if (on_amx) amx::config(32);  // amx_tiles.h
     for (int64_t a = 0; a < N; a += SR) {
       const AmxAct* A = on_amx ? &act : nullptr;
       const bool done = code == MXFP4 ? tile_strip<MXFP4>(W, N, K, a, xq, xs, xc, T, y, ldy, tl, A)
@@ -817,7 +784,7 @@ void rows_q8(int code, const Rows& W, int64_t N, int64_t K, const int8_t* const*
       }
     }
     if (on_amx) {
-      _tile_release();
+      amx::release();
       std::free(act.a);
     }
     return;
