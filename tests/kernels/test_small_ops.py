@@ -168,6 +168,22 @@ def test_softmax_topk_is_torchs_choice(E, k, renorm):
 
 
 @needs_cpp
+def test_softmax_topk_of_a_prompt_is_torchs_choice_in_every_unit():
+    """A prompt's rows go to the thread pool in units of 32: every row torch's, and a non-finite logit in a
+    late unit still declines the whole call."""
+    g = torch.Generator().manual_seed(5)
+    for T in (33, 300, 512):
+        logits = torch.argsort(torch.rand(T, 128, generator=g), dim=1).float() * 0.05  # no near ties
+        got = small_ops.softmax_topk(logits, 8, True)
+        assert got is not None, T
+        ids, w = _torch_router(logits, 8, True)
+        assert torch.equal(got[0], ids), T
+        assert (got[1] - w).abs().max() <= 1e-6 * w.abs().max()
+        logits[T - 1, 7] = float("nan")
+        assert small_ops.softmax_topk(logits, 8, True) is None, T
+
+
+@needs_cpp
 def test_softmax_topk_declines_ties_near_ties_and_nonfinite():
     base = torch.linspace(-2, 2, 16)[None].repeat(2, 1)
     assert small_ops.softmax_topk(base, 4, True) is not None

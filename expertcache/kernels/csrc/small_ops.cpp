@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -272,6 +273,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_stats(const at::T
 // exp's argument x - max carries a rounding error of |x - max| * 2^-24 and exp/divide a few ulps more.
 constexpr float TIE_GAP = 1e-5f;
 
+// top[0 .. keep) = the row's keep best logits, largest first, the lower index first among equals (the order
+// std::partial_sort with that comparison gives), by insertion: keep is top_k + 1, a few of E
+inline void best(const float* x, int64_t E, int64_t keep, int64_t* top) {
+  int64_t n = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (n == keep && !(x[e] > x[top[keep - 1]])) continue;  // an equal later index stays behind
+    int64_t j = n < keep ? n++ : keep - 1;
+    for (; j > 0 && x[e] > x[top[j - 1]]; --j) top[j] = top[j - 1];
+    top[j] = e;
+  }
+}
+
+// one row: false where it has a non-finite logit or a near tie among its keep best (the caller's torch path)
+inline bool topk_row(const float* x, int64_t E, int64_t k, int64_t keep, bool renorm, int64_t* top, int64_t* ip, float* wp) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t e = 0; e < E; ++e) {
+    if (!std::isfinite(x[e])) return false;
+    m = std::max(m, x[e]);
+  }
+  best(x, E, keep, top);
+  for (int64_t j = 0; j + 1 < keep; ++j) {
+    const float a = x[top[j]], b = x[top[j + 1]];
+    if (a - b <= TIE_GAP * (1.f + std::fabs(a - m))) return false;
+  }
+  double z = 0.0;
+  for (int64_t e = 0; e < E; ++e) z += std::exp(double(x[e] - m));
+  float total = 0.f;
+  for (int64_t j = 0; j < k; ++j) {
+    ip[j] = top[j];
+    wp[j] = float(std::exp(double(x[top[j]] - m)) / z);
+    total += wp[j];
+  }
+  if (renorm)
+    for (int64_t j = 0; j < k; ++j) wp[j] /= total;
+  return true;
+}
+
+constexpr int64_t TOPK_ROWS = 32;  // rows per unit of the thread pool (a prompt's rows; a decode step's stay on the caller)
+
 std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_topk(const at::Tensor& logits, int64_t k, bool renorm) {
   if (!logits.device().is_cpu() || logits.scalar_type() != at::kFloat || logits.dim() != 2 || !logits.is_contiguous())
     return std::nullopt;
@@ -282,32 +322,16 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> softmax_topk(const at::Tensor&
   int64_t* ip = ids.data_ptr<int64_t>();
   float* wp = w.data_ptr<float>();
   const int64_t keep = std::min(k + 1, E);  // the k best and the first one left out
-  std::vector<int64_t> order(E);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* x = lp + t * E;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t e = 0; e < E; ++e) {
-      if (!std::isfinite(x[e])) return std::nullopt;
-      m = std::max(m, x[e]);
-    }
-    for (int64_t e = 0; e < E; ++e) order[e] = e;
-    std::partial_sort(order.begin(), order.begin() + keep, order.end(),
-                      [x](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
-    for (int64_t j = 0; j + 1 < keep; ++j) {
-      const float a = x[order[j]], b = x[order[j + 1]];
-      if (a - b <= TIE_GAP * (1.f + std::fabs(a - m))) return std::nullopt;
-    }
-    double z = 0.0;
-    for (int64_t e = 0; e < E; ++e) z += std::exp(double(x[e] - m));
-    float total = 0.f;
-    for (int64_t j = 0; j < k; ++j) {
-      ip[t * k + j] = order[j];
-      wp[t * k + j] = float(std::exp(double(x[order[j]] - m)) / z);
-      total += wp[t * k + j];
-    }
-    if (renorm)
-      for (int64_t j = 0; j < k; ++j) wp[t * k + j] /= total;
-  }
+  std::atomic<bool> ok{true};
+  auto rows = [&](int64_t u) {
+    std::vector<int64_t> top(keep);
+    for (int64_t t = u * TOPK_ROWS; t < std::min(T, (u + 1) * TOPK_ROWS) && ok.load(std::memory_order_relaxed); ++t)
+      if (!topk_row(lp + t * E, E, k, keep, renorm, top.data(), ip + t * k, wp + t * k)) ok.store(false);
+  };
+  const int64_t units = (T + TOPK_ROWS - 1) / TOPK_ROWS;
+  if (units == 1) rows(0);
+  else pool::run_units(units, rows);
+  if (!ok.load()) return std::nullopt;
   return std::make_tuple(ids, w);
 }
 
