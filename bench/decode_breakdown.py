@@ -3,6 +3,7 @@ wall-clock timer; CPU ops are synchronous, so the sums are exact), batch 1, ever
 
     python bench/decode_breakdown.py [MODEL_DIR] [--lm-head int8] [--dense int8] [--cpu-math auto|exact|fast] [--threads 2]
                                      [--tokens 64] [--prompt 9] [--rounds 3] [--fused-blocks]
+                                     [--kv-cache-memory 64MiB] [--device-memory 100%]
     python bench/decode_breakdown.py MODEL_DIR --moe-gap [--cpu-math fast] [--threads 2] [--tokens 16] [--rounds 5]
 
 MODEL_DIR defaults to the peer benchmark's yardstick (~/.cache/expertcache-peers/yardstick, built by
@@ -66,6 +67,16 @@ def main() -> None:
         "--prompt", type=int, default=9, help="prompt tokens (--prompt 128 --tokens 0: a prefill alone)"
     )
     ap.add_argument(
+        "--kv-cache-memory",
+        default="64MiB",
+        help="LLM(kv_cache_memory=...): a 48-layer model needs more than 64MiB",
+    )
+    ap.add_argument(
+        "--device-memory",
+        default="100%",
+        help="LLM(device_memory=...): 100%% holds every expert (the measurements assume them resident)",
+    )
+    ap.add_argument(
         "--fused-blocks", action="store_true", help="the one-call attention block (default: the Python path)"
     )
     ap.add_argument(
@@ -86,7 +97,8 @@ def main() -> None:
     llm = LLM(
         a.model,
         max_model_len=max(512, a.prompt + a.tokens + 8),
-        kv_cache_memory="64MiB",
+        kv_cache_memory=a.kv_cache_memory,
+        device_memory=a.device_memory,
         prefix_caching=False,
         lm_head=a.lm_head,
         cpu_math=a.cpu_math,
@@ -173,7 +185,8 @@ def moe_gap(a) -> None:
     llm = LLM(
         a.model,
         max_model_len=max(512, a.prompt + a.tokens + 8),
-        kv_cache_memory="64MiB",
+        kv_cache_memory=a.kv_cache_memory,
+        device_memory=a.device_memory,
         prefix_caching=False,
         lm_head=a.lm_head,
         cpu_math=a.cpu_math,

@@ -10,9 +10,9 @@ weight, 32 rows decoded once per 2 superblocks, rows in the lanes) against the `
   one), token counts across the 4-token register blocks (4, 5, 7, 13, 64) and a unit of 48 rows (a strip
   and 16 rows); the row kernels alone (strips off) on the same cases; the fused MoE call (q4_k gate / up,
   q6_k down as Q4_K_M stores them) at prefill token counts.
-- AMX (q4_k and q5_k: passes of 16 tokens from 12, where the CPU has it): the same outputs bit for bit as the VNNI strips
-  at token counts that split into AMX passes and a VNNI rest (12, 16, 17, 29, 45), so the dequantiser
-  tests above hold for both.
+- AMX (q4_k and q5_k: calls of 48 tokens or more, passes of 16 while 12 remain, where the CPU has it, each superblock's sum as one integer
+  from the scales split in two): against the dequantiser and within float32 rounding (1e-6 of the product's
+  magnitude) of the VNNI strips, at token counts that split into AMX passes and a VNNI rest (48, 50, 61, 64, 77).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ NO_AMX = "needs a CPU with AMX-TILE/INT8 whose OS grants the tile state"  # .ci/
 @needs_cpp
 @pytest.mark.parametrize("strips_from", [4], indirect=True)
 @pytest.mark.parametrize("t", ["q4_k", "q5_k"])
-def test_kstrips_on_amx_equal_the_vnni_strips_bit_for_bit(t, strips_from):
+def test_kstrips_on_amx_agree_with_the_vnni_strips(t, strips_from):
     ext = kernels.extension()
     if not ext.amx_supported():
         pytest.skip(NO_AMX)
@@ -116,14 +116,16 @@ def test_kstrips_on_amx_equal_the_vnni_strips_bit_for_bit(t, strips_from):
         for n, k in [(37, 768), (70, 1280)]:
             data, w = _weights(t, n, k, seed=n + k)
             spec = spec_of(t, data, k)
-            for T in (12, 16, 17, 29, 45):
+            for T in (48, 50, 61, 64, 77):
                 x = _x(T, k, T + 3)
                 got = {}
                 for on in (True, False):
                     ext.set_amx(on)
                     got[on] = ext.linear(x, spec, 0, SMALL_T, 48, kernels.CPU_MATHS["fast"])
-                assert torch.equal(got[True], got[False]), (t, n, k, T)
                 xr = Q8ACT256(x)
-                _close(got[True], xr @ w.T, xr.abs() @ w.abs().T)
+                scale = xr.abs() @ w.abs().T
+                _close(got[True], xr @ w.T, scale)
+                # the same integer sums, only the float rounding after them differs
+                assert ((got[True] - got[False]).abs() <= 1e-6 * scale).all(), (t, n, k, T)
     finally:
         ext.set_amx(saved)

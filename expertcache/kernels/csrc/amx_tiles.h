@@ -1,9 +1,10 @@
-// The AMX tile configuration the strips' products use (nibble_kernels.cpp, ggml_kstrips.cpp); their
-// instructions run only where nib::amx() says the CPU has AMX and Linux granted the tile state.
+// The AMX tile configuration the strips' products use (nibble_kernels.cpp: k = 32, ggml_kstrips.cpp: k = 64)
+// and the 4-bit strips' four-product step; their instructions run only where nib::amx() says the CPU has AMX
+// and Linux granted the tile state.
 //
 // tiles 0..3: C, 16 tokens x 16 rows of int32; 4, 5: A, 16 tokens x k int8 activation codes; 6, 7: B,
-// k / 4 steps x 64 bytes (lane n = row n's 4 unsigned codes of a step: TDPBSUD's unsigned operand). Two of
-// each operand, so one product's loads need not wait for the previous product.
+// k / 4 steps x 64 bytes (lane n = row n's 4 unsigned codes of a step: TDPBSUD's unsigned operand). Two A and
+// two B tiles, so one product's loads need not wait for the previous product (ggml_kstrips.cpp uses 5..7 as B).
 #pragma once
 
 #include <immintrin.h>

@@ -12,11 +12,8 @@
 // against the activations' sums per 32 (vpdpwssd, 2 sub-blocks a step), q6_k's -32 by starting each 16's
 // sum at -32 x the activations' code sum; per superblock the float sum times the activations' scale.
 //
-// From AMX_TOKENS tokens, passes of 16 go to AMX where nib::amx() allows (amx_tokens; q4_k and q5_k, see run()
-// for q6_k): the Tile's codes are already TDPBSUD's unsigned operand (a sub-block's 8 steps x 64 bytes, lane
-// n = row n's 4 codes), the activations regrouped per sub-block as the signed one, and the
-// int32 sums of a product are the ones vpdpbusd makes; the float work after them is the VNNI path's in its
-// order, so both give the same outputs bit for bit.
+// From AMX_CALL tokens, passes of 16 go to AMX where nib::amx() allows (q4_k and q5_k; amx_tokens, below:
+// each superblock's sum as one integer from the scales split in two, see run() for q6_k).
 //
 // As ggml_kernels.cpp, the AVX-512 region uses no inline function of a standard header; the entry point at
 // the bottom (outside it) prepares the activations' sums per token and is called only where fast_supported().
@@ -60,6 +57,8 @@ struct Tile {
   alignas(64) float ds[KB][16][2][16];     // d x scale per row: q4_k / q5_k sub-block j < 8, q6_k per 16 weights
   alignas(64) int32_t m[KB][4][2][16];     // q4_k / q5_k: mins of sub-blocks 2p (low int16) and 2p + 1 (high)
   alignas(64) float dmin[KB][2][16];
+  alignas(64) int32_t sc[KB][8][2][16];    // q4_k / q5_k: the 6-bit scale of sub-block j per row (AMX's split)
+  alignas(64) float d[KB][2][16];          // q4_k / q5_k: the superblock's d per row (AMX's split)
 };
 
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1); }
@@ -109,7 +108,11 @@ void decode_k45(const uint8_t* const* rp, int64_t o, Tile& tl, int64_t i, int v)
   const __m512i mn[2] = {_mm512_and_si512(r[2], m6),
                          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(r[3], 4), m4),
                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(r[2], 6), m2), 4))};
-  for (int j = 0; j < 8; ++j) _mm512_store_ps(tl.ds[i][j][v], _mm512_mul_ps(ubyte(sc[j / 4], j % 4), d));
+  for (int j = 0; j < 8; ++j) {
+    _mm512_store_ps(tl.ds[i][j][v], _mm512_mul_ps(ubyte(sc[j / 4], j % 4), d));
+    _mm512_store_si512(tl.sc[i][j][v], _mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), rep(0xFF)));
+  }
+  _mm512_store_ps(tl.d[i][v], d);
   for (int p = 0; p < 4; ++p) {  // mins 2p, 2p + 1: bytes 2 (p % 2), + 1 of mn[p / 2] -> int16 lanes
     const __m512i x = _mm512_srli_epi32(mn[p / 2], 16 * (p % 2));
     _mm512_store_si512(tl.m[i][p][v], _mm512_or_si512(_mm512_and_si512(x, rep(0xFF)), _mm512_slli_epi32(_mm512_and_si512(x, rep(0xFF00)), 8)));
@@ -247,75 +250,108 @@ void strip_tokens(const Tile& tl, int64_t b0, int64_t n, const int8_t* const* xq
   }
 }
 
-// ---- the products on AMX ---------------------------------------------------------------------------------
-// tokens from which a pass of 16 goes to AMX (as nibble_kernels.cpp's AMX_TOKENS: a pass of 12 to 16 tokens)
-constexpr int64_t AMX_TOKENS = 12;
+// ---- the products on AMX (q4_k, q5_k) ---------------------------------------------------------------------
+// A superblock's sum for a row, d sum_j sc_j S_j (S_j: sub-block j's code . activation sum), is d times one
+// integer: with sc_j = 8 h_j + l_j (h, l < 8), sum_j sc_j S_j = 8 H + L where H = sum_i (h_j(i) q_i) x_i and L
+// likewise, and h q, l q < 256 (q4_k codes < 16, q5_k < 32) are unsigned bytes. So two "weights" per superblock
+// (Split: the codes times h, times l, decoded once per strip) make two int32 products over its 256 features, 4
+// TDPBSUD of 64 features each, accumulated in the tile; after them one convert and one multiply by d per row
+// and token instead of one per sub-block. The mins term and the activations' scale follow as strip_tokens'.
+// Float rounding differs from the VNNI strips' order (d sc_j S_j summed in float there): both within the fast
+// math's tolerance of the dequantised product.
 
-struct AmxA {  // T tokens' int8 codes regrouped per sub-block: [K / 32][Tp][32]; tokens past T zero
+// A call of AMX_CALL tokens or more goes to AMX, in passes of 16 while AMX_TOKENS remain (a pass of 12 to 16
+// tokens), the rest on VNNI. Below AMX_CALL the split per strip costs more than the passes save: one thread,
+// q4_k / q5_k 768 x 2048 and 2048 x 768, AMX against VNNI: 0.70-0.82x at 16 tokens, 0.96-1.04x at 32,
+// 1.32-1.45x at 128.
+constexpr int64_t AMX_CALL = 48;
+constexpr int64_t AMX_TOKENS = 12;
+constexpr int64_t AG = 64;  // features per TDPBSUD (amx::config(64))
+
+struct AmxA {  // T tokens' int8 codes regrouped per 64 features: [K / 64][Tp][64]; tokens past T zero
   int8_t* a;
   int64_t Tp;
 };
 
 // false when the buffer cannot be had (the caller then runs the VNNI path alone)
 inline bool amx_prep(int64_t K, const int8_t* const* xq, int64_t T, AmxA& A) {
-  constexpr int64_t G = 32;
-  const int64_t ng = K / G, Tp = (T + 15) / 16 * 16;
-  A = AmxA{static_cast<int8_t*>(std::aligned_alloc(64, ng * Tp * G)), Tp};
+  const int64_t ng = K / AG, Tp = (T + 15) / 16 * 16;
+  A = AmxA{static_cast<int8_t*>(std::aligned_alloc(64, ng * Tp * AG)), Tp};
   if (!A.a) return false;
   for (int64_t g = 0; g < ng; ++g)
-    for (int64_t t = 0; t < Tp; ++t) {
-      int8_t* r = A.a + (g * Tp + t) * G;
-      for (int64_t c = 0; c < G; c += 16)
-        _mm_store_si128(reinterpret_cast<__m128i*>(r + c),
-                        t < T ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq[t] + g * G + c)) : _mm_setzero_si128());
-    }
+    for (int64_t t = 0; t < Tp; ++t)
+      _mm512_store_si512(A.a + (g * Tp + t) * AG,
+                         t < T ? _mm512_loadu_si512(xq[t] + g * AG) : _mm512_setzero_si512());
   return true;
 }
 
-// tokens t0 .. t0 + tt - 1 (tt <= TT <= 16) over the tile's n superblocks, as strip_tokens computes them (q4_k, q5_k)
-template <int TT>
-void amx_tokens(const Tile& tl, int64_t b0, int64_t n, const AmxA& A, int64_t t0, int64_t tt, const float* const* xd,
-                const int32_t* const* aux, float* y, int64_t ldy, int64_t rows, bool first) {
-  constexpr int G = 32;  // features per product: a sub-block
-  alignas(64) int32_t cb[4][16][16];
-  const int64_t ja = A.Tp * G;  // from one product's activations to the next one's
-  for (int v = 0; v < 2 && 16 * v < rows; ++v) {
-    const __mmask16 m = mask16(rows - 16 * v);
-    float* yv = y + t0 * ldy + 16 * v;
-    __m512 acc[TT];
-    for (int t = 0; t < TT; ++t) acc[t] = first || t >= tt ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, yv + t * ldy);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t b = b0 + i;
-      __m512 f[TT];
-      for (int q = 0; q < 8; q += 4) {  // sub-blocks q .. q + 3
-        const int8_t* a = A.a + ((8 * b + q) * A.Tp + t0) * G;
-        const uint8_t* const b4[4] = {tl.w[i][q][0][v], tl.w[i][q + 1][0][v], tl.w[i][q + 2][0][v], tl.w[i][q + 3][0][v]};
-        amx::products4(a, ja, b4, cb);
-        for (int p = 0; p < 4; ++p) {
-          const int g = q + p;
-          const __m512 d = _mm512_load_ps(tl.ds[i][g][v]);
-          for (int t = 0; t < TT; ++t) {
-            const __m512i s = _mm512_load_si512(cb[p][t]);
-            f[t] = g == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(s), d) : _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, f[t]);
-          }
-        }
+struct Split {  // one superblock of a strip: [h or l][step of 4 features, 64][row vector][64 bytes], TDPBSUD's B
+  alignas(64) uint8_t w[2][64][2][64];
+};
+
+// the tile's superblock i: codes times h_j and times l_j (16-bit multiplies: each byte's product stays < 256)
+inline void split(const Tile& tl, int64_t i, Split& sp) {
+  for (int j = 0; j < 8; ++j)
+    for (int v = 0; v < 2; ++v) {
+      const __m512i sc = _mm512_load_si512(tl.sc[i][j][v]);
+      const __m512i h = _mm512_srli_epi32(sc, 3), l = _mm512_and_si512(sc, rep(7));
+      const __m512i h2 = _mm512_or_si512(h, _mm512_slli_epi32(h, 16)), l2 = _mm512_or_si512(l, _mm512_slli_epi32(l, 16));
+      for (int k = 0; k < 8; ++k) {
+        const __m512i c = _mm512_load_si512(tl.w[i][j][k][v]);
+        _mm512_store_si512(sp.w[0][8 * j + k][v], _mm512_mullo_epi16(c, h2));
+        _mm512_store_si512(sp.w[1][8 * j + k][v], _mm512_mullo_epi16(c, l2));
       }
-      const __m512 dm = _mm512_load_ps(tl.dmin[i][v]);  // - dmin sum_j m_j (code sum of sub-block j), as strip_tokens
-      for (int t = 0; t < TT && t < tt; ++t) {
-        __m512i s = _mm512_setzero_si512();
-        for (int p = 0; p < 4; ++p) s = _mm512_dpwssd_epi32(s, _mm512_load_si512(tl.m[i][p][v]), _mm512_set1_epi32(aux[t][4 * b + p]));
-        f[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s), dm, f[t]);
-      }
-      for (int t = 0; t < TT && t < tt; ++t) acc[t] = _mm512_fmadd_ps(f[t], _mm512_set1_ps(xd[t][b]), acc[t]);
     }
-    for (int t = 0; t < TT && t < tt; ++t) _mm512_mask_storeu_ps(yv + t * ldy, m, acc[t]);
+}
+
+// tokens t0 .. t0 + tt - 1 (tt <= TT <= 16) over the tile's superblock i (activations' superblock b) and its
+// Split, added into y (first: stored), as strip_tokens
+template <int TT>
+void amx_tokens(const Tile& tl, const Split& sp, int64_t i, int64_t b, const AmxA& A, int64_t t0, int64_t tt,
+                const float* const* xd, const int32_t* const* aux, float* y, int64_t ldy, int64_t rows, bool first) {
+  alignas(64) int32_t cb[4][16][16];  // [h v0, l v0, h v1, l v1][token][row]
+  __m512 acc[2][TT];
+  for (int v = 0; v < 2; ++v)
+    for (int t = 0; t < TT; ++t)
+      acc[v][t] = first || t >= tt ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask16(rows - 16 * v), y + (t0 + t) * ldy + 16 * v);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < 256 / AG; ++c) {  // 64 features: 16 steps
+    _tile_loadd(4, A.a + ((4 * b + c) * A.Tp + t0) * AG, AG);
+    _tile_loadd(5, sp.w[0][16 * c][0], 2 * 64);
+    _tile_loadd(6, sp.w[1][16 * c][0], 2 * 64);
+    _tile_loadd(7, sp.w[0][16 * c][1], 2 * 64);
+    _tile_dpbsud(0, 4, 5);
+    _tile_dpbsud(1, 4, 6);
+    _tile_dpbsud(2, 4, 7);
+    _tile_loadd(5, sp.w[1][16 * c][1], 2 * 64);
+    _tile_dpbsud(3, 4, 5);
   }
+  _tile_stored(0, cb[0], 64);
+  _tile_stored(1, cb[1], 64);
+  _tile_stored(2, cb[2], 64);
+  _tile_stored(3, cb[3], 64);
+  for (int v = 0; v < 2; ++v) {
+    const __m512 d = _mm512_load_ps(tl.d[i][v]), dm = _mm512_load_ps(tl.dmin[i][v]);
+    for (int t = 0; t < TT && t < tt; ++t) {
+      const __m512i hl = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cb[2 * v][t]), 3), _mm512_load_si512(cb[2 * v + 1][t]));
+      __m512i s = _mm512_setzero_si512();  // sum_j m_j (code sum of sub-block j), as strip_tokens
+      for (int p = 0; p < 4; ++p) s = _mm512_dpwssd_epi32(s, _mm512_load_si512(tl.m[i][p][v]), _mm512_set1_epi32(aux[t][4 * b + p]));
+      const __m512 f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(s), dm, _mm512_mul_ps(_mm512_cvtepi32_ps(hl), d));
+      acc[v][t] = _mm512_fmadd_ps(f, _mm512_set1_ps(xd[t][b]), acc[v][t]);
+    }
+  }
+  for (int v = 0; v < 2 && 16 * v < rows; ++v)
+    for (int t = 0; t < TT && t < tt; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * ldy + 16 * v, mask16(rows - 16 * v), acc[v][t]);
 }
 
 template <int T>
 void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
             const int32_t* const* aux, int64_t TN, float* y, int64_t ldy, const AmxA* A) {
   Tile tl;
+  Split sp;  // the AMX passes' weights, one superblock at a time (16 KiB: the Tile and it stay in L1)
   const int64_t nb = K / 256;
   for (int64_t a = 0; a < N; a += SR) {
     const int64_t rows = N - a < SR ? N - a : SR;
@@ -326,10 +362,18 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t*
       // then the rest in chunks of at most TS on VNNI, as even as can be (T = 8: 4 + 4, not 6 + 2)
       int64_t t0 = 0;
       if constexpr (T != Q6_K)
-        for (; A && TN - t0 >= AMX_TOKENS; t0 += 16) {
-          const int64_t tt = TN - t0 < 16 ? TN - t0 : 16;
-          if (tt <= 12) amx_tokens<12>(tl, b0, n, *A, t0, tt, xd + t0, aux + t0, y + a, ldy, rows, b0 == 0);
-          else amx_tokens<16>(tl, b0, n, *A, t0, tt, xd + t0, aux + t0, y + a, ldy, rows, b0 == 0);
+        if (A && TN >= AMX_TOKENS) {
+          const int64_t passes = (TN - AMX_TOKENS) / 16 + 1;  // while at least AMX_TOKENS remain
+          for (int64_t i = 0; i < n; ++i) {
+            split(tl, i, sp);
+            for (int64_t p = 0; p < passes; ++p) {
+              const int64_t tp = 16 * p, tt = TN - tp < 16 ? TN - tp : 16;
+              const bool first = b0 == 0 && i == 0;
+              if (tt <= 12) amx_tokens<12>(tl, sp, i, b0 + i, *A, tp, tt, xd + tp, aux + tp, y + a, ldy, rows, first);
+              else amx_tokens<16>(tl, sp, i, b0 + i, *A, tp, tt, xd + tp, aux + tp, y + a, ldy, rows, first);
+            }
+          }
+          t0 = 16 * passes;
         }
       const int64_t chunks = (TN - t0 + TS - 1) / TS;
       for (int64_t c = 0; c < chunks; ++c) {
@@ -354,11 +398,9 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t*
 void run(int type, const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
          const int32_t* const* aux, int64_t T, float* y, int64_t ldy) {
   AmxA act{};
-  // q6_k stays on VNNI: its 16 products per superblock (a scale per 16 weights) double the float work after
-  // them, and on AMX it ran 0.82-0.88x the VNNI strips (one thread, 768 x 2048 and 2048 x 768, T = 16-128);
-  // q4_k / q5_k on AMX 1.10-1.21x from 32 tokens (0.98-1.21x at 16)
-  const bool on_amx = T >= AMX_TOKENS && type != Q6_K && nib::amx() && amx_prep(K, xq, T, act);
-  if (on_amx) amx::config(32);
+  // q6_k stays on VNNI (its int8 scale per 16 weights does not split into two factors below 8)
+  const bool on_amx = T >= AMX_CALL && type != Q6_K && nib::amx() && amx_prep(K, xq, T, act);
+  if (on_amx) amx::config(int(AG));
   const AmxA* A = on_amx ? &act : nullptr;
   if (type == Q4_K) strips<Q4_K>(w, w_row, N, K, xq, xd, aux, T, y, ldy, A);
   else if (type == Q5_K) strips<Q5_K>(w, w_row, N, K, xq, xd, aux, T, y, ldy, A);
