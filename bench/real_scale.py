@@ -280,11 +280,22 @@ def dir_bytes(path: Path) -> int:
 
 
 def layout(ckpt: Path) -> dict:
-    """Bytes per layer (experts, of them top-k per token, the rest) and outside the layers."""
+    """Bytes per layer (experts, of them top-k per token, the rest) and outside the layers, of a checkpoint
+    directory or a GGUF file."""
     from safetensors import safe_open
 
     per_layer: dict[int, dict] = {}
     outside = 0
+    if ckpt.suffix == ".gguf":
+        from expertcache.gguf.reader import read_gguf
+
+        for t in read_gguf(ckpt).tensors.values():
+            if t.name.startswith("blk."):
+                kind = "experts" if "_exps." in t.name else "dense"
+                per_layer.setdefault(int(t.name.split(".")[1]), {"experts": 0, "dense": 0})[kind] += t.nbytes
+            else:
+                outside += t.nbytes
+        return {"layers": per_layer, "outside": outside}
     for f in sorted(ckpt.glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
             for k in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
@@ -534,7 +545,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--direct",
         action="store_true",
         help="qwen3-30b-a3b int4: write the int4 checkpoint and the Q4_0 GGUF layer by layer, without the "
-        "bf16 checkpoint at full depth (~61 GB) (bench/depth_writer.py)",
+        "bf16 checkpoint at full depth (~61 GB); q4_k_m: the Q4_K_M GGUF alone (bench/depth_writer.py)",
     )
     ap.add_argument(
         "--keep", action="store_true", help="keep the checkpoints and GGUFs (default: delete at the end)"
@@ -552,8 +563,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--llama-output: only for a llama-quantize GGUF (this run's is {args.peer})")
     if args.gguf and not args.write_only:
         raise SystemExit("--gguf: only with --write-only (a run makes its GGUF anyway)")
-    if args.direct and (args.model, args.format) != ("qwen3-30b-a3b", "int4"):
-        raise SystemExit("--direct: only --model qwen3-30b-a3b --format int4")
+    if args.direct and (args.model, args.format) not in (
+        ("qwen3-30b-a3b", "int4"),
+        ("qwen3-30b-a3b", "q4_k_m"),
+    ):
+        raise SystemExit("--direct: only --model qwen3-30b-a3b --format int4 or q4_k_m")
     bad = [kv for kv in args.llm if "=" not in kv]
     if bad:
         raise SystemExit(f"--llm {bad[0]}: give KEY=VALUE")
@@ -600,7 +614,7 @@ def main() -> None:
     k = cfg["num_experts_per_tok"]
     print(
         f"layout: model={args.model} format={fmt} layers={args.layers}/{cfg['num_hidden_layers']} "
-        f"checkpoint={ckpt.name} checkpoint_GB={dir_bytes(ckpt) / 1e9:.2f} per_layer_experts_GB={one['experts'] / 1e9:.3f} "
+        f"checkpoint={ckpt.name} checkpoint_GB={source_bytes(ckpt) / 1e9:.2f} per_layer_experts_GB={one['experts'] / 1e9:.3f} "
         f"per_layer_dense_GB={one['dense'] / 1e9:.4f} "
         f"per_layer_read_per_token_GB={(one['experts'] * k / E + one['dense']) / 1e9:.4f} "
         f"outside_layers_GB={lay['outside'] / 1e9:.3f} (embeddings + lm_head + norm) "
@@ -653,31 +667,27 @@ def main() -> None:
 
 
 def direct_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
-    """--direct: the int4 checkpoint and llama.cpp's Q4_0 GGUF of the same weights, written layer by layer
-    (bench/depth_writer.py; the GGUF's types and metadata from llama-quantize's file of the 1-layer
-    checkpoint, checked byte for byte at 1 layer first)."""
+    """--direct: (the int4 checkpoint, llama.cpp's Q4_0 GGUF of the same weights) or, for q4_k_m, (the Q4_K_M
+    GGUF, the same), written layer by layer (bench/depth_writer.py; the GGUF's types and metadata from
+    llama-quantize's file of the 1-layer checkpoint (Q4_K_M: 2 layers, so both of its attn_v / ffn_down types
+    show), checked against it first), and llama.cpp's binaries."""
     import depth_writer as W
     from llama_cpp_bench import build_llama_cpp
 
     bindir = build_llama_cpp(args.cache)
     gg = W.gguf_module(converter(args.cache).parent)
-    one = write_checkpoint(args.model, args.dir / f"{args.model}-1L", 1, args.tokenizer)
+    n = 2 if args.format == "q4_k_m" else 1
+    small = write_checkpoint(args.model, args.dir / f"{args.model}-{n}L", n, args.tokenizer)
     kind = args.peer + (f"-out-{args.llama_output}" if args.llama_output else "")
     template = gguf_for(
-        one, args.dir / f"{args.model}-1L-{kind}.gguf", args.cache, bindir, args.peer, args.llama_output
+        small, args.dir / f"{args.model}-{n}L-{kind}.gguf", args.cache, bindir, args.peer, args.llama_output
     )
-    if not W.written(args.dir / f"{args.model}-{args.layers}L-int4-direct", args.layers):
+    out = args.dir / f"{args.model}-{args.layers}L-{kind}-direct.gguf"
+    ckpt = None if args.format == "q4_k_m" else args.dir / f"{args.model}-{args.layers}L-int4-direct"
+    if not (out.exists() if ckpt is None else W.written(ckpt, args.layers)):
         W.check_against_template(gg, args.model, args.tokenizer, template, args.dir)
-    ckpt, gguf = W.write_both(
-        gg,
-        args.model,
-        args.layers,
-        args.tokenizer,
-        template,
-        args.dir / f"{args.model}-{args.layers}L-int4-direct",
-        args.dir / f"{args.model}-{args.layers}L-{kind}-direct.gguf",
-    )
-    return ckpt, gguf, bindir
+    ckpt, gguf = W.write_both(gg, args.model, args.layers, args.tokenizer, template, ckpt, out)
+    return ckpt or gguf, gguf, bindir
 
 
 def mem_total() -> int:
@@ -794,7 +804,7 @@ def cgroup_part(args, tag: str, sources: dict[str, Path], bindir: Path) -> None:
     limit = cgroup_bytes(layout(ckpt), args.cgroup_share, MODELS[args.model]["num_hidden_layers"])
     mib = {
         "safetensors": limit >> 20,
-        "gguf": int(limit * gguf.stat().st_size / dir_bytes(ckpt)) >> 20,  # the same share of the file
+        "gguf": int(limit * gguf.stat().st_size / source_bytes(ckpt)) >> 20,  # the same share of the file
     }
     groups: dict[str, MemoryCgroup] = {}
     try:
