@@ -131,3 +131,78 @@ def test_the_one_layer_check_passes_and_a_template_without_a_layer_tensor_is_ref
     bad = _template(tmp_path / "bad.gguf", files["one"], drop="blk.0.attn_k_norm.weight")
     with pytest.raises(SystemExit, match="attn_k_norm"):
         W.write_both(gguf, MODEL, 2, files["tok"], bad, None, tmp_path / "x.gguf", **files["toy"])
+
+
+# -- llama-quantize's Q4_K_M: K-quant rows need 256 features -------------------------------------------------
+TOY_K = dict(TOY, hidden_size=256, moe_intermediate_size=256, head_dim=64)
+K_RULE = ("attn_v.weight", "ffn_down_exps.weight")  # Q6_K in the layers use_more_bits picks, else Q4_K
+
+
+def _k_template(path: Path, two: Path) -> Path:
+    """A 2-layer Q4_K_M file as llama-quantize lays it out (general.file_type 15; layer 1's attn_v and
+    ffn_down_exps Q6_K, the output matrix Q6_K, every other matrix Q4_K), K-quant tensors as random blocks."""
+    from gguf_files import random_blocks
+
+    cfg = json.loads((two / "config.json").read_text())
+    meta = qwen3moe_metadata(cfg) + tokenizer_metadata(two / "tokenizer.json", "qwen2", cfg["vocab_size"])
+    meta.append(("general.file_type", W.Q4_K_M_FILE, "u32"))
+    floats, raw = {}, {}
+    for name, arr in gguf_names(C.read_tensors(two)).items():
+        if arr.ndim == 1 or "ffn_gate_inp" in name:
+            floats[name] = arr
+            continue
+        kind = (
+            "Q6_K"
+            if name == "output.weight" or (name.startswith("blk.1.") and name.endswith(K_RULE))
+            else "Q4_K"
+        )
+        rows = int(np.prod(arr.shape[:-1]))
+        raw[name] = (kind, random_blocks(kind, rows, arr.shape[-1], seed=rows).reshape(*arr.shape[:-1], -1))
+    return write_gguf(path, "qwen3moe", floats, meta, lambda n, a: "F32", raw=raw)
+
+
+@pytest.fixture(scope="module")
+def kfiles(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("depth-k")
+    tok = tmp / "tok"
+    tok.mkdir()
+    C.write_tokenizer(tok)
+    toy = dict(TOY_K, vocab_size=-(-C.tokenizer_vocab_size() // 64) * 64)
+    template = _k_template(tmp / "two.gguf", R.write_checkpoint(MODEL, tmp / "two", 2, tok, **toy))
+    bf16 = R.write_checkpoint(MODEL, tmp / "bf16", 3, tok, **toy)
+    ckpt, out = W.write_both(gguf, MODEL, 3, tok, template, None, tmp / "k.gguf", **toy)
+    return dict(tmp=tmp, tok=tok, toy=toy, template=template, bf16=bf16, ckpt=ckpt, gguf=out)
+
+
+def test_q4_k_m_types_follow_llama_quantize_at_the_written_depth(kfiles):
+    """At 3 layers use_more_bits picks layer 2 alone (i >= 7 n / 8), where the template's 2 layers had layer 1."""
+    assert kfiles["ckpt"] is None  # a Q4_K_M run has no int4 twin
+    got = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(kfiles["gguf"])).tensors}
+    for i in range(3):
+        for key in K_RULE:
+            assert got[f"blk.{i}.{key}"] == ("Q6_K" if i == 2 else "Q4_K"), (i, key)
+        for key in (
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_output.weight",
+            "ffn_gate_exps.weight",
+            "ffn_up_exps.weight",
+        ):
+            assert got[f"blk.{i}.{key}"] == "Q4_K", (i, key)
+        assert got[f"blk.{i}.ffn_gate_inp.weight"] == "F32"
+    assert (got["output.weight"], got["token_embd.weight"]) == ("Q6_K", "Q4_K")
+    W.check_against_template(gguf, MODEL, kfiles["tok"], kfiles["template"], kfiles["tmp"], **kfiles["toy"])
+
+
+def test_q4_k_m_written_file_runs_as_transformers_does_on_its_weights(kfiles):
+    expected = C.reference_logits(
+        reference_with(C.load_reference(kfiles["bf16"]), dequantized_tensors(kfiles["gguf"])), PROMPT
+    )
+    llm = LLM(str(kfiles["gguf"]), cpu_math="exact")
+    try:
+        got = llm.logits(PROMPT)
+    finally:
+        llm.close()
+    assert torch.isfinite(got).all()
+    rel = ((got - expected).abs().max() / expected.abs().max()).item()
+    assert rel < 1e-3, rel
