@@ -2,8 +2,11 @@
 expertcache and give transformers' logits on their weights (int4 dequantized by its formula here, the GGUF
 by the `gguf` package); the GGUF's dense layer tensors are the `gguf` package's quantization of the
 checkpoint's bf16 ones (an independent implementation of ggml's reference rounding); the metadata is the
-template's with block_count = 3; a template lacking a layer tensor is refused by name. No llama.cpp
-here: the template is written by the tests' own GGUF writer."""
+template's with block_count = 3; a template lacking a layer tensor is refused by name. Q4_K_M (hidden 256:
+a K-quant row is 256 features): each tensor's type at 3 layers is llama-quantize's choice (attn_v and
+ffn_down_exps Q6_K in layer 2 alone, stated here, not computed), the 2-layer template check passes, and the
+file's logits are transformers' on the weights the `gguf` package dequantizes. No llama.cpp here: the
+templates are written by the tests' own GGUF writer."""
 
 from __future__ import annotations
 
