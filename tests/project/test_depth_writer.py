@@ -66,13 +66,18 @@ def _template(path: Path, one: Path, drop: str | None = None) -> Path:
     return write_gguf(path, "qwen3moe", arrays, meta, types)
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("depth")
+def _workdir(tmp_path_factory, name: str, toy: dict) -> tuple[Path, Path, dict]:
+    """(a fresh directory, its tokenizer directory, the toy config with the tokenizer's vocabulary)."""
+    tmp = tmp_path_factory.mktemp(name)
     tok = tmp / "tok"
     tok.mkdir()
     C.write_tokenizer(tok)
-    toy = dict(TOY, vocab_size=-(-C.tokenizer_vocab_size() // 64) * 64)
+    return tmp, tok, dict(toy, vocab_size=-(-C.tokenizer_vocab_size() // 64) * 64)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tmp, tok, toy = _workdir(tmp_path_factory, "depth", TOY)
     one = R.write_checkpoint(MODEL, tmp / "one", 1, tok, **toy)
     template = _template(tmp / "one.gguf", one)
     bf16 = R.write_checkpoint(MODEL, tmp / "bf16", 3, tok, **toy)  # transformers' model of this config
@@ -166,11 +171,7 @@ def _k_template(path: Path, two: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def kfiles(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("depth-k")
-    tok = tmp / "tok"
-    tok.mkdir()
-    C.write_tokenizer(tok)
-    toy = dict(TOY_K, vocab_size=-(-C.tokenizer_vocab_size() // 64) * 64)
+    tmp, tok, toy = _workdir(tmp_path_factory, "depth-k", TOY_K)
     template = _k_template(tmp / "two.gguf", R.write_checkpoint(MODEL, tmp / "two", 2, tok, **toy))
     bf16 = R.write_checkpoint(MODEL, tmp / "bf16", 3, tok, **toy)
     ckpt, out = W.write_both(gguf, MODEL, 3, tok, template, None, tmp / "k.gguf", **toy)
