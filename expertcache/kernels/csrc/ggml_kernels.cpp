@@ -660,7 +660,7 @@ void strip_tokens(const Tile& tl, int64_t g0, int64_t ng, const int8_t* const* x
   }
 }
 
-constexpr int TS = 6;  // tokens per register block of the strips (2 x 6 accumulators, 2 x 6 sums)
+#include "strip_chunks.h"  // the strips' token blocks (2 x 6 accumulators, 2 x 6 sums at 6)
 
 template <int T>
 void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t* const* xq, const float* const* xd,
@@ -672,23 +672,9 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t*
     for (int64_t g0 = 0; g0 < ng; g0 += KC) {
       const int64_t n = ng - g0 < KC ? ng - g0 : KC;
       strip_decode<T>(w, w_row, N, nb, a, g0, n, tl);
-      const int64_t chunks = (TN + TS - 1) / TS;  // as even as can be (T = 8: 4 + 4, not 6 + 2)
-      int64_t t0 = 0;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t tt = (TN - t0) / (chunks - c) + ((TN - t0) % (chunks - c) != 0);
-        auto go = [&](auto tc) __attribute__((always_inline)) {
-          strip_tokens<decltype(tc)::value>(tl, g0, n, xq + t0, xd + t0, y + t0 * ldy + a, ldy, rows, g0 == 0);
-        };
-        switch (tt) {
-          case 1: go(Slot<1>{}); break;
-          case 2: go(Slot<2>{}); break;
-          case 3: go(Slot<3>{}); break;
-          case 4: go(Slot<4>{}); break;
-          case 5: go(Slot<5>{}); break;
-          default: go(Slot<TS>{}); break;
-        }
-        t0 += tt;
-      }
+      strip_chunks::even(0, TN, [&](auto tc, int64_t t0) __attribute__((always_inline)) {
+        strip_tokens<decltype(tc)::value>(tl, g0, n, xq + t0, xd + t0, y + t0 * ldy + a, ldy, rows, g0 == 0);
+      });
     }
   }
 }

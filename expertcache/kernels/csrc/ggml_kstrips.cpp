@@ -35,17 +35,12 @@ namespace ggml {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
 
+#include "strip_chunks.h"  // the strips' token blocks (2 x 6 each of int32 sums, superblock sums, outputs: some spill)
+
 namespace kstrip {
 
 constexpr int64_t SR = 32;  // rows per strip: 2 vectors of 16
 constexpr int64_t KB = 2;   // superblocks per K chunk (the Tile: 16 KiB of codes, 5.3 KiB of scales)
-constexpr int TS = 6;       // tokens per register block (2 x 6 each of int32 sums, superblock sums, outputs: some spill;
-                            // one thread, 768 x 2048, T = 16: q4_k 6% and q6_k 10% faster than 4 tokens)
-
-template <int N>
-struct Slot {
-  static constexpr int value = N;
-};
 
 template <int T>
 constexpr int64_t block_bytes() {
@@ -359,7 +354,7 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t*
       const int64_t n = nb - b0 < KB ? nb - b0 : KB;
       strip_decode<T>(w, w_row, N, nb, a, b0, n, tl);
       // passes of 16 tokens on AMX while at least AMX_TOKENS remain (a pass of 12 or fewer: 12 computed),
-      // then the rest in chunks of at most TS on VNNI, as even as can be (T = 8: 4 + 4, not 6 + 2)
+      // then the rest in register blocks on VNNI (strip_chunks.h), as even as can be (T = 8: 4 + 4, not 6 + 2)
       int64_t t0 = 0;
       if constexpr (T != Q6_K)
         if (A && TN >= AMX_TOKENS) {
@@ -375,22 +370,9 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t*
           }
           t0 = 16 * passes;
         }
-      const int64_t chunks = (TN - t0 + TS - 1) / TS;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t tt = (TN - t0) / (chunks - c) + ((TN - t0) % (chunks - c) != 0);
-        auto go = [&](auto tc) __attribute__((always_inline)) {
-          strip_tokens<T, decltype(tc)::value>(tl, b0, n, xq + t0, xd + t0, aux + t0, y + t0 * ldy + a, ldy, rows, b0 == 0);
-        };
-        switch (tt) {
-          case 1: go(Slot<1>{}); break;
-          case 2: go(Slot<2>{}); break;
-          case 3: go(Slot<3>{}); break;
-          case 4: go(Slot<4>{}); break;
-          case 5: go(Slot<5>{}); break;
-          default: go(Slot<TS>{}); break;
-        }
-        t0 += tt;
-      }
+      strip_chunks::even(t0, TN, [&](auto tc, int64_t t) __attribute__((always_inline)) {
+        strip_tokens<T, decltype(tc)::value>(tl, b0, n, xq + t, xd + t, aux + t, y + t * ldy + a, ldy, rows, b0 == 0);
+      });
     }
   }
 }

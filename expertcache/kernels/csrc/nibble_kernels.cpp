@@ -635,7 +635,7 @@ void amx_tokens(const Tile& tl, int64_t g0, int64_t ng, const AmxAct& A, int64_t
   }
 }
 
-constexpr int TQ = 6;  // tokens per register block of the strips (4 measured the same)
+#include "strip_chunks.h"  // the strips' token blocks
 // tokens from which a pass goes to AMX (one thread, a weight in L2, bench/strip_bench.py: AMX over VNNI
 // 0.93-0.99x at T = 8, 1.05-1.30x at T = 16 and 32, int4 and MXFP4 at the gpt-oss-20b and Qwen3-30B-A3B shapes)
 constexpr int64_t AMX_TOKENS = 12;
@@ -650,30 +650,16 @@ bool tile_strip(const Rows& W, int64_t N, int64_t K, int64_t a, const int8_t* co
     const int64_t n = lo(KC, ng - g0);
     if (!decode_tile<C>(W, N, K, a, g0, n, tl)) return false;
     // passes of 16 tokens on AMX while at least AMX_TOKENS remain (a pass of 12 or fewer: 12 computed),
-    // then the rest in chunks of at most TQ on VNNI, as even as can be (T = 8: 4 + 4, not 6 + 2)
+    // then the rest in register blocks on VNNI (strip_chunks.h), as even as can be (T = 8: 4 + 4, not 6 + 2)
     int64_t t0 = 0;
     for (; amx_act && T - t0 >= AMX_TOKENS; t0 += 16) {
       const int64_t tt = lo(16, T - t0);
       if (tt <= 12) amx_tokens<12>(tl, g0, n, *amx_act, t0, tt, y + a, ldy, rows, g0 == 0);
       else amx_tokens<16>(tl, g0, n, *amx_act, t0, tt, y + a, ldy, rows, g0 == 0);
     }
-    const int64_t chunks = (T - t0 + TQ - 1) / TQ;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t tt = (T - t0) / (chunks - c) + ((T - t0) % (chunks - c) != 0);
-      float* yt = y + t0 * ldy + a;
-      auto go = [&](auto tc) __attribute__((always_inline)) {
-        tile_tokens<C, decltype(tc)::value>(tl, g0, n, xq + t0, xs + t0, xc + t0, yt, ldy, rows, g0 == 0);
-      };
-      switch (tt) {
-        case 1: go(Slot<1>{}); break;
-        case 2: go(Slot<2>{}); break;
-        case 3: go(Slot<3>{}); break;
-        case 4: go(Slot<4>{}); break;
-        case 5: go(Slot<5>{}); break;
-        default: go(Slot<TQ>{}); break;
-      }
-      t0 += tt;
-    }
+    strip_chunks::even(t0, T, [&](auto tc, int64_t t) __attribute__((always_inline)) {
+      tile_tokens<C, decltype(tc)::value>(tl, g0, n, xq + t, xs + t, xc + t, y + t * ldy + a, ldy, rows, g0 == 0);
+    });
   }
   return true;
 }
