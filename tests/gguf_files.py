@@ -41,15 +41,27 @@ EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def gguf_names(tensors: dict[str, torch.Tensor], gate_up: bool = False) -> dict[str, np.ndarray]:
-    """HF names -> the converter's names; experts stacked [E, out, in] per layer and projection (`gate_up`:
-    gate and up in one stack ffn_gate_up_exps [E, 2 x out, in], gate rows first)."""
-    out, experts = {}, {}
+def stack_experts(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(the tensors that are not routed experts, {"blk.L.ffn_P_exps.weight": the experts stacked [E, out, in]})."""
+    rest, experts = {}, {}
     for name, t in tensors.items():
         m = EXPERT.match(name)
         if m:
             experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = t
-            continue
+        else:
+            rest[name] = t
+    stacked = {
+        f"blk.{layer}.ffn_{proj}_exps.weight": torch.stack([per[j] for j in range(len(per))])
+        for (layer, proj), per in experts.items()
+    }
+    return rest, stacked
+
+
+def gguf_names(tensors: dict[str, torch.Tensor], gate_up: bool = False) -> dict[str, np.ndarray]:
+    """HF names -> the converter's names; experts stacked [E, out, in] per layer and projection (`gate_up`:
+    gate and up in one stack ffn_gate_up_exps [E, 2 x out, in], gate rows first)."""
+    rest, out = stack_experts(tensors)
+    for name, t in rest.items():
         if name in GLOBAL:
             out[GLOBAL[name]] = t
             continue
@@ -57,8 +69,6 @@ def gguf_names(tensors: dict[str, torch.Tensor], gate_up: bool = False) -> dict[
         if m is None or m[2] not in LAYER:
             raise ValueError(f"no GGUF name for {name}")
         out[f"blk.{m[1]}.{LAYER[m[2]]}.{m[3]}"] = t
-    for (layer, proj), per in experts.items():
-        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[j] for j in range(len(per))])
     if gate_up:
         for k in [k for k in out if k.endswith("ffn_gate_exps.weight")]:
             out[k.replace("ffn_gate_exps", "ffn_gate_up_exps")] = torch.cat(
@@ -475,20 +485,15 @@ GLM_LAYER = {
 def glm4moe_names(tensors: dict[str, torch.Tensor], mtp_layer: int | None = None) -> dict[str, np.ndarray]:
     """As the converter: experts stacked, e_score_correction_bias -> exp_probs_b.bias; with `mtp_layer`
     a copy of the last layer's tensors at that index plus a nextn tensor (what a GLM file carries)."""
-    out, experts = {}, {}
-    for name, t in tensors.items():
-        m = EXPERT.match(name)
-        if m:
-            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = t
-        elif name in GLOBAL:
+    rest, out = stack_experts(tensors)
+    for name, t in rest.items():
+        if name in GLOBAL:
             out[GLOBAL[name]] = t
         elif name.endswith("mlp.gate.e_score_correction_bias"):
             out[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = t
         else:
             m = LAYER_RE.match(name)
             out[f"blk.{m[1]}.{GLM_LAYER[m[2]]}.{m[3]}"] = t
-    for (layer, proj), per in experts.items():
-        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[j] for j in range(len(per))])
     if mtp_layer is not None:
         last = f"blk.{mtp_layer - 1}."
         out.update(

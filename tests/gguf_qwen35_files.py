@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 import torch
-from gguf_files import EXPERT, GLOBAL, LAYER, LAYER_RE, dequantized_arrays
+from gguf_files import GLOBAL, LAYER, LAYER_RE, dequantized_arrays, stack_experts
 
 LAYER35 = {
     **LAYER,
@@ -48,46 +48,44 @@ def reorder_heads(t: torch.Tensor, dim: int, a: int, b: int, d: int) -> torch.Te
     return t.transpose(dim, dim + 1).reshape(shape).contiguous()
 
 
-def _to_gguf(key: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """One linear-attention / norm tensor as the converter writes it (`key`: the HF name after layer N)."""
+def converter_change(key: str, t: torch.Tensor, cfg: dict, undo: bool = False) -> torch.Tensor:
+    """One linear-attention / norm tensor as the converter writes it (`key`: the HF name after layer N), or with
+    `undo` the file's tensor put back (v heads tiled <-> grouped, A_log <-> -exp(A_log), conv1d [C, 1, K] <->
+    [C, K], zero-centred norms + 1 <-> - 1)."""
     hk, r, qk, dv = _sizes(cfg)
+    a, b = (r, hk) if undo else (hk, r)
     if key == "linear_attn.in_proj_qkv.weight":
-        t = torch.cat((t[:qk], reorder_heads(t[qk:], 0, hk, r, dv)))
+        t = torch.cat((t[:qk], reorder_heads(t[qk:], 0, a, b, dv)))
     elif key == "linear_attn.in_proj_z.weight":
-        t = reorder_heads(t, 0, hk, r, dv)
+        t = reorder_heads(t, 0, a, b, dv)
     elif key in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.dt_bias"):
-        t = reorder_heads(t, 0, hk, r, 1)
+        t = reorder_heads(t, 0, a, b, 1)
     elif key == "linear_attn.A_log":
-        t = -torch.exp(reorder_heads(t, 0, hk, r, 1))
+        t = reorder_heads(torch.log(-t), 0, a, b, 1) if undo else -torch.exp(reorder_heads(t, 0, a, b, 1))
     elif key == "linear_attn.conv1d.weight":
-        t = t.squeeze()
-        t = torch.cat((t[:qk], reorder_heads(t[qk:], 0, hk, r, dv)))
+        t = t if undo else t.squeeze()
+        t = torch.cat((t[:qk], reorder_heads(t[qk:], 0, a, b, dv)))
+        t = t.unsqueeze(1) if undo else t
     elif key == "linear_attn.out_proj.weight":
-        t = reorder_heads(t, 1, hk, r, dv)
+        t = reorder_heads(t, 1, a, b, dv)
     elif key.endswith("norm.weight") and key != "linear_attn.norm.weight":
-        t = t + 1
+        t = t - 1 if undo else t + 1
     return t
 
 
 def qwen35_names(tensors: dict[str, torch.Tensor], cfg: dict, mtp_layer: int | None = None) -> dict:
-    out, experts = {}, {}
-    for name, t in tensors.items():
-        m = EXPERT.match(name)
-        if m:
-            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = t
-            continue
+    rest, out = stack_experts(tensors)
+    for name, t in rest.items():
         if name in GLOBAL:
             out[GLOBAL[name]] = t + 1 if name == "model.norm.weight" else t
             continue
         layer, key = re.match(r"^model\.layers\.(\d+)\.(.+)$", name).groups()
-        t = _to_gguf(key, t.float(), cfg)
+        t = converter_change(key, t.float(), cfg)
         if key in BARE:
             out[f"blk.{layer}.{BARE[key]}"] = t
         else:
             m = LAYER_RE.match(name)
             out[f"blk.{layer}.{LAYER35[m[2]]}.{m[3]}"] = t
-    for (layer, proj), per in experts.items():
-        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[j] for j in range(len(per))])
     if mtp_layer is not None:
         last, H = f"blk.{mtp_layer - 1}.", cfg["hidden_size"]
         out.update(
@@ -139,7 +137,6 @@ def qwen35_metadata(cfg: dict, nextn: int = 0) -> list[tuple[str, object, str]]:
 def qwen35_state(path, cfg: dict) -> dict[str, torch.Tensor]:
     """The oracle: the file's tensors of the decoder's layers, dequantized by the gguf package, with the
     converter's changes undone (heads back from tiled, log(-ssm_a), conv1d [C, 1, K], norms - 1)."""
-    hk, r, qk, dv = _sizes(cfg)
     inverse = {v: k for k, v in LAYER35.items()}
     inverse_bare = {v: k for k, v in BARE.items()}
     inverse_global = {v: k for k, v in GLOBAL.items()}
@@ -159,19 +156,6 @@ def qwen35_state(path, cfg: dict) -> dict[str, torch.Tensor]:
                 out[f"{p}.mlp.experts.{j}.{m[1]}_proj.weight"] = w[j]
             continue
         hf = inverse_bare.get(key) or f"{inverse[key.rsplit('.', 1)[0]]}.{key.rsplit('.', 1)[1]}"
-        if hf == "linear_attn.in_proj_qkv.weight":
-            w = torch.cat((w[:qk], reorder_heads(w[qk:], 0, r, hk, dv)))
-        elif hf == "linear_attn.in_proj_z.weight":
-            w = reorder_heads(w, 0, r, hk, dv)
-        elif hf in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.dt_bias"):
-            w = reorder_heads(w, 0, r, hk, 1)
-        elif hf == "linear_attn.A_log":
-            w = reorder_heads(torch.log(-w), 0, r, hk, 1)
-        elif hf == "linear_attn.conv1d.weight":
-            w = torch.cat((w[:qk], reorder_heads(w[qk:], 0, r, hk, dv))).unsqueeze(1)
-        elif hf == "linear_attn.out_proj.weight":
-            w = reorder_heads(w, 1, r, hk, dv)
-        elif hf.endswith("norm.weight") and hf != "linear_attn.norm.weight":
-            w = w - 1
+        w = converter_change(hf, w, cfg, undo=True)
         out[f"{p}.{hf}"] = w
     return out
