@@ -90,9 +90,10 @@ inline __m512 sbyte(__m512i v, int i) { return _mm512_cvtepi32_ps(_mm512_srai_ep
 // the fp16 in bits 16 h .. 16 h + 15 of each lane as float
 inline __m512 half(__m512i v, int h) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16 * h))); }
 
-// q4_k / q5_k superblock at offset o of 16 rows into the tile's superblock i, row vector v
+// q4_k / q5_k superblock at offset o of 16 rows into the tile's superblock i, row vector v (ints: also the
+// integer scales and d that the AMX passes' split reads)
 template <bool Q5>
-void decode_k45(const uint8_t* const* rp, int64_t o, Tile& tl, int64_t i, int v) {
+void decode_k45(const uint8_t* const* rp, int64_t o, Tile& tl, int64_t i, int v, bool ints) {
   __m512i r[4];
   transpose16(rp, o, r);  // d | dmin, then the 12 scale bytes: w0, w1, w2 (get_scale_min_k4)
   const __m512 d = half(r[0], 0);
@@ -103,11 +104,12 @@ void decode_k45(const uint8_t* const* rp, int64_t o, Tile& tl, int64_t i, int v)
   const __m512i mn[2] = {_mm512_and_si512(r[2], m6),
                          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(r[3], 4), m4),
                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(r[2], 6), m2), 4))};
-  for (int j = 0; j < 8; ++j) {
-    _mm512_store_ps(tl.ds[i][j][v], _mm512_mul_ps(ubyte(sc[j / 4], j % 4), d));
-    _mm512_store_si512(tl.sc[i][j][v], _mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), rep(0xFF)));
+  for (int j = 0; j < 8; ++j) _mm512_store_ps(tl.ds[i][j][v], _mm512_mul_ps(ubyte(sc[j / 4], j % 4), d));
+  if (ints) {
+    for (int j = 0; j < 8; ++j)
+      _mm512_store_si512(tl.sc[i][j][v], _mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), rep(0xFF)));
+    _mm512_store_ps(tl.d[i][v], d);
   }
-  _mm512_store_ps(tl.d[i][v], d);
   for (int p = 0; p < 4; ++p) {  // mins 2p, 2p + 1: bytes 2 (p % 2), + 1 of mn[p / 2] -> int16 lanes
     const __m512i x = _mm512_srli_epi32(mn[p / 2], 16 * (p % 2));
     _mm512_store_si512(tl.m[i][p][v], _mm512_or_si512(_mm512_and_si512(x, rep(0xFF)), _mm512_slli_epi32(_mm512_and_si512(x, rep(0xFF00)), 8)));
@@ -159,9 +161,11 @@ void decode_q6(const uint8_t* const* rp, int64_t o, Tile& tl, int64_t i, int v) 
     }
 }
 
-// superblocks b0 .. b0 + n - 1 of rows a .. a + SR - 1 into the tile (rows past N: row N - 1's, never stored)
+// superblocks b0 .. b0 + n - 1 of rows a .. a + SR - 1 into the tile (rows past N: row N - 1's, never stored;
+// ints: for the AMX passes, decode_k45's)
 template <int T>
-void strip_decode(const uint8_t* w, int64_t w_row, int64_t N, int64_t nb, int64_t a, int64_t b0, int64_t n, Tile& tl) {
+void strip_decode(const uint8_t* w, int64_t w_row, int64_t N, int64_t nb, int64_t a, int64_t b0, int64_t n, Tile& tl,
+                  bool ints) {
   constexpr int64_t BYTES = block_bytes<T>();
   for (int v = 0; v < 2; ++v) {
     const uint8_t* rp[16];
@@ -176,7 +180,7 @@ void strip_decode(const uint8_t* w, int64_t w_row, int64_t N, int64_t nb, int64_
           for (int64_t l = 0; l < BYTES + 63; l += 64)
             _mm_prefetch(reinterpret_cast<const char*>(rp[r] + o + KB * BYTES + (l < BYTES ? l : BYTES - 1)), _MM_HINT_T0);
       if constexpr (T == Q6_K) decode_q6(rp, o, tl, i, v);
-      else decode_k45<T == Q5_K>(rp, o, tl, i, v);
+      else decode_k45<T == Q5_K>(rp, o, tl, i, v, ints);
     }
   }
 }
@@ -352,7 +356,7 @@ void strips(const uint8_t* w, int64_t w_row, int64_t N, int64_t K, const int8_t*
     const int64_t rows = N - a < SR ? N - a : SR;
     for (int64_t b0 = 0; b0 < nb; b0 += KB) {
       const int64_t n = nb - b0 < KB ? nb - b0 : KB;
-      strip_decode<T>(w, w_row, N, nb, a, b0, n, tl);
+      strip_decode<T>(w, w_row, N, nb, a, b0, n, tl, A != nullptr);
       // passes of 16 tokens on AMX while at least AMX_TOKENS remain (a pass of 12 or fewer: 12 computed),
       // then the rest in register blocks on VNNI (strip_chunks.h), as even as can be (T = 8: 4 + 4, not 6 + 2)
       int64_t t0 = 0;
