@@ -180,6 +180,7 @@ def huge_pages_line() -> str:
 
 def moe_gap(a) -> None:
     import expertcache.kernels as K
+    from expertcache.layers.basic import linear
     from expertcache import LLM, SamplingParams
 
     llm = LLM(
@@ -249,14 +250,14 @@ def moe_gap(a) -> None:
                     call(i, xs[j])
                     if with_attn and attn[i][0] is not None:
                         t0 = time.perf_counter()
-                        q = K.dense_linear(x_attn, attn[i][0])
-                        K.dense_linear(torch.zeros(1, attn[i][1].shape[1]), attn[i][1])
+                        q = linear(x_attn, attn[i][0])
+                        linear(torch.zeros(1, attn[i][1].shape[1]), attn[i][1])
                         qkv_t.append(time.perf_counter() - t0)
                         del q
                     if sleep:
                         time.sleep(sleep)
                 if with_attn:
-                    K.dense_linear(x_attn, m.lm_head) if isinstance(m.lm_head, torch.Tensor) else None
+                    linear(x_attn, m.lm_head)
 
         def replay():
             for i, x, ids, wt in recorded:

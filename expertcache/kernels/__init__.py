@@ -364,7 +364,7 @@ def attn_block(
     input_ln: torch.Tensor,
     post_ln: torch.Tensor,
     eps: float,
-    qkv: tuple,
+    qkv: tuple | list,
     o: tuple,
     router: tuple,
     attention: tuple,
@@ -373,9 +373,10 @@ def attn_block(
     moe: tuple | None = None,
 ) -> tuple:
     """A MoE layer's attention half in one call (csrc/decode_block.cpp), in the CPU math in effect:
-    -> (s, h2, x2, logits, ids or None, weights or None, out or None). qkv / o / router: projection();
-    attention: the attention kernel's arguments after eps (cos, sin, caches, batch tensors, window,
-    scale, sinks), preceded by the head norms (q_norm, k_norm); moe: moe_args() of a pool whose slot
+    -> (s, h2, x2, logits, ids or None, weights or None, out or None). qkv / o / router: projection()
+    (qkv: or a list of q's, k's and v's, their outputs joined by column); attention: the attention
+    kernel's arguments after eps (cos, sin, caches, batch tensors, window, scale, sinks), preceded by
+    the head norms (q_norm, k_norm); moe: moe_args() of a pool whose slot
     s holds expert s (then out: that layer's MoE output, once the top-k answered)."""
     q_norm, k_norm, *rest = attention
     return extension().attn_block(

@@ -57,10 +57,9 @@ class Attention:
         head_norm = cfg.qk_norm == "head"
         self._kernel_norms = (w["q_norm.weight"], w["k_norm.weight"]) if head_norm else (None, None)
         self.fused = "qkv_proj.weight" in w
-        # a fused qkv the kernel can take whole: nothing between the projection and the kernel
-        self.plain_qkv = (
-            self.fused and not cfg.attn_output_gate and cfg.qk_norm != "full" and cfg.clip_qkv is None
-        )
+        # nothing between the q/k/v projections and the kernel; plain_qkv: fused, so the kernel takes it whole
+        self.plain = not cfg.attn_output_gate and cfg.qk_norm != "full" and cfg.clip_qkv is None
+        self.plain_qkv = self.fused and self.plain
 
     def __call__(
         self, x: torch.Tensor, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor

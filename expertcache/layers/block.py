@@ -8,9 +8,11 @@ and each Python round trip runs on caches the weights have just streamed through
 
 It is used where every piece would run on the C++ kernels anyway:
 - float32 compute on the CPU;
-- a standard attention with a plain fused qkv (no output gate, no full-width q/k norm, no clip);
+- a standard attention (no output gate, no full-width q/k norm, no clip) with a fused qkv, or q, k and v
+  apart (a GGUF file's in different types: three projections, their outputs joined);
 - projections the kernels read (bf16/fp16 dense weights, or `--dense int8`);
-- the softmax router, without a bias or fp32 logits.
+- the softmax router, without a bias or fp32 logits (a float32 router weight, as GGUF files store it,
+  is read by the kernels on both paths: layers/basic.py `router_spec`).
 Per step it also needs the attention kernel to take the batch (at most MAX_Q new tokens a sequence), and
 not a prefill step that may go to the bf16 matmul (kernels.prefill_step: fast math, many tokens).
 Anywhere else, the layer runs its Python path.
@@ -24,7 +26,7 @@ from .. import kernels
 from ..kernels import attention as attention_kernel
 from ..spec.model_config import ModelConfig
 from .attention import Attention, AttnBatch
-from .basic import kernel_spec
+from .basic import kernel_spec, router_spec
 from .moe import finish_route, route_logits
 
 
@@ -51,7 +53,7 @@ class AttnBlock:
             or dtype != torch.float32
             or kernels.backend() != "cpp"
             or not isinstance(attn, Attention)
-            or not attn.plain_qkv
+            or not attn.plain
             or "router" not in layer
             or cfg.router.kind != "softmax"
             or cfg.router.float32_logits
@@ -59,10 +61,13 @@ class AttnBlock:
         ):
             return None
         w = attn.w
-        qkv = _projection(w["qkv_proj.weight"], w.get("qkv_proj.bias"))
+        names = ("qkv_proj",) if attn.fused else ("q_proj", "k_proj", "v_proj")
+        qkv = [_projection(w[f"{n}.weight"], w.get(f"{n}.bias")) for n in names]
         o = _projection(w["o_proj.weight"], w.get("o_proj.bias"))
-        router = _projection(layer["router"], None)
-        return None if None in (qkv, o, router) else cls(cfg, attn, layer, qkv, o, router)
+        router = router_spec(layer["router"], torch.float32)
+        if None in (*qkv, o, router):
+            return None
+        return cls(cfg, attn, layer, qkv[0] if attn.fused else qkv, o, kernels.projection(router))
 
     def __call__(
         self,

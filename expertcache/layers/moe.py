@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..kernels import small_ops
 from ..spec.model_config import RouterSpec
-from .basic import linear
+from .basic import linear, router_linear
 
 # kind -> fn(logits fp32 [T, E], correction [E] | None, top_k, spec, renorm) -> (ids [T, K], weights fp32
 # [T, K], divided by their sum when renorm: each router renormalises, so that a fused kernel can)
@@ -94,7 +94,7 @@ def router_logits(
     """x [T, H] -> the router's logits [T, E] in float32."""
     if spec.float32_logits:
         return linear(x.float(), router_w.float(), None if bias is None else bias.float())
-    return linear(x, router_w, bias).float()
+    return router_linear(x, router_w, bias).float()
 
 
 def finish_route(ids: torch.Tensor, w: torch.Tensor, spec: RouterSpec, dtype: torch.dtype):

@@ -22,6 +22,8 @@ from gguf_files import (
     tokenizer_metadata,
     write_gguf,
 )
+from test_attn_block import _both_paths
+from test_fast_math import needs_fast
 
 from expertcache import LLM
 from expertcache.layers.basic import QuantizedWeight
@@ -140,3 +142,19 @@ def test_explicit_formats_still_requantize(dense_gguf):
         assert llm.ledger.terms["dense"] == llm.device_plan.allocated["dense"]
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("math", ["exact", pytest.param("fast", marks=needs_fast)])
+def test_every_layer_runs_in_one_call_and_equals_the_python_path(dense_gguf, math):
+    """The float32 router (as every GGUF file stores it) and layer 1's q/k/v in two types still give each
+    layer its one-call block (layers/block.py: q, k and v as three projections), and the block is the
+    layer's Python path bit for bit."""
+    llm = LLM(str(dense_gguf("Q4_K")), cpu_math=math)
+    try:
+        blocks = llm.model.blocks
+        assert all(b is not None for b in blocks) and llm.model.stack is not None
+        assert isinstance(blocks[0].qkv, tuple) and [len(p) for p in blocks[1].qkv] == [4, 4, 4]
+        (a, da), (b, db) = _both_paths(llm)
+    finally:
+        llm.close()
+    assert torch.equal(a, b) and da == db

@@ -3,6 +3,8 @@
 //   attn_block(h, mlp, input_ln, post_ln, eps, qkv, o, router, math, <attention's arguments>, top_k, renorm)
 //     s = h + mlp (h itself when mlp is None)     x = rms_norm(s, input_ln)
 //     a = attention(x @ qkv^T) (+ bias; the fused q/k/v split by the kernel)     m = a @ o^T (+ bias)
+//     (qkv one projection, or a list of them, q's, k's and v's, their outputs side by side: a file's q/k/v
+//     in different types)
 //     h2 = s + m     x2 = rms_norm(h2, post_ln)     logits = x2 @ router^T (+ bias)
 //     -> (s, h2, x2, logits, ids, weights, out): ids / weights the softmax top-k (renormalised when
 //        renorm), both None when softmax_topk declines (a near-tie: the caller routes from the logits)
@@ -30,6 +32,14 @@ at::Tensor project(const at::Tensor& x, const py::tuple& p, int64_t math) {
   return y;
 }
 
+// x @ qkv^T: one projection, or a list of projections whose outputs are joined by column
+at::Tensor project_qkv(const at::Tensor& x, const py::object& qkv, int64_t math) {
+  if (!py::isinstance<py::list>(qkv)) return project(x, qkv.cast<py::tuple>(), math);
+  std::vector<at::Tensor> parts;
+  for (const auto& p : qkv.cast<py::list>()) parts.push_back(project(x, p.cast<py::tuple>(), math));
+  return at::cat(parts, 1);
+}
+
 template <class T>
 T need(const std::optional<T>& t, const char* what) {
   TORCH_CHECK(t.has_value(), "attn_block: ", what, " needs float32 contiguous CPU tensors");
@@ -48,7 +58,7 @@ struct Block {  // one layer's results; ids / w / out as attn_block returns them
 };
 
 Block block(const at::Tensor& h, const c10::optional<at::Tensor>& mlp, const at::Tensor& input_ln,
-            const at::Tensor& post_ln, double eps, const py::tuple& qkv, const py::tuple& o, const py::tuple& router,
+            const at::Tensor& post_ln, double eps, const py::object& qkv, const py::tuple& o, const py::tuple& router,
             int64_t math, const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
             const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin, at::Tensor k_cache,
             at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -59,7 +69,7 @@ Block block(const at::Tensor& h, const c10::optional<at::Tensor>& mlp, const at:
   r.s = h;
   if (mlp.has_value()) std::tie(r.s, x) = need(ops::add_rms_norm(h, *mlp, input_ln, eps), "add_rms_norm");
   else x = need(ops::rms_norm(h, input_ln, eps), "rms_norm");
-  const at::Tensor a = ops::attention(project(x, qkv, math), c10::nullopt, c10::nullopt, q_norm, k_norm, eps, cos, sin,
+  const at::Tensor a = ops::attention(project_qkv(x, qkv, math), c10::nullopt, c10::nullopt, q_norm, k_norm, eps, cos, sin,
                                       k_cache, v_cache, slot_mapping, block_tables, seq_of_token, positions, window,
                                       scale, sinks);
   const at::Tensor m = project(a, o, math);
@@ -81,7 +91,7 @@ Block block(const at::Tensor& h, const c10::optional<at::Tensor>& mlp, const at:
 }
 
 py::tuple attn_block(const at::Tensor& h, const c10::optional<at::Tensor>& mlp, const at::Tensor& input_ln,
-                     const at::Tensor& post_ln, double eps, const py::tuple& qkv, const py::tuple& o,
+                     const at::Tensor& post_ln, double eps, const py::object& qkv, const py::tuple& o,
                      const py::tuple& router, int64_t math, const c10::optional<at::Tensor>& q_norm,
                      const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& cos,
                      const c10::optional<at::Tensor>& sin, at::Tensor k_cache, at::Tensor v_cache,
@@ -117,7 +127,7 @@ py::tuple attn_stack(const at::Tensor& h_in, const c10::optional<at::Tensor>& ml
     const py::tuple L = layers[i].cast<py::tuple>();
     const py::tuple c = kv[i].cast<py::tuple>();
     TORCH_CHECK(L.size() == 13 && c.size() == 2, "attn_stack: layer ", i, " needs 13 arguments and a kv pair");
-    const Block r = block(h, mlp, L[0].cast<at::Tensor>(), L[1].cast<at::Tensor>(), eps, L[2].cast<py::tuple>(),
+    const Block r = block(h, mlp, L[0].cast<at::Tensor>(), L[1].cast<at::Tensor>(), eps, L[2].cast<py::object>(),
                           L[3].cast<py::tuple>(), L[4].cast<py::tuple>(), math, opt(L[5]), opt(L[6]), cos, sin,
                           c[0].cast<at::Tensor>(), c[1].cast<at::Tensor>(), slot_mapping, block_tables, seq_of_token,
                           positions, L[7].cast<int64_t>(), L[8].cast<double>(), opt(L[9]), L[10].cast<int64_t>(),

@@ -424,8 +424,8 @@ void k_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float*
     sidx[v] = _mm512_load_si512(ix);
   }
   const __m256i mdup = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m256i nib8 = _mm256_set1_epi8(0x0F);
+  const __m512i nib = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
+  constexpr __mmask32 UPPER = 0xFFFF0000u;  // the int16 lanes of a vector's upper 256 bits
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = row + b * BYTES;
     if (ahead) prefetch_block(p + ahead, BYTES);
@@ -439,31 +439,31 @@ void k_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float*
       scale_min_k4_64(p + 4, sc8, m8);
       const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc8))));
       m16 = _mm256_permutexvar_epi16(mdup, _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(m8)))));
-      const __m256i qh = T == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)) : _mm256_setzero_si256();
-      const __m256i one8 = _mm256_set1_epi8(1);
+      // a vector of 64 weights from 32 code bytes broadcast to both halves: the low nibbles (sub-block 2v) in
+      // the lower half, the high ones (2v + 1) shifted down in the upper: no cross-lane shuffle
+      const uint8_t* q = p + (T == Q5_K ? 48 : 16);
+      const __m512i qh5 = T == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)))
+                                    : _mm512_setzero_si512();
       for (int v = 0; v < 4; ++v) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (T == Q5_K ? 48 : 16) + 32 * v));
-        __m256i lo = _mm256_and_si256(q, nib8), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib8);
+        const __m512i c = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * v)));
+        wv[v] = _mm512_and_si512(_mm512_mask_srli_epi16(c, UPPER, c, 4), nib);
         if constexpr (T == Q5_K) {  // sub-block s's fifth bits: bit s of qh[l], to bit 4
-          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * v)), one8), 4));
-          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * v + 1)), one8), 4));
+          const __m512i h = _mm512_srl_epi16(qh5, _mm_cvtsi32_si128(2 * v));
+          wv[v] = _mm512_ternarylogic_epi32(wv[v], _mm512_slli_epi16(_mm512_mask_srli_epi16(h, UPPER, h, 1), 4), bit4, 0xF8);
         }
-        wv[v] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
         sv[v] = _mm512_permutexvar_epi16(sidx[v], scz);
       }
     } else {
       dd = h2f(p + 208);
       sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
       const __m512i scz = _mm512_castsi256_si512(sc16);
-      const __m512i three = _mm512_set1_epi8(3);
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < 2; ++h) {  // the two high bits of 32 weights a 2-bit field of qh: broadcast, shifted
         const __m512i ql = _mm512_loadu_si512(p + 64 * h);
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
-        const __m512i qa = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-        const __m512i qb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 4)), _mm256_srli_epi16(qh, 6), 1);
-        wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, nib), _mm512_slli_epi16(_mm512_and_si512(qa, three), 4));
-        wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib),
-                                        _mm512_slli_epi16(_mm512_and_si512(qb, three), 4));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h)));
+        const __m512i qb = _mm512_mask_srli_epi16(qh, UPPER, qh, 2);  // fields 2 | 3 at bit 4 (lower | upper half)
+        const __m512i qa = _mm512_slli_epi16(qb, 4);                   // fields 0 | 1 at bit 4
+        wv[2 * h] = _mm512_ternarylogic_epi32(_mm512_and_si512(ql, nib), qa, bits45, 0xF8);
+        wv[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib), qb, bits45, 0xF8);
       }
       for (int v = 0; v < 4; ++v) sv[v] = _mm512_permutexvar_epi16(sidx[v], scz);
     }
