@@ -719,6 +719,12 @@ void check_x(const at::Tensor& x, int64_t K, const char* what) {
 }
 
 // y [..., N] = x [..., K] @ W[slot]^T (x contiguous: its leading dims are T rows)
+// A float32 weight of many tokens (a GGUF file's router at prefill) goes to torch's float32 matmul on the
+// calling thread, as F.linear would inside a forward: the register-tiled kernels here are written for
+// weights narrower than their activations (3x slower at 512 tokens); split into blocks of tokens on the
+// pool's threads the matmul ran slower still (MKL's small-M GEMMs, 2 threads).
+constexpr int64_t F32_MM_T = 16;
+
 at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int64_t small_t, int64_t rows_per_unit,
                   int64_t math) {
   const WView W = view_of(spec, "linear");
@@ -732,6 +738,13 @@ at::Tensor linear(const at::Tensor& x, const py::tuple& spec, int64_t slot, int6
   shape.back() = W.N;
   at::Tensor y = at::empty(shape, x.options());
   if (T == 0) return y;  // no rows (an expert-parallel worker's lm_head)
+  if (W.fmt == F32 && T >= F32_MM_T) {
+    const at::Tensor w = at::from_blob(const_cast<uint8_t*>(W.d + slot * W.d_slot), {W.N, W.K},
+                                       {W.d_row / int64_t(sizeof(float)), 1}, x.options());
+    at::Tensor y2 = y.view({T, W.N});
+    at::mm_out(y2, x.view({T, W.K}), w.t());
+    return y;
+  }
   std::vector<const float*> xr(T);
   for (int64_t t = 0; t < T; ++t) xr[t] = x.data_ptr<float>() + t * W.K;
   float* yp = y.data_ptr<float>();
