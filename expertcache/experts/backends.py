@@ -199,7 +199,7 @@ def backend_for(pool: Pool, x: torch.Tensor, method, ffn: ExpertFFN) -> Backend:
 def _triton_why_not(pool: Pool, device: torch.device, options: MoEOptions) -> str | None:
     from ..kernels import triton_moe  # at first use: triton is optional and slow to import
 
-    return triton_moe.unavailable_reason(device) or triton_moe.supported(options.method)
+    return triton_moe.unavailable_reason(device) or triton_moe.supported(options.method, pool)
 
 
 def _triton(x, slots, weights, pool, method, ffn, out, host) -> torch.Tensor:

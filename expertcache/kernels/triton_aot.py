@@ -8,8 +8,9 @@ What is enumerated comes from the code's own tables: the slot formats (triton_po
 launch configurations (triton_moe.CONFIGS), the family variants (VARIANTS: SwiGLU without biases, the
 GPT-OSS expert: clamped SwiGLU, interleaved gate_up, biases, transposed plain parts or fused quantized
 ones) and the activation dtypes the engine runs with (DTYPES). For each, a small pool of that format is
-packed with the project's QuantMethod, and `triton_moe.launches` (what fused_moe launches) gives each
-kernel's arguments; Triton's own binder turns them into the signature, constexprs and attributes a
+packed with the project's QuantMethod (GGUF's block types: zero bytes in their layout; a gguf-mixed pool
+compiles the same kernels, one FMT each for gate_up and down), and `triton_moe.launches` (what fused_moe
+launches) gives each kernel's arguments; Triton's own binder turns them into the signature, constexprs and attributes a
 launch would compile (dtypes, 16-byte alignment, integers equal to 1 or divisible by 16), deduplicated.
 Compiled kernels land in Triton's cache (TRITON_CACHE_DIR), so a second run costs little.
 
@@ -129,15 +130,20 @@ def _pool(fmt: str, variant: Variant, dtype):
         method = make_quant_method(fmt)
         key = (fmt, ffn.fused_quant)
         if key not in _PACKED:
-            w = {"down.weight": torch.randn(H, I, generator=g)}
-            if ffn.fused_quant:
-                w["gate_up.weight"] = torch.randn(2 * I, H, generator=g)
-            else:
-                w |= {
-                    "gate.weight": torch.randn(I, H, generator=g),
-                    "up.weight": torch.randn(I, H, generator=g),
+            shapes = {"down": (H, I)} | (
+                {"gate_up": (2 * I, H)} if ffn.fused_quant else {"gate": (I, H), "up": (I, H)}
+            )
+            if fmt.startswith("gguf-"):  # the file's blocks: their layout, zeros (values compile nothing)
+                parts = {
+                    k: torch.zeros(t.shape, dtype=t.dtype)
+                    for p, sh in shapes.items()
+                    for k, t in method.layout(p, sh).items()
                 }
-            _PACKED[key] = {n: torch.stack([t] * S) for n, t in method.pack(w).items()}
+            else:
+                parts = method.pack(
+                    {f"{p}.weight": torch.randn(*sh, generator=g) for p, sh in shapes.items()}
+                )
+            _PACKED[key] = {n: torch.stack([t] * S) for n, t in parts.items()}
         pool = dict(_PACKED[key])
     if variant.bias:
         pool["gate_up_bias"] = torch.randn(S, 2 * I, generator=g).to(dtype)
@@ -228,6 +234,15 @@ FMT_OF = {
     "int8": "int8",
     "int4": "int4",
     "mxfp4": "mxfp4",
+    "gguf-q8_0": "q8_0",
+    "gguf-q4_0": "q4_0",
+    "gguf-q5_0": "q5_0",
+    "gguf-iq4_nl": "iq4_nl",
+    "gguf-mxfp4": "gguf-mxfp4",
+    "gguf-q4_k": "q4_k",
+    "gguf-q5_k": "q5_k",
+    "gguf-q6_k": "q6_k",
+    "gguf-iq4_xs": "iq4_xs",
 }  # the tile decoder (constexpr FMT) of each format
 
 

@@ -16,7 +16,8 @@ by strides, so views select gate and up rows (halves or interleaved) and transpo
 copy. The kernels (triton_moe_jit.py) dequantise a weight tile in registers to float32 (fp8 bytes and e2m1
 nibbles through a table built once per
 device, int8 / int4 codes with zero points, times a scale indexed by (row // S_BN, col // S_BK): per
-tensor, per channel, per fp8 block, per group, or e8m0 per 32), cast to the dot dtype (bf16/fp16 as x,
+tensor, per channel, per fp8 block, per group, or e8m0 per 32; GGUF blocks decoded where they lie in the
+slot's bytes, gate_up and down each with its own decoder), cast to the dot dtype (bf16/fp16 as x,
 else float32 at IEEE precision) and multiplied with tl.dot into a float32 accumulator. Slot bases are
 64-bit (`triton_moe_jit.slot_base`), so pools past 2^31 elements are addressed correctly.
 
@@ -40,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..quant.ggml_blocks import KV_IQ4, KV_MXFP4
 from .triton_moe_jit import (
     CLAMPED_SWIGLU,
     DOT_BF16,
@@ -47,6 +49,9 @@ from .triton_moe_jit import (
     DOT_FP32,
     E2M1_VALUES,
     FP8,
+    GGUF_MXFP4,
+    IQ4_NL,
+    IQ4_XS,
     MXFP4,
     SILU,
     down_kernel,
@@ -251,13 +256,16 @@ _TABLES: dict = {}
 
 
 def _table(fmt: int, device) -> torch.Tensor:
-    """Decode table in device memory, built once per (format, device): e4m3fn bytes or e2m1 codes -> float32."""
+    """Decode table in device memory, built once per (format, device): e4m3fn bytes, e2m1 codes or GGUF's
+    4-bit codes (IQ4_NL / IQ4_XS: KV_IQ4; MXFP4: KV_MXFP4) -> float32."""
     key = (fmt, str(device))
     if key not in _TABLES:
         if fmt == FP8:
             t = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
         elif fmt == MXFP4:
             t = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        elif fmt in (IQ4_NL, IQ4_XS, GGUF_MXFP4):
+            t = torch.tensor(KV_MXFP4 if fmt == GGUF_MXFP4 else KV_IQ4, dtype=torch.float32)
         else:
             t = torch.zeros(1)
         _TABLES[key] = t.to(device)
@@ -332,7 +340,7 @@ def fused_moe(
         raise RuntimeError(unavailable_reason(x.device))
     T = x.shape[0]
     K = weights.shape[1]
-    fmt, I, g, u, d = projections(pool, method, ffn)
+    I, g, u, d = projections(pool, method, ffn)
     S, P = g.w.shape[0], T * K
     cfg = dict(pick_config(P, S, shared_limit(x.device), _dot_kind(x.dtype) == DOT_FP32))
     for name, given in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
@@ -360,7 +368,7 @@ def fused_moe(
     if alignment.block_slot.numel() == 0:  # a host alignment with no pair for this pool
         return out
     target = out if out.stride(-1) == 1 else out.contiguous()  # the sum's kernel writes rows of unit stride
-    launch = launches(x, pool, method, ffn, weights, alignment, target, cfg, (fmt, I, g, u, d))
+    launch = launches(x, pool, method, ffn, weights, alignment, target, cfg, (I, g, u, d))
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # Triton launches there
         for kernel, grid, args, consts, opts in launch:
             kernel[grid](*args, **consts, **opts)
@@ -372,12 +380,12 @@ def fused_moe(
 def launches(x, pool, method, ffn, weights, al: Alignment, out, cfg, proj) -> list[tuple]:
     """The call's three launches as (kernel, grid, positional args, constexprs, launch options): one
     source for fused_moe and the ahead-of-time compile (triton_aot.py) that checks every one."""
-    fmt, I, g, u, d = proj
+    I, g, u, d = proj
     T, H = x.shape
     K, dev, NR = weights.shape[1], x.device, al.num_rows
     BM, BN, BK = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     opts = {} if interpreted() else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    lut = _table(fmt, dev)
+    lut, dlut = _table(g.fmt, dev), _table(d.fmt, dev)  # gate_up's and down's decode tables
     dot = _dot_kind(x.dtype)
     xc = x.contiguous()
     bias = _Bias(biases(pool, ffn), dummy=lut)
@@ -386,7 +394,7 @@ def launches(x, pool, method, ffn, weights, al: Alignment, out, cfg, proj) -> li
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     rows = (al.sorted_rows, al.block_slot, al.pair_of_row)
     nb = al.block_slot.numel()
-    shared = dict(FMT=fmt, HAS_BIAS=bias.has, DOT=dot, BM=BM, BN=BN, BK=BK)
+    shared = dict(HAS_BIAS=bias.has, DOT=dot, BM=BM, BN=BN, BK=BK)
     act = CLAMPED_SWIGLU if ffn is not None and ffn.act == "clamped_swiglu" else SILU
     alpha = float(ffn.alpha) if ffn is not None else 1.0
     limit = float(ffn.limit) if ffn is not None else float("inf")
@@ -394,11 +402,11 @@ def launches(x, pool, method, ffn, weights, al: Alignment, out, cfg, proj) -> li
     gu_weights = (*_parts(g, lut), *_parts(u, lut), bias.gate, bias.up, lut)
     gu_layout = _layout(g, bias.gate_strides)
     gate_up = (xc, *gu_weights, inter, *rows, H, I, K, NR, xc.stride(0), *gu_layout, alpha, limit)
-    down_weights = (*_parts(d, lut), bias.down, lut, rw)
+    down_weights = (*_parts(d, dlut), bias.down, dlut, rw)
     down = (inter, *down_weights, out_rows, *rows, H, I, NR, *_layout(d, bias.down_strides))
     return [
-        (gate_up_kernel, (nb, triton.cdiv(I, BN)), gate_up, dict(shared, ACT=act), opts),
-        (down_kernel, (nb, triton.cdiv(H, BN)), down, shared, opts),
+        (gate_up_kernel, (nb, triton.cdiv(I, BN)), gate_up, dict(shared, FMT=g.fmt, ACT=act), opts),
+        (down_kernel, (nb, triton.cdiv(H, BN)), down, dict(shared, FMT=d.fmt), opts),
         (
             reduce_kernel,
             (triton.cdiv(T, REDUCE_BLOCK_T), triton.cdiv(H, REDUCE_BLOCK_H)),
@@ -446,7 +454,7 @@ def warm_up(
     dev = next(iter(pool.values())).device
     if unavailable_reason(dev) is not None:
         return 0
-    S = projections(pool, method, ffn)[2].w.shape[0]
+    S = projections(pool, method, ffn)[1].w.shape[0]
     H = _hidden(pool, method, ffn)
     n = 0
     for name in configs:
@@ -465,7 +473,7 @@ def warm_up(
 
 def _hidden(pool, method, ffn) -> int:
     """H of a pool: the down projection's output rows (its input columns when transposed plain parts)."""
-    d = projections(pool, method, ffn)[4].w
+    d = projections(pool, method, ffn)[3].w
     transposed = method is None and ffn is not None and ffn.transposed
     return d.shape[2] if transposed else d.shape[1]
 

@@ -3,9 +3,9 @@
 specialization enumerated from the code's own tables through fused_moe's own launch arguments: shared
 memory and registers within each target's limits, fp8 decoded through the table (no fp8 conversion
 instruction, so sm_80/86 run it). The representative set (every tile decoder x config x kernel, the
-heaviest variant) runs here; every specialization (formats x configs x variants x dtypes, about 800
-compiles, 40+ CPU minutes cold) is `python -m expertcache.kernels.triton_aot` (docs/gpu.md). Compiled kernels stay in
-Triton's cache, so a second run costs seconds."""
+heaviest variant; the GGUF decoders too) runs here; every specialization (formats x configs x variants x
+dtypes, about 1900 compiles, 375 per target, CPU hours cold) is `python -m expertcache.kernels.triton_aot`
+(docs/gpu.md). Compiled kernels stay in Triton's cache, so a second run costs seconds."""
 
 from __future__ import annotations
 
