@@ -180,8 +180,8 @@ def huge_pages_line() -> str:
 
 def moe_gap(a) -> None:
     import expertcache.kernels as K
-    from expertcache.layers.basic import linear
     from expertcache import LLM, SamplingParams
+    from expertcache.layers.basic import linear
 
     llm = LLM(
         a.model,

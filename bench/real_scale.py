@@ -734,6 +734,7 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
     bpt: dict[str, float] = {}  # engine -> GB read per decode token
     math: dict[str, str] = {}  # engine -> the CPU math it ran (auto resolved)
     held: dict[str, str] = {}  # engine -> resident (every expert in RAM) or CACHED (the budget held fewer)
+    huge: dict[str, float] = {}  # engine -> the share of its anonymous memory on 2 MiB pages
     try:
         for r in range(args.rounds):
             bws.append(read_bandwidth())
@@ -748,6 +749,7 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
                     bpt[engine] = w.info["bytes_per_token"] / 1e9
                     math[engine] = w.info.get("cpu_math", names[engine][0])
                     held[engine] = "resident" if w.info.get("experts_resident", True) else "CACHED"
+                    huge[engine] = w.info.get("huge_pages", 0.0)
                     t2 = time.perf_counter()
                     got = {}
                     for i, n in enumerate(args.prompts):  # decode after the first prompt
@@ -763,7 +765,8 @@ def resident_part(args, tag: str, sources: dict[str, Path], bindir: Path, pp: st
                 if engine != "llama.cpp":
                     lim = bws[-1] / bpt[engine]
                     share = (
-                        f" cpu_math={math[engine]} experts={held[engine]} round_limit_tok_s={lim:.2f} ({bpt[engine]:.3f} GB/token x "
+                        f" cpu_math={math[engine]} experts={held[engine]} huge_pages={huge[engine]:.0%}"
+                        f" round_limit_tok_s={lim:.2f} ({bpt[engine]:.3f} GB/token x "
                         f"{bws[-1]:.1f} GB/s) share_of_round_limit={got[f'tg{args.gen}'] / lim:.0%}"
                     )
                 print(

@@ -199,8 +199,11 @@ dense += sum(layer["router"].numel() * layer["router"].element_size() for layer 
 head = size(m.lm_head)
 per_token = src.expert_nbytes * src.cfg.top_k * len(src.layers) + dense + head
 resident = type(llm.experts).__name__ == "ResidentExperts"  # every expert held in RAM, none cached
+rollup = dict(x.split(":", 1) for x in open("/proc/self/smaps_rollup").read().splitlines()[1:])
+kb = lambda k: int(rollup.get(k, "0 kB").split()[0])
+huge = kb("AnonHugePages") / max(kb("Anonymous"), 1)  # the share of anonymous memory on 2 MiB pages
 print("READY " + json.dumps({{"bytes_per_token": per_token, "cpu_math": llm.config.kernels.cpu_math,
-                             "experts_resident": resident}}), flush=True)
+                             "experts_resident": resident, "huge_pages": huge}}), flush=True)
 for line in sys.stdin:  # "go [PROMPT GEN]": a shorter prompt / fewer tokens than the worker was made for
     words = line.split()
     n, gen = (int(words[1]), int(words[2])) if len(words) == 3 else ({prompt}, {gen})

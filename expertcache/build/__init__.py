@@ -24,6 +24,7 @@ from .. import kernels
 from ..engine.llm_engine import LLMEngine
 from ..engine.runner import ModelRunner
 from ..layers.basic import LOAD_FORMATS
+from ..loader.disk import drop_cached
 from ..models import embedding
 from ..models.transformer import MoETransformer
 from ..units import fmt_bytes
@@ -60,6 +61,7 @@ def build_engine(config, group=None, serve=None) -> Made:
         memory = _plan(ck, config, group, placement)
         bar, show = _progress(config, ck.index.nbytes())
         # ==== allocate and fill, in one order for every provider kind ====
+        drop_cached({t.file for t in ck.index.tensors.values()})
         try:
             kv, states = kv_and_state(ck, config, memory.plan, memory.ledger)
             dense = read_dense(ck, config, memory.ledger, bar.update)

@@ -132,3 +132,22 @@ class DiskReader:
             for fd in self.fds.values():
                 os.close(fd)
             self.fds.clear()
+
+
+def drop_cached(paths) -> None:
+    """Ask the OS to drop what its page cache holds of these files (POSIX_FADV_DONTNEED: clean pages no
+    process maps). Called before the engine allocates its weights: it copies the files' bytes into memory of
+    its own or reads past the cache (O_DIRECT), so a cached copy (another program's mmap of the same
+    GGUF, an earlier load) only takes the room the 2 MiB pages of hostmem.py would be made from: after
+    llama.cpp had run on a 48-layer GGUF, 60-66% of the engine's weights got them, against ~90%."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # reading it names the problem
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import random
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from expertcache.loader.disk import DiskReader
+from expertcache.loader.disk import DiskReader, drop_cached
 from expertcache.loader.safetensors_index import TensorIndex
 
 
@@ -94,3 +95,35 @@ def test_short_read_names_the_file(blob, tmp_path):
     with pytest.raises(OSError, match="short.bin"):
         reader.read_into([(short, 900, 500)], torch.empty(500, dtype=torch.uint8))
     reader.close()
+
+
+def _fs_type(path: Path) -> str:
+    """The type of the filesystem holding path (the longest mount point above it in /proc/mounts)."""
+    mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    above = [(len(m), t) for m, t in mounts if str(path).startswith(m.rstrip("/") + "/")]
+    return max(above)[1] if above else "unknown"
+
+
+def _cached_pages(path: Path) -> int:
+    """Pages of the file in the page cache (mincore over a mapping of it: no page is read or faulted)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        del addr
+        return sum(v & 1 for v in vec)
+
+
+def test_drop_cached_leaves_none_of_a_read_file_in_the_page_cache(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())  # clean pages: the only kind an advice can drop
+        f.read()
+    if _fs_type(path) in ("tmpfs", "ramfs") or _cached_pages(path) == 0:
+        pytest.skip(f"{_fs_type(path)}: no page cache to drop here")
+    drop_cached([path, tmp_path / "missing.bin"])  # a missing file: nothing to drop, no error
+    assert _cached_pages(path) == 0

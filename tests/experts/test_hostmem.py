@@ -5,6 +5,7 @@ torch and safetensors, and a model loaded on huge pages against transformers."""
 from __future__ import annotations
 
 import gc
+import mmap
 from pathlib import Path
 
 import checkpoints as C
@@ -61,6 +62,33 @@ def test_tail_is_on_huge_pages_too():
     t = hostmem.empty((3 * MiB,), torch.uint8)  # 1.5 huge pages: the half page is a huge one as well
     t.fill_(7)
     assert huge_bytes(t) >= 4 * MiB
+
+
+def _populate_offered() -> bool:
+    m = mmap.mmap(-1, hostmem.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(hostmem.MADV_POPULATE_WRITE)
+        return True
+    except OSError:  # Linux before 5.14
+        return False
+    finally:
+        m.close()
+
+
+@needs_thp
+@pytest.mark.parametrize("populate", [True, False])
+def test_pages_are_taken_when_the_tensor_is_made(monkeypatch, populate):
+    """Made, not first written: the pages (2 MiB ones) come while the model's memory is allocated, before its
+    reads fill the page cache; hostmem.populate = False leaves them to the first touch."""
+    if populate and not _populate_offered():
+        pytest.skip("no MADV_POPULATE_WRITE before Linux 5.14")
+    monkeypatch.setattr(hostmem, "populate", populate)
+    t = hostmem.empty((8 * MiB,), torch.uint8)
+    m = _mapping(t.data_ptr())
+    if populate:
+        assert m["Rss"] >= 8 * MiB and m.get("AnonHugePages", 0) >= 8 * MiB
+    else:
+        assert m["Rss"] < 2 * MiB
 
 
 def test_small_tensors_and_other_devices_are_torch_empty(monkeypatch):
