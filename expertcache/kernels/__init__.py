@@ -40,7 +40,7 @@ from .formats import GGUF_SMALL_T, GGUF_UNIT_ROWS, Unsupported, of_parts, plain_
 # tuning constants come from".
 SMALL_T = {0: 1 << 30, 1: 1 << 30, 2: 1 << 30, 3: 256, 4: 1 << 30, 5: 1 << 30, 6: 24}
 ROWS_PER_UNIT = 256
-UNIT_ROWS = {0: 0.5, 1: 1, 2: 1, 3: 2, 4: 2, 5: 4, 6: 4}
+UNIT_ROWS = {0: 0.125, 1: 1, 2: 1, 3: 2, 4: 2, 5: 4, 6: 4}
 SMALL_T.update(GGUF_SMALL_T)  # the GGUF block formats (codes 7-15, csrc/ggml_kernels.cpp)
 UNIT_ROWS.update(GGUF_UNIT_ROWS)
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
