@@ -59,11 +59,6 @@ def _check_options(config, family, cfg, model_dir) -> None:
             f"expert_parallel: {family.name} is a hybrid linear-attention model; "
             "expert parallelism supports softmax-attention models only"
         )
-    if config.parallel is not None and Path(model_dir).suffix == ".gguf":
-        raise ConfigError(
-            f"expert_parallel: {model_dir} is a GGUF file; expert parallelism reads safetensors "
-            "checkpoints only (run the GGUF on one process, or the model's safetensors with expert_parallel)"
-        )
 
 
 def read_checkpoint(config) -> Checkpoint:

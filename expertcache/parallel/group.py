@@ -63,8 +63,17 @@ def private_rendezvous() -> tuple[str, Path]:
 
 
 def checkpoint_fingerprint(model_dir: str | Path) -> str:
-    """sha256 of config.json and every safetensors header (names, dtypes, shapes, offsets)."""
+    """sha256 of config.json and every safetensors header (names, dtypes, shapes, offsets); of a GGUF file
+    (set), its metadata and tensor table (names, types, dims, file names, offsets)."""
     d, h = Path(model_dir), hashlib.sha256()
+    if d.suffix == ".gguf":
+        from ..gguf.reader import read_gguf  # here: parallel/ needs the reader for this alone
+
+        gf = read_gguf(d)
+        h.update(repr(sorted((k, repr(v)) for k, v in gf.metadata.items())).encode())
+        for t in gf.tensors.values():
+            h.update(f"{t.name} {t.type.name} {t.dims} {t.file.name} {t.offset} {t.nbytes}".encode())
+        return h.hexdigest()
     h.update((d / "config.json").read_bytes())
     for f in sorted(d.glob("*.safetensors")):
         with open(f, "rb") as fh:

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..experts.compute import moe_ffn
-from ..experts.layout import ExpertSource
+from ..experts.layout import ExpertSource, LayerParts
 from ..experts.provider import ExpertProvider
 
 
@@ -43,13 +43,15 @@ class LocalExperts(ExpertProvider):
         if load:
             self.pools, self.slot_of, _, _ = self._build(owned, {}, {})
         else:
-            self.pools = {layer: self._empty(len(experts), alloc) for layer, experts in owned.items()}
+            self.pools = {layer: self._empty(layer, len(experts), alloc) for layer, experts in owned.items()}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ep-rearrange")
         self._next: Future | None = None
 
-    def _empty(self, n: int, alloc=None) -> dict[str, torch.Tensor]:
+    def _empty(self, layer: int, n: int, alloc=None) -> dict[str, torch.Tensor]:
+        """n slots of `layer`'s parts (a GGUF file's types may differ by layer: LayerParts)."""
         alloc = alloc or (lambda shape, dt: torch.empty(shape, dtype=dt, device=self.device))
-        return {p.name: alloc((n, *p.shape), p.dtype) for p in self.parts}
+        parts = self.source.layer_parts(layer) if isinstance(self.parts, LayerParts) else self.parts
+        return {p.name: alloc((n, *p.shape), p.dtype) for p in parts}
 
     def load(self, progress=None) -> None:
         """This rank's experts read into the pools allocated at construction."""
@@ -61,7 +63,7 @@ class LocalExperts(ExpertProvider):
         incoming = {(layer, e): src for src, dst, layer, e in moves or () if dst == rank}
         recvs = []
         for layer, experts in owned.items():
-            pool = into[layer] if into is not None else self._empty(len(experts))
+            pool = into[layer] if into is not None else self._empty(layer, len(experts))
             where = torch.full((E,), -1, dtype=torch.int64)
             old = old_slot_of.get(layer)
             for s, e in enumerate(experts):

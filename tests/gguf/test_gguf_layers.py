@@ -322,3 +322,21 @@ def test_experts_in_a_type_no_decoder_reads_are_refused_naming_the_tensor(k_chec
         CheckpointError, match=r"tensor blk\.2\.ffn_down_exps\.weight \(routed experts\) is Q8_K"
     ):
         LLM(str(path))
+
+
+def test_expert_parallel_ranks_hold_per_layer_types_and_equal_one_process(mixed_gguf):
+    """Expert parallelism over the Q4_K_M mix: each rank reads its experts' blocks (types differing by layer)
+    from the file; logits equal the one-process engine's."""
+    path = mixed_gguf("q4_k_m")
+    one = LLM(str(path))
+    try:
+        want = one.logits(PROMPT)
+    finally:
+        one.close()
+    ep = LLM(str(path), expert_parallel=2)
+    try:
+        got = ep.logits(PROMPT)
+        assert sum(ep.expert_stats()["expert_parallel"]["pairs_per_rank_last_step"]) > 0
+    finally:
+        ep.close()
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)

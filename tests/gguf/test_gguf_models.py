@@ -224,12 +224,23 @@ def test_low_memory_reads_embedding_rows_from_the_file(qwen3_gguf):
             low.close()
 
 
-def test_expert_parallel_with_a_gguf_file_is_refused_by_name_before_any_rank_starts(qwen3_gguf):
-    from expertcache.errors import ConfigError
-
+def test_expert_parallel_ranks_read_the_gguf_file_and_equal_one_process(qwen3_gguf):
     path = qwen3_gguf("Q8_0")
-    with pytest.raises(ConfigError, match=r"expert_parallel: .*\.gguf is a GGUF file"):
-        LLM(str(path), expert_parallel=2)
+    one = LLM(str(path))
+    try:
+        want = one.logits(PROMPT)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        tokens = one.generate([PROMPT], params)[0].token_ids
+    finally:
+        one.close()
+    ep = LLM(str(path), expert_parallel=2)
+    try:
+        assert ep.expert_stats()["expert_parallel"]["world_size"] == 2
+        assert torch.allclose(ep.logits(PROMPT), want, rtol=1e-4, atol=1e-4)
+        assert ep.generate([PROMPT], params)[0].token_ids == tokens
+        assert sum(ep.expert_stats()["expert_parallel"]["pairs_per_rank_last_step"]) > 0
+    finally:
+        ep.close()
 
 
 def test_streamed_experts_are_freed_after_their_miss_is_computed(qwen3_gguf):
