@@ -25,6 +25,14 @@ def hardware_line() -> str:
     )
 
 
+def memory_pages() -> dict[str, float]:
+    """This process's anonymous memory, the part of it on 2 MiB pages and its resident set, in GB
+    (/proc/self/smaps_rollup)."""
+    rows = dict(line.split(":", 1) for line in open("/proc/self/smaps_rollup").read().splitlines()[1:])
+    keys = {"anon_GB": "Anonymous", "anon_huge_GB": "AnonHugePages", "rss_GB": "Rss"}
+    return {k: int(rows.get(v, "0 kB").split()[0]) / 1e6 for k, v in keys.items()}
+
+
 def timed_generate(llm, prompts, params) -> dict:
     """Run one batch through the engine. Prefill tok/s from the engine's own counters (the prompt's
     forward passes); decode tok/s end to end: the generate call's wall time less the prefill's, so

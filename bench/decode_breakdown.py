@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import hardware_line
+from common import hardware_line, memory_pages
 
 
 def main() -> None:
@@ -167,15 +167,7 @@ def pool_stats(lib, reset: bool = True) -> dict[int, tuple]:
 
 
 def huge_pages_line() -> str:
-    rows = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
-
-    def kb(k):
-        return int(rows.get(k, "0 kB").split()[0])
-
-    return (
-        f"pages: anon_GB={kb('Anonymous') / 1e6:.2f} anon_huge_GB={kb('AnonHugePages') / 1e6:.2f} "
-        f"rss_GB={kb('Rss') / 1e6:.2f}"
-    )
+    return "pages: " + " ".join(f"{k}={v:.2f}" for k, v in memory_pages().items())
 
 
 def moe_gap(a) -> None:

@@ -182,7 +182,7 @@ def llama_bench(bindir: Path, gguf: Path, prompt: int, gen: int, threads: int) -
 WORKER = r"""
 import json, sys, time, torch
 sys.path.insert(0, {bench!r})
-from common import timed_generate
+from common import memory_pages, timed_generate
 from expertcache import LLM, SamplingParams
 torch.set_num_threads({threads})
 # every round prefills the whole prompt
@@ -199,9 +199,8 @@ dense += sum(layer["router"].numel() * layer["router"].element_size() for layer 
 head = size(m.lm_head)
 per_token = src.expert_nbytes * src.cfg.top_k * len(src.layers) + dense + head
 resident = type(llm.experts).__name__ == "ResidentExperts"  # every expert held in RAM, none cached
-rollup = dict(x.split(":", 1) for x in open("/proc/self/smaps_rollup").read().splitlines()[1:])
-kb = lambda k: int(rollup.get(k, "0 kB").split()[0])
-huge = kb("AnonHugePages") / max(kb("Anonymous"), 1)  # the share of anonymous memory on 2 MiB pages
+pages = memory_pages()
+huge = pages["anon_huge_GB"] / max(pages["anon_GB"], 1e-9)  # the share of anonymous memory on 2 MiB pages
 print("READY " + json.dumps({{"bytes_per_token": per_token, "cpu_math": llm.config.kernels.cpu_math,
                              "experts_resident": resident, "huge_pages": huge}}), flush=True)
 for line in sys.stdin:  # "go [PROMPT GEN]": a shorter prompt / fewer tokens than the worker was made for

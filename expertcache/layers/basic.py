@@ -107,23 +107,25 @@ def kernel_spec(w: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> tuple 
     return None if w.dtype == dtype else kernels.dense_spec(w)
 
 
+def _float32_router(w, dtype: torch.dtype) -> bool:
+    """A float32 router weight for float32 x: linear leaves it to torch, the router functions to the kernels."""
+    return isinstance(w, torch.Tensor) and w.dtype == dtype == torch.float32
+
+
 def router_spec(w: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> tuple | None:
     """The kernel spec router_linear(x, w) computes with for x of `dtype` on the CPU, or None (torch):
     kernel_spec's, and a float32 weight (every GGUF file's router) for float32 x too, which linear leaves
     to torch's matmul (one thread inside a forward: the router's GEMV then costs as much as an expert)."""
-    if isinstance(w, torch.Tensor) and w.dtype == dtype == torch.float32:
-        return kernels.dense_spec(w)
-    return kernel_spec(w, dtype)
+    return kernels.dense_spec(w) if _float32_router(w, dtype) else kernel_spec(w, dtype)
 
 
 def router_linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None):
     """x @ w.T + b for a router's projection: linear, except for the float32 weights router_spec sends
     to the kernels."""
-    if isinstance(w, torch.Tensor) and w.dtype == x.dtype == torch.float32:
-        y = kernels.dense_linear(x, w)
-        if y is not None:
-            return y if b is None else y + b
-    return linear(x, w, b)
+    y = kernels.dense_linear(x, w) if _float32_router(w, x.dtype) else None
+    if y is None:
+        return linear(x, w, b)
+    return y if b is None else y + b
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
